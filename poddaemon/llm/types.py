@@ -1,0 +1,69 @@
+"""The normalized model interface every wire-format adapter implements."""
+
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+from poddaemon.history import AssistantMessage, Item, Usage
+
+StopReason = Literal[
+    "end_turn", "tool_use", "max_tokens", "content_filter", "context_overflow", "other"
+]
+ErrorKind = Literal["transient", "fatal", "auth", "context_overflow", "stalled", "interrupted"]
+
+
+class ToolSpec(msgspec.Struct, kw_only=True, frozen=True):
+    name: str
+    description: str
+    parameters: dict[str, Any]
+
+
+class ModelRequest(msgspec.Struct, kw_only=True):
+    system: str
+    items: list[Item]
+    tools: list[ToolSpec]
+    max_tokens: int
+    temperature: float | None = None
+
+
+class TextDelta(msgspec.Struct, frozen=True):
+    text: str
+
+
+class ReasoningDelta(msgspec.Struct, frozen=True):
+    text: str
+
+
+class RetryScheduled(msgspec.Struct, kw_only=True, frozen=True):
+    attempt: int
+    delay: float
+    error: str
+
+
+class ModelResponse(msgspec.Struct, kw_only=True):
+    message: AssistantMessage
+    stop: StopReason
+    usage: Usage
+    detail: str = ""
+
+
+StreamEvent = TextDelta | ReasoningDelta | RetryScheduled | ModelResponse
+
+
+class ProviderError(Exception):
+    """A model call that failed; `kind` tells the pod whether anything can be retried."""
+
+    def __init__(self, kind: ErrorKind, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.kind: ErrorKind = kind
+        self.status = status
+        self.message = message
+
+
+class ModelClient(Protocol):
+    def stream(self, req: ModelRequest) -> AsyncIterator[StreamEvent]: ...
+
+    async def warm(self) -> None: ...
+
+    async def aclose(self) -> None: ...
