@@ -1,6 +1,6 @@
 """Provider-neutral conversation items: what the session log stores and adapters translate."""
 
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -57,7 +57,7 @@ _item_decoder = msgspec.json.Decoder(Item)
 
 
 def item_from_builtins(obj: Any) -> Item:
-    return msgspec.convert(obj, Item)
+    return cast(Item, msgspec.convert(obj, Item))
 
 
 def item_to_builtins(item: Item) -> Any:
@@ -65,4 +65,4 @@ def item_to_builtins(item: Item) -> Any:
 
 
 def decode_item(data: bytes) -> Item:
-    return _item_decoder.decode(data)
+    return cast(Item, _item_decoder.decode(data))
