@@ -1,0 +1,248 @@
+"""Wire types of the control socket (SPEC §5): the JSON-RPC envelope, params, results, events.
+
+Params are decoded with `forbid_unknown_fields`, so a typo in a field name is a -32602 that names
+it instead of a silently ignored option.
+"""
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, Raw, Struct, UnsetType
+
+JSONRPC = "2.0"
+RequestId = int | str | None
+
+
+class Request(Struct, kw_only=True, omit_defaults=True):
+    jsonrpc: Literal["2.0"]
+    method: str
+    params: Raw | UnsetType = UNSET
+    id: int | str | UnsetType | None = UNSET
+
+    @property
+    def is_notification(self) -> bool:
+        return self.id is UNSET
+
+
+class ErrorObject(Struct, kw_only=True, omit_defaults=True):
+    code: int
+    message: str
+    data: Any = None
+
+
+class Response(Struct, kw_only=True, omit_defaults=True):
+    """A reply as a client decodes it: exactly one of `result` / `error` is set."""
+
+    jsonrpc: str = JSONRPC
+    id: int | str | None = None
+    result: Raw | UnsetType = UNSET
+    error: ErrorObject | UnsetType = UNSET
+    method: str | UnsetType = UNSET  # set on server-initiated notifications (events)
+    params: Raw | UnsetType = UNSET
+
+
+# --- params -----------------------------------------------------------------------------------
+
+
+class Params(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    pass
+
+
+class NoParams(Params):
+    pass
+
+
+class RunParams(Params):
+    input: str
+    mode: Literal["queue", "steer"] = "queue"
+    client_key: str | None = None
+    wait: bool = False
+
+
+class NotifyParams(Params):
+    message: str
+    source: str = "user"
+    client_key: str | None = None
+
+
+class CancelParams(Params):
+    run_id: str | None = None
+
+
+class HistoryParams(Params):
+    since: int = 0
+    limit: int = 200
+
+
+class SubscribeParams(Params):
+    since: int | None = None
+
+
+class PodEventParams(Params):
+    pod: str
+    kind: str
+    run_id: str | None = None
+    text: str | None = None
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+class Result(Struct, kw_only=True, omit_defaults=True):
+    pass
+
+
+class UsageTotals(Result):
+    input: int = 0
+    output: int = 0
+    cache_read: int = 0
+    cache_write: int = 0
+    calls: int = 0
+
+
+class RunResult(Result):
+    run_id: str
+    state: Literal["started", "queued", "steered"]
+    position: int | None = None
+
+
+class RunWaitResult(Result):
+    run_id: str
+    outcome: str
+    text: str
+    usage: UsageTotals
+    error: str | None = None
+
+
+class NotifyResult(Result):
+    notification_id: str
+    wakes: bool
+
+
+class ResumeResult(Result):
+    run_id: str
+
+
+class PauseResult(Result):
+    paused: bool
+
+
+class CancelResult(Result):
+    cancelled: bool
+
+
+class ScopeEntry(Result):
+    target: str
+    permission: str
+    recursive: bool = True
+    deny: bool = False
+
+
+class QueueInfo(Result):
+    runs: int = 0
+    notifications: int = 0
+
+
+class StatusResult(Result):
+    name: str
+    pid: int
+    state: str
+    session_id: str | None
+    provider: str
+    model: str
+    pwd: str
+    scope: list[ScopeEntry]
+    queue: QueueInfo
+    usage: UsageTotals
+    children: list[str]
+    started_at: float
+    version: str
+    run_id: str | None = None
+    parent: str | None = None
+
+
+class HistoryResult(Result):
+    entries: list[dict[str, Any]]
+    next: int
+
+
+class UsageCall(Result):
+    seq: int
+    ts: float
+    model: str
+    input: int = 0
+    output: int = 0
+    cache_read: int = 0
+    cache_write: int = 0
+    run_id: str | None = None
+
+
+class UsageResult(Result):
+    calls: list[UsageCall]
+    totals: UsageTotals
+
+
+class SubscribeResult(Result):
+    cursor: int
+
+
+class CompactResult(Result):
+    session_id: str
+
+
+class AcceptedResult(Result):
+    accepted: bool = True
+
+
+class OkResult(Result):
+    ok: bool = True
+
+
+class Event(Struct, kw_only=True, omit_defaults=True):
+    """One item of a pod's event stream; `seq` increases by one per event."""
+
+    seq: int
+    ts: float
+    type: str
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+    run_id: str | None = None
+
+
+# Method name -> params type. The server validates against it; the client builds from it.
+METHOD_PARAMS: dict[str, type[Params]] = {
+    "run": RunParams,
+    "notify": NotifyParams,
+    "resume": NoParams,
+    "pause": NoParams,
+    "cancel": CancelParams,
+    "status": NoParams,
+    "history": HistoryParams,
+    "usage": NoParams,
+    "subscribe": SubscribeParams,
+    "compact": NoParams,
+    "pod_event": PodEventParams,
+    "shutdown": NoParams,
+}
+
+EVENT_TYPES = frozenset(
+    {
+        "run.queued",
+        "run.started",
+        "text.delta",
+        "reasoning.delta",
+        "tool.started",
+        "tool.finished",
+        "llm.usage",
+        "llm.retry",
+        "notification.committed",
+        "compaction.started",
+        "compaction.finished",
+        "compaction.failed",
+        "child.event",
+        "alert",
+        "state.changed",
+        "run.finished",
+        "shutdown",
+        "gap",
+    }
+)
