@@ -1,0 +1,377 @@
+"""The machine-wide registry of live pods and their scope claims: `<runtime>/pods.json` (SPEC §4).
+
+Every change is one transaction under `<runtime>/pods.json.lock`: read, reclaim dead entries,
+check, modify, then write a temp file, fsync it, `os.replace` it over pods.json and fsync the
+directory. Readers never see a torn file, so `live()` and `get()` read without the lock.
+
+Delegation: a pod whose `parent` is a live entry may claim write areas inside its parent's
+writable scope. Those areas are recorded in the parent's `delegated` list (the parent loses
+write there) in the same transaction, and handed back when the child's entry goes.
+"""
+
+import contextlib
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import filelock
+import msgspec
+
+from poddaemon.scope import Rule, Scope, write_overlap
+
+__all__ = [
+    "LOCK_TIMEOUT",
+    "PodEntry",
+    "Registry",
+    "RegistryConflict",
+    "RegistryError",
+    "is_alive",
+    "make_entry",
+    "process_start_time",
+]
+
+LOCK_TIMEOUT = 10.0  # seconds; a transaction takes milliseconds, so this means a stuck holder
+_VERSION = 1
+_T = TypeVar("_T")
+
+
+class PodEntry(msgspec.Struct, kw_only=True):
+    name: str
+    pid: int
+    start_time: int  # clock ticks since boot, /proc/<pid>/stat field 22: tells pid reuse apart
+    socket: str
+    scope: list[dict[str, Any]]  # Scope.to_dicts()
+    parent: str | None = None
+    session: str | None = None
+    started_at: float
+    delegated: list[str] = []  # write targets handed to live children
+
+    def scope_obj(self) -> Scope:
+        """The scope as granted, without delegation."""
+        return Scope.from_dicts(self.scope)
+
+    def effective_scope(self) -> Scope:
+        """The scope minus write areas delegated to live children."""
+        return self.scope_obj().with_delegated(self.delegated)
+
+
+class _File(msgspec.Struct):
+    version: int = _VERSION
+    pods: dict[str, PodEntry] = {}
+
+
+_decoder = msgspec.json.Decoder(_File)
+_encoder = msgspec.json.Encoder()
+
+
+class RegistryError(Exception):
+    """The registry cannot be used (corrupt file, lock timeout, no such entry)."""
+
+
+class RegistryConflict(RegistryError):
+    """A live pod already holds the name or an overlapping write claim."""
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of `pid` in clock ticks since boot, or None when no such (living) process.
+
+    The command name (field 2) may hold spaces and parentheses, so split at the last ')'.
+    Zombies count as gone: the pod has exited and only waits for its parent to reap it.
+    """
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    _, sep, rest = data.rpartition(b")")
+    fields = rest.split()
+    # rest starts at field 3 (state); field 22 (starttime) is therefore fields[19].
+    if not sep or len(fields) < 20:
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    try:
+        return int(fields[19])
+    except ValueError:
+        return None
+
+
+def is_alive(entry: PodEntry) -> bool:
+    """The entry's process still runs and is the same process (not a reused pid)."""
+    start = process_start_time(entry.pid)
+    return start is not None and start == entry.start_time
+
+
+def make_entry(
+    name: str,
+    socket: str,
+    scope: Scope,
+    *,
+    parent: str | None = None,
+    session: str | None = None,
+    pid: int | None = None,
+) -> PodEntry:
+    """An entry for `pid` (default: this process) with its start time filled in."""
+    pid = os.getpid() if pid is None else pid
+    start = process_start_time(pid)
+    if start is None:
+        raise RegistryError(f"process {pid} is not running")
+    return PodEntry(
+        name=name,
+        pid=pid,
+        start_time=start,
+        socket=socket,
+        scope=scope.to_dicts(),
+        parent=parent,
+        session=session,
+        started_at=time.time(),
+    )
+
+
+def _write_claims(entry: PodEntry) -> tuple[Rule, ...]:
+    return entry.scope_obj().writable_rules()
+
+
+def _overlap_message(other: PodEntry, path: str) -> str:
+    return (
+        f"scope conflict: pod {other.name!r} (pid {other.pid}) already holds write access to {path}"
+    )
+
+
+class Registry:
+    def __init__(self, runtime_dir: Path | str, *, lock_timeout: float = LOCK_TIMEOUT) -> None:
+        self.runtime_dir = Path(runtime_dir)
+        self.path = self.runtime_dir / "pods.json"
+        self.lock_path = self.runtime_dir / "pods.json.lock"
+        self._lock_timeout = lock_timeout
+        self._lock: filelock.FileLock | None = None
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _read(self) -> dict[str, PodEntry]:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise RegistryError(f"{self.path}: cannot read the pod registry: {e}") from e
+        if not data.strip():
+            return {}  # nothing was ever claimed in it; our writes are never empty
+        try:
+            doc = _decoder.decode(data)
+        except msgspec.DecodeError as e:
+            # Never wipe it: other pods' claims would silently vanish.
+            raise RegistryError(
+                f"{self.path}: corrupt pod registry ({e}); fix or remove it by hand"
+            ) from e
+        if doc.version != _VERSION:
+            raise RegistryError(
+                f"{self.path}: unsupported registry version {doc.version} (expected {_VERSION})"
+            )
+        for key, entry in doc.pods.items():
+            if key != entry.name:
+                raise RegistryError(
+                    f"{self.path}: corrupt pod registry (key {key!r} holds pod {entry.name!r})"
+                )
+        return doc.pods
+
+    def live(self) -> list[PodEntry]:
+        """Entries whose process still runs. Lock-free: the file is only ever replaced whole."""
+        return [e for e in self._read().values() if is_alive(e)]
+
+    def get(self, name: str) -> PodEntry | None:
+        entry = self._read().get(name)
+        return entry if entry is not None and is_alive(entry) else None
+
+    # -- transactions --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self._lock is None:
+            self._lock = filelock.FileLock(
+                self.lock_path, timeout=self._lock_timeout, mode=0o600, poll_interval=0.005
+            )
+        try:
+            self._lock.acquire()
+        except filelock.Timeout:
+            raise RegistryError(
+                f"timed out after {self._lock_timeout:g}s waiting for the registry lock "
+                f"{self.lock_path}; another process holds it"
+            ) from None
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    def _transact(self, change: Callable[[dict[str, PodEntry]], _T]) -> _T:
+        """Run `change` on the reclaimed pods under the lock and persist the result.
+
+        `change` must check before it mutates: if it raises, only the reclaim is written.
+        """
+        with self._locked():
+            pods = self._read()
+            before = dict(pods)
+            reclaimed = self._reclaim(pods)
+            try:
+                result = change(pods)
+            except BaseException:
+                if reclaimed:
+                    self._write(pods)
+                raise
+            if pods != before:
+                self._write(pods)
+            return result
+
+    def _reclaim(self, pods: dict[str, PodEntry]) -> bool:
+        dead = [e for e in pods.values() if not is_alive(e)]
+        for entry in dead:
+            self._drop(pods, entry)
+            self._remove_stale_files(entry.name)
+        return bool(dead)
+
+    def _drop(self, pods: dict[str, PodEntry], entry: PodEntry) -> None:
+        """Remove `entry` and hand its delegated areas back to its parent."""
+        del pods[entry.name]
+        parent = pods.get(entry.parent) if entry.parent else None
+        if parent is not None and parent.delegated:
+            mine = {r.target for r in _write_claims(entry)}
+            kept = [t for t in parent.delegated if t not in mine]
+            if kept != parent.delegated:
+                pods[parent.name] = msgspec.structs.replace(parent, delegated=kept)
+
+    def _remove_stale_files(self, name: str) -> None:
+        # Best effort: nobody live holds this name (claim before bind), so these are leftovers.
+        pod_dir = self.runtime_dir / "pods" / name
+        for leftover in ("sock", "pid"):
+            with contextlib.suppress(OSError):
+                (pod_dir / leftover).unlink()
+
+    def _write(self, pods: dict[str, PodEntry]) -> None:
+        data = _encoder.encode(_File(version=_VERSION, pods=pods))
+        fd, tmp = tempfile.mkstemp(dir=self.runtime_dir, prefix=".pods.json.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                os.fchmod(f.fileno(), 0o600)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        dir_fd = os.open(self.runtime_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)  # make the rename itself durable
+        finally:
+            os.close(dir_fd)
+
+    # -- the operations ------------------------------------------------------------------------
+
+    def register(self, entry: PodEntry) -> PodEntry:
+        """Claim `entry.name` and its write scope; RegistryConflict names who holds them.
+
+        With a live parent, write rules inside the parent's writable area are a delegation:
+        allowed, and recorded in the parent's `delegated`. Returns the stored entry.
+        """
+
+        def change(pods: dict[str, PodEntry]) -> PodEntry:
+            held = pods.get(entry.name)
+            if held is not None:
+                raise RegistryConflict(
+                    f"a pod named {entry.name!r} is already running (pid {held.pid})"
+                )
+            return self._admit(pods, entry)
+
+        return self._transact(change)
+
+    def _admit(self, pods: dict[str, PodEntry], entry: PodEntry) -> PodEntry:
+        """Check `entry`'s claims against `pods`, then store it and record any delegation."""
+        parent = pods.get(entry.parent) if entry.parent else None
+        delegated = self._check_claims(pods, entry, parent)
+        stored = msgspec.structs.replace(entry, delegated=list(entry.delegated))
+        pods[entry.name] = stored
+        if parent is not None and delegated:
+            pods[parent.name] = msgspec.structs.replace(
+                parent, delegated=[*parent.delegated, *delegated]
+            )
+        return stored
+
+    def _check_claims(
+        self, pods: dict[str, PodEntry], entry: PodEntry, parent: PodEntry | None
+    ) -> list[str]:
+        """Raise on any write overlap; return the targets delegated from `parent`."""
+        scope = entry.effective_scope()
+        # Siblings and strangers first, so a clash with a sibling names the sibling.
+        for other in pods.values():
+            if other.name in (entry.name, entry.parent):
+                continue
+            path = write_overlap(scope, other.effective_scope())
+            if path is not None:
+                raise RegistryConflict(_overlap_message(other, path))
+        if parent is None:
+            return []
+        parent_scope = parent.effective_scope()
+        delegable = [r for r in scope.writable_rules() if _delegable(r, parent_scope, scope)]
+        rest = Scope(allow=tuple(r for r in scope.allow if r not in delegable), deny=scope.deny)
+        path = write_overlap(rest, parent_scope)
+        if path is not None:
+            raise RegistryConflict(_overlap_message(parent, path))
+        return [r.target for r in delegable]
+
+    def release(self, name: str, pid: int) -> bool:
+        """Remove `name` if `pid` holds it. True when an entry was removed."""
+
+        def change(pods: dict[str, PodEntry]) -> bool:
+            entry = pods.get(name)
+            if entry is None or entry.pid != pid:
+                return False
+            self._drop(pods, entry)
+            return True
+
+        return self._transact(change)
+
+    def update(self, name: str, pid: int, **fields: Any) -> PodEntry:
+        """Change fields of `pid`'s entry (e.g. `session`, `socket`). A new `scope` is checked
+        against the other pods like a registration."""
+        if {"name", "pid", "start_time"} & fields.keys():
+            raise ValueError("name, pid and start_time identify the entry; they cannot change")
+        unknown = fields.keys() - set(PodEntry.__struct_fields__)
+        if unknown:
+            raise ValueError(f"unknown PodEntry fields: {', '.join(sorted(unknown))}")
+
+        def change(pods: dict[str, PodEntry]) -> PodEntry:
+            entry = pods.get(name)
+            if entry is None or entry.pid != pid:
+                raise RegistryError(f"no live pod named {name!r} with pid {pid}")
+            new = msgspec.structs.replace(entry, **fields)
+            if "scope" not in fields:
+                pods[name] = new
+                return new
+            # Re-admit on a copy: take back the old delegation, check and delegate afresh.
+            trial = dict(pods)
+            self._drop(trial, entry)
+            stored = self._admit(trial, new)
+            pods.clear()
+            pods.update(trial)
+            return stored
+
+        return self._transact(change)
+
+
+def _delegable(rule: Rule, parent: Scope, child: Scope) -> bool:
+    """`rule` lies inside one of the parent's write rules, and wherever the parent is denied
+    inside it the child is denied at least as much."""
+    if not any(p.contains(rule) for p in parent.writable_rules()):
+        return False
+    for deny in parent.deny:
+        inter = rule.intersection(deny)
+        if inter is not None and not inter.denied_by(child.deny, max_cap=deny.deny_cap):
+            return False
+    return True

@@ -1,0 +1,271 @@
+"""Scope rules: which paths a pod may read or write (SPEC §4).
+
+Everything here is pure except `resolve` (and `Scope.check`, which calls it): rules and scopes are
+values, paths given to `Scope.access` must already be absolute and resolved.
+
+Paths are compared by components, never by string prefix: `/a/bc` is not under `/a/b`.
+"""
+
+import os
+from collections.abc import Iterable, Mapping
+from enum import IntEnum
+from typing import Any, Protocol
+
+import msgspec
+
+__all__ = [
+    "Access",
+    "Rule",
+    "Scope",
+    "ScopeDenied",
+    "resolve",
+    "write_overlap",
+]
+
+
+class Access(IntEnum):
+    NONE = 0
+    READ = 1
+    WRITE = 2
+
+    @classmethod
+    def parse(cls, text: str) -> "Access":
+        """`"read"` or `"write"` (a manifest `permission`)."""
+        if text == "read":
+            return cls.READ
+        if text == "write":
+            return cls.WRITE
+        raise ValueError(f"permission must be 'read' or 'write', not {text!r}")
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class ScopeDenied(Exception):
+    """A path outside the scope; the message is what the model sees as a tool error."""
+
+    def __init__(self, path: str, want: Access, has: Access) -> None:
+        super().__init__(f"outside scope: {path} (needs {want.label}, has {has.label})")
+        self.path = path
+        self.want = want
+        self.has = has
+
+
+def _below(target: str, path: str) -> int | None:
+    """How many components `path` lies below `target` (0: the same path), or None if not below.
+
+    Both must be normalized absolute paths. Comparing at a separator boundary is component
+    matching: `/a/bc` is not below `/a/b`.
+    """
+    if path == target:
+        return 0
+    prefix = target if target.endswith("/") else target + "/"  # only "/" ends with a slash
+    if not path.startswith(prefix):
+        return None
+    return path[len(prefix) :].count("/") + 1
+
+
+class Rule(msgspec.Struct, frozen=True, kw_only=True):
+    """One allow or deny rule. For a deny rule, `access` is the permission being denied:
+    WRITE caps the path at READ, READ removes access entirely."""
+
+    target: str  # absolute, resolved
+    access: Access
+    recursive: bool = True
+
+    def covers(self, path: str) -> bool:
+        """Recursive: the target and everything below; otherwise the target and its children."""
+        depth = _below(self.target, path)
+        if depth is None:
+            return False
+        return self.recursive or depth <= 1
+
+    def contains(self, other: "Rule") -> bool:
+        """Every path `other` covers is covered by this rule too."""
+        if self.recursive:
+            return self.covers(other.target)
+        # A non-recursive rule covers one level; only a non-recursive rule on the same target fits.
+        return not other.recursive and other.target == self.target
+
+    def intersection(self, other: "Rule") -> "Rule | None":
+        """A rule covering at least every path both cover (None when they share none).
+
+        Two rules share a path only when one's target is covered by the other. When the
+        shallower rule is non-recursive and the deeper target is its child, the true intersection
+        is that single path; a non-recursive rule there is a slight superset, which keeps callers
+        conservative. The result's `access` is WRITE; only its area means anything.
+        """
+        if self.covers(other.target):
+            deeper = other.target
+        elif other.covers(self.target):
+            deeper = self.target
+        else:
+            return None
+        return Rule(
+            target=deeper, access=Access.WRITE, recursive=self.recursive and other.recursive
+        )
+
+    def denied_by(self, denies: Iterable["Rule"], *, max_cap: "Access" = Access.READ) -> bool:
+        """Every path this rule covers is covered by one deny rule capping at `max_cap` or less
+        (the default: at least write is denied).
+
+        One deny must do it alone: a rule's area reaches arbitrarily deep (recursive) or holds
+        arbitrarily many children, so only a single deny containing it can cover all of it.
+        """
+        return any(d.deny_cap <= max_cap and d.contains(self) for d in denies)
+
+    @property
+    def deny_cap(self) -> Access:
+        """The most a path covered by this rule, read as a deny rule, may keep."""
+        return Access.READ if self.access >= Access.WRITE else Access.NONE
+
+
+class _ConfigRule(Protocol):
+    """What the manifest's rule Structs look like (target, permission, recursive)."""
+
+    @property
+    def target(self) -> str: ...
+    @property
+    def permission(self) -> str: ...
+    @property
+    def recursive(self) -> bool: ...
+
+
+ConfigRule = tuple[str, str, bool] | _ConfigRule
+
+
+def _config_rule(spec: ConfigRule, cwd: str) -> Rule:
+    if isinstance(spec, tuple):
+        target, permission, recursive = spec
+    else:
+        target, permission, recursive = spec.target, spec.permission, spec.recursive
+    return Rule(target=resolve(target, cwd), access=Access.parse(permission), recursive=recursive)
+
+
+def resolve(path: str, cwd: str) -> str:
+    """Absolute and resolved: symlinks and `..` followed as the kernel would.
+
+    `realpath` resolves the existing part of the path and keeps a not-yet-existing tail as
+    written (normalized), so a new file is judged by its nearest existing ancestor. A symlink
+    inside the scope pointing outside resolves outside, which is why we never match unresolved
+    paths.
+    """
+    return os.path.realpath(os.path.join(cwd, os.fspath(path)))
+
+
+class Scope(msgspec.Struct, frozen=True):
+    allow: tuple[Rule, ...]
+    deny: tuple[Rule, ...] = ()
+
+    @classmethod
+    def from_config(
+        cls,
+        allow: Iterable[ConfigRule],
+        deny: Iterable[ConfigRule] = (),
+        *,
+        cwd: str | None = None,
+    ) -> "Scope":
+        """From manifest rules: `(target, "read"|"write", recursive)` tuples or objects with
+        those attributes. Relative targets are relative to `cwd` (default: the process cwd)."""
+        base = cwd if cwd is not None else os.getcwd()
+        return cls(
+            allow=tuple(_config_rule(r, base) for r in allow),
+            deny=tuple(_config_rule(r, base) for r in deny),
+        )
+
+    def access(self, path: str) -> Access:
+        """Highest covering allow, capped by every covering deny. `path` must be resolved."""
+        best = Access.NONE
+        for rule in self.allow:
+            if rule.access > best and rule.covers(path):
+                best = rule.access
+        for rule in self.deny:
+            if best > Access.NONE and rule.covers(path):
+                best = min(best, rule.deny_cap)
+        return best
+
+    def check(self, path: str, want: Access, cwd: str) -> str:
+        """Resolve `path` against `cwd` and return it if it has `want` access; else ScopeDenied."""
+        resolved = resolve(path, cwd)
+        has = self.access(resolved)
+        if has < want:
+            raise ScopeDenied(resolved, want, has)
+        return resolved
+
+    def with_delegated(self, targets: Iterable[str]) -> "Scope":
+        """This scope minus write access below `targets` (areas handed to live children)."""
+        extra: list[Rule] = []
+        for target in targets:
+            if not os.path.isabs(target):
+                raise ValueError(f"delegated target must be absolute: {target!r}")
+            rule = Rule(target=os.path.normpath(target), access=Access.WRITE, recursive=True)
+            if rule not in self.deny and rule not in extra:
+                extra.append(rule)
+        if not extra:
+            return self
+        return Scope(allow=self.allow, deny=self.deny + tuple(extra))
+
+    def writable_rules(self) -> tuple[Rule, ...]:
+        """Write allow rules that this scope's own denies do not take away entirely."""
+        return tuple(
+            r for r in self.allow if r.access is Access.WRITE and not r.denied_by(self.deny)
+        )
+
+    def summary(self) -> list[dict[str, Any]]:
+        """For status output and pods.json: `{target, permission, recursive}`, denies marked."""
+        out: list[dict[str, Any]] = [
+            {"target": r.target, "permission": r.access.label, "recursive": r.recursive}
+            for r in self.allow
+        ]
+        out.extend(
+            {
+                "target": r.target,
+                "permission": r.access.label,
+                "recursive": r.recursive,
+                "deny": True,
+            }
+            for r in self.deny
+        )
+        return out
+
+    def to_dicts(self) -> list[dict[str, Any]]:
+        return self.summary()
+
+    @classmethod
+    def from_dicts(cls, items: Iterable[Mapping[str, Any]]) -> "Scope":
+        """Inverse of `to_dicts`. Targets are taken as stored (they were resolved when made)."""
+        allow: list[Rule] = []
+        deny: list[Rule] = []
+        for item in items:
+            target = item["target"]
+            if not isinstance(target, str) or not os.path.isabs(target):
+                raise ValueError(f"scope target must be an absolute path: {target!r}")
+            rule = Rule(
+                target=target,
+                access=Access.parse(item["permission"]),
+                recursive=bool(item.get("recursive", True)),
+            )
+            (deny if item.get("deny") else allow).append(rule)
+        return cls(allow=tuple(allow), deny=tuple(deny))
+
+
+def write_overlap(a: Scope, b: Scope) -> str | None:
+    """A path both scopes can write, or None. Read never conflicts.
+
+    Compares write allow rules pairwise; an overlap whose whole area is denied by either scope
+    (e.g. an area a parent delegated to a child) does not count. Other denies are ignored, which
+    errs towards reporting a conflict. Deterministic and symmetric: the smallest such path.
+    """
+    found: list[str] = []
+    for ra in a.allow:
+        if ra.access is not Access.WRITE:
+            continue
+        for rb in b.allow:
+            if rb.access is not Access.WRITE:
+                continue
+            inter = ra.intersection(rb)
+            if inter is None or inter.denied_by(a.deny) or inter.denied_by(b.deny):
+                continue
+            found.append(inter.target)
+    return min(found) if found else None
