@@ -1,0 +1,76 @@
+"""The pod's event stream: numbered events, a bounded replay buffer, and non-blocking fan-out.
+
+Each event is encoded once into its wire frame and shared by every subscriber. A subscriber whose
+connection cannot take more is simply left behind (its cursor stops); when it drains it catches
+up from the buffer, or is told `gap` if the buffer no longer holds what it missed. Publishing
+never waits for anyone.
+"""
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from protocol.types import Event
+
+_FRAME_HEAD = b'{"jsonrpc":"2.0","method":"event","params":'
+_encoder = msgspec.json.Encoder()
+
+
+def event_frame(event: Event) -> bytes:
+    return _FRAME_HEAD + _encoder.encode(event) + b"}\n"
+
+
+class Subscription:
+    """One connection's view of the stream: where it is, and how to hand it a frame."""
+
+    def __init__(
+        self, write: Callable[[bytes], None], congested: Callable[[], bool], cursor: int
+    ) -> None:
+        self.write = write
+        self.congested = congested
+        self.cursor = cursor  # seq of the last event this subscriber has been given
+
+
+class EventBus:
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.seq = 0
+        self._held: deque[tuple[int, bytes]] = deque(maxlen=capacity)
+        self._subs: set[Subscription] = set()
+
+    def publish(self, type: str, data: dict[str, Any], run_id: str | None = None) -> Event:
+        self.seq += 1
+        event = Event(seq=self.seq, ts=time.time(), type=type, data=data, run_id=run_id)
+        frame = event_frame(event)
+        self._held.append((self.seq, frame))
+        for sub in self._subs:
+            if sub.cursor == self.seq - 1 and not sub.congested():
+                sub.write(frame)
+                sub.cursor = self.seq
+        return event
+
+    def subscribe(self, sub: Subscription) -> None:
+        self._subs.add(sub)
+        self.catch_up(sub)
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self._subs.discard(sub)
+
+    def catch_up(self, sub: Subscription) -> None:
+        """Give `sub` what it missed, as far as its connection takes it."""
+        if sub.cursor >= self.seq:
+            return
+        oldest = self._held[0][0] if self._held else self.seq + 1
+        if sub.cursor < oldest - 1:
+            gap = Event(seq=oldest - 1, ts=time.time(), type="gap", data={"since": sub.cursor})
+            sub.write(event_frame(gap))
+            sub.cursor = oldest - 1
+        start = sub.cursor - oldest + 1
+        for i in range(start, len(self._held)):
+            if sub.congested():
+                return
+            seq, frame = self._held[i]
+            sub.write(frame)
+            sub.cursor = seq

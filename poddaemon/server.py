@@ -1,0 +1,305 @@
+"""JSON-RPC 2.0 over a Unix stream socket (SPEC §5).
+
+One `asyncio.Protocol` per connection feeds a sans-IO line framer; every request is decoded
+into typed params and dispatched. Synchronous handlers answer inline (no task per request);
+coroutine handlers run as tasks, so slow methods never hold up the connection.
+"""
+
+import asyncio
+import inspect
+import logging
+import os
+import socket
+import struct
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from poddaemon.events import EventBus, Subscription
+from protocol import errors
+from protocol.errors import RpcError
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES, LineFramer, Oversize
+from protocol.types import METHOD_PARAMS, NoParams, Request, Result
+
+log = logging.getLogger("poddaemon.server")
+
+Handler = Callable[[Any, "Connection"], Result | Awaitable[Result]]
+
+_envelope_decoder = msgspec.json.Decoder(Request | list[msgspec.Raw])
+_request_decoder = msgspec.json.Decoder(Request)
+_params_decoders = {name: msgspec.json.Decoder(t) for name, t in METHOD_PARAMS.items()}
+_encoder = msgspec.json.Encoder()
+_NO_PARAMS = NoParams()
+_PEERCRED = struct.Struct("3i")
+
+# Stop writing events to a subscriber once this much is queued in its socket buffer.
+EVENT_HIGH_WATER = 1 << 20
+
+
+def _reply(request_id: Any, result: Any) -> bytes:
+    return b'{"jsonrpc":"2.0","id":%b,"result":%b}' % (
+        _encoder.encode(request_id),
+        _encoder.encode(result),
+    )
+
+
+def _error(request_id: Any, code: int, message: str, data: Any = None) -> bytes:
+    err: dict[str, Any] = {"code": code, "message": message}
+    if data is not None:
+        err["data"] = data
+    return b'{"jsonrpc":"2.0","id":%b,"error":%b}' % (
+        _encoder.encode(request_id),
+        _encoder.encode(err),
+    )
+
+
+def _params_message(exc: msgspec.ValidationError) -> str:
+    # msgspec says "... - at `$.input`"; users see "params.input".
+    text = str(exc)
+    head, sep, where = text.partition(" - at `$")
+    field = "params" + where.rstrip("`") if sep else "params"
+    return f"invalid {field}: {head}"
+
+
+def _guess_id(line: bytes) -> Any:
+    """The id of an invalid request, when one can be read (JSON-RPC allows null otherwise)."""
+    try:
+        obj = msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return None
+    if isinstance(obj, dict):
+        rid = obj.get("id")
+        if isinstance(rid, int | str) and not isinstance(rid, bool):
+            return rid
+    return None
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, server: "RpcServer") -> None:
+        self.server = server
+        self.framer = LineFramer(server.max_frame_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.subscription: Subscription | None = None
+        self.peer_pid = 0
+        self._paused = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- asyncio.Protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        pid, uid, _ = _PEERCRED.unpack(
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+        if uid not in (os.getuid(), 0):
+            log.warning("refused a connection from uid %d (pid %d)", uid, pid)
+            transport.write(_error(None, errors.INVALID_REQUEST, "permission denied") + b"\n")
+            transport.close()
+            return
+        self.peer_pid = pid
+        transport.set_write_buffer_limits(high=EVENT_HIGH_WATER)
+        self.server.connections.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        if self.subscription is not None:
+            self.server.bus.unsubscribe(self.subscription)
+        for task in self._tasks:
+            task.cancel()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.subscription is not None:
+            self.server.bus.catch_up(self.subscription)
+
+    def data_received(self, data: bytes) -> None:
+        for line in self.framer.feed(data):
+            if isinstance(line, Oversize):
+                self._send(
+                    _error(
+                        None,
+                        errors.INVALID_REQUEST,
+                        f"frame of {line.size} bytes exceeds max_frame_bytes "
+                        f"({self.server.max_frame_bytes}); discarded",
+                    )
+                )
+            else:
+                self._handle_line(line)
+
+    # --- requests --------------------------------------------------------------------------
+
+    def _send(self, frame: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame + b"\n")
+
+    def _handle_line(self, line: bytes) -> None:
+        try:
+            msg = _envelope_decoder.decode(line)
+        except msgspec.ValidationError as exc:
+            self._send(_error(_guess_id(line), errors.INVALID_REQUEST, f"invalid request: {exc}"))
+            return
+        except msgspec.DecodeError as exc:
+            self._send(_error(None, errors.PARSE_ERROR, f"parse error: {exc}"))
+            return
+        if isinstance(msg, Request):
+            self._dispatch(msg, self._send)
+        else:
+            self._handle_batch(msg)
+
+    def _handle_batch(self, items: list[msgspec.Raw]) -> None:
+        if not items:
+            self._send(_error(None, errors.INVALID_REQUEST, "invalid request: empty batch"))
+            return
+        replies: list[bytes | None] = [None] * len(items)
+        pending = len(items)
+
+        def collect(index: int) -> Callable[[bytes], None]:
+            def put(frame: bytes) -> None:
+                replies[index] = frame
+                done()
+
+            return put
+
+        def done() -> None:
+            nonlocal pending
+            pending -= 1
+            if pending == 0:
+                frames = [r for r in replies if r is not None]
+                if frames:
+                    self._send(b"[" + b",".join(frames) + b"]")
+
+        for i, raw in enumerate(items):
+            try:
+                req = _request_decoder.decode(raw)
+            except msgspec.DecodeError as exc:
+                message = f"invalid request: {exc}"
+                collect(i)(_error(_guess_id(raw), errors.INVALID_REQUEST, message))
+                continue
+            if req.is_notification:
+                self._dispatch(req, lambda _frame: None)
+                done()
+            else:
+                self._dispatch(req, collect(i))
+
+    def _dispatch(self, req: Request, reply: Callable[[bytes], None]) -> None:
+        notification = req.is_notification
+        rid = None if notification else req.id
+
+        def answer(frame: bytes) -> None:
+            if not notification:
+                reply(frame)
+
+        handler = self.server.handlers.get(req.method)
+        if handler is None:
+            answer(_error(rid, errors.METHOD_NOT_FOUND, f"method not found: {req.method}"))
+            return
+        params: Any = _NO_PARAMS
+        decoder = _params_decoders.get(req.method)
+        if decoder is not None and not (
+            isinstance(req.params, msgspec.UnsetType) and decoder.type is NoParams
+        ):
+            raw = b"{}" if isinstance(req.params, msgspec.UnsetType) else req.params
+            try:
+                params = decoder.decode(raw)
+            except msgspec.ValidationError as exc:
+                answer(_error(rid, errors.INVALID_PARAMS, _params_message(exc)))
+                return
+        try:
+            result = handler(params, self)
+        except RpcError as exc:
+            answer(_error(rid, exc.code, exc.message, exc.data))
+            return
+        except Exception as exc:
+            log.exception("handler %s failed", req.method)
+            answer(_error(rid, errors.INTERNAL_ERROR, f"internal error: {exc}"))
+            return
+        if inspect.isawaitable(result):
+            task = asyncio.ensure_future(self._finish(result, rid, answer, req.method))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        else:
+            answer(_reply(rid, result))
+
+    async def _finish(
+        self,
+        pending: Awaitable[Result],
+        rid: Any,
+        answer: Callable[[bytes], None],
+        method: str,
+    ) -> None:
+        try:
+            result = await pending
+        except RpcError as exc:
+            answer(_error(rid, exc.code, exc.message, exc.data))
+        except Exception as exc:
+            log.exception("handler %s failed", method)
+            answer(_error(rid, errors.INTERNAL_ERROR, f"internal error: {exc}"))
+        else:
+            answer(_reply(rid, result))
+
+    # --- events ----------------------------------------------------------------------------
+
+    def start_events(self, cursor: int) -> None:
+        """Begin streaming events after `cursor` (called once the subscribe reply is written)."""
+        if self.subscription is not None:
+            self.server.bus.unsubscribe(self.subscription)
+        self.subscription = Subscription(self._write_event, self._congested, cursor)
+        self.server.bus.subscribe(self.subscription)
+
+    def _write_event(self, frame: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame)
+
+    def _congested(self) -> bool:
+        return self._paused or self.transport is None or self.transport.is_closing()
+
+
+class RpcServer:
+    def __init__(
+        self,
+        handlers: dict[str, Handler],
+        bus: EventBus,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        self.handlers = handlers
+        self.bus = bus
+        self.max_frame_bytes = max_frame_bytes
+        self.connections: set[Connection] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._path: Path | None = None
+
+    async def listen(self, path: Path) -> None:
+        """Bind `path` (0600). The caller must own the name: any file there is replaced."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            path.unlink(missing_ok=True)
+            old_umask = os.umask(0o177)
+            try:
+                sock.bind(str(path))
+            finally:
+                os.umask(old_umask)
+            sock.listen(128)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
+        self._path = path
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.close()
+        if self._path is not None:
+            self._path.unlink(missing_ok=True)  # Python 3.11 leaves the file behind
+            self._path = None
