@@ -1,0 +1,486 @@
+"""Session logs on disk: ``<sessions_dir>/<session-id>.jsonl``, one per session.
+
+Writes go out at once with a single ``os.write`` on an ``O_APPEND`` descriptor; durability is a
+separate step, ``await log.sync()``, which group-commits: one ``fsync`` in a worker thread covers
+every append made before it started, and callers that arrive while it runs share the next one.
+
+A ``SessionLog`` belongs to one event loop and one thread. Once an fsync fails (or a failed
+write cannot be cut back off) the log is poisoned: every later ``append``/``sync`` raises
+``OSError``. After a failed fsync the kernel may already have dropped the pages, so a later
+fsync "succeeding" would prove nothing. The owner should stop or fork into a new session.
+"""
+
+import asyncio
+import contextlib
+import errno
+import os
+import re
+import stat
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from poddaemon.store.log import (
+    GENESIS,
+    LogCorrupt,
+    VerifyResult,
+    encode_entry,
+    new_session_id,
+    verify,
+)
+
+__all__ = [
+    "HeadMoved",
+    "SessionInfo",
+    "SessionLog",
+    "list_sessions",
+    "newest_session_for",
+    "read_session",
+    "session_path",
+]
+
+SUFFIX = ".jsonl"
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_CHUNK = 64 * 1024
+
+StrPath = str | os.PathLike[str]
+
+
+class HeadMoved(OSError):
+    """Someone else changed the file under this writer; appending would break the chain."""
+
+
+class SessionInfo(msgspec.Struct, kw_only=True, frozen=True):
+    id: str
+    path: str
+    size: int
+    mtime: float
+    pod: str | None = None
+    started: float | None = None  # ts of the session_start entry
+    forked_from: str | None = None
+    compacted_from: str | None = None
+
+
+class _Head(msgspec.Struct):
+    """The few fields of a first line that a listing needs; the rest is skipped undecoded."""
+
+    kind: str | None = None
+    ts: float | None = None
+    pod: str | None = None
+    forked_from: str | None = None
+    compacted_from: str | None = None
+
+
+_head_decoder = msgspec.json.Decoder(_Head)
+
+
+def _check_id(session_id: str) -> None:
+    if not _ID_RE.fullmatch(session_id):
+        raise ValueError(f"invalid session id {session_id!r}")
+
+
+def session_path(sessions_dir: StrPath, session_id: str) -> Path:
+    """The log file of a session (the id is checked: no path separators, no dot-dot)."""
+    _check_id(session_id)
+    return Path(sessions_dir) / f"{session_id}{SUFFIX}"
+
+
+def _ensure_dir(path: Path) -> None:
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        return
+    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    parts: list[bytes] = []
+    offset = 0
+    while True:
+        chunk = os.pread(fd, max(size - offset, _CHUNK), offset)
+        if not chunk:
+            return b"".join(parts)
+        parts.append(chunk)
+        offset += len(chunk)
+
+
+def _missing(path: Path, session_id: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        errno.ENOENT, f"no session {session_id!r} (no log file {path})", str(path)
+    )
+
+
+def _check_start(result: VerifyResult, path: Path) -> None:
+    if not result.entries:
+        raise LogCorrupt(1, "no complete entry: the session never started", str(path))
+    kind = result.entries[0]["kind"]
+    if kind != "session_start":
+        raise LogCorrupt(1, f"first entry is {kind!r}, not 'session_start'", str(path))
+
+
+class SessionLog:
+    """The append side of one session log. Build it with ``create``, ``open`` or ``fork``."""
+
+    def __init__(
+        self, path: Path, session_id: str, fd: int, seq: int, head: str, size: int, last: bytes
+    ) -> None:
+        self.path = path
+        self.session_id = session_id
+        self._fd = fd
+        self._seq = seq  # seq of the last entry written
+        self._head = head  # hash of the last entry written
+        self._size = size  # file size after our last write
+        self._last = last  # our last line, as written
+        self._durable = seq  # highest seq covered by a finished fsync
+        self._failed: OSError | None = None
+        self._fsync_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def create(
+        cls,
+        sessions_dir: StrPath,
+        session_id: str,
+        start_body: Mapping[str, Any],
+        ts: float | None = None,
+    ) -> "SessionLog":
+        """Start a new session: write its ``session_start`` entry and make it durable (file and
+        directory fsync'd). Raises ``FileExistsError`` if the session already exists."""
+        path = session_path(sessions_dir, session_id)
+        _ensure_dir(path.parent)
+        line, entry = encode_entry(
+            1, time.time() if ts is None else ts, "session_start", GENESIS, start_body
+        )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            _write_all(fd, line)
+            os.fsync(fd)
+            _fsync_dir(path.parent)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        return cls(path, session_id, fd, 1, entry["hash"], len(line), line)
+
+    @classmethod
+    def open(
+        cls, sessions_dir: StrPath, session_id: str
+    ) -> tuple["SessionLog", list[dict[str, Any]], list[str]]:
+        """Open an existing session to continue it.
+
+        Verifies the whole file. A torn last line is cut off the file (and the cut fsync'd) with
+        a warning in the returned list; any other damage raises ``LogCorrupt`` naming the line
+        and the file is left untouched. Returns the log, its entries and the warnings.
+        """
+        path = session_path(sessions_dir, session_id)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise _missing(path, session_id) from None
+        warnings: list[str] = []
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, f"not a regular file: {path}")
+            data = _read_all(fd)
+            try:
+                result = verify(data)
+            except LogCorrupt as exc:
+                raise LogCorrupt(exc.line, exc.reason, str(path)) from None
+            _check_start(result, path)
+            if result.torn:
+                cut = len(data) - result.end_offset
+                os.ftruncate(fd, result.end_offset)
+                os.fsync(fd)
+                warnings.append(
+                    f"session {session_id}: cut a torn last line ({cut} bytes)"
+                    f" at line {len(result.entries) + 1}"
+                )
+            start = data.rfind(b"\n", 0, result.end_offset - 1) + 1
+            last = data[start : result.end_offset]
+        except BaseException:
+            os.close(fd)
+            raise
+        log = cls(path, session_id, fd, len(result.entries), result.head, result.end_offset, last)
+        return log, result.entries, warnings
+
+    def fork(
+        self,
+        sessions_dir: StrPath | None = None,
+        new_id: str | None = None,
+        start_body: Mapping[str, Any] | None = None,
+    ) -> "SessionLog":
+        """``create`` a new session whose ``session_start`` body carries
+        ``forked_from=<this session's id>`` (unless ``start_body`` sets it already). Defaults:
+        this log's directory and a fresh UUIDv7. This log is left as it is."""
+        body = dict(start_body or {})
+        body.setdefault("forked_from", self.session_id)
+        return SessionLog.create(
+            self.path.parent if sessions_dir is None else sessions_dir,
+            new_session_id() if new_id is None else new_id,
+            body,
+        )
+
+    # --- state --------------------------------------------------------------------------------
+
+    @property
+    def seq(self) -> int:
+        """Seq of the last entry written (durable or not)."""
+        return self._seq
+
+    @property
+    def head(self) -> str:
+        """Hash of the last entry written."""
+        return self._head
+
+    @property
+    def durable_seq(self) -> int:
+        """Highest seq known to be on disk (covered by a finished fsync)."""
+        return self._durable
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise ValueError(f"session log {self.session_id} is closed")
+        if self._failed is not None:
+            raise OSError(
+                self._failed.errno,
+                f"session log {self.path} failed earlier ({self._failed.strerror});"
+                " nothing more can be written to it",
+            )
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def append(self, kind: str, body: Mapping[str, Any], ts: float | None = None) -> dict[str, Any]:
+        """Write one entry now (one ``os.write``; not fsync'd: ``await sync()`` for that) and
+        return it as a reader will see it. Never reads the file.
+
+        Raises ``HeadMoved`` if the file's size is not what this writer left (someone else
+        wrote to it), ``ValueError``/``TypeError`` for a bad body (nothing written) and
+        ``OSError`` if the write fails (a partial line is cut back off, so a later append may
+        succeed; if the cut fails too the log is poisoned).
+        """
+        self._usable()
+        line, entry = encode_entry(
+            self._seq + 1, time.time() if ts is None else ts, kind, self._head, body
+        )
+        size = os.fstat(self._fd).st_size
+        if size != self._size:
+            raise HeadMoved(
+                errno.ESTALE,
+                f"session log {self.path} changed under its writer"
+                f" (size {size}, expected {self._size})",
+            )
+        try:
+            _write_all(self._fd, line)
+        except OSError:
+            # Cut any partial line back off so the next append continues a clean chain; if even
+            # that fails the file is in an unknown state and the log is poisoned.
+            try:
+                os.ftruncate(self._fd, self._size)
+            except OSError as cut_exc:
+                self._failed = cut_exc
+            raise
+        self._seq += 1
+        self._head = entry["hash"]
+        self._size += len(line)
+        self._last = line
+        return entry
+
+    async def sync(self) -> None:
+        """Return once every entry appended before this call is on disk.
+
+        Group commit: at most one fsync runs at a time, in a worker thread; it covers every
+        append made before it started. Callers arriving while it runs wait for the next one and
+        all share it. An fsync error is raised (as ``OSError`` with its errno) to every caller
+        waiting for it, and to every later caller with entries not yet durable (appends fail
+        from then on too).
+        """
+        target = self._seq
+        while self._durable < target:
+            self._usable()
+            task = self._fsync_task
+            if task is None:
+                task = self._fsync_task = asyncio.get_running_loop().create_task(self._fsync())
+                task.add_done_callback(_retrieve)
+            await asyncio.shield(task)
+
+    async def _fsync(self) -> None:
+        # Everything appended up to now is already written (appends are synchronous); the fsync
+        # starts after this point, so it covers them.
+        covered = self._seq
+        try:
+            await asyncio.to_thread(os.fsync, self._fd)
+        except OSError as exc:
+            self._failed = exc
+            raise OSError(
+                exc.errno, f"session log {self.path}: fsync failed: {exc.strerror}"
+            ) from exc
+        else:
+            if covered > self._durable:
+                self._durable = covered
+        finally:
+            self._fsync_task = None
+            if self._closed:
+                os.close(self._fd)
+
+    def head_is_mine(self) -> bool:
+        """True if the file at this log's path is still the one this writer holds, with the
+        size and last line it left there. False once another writer appended, truncated or
+        replaced it (or it is gone)."""
+        if self._closed:
+            return False
+        try:
+            st = os.fstat(self._fd)
+            at_path = os.stat(self.path)
+            if (st.st_dev, st.st_ino) != (at_path.st_dev, at_path.st_ino):
+                return False
+            if st.st_size != self._size:
+                return False
+            n = len(self._last)
+            return os.pread(self._fd, n, self._size - n) == self._last
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        """Close the file. Does not fsync: ``await sync()`` first for durability. If an fsync is
+        still running, the descriptor is closed when it finishes."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._fsync_task is None:
+            os.close(self._fd)
+
+    def __enter__(self) -> "SessionLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SessionLog({str(self.path)!r}, seq={self._seq}, durable={self._durable})"
+
+
+def _retrieve(task: "asyncio.Task[None]") -> None:
+    # Waiters get the error through shield(); this keeps asyncio from logging it again when
+    # every waiter was cancelled.
+    if not task.cancelled():
+        task.exception()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def read_session(sessions_dir: StrPath, session_id: str) -> VerifyResult:
+    """Verify a session log read-only (never modifies the file). A torn last line is reported
+    with ``torn=True``; other damage raises ``LogCorrupt`` naming the file and line."""
+    path = session_path(sessions_dir, session_id)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise _missing(path, session_id) from None
+    try:
+        result = verify(data)
+    except LogCorrupt as exc:
+        raise LogCorrupt(exc.line, exc.reason, str(path)) from None
+    _check_start(result, path)
+    return result
+
+
+def _first_line(path: Path) -> bytes:
+    parts: list[bytes] = []
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            nl = chunk.find(b"\n")
+            if nl >= 0:
+                parts.append(chunk[:nl])
+                break
+            parts.append(chunk)
+    return b"".join(parts)
+
+
+def list_sessions(sessions_dir: StrPath) -> list[SessionInfo]:
+    """Every session log in ``sessions_dir``, newest first (UUIDv7 ids sort by creation time).
+
+    Reads only each file's first line; files that vanish meanwhile are skipped, and a first
+    line that cannot be decoded leaves ``pod`` (and the link fields) None.
+    """
+    root = Path(sessions_dir)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    infos: list[SessionInfo] = []
+    for name in names:
+        if not name.endswith(SUFFIX):
+            continue
+        sid = name[: -len(SUFFIX)]
+        if not _ID_RE.fullmatch(sid):
+            continue
+        path = root / name
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            first = _first_line(path)
+        except FileNotFoundError:
+            continue
+        try:
+            head = _head_decoder.decode(first)
+        except msgspec.DecodeError:
+            head = _Head()
+        if head.kind != "session_start":
+            head = _Head()
+        infos.append(
+            SessionInfo(
+                id=sid,
+                path=str(path),
+                size=st.st_size,
+                mtime=st.st_mtime,
+                pod=head.pod,
+                started=head.ts,
+                forked_from=head.forked_from,
+                compacted_from=head.compacted_from,
+            )
+        )
+    infos.sort(key=lambda i: i.id, reverse=True)
+    return infos
+
+
+def newest_session_for(sessions_dir: StrPath, pod_name: str) -> str | None:
+    """The id of the newest session whose ``session_start`` names ``pod_name``, if any."""
+    for info in list_sessions(sessions_dir):
+        if info.pod == pod_name:
+            return info.id
+    return None

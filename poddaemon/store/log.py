@@ -1,0 +1,213 @@
+"""Session log format: one hash-chained JSON entry per line. Pure: no I/O.
+
+An entry is ``{"seq", "ts", "kind", "prev", "hash", ...body}``:
+
+- ``seq`` counts from 1 with no gaps; ``ts`` is unix seconds; ``kind`` names the entry;
+- ``prev`` is the previous entry's ``hash`` (64 zeros for the first entry);
+- ``hash`` is the hex SHA-256 of ``prev`` (as ASCII hex) followed by the entry's canonical JSON
+  without ``hash``: msgspec's encoding with every object's keys sorted.
+
+The line we write is that canonical JSON with ``"hash"`` appended as the last key, then ``\\n``.
+A reader must not rely on that layout: verification decodes the line, drops ``hash`` and
+re-encodes canonically, so any writer that produces the same JSON values verifies.
+"""
+
+import hashlib
+import os
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+__all__ = [
+    "GENESIS",
+    "RESERVED_KEYS",
+    "LogCorrupt",
+    "VerifyResult",
+    "encode_entry",
+    "new_session_id",
+    "verify",
+]
+
+GENESIS = "0" * 64
+RESERVED_KEYS = frozenset({"seq", "ts", "kind", "prev", "hash"})
+
+_canonical = msgspec.json.Encoder(order="sorted")
+_decoder = msgspec.json.Decoder()
+
+
+class LogCorrupt(Exception):
+    """The log is damaged somewhere other than a torn last line.
+
+    ``line`` is 1-based. The message is ``line N: <reason>``, prefixed by ``path: `` when the
+    file is known.
+    """
+
+    def __init__(self, line: int, reason: str, path: str | None = None) -> None:
+        self.line = line
+        self.reason = reason
+        self.path = path
+        prefix = f"{path}: " if path else ""
+        super().__init__(f"{prefix}line {line}: {reason}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.line, self.reason, self.path))
+
+
+class VerifyResult(msgspec.Struct, kw_only=True):
+    """What a verified log holds.
+
+    ``end_offset`` is the byte offset just past the last good line (``len(data)`` unless torn);
+    ``torn`` says the bytes after it are an incomplete last line (a write cut short);
+    ``head`` is the hash of the last good entry (``GENESIS`` when there is none).
+    """
+
+    entries: list[dict[str, Any]]
+    end_offset: int
+    torn: bool
+    head: str
+
+
+def _hash(prev: str, canonical: bytes) -> str:
+    h = hashlib.sha256(prev.encode("ascii"))
+    h.update(canonical)
+    return h.hexdigest()
+
+
+def encode_entry(
+    seq: int, ts: float, kind: str, prev: str, body: Mapping[str, Any]
+) -> tuple[bytes, dict[str, Any]]:
+    """Encode one entry. Returns the line (ending in ``\\n``) and the entry as ``verify`` would
+    read it back (plain JSON values, ``hash`` included).
+
+    ``body`` values may be anything msgspec encodes (Structs included). Raises ``ValueError``
+    when a body key is reserved and ``TypeError`` when a value cannot be encoded.
+    """
+    clash = RESERVED_KEYS.intersection(body)
+    if clash:
+        raise ValueError(f"entry body uses reserved key(s): {', '.join(sorted(clash))}")
+    obj = dict(body)
+    obj["seq"] = seq
+    obj["ts"] = ts
+    obj["kind"] = kind
+    obj["prev"] = prev
+    canonical = _canonical.encode(obj)
+    digest = _hash(prev, canonical)
+    line = b"".join((canonical[:-1], b',"hash":"', digest.encode("ascii"), b'"}\n'))
+    entry: dict[str, Any] = _decoder.decode(canonical)
+    entry["hash"] = digest
+    return line, entry
+
+
+def _check_entry(obj: Any, expect_seq: int, prev: str) -> str | None:
+    """Why ``obj`` is not the entry expected here, or None when it is (hash excluded)."""
+    if not isinstance(obj, dict):
+        return "not a JSON object"
+    seq = obj.get("seq")
+    if type(seq) is not int:
+        return "missing or non-integer seq"
+    if seq != expect_seq:
+        return f"seq {seq}, expected {expect_seq}"
+    ts = obj.get("ts")
+    if type(ts) is not float and type(ts) is not int:
+        return "missing or non-numeric ts"
+    if type(obj.get("kind")) is not str:
+        return "missing or non-string kind"
+    if type(obj.get("hash")) is not str:
+        return "missing or non-string hash"
+    entry_prev = obj.get("prev")
+    if type(entry_prev) is not str:
+        return "missing or non-string prev"
+    if entry_prev != prev:
+        return "prev does not match the previous entry's hash (chain broken)"
+    return None
+
+
+def verify(data: bytes) -> VerifyResult:
+    """Verify a whole log.
+
+    A last line without its ``\\n``, or a last line that is not JSON, is a torn write: it is
+    reported (``torn=True``) and left out, everything before it is returned. Any other damage
+    raises ``LogCorrupt`` naming the first bad line.
+    """
+    entries: list[dict[str, Any]] = []
+    prev = GENESIS
+    offset = 0
+    size = len(data)
+    lineno = 0
+    while offset < size:
+        lineno += 1
+        nl = data.find(b"\n", offset)
+        if nl < 0:
+            # No newline: an append cut short, even if what is there happens to parse.
+            return VerifyResult(entries=entries, end_offset=offset, torn=True, head=prev)
+        line = data[offset:nl]
+        last = nl + 1 == size
+        try:
+            obj = _decoder.decode(line)
+        except msgspec.DecodeError as exc:
+            if last:
+                return VerifyResult(entries=entries, end_offset=offset, torn=True, head=prev)
+            raise LogCorrupt(lineno, f"not valid JSON ({exc})") from None
+        problem = _check_entry(obj, lineno, prev)
+        if problem is not None:
+            raise LogCorrupt(lineno, problem)
+        digest = obj.pop("hash")
+        if _hash(prev, _canonical.encode(obj)) != digest:
+            raise LogCorrupt(lineno, "hash mismatch (entry altered)")
+        obj["hash"] = digest
+        entries.append(obj)
+        prev = digest
+        offset = nl + 1
+    return VerifyResult(entries=entries, end_offset=offset, torn=False, head=prev)
+
+
+# --- session ids ------------------------------------------------------------------------------
+
+_uuid_lock = threading.Lock()
+_last_ms = 0
+_last_rand = 0  # the 74 random bits of the last id
+_RAND_BITS = 74
+_RAND_MAX = (1 << _RAND_BITS) - 1
+
+
+def _pid_reset() -> None:
+    global _last_ms, _last_rand
+    _last_ms = 0
+    _last_rand = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pid_reset)
+
+
+def new_session_id() -> str:
+    """A UUIDv7 (RFC 9562) as a lowercase hyphenated string.
+
+    48-bit unix milliseconds, version 7, variant 0b10, 74 random bits. Monotonic within a
+    process: ids made in the same millisecond (or while the clock steps back) increase the
+    previous id's random part by a random amount (RFC 9562 §6.2 method 2), so string order is
+    creation order.
+    """
+    global _last_ms, _last_rand
+    with _uuid_lock:
+        now = time.time_ns() // 1_000_000
+        if now > _last_ms:
+            ms, rand = now, secrets.randbits(_RAND_BITS)
+        else:
+            ms, rand = _last_ms, _last_rand + 1 + secrets.randbits(32)
+            if rand > _RAND_MAX:  # the random part ran out this millisecond: borrow the next one
+                ms, rand = ms + 1, secrets.randbits(_RAND_BITS)
+        _last_ms, _last_rand = ms, rand
+    value = (
+        (ms & 0xFFFF_FFFF_FFFF) << 80
+        | 0x7 << 76
+        | (rand >> 62) << 64
+        | 0b10 << 62
+        | (rand & ((1 << 62) - 1))
+    )
+    h = f"{value:032x}"
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
