@@ -1,0 +1,155 @@
+"""Model adapters: one per wire format, all behind the ``ModelClient`` interface.
+
+``make_client`` is cheap: it imports neither SDK (each adapter imports its SDK in a thread on
+first use or in ``warm()``). The pure helpers here are shared by the three renderers.
+"""
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from poddaemon.history import AssistantMessage, Item, ToolResult
+from poddaemon.llm.retry import ProviderSettings, api_key_env_name
+from poddaemon.llm.types import (
+    ModelClient,
+    ModelRequest,
+    ModelResponse,
+    ProviderError,
+    ReasoningDelta,
+    RetryScheduled,
+    StopReason,
+    StreamEvent,
+    TextDelta,
+    ToolSpec,
+)
+
+__all__ = [
+    "CredentialsError",
+    "ModelClient",
+    "ModelRequest",
+    "ModelResponse",
+    "ProviderError",
+    "ProviderSettings",
+    "ReasoningDelta",
+    "RetryScheduled",
+    "StopReason",
+    "StreamEvent",
+    "TextDelta",
+    "ToolSpec",
+    "check_credentials",
+    "make_client",
+    "map_stop",
+    "order_items",
+]
+
+
+class CredentialsError(ValueError):
+    """The provider's API key is missing; the message names the environment variable."""
+
+
+def check_credentials(cfg: ProviderSettings, environ: Mapping[str, str] | None = None) -> None:
+    """Raise CredentialsError unless the API key variable for ``cfg`` is set and non-empty."""
+    env = os.environ if environ is None else environ
+    name = api_key_env_name(cfg)
+    if not env.get(name):
+        raise CredentialsError(f"provider.api_key_env: environment variable {name} is not set")
+
+
+def make_client(cfg: ProviderSettings) -> ModelClient:
+    """The adapter for ``cfg.kind``; no SDK is imported until ``warm()`` or the first stream."""
+    if cfg.kind == "anthropic":
+        from poddaemon.llm.anthropic import AnthropicClient
+
+        return AnthropicClient(cfg)
+    if cfg.kind == "openai":
+        from poddaemon.llm.openai_chat import OpenAIChatClient
+
+        return OpenAIChatClient(cfg)
+    if cfg.kind == "openai_responses":
+        from poddaemon.llm.openai_responses import OpenAIResponsesClient
+
+        return OpenAIResponsesClient(cfg)
+    raise ValueError(f"provider.kind: unknown provider kind {cfg.kind!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers shared by the renderers
+
+
+def order_items(items: list[Item]) -> list[Item]:
+    """History in the order every provider accepts.
+
+    Each assistant message's tool calls must be answered by their results before anything else
+    in the user role; user messages and system notes that were committed between the results
+    of one batch (a notification arriving while tools ran) move after the batch's last result.
+    """
+    out: list[Item] = []
+    pending: set[str] = set()
+    deferred: list[Item] = []
+    for item in items:
+        if isinstance(item, AssistantMessage):
+            out.extend(deferred)
+            deferred.clear()
+            out.append(item)
+            pending = {call.id for call in item.tool_calls}
+        elif isinstance(item, ToolResult):
+            out.append(item)
+            pending.discard(item.call_id)
+            if not pending:
+                out.extend(deferred)
+                deferred.clear()
+        elif pending:
+            deferred.append(item)
+        else:
+            out.append(item)
+    out.extend(deferred)
+    return out
+
+
+_STOP_MAP: dict[str, StopReason] = {
+    "end_turn": "end_turn",
+    "stop": "end_turn",
+    "stop_sequence": "end_turn",
+    "completed": "end_turn",
+    "tool_use": "tool_use",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "max_tokens": "max_tokens",
+    "length": "max_tokens",
+    "max_output_tokens": "max_tokens",
+    "content_filter": "content_filter",
+    "refusal": "content_filter",
+    "model_context_window_exceeded": "context_overflow",
+}
+
+
+def map_stop(raw: str | None, has_tool_calls: bool = False) -> tuple[StopReason, str]:
+    """(normalized stop reason, detail) for a provider's stop/finish reason.
+
+    A response that carries tool calls but says it simply stopped (some compatible servers
+    answer ``stop`` with tool calls) is reported as ``tool_use``: the calls must run.
+    """
+    stop = _STOP_MAP.get(raw or "")
+    if stop is None:
+        return ("other", f"stop reason: {raw}" if raw else "no stop reason given")
+    if stop == "end_turn" and has_tool_calls:
+        return ("tool_use", "")
+    return (stop, "")
+
+
+def field(obj: Any, name: str, default: Any = None) -> Any:
+    """``obj.name`` or ``obj[name]``: SDK models and plain dicts alike; None counts as missing."""
+    if obj is None:
+        return default
+    value = obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
+    return default if value is None else value
+
+
+def int_field(obj: Any, name: str) -> int:
+    value = field(obj, name, 0)
+    return value if isinstance(value, int) else 0
+
+
+def tool_arguments(raw: str) -> str:
+    """Arguments as the model produced them; a call with none becomes ``{}``."""
+    return raw if raw.strip() else "{}"

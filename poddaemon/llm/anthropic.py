@@ -1,0 +1,229 @@
+"""Anthropic Messages API adapter (``provider.kind = "anthropic"``)."""
+
+import json
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
+from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments
+from poddaemon.llm.retry import (
+    AttemptEvent,
+    ProviderSettings,
+    RetryingClient,
+    api_key_env_name,
+    sdk_timeout,
+)
+from poddaemon.llm.types import (
+    ModelRequest,
+    ModelResponse,
+    ProviderError,
+    ReasoningDelta,
+    TextDelta,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Rendering (pure)
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """tool_use.input must be an object; keep malformed arguments visible rather than drop them."""
+    try:
+        value = json.loads(arguments) if arguments.strip() else {}
+    except ValueError:
+        return {"_raw_arguments": arguments}
+    return value if isinstance(value, dict) else {"_raw_arguments": arguments}
+
+
+def render_messages(req: ModelRequest) -> list[dict[str, Any]]:
+    """History as Anthropic messages: strictly alternating roles, tool_result blocks first in a
+    user message, system notes as user text blocks, reasoning never sent back."""
+    messages: list[dict[str, Any]] = []
+    user_blocks: list[dict[str, Any]] = []
+
+    def flush_user() -> None:
+        if user_blocks:
+            # tool_result blocks must open the user message that follows the tool_use turn.
+            results = [b for b in user_blocks if b["type"] == "tool_result"]
+            others = [b for b in user_blocks if b["type"] != "tool_result"]
+            messages.append({"role": "user", "content": results + others})
+            user_blocks.clear()
+
+    for item in order_items(req.items):
+        if isinstance(item, AssistantMessage):
+            content: list[dict[str, Any]] = []
+            if item.text:
+                content.append({"type": "text", "text": item.text})
+            for call in item.tool_calls:
+                content.append(
+                    {
+                        "type": "tool_use",
+                        "id": call.id,
+                        "name": call.name,
+                        "input": _tool_input(call.arguments),
+                    }
+                )
+            if not content:
+                continue  # an empty assistant turn is rejected; its neighbours simply merge
+            flush_user()
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1]["content"].extend(content)
+            else:
+                messages.append({"role": "assistant", "content": content})
+        elif isinstance(item, ToolResult):
+            block: dict[str, Any] = {
+                "type": "tool_result",
+                "tool_use_id": item.call_id,
+                "content": item.output if item.output else "(no output)",
+            }
+            if item.is_error:
+                block["is_error"] = True
+            user_blocks.append(block)
+        else:  # UserMessage | SystemNote: both in the user role
+            if item.text:
+                user_blocks.append({"type": "text", "text": item.text})
+    flush_user()
+    return messages
+
+
+def render_request(req: ModelRequest, model: str) -> dict[str, Any]:
+    """The keyword arguments for ``client.messages.create``."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.max_tokens,
+        "messages": render_messages(req),
+        "stream": True,
+    }
+    if req.system:
+        body["system"] = req.system
+    if req.tools:
+        body["tools"] = [
+            {"name": t.name, "description": t.description, "input_schema": t.parameters}
+            for t in req.tools
+        ]
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    return body
+
+
+def usage_from(raw: Any, into: Usage | None = None) -> Usage:
+    """Anthropic usage, as the API reports it: ``input_tokens`` EXCLUDES cached tokens (total
+    input = input + cache_read + cache_write). Fields given in a later event (message_delta's
+    cumulative counts) overwrite earlier ones; absent fields keep their value."""
+    usage = into if into is not None else Usage()
+    for src, dst in (
+        ("input_tokens", "input"),
+        ("output_tokens", "output"),
+        ("cache_read_input_tokens", "cache_read"),
+        ("cache_creation_input_tokens", "cache_write"),
+    ):
+        value = field(raw, src)
+        if isinstance(value, int):
+            setattr(usage, dst, value)
+    return usage
+
+
+# ---------------------------------------------------------------------------------------------
+# Client
+
+
+def normalize_base_url(url: str | None) -> str | None:
+    """Anthropic's SDK appends ``/v1/messages`` itself; a configured trailing ``/v1`` is
+    tolerated (SPEC §3) by stripping it."""
+    if url is None:
+        return None
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    return url
+
+
+class AnthropicClient(RetryingClient):
+    sdk_module = "anthropic"
+
+    def __init__(self, cfg: ProviderSettings, **kwargs: Any) -> None:
+        super().__init__(cfg, **kwargs)
+
+    def _build(self, sdk: Any) -> Any:
+        name = api_key_env_name(self.cfg)
+        key = os.environ.get(name)
+        if not key:
+            raise ProviderError("auth", f"environment variable {name} is not set")
+        return sdk.AsyncAnthropic(
+            api_key=key,
+            base_url=normalize_base_url(self.cfg.base_url),
+            max_retries=0,
+            timeout=sdk_timeout(sdk, self.cfg),
+        )
+
+    async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
+        stream = await client.messages.create(**render_request(req, self.cfg.model))
+        try:
+            text: list[str] = []
+            reasoning: list[str] = []
+            tools: dict[int, tuple[str, str, list[str]]] = {}  # block index -> id, name, json
+            usage = Usage()
+            stop_raw: str | None = None
+            async for event in stream:
+                kind = field(event, "type")
+                if kind == "content_block_delta":
+                    delta = field(event, "delta")
+                    dtype = field(delta, "type")
+                    if dtype == "text_delta" and field(delta, "text"):
+                        text.append(delta.text)
+                        yield TextDelta(delta.text)
+                    elif dtype == "thinking_delta" and field(delta, "thinking"):
+                        reasoning.append(delta.thinking)
+                        yield ReasoningDelta(delta.thinking)
+                    elif dtype == "input_json_delta":
+                        entry = tools.get(int_field(event, "index"))
+                        if entry is not None:
+                            entry[2].append(field(delta, "partial_json", ""))
+                        yield None
+                    else:
+                        yield None
+                elif kind == "content_block_start":
+                    block = field(event, "content_block")
+                    btype = field(block, "type")
+                    if btype == "tool_use":
+                        tools[int_field(event, "index")] = (
+                            field(block, "id", ""),
+                            field(block, "name", ""),
+                            [],
+                        )
+                        yield None
+                    elif btype == "text" and field(block, "text"):
+                        text.append(block.text)
+                        yield TextDelta(block.text)
+                    elif btype == "thinking" and field(block, "thinking"):
+                        reasoning.append(block.thinking)
+                        yield ReasoningDelta(block.thinking)
+                    else:
+                        yield None
+                elif kind == "message_start":
+                    usage_from(field(field(event, "message"), "usage"), usage)
+                    yield None
+                elif kind == "message_delta":
+                    stop_raw = field(field(event, "delta"), "stop_reason", stop_raw)
+                    usage_from(field(event, "usage"), usage)
+                    yield None
+                elif kind == "message_stop":
+                    calls = tuple(
+                        ToolCall(id=cid, name=name, arguments=tool_arguments("".join(parts)))
+                        for _, (cid, name, parts) in sorted(tools.items())
+                    )
+                    stop, detail = map_stop(stop_raw, bool(calls))
+                    yield ModelResponse(
+                        message=AssistantMessage(
+                            text="".join(text), reasoning="".join(reasoning), tool_calls=calls
+                        ),
+                        stop=stop,
+                        usage=usage,
+                        detail=detail,
+                    )
+                    return
+                else:
+                    yield None
+            raise ProviderError("transient", "stream ended before message_stop")
+        finally:
+            await stream.close()

@@ -1,0 +1,205 @@
+"""OpenAI Chat Completions adapter (``provider.kind = "openai"``): OpenAI itself and any
+compatible server (vLLM, llama.cpp, Ollama, ...)."""
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
+from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments
+from poddaemon.llm.retry import (
+    AttemptEvent,
+    ProviderSettings,
+    RetryingClient,
+    api_key_env_name,
+    sdk_timeout,
+)
+from poddaemon.llm.types import (
+    ModelRequest,
+    ModelResponse,
+    ProviderError,
+    ReasoningDelta,
+    TextDelta,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Rendering (pure)
+
+
+def tool_output_text(result: ToolResult) -> str:
+    """Neither OpenAI format has an error flag on tool output: say it in the text."""
+    if result.is_error:
+        return f"[tool error] {result.output}"
+    return result.output
+
+
+def render_messages(req: ModelRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": req.system})
+    for item in order_items(req.items):
+        if isinstance(item, AssistantMessage):
+            msg: dict[str, Any] = {"role": "assistant"}
+            if item.tool_calls:
+                msg["content"] = item.text or None
+                msg["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                    for call in item.tool_calls
+                ]
+            else:
+                msg["content"] = item.text
+            messages.append(msg)
+        elif isinstance(item, ToolResult):
+            messages.append(
+                {"role": "tool", "tool_call_id": item.call_id, "content": tool_output_text(item)}
+            )
+        else:  # UserMessage | SystemNote: both in the user role
+            messages.append({"role": "user", "content": item.text})
+    return messages
+
+
+def render_request(
+    req: ModelRequest, model: str, *, max_tokens_field: str = "max_completion_tokens"
+) -> dict[str, Any]:
+    """The keyword arguments for ``client.chat.completions.create``.
+
+    OpenAI's own API wants ``max_completion_tokens`` (reasoning models reject ``max_tokens``);
+    many compatible servers only know ``max_tokens``. The client picks by ``base_url``.
+    """
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": render_messages(req),
+        max_tokens_field: req.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if req.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": t.name,
+                    "description": t.description,
+                    "parameters": t.parameters,
+                },
+            }
+            for t in req.tools
+        ]
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    return body
+
+
+def usage_from(raw: Any) -> Usage:
+    """Chat usage: ``prompt_tokens`` INCLUDES cached tokens (reported as the API gives them);
+    ``prompt_tokens_details.cached_tokens`` is reported as cache_read."""
+    details = field(raw, "prompt_tokens_details")
+    return Usage(
+        input=int_field(raw, "prompt_tokens"),
+        output=int_field(raw, "completion_tokens"),
+        cache_read=int_field(details, "cached_tokens"),
+        cache_write=int_field(details, "cache_write_tokens"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Client
+
+
+def build_openai_client(sdk: Any, cfg: ProviderSettings) -> Any:
+    name = api_key_env_name(cfg)
+    key = os.environ.get(name)
+    if not key:
+        raise ProviderError("auth", f"environment variable {name} is not set")
+    return sdk.AsyncOpenAI(
+        api_key=key,
+        base_url=cfg.base_url,
+        max_retries=0,
+        timeout=sdk_timeout(sdk, cfg),
+    )
+
+
+class _ToolAcc:
+    __slots__ = ("args", "id", "name")
+
+    def __init__(self) -> None:
+        self.id = ""
+        self.name = ""
+        self.args: list[str] = []
+
+
+class OpenAIChatClient(RetryingClient):
+    sdk_module = "openai"
+
+    def __init__(self, cfg: ProviderSettings, **kwargs: Any) -> None:
+        super().__init__(cfg, **kwargs)
+        self._max_tokens_field = "max_completion_tokens" if cfg.base_url is None else "max_tokens"
+
+    def _build(self, sdk: Any) -> Any:
+        return build_openai_client(sdk, self.cfg)
+
+    async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
+        body = render_request(req, self.cfg.model, max_tokens_field=self._max_tokens_field)
+        stream = await client.chat.completions.create(**body)
+        try:
+            text: list[str] = []
+            reasoning: list[str] = []
+            tools: dict[int, _ToolAcc] = {}
+            usage = Usage()
+            finish: str | None = None
+            async for chunk in stream:
+                if field(chunk, "usage") is not None:
+                    usage = usage_from(chunk.usage)
+                produced = False
+                for choice in field(chunk, "choices", []):
+                    if int_field(choice, "index") != 0:
+                        continue
+                    delta = field(choice, "delta")
+                    # Not in the OpenAI schema; DeepSeek, vLLM and others stream it.
+                    thought = field(delta, "reasoning_content") or field(delta, "reasoning")
+                    if isinstance(thought, str) and thought:
+                        reasoning.append(thought)
+                        produced = True
+                        yield ReasoningDelta(thought)
+                    for piece in (field(delta, "content"), field(delta, "refusal")):
+                        if isinstance(piece, str) and piece:
+                            text.append(piece)
+                            produced = True
+                            yield TextDelta(piece)
+                    for tc in field(delta, "tool_calls", []):
+                        index = field(tc, "index")
+                        if not isinstance(index, int):  # some servers omit it: one per chunk
+                            index = len(tools) - 1 if tools and not field(tc, "id") else len(tools)
+                        acc = tools.setdefault(index, _ToolAcc())
+                        acc.id = field(tc, "id", acc.id)
+                        fn = field(tc, "function")
+                        acc.name = field(fn, "name", acc.name) if not acc.name else acc.name
+                        acc.args.append(field(fn, "arguments", ""))
+                    finish = field(choice, "finish_reason", finish)
+                if not produced:
+                    yield None
+            if finish is None:
+                raise ProviderError("transient", "stream ended without a finish_reason")
+            calls = tuple(
+                ToolCall(
+                    id=acc.id or f"call_{index}",
+                    name=acc.name,
+                    arguments=tool_arguments("".join(acc.args)),
+                )
+                for index, acc in sorted(tools.items())
+            )
+            stop, detail = map_stop(finish, bool(calls))
+            yield ModelResponse(
+                message=AssistantMessage(
+                    text="".join(text), reasoning="".join(reasoning), tool_calls=calls
+                ),
+                stop=stop,
+                usage=usage,
+                detail=detail,
+            )
+        finally:
+            await stream.close()

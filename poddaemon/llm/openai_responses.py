@@ -1,0 +1,191 @@
+"""OpenAI Responses API adapter (``provider.kind = "openai_responses"``), stateless
+(``store: false``): the whole history is sent each time, reasoning is not sent back."""
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
+from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments
+from poddaemon.llm.openai_chat import build_openai_client, tool_output_text
+from poddaemon.llm.retry import AttemptEvent, RetryingClient, classify_error_code
+from poddaemon.llm.types import (
+    ModelRequest,
+    ModelResponse,
+    ProviderError,
+    ReasoningDelta,
+    StopReason,
+    TextDelta,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Rendering (pure)
+
+
+def render_input(req: ModelRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for item in order_items(req.items):
+        if isinstance(item, AssistantMessage):
+            if item.text:
+                out.append({"type": "message", "role": "assistant", "content": item.text})
+            for call in item.tool_calls:
+                out.append(
+                    {
+                        "type": "function_call",
+                        "call_id": call.id,
+                        "name": call.name,
+                        "arguments": call.arguments,
+                    }
+                )
+        elif isinstance(item, ToolResult):
+            out.append(
+                {
+                    "type": "function_call_output",
+                    "call_id": item.call_id,
+                    "output": tool_output_text(item),
+                }
+            )
+        else:  # UserMessage | SystemNote: both in the user role
+            out.append({"type": "message", "role": "user", "content": item.text})
+    return out
+
+
+def render_request(req: ModelRequest, model: str) -> dict[str, Any]:
+    """The keyword arguments for ``client.responses.create``."""
+    body: dict[str, Any] = {
+        "model": model,
+        "input": render_input(req),
+        "max_output_tokens": req.max_tokens,
+        "store": False,
+        "stream": True,
+    }
+    if req.system:
+        body["instructions"] = req.system
+    if req.tools:
+        body["tools"] = [
+            {
+                "type": "function",
+                "name": t.name,
+                "description": t.description,
+                "parameters": t.parameters,
+                "strict": False,
+            }
+            for t in req.tools
+        ]
+    if req.temperature is not None:
+        body["temperature"] = req.temperature
+    return body
+
+
+def usage_from(raw: Any) -> Usage:
+    """Responses usage: ``input_tokens`` INCLUDES cached tokens (reported as the API gives
+    them); ``input_tokens_details.cached_tokens`` is reported as cache_read."""
+    details = field(raw, "input_tokens_details")
+    return Usage(
+        input=int_field(raw, "input_tokens"),
+        output=int_field(raw, "output_tokens"),
+        cache_read=int_field(details, "cached_tokens"),
+        cache_write=int_field(details, "cache_write_tokens"),
+    )
+
+
+def stop_from(response: Any, has_tool_calls: bool) -> tuple[StopReason, str]:
+    """Responses has no stop reason: a status plus, when incomplete, ``incomplete_details``."""
+    status = field(response, "status")
+    if status == "incomplete":
+        reason = field(field(response, "incomplete_details"), "reason")
+        return map_stop(reason or "incomplete", has_tool_calls)
+    if status in (None, "completed"):
+        return map_stop("tool_use" if has_tool_calls else "end_turn")
+    return ("other", f"response status: {status}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Client
+
+
+class _ToolAcc:
+    __slots__ = ("args", "final", "id", "name")
+
+    def __init__(self, call_id: str, name: str) -> None:
+        self.id = call_id
+        self.name = name
+        self.args: list[str] = []
+        self.final: str | None = None
+
+
+class OpenAIResponsesClient(RetryingClient):
+    sdk_module = "openai"
+
+    def _build(self, sdk: Any) -> Any:
+        return build_openai_client(sdk, self.cfg)
+
+    async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
+        stream = await client.responses.create(**render_request(req, self.cfg.model))
+        try:
+            text: list[str] = []
+            reasoning: list[str] = []
+            tools: dict[int, _ToolAcc] = {}  # output_index -> call
+            async for event in stream:
+                kind = field(event, "type")
+                if kind == "response.output_text.delta" and field(event, "delta"):
+                    text.append(event.delta)
+                    yield TextDelta(event.delta)
+                elif kind in (
+                    "response.reasoning_summary_text.delta",
+                    "response.reasoning_text.delta",
+                ) and field(event, "delta"):
+                    reasoning.append(event.delta)
+                    yield ReasoningDelta(event.delta)
+                elif kind in ("response.output_item.added", "response.output_item.done"):
+                    item = field(event, "item")
+                    if field(item, "type") == "function_call":
+                        index = int_field(event, "output_index")
+                        acc = tools.get(index)
+                        if acc is None:
+                            acc = tools[index] = _ToolAcc(
+                                field(item, "call_id", ""), field(item, "name", "")
+                            )
+                        if kind == "response.output_item.done":
+                            acc.final = field(item, "arguments")
+                    yield None
+                elif kind == "response.function_call_arguments.delta":
+                    acc = tools.get(int_field(event, "output_index"))
+                    if acc is not None:
+                        acc.args.append(field(event, "delta", ""))
+                    yield None
+                elif kind in ("response.completed", "response.incomplete"):
+                    response = field(event, "response")
+                    calls = tuple(
+                        ToolCall(
+                            id=acc.id or f"call_{index}",
+                            name=acc.name,
+                            arguments=tool_arguments(
+                                acc.final if acc.final is not None else "".join(acc.args)
+                            ),
+                        )
+                        for index, acc in sorted(tools.items())
+                    )
+                    stop, detail = stop_from(response, bool(calls))
+                    yield ModelResponse(
+                        message=AssistantMessage(
+                            text="".join(text), reasoning="".join(reasoning), tool_calls=calls
+                        ),
+                        stop=stop,
+                        usage=usage_from(field(response, "usage")),
+                        detail=detail,
+                    )
+                    return
+                elif kind == "response.failed":
+                    error = field(field(event, "response"), "error")
+                    raise classify_error_code(
+                        str(field(error, "code", "failed")), str(field(error, "message", ""))
+                    )
+                elif kind == "error":
+                    raise classify_error_code(
+                        str(field(event, "code", "error")), str(field(event, "message", ""))
+                    )
+                else:
+                    yield None
+            raise ProviderError("transient", "stream ended before response.completed")
+        finally:
+            await stream.close()

@@ -1,0 +1,393 @@
+"""Our own retry policy for model calls, shared by every adapter.
+
+The SDKs run with ``max_retries=0``; this module decides what is retried, when and for how long:
+
+- only *before* anything was yielded to the caller (no silent replay of output);
+- only errors classified ``transient`` (429, 408, 409, 5xx, connection errors, timeouts);
+- exponential backoff with full jitter, ``Retry-After`` honoured up to ``retry_max_delay``;
+- at most ``max_retries`` retries and ``retry_total_timeout`` seconds overall.
+
+``classify`` works on SDK exceptions by class name and attributes, so neither SDK is imported here.
+"""
+
+import asyncio
+import contextlib
+import email.utils
+import importlib
+import math
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, NoReturn, Protocol
+
+from poddaemon.llm.types import (
+    ModelRequest,
+    ModelResponse,
+    ProviderError,
+    ReasoningDelta,
+    RetryScheduled,
+    StreamEvent,
+    TextDelta,
+)
+
+
+class ProviderSettings(Protocol):
+    """The attributes of ``config.manifest.ProviderConfig`` the adapters read."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def model(self) -> str: ...
+    @property
+    def base_url(self) -> str | None: ...
+    @property
+    def api_key_env(self) -> str | None: ...
+    @property
+    def max_retries(self) -> int: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def first_byte_timeout(self) -> float: ...
+    @property
+    def stream_idle_timeout(self) -> float: ...
+    @property
+    def retry_initial_delay(self) -> float: ...
+    @property
+    def retry_max_delay(self) -> float: ...
+    @property
+    def retry_total_timeout(self) -> float: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Backoff
+
+
+def backoff_delay(
+    attempt: int,
+    initial: float,
+    cap: float,
+    retry_after: float | None = None,
+    rng: random.Random | None = None,
+) -> float:
+    """Seconds to wait before retry number ``attempt`` (1-based).
+
+    Full jitter: uniform in ``[0, min(cap, initial * 2**(attempt-1))]``. A server's Retry-After
+    replaces the jittered value (the server knows best) but is capped at ``cap`` as well, so a
+    hostile or confused header cannot park the pod for an hour.
+    """
+    cap = max(0.0, cap)
+    if retry_after is not None and math.isfinite(retry_after):
+        return min(max(0.0, retry_after), cap)
+    exponent = min(max(attempt, 1) - 1, 62)  # 2**62 is plenty and keeps the float finite
+    ceiling = min(cap, max(0.0, initial) * float(2**exponent))
+    return (rng or random).uniform(0.0, ceiling)
+
+
+def retry_after_of(exc: BaseException) -> float | None:
+    """Seconds from the response's ``retry-after-ms`` / ``retry-after`` header, if any."""
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    if headers is None:
+        return None
+    try:
+        ms = headers.get("retry-after-ms")
+        if ms is not None:
+            return float(ms) / 1000.0
+        value = headers.get("retry-after")
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(str(value))
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+# ---------------------------------------------------------------------------------------------
+# Classification
+
+_CONTEXT_RE = re.compile(
+    r"prompt is too long|context[ _]length|context[ _]window|maximum context|too many tokens"
+    r"|input is too long|exceeds? the (?:model's )?(?:maximum )?context|reduce the length",
+    re.IGNORECASE,
+)
+# Names of exception classes (anywhere in the MRO) that mean "the connection failed or timed
+# out": the SDKs' wrappers and the raw httpx(2) transport errors seen while reading a stream.
+_CONNECTION_CLASSES = frozenset(
+    {
+        "APIConnectionError",
+        "APITimeoutError",
+        "TransportError",
+        "TimeoutException",
+        "NetworkError",
+        "RemoteProtocolError",
+        "ConnectionError",
+        "TimeoutError",
+        "IncompleteRead",
+    }
+)
+_TRANSIENT_CODES = frozenset(
+    {
+        "overloaded_error",
+        "api_error",
+        "rate_limit_error",
+        "rate_limit_exceeded",
+        "server_error",
+        "timeout_error",
+        "internal_error",
+    }
+)
+_AUTH_CODES = frozenset({"authentication_error", "permission_error", "invalid_api_key"})
+
+
+def _error_fields(body: object) -> tuple[str, str]:
+    """(message, type-or-code) from an error body: ``{"error": {...}}`` or the inner dict."""
+    if not isinstance(body, dict):
+        return ("", "")
+    inner = body.get("error", body)
+    if not isinstance(inner, dict):
+        return (str(inner), "")
+    message = inner.get("message")
+    code = inner.get("code") or inner.get("type") or ""
+    return (message if isinstance(message, str) else "", str(code))
+
+
+def _status_of(exc: BaseException) -> int | None:
+    status = getattr(exc, "status_code", None)
+    if isinstance(status, int):
+        return status
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status if isinstance(status, int) and status >= 400 else None
+
+
+def classify_error_code(code: str, message: str) -> ProviderError:
+    """Map an error code/type from a stream's error event (no HTTP status) to a ProviderError."""
+    label = f"{code}: {message}" if message else code
+    if code in _TRANSIENT_CODES:
+        return ProviderError("transient", label)
+    if code in _AUTH_CODES:
+        return ProviderError("auth", label)
+    if code == "context_length_exceeded" or _CONTEXT_RE.search(message):
+        return ProviderError("context_overflow", label)
+    return ProviderError("fatal", label)
+
+
+def classify(exc: BaseException) -> ProviderError:
+    """Map any exception from an SDK call to a ProviderError (a ProviderError maps to itself)."""
+    if isinstance(exc, ProviderError):
+        return exc
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    status = _status_of(exc)
+    body_message, code = _error_fields(getattr(exc, "body", None))
+    text = body_message or str(exc) or type(exc).__name__
+    if status is not None and status >= 400:
+        label = f"HTTP {status}: {text}"
+        if status in (401, 403):
+            return ProviderError("auth", label, status)
+        if status in (408, 409, 429) or status >= 500:
+            return ProviderError("transient", label, status)
+        if status in (400, 413, 422) and (
+            code == "context_length_exceeded" or _CONTEXT_RE.search(f"{text} {exc}")
+        ):
+            return ProviderError("context_overflow", label, status)
+        return ProviderError("fatal", label, status)
+    if names & _CONNECTION_CLASSES:
+        return ProviderError("transient", f"{type(exc).__name__}: {text}")
+    # An error event inside a 200 stream: no HTTP status, but the body says what it was.
+    if code:
+        return classify_error_code(code, text)
+    return ProviderError("fatal", f"{type(exc).__name__}: {text}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The retrying stream
+
+# What one attempt yields: content deltas, the final response, or ``None`` as a keep-alive for
+# SDK events that carry nothing for the caller (pings, block starts) but prove the stream lives.
+AttemptEvent = TextDelta | ReasoningDelta | ModelResponse | None
+AttemptFn = Callable[[], AsyncIterator[AttemptEvent]]
+Sleep = Callable[[float], Awaitable[None]]
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _raise(err: ProviderError, cause: BaseException) -> NoReturn:
+    if err is cause:
+        raise err
+    raise err from cause
+
+
+async def _next_within(it: AsyncIterator[AttemptEvent], seconds: float) -> AttemptEvent:
+    """``anext(it)`` or ``_Timeout``; a TimeoutError raised *by* the iterator passes through."""
+    try:
+        async with asyncio.timeout(seconds) as cm:
+            return await anext(it)
+    except TimeoutError:
+        if cm.expired():
+            raise _Timeout() from None
+        raise
+
+
+async def _close(it: AsyncIterator[AttemptEvent]) -> None:
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        # Closing a broken stream may fail again; the first error is the one that matters.
+        with contextlib.suppress(Exception):
+            await aclose()
+
+
+async def with_retries(
+    attempt_fn: AttemptFn,
+    cfg: ProviderSettings,
+    *,
+    sleep: Sleep = asyncio.sleep,
+    clock: Callable[[], float] = time.monotonic,
+    rng: random.Random | None = None,
+) -> AsyncIterator[StreamEvent]:
+    """Run ``attempt_fn`` until it produces a ModelResponse, retrying per the policy above.
+
+    Yields deltas as they arrive, ``RetryScheduled`` before each backoff sleep, and exactly one
+    ModelResponse last. Raises ProviderError: the classified error when it is not retryable,
+    ``transient`` naming the attempts when retries are exhausted, ``interrupted`` for any failure
+    after output started and ``stalled`` when the stream goes quiet after output started.
+    """
+    started = clock()
+    attempts = 0
+    while True:
+        attempts += 1
+        output_started = False
+        it = attempt_fn()
+        try:
+            while True:
+                limit = cfg.stream_idle_timeout if output_started else cfg.first_byte_timeout
+                try:
+                    event = await _next_within(it, limit)
+                except _Timeout:
+                    if output_started:
+                        raise ProviderError(
+                            "stalled",
+                            f"provider stream stalled: no data for {limit:g}s after output started",
+                        ) from None
+                    raise ProviderError(
+                        "transient", f"no response from provider within {limit:g}s"
+                    ) from None
+                except StopAsyncIteration:
+                    raise ProviderError(
+                        "transient", "provider stream ended without a final response"
+                    ) from None
+                if event is None:
+                    continue
+                if isinstance(event, ModelResponse):
+                    yield event
+                    return
+                output_started = True
+                yield event
+        except Exception as exc:
+            err = classify(exc)
+            if output_started:
+                if err.kind in ("stalled", "interrupted"):
+                    _raise(err, exc)
+                raise ProviderError(
+                    "interrupted",
+                    f"stream interrupted after output started: {err.message}",
+                    err.status,
+                ) from exc
+            if err.kind != "transient":
+                _raise(err, exc)
+            if attempts > cfg.max_retries:
+                raise ProviderError(
+                    "transient",
+                    f"provider failed after {attempts} attempts: {err.message}",
+                    err.status,
+                ) from exc
+            delay = backoff_delay(
+                attempts, cfg.retry_initial_delay, cfg.retry_max_delay, retry_after_of(exc), rng
+            )
+            if clock() - started + delay > cfg.retry_total_timeout:
+                raise ProviderError(
+                    "transient",
+                    f"provider failed after {attempts} attempts "
+                    f"(retry_total_timeout {cfg.retry_total_timeout:g}s): {err.message}",
+                    err.status,
+                ) from exc
+            yield RetryScheduled(attempt=attempts, delay=delay, error=err.message)
+            await sleep(delay)
+        finally:
+            await _close(it)
+
+
+# ---------------------------------------------------------------------------------------------
+# Base class for the SDK adapters
+
+
+class RetryingClient:
+    """A ModelClient: lazily imports its SDK (in a thread), builds the SDK's async client once,
+    and runs each request through ``with_retries``. Subclasses supply the SDK module name,
+    the client construction and one streaming attempt."""
+
+    sdk_module: str = ""
+
+    def __init__(self, cfg: ProviderSettings, *, sleep: Sleep = asyncio.sleep) -> None:
+        self.cfg = cfg
+        self._sleep = sleep
+        self._sdk: Any = None
+        self._client: Any = None
+        self._lock = asyncio.Lock()
+
+    async def warm(self) -> None:
+        await self._ensure_client()
+
+    async def _ensure_client(self) -> Any:
+        if self._client is None:
+            async with self._lock:
+                if self._client is None:
+                    if self._sdk is None:
+                        self._sdk = await asyncio.to_thread(
+                            importlib.import_module, self.sdk_module
+                        )
+                    self._client = self._build(self._sdk)
+        return self._client
+
+    def _build(self, sdk: Any) -> Any:
+        raise NotImplementedError
+
+    def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
+        raise NotImplementedError
+
+    async def stream(self, req: ModelRequest) -> AsyncIterator[StreamEvent]:
+        try:
+            client = await self._ensure_client()
+        except ProviderError:
+            raise
+        except Exception as exc:  # e.g. the SDK refused the configuration
+            raise ProviderError("fatal", f"cannot create {self.sdk_module} client: {exc}") from exc
+        async for event in with_retries(
+            lambda: self._attempt(client, req), self.cfg, sleep=self._sleep
+        ):
+            yield event
+
+    async def aclose(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            await client.close()
+
+
+def sdk_timeout(sdk: Any, cfg: ProviderSettings) -> Any:
+    """The SDK's httpx Timeout: our own first-byte/idle timers are tighter; the read timeout is
+    only a backstop so a dead socket cannot hang a worker thread forever."""
+    backstop = max(cfg.first_byte_timeout, cfg.stream_idle_timeout) + 5.0
+    return sdk.Timeout(backstop, connect=cfg.connect_timeout)
+
+
+def api_key_env_name(cfg: ProviderSettings) -> str:
+    if cfg.api_key_env:
+        return cfg.api_key_env
+    return "ANTHROPIC_API_KEY" if cfg.kind == "anthropic" else "OPENAI_API_KEY"
