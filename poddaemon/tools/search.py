@@ -1,0 +1,175 @@
+"""Search tools: glob (file names) and grep (file contents). Results outside scope are skipped."""
+
+import asyncio
+import fnmatch
+import os
+import re
+import stat
+from pathlib import Path
+from typing import Any
+
+from poddaemon.scope import Access
+from poddaemon.tools.base import ToolContext, ToolError, ToolOutcome, schema
+from poddaemon.tools.files import BINARY_SNIFF_BYTES, is_binary, plural
+
+MAX_GLOB_RESULTS = 500
+MAX_GREP_MATCHES = 200
+MAX_GREP_LINE_CHARS = 300
+VCS_DIRS = frozenset({".git", ".hg", ".svn"})
+# Directories grep never walks into (unless `path` points inside one).
+SKIP_DIRS = VCS_DIRS | {
+    "node_modules",
+    "__pycache__",
+    ".mypy_cache",
+    ".ruff_cache",
+    ".pytest_cache",
+    ".venv",
+    ".tox",
+}
+
+
+class Glob:
+    name = "glob"
+    description = "Find files by glob pattern (** recurses), newest first."
+    parameters = schema(
+        {"pattern": ("string", "e.g. **/*.py")},
+        {"path": ("string", "directory to search (default .)")},
+    )
+
+    async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
+        pattern: str = args["pattern"]
+        if not pattern or os.path.isabs(pattern):
+            raise ToolError("pattern must be a relative glob; put the directory in path")
+        base = ctx.check(args.get("path", "."), Access.READ)
+        if not os.path.isdir(base):
+            raise ToolError(f"not a directory: {ctx.display(base)}")
+        found = await asyncio.to_thread(_glob, ctx, base, pattern)
+        if not found:
+            return ToolOutcome(output="no files match", summary=f"glob {pattern}: no matches")
+        found.sort(key=lambda item: (-item[0], item[1]))
+        lines = [name for _, name in found[:MAX_GLOB_RESULTS]]
+        if len(found) > MAX_GLOB_RESULTS:
+            lines.append(
+                f"[showing {MAX_GLOB_RESULTS} of {len(found)} matches; narrow the pattern]"
+            )
+        return ToolOutcome(
+            output="\n".join(lines),
+            summary=f"glob {pattern}: {plural(len(found), 'match', 'matches')}",
+        )
+
+
+def _glob(ctx: ToolContext, base: str, pattern: str) -> list[tuple[int, str]]:
+    """(mtime_ns, display name) of every match the scope lets the model read."""
+    wanted_vcs = {part for part in Path(pattern).parts if part in VCS_DIRS}
+    found: list[tuple[int, str]] = []
+    try:
+        for p in Path(base).glob(pattern):
+            rel_parts = p.relative_to(base).parts
+            if any(part in VCS_DIRS and part not in wanted_vcs for part in rel_parts):
+                continue
+            real = os.path.realpath(p)
+            if ctx.scope.access(real) < Access.READ:
+                continue
+            try:
+                st = os.stat(real)
+            except OSError:
+                continue
+            name = ctx.display(str(p))
+            found.append((st.st_mtime_ns, name + "/" if stat.S_ISDIR(st.st_mode) else name))
+    except ValueError as e:
+        raise ToolError(f"invalid glob pattern: {e}") from None
+    return found
+
+
+class Grep:
+    name = "grep"
+    description = "Search file contents with a Python regex; prints path:line:text."
+    parameters = schema(
+        {"pattern": ("string", "Python regex")},
+        {
+            "path": ("string", "file or directory (default .)"),
+            "glob": ("string", "file name filter, e.g. *.py"),
+            "ignore_case": ("boolean", "case-insensitive"),
+        },
+    )
+
+    async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
+        pattern: str = args["pattern"]
+        try:
+            rx = re.compile(pattern, re.IGNORECASE if args.get("ignore_case") else 0)
+        except re.error as e:
+            raise ToolError(f"invalid regex: {e}") from None
+        base = ctx.check(args.get("path", "."), Access.READ)
+        matches, files, capped = await asyncio.to_thread(_grep, ctx, base, rx, args.get("glob"))
+        what = f"{plural(len(matches), 'match', 'matches')} in {plural(files, 'file')}"
+        if capped:
+            what = f"{MAX_GREP_MATCHES}+ matches"
+            matches.append(f"[match limit {MAX_GREP_MATCHES} reached; narrow the search]")
+        return ToolOutcome(
+            output="\n".join(matches) or "no matches", summary=f"grep {pattern}: {what}"
+        )
+
+
+def _name_filter(name_glob: str | None) -> Any:
+    if not name_glob:
+        return lambda rel, name: True
+    g = name_glob.removeprefix("**/")
+    if "/" in g:
+        return lambda rel, name: fnmatch.fnmatchcase(rel, name_glob)
+    return lambda rel, name: fnmatch.fnmatchcase(name, g)
+
+
+def _walk_files(ctx: ToolContext, base: str) -> Any:
+    """Files under base (sorted, not following directory symlinks, pruning SKIP_DIRS and
+    directories the scope hides), as (path as walked, resolved path)."""
+    st = os.stat(base)
+    if not stat.S_ISDIR(st.st_mode):
+        yield base, base
+        return
+    for root, dirs, names in os.walk(base):
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if d not in SKIP_DIRS and ctx.scope.access(os.path.join(root, d)) > Access.NONE
+        )
+        for name in sorted(names):
+            full = os.path.join(root, name)
+            real = os.path.realpath(full) if os.path.islink(full) else full
+            if ctx.scope.access(real) >= Access.READ:
+                yield full, real
+
+
+def _grep(
+    ctx: ToolContext, base: str, rx: re.Pattern[str], name_glob: str | None
+) -> tuple[list[str], int, bool]:
+    """(match lines, files with matches, whether the match cap was hit)."""
+    accept = _name_filter(name_glob)
+    out: list[str] = []
+    files = 0
+    for full, real in _walk_files(ctx, base):
+        if not accept(os.path.relpath(full, base), os.path.basename(full)):
+            continue
+        try:
+            if not stat.S_ISREG(os.stat(real).st_mode):
+                continue
+            with open(real, "rb") as f:
+                if is_binary(f.read(BINARY_SNIFF_BYTES)):
+                    continue
+                f.seek(0)
+                shown = ctx.display(full)
+                hit = False
+                for lineno, raw in enumerate(f, 1):
+                    line = raw.decode("utf-8", "replace").rstrip("\r\n")
+                    if not rx.search(line):
+                        continue
+                    if len(out) >= MAX_GREP_MATCHES:
+                        return out, files, True
+                    if len(line) > MAX_GREP_LINE_CHARS:
+                        line = line[:MAX_GREP_LINE_CHARS] + " …"
+                    out.append(f"{shown}:{lineno}:{line}")
+                    if not hit:
+                        hit = True
+                        files += 1
+        except OSError:
+            continue
+    return out, files, False
