@@ -1,0 +1,549 @@
+"""Builtin file and search tools against a real filesystem under a real Scope."""
+
+import asyncio
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from poddaemon.scope import Scope
+from poddaemon.tools import (
+    BUILTIN,
+    DEFAULT_TOOLS,
+    ToolContext,
+    ToolOutcome,
+    ToolOutputLimits,
+    cap_output,
+    execute,
+    tool_specs,
+)
+from poddaemon.tools import search as search_mod
+from poddaemon.tools.base import FileStamp
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "pod"
+    r.mkdir()
+    return r
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    o = tmp_path / "outside"
+    o.mkdir()
+    (o / "secret.txt").write_text("TOPSECRET\n")
+    return o
+
+
+def make_ctx(root: Path, permission: str = "write", **limits: Any) -> ToolContext:
+    scope = Scope.from_config([(str(root), permission, True)])
+    return ToolContext(scope=scope, pwd=str(root), limits=ToolOutputLimits(**limits))
+
+
+@pytest.fixture
+def ctx(root: Path) -> ToolContext:
+    return make_ctx(root)
+
+
+async def call(ctx: ToolContext, name: str, **args: Any) -> ToolOutcome:
+    return await execute(name, msgspec.json.encode(args).decode(), ctx)
+
+
+async def read(ctx: ToolContext, path: str) -> ToolOutcome:
+    out = await call(ctx, "read_file", path=path)
+    assert not out.is_error, out.output
+    return out
+
+
+# --- read_file ---------------------------------------------------------------------------------
+
+
+async def test_read_file_numbers_lines_and_records_stamp(ctx: ToolContext, root: Path) -> None:
+    f = root / "a.txt"
+    f.write_text("alpha\nbeta\ngamma\n")
+    out = await call(ctx, "read_file", path="a.txt")
+    assert not out.is_error
+    assert out.output == "     1\talpha\n     2\tbeta\n     3\tgamma"
+    assert out.summary == "read 3 lines of a.txt"
+    st = f.stat()
+    assert ctx.reads[str(f)] == FileStamp(st.st_mtime_ns, st.st_size)
+
+
+async def test_read_file_offset_and_limit(ctx: ToolContext, root: Path) -> None:
+    (root / "n.txt").write_text("".join(f"line{i}\n" for i in range(1, 11)))
+    out = await call(ctx, "read_file", path="n.txt", offset=4, limit=3)
+    assert out.output.splitlines()[:3] == ["     4\tline4", "     5\tline5", "     6\tline6"]
+    assert "continue with offset=7" in out.output
+    tail = await call(ctx, "read_file", path="n.txt", offset=9)
+    assert tail.output == "     9\tline9\n    10\tline10"
+    past = await call(ctx, "read_file", path="n.txt", offset=50)
+    assert past.is_error and "past the end" in past.output and "10 lines" in past.output
+    bad = await call(ctx, "read_file", path="n.txt", offset=0)
+    assert bad.is_error and "offset" in bad.output
+
+
+async def test_read_file_refuses_binary_directory_and_missing(ctx: ToolContext, root: Path) -> None:
+    (root / "b.bin").write_bytes(b"ELF\0\1\2")
+    out = await call(ctx, "read_file", path="b.bin")
+    assert out.is_error and "binary" in out.output
+    (root / "d").mkdir()
+    out = await call(ctx, "read_file", path="d")
+    assert out.is_error and "directory" in out.output
+    out = await call(ctx, "read_file", path="nope.txt")
+    assert out.is_error
+    assert out.output == f"No such file or directory: {root / 'nope.txt'}"
+
+
+async def test_read_file_empty_and_non_utf8(ctx: ToolContext, root: Path) -> None:
+    (root / "e.txt").write_text("")
+    out = await read(ctx, "e.txt")
+    assert out.output == "(empty file)"
+    (root / "l1.txt").write_bytes(b"caf\xe9\n")
+    out = await read(ctx, "l1.txt")
+    assert out.output == "     1\tcaf\ufffd"
+
+
+async def test_read_file_stops_at_output_budget_with_continue_note(root: Path) -> None:
+    ctx = make_ctx(root, per_tool={"read_file": 1000})
+    (root / "big.txt").write_text("".join(f"{'x' * 50} {i}\n" for i in range(200)))
+    out = await read(ctx, "big.txt")
+    assert len(out.output.encode()) <= 1000
+    assert "[more lines follow; continue with offset=" in out.output
+    assert "truncated" not in out.output
+
+
+# --- write_file --------------------------------------------------------------------------------
+
+
+async def test_write_file_creates_parents_and_records_stamp(ctx: ToolContext, root: Path) -> None:
+    out = await call(ctx, "write_file", path="new/dir/f.txt", content="hello\nworld\n")
+    assert not out.is_error, out.output
+    f = root / "new/dir/f.txt"
+    assert f.read_text() == "hello\nworld\n"
+    assert out.summary == "created new/dir/f.txt (2 lines)"
+    assert ctx.reads[str(f)] == FileStamp(f.stat().st_mtime_ns, f.stat().st_size)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask
+    # A file we wrote may be written again without reading it.
+    again = await call(ctx, "write_file", path="new/dir/f.txt", content="v2")
+    assert not again.is_error and f.read_text() == "v2"
+
+
+async def test_write_file_requires_read_first(ctx: ToolContext, root: Path) -> None:
+    f = root / "x.txt"
+    f.write_text("original")
+    out = await call(ctx, "write_file", path="x.txt", content="new")
+    assert out.is_error
+    assert out.output.startswith("read the file before overwriting it")
+    assert f.read_text() == "original"
+
+
+async def test_write_file_refuses_file_changed_since_read(ctx: ToolContext, root: Path) -> None:
+    f = root / "x.txt"
+    f.write_text("original")
+    await read(ctx, "x.txt")
+    f.write_text("someone else was here")
+    out = await call(ctx, "write_file", path="x.txt", content="new")
+    assert out.is_error
+    assert out.output.startswith("file changed since it was read; read it again")
+    assert f.read_text() == "someone else was here"
+    await read(ctx, "x.txt")
+    out = await call(ctx, "write_file", path="x.txt", content="new")
+    assert not out.is_error and f.read_text() == "new"
+    assert out.summary == "wrote x.txt (1 line)"
+
+
+async def test_write_file_keeps_mode(ctx: ToolContext, root: Path) -> None:
+    f = root / "run.sh"
+    f.write_text("#!/bin/sh\n")
+    f.chmod(0o751)
+    await read(ctx, "run.sh")
+    out = await call(ctx, "write_file", path="run.sh", content="#!/bin/sh\necho hi\n")
+    assert not out.is_error
+    assert stat.S_IMODE(f.stat().st_mode) == 0o751
+
+
+async def test_write_file_is_atomic_when_replace_fails(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    f = root / "keep.txt"
+    f.write_text("precious")
+    await read(ctx, "keep.txt")
+
+    def broken_replace(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device", dst)
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    out = await call(ctx, "write_file", path="keep.txt", content="x" * 10000)
+    assert out.is_error and "No space left on device" in out.output
+    assert f.read_text() == "precious"
+    assert sorted(p.name for p in root.iterdir()) == ["keep.txt"]  # no temp file left
+
+
+async def test_write_file_unencodable_content_is_a_tool_error(ctx: ToolContext, root: Path) -> None:
+    f = root / "keep.txt"
+    f.write_text("precious")
+    await read(ctx, "keep.txt")
+    out = await call_raw(ctx, "write_file", {"path": "keep.txt", "content": "bad \ud800"})
+    assert out.is_error and "UTF-8" in out.output
+    assert f.read_text() == "precious"
+    assert sorted(p.name for p in root.iterdir()) == ["keep.txt"]
+
+
+async def call_raw(ctx: ToolContext, name: str, args: dict[str, Any]) -> ToolOutcome:
+    """Like execute, for arguments JSON cannot carry (lone surrogates)."""
+    return await execute(name, "{}", ctx, {name: _Fixed(BUILTIN[name], args)})
+
+
+class _Fixed:
+    def __init__(self, tool: Any, args: dict[str, Any]) -> None:
+        self.name = tool.name
+        self.description = tool.description
+        self.parameters: dict[str, Any] = {"type": "object", "properties": {}}
+        self._tool = tool
+        self._args = args
+
+    async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
+        result: ToolOutcome = await self._tool.run(ctx, self._args)
+        return result
+
+
+# --- edit_file ---------------------------------------------------------------------------------
+
+
+async def test_edit_file_unique_replacement(ctx: ToolContext, root: Path) -> None:
+    f = root / "code.py"
+    f.write_text("def f():\n    return 1\n")
+    await read(ctx, "code.py")
+    out = await call(ctx, "edit_file", path="code.py", old_string="return 1", new_string="return 2")
+    assert not out.is_error, out.output
+    assert f.read_text() == "def f():\n    return 2\n"
+    assert out.summary == "edited code.py (1 replacement)"
+    # the stamp follows our own write: a second edit needs no re-read
+    out = await call(ctx, "edit_file", path="code.py", old_string="f()", new_string="g()")
+    assert not out.is_error and f.read_text() == "def g():\n    return 2\n"
+
+
+async def test_edit_file_not_found_and_multiple(ctx: ToolContext, root: Path) -> None:
+    f = root / "t.txt"
+    f.write_text("a b a b a\n")
+    await read(ctx, "t.txt")
+    out = await call(ctx, "edit_file", path="t.txt", old_string="zzz", new_string="y")
+    assert out.is_error and out.output.startswith("old_string not found")
+    out = await call(ctx, "edit_file", path="t.txt", old_string="a", new_string="c")
+    assert out.is_error
+    assert out.output.startswith("old_string occurs 3 times")
+    assert "add context or set replace_all" in out.output
+    assert f.read_text() == "a b a b a\n"
+    out = await call(
+        ctx, "edit_file", path="t.txt", old_string="a", new_string="c", replace_all=True
+    )
+    assert not out.is_error and f.read_text() == "c b c b c\n"
+    assert out.summary == "edited t.txt (3 replacements)"
+
+
+async def test_edit_file_read_first_rules(ctx: ToolContext, root: Path) -> None:
+    f = root / "t.txt"
+    f.write_text("hello\n")
+    out = await call(ctx, "edit_file", path="t.txt", old_string="hello", new_string="bye")
+    assert out.is_error and out.output.startswith("read the file before editing it")
+    await read(ctx, "t.txt")
+    f.write_text("hello there\n")
+    out = await call(ctx, "edit_file", path="t.txt", old_string="hello", new_string="bye")
+    assert out.is_error and out.output.startswith("file changed since it was read")
+    assert f.read_text() == "hello there\n"
+    out = await call(ctx, "edit_file", path="missing.txt", old_string="a", new_string="b")
+    assert out.is_error and out.output.startswith("No such file or directory")
+
+
+# --- list_dir ----------------------------------------------------------------------------------
+
+
+async def test_list_dir_sorted_with_dir_slashes(ctx: ToolContext, root: Path) -> None:
+    (root / "b.txt").write_text("")
+    (root / "a").mkdir()
+    (root / "c.py").write_text("")
+    (root / "a" / "inner").write_text("")
+    out = await call(ctx, "list_dir")
+    assert out.output == "a/\nb.txt\nc.py"
+    assert out.summary == "listed 3 entries in ."
+    out = await call(ctx, "list_dir", path="a")
+    assert out.output == "inner"
+    (root / "empty").mkdir()
+    assert (await call(ctx, "list_dir", path="empty")).output == "(empty directory)"
+
+
+# --- glob --------------------------------------------------------------------------------------
+
+
+async def test_glob_recursive_newest_first(ctx: ToolContext, root: Path) -> None:
+    (root / "src/pkg").mkdir(parents=True)
+    files = {"src/a.py": 100, "src/pkg/b.py": 300, "top.py": 200, "src/notes.txt": 400}
+    for name, mtime in files.items():
+        (root / name).write_text("x")
+        os.utime(root / name, (mtime, mtime))
+    (root / ".git").mkdir()
+    (root / ".git/hook.py").write_text("x")
+    out = await call(ctx, "glob", pattern="**/*.py")
+    assert out.output == "src/pkg/b.py\ntop.py\nsrc/a.py"
+    out = await call(ctx, "glob", pattern="*.py", path="src")
+    assert out.output == "src/a.py"
+    out = await call(ctx, "glob", pattern="*.rs")
+    assert out.output == "no files match"
+    out = await call(ctx, "glob", pattern="/etc/*")
+    assert out.is_error
+
+
+async def test_glob_skips_out_of_scope_symlinks(
+    ctx: ToolContext, root: Path, outside: Path
+) -> None:
+    (root / "in.txt").write_text("x")
+    (root / "link.txt").symlink_to(outside / "secret.txt")
+    (root / "linkdir").symlink_to(outside)
+    out = await call(ctx, "glob", pattern="**/*.txt")
+    assert out.output == "in.txt"
+    out = await call(ctx, "glob", pattern="linkdir/*")
+    assert out.output == "no files match"
+
+
+async def test_glob_caps_results(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(search_mod, "MAX_GLOB_RESULTS", 5)
+    for i in range(12):
+        (root / f"f{i:02}.txt").write_text("x")
+    out = await call(ctx, "glob", pattern="*.txt")
+    lines = out.output.splitlines()
+    assert len(lines) == 6
+    assert lines[-1] == "[showing 5 of 12 matches; narrow the pattern]"
+
+
+# --- grep --------------------------------------------------------------------------------------
+
+
+async def test_grep_matches_with_paths_and_line_numbers(ctx: ToolContext, root: Path) -> None:
+    (root / "src").mkdir()
+    (root / "src/a.py").write_text("import os\ndef main():\n    pass\n")
+    (root / "src/b.txt").write_text("nothing\nDEF here\n")
+    out = await call(ctx, "grep", pattern=r"^def \w+")
+    assert out.output == "src/a.py:2:def main():"
+    assert out.summary == r"grep ^def \w+: 1 match in 1 file"
+    out = await call(ctx, "grep", pattern="def", ignore_case=True)
+    assert out.output == "src/a.py:2:def main():\nsrc/b.txt:2:DEF here"
+    out = await call(ctx, "grep", pattern="def", ignore_case=True, glob="*.txt")
+    assert out.output == "src/b.txt:2:DEF here"
+    out = await call(ctx, "grep", pattern="def", ignore_case=True, glob="**/*.py")
+    assert out.output == "src/a.py:2:def main():"
+    out = await call(ctx, "grep", pattern="pass", path="src/a.py")
+    assert out.output == "src/a.py:3:    pass"
+    out = await call(ctx, "grep", pattern="zzz")
+    assert out.output == "no matches" and not out.is_error
+
+
+async def test_grep_skips_binary_files_and_vcs_dirs(ctx: ToolContext, root: Path) -> None:
+    (root / "data.bin").write_bytes(b"needle\0\1\2needle")
+    (root / ".git").mkdir()
+    (root / ".git/config").write_text("needle\n")
+    (root / "text.txt").write_text("a needle\n")
+    out = await call(ctx, "grep", pattern="needle")
+    assert out.output == "text.txt:1:a needle"
+
+
+async def test_grep_invalid_regex(ctx: ToolContext) -> None:
+    out = await call(ctx, "grep", pattern="(unclosed")
+    assert out.is_error and out.output.startswith("invalid regex:")
+
+
+async def test_grep_skips_out_of_scope_symlinks(
+    ctx: ToolContext, root: Path, outside: Path
+) -> None:
+    (root / "link.txt").symlink_to(outside / "secret.txt")
+    (root / "linkdir").symlink_to(outside)
+    (root / "mine.txt").write_text("TOPSECRET is my word too\n")
+    out = await call(ctx, "grep", pattern="TOPSECRET")
+    assert out.output == "mine.txt:1:TOPSECRET is my word too"
+
+
+async def test_grep_respects_deny_rules(root: Path) -> None:
+    (root / "secrets").mkdir()
+    (root / "secrets/key").write_text("password=1\n")
+    (root / "app.cfg").write_text("password=\n")
+    scope = Scope.from_config([(str(root), "write", True)], [(str(root / "secrets"), "read", True)])
+    ctx = ToolContext(scope=scope, pwd=str(root))
+    out = await call(ctx, "grep", pattern="password")
+    assert out.output == "app.cfg:1:password="
+    out = await call(ctx, "read_file", path="secrets/key")
+    assert out.is_error and out.output.startswith("outside scope:")
+
+
+async def test_grep_caps_matches(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(search_mod, "MAX_GREP_MATCHES", 3)
+    (root / "m.txt").write_text("hit\n" * 10)
+    out = await call(ctx, "grep", pattern="hit")
+    lines = out.output.splitlines()
+    assert lines == ["m.txt:1:hit", "m.txt:2:hit", "m.txt:3:hit", lines[3]]
+    assert "match limit 3 reached" in lines[3]
+
+
+# --- scope -------------------------------------------------------------------------------------
+
+
+async def test_scope_refuses_absolute_path_outside(ctx: ToolContext) -> None:
+    out = await call(ctx, "read_file", path="/etc/passwd")
+    assert out.is_error
+    assert out.output == "outside scope: /etc/passwd (needs read, has none)"
+    assert not ctx.reads
+
+
+async def test_scope_refuses_dotdot(ctx: ToolContext, outside: Path) -> None:
+    out = await call(ctx, "read_file", path="../outside/secret.txt")
+    assert out.is_error and out.output.startswith("outside scope:")
+    assert "TOPSECRET" not in out.output
+    out = await call(ctx, "write_file", path="../outside/new.txt", content="x")
+    assert out.is_error and out.output.startswith("outside scope:")
+    assert not (outside / "new.txt").exists()
+    for name, args in [
+        ("list_dir", {"path": ".."}),
+        ("glob", {"pattern": "*", "path": "../outside"}),
+        ("grep", {"pattern": "TOP", "path": "../outside"}),
+    ]:
+        out = await call(ctx, name, **args)
+        assert out.is_error and out.output.startswith("outside scope:"), name
+        assert "TOPSECRET" not in out.output and "secret.txt" not in out.output
+
+
+async def test_scope_refuses_symlink_pointing_outside(
+    ctx: ToolContext, root: Path, outside: Path
+) -> None:
+    (root / "innocent.txt").symlink_to(outside / "secret.txt")
+    out = await call(ctx, "read_file", path="innocent.txt")
+    assert out.is_error and out.output.startswith("outside scope:")
+    assert "TOPSECRET" not in out.output
+    assert not ctx.reads
+    assert str(outside / "secret.txt") not in ctx.reads
+    out = await call(ctx, "write_file", path="innocent.txt", content="pwned")
+    assert out.is_error and out.output.startswith("outside scope:")
+    assert (outside / "secret.txt").read_text() == "TOPSECRET\n"
+    (root / "door").symlink_to(outside)
+    out = await call(ctx, "write_file", path="door/new.txt", content="x")
+    assert out.is_error and not (outside / "new.txt").exists()
+
+
+async def test_read_only_scope_refuses_write_and_edit(root: Path) -> None:
+    ctx = make_ctx(root, permission="read")
+    f = root / "r.txt"
+    f.write_text("keep\n")
+    await read(ctx, "r.txt")
+    out = await call(ctx, "write_file", path="r.txt", content="x")
+    assert out.is_error
+    assert out.output == f"outside scope: {f} (needs write, has read)"
+    out = await call(ctx, "edit_file", path="r.txt", old_string="keep", new_string="x")
+    assert out.is_error and out.output.startswith("outside scope:")
+    out = await call(ctx, "write_file", path="new.txt", content="x")
+    assert out.is_error and not (root / "new.txt").exists()
+    assert f.read_text() == "keep\n"
+
+
+# --- execute: errors and output caps -----------------------------------------------------------
+
+
+def test_cap_output_is_utf8_safe() -> None:
+    assert cap_output("short", 100) == "short"
+    text = "é" * 10  # 20 bytes
+    capped = cap_output(text, 5)
+    assert capped == "éé\n[output truncated: 20 bytes, showing the first 5]"
+
+
+async def test_execute_caps_output_per_tool(root: Path) -> None:
+    ctx = make_ctx(root, default_max_bytes=100, per_tool={"grep": 50})
+    (root / "f.txt").write_text("needle " * 40 + "\n")
+    out = await call(ctx, "grep", pattern="needle")
+    head, marker = out.output.split("\n[output truncated: ")
+    assert len(head.encode()) == 50
+    assert marker.endswith("bytes, showing the first 50]")
+    out = await call(ctx, "list_dir")
+    assert "output truncated" not in out.output
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments", "expected"),
+    [
+        ("nope", "{}", "unknown tool: nope"),
+        ("read_file", "{not json", "arguments are not valid JSON"),
+        ("read_file", "[1, 2]", "arguments must be a JSON object, got array"),
+        ("read_file", "{}", "missing required argument: path"),
+        ("read_file", '{"path": null}', "missing required argument: path"),
+        ("read_file", '{"path": 3}', "argument path must be a string, got integer"),
+        ("read_file", '{"path": "a", "limit": "10"}', "argument limit must be a integer"),
+        ("read_file", '{"path": "a", "limit": true}', "argument limit must be a integer"),
+        ("read_file", '{"path": "a", "colour": 1}', "unknown argument: colour"),
+        ("edit_file", '{"path": "a", "old_string": "x"}', "missing required argument: new_string"),
+        (
+            "grep",
+            '{"pattern": "x", "ignore_case": "yes"}',
+            "argument ignore_case must be a boolean",
+        ),
+    ],
+)
+async def test_execute_reports_malformed_arguments(
+    ctx: ToolContext, name: str, arguments: str, expected: str
+) -> None:
+    out = await execute(name, arguments, ctx)
+    assert out.is_error
+    assert out.output.startswith(expected), out.output
+    assert out.summary
+
+
+async def test_execute_accepts_empty_arguments_and_integral_floats(
+    ctx: ToolContext, root: Path
+) -> None:
+    (root / "a.txt").write_text("1\n2\n3\n")
+    assert not (await execute("list_dir", "", ctx)).is_error
+    out = await execute("read_file", '{"path": "a.txt", "limit": 1.0}', ctx)
+    assert out.output.startswith("     1\t1\n[more lines follow")
+
+
+class _Boom:
+    name = "boom"
+    description = "explodes"
+    parameters: dict[str, Any] = {"type": "object", "properties": {}}  # noqa: RUF012
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
+        raise self.exc
+
+
+async def test_execute_turns_unexpected_exceptions_into_errors(ctx: ToolContext) -> None:
+    out = await execute("boom", "{}", ctx, {"boom": _Boom(RuntimeError("kaput"))})
+    assert out.is_error
+    assert out.output == "internal error in boom: RuntimeError: kaput"
+
+
+async def test_execute_lets_cancellation_through(ctx: ToolContext) -> None:
+    with pytest.raises(asyncio.CancelledError):
+        await execute("boom", "{}", ctx, {"boom": _Boom(asyncio.CancelledError())})
+
+
+# --- registry and specs ------------------------------------------------------------------------
+
+
+def test_default_tools_and_specs_are_small() -> None:
+    assert set(DEFAULT_TOOLS) <= set(BUILTIN)
+    assert "bash" in BUILTIN and "bash" not in DEFAULT_TOOLS
+    specs = tool_specs(DEFAULT_TOOLS)
+    assert [s.name for s in specs] == list(DEFAULT_TOOLS)
+    assert len(msgspec.json.encode(specs)) < 3000
+    for spec in tool_specs(BUILTIN):
+        assert len(spec.description) <= 80
+        assert spec.parameters["type"] == "object"
+    with pytest.raises(ValueError, match="unknown tool: spawn_pod"):
+        tool_specs(["spawn_pod"])
