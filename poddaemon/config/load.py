@@ -1,0 +1,416 @@
+"""Loading a manifest: TOML, `defaults.toml` merged under it, `--set` overrides, validation, paths.
+
+Every problem is a `ManifestError` reading `<file>[:<line>]: <field>: <problem>`, where the file is
+the one the offending value came from (the manifest or defaults.toml, as given) and the field is
+dotted (`scope.allow[0].permission`). Values set with `--set` name the override instead of a line.
+"""
+
+import copy
+import os
+import re
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args
+
+import msgspec
+
+from protocol import paths
+
+from .manifest import FieldError, Manifest, ProviderConfig, ScopeRule, SpawnConfig
+
+__all__ = ["ManifestError", "load_manifest", "manifest_to_dict", "manifest_to_toml"]
+
+Key = tuple[str | int, ...]
+
+# Only these sections may come from defaults.toml: scope is granted by the pod's own manifest alone.
+DEFAULTABLE = ("provider", "worker")
+# Keys that only make sense for the provider kind they were written for.
+_KIND_SPECIFIC = ("model", "base_url", "api_key_env")
+_INSTRUCTION_KEYS = ("instruction", "instruction_file")
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "kind": get_args(ProviderConfig.__annotations__["kind"]),
+    "permission": get_args(ScopeRule.__annotations__["permission"]),
+    "on_parent_exit": get_args(SpawnConfig.__annotations__["on_parent_exit"]),
+}
+
+
+class ManifestError(Exception):
+    """A manifest that cannot be used; the message names the file, the field and the line."""
+
+
+def manifest_to_dict(m: Manifest) -> dict[str, Any]:
+    return m.to_dict()
+
+
+def manifest_to_toml(m: Manifest) -> str:
+    return m.to_toml()
+
+
+@dataclass
+class _Source:
+    """Where values came from, for error messages."""
+
+    name: str  # the file as given by the caller
+    text: str | None = None  # for finding lines
+    note: str = ""  # for values from --set
+    _lines: dict[Key, int] | None = field(default=None, repr=False)
+
+    def line_of(self, key: Key) -> int | None:
+        if self.text is None:
+            return None
+        if self._lines is None:
+            self._lines = _key_lines(self.text)
+        for n in range(len(key), 0, -1):  # the key itself, else its nearest enclosing table
+            if key[:n] in self._lines:
+                return self._lines[key[:n]]
+        return None
+
+    def error(self, key: Key, problem: str, *, locate: bool = True) -> ManifestError:
+        line = self.line_of(key) if locate else None
+        where = f"{self.name}:{line}" if line else self.name
+        suffix = f" ({self.note})" if self.note else ""
+        return ManifestError(f"{where}: {_dotted(key)}: {problem}{suffix}")
+
+
+def load_manifest(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    defaults_path: str | Path | None = None,
+) -> Manifest:
+    """Load, merge, override, validate and resolve a manifest; raises ManifestError.
+
+    `defaults_path` None means the user's `<config>/defaults.toml`; a missing file is no defaults.
+    """
+    src = _Source(str(path))
+    src.text = _read(Path(path), src.name, missing="manifest not found")
+    data = _parse(src.text, src.name)
+    if "source" in data:  # a Manifest field, but set by us, never by the file
+        raise src.error(("source",), "unknown key")
+    origins: dict[Key, _Source] = {}
+
+    dpath = Path(defaults_path) if defaults_path is not None else paths.defaults_path()
+    try:
+        dtext: str | None = _read(dpath, str(dpath), missing=None)
+    except FileNotFoundError:
+        dtext = None
+    if dtext is not None:
+        dsrc = _Source(str(dpath), dtext)
+        _merge_defaults(data, _parse(dtext, dsrc.name), dsrc, origins)
+
+    for text in overrides:
+        _apply_override(data, text, src.name, origins)
+
+    try:
+        manifest = msgspec.convert(data, Manifest)
+    except msgspec.ValidationError as e:
+        raise _translate(e, data, src, origins) from None
+    return _resolve_paths(manifest, Path(path))
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+def _read(path: Path, shown: str, *, missing: str | None) -> str:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        if missing is None:
+            raise
+        raise ManifestError(f"{shown}: {missing}") from None
+    except OSError as e:
+        raise ManifestError(f"{shown}: cannot read: {e.strerror or e}") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(
+            f"{shown}: invalid TOML: not UTF-8 ({e.reason} at byte {e.start})"
+        ) from None
+
+
+def _parse(text: str, shown: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        m = re.search(r"\(at line (\d+), column \d+\)", str(e))
+        where = f"{shown}:{m[1]}" if m else shown
+        raise ManifestError(f"{where}: invalid TOML: {e}") from None
+
+
+# --- defaults and overrides ------------------------------------------------------------------
+
+
+def _merge_defaults(
+    data: dict[str, Any], defaults: dict[str, Any], dsrc: _Source, origins: dict[Key, _Source]
+) -> None:
+    for section, table in defaults.items():
+        if section not in DEFAULTABLE:
+            raise dsrc.error((section,), "not allowed in defaults (only [provider] and [worker])")
+        if not isinstance(table, dict):
+            raise dsrc.error((section,), f"expected table, got {_toml_type(table)}")
+    defaults = copy.deepcopy(defaults)
+    mine_provider = data.get("provider")
+    their_provider = defaults.get("provider")
+    if isinstance(mine_provider, dict) and their_provider is not None:
+        mine_kind, their_kind = mine_provider.get("kind"), their_provider.get("kind")
+        # A model or endpoint written for another kind would only mislead this one.
+        if mine_kind is not None and their_kind is not None and mine_kind != their_kind:
+            for k in _KIND_SPECIFIC:
+                their_provider.pop(k, None)
+    mine_worker = data.get("worker")
+    their_worker = defaults.get("worker")
+    # instruction and instruction_file are one setting in two forms: the manifest's wins whole.
+    if (
+        isinstance(mine_worker, dict)
+        and their_worker is not None
+        and any(k in mine_worker for k in _INSTRUCTION_KEYS)
+    ):
+        for k in _INSTRUCTION_KEYS:
+            their_worker.pop(k, None)
+    _merge_under(data, defaults, (), dsrc, origins)
+
+
+def _merge_under(
+    mine: dict[str, Any],
+    theirs: dict[str, Any],
+    prefix: Key,
+    dsrc: _Source,
+    origins: dict[Key, _Source],
+) -> None:
+    for k, v in theirs.items():
+        if k not in mine:
+            mine[k] = v
+            origins[(*prefix, k)] = dsrc
+        elif isinstance(mine[k], dict) and isinstance(v, dict):
+            _merge_under(mine[k], v, (*prefix, k), dsrc, origins)
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _apply_override(
+    data: dict[str, Any], text: str, shown: str, origins: dict[Key, _Source]
+) -> None:
+    dotted, sep, raw = text.partition("=")
+    parts = dotted.strip().split(".")
+    if not sep or not all(_BARE_KEY.match(p) for p in parts):
+        raise ManifestError(f"{shown}: --set {text}: expected section.key=value")
+    value = _parse_value(raw)
+    node: Any = data
+    key: list[str | int] = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        step: str | int = part
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ManifestError(f"{shown}: --set {text}: {_dotted(tuple(key))} has no [{part}]")
+            step = int(part)
+        elif not isinstance(node, dict):
+            raise ManifestError(f"{shown}: --set {text}: {_dotted(tuple(key))} is not a table")
+        key.append(step)
+        if last:
+            node[step] = value
+        else:
+            if isinstance(node, dict) and part not in node:
+                node[part] = {}
+            node = node[step]
+    if len(key) == 2 and key[0] == "worker" and key[1] in _INSTRUCTION_KEYS:
+        # Setting one form of the instruction replaces the other, wherever that came from.
+        other = "instruction_file" if key[1] == "instruction" else "instruction"
+        data["worker"].pop(other, None)
+    full = tuple(key)
+    for k in [k for k in origins if k[: len(full)] == full]:
+        del origins[k]
+    origins[full] = _Source(shown, note=f"--set {text}")
+
+
+def _parse_value(raw: str) -> Any:
+    """A TOML value, or the text itself when it is not one (`provider.model=gpt-4o`)."""
+    try:
+        parsed = tomllib.loads(f"v = {raw}")
+    except tomllib.TOMLDecodeError:
+        return raw
+    return parsed["v"] if parsed.keys() == {"v"} else raw
+
+
+# --- validation errors -----------------------------------------------------------------------
+
+
+def _translate(
+    e: msgspec.ValidationError, data: dict[str, Any], src: _Source, origins: dict[Key, _Source]
+) -> ManifestError:
+    msg, _, at = str(e).partition(" - at `")
+    key = _parse_key(at.rstrip("`"))
+    locate = True
+    cause = e.__cause__
+    if isinstance(cause, FieldError):
+        key = (*key, *_parse_key("$." + cause.field))
+        problem = cause.problem
+    elif m := re.fullmatch(r"Object contains unknown field `(.*)`", msg):
+        key = (*key, m[1])
+        problem = "unknown key"
+    elif m := re.fullmatch(r"Object missing required field `(.*)`", msg):
+        key = (*key, m[1])
+        problem = "required field is missing"
+        locate = False  # the line would be some other key's
+    elif m := re.fullmatch(r"Invalid enum value (.*)", msg):
+        choices = _CHOICES.get(str(key[-1]) if key else "", ())
+        expected = ", ".join(repr(c) for c in choices)
+        problem = f"invalid value {m[1]}" + (f" (expected one of {expected})" if expected else "")
+    elif m := re.fullmatch(r"Expected `(.*?)`, got `(.*?)`", msg):
+        problem = f"expected {_type_names(m[1])}, got {_type_names(m[2])}"
+    elif m := re.fullmatch(r"Expected `(.*?)` (.*)", msg):  # a constraint like ">= 1"
+        problem = f"expected {_type_names(m[1])} {m[2]}"
+        found = _get(data, key)
+        if found is not _MISSING:
+            problem += f", got {found!r}"
+    else:
+        problem = msg
+    return _origin(key, src, origins).error(key, problem, locate=locate)
+
+
+def _origin(key: Key, src: _Source, origins: dict[Key, _Source]) -> _Source:
+    for n in range(len(key), 0, -1):
+        if key[:n] in origins:
+            return origins[key[:n]]
+    return src
+
+
+def _parse_key(at: str) -> Key:
+    """`$.scope.allow[0].permission` -> ("scope", "allow", 0, "permission")."""
+    out: list[str | int] = []
+    for name, index in re.findall(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]", at):
+        if name:
+            out.append(name)
+        elif index != "...":  # a dict value: msgspec does not say which key
+            out.append(int(index))
+    return tuple(out)
+
+
+def _dotted(key: Key) -> str:
+    out = ""
+    for part in key:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+_TYPE_NAMES = {"object": "table", "array": "array", "datetime": "datetime"}
+
+
+def _type_names(union: str) -> str:
+    # TOML has no null: "int | null" is simply an int that may be left out.
+    names = [n.strip() for n in union.split("|") if n.strip() != "null"]
+    return " or ".join(_TYPE_NAMES.get(n, n) for n in names)
+
+
+def _toml_type(value: Any) -> str:
+    if isinstance(value, dict):
+        return "table"
+    return "array" if isinstance(value, list) else type(value).__name__
+
+
+_MISSING = object()
+
+
+def _get(data: Any, key: Key) -> Any:
+    for part in key:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return _MISSING
+    return data
+
+
+# --- finding a key's line --------------------------------------------------------------------
+
+_KEY_PART = r"""[A-Za-z0-9_-]+|"[^"]*"|'[^']*'"""
+_DOTTED = rf"(?:{_KEY_PART})(?:\s*\.\s*(?:{_KEY_PART}))*"
+_HEADER = re.compile(rf"^\s*(\[\[?)\s*({_DOTTED})\s*\]\]?\s*(#.*)?$")
+_KEY = re.compile(rf"^\s*({_DOTTED})\s*=")
+
+
+def _split_key(dotted: str) -> list[str]:
+    return [p.strip("\"'") for p in re.findall(_KEY_PART, dotted)]
+
+
+def _key_lines(text: str) -> dict[Key, int]:
+    """The 1-based line where each table and key first appears, by full path (array items by index).
+
+    A line scanner, not a parser: it only has to point a human at the right place.
+    """
+    lines: dict[Key, int] = {}
+    arrays: dict[Key, int] = {}  # array-of-tables path -> items seen so far
+    table: Key = ()
+    in_multiline: str | None = None
+
+    def resolve(parts: list[str]) -> Key:
+        out: list[str | int] = []
+        for p in parts:
+            out.append(p)
+            if tuple(out) in arrays:  # a sub-table of an array item belongs to its last item
+                out.append(arrays[tuple(out)] - 1)
+        return tuple(out)
+
+    def record(key: Key, n: int) -> None:
+        for i in range(1, len(key) + 1):
+            lines.setdefault(key[:i], n)
+
+    for n, line in enumerate(text.splitlines(), 1):
+        if in_multiline is not None:
+            if line.count(in_multiline) % 2:
+                in_multiline = None
+            continue
+        if header := _HEADER.match(line):
+            parts = _split_key(header[2])
+            if header[1] == "[[":
+                path = (*resolve(parts[:-1]), parts[-1])
+                arrays[path] = arrays.get(path, 0) + 1
+                table = (*path, arrays[path] - 1)
+            else:
+                table = resolve(parts)
+            record(table, n)
+            continue
+        if key := _KEY.match(line):
+            record((*table, *_split_key(key[1])), n)
+            rest = line[key.end() :]
+            for delim in ('"""', "'''"):
+                if rest.count(delim) % 2:
+                    in_multiline = delim
+                    break
+    return lines
+
+
+# --- paths -----------------------------------------------------------------------------------
+
+
+def _resolve_paths(m: Manifest, path: Path) -> Manifest:
+    """Make every path absolute: pwd from the manifest's directory, the rest from pwd.
+
+    Only normalised (`abspath`), not resolved: symlinks are scope's business.
+    """
+
+    def under(base: str, p: str) -> str:
+        return os.path.abspath(os.path.join(base, os.path.expanduser(p)))
+
+    source = os.path.abspath(path)
+    pwd = under(os.path.dirname(source), m.pod.pwd)
+
+    def rules(rs: list[ScopeRule]) -> list[ScopeRule]:
+        return [msgspec.structs.replace(r, target=under(pwd, r.target)) for r in rs]
+
+    worker = m.worker
+    if worker.instruction_file is not None:
+        worker = msgspec.structs.replace(
+            worker, instruction_file=under(pwd, worker.instruction_file)
+        )
+    return msgspec.structs.replace(
+        m,
+        pod=msgspec.structs.replace(m.pod, pwd=pwd),
+        worker=worker,
+        scope=msgspec.structs.replace(
+            m.scope, allow=rules(m.scope.allow), deny=rules(m.scope.deny)
+        ),
+        source=source,
+    )

@@ -1,0 +1,286 @@
+"""The pod manifest (SPEC §3) as msgspec Structs, plus a writer back to TOML.
+
+Structs validate themselves in `__post_init__`, so a Manifest built in code obeys the same rules as
+one loaded from a file. Problems are raised as `FieldError`, which names the offending field
+relative to the Struct; the loader turns that into `<file>:<line>: <dotted.field>: <problem>`.
+"""
+
+import math
+import re
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct, field
+
+from protocol.paths import POD_NAME_RE
+
+FILE_TOOLS = ("read_file", "write_file", "edit_file", "list_dir", "glob", "grep")
+KNOWN_TOOLS = frozenset(
+    (*FILE_TOOLS, "bash", "spawn_pod", "send_to_pod", "list_pods", "stop_pod"),
+)
+
+PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+PositiveFloat = Annotated[float, Meta(gt=0)]
+
+
+class FieldError(ValueError):
+    """A rule broken by one field; `field` is dotted and relative to the Struct that raised it."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+class _Section(Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class PodSection(_Section):
+    name: str
+    pwd: str = "."
+
+    def __post_init__(self) -> None:
+        if not POD_NAME_RE.match(self.name):
+            raise FieldError(
+                "name",
+                f"{self.name!r} is not a valid pod name "
+                "(lowercase letters, digits, '-' and '_', at most 48 characters)",
+            )
+        if not self.pwd:
+            raise FieldError("pwd", "must not be empty")
+
+
+class ProviderConfig(_Section):
+    kind: Literal["anthropic", "openai", "openai_responses"]
+    model: str
+    base_url: str | None = None
+    api_key_env: str | None = None
+    max_retries: NonNegativeInt = 4
+    connect_timeout: PositiveFloat = 10.0
+    first_byte_timeout: PositiveFloat = 120.0
+    stream_idle_timeout: PositiveFloat = 120.0
+    retry_initial_delay: PositiveFloat = 0.5
+    retry_max_delay: PositiveFloat = 30.0
+    retry_total_timeout: PositiveFloat = 300.0
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise FieldError("model", "must not be empty")
+        if self.api_key_env is not None and not self.api_key_env:
+            raise FieldError("api_key_env", "must not be empty")
+
+    @property
+    def api_key_var(self) -> str:
+        """The environment variable with the API key: the configured one, else the kind's."""
+        if self.api_key_env:
+            return self.api_key_env
+        return "ANTHROPIC_API_KEY" if self.kind == "anthropic" else "OPENAI_API_KEY"
+
+
+class ToolOutputConfig(_Section):
+    default_max_bytes: PositiveInt = 16384
+    per_tool: dict[str, int] = {}
+
+    def __post_init__(self) -> None:
+        # Checked here rather than with Meta so the message can name the tool.
+        for tool, limit in self.per_tool.items():
+            if tool not in KNOWN_TOOLS:
+                raise FieldError(f"per_tool.{tool}", f"unknown tool {tool!r}")
+            if limit <= 0:
+                raise FieldError(f"per_tool.{tool}", f"expected int >= 1, got {limit}")
+
+
+class WorkerConfig(_Section):
+    instruction: str | None = None
+    instruction_file: str | None = None
+    max_tokens: PositiveInt = 4096
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    max_turns: PositiveInt = 50
+    tools: list[str] = field(default_factory=lambda: list(FILE_TOOLS))
+    tool_output: ToolOutputConfig = field(default_factory=ToolOutputConfig)
+
+    def __post_init__(self) -> None:
+        # Neither is fine (an empty instruction); both is ambiguous.
+        if self.instruction is not None and self.instruction_file is not None:
+            raise FieldError(
+                "instruction_file", "instruction and instruction_file are exclusive; set only one"
+            )
+        if self.instruction_file is not None and not self.instruction_file:
+            raise FieldError("instruction_file", "must not be empty")
+        seen: set[str] = set()
+        for i, tool in enumerate(self.tools):
+            if tool not in KNOWN_TOOLS:
+                raise FieldError(
+                    f"tools[{i}]",
+                    f"unknown tool {tool!r} (known: {', '.join(sorted(KNOWN_TOOLS))})",
+                )
+            if tool in seen:
+                raise FieldError(f"tools[{i}]", f"tool {tool!r} is listed twice")
+            seen.add(tool)
+
+
+class ScopeRule(_Section):
+    target: str
+    permission: Literal["read", "write"]
+    recursive: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.target:
+            raise FieldError("target", "must not be empty")
+
+
+class ScopeSection(_Section):
+    allow: list[ScopeRule] = []
+    deny: list[ScopeRule] = []
+
+
+class CompactionConfig(_Section):
+    compact_threshold: PositiveInt = 120000
+    compact_retained_turns: NonNegativeInt = 2
+    provider: ProviderConfig | None = None  # None: the pod's own provider
+
+
+class BudgetConfig(_Section):
+    max_total_tokens: PositiveInt | None = None
+
+
+class NotifyConfig(_Section):
+    max_pending: PositiveInt = 1000
+
+
+class SpawnConfig(_Section):
+    on_parent_exit: Literal["stop", "detach"] = "stop"
+
+
+class Manifest(_Section):
+    pod: PodSection
+    provider: ProviderConfig
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    scope: ScopeSection = field(default_factory=ScopeSection)
+    compaction: CompactionConfig | None = None  # None: never compact
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    notify: NotifyConfig = field(default_factory=NotifyConfig)
+    spawn: SpawnConfig = field(default_factory=SpawnConfig)
+    # Where this manifest was loaded from; set by the loader, never a TOML key.
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.scope.allow:
+            raise FieldError("scope.allow", "at least one [[scope.allow]] rule is required")
+
+    @property
+    def compaction_provider(self) -> ProviderConfig:
+        """The provider compaction uses: its own if configured, else the pod's."""
+        if self.compaction is not None and self.compaction.provider is not None:
+            return self.compaction.provider
+        return self.provider
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for the manifest, without None values and without `source`."""
+        return _struct_to_dict(self)
+
+    def to_toml(self) -> str:
+        """TOML text that `load_manifest` turns back into an equal Manifest (but `source`)."""
+        lines: list[str] = []
+        _write_table(lines, (), self, "")
+        return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def _struct_to_dict(s: Struct) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in s.__struct_fields__:
+        value = getattr(s, name)
+        if value is None or (isinstance(s, Manifest) and name == "source"):
+            continue
+        if isinstance(value, Struct):
+            out[name] = _struct_to_dict(value)
+        elif isinstance(value, list):
+            out[name] = [_struct_to_dict(v) if isinstance(v, Struct) else v for v in value]
+        elif isinstance(value, dict):
+            out[name] = dict(value)
+        else:
+            out[name] = value
+    return out
+
+
+# --- a tiny TOML writer for our own shapes ---------------------------------------------------
+# Structs become [tables], lists of Structs [[arrays of tables]], dicts inline tables.
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _key(k: str) -> str:
+    return k if _BARE_KEY.match(k) else _string(k)
+
+
+def _string(s: str) -> str:
+    out = []
+    for ch in s:
+        if ch in _ESCAPES:
+            out.append(_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        if math.isinf(v):
+            return "inf" if v > 0 else "-inf"
+        return repr(v)
+    if isinstance(v, str):
+        return _string(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        if not v:
+            return "{}"
+        return "{ " + ", ".join(f"{_key(k)} = {_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _is_struct_list(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, Struct) for x in v)
+
+
+def _write_table(lines: list[str], path: tuple[str, ...], s: Struct, header: str) -> None:
+    own: list[str] = []
+    children: list[tuple[str, Any]] = []
+    for name in s.__struct_fields__:
+        value = getattr(s, name)
+        if value is None or (isinstance(s, Manifest) and name == "source"):
+            continue
+        if isinstance(value, Struct) or _is_struct_list(value):
+            children.append((name, value))
+        else:
+            own.append(f"{_key(name)} = {_value(value)}")
+    # An [[array]] header makes an item, so it always stays; an empty [table] says nothing.
+    if header and (own or header.startswith("[[")):
+        lines.extend(["", header])
+    lines.extend(own)
+    for name, value in children:
+        sub = (*path, name)
+        dotted = ".".join(_key(p) for p in sub)
+        if isinstance(value, Struct):
+            _write_table(lines, sub, value, f"[{dotted}]")
+        else:
+            for item in value:
+                _write_table(lines, sub, item, f"[[{dotted}]]")

@@ -1,0 +1,619 @@
+"""Manifest loading: defaults, --set, paths, validation messages and the TOML writer."""
+
+import os
+import string
+import tomllib
+from pathlib import Path
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from poddaemon.config import (
+    FILE_TOOLS,
+    KNOWN_TOOLS,
+    CompactionConfig,
+    FieldError,
+    Manifest,
+    ManifestError,
+    PodSection,
+    ProviderConfig,
+    ScopeRule,
+    ScopeSection,
+    ToolOutputConfig,
+    WorkerConfig,
+    load_manifest,
+    manifest_to_dict,
+    manifest_to_toml,
+)
+
+MINIMAL = """\
+[pod]
+name = "reviewer"
+
+[provider]
+kind = "anthropic"
+model = "claude-sonnet-4-5"
+
+[[scope.allow]]
+target = "."
+permission = "write"
+"""
+
+FULL = """\
+[pod]
+name = "reviewer"
+pwd = "work"
+
+[provider]
+kind = "openai"
+model = "gpt-4o"
+base_url = "http://127.0.0.1:11434/v1"
+api_key_env = "MY_KEY"
+max_retries = 2
+connect_timeout = 1.5
+first_byte_timeout = 20
+stream_idle_timeout = 30.0
+retry_initial_delay = 0.25
+retry_max_delay = 8.0
+retry_total_timeout = 60.0
+
+[worker]
+instruction = \"\"\"You are a careful reviewer.
+Today is {{ now.date() }}.\"\"\"
+max_tokens = 1000
+temperature = 0.2
+max_turns = 7
+tools = ["read_file", "write_file", "edit_file", "list_dir", "glob", "grep", "bash",
+         "spawn_pod", "send_to_pod", "list_pods", "stop_pod"]
+[worker.tool_output]
+default_max_bytes = 1024
+per_tool = { bash = 32768, grep = 100 }
+
+[[scope.allow]]
+target = "."
+permission = "write"
+recursive = true
+[[scope.allow]]
+target = "/usr/share/doc"
+permission = "read"
+recursive = false
+[[scope.deny]]
+target = "./secrets"
+permission = "read"
+
+[compaction]
+compact_threshold = 5000
+compact_retained_turns = 3
+[compaction.provider]
+kind = "anthropic"
+model = "claude-haiku"
+
+[budget]
+max_total_tokens = 2000000
+
+[notify]
+max_pending = 10
+
+[spawn]
+on_parent_exit = "detach"
+"""
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Relative file names in messages, and no user defaults.toml leaking in.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PODDAEMON_CONFIG_DIR", str(tmp_path / "config"))
+
+
+def write(text: str, name: str = "m.toml") -> str:
+    Path(name).parent.mkdir(parents=True, exist_ok=True)
+    Path(name).write_text(text)
+    return name
+
+
+def error_of(text: str, *overrides: str, defaults: str | None = None) -> str:
+    dpath = Path(write(defaults, "defaults.toml")) if defaults is not None else Path("none.toml")
+    with pytest.raises(ManifestError) as info:
+        load_manifest(write(text), overrides, defaults_path=dpath)
+    return str(info.value)
+
+
+def same(a: Manifest, b: Manifest) -> bool:
+    return msgspec.structs.replace(a, source="") == msgspec.structs.replace(b, source="")
+
+
+# --- valid manifests -------------------------------------------------------------------------
+
+
+def test_full_manifest_loads_every_field(tmp_path: Path) -> None:
+    m = load_manifest(write(FULL))
+    work = str(tmp_path / "work")
+    assert m.source == str(tmp_path / "m.toml")
+    assert m.pod == PodSection(name="reviewer", pwd=work)
+    assert m.provider == ProviderConfig(
+        kind="openai",
+        model="gpt-4o",
+        base_url="http://127.0.0.1:11434/v1",
+        api_key_env="MY_KEY",
+        max_retries=2,
+        connect_timeout=1.5,
+        first_byte_timeout=20.0,
+        stream_idle_timeout=30.0,
+        retry_initial_delay=0.25,
+        retry_max_delay=8.0,
+        retry_total_timeout=60.0,
+    )
+    assert m.provider.api_key_var == "MY_KEY"
+    assert m.worker.instruction == "You are a careful reviewer.\nToday is {{ now.date() }}."
+    assert (m.worker.max_tokens, m.worker.temperature, m.worker.max_turns) == (1000, 0.2, 7)
+    assert set(m.worker.tools) == KNOWN_TOOLS
+    assert m.worker.tool_output == ToolOutputConfig(
+        default_max_bytes=1024, per_tool={"bash": 32768, "grep": 100}
+    )
+    assert m.scope == ScopeSection(
+        allow=[
+            ScopeRule(target=work, permission="write"),
+            ScopeRule(target="/usr/share/doc", permission="read", recursive=False),
+        ],
+        deny=[ScopeRule(target=f"{work}/secrets", permission="read")],
+    )
+    assert m.compaction == CompactionConfig(
+        compact_threshold=5000,
+        compact_retained_turns=3,
+        provider=ProviderConfig(kind="anthropic", model="claude-haiku"),
+    )
+    assert m.compaction_provider.model == "claude-haiku"
+    assert m.budget.max_total_tokens == 2000000
+    assert m.notify.max_pending == 10
+    assert m.spawn.on_parent_exit == "detach"
+
+
+def test_minimal_manifest_gets_the_defaults(tmp_path: Path) -> None:
+    m = load_manifest(write(MINIMAL))
+    assert m.pod.pwd == str(tmp_path)
+    assert m.worker.tools == list(FILE_TOOLS)
+    assert m.worker.instruction is None and m.worker.instruction_file is None
+    assert m.worker.max_tokens == 4096 and m.worker.max_turns == 50
+    assert m.worker.temperature is None
+    assert m.worker.tool_output == ToolOutputConfig(default_max_bytes=16384, per_tool={})
+    assert m.compaction is None
+    assert m.compaction_provider is m.provider
+    assert m.budget.max_total_tokens is None
+    assert m.notify.max_pending == 1000
+    assert m.spawn.on_parent_exit == "stop"
+    assert m.provider.max_retries == 4 and m.provider.retry_max_delay == 30.0
+
+
+@pytest.mark.parametrize(
+    ("kind", "var"),
+    [("anthropic", "ANTHROPIC_API_KEY"), ("openai", "OPENAI_API_KEY"),
+     ("openai_responses", "OPENAI_API_KEY")],
+)  # fmt: skip
+def test_api_key_var_defaults_per_kind(kind: str, var: str) -> None:
+    assert ProviderConfig(kind=kind, model="m").api_key_var == var  # type: ignore[arg-type]
+
+
+def test_full_manifest_round_trips_through_toml(tmp_path: Path) -> None:
+    m = load_manifest(write(FULL))
+    text = manifest_to_toml(m)
+    # Written elsewhere: every path is absolute, so the new location does not matter.
+    again = load_manifest(write(text, "elsewhere/child.toml"))
+    assert same(again, m)
+    assert again.source == str(tmp_path / "elsewhere/child.toml")
+    assert tomllib.loads(text) == manifest_to_dict(m)
+    assert "source" not in manifest_to_dict(m)
+
+
+def test_to_dict_skips_none() -> None:
+    d = load_manifest(write(MINIMAL)).to_dict()
+    assert "compaction" not in d
+    assert "base_url" not in d["provider"]
+    assert "instruction" not in d["worker"]
+    assert d["budget"] == {}
+
+
+# --- defaults.toml ---------------------------------------------------------------------------
+
+
+def test_defaults_merge_under_the_manifest() -> None:
+    write(
+        """\
+[provider]
+kind = "anthropic"
+model = "default-model"
+max_retries = 9
+[worker]
+instruction = "from defaults"
+max_tokens = 100
+tools = ["bash"]
+[worker.tool_output]
+per_tool = { bash = 1, grep = 2 }
+""",
+        "defaults.toml",
+    )
+    write(
+        MINIMAL + '[worker]\ntools = ["read_file"]\n[worker.tool_output]\nper_tool = {grep = 5}\n'
+    )
+    m = load_manifest("m.toml", defaults_path=Path("defaults.toml"))
+    assert m.provider.model == "claude-sonnet-4-5"  # the manifest wins per key
+    assert m.provider.max_retries == 9  # what it leaves out comes from defaults
+    assert m.worker.instruction == "from defaults"
+    assert m.worker.max_tokens == 100
+    assert m.worker.tools == ["read_file"]  # lists are replaced, not merged
+    assert m.worker.tool_output.per_tool == {"bash": 1, "grep": 5}  # tables merge deeply
+
+
+def test_defaults_come_from_the_config_dir_by_default(tmp_path: Path) -> None:
+    write("[worker]\nmax_turns = 3\n", "config/defaults.toml")
+    assert load_manifest(write(MINIMAL)).worker.max_turns == 3
+
+
+def test_defaults_instruction_gives_way_to_the_manifests_instruction_file() -> None:
+    defaults = '[worker]\ninstruction = "generic"\n'
+    write(defaults, "defaults.toml")
+    write(MINIMAL + '[worker]\ninstruction_file = "p.md"\n')
+    m = load_manifest("m.toml", defaults_path=Path("defaults.toml"))
+    assert m.worker.instruction is None
+    assert m.worker.instruction_file is not None
+
+
+def test_defaults_for_another_provider_kind_keep_only_generic_settings() -> None:
+    write(
+        '[provider]\nkind = "openai"\nmodel = "gpt"\nbase_url = "http://x/v1"\nmax_retries = 1\n',
+        "defaults.toml",
+    )
+    m = load_manifest(write(MINIMAL), defaults_path=Path("defaults.toml"))
+    assert (m.provider.kind, m.provider.model, m.provider.base_url) == (
+        "anthropic",
+        "claude-sonnet-4-5",
+        None,
+    )
+    assert m.provider.max_retries == 1
+
+
+def test_defaults_can_fill_in_the_whole_provider() -> None:
+    write('[provider]\nkind = "openai"\nmodel = "gpt"\n', "defaults.toml")
+    text = MINIMAL.replace('[provider]\nkind = "anthropic"\nmodel = "claude-sonnet-4-5"\n', "")
+    m = load_manifest(write(text), defaults_path=Path("defaults.toml"))
+    assert (m.provider.kind, m.provider.model) == ("openai", "gpt")
+
+
+def test_defaults_cannot_add_scope() -> None:
+    defaults = '[worker]\nmax_turns = 3\n\n[[scope.allow]]\ntarget = "/"\npermission = "write"\n'
+    assert error_of(MINIMAL, defaults=defaults) == (
+        "defaults.toml:4: scope: not allowed in defaults (only [provider] and [worker])"
+    )
+
+
+def test_defaults_cannot_set_other_sections() -> None:
+    assert error_of(MINIMAL, defaults='[pod]\npwd = "/"\n') == (
+        "defaults.toml:1: pod: not allowed in defaults (only [provider] and [worker])"
+    )
+
+
+def test_errors_in_defaults_name_the_defaults_file() -> None:
+    defaults = '[worker]\nmax_turns = 3\nbogus = 1\nmax_tokens = "x"\n'
+    assert error_of(MINIMAL, defaults=defaults) == "defaults.toml:3: worker.bogus: unknown key"
+    defaults = '[worker]\nmax_tokens = "x"\n'
+    assert error_of(MINIMAL, defaults=defaults) == (
+        "defaults.toml:2: worker.max_tokens: expected int, got str"
+    )
+    assert error_of(MINIMAL, defaults="[worker\n").startswith("defaults.toml:1: invalid TOML: ")
+
+
+# --- --set -----------------------------------------------------------------------------------
+
+
+def test_set_overrides_scalars_and_nested_keys() -> None:
+    m = load_manifest(
+        write(MINIMAL),
+        [
+            "provider.model=gpt-4o",  # not TOML: taken as a plain string
+            "provider.kind='openai'",
+            "worker.max_tokens=100",
+            "worker.temperature=0.5",
+            'worker.tools=["bash", "grep"]',
+            "worker.tool_output.per_tool.bash=77",
+            "compaction.compact_threshold=5",  # creates the table
+            "scope.allow.0.permission=read",
+            "worker.instruction=Be brief. Very.",
+        ],
+    )
+    assert (m.provider.kind, m.provider.model) == ("openai", "gpt-4o")
+    assert m.worker.max_tokens == 100
+    assert m.worker.temperature == 0.5
+    assert m.worker.tools == ["bash", "grep"]
+    assert m.worker.tool_output.per_tool == {"bash": 77}
+    assert m.compaction == CompactionConfig(compact_threshold=5)
+    assert m.scope.allow[0].permission == "read"
+    assert m.worker.instruction == "Be brief. Very."
+
+
+def test_set_wins_over_defaults_and_replaces_the_other_instruction_form() -> None:
+    write('[worker]\nmax_turns = 3\ninstruction_file = "x.md"\n', "defaults.toml")
+    m = load_manifest(
+        write(MINIMAL), ["worker.max_turns=4", "worker.instruction=hi"], Path("defaults.toml")
+    )
+    assert m.worker.max_turns == 4
+    assert (m.worker.instruction, m.worker.instruction_file) == ("hi", None)
+
+
+def test_set_value_with_equals_signs_and_empty_value() -> None:
+    m = load_manifest(write(MINIMAL), ["worker.instruction=a=b", "provider.base_url="])
+    assert m.worker.instruction == "a=b"
+    assert m.provider.base_url == ""
+
+
+@pytest.mark.parametrize("bad", ["novalue", "=3", "worker..x=1", "worker.max tokens=1"])
+def test_set_bad_form_names_the_override(bad: str) -> None:
+    assert error_of(MINIMAL, bad) == f"m.toml: --set {bad}: expected section.key=value"
+
+
+def test_set_through_a_scalar_or_past_an_array() -> None:
+    assert error_of(MINIMAL, "pod.name.first=x") == (
+        "m.toml: --set pod.name.first=x: pod.name is not a table"
+    )
+    assert error_of(MINIMAL, "scope.allow.5.target=x") == (
+        "m.toml: --set scope.allow.5.target=x: scope.allow has no [5]"
+    )
+
+
+def test_set_with_a_wrong_type_names_the_override() -> None:
+    assert error_of(MINIMAL, "worker.max_tokens=abc") == (
+        "m.toml: worker.max_tokens: expected int, got str (--set worker.max_tokens=abc)"
+    )
+    assert error_of(MINIMAL, "worker.bogus=1") == (
+        "m.toml: worker.bogus: unknown key (--set worker.bogus=1)"
+    )
+
+
+# --- paths -----------------------------------------------------------------------------------
+
+
+def test_paths_resolve_from_the_manifest_then_from_pwd(tmp_path: Path) -> None:
+    text = MINIMAL.replace('name = "reviewer"', 'name = "reviewer"\npwd = "../proj"') + (
+        '[[scope.allow]]\ntarget = "/etc/../usr"\npermission = "read"\n'
+        '[[scope.deny]]\ntarget = "sub/./x/"\npermission = "write"\n'
+        '[worker]\ninstruction_file = "prompts/p.md"\n'
+    )
+    m = load_manifest(write(text, "conf/m.toml"))
+    proj = str(tmp_path / "proj")
+    assert m.source == str(tmp_path / "conf/m.toml")
+    assert m.pod.pwd == proj
+    assert [r.target for r in m.scope.allow] == [proj, "/usr"]
+    assert m.scope.deny[0].target == f"{proj}/sub/x"
+    assert m.worker.instruction_file == f"{proj}/prompts/p.md"
+
+
+def test_paths_are_not_resolved_through_symlinks(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    m = load_manifest(write(MINIMAL.replace('target = "."', 'target = "link"')))
+    assert m.scope.allow[0].target == str(tmp_path / "link")
+
+
+def test_home_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    m = load_manifest(write(MINIMAL.replace('target = "."', 'target = "~/notes"')))
+    assert m.scope.allow[0].target == str(tmp_path / "home/notes")
+
+
+# --- error messages --------------------------------------------------------------------------
+
+
+def test_unknown_key_in_a_section() -> None:
+    text = "[worker]\nmax_tokens = 5\nbogus = 1\n" + MINIMAL
+    assert error_of(text) == "m.toml:3: worker.bogus: unknown key"
+
+
+def test_unknown_top_level_key_and_table() -> None:
+    assert error_of("color = 1\n" + MINIMAL) == "m.toml:1: color: unknown key"
+    assert error_of(MINIMAL + "\n[extras]\nx = 1\n") == "m.toml:12: extras: unknown key"
+    # `source` is a Manifest field, but never one a file may set
+    assert error_of('source = "x"\n' + MINIMAL) == "m.toml:1: source: unknown key"
+
+
+def test_unknown_key_in_a_nested_table() -> None:
+    text = MINIMAL + "[compaction]\n[compaction.provider]\nkind = 'openai'\nmodel = 'x'\nfoo = 1\n"
+    assert error_of(text) == "m.toml:15: compaction.provider.foo: unknown key"
+
+
+def test_unknown_key_in_an_array_of_tables_entry() -> None:
+    text = MINIMAL + '[[scope.allow]]\ntarget = "a"\npermision = "read"\n'
+    assert error_of(text) == "m.toml:13: scope.allow[1].permision: unknown key"
+
+
+def test_dotted_keys_are_found_too() -> None:
+    text = "worker.tool_output.max_bytes = 3\n" + MINIMAL
+    assert error_of(text) == "m.toml:1: worker.tool_output.max_bytes: unknown key"
+    # after [[scope.allow]] the same line belongs to the array's item
+    assert error_of(MINIMAL + "worker.x = 3\n") == "m.toml:11: scope.allow[0].worker: unknown key"
+
+
+def test_keys_inside_multiline_strings_are_not_mistaken_for_keys() -> None:
+    text = '[worker]\ninstruction = """\nbogus = 1\n"""\nbogus = 2\n' + MINIMAL
+    assert error_of(text) == "m.toml:5: worker.bogus: unknown key"
+
+
+def test_wrong_types() -> None:
+    text = '[pod]\nname = "x"\n\n[worker]\nmax_tokens = "4096"\n' + MINIMAL.split("\n", 3)[3]
+    assert error_of(text) == "m.toml:5: worker.max_tokens: expected int, got str"
+    assert error_of("pod = 3\n" + MINIMAL.split("\n", 3)[3]) == (
+        "m.toml:1: pod: expected table, got int"
+    )
+    assert error_of(MINIMAL + "[worker]\ntemperature = 'hot'\n") == (
+        "m.toml:12: worker.temperature: expected float, got str"
+    )
+    assert error_of(MINIMAL + "[worker]\ntools = 'bash'\n") == (
+        "m.toml:12: worker.tools: expected array, got str"
+    )
+    assert error_of(MINIMAL.replace('"write"', '"write"\nrecursive = "yes"')) == (
+        "m.toml:11: scope.allow[0].recursive: expected bool, got str"
+    )
+
+
+def test_out_of_range_values() -> None:
+    assert error_of(MINIMAL + "[worker]\nmax_tokens = 0\n") == (
+        "m.toml:12: worker.max_tokens: expected int >= 1, got 0"
+    )
+    assert error_of(MINIMAL + "[worker]\ntemperature = 3\n") == (
+        "m.toml:12: worker.temperature: expected float <= 2.0, got 3"
+    )
+    assert error_of(MINIMAL + "[notify]\nmax_pending = -1\n") == (
+        "m.toml:12: notify.max_pending: expected int >= 1, got -1"
+    )
+    assert error_of(MINIMAL + "[worker.tool_output]\nper_tool = { bash = 0 }\n") == (
+        "m.toml:12: worker.tool_output.per_tool.bash: expected int >= 1, got 0"
+    )
+
+
+def test_missing_required_fields() -> None:
+    assert error_of(MINIMAL.replace('name = "reviewer"\n', "")) == (
+        "m.toml: pod.name: required field is missing"
+    )
+    assert error_of(MINIMAL.replace('[pod]\nname = "reviewer"\n', "")) == (
+        "m.toml: pod: required field is missing"
+    )
+    assert error_of(MINIMAL.replace('model = "claude-sonnet-4-5"\n', "")) == (
+        "m.toml: provider.model: required field is missing"
+    )
+    assert error_of(MINIMAL.split("[[scope.allow]]")[0]) == (
+        "m.toml: scope.allow: at least one [[scope.allow]] rule is required"
+    )
+
+
+def test_bad_pod_name() -> None:
+    assert error_of(MINIMAL.replace('"reviewer"', '"Bad Name"')) == (
+        "m.toml:2: pod.name: 'Bad Name' is not a valid pod name "
+        "(lowercase letters, digits, '-' and '_', at most 48 characters)"
+    )
+    assert "not a valid pod name" in error_of(MINIMAL.replace("reviewer", "x" * 49))
+
+
+def test_bad_enum_values() -> None:
+    assert error_of(MINIMAL.replace('"anthropic"', '"claude"')) == (
+        "m.toml:5: provider.kind: invalid value 'claude' "
+        "(expected one of 'anthropic', 'openai', 'openai_responses')"
+    )
+    assert error_of(MINIMAL.replace('"write"', '"rw"')) == (
+        "m.toml:10: scope.allow[0].permission: invalid value 'rw' (expected one of 'read', 'write')"
+    )
+    assert error_of(MINIMAL + "[spawn]\non_parent_exit = 'kill'\n") == (
+        "m.toml:12: spawn.on_parent_exit: invalid value 'kill' (expected one of 'stop', 'detach')"
+    )
+
+
+def test_unknown_tools() -> None:
+    assert error_of(MINIMAL + '[worker]\ntools = ["bash", "rm"]\n') == (
+        f"m.toml:12: worker.tools[1]: unknown tool 'rm' (known: {', '.join(sorted(KNOWN_TOOLS))})"
+    )
+    assert error_of(MINIMAL + '[worker]\ntools = ["bash", "bash"]\n') == (
+        "m.toml:12: worker.tools[1]: tool 'bash' is listed twice"
+    )
+    assert error_of(MINIMAL + "[worker.tool_output]\nper_tool = { rm = 5 }\n") == (
+        "m.toml:12: worker.tool_output.per_tool.rm: unknown tool 'rm'"
+    )
+
+
+def test_instruction_and_instruction_file_are_exclusive() -> None:
+    text = MINIMAL + '[worker]\ninstruction = "a"\ninstruction_file = "b.md"\n'
+    assert error_of(text) == (
+        "m.toml:13: worker.instruction_file: "
+        "instruction and instruction_file are exclusive; set only one"
+    )
+
+
+def test_toml_syntax_error() -> None:
+    text = MINIMAL.replace("[[scope.allow]]", "[worker]\nmax_tokens = = 3\n[[scope.allow]]")
+    with pytest.raises(tomllib.TOMLDecodeError) as parsed:
+        tomllib.loads(text)
+    assert "(at line 9," in str(parsed.value)
+    assert error_of(text) == f"m.toml:9: invalid TOML: {parsed.value}"
+
+
+def test_missing_and_unreadable_files(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match=r"^m\.toml: manifest not found$"):
+        load_manifest("m.toml")
+    (tmp_path / "d.toml").mkdir()
+    with pytest.raises(ManifestError, match=r"^d\.toml: cannot read: "):
+        load_manifest("d.toml")
+    (tmp_path / "b.toml").write_bytes(b"[pod]\nname = '\xff'\n")
+    with pytest.raises(ManifestError, match=r"^b\.toml: invalid TOML: not UTF-8"):
+        load_manifest("b.toml")
+
+
+def test_the_file_is_named_as_given(tmp_path: Path) -> None:
+    write(MINIMAL + "bogus = 1\n", "sub/m.toml")
+    with pytest.raises(ManifestError, match=r"^sub/m\.toml:"):
+        load_manifest("sub/m.toml")
+    with pytest.raises(ManifestError, match=rf"^{tmp_path}/sub/m\.toml:"):
+        load_manifest(tmp_path / "sub/m.toml")
+
+
+def test_structs_validate_when_built_in_code() -> None:
+    with pytest.raises(FieldError, match="not a valid pod name"):
+        PodSection(name="UP")
+    with pytest.raises(FieldError, match="exclusive"):
+        WorkerConfig(instruction="a", instruction_file="b")
+    with pytest.raises(FieldError, match=r"scope\.allow"):
+        Manifest(pod=PodSection(name="a"), provider=ProviderConfig(kind="openai", model="m"))
+
+
+# --- the TOML writer, property-tested --------------------------------------------------------
+
+_text = st.text(st.characters(exclude_categories=["Cs"]), max_size=40)
+_segment = st.text(string.ascii_letters + string.digits + " _-.é\"'\\", min_size=1, max_size=8)
+_abs_path = st.lists(_segment, min_size=0, max_size=4).map(
+    lambda parts: os.path.abspath("/" + "/".join(parts))
+)
+_provider = st.builds(
+    ProviderConfig,
+    kind=st.sampled_from(["anthropic", "openai", "openai_responses"]),
+    model=_text.filter(bool),
+    base_url=st.none() | _text,
+    max_retries=st.integers(0, 10),
+    connect_timeout=st.floats(0.001, 1e6),
+)
+_rule = st.builds(
+    ScopeRule,
+    target=_abs_path,
+    permission=st.sampled_from(["read", "write"]),
+    recursive=st.booleans(),
+)
+_worker = st.builds(
+    WorkerConfig,
+    instruction=st.none() | _text,
+    max_tokens=st.integers(1, 2**40),
+    temperature=st.none() | st.floats(0, 2),
+    tools=st.lists(st.sampled_from(sorted(KNOWN_TOOLS)), unique=True),
+    tool_output=st.builds(
+        ToolOutputConfig,
+        per_tool=st.dictionaries(st.sampled_from(sorted(KNOWN_TOOLS)), st.integers(1, 10**9)),
+    ),
+)
+_manifest = st.builds(
+    Manifest,
+    pod=st.builds(PodSection, name=st.from_regex(r"\A[a-z0-9][a-z0-9_-]{0,47}\Z"), pwd=_abs_path),
+    provider=_provider,
+    worker=_worker,
+    scope=st.builds(
+        ScopeSection,
+        allow=st.lists(_rule, min_size=1, max_size=3),
+        deny=st.lists(_rule, max_size=2),
+    ),
+    compaction=st.none() | st.builds(CompactionConfig, provider=st.none() | _provider),
+)
+
+
+# tmp_path is shared between examples on purpose: each overwrites the same file.
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(_manifest)
+def test_to_toml_round_trips(tmp_path: Path, m: Manifest) -> None:
+    path = tmp_path / "rt.toml"
+    path.write_text(manifest_to_toml(m), encoding="utf-8")
+    assert same(load_manifest(path, defaults_path=tmp_path / "none.toml"), m)
