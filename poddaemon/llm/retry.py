@@ -18,7 +18,7 @@ import math
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, Protocol
 
 from poddaemon.llm.types import (
@@ -251,7 +251,7 @@ async def with_retries(
     sleep: Sleep = asyncio.sleep,
     clock: Callable[[], float] = time.monotonic,
     rng: random.Random | None = None,
-) -> AsyncIterator[StreamEvent]:
+) -> AsyncGenerator[StreamEvent, None]:
     """Run ``attempt_fn`` until it produces a ModelResponse, retrying per the policy above.
 
     Yields deltas as they arrive, ``RetryScheduled`` before each backoff sleep, and exactly one
@@ -362,7 +362,7 @@ class RetryingClient:
     def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
         raise NotImplementedError
 
-    async def stream(self, req: ModelRequest) -> AsyncIterator[StreamEvent]:
+    async def stream(self, req: ModelRequest) -> AsyncGenerator[StreamEvent, None]:
         try:
             client = await self._ensure_client()
         except ProviderError:
