@@ -337,7 +337,7 @@ class Registry:
 
         return self._transact(change)
 
-    def update(self, name: str, pid: int, **fields: Any) -> PodEntry:
+    def update(self, name: str, pid: int, /, **fields: Any) -> PodEntry:
         """Change fields of `pid`'s entry (e.g. `session`, `socket`). A new `scope` is checked
         against the other pods like a registration."""
         if {"name", "pid", "start_time"} & fields.keys():

@@ -1,0 +1,304 @@
+"""The pods.json registry: claims, conflicts, reclaim, delegation, file hygiene."""
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from poddaemon.registry import (
+    PodEntry,
+    Registry,
+    RegistryConflict,
+    RegistryError,
+    is_alive,
+    make_entry,
+    process_start_time,
+)
+from poddaemon.scope import Scope
+
+# A child that lives until its stdin closes: we decide when it dies, without sleeping.
+WAIT_STDIN = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+
+
+@pytest.fixture
+def runtime() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="reg-"))
+    yield path / "run"
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def reg(runtime: Path) -> Registry:
+    return Registry(runtime)
+
+
+def scope(*writes: str, reads: tuple[str, ...] = ()) -> Scope:
+    return Scope.from_config(
+        [(w, "write", True) for w in writes] + [(r, "read", True) for r in reads], cwd="/"
+    )
+
+
+def entry(name: str, sc: Scope, *, parent: str | None = None, pid: int | None = None) -> PodEntry:
+    return make_entry(name, f"/run/{name}/sock", sc, parent=parent, session="s-" + name, pid=pid)
+
+
+def test_register_list_release(reg: Registry, runtime: Path) -> None:
+    a = reg.register(entry("alpha", scope("/w/a")))
+    reg.register(entry("beta", scope("/w/b")))
+    assert [e.name for e in reg.live()] == ["alpha", "beta"]
+    assert reg.get("alpha") == a
+    assert a.pid == os.getpid() and a.start_time == process_start_time(os.getpid())
+    assert reg.release("alpha", pid=os.getpid() + 1) is False  # not its holder
+    assert reg.get("alpha") is not None
+    assert reg.release("alpha", pid=os.getpid()) is True
+    assert reg.get("alpha") is None
+    assert [e.name for e in reg.live()] == ["beta"]
+    doc = msgspec.json.decode((runtime / "pods.json").read_bytes())
+    assert doc["version"] == 1 and list(doc["pods"]) == ["beta"]
+
+
+def test_empty_registry(reg: Registry) -> None:
+    assert reg.live() == []
+    assert reg.get("nobody") is None
+    assert reg.release("nobody", os.getpid()) is False
+
+
+def test_duplicate_name(reg: Registry) -> None:
+    reg.register(entry("dup", scope("/w/1")))
+    with pytest.raises(RegistryConflict) as e:
+        reg.register(entry("dup", scope("/w/2")))
+    assert str(e.value) == f"a pod named 'dup' is already running (pid {os.getpid()})"
+
+
+def test_write_overlap_names_pod_and_path(reg: Registry) -> None:
+    reg.register(entry("owner", scope("/w/proj")))
+    with pytest.raises(RegistryConflict) as e:
+        reg.register(entry("intruder", scope("/w/proj/src/lib")))
+    assert str(e.value) == (
+        f"scope conflict: pod 'owner' (pid {os.getpid()}) already holds write access to "
+        "/w/proj/src/lib"
+    )
+    with pytest.raises(RegistryConflict, match=r"pod 'owner'.* /w/proj$"):
+        reg.register(entry("wider", scope("/w")))
+    assert [e.name for e in reg.live()] == ["owner"]  # failed claims leave nothing behind
+
+
+def test_read_overlap_allowed(reg: Registry) -> None:
+    reg.register(entry("writer", scope("/w/proj")))
+    reg.register(entry("reader", scope("/w/other", reads=("/w/proj",))))
+    reg.register(entry("reader2", scope(reads=("/w",))))
+    assert {e.name for e in reg.live()} == {"writer", "reader", "reader2"}
+
+
+def test_component_prefix_is_no_overlap(reg: Registry) -> None:
+    reg.register(entry("b", scope("/w/b")))
+    reg.register(entry("bc", scope("/w/bc")))
+
+
+def _dead_pid() -> tuple[int, int]:
+    proc = subprocess.Popen(WAIT_STDIN, stdin=subprocess.PIPE)
+    start = process_start_time(proc.pid)
+    assert start is not None
+    assert proc.stdin is not None
+    proc.stdin.close()
+    proc.wait()
+    return proc.pid, start
+
+
+def test_reclaims_dead_process(reg: Registry, runtime: Path) -> None:
+    pid, start = _dead_pid()
+    ghost = PodEntry(
+        name="ghost",
+        pid=pid,
+        start_time=start,
+        socket="/x",
+        scope=scope("/w/proj").to_dicts(),
+        started_at=0.0,
+    )
+    assert not is_alive(ghost)
+    # Plant the claim as a crashed pod would have left it, with its socket and pid files.
+    (runtime / "pods" / "ghost").mkdir(parents=True)
+    (runtime / "pods" / "ghost" / "sock").write_text("")
+    (runtime / "pods" / "ghost" / "pid").write_text(str(pid))
+    (runtime / "pods" / "ghost" / "stderr.log").write_text("kept")
+    (runtime / "pods.json").write_bytes(
+        msgspec.json.encode({"version": 1, "pods": {"ghost": ghost}})
+    )
+    assert reg.live() == [] and reg.get("ghost") is None  # readers filter it
+    reg.register(entry("heir", scope("/w/proj")))
+    reg.register(entry("ghost", scope("/w/other")))  # the name is free again too
+    assert {e.name for e in reg.live()} == {"heir", "ghost"}
+    assert not (runtime / "pods" / "ghost" / "sock").exists()
+    assert not (runtime / "pods" / "ghost" / "pid").exists()
+    assert (runtime / "pods" / "ghost" / "stderr.log").read_text() == "kept"
+
+
+def test_reclaims_reused_pid(reg: Registry, runtime: Path) -> None:
+    me = entry("old", scope("/w/proj"))
+    impostor = msgspec.structs.replace(me, start_time=me.start_time - 1)  # same pid, other process
+    assert not is_alive(impostor)
+    (runtime).mkdir(parents=True)
+    (runtime / "pods.json").write_bytes(
+        msgspec.json.encode({"version": 1, "pods": {"old": impostor}})
+    )
+    reg.register(entry("new", scope("/w/proj")))
+    raw = msgspec.json.decode((runtime / "pods.json").read_bytes())
+    assert list(raw["pods"]) == ["new"]
+
+
+def test_reclaim_happens_even_when_the_change_fails(reg: Registry, runtime: Path) -> None:
+    pid, start = _dead_pid()
+    reg.register(entry("live", scope("/w/live")))
+    ghost = PodEntry(name="ghost", pid=pid, start_time=start, socket="/x", scope=[], started_at=0.0)
+    reg.register(ghost)  # a dead registrant is stored, and reclaimed by the next transaction
+    with pytest.raises(RegistryConflict):
+        reg.register(entry("live", scope("/w/else")))
+    raw = msgspec.json.decode((runtime / "pods.json").read_bytes())
+    assert list(raw["pods"]) == ["live"]
+
+
+def test_file_modes(reg: Registry, runtime: Path) -> None:
+    reg.register(entry("m", scope("/w")))
+    assert stat.S_IMODE((runtime / "pods.json").stat().st_mode) == 0o600
+    assert stat.S_IMODE((runtime / "pods.json.lock").stat().st_mode) == 0o600
+    assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
+    assert [p.name for p in runtime.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"{not json", b'{"version": 1, "pods": {"a": {"name": "a"}}}', b'{"version": 9, "pods": {}}'],
+)
+def test_corrupt_file_is_an_error_naming_it(reg: Registry, runtime: Path, content: bytes) -> None:
+    runtime.mkdir(parents=True)
+    (runtime / "pods.json").write_bytes(content)
+    with pytest.raises(RegistryError, match=re.escape(str(runtime / "pods.json"))):
+        reg.register(entry("x", scope("/w")))
+    with pytest.raises(RegistryError, match=re.escape(str(runtime / "pods.json"))):
+        reg.live()
+    assert (runtime / "pods.json").read_bytes() == content  # never wiped
+
+
+def test_update(reg: Registry) -> None:
+    reg.register(entry("u", scope("/w/u")))
+    reg.register(entry("v", scope("/w/v")))
+    got = reg.update("u", os.getpid(), session="s2", socket="/new")
+    assert got.session == "s2" and reg.get("u") == got
+    with pytest.raises(RegistryConflict, match="pod 'v'"):
+        reg.update("u", os.getpid(), scope=scope("/w/v/x").to_dicts())
+    assert reg.get("u") == got
+    with pytest.raises(RegistryError, match="no live pod named 'u' with pid"):
+        reg.update("u", os.getpid() + 1, session="s3")
+    with pytest.raises(ValueError):
+        reg.update("u", os.getpid(), pid=1)
+
+
+def test_lock_timeout_is_a_clear_error(runtime: Path) -> None:
+    reg = Registry(runtime, lock_timeout=0.05)
+    holder = Registry(runtime)
+    with holder._locked(), pytest.raises(RegistryError, match=r"timed out .*pods\.json\.lock"):
+        reg.register(entry("t", scope("/w")))
+
+
+def test_start_time_with_odd_command_name() -> None:
+    # comm may hold spaces and parens; the parser must split at the last ')'.
+    code = (
+        "import ctypes, sys; ctypes.CDLL(None).prctl(15, b'x) y (z', 0, 0, 0); "
+        "print('ok', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ok\n"
+        raw = Path(f"/proc/{proc.pid}/stat").read_text()
+        assert "(x) y (z)" in raw
+        expected = int(raw.rsplit(")", 1)[1].split()[19])
+        assert process_start_time(proc.pid) == expected
+        own = process_start_time(os.getpid())
+        assert own is not None and expected >= own
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait()
+    assert process_start_time(proc.pid) is None
+
+
+def test_start_time_of_nothing() -> None:
+    assert process_start_time(0) is None
+    assert process_start_time(-5) is None
+    assert process_start_time(2**22 + 12345) is None
+
+
+# -- delegation -----------------------------------------------------------------------------
+
+
+def test_child_inside_parent_is_delegation(reg: Registry) -> None:
+    reg.register(entry("parent", scope("/w")))
+    reg.register(entry("kid", scope("/w/kid"), parent="parent"))
+    parent = reg.get("parent")
+    assert parent is not None and parent.delegated == ["/w/kid"]
+    assert parent.effective_scope().access("/w/kid/f").name == "READ"
+    # A sibling may not take the same area; the error names the sibling, not the parent.
+    with pytest.raises(RegistryConflict, match=r"pod 'kid'.* /w/kid/x$"):
+        reg.register(entry("sib", scope("/w/kid/x"), parent="parent"))
+    reg.register(entry("sib", scope("/w/sib"), parent="parent"))
+    # A stranger still clashes with the parent's remaining area.
+    with pytest.raises(RegistryConflict, match=r"pod 'parent'.* /w/other$"):
+        reg.register(entry("stranger", scope("/w/other")))
+    # A grandchild inside the child's area clashes with neither ancestor.
+    reg.register(entry("grandkid", scope("/w/kid/g"), parent="kid"))
+    kid = reg.get("kid")
+    assert kid is not None and kid.delegated == ["/w/kid/g"]
+    # The area returns when the child's entry goes.
+    assert reg.release("kid", os.getpid())
+    parent = reg.get("parent")
+    assert parent is not None and parent.delegated == ["/w/sib"]
+
+
+def test_child_reaching_outside_parent_conflicts_with_parent(reg: Registry) -> None:
+    reg.register(entry("parent", scope("/w/p")))
+    with pytest.raises(RegistryConflict, match=r"pod 'parent'.* /w/p$"):
+        reg.register(entry("greedy", scope("/w"), parent="parent"))
+    reg.register(entry("elsewhere", scope("/v"), parent="parent"))  # unrelated: a plain claim
+    parent = reg.get("parent")
+    assert parent is not None and parent.delegated == []
+
+
+def test_child_must_keep_parents_denies(reg: Registry) -> None:
+    parent_scope = Scope.from_config(
+        [("/w", "write", True)], [("/w/secret", "read", True)], cwd="/"
+    )
+    reg.register(entry("parent", parent_scope))
+    # Without the parent's deny, the child would gain write on /w/secret: no delegation.
+    with pytest.raises(RegistryConflict, match=r"pod 'parent'.* /w$"):
+        reg.register(entry("leaky", scope("/w"), parent="parent"))
+    ok = Scope.from_config([("/w", "write", True)], [("/w/secret", "read", True)], cwd="/")
+    # Even with the same deny the child would take the parent's whole area: that is delegation
+    # of /w, allowed; the parent keeps only read.
+    reg.register(entry("heir", ok, parent="parent"))
+    parent = reg.get("parent")
+    assert parent is not None and parent.delegated == ["/w"]
+
+
+def test_dead_child_returns_area_on_reclaim(reg: Registry) -> None:
+    reg.register(entry("parent", scope("/w")))
+    pid, start = _dead_pid()
+    kid = msgspec.structs.replace(
+        entry("kid", scope("/w/kid"), parent="parent"), pid=pid, start_time=start
+    )
+    reg.register(kid)
+    parent = reg.get("parent")
+    assert parent is not None and parent.delegated == ["/w/kid"]  # stored; gone next transaction
+    reg.register(entry("other", scope("/v")))
+    parent = reg.get("parent")
+    assert parent is not None and parent.delegated == []
