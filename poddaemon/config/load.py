@@ -268,7 +268,9 @@ def _translate(
             problem += f", got {found!r}"
     else:
         problem = msg
-    return _origin(key, src, origins).error(key, problem, locate=locate)
+    # A missing field is missing from the manifest: that is where the user would add it.
+    origin = _origin(key, src, origins) if locate else src
+    return origin.error(key, problem, locate=locate)
 
 
 def _origin(key: Key, src: _Source, origins: dict[Key, _Source]) -> _Source:

@@ -32,11 +32,7 @@ class FieldError(ValueError):
         self.problem = problem
 
 
-class _Section(Struct, kw_only=True, forbid_unknown_fields=True):
-    pass
-
-
-class PodSection(_Section):
+class PodSection(Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     pwd: str = "."
 
@@ -51,7 +47,7 @@ class PodSection(_Section):
             raise FieldError("pwd", "must not be empty")
 
 
-class ProviderConfig(_Section):
+class ProviderConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     kind: Literal["anthropic", "openai", "openai_responses"]
     model: str
     base_url: str | None = None
@@ -78,7 +74,7 @@ class ProviderConfig(_Section):
         return "ANTHROPIC_API_KEY" if self.kind == "anthropic" else "OPENAI_API_KEY"
 
 
-class ToolOutputConfig(_Section):
+class ToolOutputConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     default_max_bytes: PositiveInt = 16384
     per_tool: dict[str, int] = {}
 
@@ -91,7 +87,7 @@ class ToolOutputConfig(_Section):
                 raise FieldError(f"per_tool.{tool}", f"expected int >= 1, got {limit}")
 
 
-class WorkerConfig(_Section):
+class WorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     instruction: str | None = None
     instruction_file: str | None = None
     max_tokens: PositiveInt = 4096
@@ -120,7 +116,7 @@ class WorkerConfig(_Section):
             seen.add(tool)
 
 
-class ScopeRule(_Section):
+class ScopeRule(Struct, kw_only=True, forbid_unknown_fields=True):
     target: str
     permission: Literal["read", "write"]
     recursive: bool = True
@@ -130,30 +126,30 @@ class ScopeRule(_Section):
             raise FieldError("target", "must not be empty")
 
 
-class ScopeSection(_Section):
+class ScopeSection(Struct, kw_only=True, forbid_unknown_fields=True):
     allow: list[ScopeRule] = []
     deny: list[ScopeRule] = []
 
 
-class CompactionConfig(_Section):
+class CompactionConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     compact_threshold: PositiveInt = 120000
     compact_retained_turns: NonNegativeInt = 2
     provider: ProviderConfig | None = None  # None: the pod's own provider
 
 
-class BudgetConfig(_Section):
+class BudgetConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_total_tokens: PositiveInt | None = None
 
 
-class NotifyConfig(_Section):
+class NotifyConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_pending: PositiveInt = 1000
 
 
-class SpawnConfig(_Section):
+class SpawnConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     on_parent_exit: Literal["stop", "detach"] = "stop"
 
 
-class Manifest(_Section):
+class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
     pod: PodSection
     provider: ProviderConfig
     worker: WorkerConfig = field(default_factory=WorkerConfig)

@@ -4,6 +4,7 @@ import os
 import string
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -551,6 +552,26 @@ def test_the_file_is_named_as_given(tmp_path: Path) -> None:
         load_manifest("sub/m.toml")
     with pytest.raises(ManifestError, match=rf"^{tmp_path}/sub/m\.toml:"):
         load_manifest(tmp_path / "sub/m.toml")
+
+
+def test_structs_are_keyword_only() -> None:
+    classes: tuple[type[Any], ...] = (PodSection, ProviderConfig, WorkerConfig, ScopeRule, Manifest)
+    for cls in classes:
+        with pytest.raises(TypeError):
+            cls("x")
+
+
+def test_a_field_missing_from_defaults_provider_is_reported_against_the_manifest() -> None:
+    text = MINIMAL.replace('[provider]\nkind = "anthropic"\nmodel = "claude-sonnet-4-5"\n', "")
+    assert error_of(text, defaults='[provider]\nkind = "openai"\n') == (
+        "m.toml: provider.model: required field is missing"
+    )
+
+
+def test_a_wrong_type_inside_per_tool_names_the_table() -> None:
+    assert error_of(MINIMAL + "[worker.tool_output]\nper_tool = { bash = 'big' }\n") == (
+        "m.toml:12: worker.tool_output.per_tool: expected int, got str"
+    )
 
 
 def test_structs_validate_when_built_in_code() -> None:
