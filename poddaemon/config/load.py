@@ -87,8 +87,6 @@ def load_manifest(
     src = _Source(str(path))
     src.text = _read(Path(path), src.name, missing="manifest not found")
     data = _parse(src.text, src.name)
-    if "source" in data:  # a Manifest field, but set by us, never by the file
-        raise src.error(("source",), "unknown key")
     origins: dict[Key, _Source] = {}
 
     dpath = Path(defaults_path) if defaults_path is not None else paths.defaults_path()
@@ -102,6 +100,8 @@ def load_manifest(
 
     for text in overrides:
         _apply_override(data, text, src.name, origins)
+    if "source" in data:  # a Manifest field, but set by us, never by the user
+        raise _origin(("source",), src, origins).error(("source",), "unknown key")
 
     try:
         manifest = msgspec.convert(data, Manifest)

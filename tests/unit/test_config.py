@@ -415,6 +415,7 @@ def test_unknown_top_level_key_and_table() -> None:
     assert error_of(MINIMAL + "\n[extras]\nx = 1\n") == "m.toml:12: extras: unknown key"
     # `source` is a Manifest field, but never one a file may set
     assert error_of('source = "x"\n' + MINIMAL) == "m.toml:1: source: unknown key"
+    assert error_of(MINIMAL, "source=x") == "m.toml: source: unknown key (--set source=x)"
 
 
 def test_unknown_key_in_a_nested_table() -> None:
