@@ -37,7 +37,8 @@ class PodSection(Struct, kw_only=True, forbid_unknown_fields=True):
     pwd: str = "."
 
     def __post_init__(self) -> None:
-        if not POD_NAME_RE.match(self.name):
+        # fullmatch: the pattern ends in `$`, which would let a trailing newline through.
+        if not POD_NAME_RE.fullmatch(self.name):
             raise FieldError(
                 "name",
                 f"{self.name!r} is not a valid pod name "

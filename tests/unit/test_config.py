@@ -493,6 +493,7 @@ def test_bad_pod_name() -> None:
         "(lowercase letters, digits, '-' and '_', at most 48 characters)"
     )
     assert "not a valid pod name" in error_of(MINIMAL.replace("reviewer", "x" * 49))
+    assert "not a valid pod name" in error_of(MINIMAL.replace('"reviewer"', '"ab\\n"'))
 
 
 def test_bad_enum_values() -> None:
