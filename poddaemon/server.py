@@ -13,7 +13,7 @@ import socket
 import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -89,8 +89,8 @@ class Connection(asyncio.Protocol):
     # --- asyncio.Protocol ------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         pid, uid, _ = _PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
@@ -101,7 +101,7 @@ class Connection(asyncio.Protocol):
             transport.close()
             return
         self.peer_pid = pid
-        transport.set_write_buffer_limits(high=EVENT_HIGH_WATER)
+        self.transport.set_write_buffer_limits(high=EVENT_HIGH_WATER)
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:

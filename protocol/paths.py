@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 
 APP = "poddaemon"
-POD_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
+POD_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9_-]{0,47}\Z")
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 
 

@@ -88,7 +88,7 @@ class PodEventParams(Params):
 # --- results ----------------------------------------------------------------------------------
 
 
-class Result(Struct, kw_only=True, omit_defaults=True):
+class Result(Struct, kw_only=True):
     pass
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from poddaemon.daemon import main
+
+sys.exit(main())

@@ -1,0 +1,88 @@
+"""System prompt: the manifest's instruction as a sandboxed jinja2 template.
+
+Compiled at start-up (a template error fails start-up naming the line), rendered once at the
+session's first turn with `now`, `pwd`, `scope`, `tools` and `agents_md`.
+"""
+
+import datetime
+import os
+from typing import Any
+
+from poddaemon.scope import Access, Scope
+
+
+class PromptError(Exception):
+    pass
+
+
+class Instruction:
+    def __init__(self, source: str, origin: str) -> None:
+        from jinja2 import StrictUndefined, TemplateSyntaxError
+        from jinja2.sandbox import SandboxedEnvironment
+
+        self.origin = origin
+        env = SandboxedEnvironment(undefined=StrictUndefined, keep_trailing_newline=True)
+        try:
+            self._template = env.from_string(source)
+        except TemplateSyntaxError as exc:
+            raise PromptError(f"{origin}:{exc.lineno}: template error: {exc.message}") from None
+
+    def render(self, *, pwd: str, scope: Scope, tools: list[str]) -> str:
+        from jinja2 import TemplateError
+
+        context: dict[str, Any] = {
+            "now": datetime.datetime.now().astimezone(),
+            "pwd": pwd,
+            "scope": scope_summary(scope),
+            "tools": tools,
+            "agents_md": read_agents_md(pwd, scope),
+        }
+        try:
+            return self._template.render(context)
+        except TemplateError as exc:
+            line = _template_line(exc)
+            where = f"{self.origin}:{line}" if line else self.origin
+            raise PromptError(f"{where}: template error: {exc}") from None
+
+
+def load_instruction(
+    instruction: str | None, instruction_file: str | None, origin: str
+) -> Instruction:
+    if instruction_file:
+        try:
+            with open(instruction_file, encoding="utf-8") as f:
+                return Instruction(f.read(), instruction_file)
+        except OSError as exc:
+            raise PromptError(
+                f"worker.instruction_file: cannot read {instruction_file}: {exc.strerror}"
+            ) from None
+    return Instruction(instruction or "", f"{origin}: worker.instruction")
+
+
+def scope_summary(scope: Scope) -> str:
+    parts = [
+        f"{r.target} ({r.access.label}{'' if r.recursive else ', top level'})" for r in scope.allow
+    ]
+    parts += [f"not {r.target}" for r in scope.deny]
+    return "; ".join(parts)
+
+
+def read_agents_md(pwd: str, scope: Scope) -> str:
+    path = os.path.join(pwd, "AGENTS.md")
+    try:
+        if scope.access(os.path.realpath(path)) < Access.READ:
+            return ""
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(64 * 1024)
+    except OSError:
+        return ""
+
+
+def _template_line(exc: Exception) -> int | None:
+    tb = exc.__traceback__
+    line = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return line

@@ -1,0 +1,226 @@
+"""One run of the agent as a sans-IO state machine (in the manner of h11).
+
+The pod asks `next_step()` what to do, does it (calls the model, runs a tool), and feeds the
+result back; the machine answers with the records to commit. It never does I/O, never awaits,
+and guarantees the invariants every provider needs:
+
+- every tool call gets exactly one result (synthetic when cancelled, paused, cut off or denied);
+- every run ends in exactly one `Finished`.
+
+Pause and cancel are requests: they take effect at the next safe point (before a model call or
+before a tool), except that the pod also interrupts whatever is in flight on cancel.
+"""
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Literal
+
+from poddaemon.history import ToolCall, ToolResult, Usage
+from poddaemon.llm.types import ModelResponse, ProviderError
+
+Outcome = Literal["finished", "paused", "limit_reached", "cancelled", "error"]
+
+NOT_RUN_PAUSED = "not run: the run was paused before this tool started"
+NOT_RUN_CANCELLED = "not run: the run was cancelled"
+NOT_RUN_CUT_OFF = "not run: the response hit the output limit before this call was complete"
+NOT_RUN_STOPPED = "not run: the model's response was stopped ({reason})"
+INTERRUPTED = "interrupted: the pod stopped before this finished"
+
+
+@dataclass(frozen=True)
+class Record:
+    """Something to commit to the session log (and show subscribers)."""
+
+    kind: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CallModel:
+    round: int
+
+
+@dataclass(frozen=True)
+class RunTool:
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class Finished:
+    outcome: Outcome
+    text: str
+    error: str | None = None
+
+
+Step = CallModel | RunTool | Finished
+
+
+class _State(Enum):
+    NEED_MODEL = "need_model"
+    AWAIT_MODEL = "await_model"
+    NEED_TOOLS = "need_tools"
+    AWAIT_TOOL = "await_tool"
+    DONE = "done"
+
+
+@dataclass
+class Turn:
+    run_id: str
+    max_turns: int
+    rounds: int = 0  # model rounds already spent in this run (a resumed run keeps counting)
+    usage: Usage = field(default_factory=Usage)
+    _state: _State = _State.NEED_MODEL
+    _pending: list[ToolCall] = field(default_factory=list)
+    _text: str = ""
+    _finished: Finished | None = None
+    _pause: bool = False
+    _cancel: bool = False
+
+    # --- what to do next -----------------------------------------------------------------------
+
+    def next_step(self) -> Step:
+        if self._finished is not None:
+            return self._finished
+        if self._state is _State.NEED_MODEL:
+            if self._cancel:
+                return self._finish("cancelled", None)
+            if self._pause:
+                return self._finish("paused", None)
+            if self.rounds >= self.max_turns:
+                return self._finish("limit_reached", f"reached max_turns ({self.max_turns})")
+            self._state = _State.AWAIT_MODEL
+            return CallModel(self.rounds + 1)
+        if self._state is _State.NEED_TOOLS:
+            raise RuntimeError("tool results must be fed back before asking for a step")
+        if self._state is _State.AWAIT_TOOL or self._state is _State.AWAIT_MODEL:
+            raise RuntimeError(f"waiting for a result ({self._state.value})")
+        raise AssertionError(self._state)
+
+    def next_tool(self) -> RunTool | None:
+        """The next tool to run, or None when the batch is done (then ask `next_step`)."""
+        if self._state is not _State.NEED_TOOLS:
+            raise RuntimeError(f"no tool batch in progress ({self._state.value})")
+        if not self._pending:
+            self._state = _State.NEED_MODEL
+            return None
+        self._state = _State.AWAIT_TOOL
+        return RunTool(self._pending[0])
+
+    @property
+    def in_tools(self) -> bool:
+        return self._state is _State.NEED_TOOLS
+
+    @property
+    def done(self) -> bool:
+        return self._finished is not None
+
+    # --- requests from outside ------------------------------------------------------------------
+
+    def request_pause(self) -> None:
+        self._pause = True
+
+    def request_cancel(self) -> None:
+        self._cancel = True
+
+    # --- results fed back -----------------------------------------------------------------------
+
+    def model_returned(self, response: ModelResponse, more_input: bool = False) -> list[Record]:
+        """Records for a complete model response. `more_input`: steer input is waiting, so a
+        final answer does not end the run; the model gets another round to read it."""
+        self._expect(_State.AWAIT_MODEL)
+        self.rounds += 1
+        self.usage.add(response.usage)
+        message = response.message
+        records = [Record("assistant", {"run_id": self.run_id, "item": message})]
+        if message.text:
+            self._text = message.text
+        calls = list(message.tool_calls)
+        stop = response.stop
+        if stop == "max_tokens":
+            records += self._close_calls(calls, NOT_RUN_CUT_OFF)
+            records.append(self._turn_end())
+            self._finish("error", "incomplete: the response hit the output limit (max_tokens)")
+        elif stop in ("content_filter", "context_overflow"):
+            reason = response.detail or stop.replace("_", " ")
+            records += self._close_calls(calls, NOT_RUN_STOPPED.format(reason=reason))
+            records.append(self._turn_end())
+            self._finish("error", f"{stop}: {reason}")
+        elif calls:
+            self._pending = calls
+            self._state = _State.NEED_TOOLS
+            if self._cancel or self._pause:
+                records += self._stop_batch()
+        else:
+            records.append(self._turn_end())
+            if more_input and not (self._cancel or self._pause):
+                self._state = _State.NEED_MODEL
+            else:
+                self._finish("cancelled" if self._cancel else "finished", None)
+        return records
+
+    def model_failed(self, error: ProviderError | None) -> list[Record]:
+        """The model call failed, or (error None) was cancelled before it completed."""
+        self._expect(_State.AWAIT_MODEL)
+        if error is None or self._cancel:
+            self._finish("cancelled", None)
+        else:
+            self._finish("error", error.message)
+        return []
+
+    def tool_returned(self, call_id: str, output: str, is_error: bool) -> list[Record]:
+        self._expect(_State.AWAIT_TOOL)
+        call = self._pending.pop(0)
+        if call.id != call_id:
+            raise RuntimeError(f"result for {call_id}, expected {call.id}")
+        self._state = _State.NEED_TOOLS
+        records = [self._result(call, output, is_error)]
+        if self._cancel or self._pause:
+            records += self._stop_batch()
+        elif not self._pending:
+            records.append(self._turn_end())
+        return records
+
+    # --- helpers --------------------------------------------------------------------------------
+
+    def _stop_batch(self) -> list[Record]:
+        """Close the rest of the batch with synthetic results; the run ends at this safe point."""
+        reason = NOT_RUN_CANCELLED if self._cancel else NOT_RUN_PAUSED
+        records = self._close_calls(self._pending, reason)
+        self._pending = []
+        records.append(self._turn_end())
+        self._finish("cancelled" if self._cancel else "paused", None)
+        return records
+
+    def _close_calls(self, calls: list[ToolCall], reason: str) -> list[Record]:
+        return [self._result(call, reason, True) for call in calls]
+
+    def _result(self, call: ToolCall, output: str, is_error: bool) -> Record:
+        item = ToolResult(call_id=call.id, name=call.name, output=output, is_error=is_error)
+        return Record("tool_result", {"run_id": self.run_id, "item": item})
+
+    def _turn_end(self) -> Record:
+        return Record("turn_end", {"run_id": self.run_id, "round": self.rounds})
+
+    def _finish(self, outcome: Outcome, error: str | None) -> Finished:
+        self._state = _State.DONE
+        self._finished = Finished(outcome, self._text, error)
+        return self._finished
+
+    def _expect(self, state: _State) -> None:
+        if self._state is not state:
+            raise RuntimeError(f"unexpected result in state {self._state.value}")
+
+
+def interrupted_results(calls: list[ToolCall], run_id: str) -> list[Record]:
+    """Results for tool calls a crash left without one (used when a session is restored)."""
+    return [
+        Record(
+            "tool_result",
+            {
+                "run_id": run_id,
+                "item": ToolResult(call_id=c.id, name=c.name, output=INTERRUPTED, is_error=True),
+            },
+        )
+        for c in calls
+    ]
+
