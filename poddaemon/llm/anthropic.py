@@ -138,6 +138,9 @@ def normalize_base_url(url: str | None) -> str | None:
     return url
 
 
+_EXTRA_BODY_KEYS = ("temperature",)
+
+
 class AnthropicClient(RetryingClient):
     sdk_module = "anthropic"
 
@@ -157,7 +160,10 @@ class AnthropicClient(RetryingClient):
         )
 
     async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
-        stream = await client.messages.create(**render_request(req, self.cfg.model))
+        body = render_request(req, self.cfg.model)
+        # anthropic 2.x dropped ``temperature`` from its signature; the API still takes it.
+        extra = {k: body.pop(k) for k in _EXTRA_BODY_KEYS if k in body}
+        stream = await client.messages.create(**body, extra_body=extra or None)
         try:
             text: list[str] = []
             reasoning: list[str] = []

@@ -1,0 +1,308 @@
+"""The real openai/anthropic SDKs, through our adapters, against the local fake model server."""
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+
+from poddaemon.config.manifest import ProviderConfig
+from poddaemon.history import ToolResult, Usage, UserMessage
+from poddaemon.llm import make_client
+from poddaemon.llm.types import (
+    ModelClient,
+    ModelRequest,
+    ModelResponse,
+    ProviderError,
+    ReasoningDelta,
+    RetryScheduled,
+    StreamEvent,
+    TextDelta,
+    ToolSpec,
+)
+from poddaemon.testing.fake_model import FakeModel
+
+KINDS = ["anthropic", "openai", "openai_responses"]
+KEY_VAR = "PODDAEMON_TEST_FAKE_KEY"
+LONG_TEXT = "The quick brown fox jumps over the lazy dog, again and again and again."
+TOOLS = [
+    ToolSpec(
+        name="read_file",
+        description="Read a file",
+        parameters={"type": "object", "properties": {"path": {"type": "string"}}},
+    ),
+    ToolSpec(name="now", description="The time", parameters={"type": "object"}),
+]
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeModel]:
+    with FakeModel() as server:
+        yield server
+
+
+@pytest.fixture(autouse=True)
+def _fresh(fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake.reset()
+    monkeypatch.setenv(KEY_VAR, "sk-fake")
+
+
+def config(fake: FakeModel, kind: str, **overrides: Any) -> ProviderConfig:
+    settings: dict[str, Any] = {
+        "kind": kind,
+        "model": "fake-1",
+        "base_url": fake.url if kind == "anthropic" else fake.openai_base_url,
+        "api_key_env": KEY_VAR,
+        "max_retries": 3,
+        "connect_timeout": 2.0,
+        "first_byte_timeout": 5.0,
+        "stream_idle_timeout": 5.0,
+        "retry_initial_delay": 0.001,
+        "retry_max_delay": 0.01,
+        "retry_total_timeout": 10.0,
+    }
+    settings.update(overrides)
+    return ProviderConfig(**settings)
+
+
+def request(text: str = "hello") -> ModelRequest:
+    return ModelRequest(
+        system="You are terse.",
+        items=[UserMessage(text=text)],
+        tools=TOOLS,
+        max_tokens=256,
+        temperature=0.5,
+    )
+
+
+async def run(
+    client: ModelClient, req: ModelRequest | None = None
+) -> tuple[list[StreamEvent], ProviderError | None]:
+    events: list[StreamEvent] = []
+    stream: AsyncIterator[StreamEvent] = client.stream(req or request())
+    try:
+        async for event in stream:
+            events.append(event)
+    except ProviderError as exc:
+        return events, exc
+    finally:
+        await client.aclose()
+    return events, None
+
+
+def final(events: list[StreamEvent]) -> ModelResponse:
+    assert isinstance(events[-1], ModelResponse), events
+    assert sum(isinstance(e, ModelResponse) for e in events) == 1
+    return events[-1]
+
+
+def texts(events: list[StreamEvent], kind: type[TextDelta] | type[ReasoningDelta]) -> str:
+    return "".join(e.text for e in events if isinstance(e, kind))
+
+
+# ---------------------------------------------------------------------------------------------
+# Happy paths
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_text_and_usage(fake: FakeModel, kind: str) -> None:
+    fake.script(
+        {"text": LONG_TEXT, "usage": {"input": 10, "output": 7, "cache_read": 30, "cache_write": 4}}
+    )
+    client = make_client(config(fake, kind))
+    await client.warm()
+    events, err = await run(client)
+    assert err is None
+    deltas = [e for e in events if isinstance(e, TextDelta)]
+    assert len(deltas) > 1  # streamed, not one blob
+    response = final(events)
+    assert response.message.text == LONG_TEXT == texts(events, TextDelta)
+    assert response.message.tool_calls == ()
+    assert (response.stop, response.detail) == ("end_turn", "")
+    if kind == "anthropic":  # input excludes cached tokens, as Anthropic reports it
+        assert response.usage == Usage(input=10, output=7, cache_read=30, cache_write=4)
+    else:  # OpenAI's input includes them
+        assert response.usage == Usage(input=44, output=7, cache_read=30, cache_write=4)
+
+    (sent,) = fake.requests
+    body = sent["body"]
+    assert body["stream"] is True and body["model"] == "fake-1"
+    assert body["temperature"] == 0.5
+    if kind == "anthropic":
+        assert sent["path"] == "/v1/messages"
+        assert body["system"] == "You are terse." and body["max_tokens"] == 256
+        assert body["tools"][0]["input_schema"]["type"] == "object"
+    elif kind == "openai":
+        assert sent["path"] == "/v1/chat/completions"
+        assert body["stream_options"] == {"include_usage": True}
+        assert body["messages"][0] == {"role": "system", "content": "You are terse."}
+        assert body["max_tokens"] == 256  # a compatible server (base_url set)
+    else:
+        assert sent["path"] == "/v1/responses"
+        assert body["instructions"] == "You are terse." and body["store"] is False
+        assert body["max_output_tokens"] == 256
+
+
+async def test_anthropic_base_url_with_v1_is_tolerated(fake: FakeModel) -> None:
+    fake.script({"text": "hi"})
+    cfg = config(fake, "anthropic", base_url=fake.url + "/v1/")
+    events, err = await run(make_client(cfg))
+    assert err is None and final(events).message.text == "hi"
+    assert fake.requests[0]["path"] == "/v1/messages"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_parallel_tool_calls(fake: FakeModel, kind: str) -> None:
+    fake.script(
+        {
+            "text": "Let me look.",
+            "tool_calls": [
+                {"name": "read_file", "arguments": {"path": "a/long/path/to/some/file.txt"}},
+                {"name": "read_file", "arguments": {"path": "b.txt"}},
+                {"name": "now", "arguments": {}},
+            ],
+        }
+    )
+    events, err = await run(make_client(config(fake, kind)))
+    assert err is None
+    response = final(events)
+    assert response.stop == "tool_use"
+    assert response.message.text == "Let me look."
+    calls = response.message.tool_calls
+    assert [c.name for c in calls] == ["read_file", "read_file", "now"]
+    assert len({c.id for c in calls}) == 3 and all(c.id for c in calls)
+    assert calls[0].arguments.replace(" ", "") == '{"path":"a/long/path/to/some/file.txt"}'
+    assert calls[1].arguments.replace(" ", "") == '{"path":"b.txt"}'
+    assert calls[2].arguments == "{}"
+
+    # The history with the calls and their results goes back out and is accepted.
+    fake.script({"text": "done"})
+    follow = ModelRequest(
+        system="",
+        items=[
+            UserMessage(text="hello"),
+            response.message,
+            *[ToolResult(call_id=c.id, name=c.name, output="x") for c in calls],
+        ],
+        tools=TOOLS,
+        max_tokens=64,
+    )
+    events, err = await run(make_client(config(fake, kind)), follow)
+    assert err is None and final(events).message.text == "done"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_reasoning_deltas(fake: FakeModel, kind: str) -> None:
+    thought = "First think about the question carefully, then answer it."
+    fake.script({"reasoning": thought, "text": "42"})
+    events, err = await run(make_client(config(fake, kind)))
+    assert err is None
+    assert texts(events, ReasoningDelta) == thought
+    first_text = next(i for i, e in enumerate(events) if isinstance(e, TextDelta))
+    assert all(not isinstance(e, ReasoningDelta) for e in events[first_text:])
+    response = final(events)
+    assert response.message.reasoning == thought and response.message.text == "42"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    ("stop", "expected"), [("max_tokens", "max_tokens"), ("content_filter", "content_filter")]
+)
+async def test_stop_mapping(fake: FakeModel, kind: str, stop: str, expected: str) -> None:
+    fake.script({"text": "partial answer", "stop": stop})
+    events, err = await run(make_client(config(fake, kind)))
+    assert err is None
+    assert final(events).stop == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Failures and retries
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_429_then_success(fake: FakeModel, kind: str) -> None:
+    fake.script(
+        {"fault": {"kind": "status", "status": 429, "retry_after": 0.01}},
+        {"text": "after the wait"},
+    )
+    events, err = await run(make_client(config(fake, kind, retry_max_delay=1.0)))
+    assert err is None
+    retry = events[0]
+    assert isinstance(retry, RetryScheduled)
+    assert (retry.attempt, retry.delay) == (1, 0.01)  # the server's Retry-After
+    assert "HTTP 429" in retry.error
+    assert final(events).message.text == "after the wait"
+    assert len(fake.requests) == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_500_until_the_cap(fake: FakeModel, kind: str) -> None:
+    fake.script(*[{"fault": {"kind": "status", "status": 500}}] * 5)
+    events, err = await run(make_client(config(fake, kind, max_retries=2)))
+    assert [e.attempt for e in events if isinstance(e, RetryScheduled)] == [1, 2]
+    assert len(events) == 2
+    assert err is not None and err.kind == "transient" and err.status == 500
+    assert err.message.startswith("provider failed after 3 attempts: HTTP 500")
+    assert len(fake.requests) == 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_auth_and_context_overflow_are_not_retried(fake: FakeModel, kind: str) -> None:
+    fake.script({"fault": {"kind": "status", "status": 401, "message": "bad key"}})
+    events, err = await run(make_client(config(fake, kind)))
+    assert events == [] and err is not None and (err.kind, err.status) == ("auth", 401)
+    too_long = "prompt is too long: 250000 tokens > 200000 maximum"
+    fake.script({"fault": {"kind": "status", "status": 400, "message": too_long}})
+    events, err = await run(make_client(config(fake, kind)))
+    assert events == [] and err is not None and err.kind == "context_overflow"
+    assert too_long in err.message
+    assert len(fake.requests) == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_cut_stream_after_output_is_interrupted(fake: FakeModel, kind: str) -> None:
+    fake.script({"text": LONG_TEXT, "fault": {"kind": "cut", "after_chunks": 2}}, {"text": "no"})
+    events, err = await run(make_client(config(fake, kind)))
+    assert err is not None and err.kind == "interrupted"
+    assert all(isinstance(e, TextDelta) for e in events)
+    assert len(events) == 2
+    assert texts(events, TextDelta) == LONG_TEXT[:40]  # nothing repeated, nothing retried
+    assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_cut_stream_before_output_is_retried(fake: FakeModel, kind: str) -> None:
+    fake.script({"text": LONG_TEXT, "fault": {"kind": "cut", "after_chunks": 0}}, {"text": "ok"})
+    events, err = await run(make_client(config(fake, kind)))
+    assert err is None
+    assert isinstance(events[0], RetryScheduled)
+    assert final(events).message.text == "ok" == texts(events, TextDelta)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_hang_before_first_byte(fake: FakeModel, kind: str) -> None:
+    fake.script(*[{"fault": {"kind": "hang", "seconds": 5}}] * 2)
+    cfg = config(fake, kind, first_byte_timeout=0.2, max_retries=1)
+    events, err = await run(make_client(cfg))
+    assert [type(e) for e in events] == [RetryScheduled]
+    assert err is not None and err.kind == "transient"
+    assert "after 2 attempts" in err.message and "within 0.2s" in err.message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_stall_after_output(fake: FakeModel, kind: str) -> None:
+    fake.script({"text": LONG_TEXT, "delay": 5})
+    events, err = await run(make_client(config(fake, kind, stream_idle_timeout=0.2)))
+    assert events == [TextDelta(LONG_TEXT[:20])]
+    assert err is not None and err.kind == "stalled"
+    assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_missing_key_is_an_auth_error(
+    fake: FakeModel, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(KEY_VAR)
+    events, err = await run(make_client(config(fake, kind)))
+    assert events == [] and err is not None and err.kind == "auth"
+    assert KEY_VAR in err.message
+    assert fake.requests == []
