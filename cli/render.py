@@ -1,0 +1,320 @@
+"""Human-readable rendering for podctl: events, status, the pod table, history entries.
+
+Pure functions over plain JSON data (dicts as the pod sends them), no I/O, so they are unit-tested
+directly. Only the standard library is imported: podctl imports this inside its commands.
+"""
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+SUMMARY_WIDTH = 120
+ARGS_WIDTH = 200
+SCOPE_WIDTH = 40
+
+# Log entry keys that every entry has; the rest is the entry's body.
+ENTRY_KEYS = frozenset({"seq", "ts", "kind", "prev", "hash"})
+
+
+def one_line(text: str, width: int = SUMMARY_WIDTH) -> str:
+    """Collapse whitespace (newlines included) and cut to `width` characters with an ellipsis."""
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def compact_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "), default=str)
+
+
+def _args_text(args: Any) -> str:
+    """Tool arguments arrive as an object or as the model's raw JSON text; show both compactly."""
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return one_line(args, ARGS_WIDTH)
+    return one_line(compact_json(args), ARGS_WIDTH)
+
+
+def usage_text(data: Mapping[str, Any]) -> str:
+    text = f"in={data.get('input', 0)} out={data.get('output', 0)}"
+    for key in ("cache_read", "cache_write"):
+        if data.get(key):
+            text += f" {key}={data[key]}"
+    return text
+
+
+class EventRenderer:
+    """Turns a pod's event stream into terminal text.
+
+    Text (and reasoning) deltas are written inline as they stream; every other event is one line
+    of its own, so the renderer remembers whether the output currently ends mid-line.
+    """
+
+    def __init__(self) -> None:
+        self._stream: tuple[Any, str] | None = None  # (run_id, "text"|"reasoning") being streamed
+        self._midline = False  # the output so far does not end with a newline
+
+    def render(self, event: Mapping[str, Any]) -> str:
+        """The text to write for one event (possibly empty, possibly without a newline)."""
+        etype = str(event.get("type", ""))
+        run_id = event.get("run_id")
+        data: Mapping[str, Any] = event.get("data") or {}
+        if etype in ("text.delta", "reasoning.delta"):
+            kind = "text" if etype == "text.delta" else "reasoning"
+            text = str(data.get("text", ""))
+            if not text:
+                return ""
+            out = ""
+            if self._stream != (run_id, kind):
+                out += self._break()
+                if kind == "reasoning":
+                    out += "(thinking) "
+            self._stream = (run_id, kind)
+            out += text
+            self._midline = not out.endswith("\n")
+            return out
+        line = event_line(etype, run_id, data, event)
+        if line is None:
+            return ""
+        return self._break() + line + "\n"
+
+    def finish(self) -> str:
+        """Text that ends a pending inline stream (a newline), for when output stops."""
+        return self._break()
+
+    def _break(self) -> str:
+        self._stream = None
+        if not self._midline:
+            return ""
+        self._midline = False
+        return "\n"
+
+
+def event_line(
+    etype: str, run_id: Any, data: Mapping[str, Any], event: Mapping[str, Any]
+) -> str | None:
+    """One line (no newline) for a non-delta event; None to show nothing."""
+    run = f"[run {run_id}]" if run_id else "[run ?]"
+    if etype == "run.queued":
+        position = data.get("position")
+        return f"{run} queued" + (f" (position {position})" if position is not None else "")
+    if etype == "run.started":
+        return f"{run} started"
+    if etype == "run.finished":
+        line = f"{run} finished: {data.get('outcome', '?')}"
+        if data.get("error"):
+            line += f" ({one_line(str(data['error']))})"
+        return line
+    if etype == "tool.started":
+        return f"⚙ {data.get('name', '?')} {_args_text(data.get('args', {}))}"
+    if etype == "tool.finished":
+        mark = "✗" if data.get("is_error") else "✓"
+        summary = one_line(str(data.get("summary") or ""))
+        return f"{mark} {data.get('name', '?')}" + (f": {summary}" if summary else "")
+    if etype == "llm.usage":
+        return f"usage {usage_text(data)}"
+    if etype == "llm.retry":
+        parts = ["retry"]
+        if "attempt" in data:
+            parts.append(f"#{data['attempt']}")
+        if "delay" in data:
+            parts.append(f"in {float(data['delay']):.1f}s")
+        line = " ".join(parts)
+        if data.get("error"):
+            line += f": {one_line(str(data['error']))}"
+        return line
+    if etype == "notification.committed":
+        source = data.get("source") or "?"
+        return f"✉ notification from {source}: {one_line(str(data.get('message', '')))}"
+    if etype == "state.changed":
+        return f"state: {data.get('state', '?')}"
+    if etype == "alert":
+        level = data.get("level", "info")
+        source = data.get("source")
+        prefix = f"! {level}" + (f" [{source}]" if source else "")
+        return f"{prefix}: {one_line(str(data.get('message', '')))}"
+    if etype == "child.event":
+        pod = data.get("pod", "?")
+        kind = data.get("kind", "event")
+        line = f"child {pod}: {kind}"
+        if data.get("run_id"):
+            line += f" [run {data['run_id']}]"
+        if data.get("text"):
+            line += f": {one_line(str(data['text']))}"
+        return line
+    if etype == "compaction.started":
+        return "compaction started"
+    if etype == "compaction.finished":
+        sid = data.get("session_id")
+        return "compaction finished" + (f": new session {sid}" if sid else "")
+    if etype == "compaction.failed":
+        err = data.get("error") or data.get("message")
+        return "compaction failed" + (f": {one_line(str(err))}" if err else "")
+    if etype == "shutdown":
+        return "pod shutting down"
+    if etype == "gap":
+        return f"… events missed since {data.get('since', event.get('seq', '?'))}"
+    return f"{etype or 'event'} {one_line(compact_json(dict(data)))}".rstrip()
+
+
+# --- status and the pod table -------------------------------------------------------------------
+
+
+def shorten_path(path: str, home: str | None = None) -> str:
+    home = home if home is not None else os.path.expanduser("~")
+    if home and home != "/" and (path == home or path.startswith(home.rstrip("/") + "/")):
+        return "~" + path[len(home.rstrip("/")) :]
+    return path
+
+
+def write_targets(scope: Iterable[Mapping[str, Any]]) -> list[str]:
+    return [
+        str(rule.get("target", "?"))
+        for rule in scope
+        if rule.get("permission") == "write" and not rule.get("deny")
+    ]
+
+
+def scope_cell(scope: Iterable[Mapping[str, Any]], home: str | None = None) -> str:
+    targets = [shorten_path(t, home) for t in write_targets(scope)]
+    text = ",".join(targets) if targets else "-"
+    return text if len(text) <= SCOPE_WIDTH else "…" + text[-(SCOPE_WIDTH - 1) :]
+
+
+def tokens(status: Mapping[str, Any]) -> int:
+    usage = status.get("usage") or {}
+    return int(usage.get("input", 0)) + int(usage.get("output", 0))
+
+
+def queue_cell(status: Mapping[str, Any]) -> str:
+    queue = status.get("queue") or {}
+    return f"{queue.get('runs', 0)}/{queue.get('notifications', 0)}"
+
+
+TABLE_HEADER = ("NAME", "PID", "STATE", "MODEL", "SCOPE", "PARENT", "QUEUE", "TOKENS")
+
+
+def pod_table(statuses: Sequence[Mapping[str, Any]], home: str | None = None) -> str:
+    """The `podctl ls` table, header included, columns padded to their widest cell."""
+    rows: list[tuple[str, ...]] = [TABLE_HEADER]
+    for st in statuses:
+        rows.append(
+            (
+                str(st.get("name", "?")),
+                str(st.get("pid", "?")),
+                str(st.get("state", "?")),
+                str(st.get("model", "?")),
+                scope_cell(st.get("scope") or [], home),
+                str(st.get("parent") or "-"),
+                queue_cell(st),
+                str(tokens(st)),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def format_time(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def status_text(st: Mapping[str, Any]) -> str:
+    """`podctl status POD`: one `key: value` line per field (scope rules one per line)."""
+    fields: list[tuple[str, str]] = [
+        ("name", str(st.get("name", "?"))),
+        ("pid", str(st.get("pid", "?"))),
+        ("state", str(st.get("state", "?"))),
+    ]
+    if st.get("run_id"):
+        fields.append(("run", str(st["run_id"])))
+    fields += [
+        ("session", str(st.get("session_id") or "-")),
+        ("provider", str(st.get("provider", "?"))),
+        ("model", str(st.get("model", "?"))),
+        ("pwd", str(st.get("pwd", "?"))),
+    ]
+    rules = list(st.get("scope") or [])
+    if not rules:
+        fields.append(("scope", "-"))
+    for i, rule in enumerate(rules):
+        verb = "deny" if rule.get("deny") else "allow"
+        text = f"{verb} {rule.get('permission', '?')} {rule.get('target', '?')}"
+        if rule.get("recursive") is False:
+            text += " (non-recursive)"
+        fields.append(("scope" if i == 0 else "", text))
+    queue = st.get("queue") or {}
+    fields.append(
+        ("queue", f"{queue.get('runs', 0)} runs, {queue.get('notifications', 0)} notifications")
+    )
+    usage = st.get("usage") or {}
+    fields.append(("usage", f"{usage_text(usage)} calls={usage.get('calls', 0)}"))
+    fields.append(("parent", str(st.get("parent") or "-")))
+    children = st.get("children") or []
+    fields.append(("children", ", ".join(map(str, children)) if children else "-"))
+    started = st.get("started_at")
+    fields.append(("started", format_time(float(started)) if started is not None else "-"))
+    fields.append(("version", str(st.get("version", "?"))))
+    width = max(len(key) for key, _ in fields) + 1
+    return "".join((f"{key}:" if key else "").ljust(width) + f" {value}\n" for key, value in fields)
+
+
+# --- session log entries (history, sessions show) ----------------------------------------------
+
+
+def entry_summary(entry: Mapping[str, Any]) -> str:
+    """A one-line summary of a session log entry's body, by kind."""
+    kind = entry.get("kind")
+    item: Mapping[str, Any] = entry.get("item") or {}
+    if kind == "session_start":
+        parts = [f"pod={entry.get('pod', '?')}"]
+        for link in ("forked_from", "compacted_from"):
+            if entry.get(link):
+                parts.append(f"{link}={entry[link]}")
+        return " ".join(parts)
+    if kind == "user_input":
+        mode = entry.get("mode")
+        tag = f"[run {entry.get('run_id', '?')}]" + (
+            f" ({mode})" if mode and mode != "queue" else ""
+        )
+        return one_line(f"{tag} {entry.get('text', '')}")
+    if kind in ("run_start", "turn_end"):
+        return f"[run {entry.get('run_id', '?')}]"
+    if kind == "run_end":
+        line = f"[run {entry.get('run_id', '?')}] {entry.get('outcome', '?')}"
+        if entry.get("error"):
+            line += f": {entry['error']}"
+        if entry.get("interrupted"):
+            line += " (interrupted)"
+        return one_line(line)
+    if kind == "system_item":
+        return one_line(f"{entry.get('source', '?')}: {entry.get('text', '')}")
+    if kind == "inputs_delivered":
+        return one_line(", ".join(map(str, entry.get("ids") or [])))
+    if kind == "assistant":
+        parts = []
+        if item.get("text"):
+            parts.append(str(item["text"]))
+        for call in item.get("tool_calls") or []:
+            parts.append(f"⚙ {call.get('name', '?')} {_args_text(call.get('arguments', ''))}")
+        return one_line(" ".join(parts)) if parts else "(empty)"
+    if kind == "tool_result":
+        mark = "✗" if item.get("is_error") else "✓"
+        return one_line(f"{mark} {item.get('name', '?')}: {item.get('output', '')}")
+    if kind == "llm_usage":
+        model = entry.get("model")
+        return usage_text(entry) + (f" model={model}" if model else "")
+    body = {k: v for k, v in entry.items() if k not in ENTRY_KEYS}
+    return one_line(compact_json(body)) if body else ""
+
+
+def entry_line(entry: Mapping[str, Any]) -> str:
+    return f"{entry.get('seq', '?')} {entry.get('kind', '?')} {entry_summary(entry)}".rstrip()

@@ -1,0 +1,248 @@
+"""podctl's pure rendering: events, the pod table, status lines, history entries."""
+
+from typing import Any
+
+from cli.render import (
+    EventRenderer,
+    entry_line,
+    entry_summary,
+    one_line,
+    pod_table,
+    scope_cell,
+    shorten_path,
+    status_text,
+)
+
+
+def ev(etype: str, run_id: str | None = "r1", seq: int = 1, **data: Any) -> dict[str, Any]:
+    return {"seq": seq, "ts": 0.0, "type": etype, "run_id": run_id, "data": data}
+
+
+def render_all(events: list[dict[str, Any]]) -> str:
+    r = EventRenderer()
+    return "".join(r.render(e) for e in events) + r.finish()
+
+
+def test_run_with_streamed_text_and_tools() -> None:
+    out = render_all(
+        [
+            ev("run.started"),
+            ev("text.delta", text="Let me "),
+            ev("text.delta", text="look."),
+            ev("tool.started", call_id="c1", name="read_file", args={"path": "a.py"}),
+            ev("tool.finished", call_id="c1", name="read_file", is_error=False, summary="12 lines"),
+            ev("tool.started", call_id="c2", name="bash", args='{"cmd": "false"}'),
+            ev("tool.finished", call_id="c2", name="bash", is_error=True, summary="exit 1"),
+            ev("llm.usage", input=120, output=30, cache_read=0, cache_write=0),
+            ev("text.delta", text="Done.\n"),
+            ev("run.finished", outcome="finished", text="Done.", usage={}),
+        ]
+    )
+    assert out == (
+        "[run r1] started\n"
+        "Let me look.\n"
+        '⚙ read_file {"path": "a.py"}\n'
+        "✓ read_file: 12 lines\n"
+        '⚙ bash {"cmd": "false"}\n'
+        "✗ bash: exit 1\n"
+        "usage in=120 out=30\n"
+        "Done.\n"
+        "[run r1] finished: finished\n"
+    )
+
+
+def test_finish_ends_a_pending_line_once() -> None:
+    r = EventRenderer()
+    assert r.render(ev("text.delta", text="partial")) == "partial"
+    assert r.finish() == "\n"
+    assert r.finish() == ""
+
+
+def test_deltas_of_another_run_or_kind_start_a_new_line() -> None:
+    out = render_all(
+        [
+            ev("reasoning.delta", text="hmm"),
+            ev("text.delta", text="answer"),
+            ev("text.delta", run_id="r2", text="other"),
+        ]
+    )
+    assert out == "(thinking) hmm\nanswer\nother\n"
+
+
+def test_empty_delta_renders_nothing() -> None:
+    assert EventRenderer().render(ev("text.delta", text="")) == ""
+
+
+def test_misc_events() -> None:
+    lines = render_all(
+        [
+            ev("run.queued", run_id="r2", position=1),
+            ev("run.finished", outcome="error", error="provider said\nno", text=""),
+            ev("state.changed", run_id=None, state="paused"),
+            ev("alert", run_id=None, level="warning", source="budget", message="80% used"),
+            ev(
+                "notification.committed",
+                run_id=None,
+                notification_id="n1",
+                source="ci",
+                message="build failed",
+            ),
+            ev("gap", run_id=None, since=41),
+            ev("llm.usage", input=1, output=2, cache_read=3, cache_write=0),
+            ev("llm.retry", attempt=2, delay=1.5, error="429"),
+            ev("child.event", run_id=None, pod="kid", kind="run.finished", text="all good"),
+            ev("shutdown", run_id=None),
+            ev("compaction.finished", run_id=None, session_id="s2"),
+            ev("something.new", run_id=None, x=1),
+        ]
+    ).splitlines()
+    assert lines == [
+        "[run r2] queued (position 1)",
+        "[run r1] finished: error (provider said no)",
+        "state: paused",
+        "! warning [budget]: 80% used",
+        "✉ notification from ci: build failed",
+        "… events missed since 41",
+        "usage in=1 out=2 cache_read=3",
+        "retry #2 in 1.5s: 429",
+        "child kid: run.finished: all good",
+        "pod shutting down",
+        "compaction finished: new session s2",
+        'something.new {"x": 1}',
+    ]
+
+
+def test_long_tool_args_are_cut() -> None:
+    line = EventRenderer().render(ev("tool.started", name="write_file", args={"text": "x" * 500}))
+    assert line.startswith('⚙ write_file {"text": "xxx')
+    assert line.endswith("…\n")
+    assert len(line) < 260
+
+
+def test_one_line() -> None:
+    assert one_line("a\n  b\tc") == "a b c"
+    assert one_line("abcdef", width=4) == "abc…"
+
+
+STATUS: dict[str, Any] = {
+    "name": "reviewer",
+    "pid": 4242,
+    "state": "running",
+    "run_id": "r7",
+    "session_id": "0190-abc",
+    "provider": "openai",
+    "model": "fake",
+    "pwd": "/home/u/proj",
+    "scope": [
+        {"target": "/home/u/proj", "permission": "write", "recursive": True},
+        {"target": "/usr/share/doc", "permission": "read", "recursive": True},
+        {"target": "/home/u/proj/secrets", "permission": "read", "deny": True},
+    ],
+    "queue": {"runs": 2, "notifications": 1},
+    "usage": {"input": 1000, "output": 234, "cache_read": 0, "cache_write": 0, "calls": 3},
+    "parent": None,
+    "children": ["kid-a", "kid-b"],
+    "started_at": 1700000000.0,
+    "version": "0.1.0",
+}
+
+
+def test_pod_table() -> None:
+    child = {
+        **STATUS,
+        "name": "kid-a",
+        "pid": 5,
+        "state": "idle",
+        "parent": "reviewer",
+        "scope": [],
+        "queue": {"runs": 0, "notifications": 0},
+        "usage": {},
+    }
+    lines = pod_table([STATUS, child], home="/home/u").splitlines()
+    assert lines[0].split() == [
+        "NAME",
+        "PID",
+        "STATE",
+        "MODEL",
+        "SCOPE",
+        "PARENT",
+        "QUEUE",
+        "TOKENS",
+    ]
+    assert lines[1].split() == ["reviewer", "4242", "running", "fake", "~/proj", "-", "2/1", "1234"]
+    assert lines[2].split() == ["kid-a", "5", "idle", "fake", "-", "reviewer", "0/0", "0"]
+    # columns line up
+    assert lines[0].index("STATE") == lines[1].index("running") == lines[2].index("idle")
+
+
+def test_scope_cell_lists_write_targets_only_and_cuts_long_ones() -> None:
+    assert scope_cell(STATUS["scope"], home="/nowhere") == "/home/u/proj"
+    many = [{"target": f"/very/long/path/number/{i}", "permission": "write"} for i in range(5)]
+    cell = scope_cell(many, home="/nowhere")
+    assert len(cell) == 40 and cell.startswith("…") and cell.endswith("/number/4")
+
+
+def test_shorten_path() -> None:
+    assert shorten_path("/home/u/x", home="/home/u") == "~/x"
+    assert shorten_path("/home/u", home="/home/u") == "~"
+    assert shorten_path("/home/uu/x", home="/home/u") == "/home/uu/x"
+
+
+def test_status_text() -> None:
+    text = status_text(STATUS)
+    lines = text.splitlines()
+    assert lines[0].split() == ["name:", "reviewer"]
+    assert "run:" in text and "r7" in text
+    assert any(line.split() == ["scope:", "allow", "write", "/home/u/proj"] for line in lines)
+    assert any(line.split() == ["deny", "read", "/home/u/proj/secrets"] for line in lines)
+    assert any(line.split() == ["queue:", "2", "runs,", "1", "notifications"] for line in lines)
+    assert any(line.startswith("usage:") and "in=1000 out=234 calls=3" in line for line in lines)
+    assert any(line.split() == ["children:", "kid-a,", "kid-b"] for line in lines)
+    assert any(line.split() == ["parent:", "-"] for line in lines)
+    # values start in one column
+    assert len({line.index(line.split()[1]) for line in lines[:3]}) == 1
+
+
+def test_entry_summaries() -> None:
+    base = {"ts": 0.0, "prev": "0" * 64, "hash": "f" * 64}
+    cases = [
+        ({"seq": 1, "kind": "session_start", "pod": "p", "system_prompt": "..."}, "pod=p"),
+        (
+            {"seq": 2, "kind": "user_input", "run_id": "r1", "text": "hi\nthere", "mode": "queue"},
+            "[run r1] hi there",
+        ),
+        (
+            {
+                "seq": 3,
+                "kind": "assistant",
+                "item": {
+                    "text": "",
+                    "tool_calls": [{"id": "c", "name": "grep", "arguments": '{"q":1}'}],
+                },
+            },
+            '⚙ grep {"q": 1}',
+        ),
+        (
+            {
+                "seq": 4,
+                "kind": "tool_result",
+                "item": {"call_id": "c", "name": "grep", "output": "nothing", "is_error": True},
+            },
+            "✗ grep: nothing",
+        ),
+        ({"seq": 5, "kind": "system_item", "id": "n1", "source": "ci", "text": "red"}, "ci: red"),
+        (
+            {"seq": 6, "kind": "llm_usage", "input": 5, "output": 6, "model": "m"},
+            "in=5 out=6 model=m",
+        ),
+        (
+            {"seq": 7, "kind": "run_end", "run_id": "r1", "outcome": "error", "error": "boom"},
+            "[run r1] error: boom",
+        ),
+        ({"seq": 8, "kind": "mystery", "z": [1]}, '{"z": [1]}'),
+    ]
+    for entry, summary in cases:
+        assert entry_summary({**base, **entry}) == summary
+    assert (
+        entry_line({**base, "seq": 9, "kind": "turn_end", "run_id": "r1"}) == "9 turn_end [run r1]"
+    )
