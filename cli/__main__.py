@@ -1,0 +1,5 @@
+"""`python -m cli` runs podctl."""
+
+from cli.main import main
+
+main()

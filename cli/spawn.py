@@ -1,0 +1,117 @@
+"""`podctl spawn`: start `poddaemon run` detached and wait for its READY line (SPEC §7).
+
+The pod runs in its own session (no controlling terminal, immune to the shell's Ctrl-C). Its
+stderr is a pipe to podctl until it prints `PODDAEMON-READY\\t<name>\\t<socket>`; with
+`--stderr-log` the daemon then moves its stderr to `<runtime>/pods/<name>/stderr.log`, so podctl
+can close the pipe and exit. Anything the pod printed before READY is its own error message when
+start-up fails, and is passed on to the user either way.
+"""
+
+import contextlib
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+READY_PREFIX = b"PODDAEMON-READY\t"
+READY_TIMEOUT = 30.0
+EXIT_WAIT = 5.0
+
+
+class SpawnFailed(Exception):
+    """The pod did not become ready. `output` is everything it wrote to stderr."""
+
+    def __init__(self, message: str, output: bytes) -> None:
+        super().__init__(message)
+        self.message = message
+        self.output = output
+
+
+def daemon_command(manifest: str, sets: list[str], session: str | None, resume: bool) -> list[str]:
+    """The `poddaemon run` command line for these podctl spawn options."""
+    cmd = [sys.executable, "-m", "poddaemon", "run", manifest]
+    for item in sets:
+        cmd += ["--set", item]
+    if session:
+        cmd += ["--session", session]
+    if resume:
+        cmd.append("--resume")
+    return cmd
+
+
+def parse_ready(line: bytes) -> tuple[str, str] | None:
+    """`(name, socket)` from a READY line, or None when the line is something else."""
+    if not line.startswith(READY_PREFIX):
+        return None
+    parts = line.rstrip(b"\r").decode("utf-8", "replace").split("\t")
+    if len(parts) < 3 or not parts[1]:
+        return None
+    return parts[1], parts[2]
+
+
+def _kill_group(proc: "subprocess.Popen[bytes]", sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(EXIT_WAIT)
+
+
+def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str, str, bytes]:
+    """Start the pod and wait for READY: `(name, socket, stderr before READY)`.
+
+    Raises SpawnFailed when the pod exits (or closes stderr) first, or after `timeout` seconds
+    (then its whole process group is killed).
+    """
+    proc = subprocess.Popen(
+        [*cmd, "--stderr-log"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert proc.stderr is not None
+    fd = proc.stderr.fileno()
+    pending = bytearray()  # the incomplete last line
+    output = bytearray()  # complete lines before READY
+    deadline = time.monotonic() + timeout
+    try:
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    _kill_group(proc, signal.SIGKILL)
+                    raise SpawnFailed(
+                        f"pod did not become ready within {timeout:g} s (killed it)",
+                        bytes(output + pending),
+                    )
+                if not sel.select(remaining):
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                pending += chunk
+                while (nl := pending.find(b"\n")) >= 0:
+                    line = bytes(pending[:nl])
+                    del pending[: nl + 1]
+                    ready = parse_ready(line)
+                    if ready is not None:
+                        proc.stderr.close()
+                        return ready[0], ready[1], bytes(output)
+                    output += line + b"\n"
+    except BaseException:
+        if proc.poll() is None and not isinstance(sys.exc_info()[1], SpawnFailed):
+            _kill_group(proc, signal.SIGTERM)  # Ctrl-C while waiting: do not leave a half pod
+        raise
+    # EOF before READY: the pod is exiting (or closed its stderr, which is as good as failing).
+    output += pending
+    try:
+        code = proc.wait(EXIT_WAIT)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc, signal.SIGKILL)
+        raise SpawnFailed("pod closed its stderr without becoming ready", bytes(output)) from None
+    finally:
+        proc.stderr.close()
+    raise SpawnFailed(f"pod exited with status {code} before it was ready", bytes(output))
