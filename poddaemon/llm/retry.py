@@ -258,6 +258,10 @@ async def with_retries(
     ModelResponse last. Raises ProviderError: the classified error when it is not retryable,
     ``transient`` naming the attempts when retries are exhausted, ``interrupted`` for any failure
     after output started and ``stalled`` when the stream goes quiet after output started.
+
+    Timers: until the first delta, every wait (for the response, or between keep-alive events)
+    is bounded by ``first_byte_timeout`` and counts as a transient, retryable failure; after it,
+    every gap is bounded by ``stream_idle_timeout`` and ends the call as ``stalled``.
     """
     started = clock()
     attempts = 0
@@ -369,10 +373,12 @@ class RetryingClient:
             raise
         except Exception as exc:  # e.g. the SDK refused the configuration
             raise ProviderError("fatal", f"cannot create {self.sdk_module} client: {exc}") from exc
-        async for event in with_retries(
-            lambda: self._attempt(client, req), self.cfg, sleep=self._sleep
-        ):
-            yield event
+        attempts = with_retries(lambda: self._attempt(client, req), self.cfg, sleep=self._sleep)
+        async with contextlib.aclosing(
+            attempts
+        ):  # a consumer that stops early closes the HTTP stream
+            async for event in attempts:
+                yield event
 
     async def aclose(self) -> None:
         client, self._client = self._client, None

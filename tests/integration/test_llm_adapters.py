@@ -306,3 +306,16 @@ async def test_missing_key_is_an_auth_error(
     assert events == [] and err is not None and err.kind == "auth"
     assert KEY_VAR in err.message
     assert fake.requests == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_consumer_stopping_early_closes_the_stream(fake: FakeModel, kind: str) -> None:
+    fake.script({"text": LONG_TEXT, "delay": 5}, {"text": "next"})
+    client = make_client(config(fake, kind))
+    stream = client.stream(request())
+    first = await anext(stream)
+    assert first == TextDelta(LONG_TEXT[:20])
+    await stream.aclose()  # type: ignore[attr-defined]
+    # The client stays usable after an abandoned stream.
+    events, err = await run(client)
+    assert err is None and final(events).message.text == "next"

@@ -409,3 +409,13 @@ def test_make_client_imports_no_sdk() -> None:
     assert {m for m in ("openai", "anthropic") if m in sys.modules} == before
     with pytest.raises(ValueError, match="unknown provider kind"):
         make_client(Cfg("gemini"))
+
+
+def test_chat_max_tokens_field_by_base_url() -> None:
+    from poddaemon.llm.openai_chat import OpenAIChatClient
+
+    official = Cfg("openai")
+    compatible = Cfg("openai")
+    compatible.base_url = "http://127.0.0.1:8000/v1"
+    assert OpenAIChatClient(official)._max_tokens_field == "max_completion_tokens"
+    assert OpenAIChatClient(compatible)._max_tokens_field == "max_tokens"
