@@ -165,7 +165,7 @@ class SessionLog:
         line, entry = encode_entry(
             1, time.time() if ts is None else ts, "session_start", GENESIS, start_body
         )
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
         fd = os.open(path, flags, 0o600)
         try:
             _write_all(fd, line)

@@ -12,6 +12,7 @@ A reader must not rely on that layout: verification decodes the line, drops ``ha
 re-encodes canonically, so any writer that produces the same JSON values verifies.
 """
 
+import gc
 import hashlib
 import os
 import secrets
@@ -133,6 +134,18 @@ def verify(data: bytes) -> VerifyResult:
     reported (``torn=True``) and left out, everything before it is returned. Any other damage
     raises ``LogCorrupt`` naming the first bad line.
     """
+    # Every entry is kept, so the cyclic GC would rescan a growing heap again and again while
+    # finding nothing to free (about a third of the time on 100k entries). Pause it.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _verify(data)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _verify(data: bytes) -> VerifyResult:
     entries: list[dict[str, Any]] = []
     prev = GENESIS
     offset = 0

@@ -1,0 +1,413 @@
+"""The file store: create/open/append, torn tails, corruption, group commit, other writers."""
+
+import asyncio
+import errno
+import os
+import shutil
+import stat
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from poddaemon.store.file import (
+    HeadMoved,
+    SessionLog,
+    list_sessions,
+    newest_session_for,
+    read_session,
+)
+from poddaemon.store.log import LogCorrupt, new_session_id, verify
+
+
+@pytest.fixture
+def sessions() -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(dir="/tmp", prefix="pdst"))
+    try:
+        yield root / "data" / "sessions"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+START = {"pod": "rev", "system_prompt": "sys", "config": {"x": 1}, "history": []}
+
+
+def test_create_append_reopen(sessions: Path) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    assert stat.S_IMODE(os.stat(sessions).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(log.path).st_mode) == 0o600
+    assert log.path == sessions / f"{sid}.jsonl"
+    written = [log.append("user_input", {"run_id": "r", "text": f"m{i}"}) for i in range(5)]
+    assert [e["seq"] for e in written] == [2, 3, 4, 5, 6]
+    log.close()
+
+    log2, entries, warnings = SessionLog.open(sessions, sid)
+    assert warnings == []
+    assert entries[0]["kind"] == "session_start"
+    assert {k: entries[0][k] for k in START} == START
+    assert entries[1:] == written
+    assert log2.seq == 6 and log2.head == written[-1]["hash"]
+    more = log2.append("run_start", {"run_id": "r"})
+    assert more["seq"] == 7 and more["prev"] == written[-1]["hash"]
+    log2.close()
+    assert verify(log2.path.read_bytes()).entries[-1] == more
+
+
+def test_create_refuses_an_existing_session(sessions: Path) -> None:
+    sid = new_session_id()
+    SessionLog.create(sessions, sid, START).close()
+    with pytest.raises(FileExistsError):
+        SessionLog.create(sessions, sid, START)
+
+
+@pytest.mark.parametrize("bad", ["../x", "a/b", "", ".hidden", "x" * 200])
+def test_bad_session_ids_are_refused(sessions: Path, bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid session id"):
+        SessionLog.create(sessions, bad, START)
+
+
+def test_open_missing_session(sessions: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no session"):
+        SessionLog.open(sessions, "0190a0b0-0000-7000-8000-000000000000")
+
+
+def test_torn_tail_is_cut_and_the_chain_continues(sessions: Path) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    kept = log.append("user_input", {"text": "kept"})
+    log.append("user_input", {"text": "torn " * 10})
+    log.close()
+    data = log.path.read_bytes()
+    torn_len = len(data.splitlines(keepends=True)[-1])
+    cut_to = len(data) - 7  # leave a partial third line
+    os.truncate(log.path, cut_to)
+
+    log2, entries, warnings = SessionLog.open(sessions, sid)
+    assert [e["seq"] for e in entries] == [1, 2]
+    assert entries[-1] == kept
+    assert warnings == [f"session {sid}: cut a torn last line ({torn_len - 7} bytes) at line 3"]
+    assert log2.path.stat().st_size == len(data) - torn_len
+    assert log2.head_is_mine()
+    again = log2.append("user_input", {"text": "after"})
+    assert again["seq"] == 3 and again["prev"] == kept["hash"]
+    log2.close()
+
+    log3, entries3, warnings3 = SessionLog.open(sessions, sid)
+    assert warnings3 == [] and entries3[-1] == again
+    log3.close()
+
+
+def test_corruption_refuses_with_the_line_and_leaves_the_file(sessions: Path) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    for i in range(4):
+        log.append("user_input", {"text": f"message {i}"})
+    log.close()
+    data = log.path.read_bytes()
+    bad = data.replace(b"message 1", b"message X")
+    log.path.write_bytes(bad)
+    with pytest.raises(LogCorrupt) as info:
+        SessionLog.open(sessions, sid)
+    assert info.value.line == 3
+    assert "line 3:" in str(info.value) and str(log.path) in str(info.value)
+    assert log.path.read_bytes() == bad
+    with pytest.raises(LogCorrupt):
+        read_session(sessions, sid)
+
+
+def test_a_log_without_session_start_is_refused(sessions: Path) -> None:
+    sessions.mkdir(parents=True)
+    path = sessions / "abc.jsonl"
+    path.write_bytes(b'{"seq":1,"ts":1.0')  # crashed during create: torn first line
+    with pytest.raises(LogCorrupt, match="line 1: "):
+        SessionLog.open(sessions, "abc")
+    assert path.read_bytes() == b'{"seq":1,"ts":1.0'
+
+
+def test_read_session_does_not_truncate(sessions: Path) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    log.append("user_input", {"text": "x"})
+    log.close()
+    with open(log.path, "ab") as f:
+        f.write(b'{"seq":3,')
+    size = log.path.stat().st_size
+    result = read_session(sessions, sid)
+    assert result.torn and len(result.entries) == 2
+    assert log.path.stat().st_size == size
+
+
+def test_reserved_keys_and_unencodable_bodies_write_nothing(sessions: Path) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    size = log.path.stat().st_size
+    with pytest.raises(ValueError):
+        log.append("x", {"seq": 5})
+    with pytest.raises(TypeError):
+        log.append("x", {"v": object()})
+    assert log.path.stat().st_size == size
+    assert log.append("x", {})["seq"] == 2
+    log.close()
+
+
+def test_append_never_reads_the_file(sessions: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    for i in range(50):
+        log.append("user_input", {"text": str(i)})
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("append read the file")
+
+    for name in ("read", "pread", "open", "lseek", "stat"):
+        monkeypatch.setattr(os, name, refuse)
+    monkeypatch.setattr("builtins.open", refuse)
+    for i in range(50):
+        log.append("user_input", {"text": str(i)})
+    monkeypatch.undo()
+    assert log.seq == 101
+    log.close()
+
+
+def test_head_is_mine_false_after_a_second_writer(sessions: Path) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    log.append("user_input", {"text": "a"})
+    assert log.head_is_mine()
+    other, _, _ = SessionLog.open(sessions, sid)
+    other.append("user_input", {"text": "from elsewhere"})
+    other.close()
+    assert not log.head_is_mine()
+    with pytest.raises(HeadMoved):
+        log.append("user_input", {"text": "would break the chain"})
+    log.close()
+    # The file is still a valid chain: the refused append wrote nothing.
+    assert len(read_session(sessions, sid).entries) == 3
+
+
+def test_head_is_mine_false_when_the_file_is_replaced(sessions: Path) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    data = log.path.read_bytes()
+    tmp = log.path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, log.path)
+    assert not log.head_is_mine()
+    log.close()
+    assert not log.head_is_mine()
+
+
+def test_fork_links_to_the_old_session(sessions: Path) -> None:
+    old = SessionLog.create(sessions, new_session_id(), START)
+    new = old.fork(None, None, {**START, "history": [{"type": "user", "text": "x"}]})
+    assert new.session_id != old.session_id
+    _, entries, _ = SessionLog.open(sessions, new.session_id)
+    assert entries[0]["forked_from"] == old.session_id
+    assert entries[0]["history"] == [{"type": "user", "text": "x"}]
+    [info] = [i for i in list_sessions(sessions) if i.id == new.session_id]
+    assert info.forked_from == old.session_id
+    old.close()
+    new.close()
+
+
+def test_list_sessions_and_newest_for(sessions: Path) -> None:
+    assert list_sessions(sessions) == []
+    assert newest_session_for(sessions, "a") is None
+    made: list[tuple[str, str]] = []
+    for pod in ["a", "b", "a", "c", "a", "b"]:
+        sid = new_session_id()
+        SessionLog.create(sessions, sid, {**START, "pod": pod}).close()
+        made.append((sid, pod))
+    (sessions / "notes.txt").write_text("ignored")
+    (sessions / "junk.jsonl").write_bytes(b"not json\n")
+    infos = list_sessions(sessions)
+    real = [i for i in infos if i.id != "junk"]
+    assert [(i.id, i.pod) for i in real] == list(reversed(made))
+    assert all(i.size > 0 and i.started is not None for i in real)
+    [junk] = [i for i in infos if i.id == "junk"]
+    assert junk.pod is None
+    assert newest_session_for(sessions, "a") == made[4][0]
+    assert newest_session_for(sessions, "b") == made[5][0]
+    assert newest_session_for(sessions, "zzz") is None
+
+
+def test_list_sessions_reads_only_the_first_line(sessions: Path) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    log.close()
+    with open(log.path, "ab") as f:
+        f.write(b"\x00garbage that would not verify\n" * 10)
+    [info] = list_sessions(sessions)
+    assert info.pod == "rev"
+
+
+# --- group commit ------------------------------------------------------------------------------
+
+
+class FsyncSpy:
+    """Wraps os.fsync: records the file size each fsync saw when it started, and whether it
+    finished; optionally holds the first one until released, so that callers pile up."""
+
+    def __init__(self, fd: int, hold_first: bool = False) -> None:
+        self.fd = fd
+        self.real = os.fsync
+        self.lock = threading.Lock()
+        self.started: list[int] = []  # file size at start, per call
+        self.finished: list[bool] = []
+        self.first_started = threading.Event()
+        self.release = threading.Event()
+        if not hold_first:
+            self.release.set()
+        self.error: OSError | None = None
+
+    def __call__(self, fd: int) -> None:
+        with self.lock:
+            index = len(self.started)
+            self.started.append(os.fstat(fd).st_size)
+            self.finished.append(False)
+        if index == 0:
+            self.first_started.set()
+            self.release.wait(10)
+        if self.error is not None:
+            raise self.error
+        self.real(fd)
+        with self.lock:
+            self.finished[index] = True
+
+    def covered(self, end: int) -> bool:
+        """A finished fsync started when the file already held ``end`` bytes."""
+        with self.lock:
+            return any(f and s >= end for s, f in zip(self.started, self.finished, strict=True))
+
+
+async def test_group_commit_shares_fsyncs(sessions: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    spy = FsyncSpy(log.fileno())
+    monkeypatch.setattr(os, "fsync", spy)
+
+    async def writer(i: int) -> None:
+        log.append("user_input", {"text": f"m{i}"})
+        end = os.fstat(log.fileno()).st_size
+        await log.sync()
+        assert spy.covered(end), i
+
+    await asyncio.gather(*(writer(i) for i in range(100)))
+    assert 1 <= len(spy.started) < 100
+    assert log.durable_seq == log.seq == 101
+    log.close()
+
+
+async def test_callers_arriving_during_an_fsync_wait_for_the_next(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    spy = FsyncSpy(log.fileno(), hold_first=True)
+    monkeypatch.setattr(os, "fsync", spy)
+    returned: list[int] = []
+
+    async def writer(i: int) -> None:
+        log.append("user_input", {"text": f"m{i}"})
+        end = os.fstat(log.fileno()).st_size
+        await log.sync()
+        assert spy.covered(end), i
+        returned.append(i)
+
+    first = [asyncio.create_task(writer(i)) for i in range(10)]
+    assert await asyncio.to_thread(spy.first_started.wait, 10)
+    second = [asyncio.create_task(writer(i)) for i in range(10, 20)]
+    await asyncio.sleep(0)  # one loop pass: the second wave appends and starts waiting
+    assert returned == [] and len(spy.started) == 1
+    spy.release.set()
+    await asyncio.gather(*first, *second)
+    assert sorted(returned) == list(range(20))
+    # One fsync for the first wave, one shared by the whole second wave.
+    assert len(spy.started) == 2
+    # The second wave was covered only by the second fsync (checked in writer()).
+    assert spy.started[1] > spy.started[0]
+    log.close()
+
+
+async def test_sync_with_nothing_pending_does_not_fsync(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    spy = FsyncSpy(log.fileno())
+    monkeypatch.setattr(os, "fsync", spy)
+    await log.sync()
+    assert spy.started == []
+    log.append("x", {})
+    await log.sync()
+    await log.sync()
+    assert len(spy.started) == 1
+    log.close()
+
+
+async def test_fsync_error_reaches_every_waiter_and_poisons(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    spy = FsyncSpy(log.fileno(), hold_first=True)
+    spy.error = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", spy)
+
+    async def writer(i: int) -> None:
+        log.append("user_input", {"text": f"m{i}"})
+        await log.sync()
+
+    tasks = [asyncio.create_task(writer(i)) for i in range(5)]
+    assert await asyncio.to_thread(spy.first_started.wait, 10)
+    spy.release.set()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(results) == 5
+    for r in results:
+        assert isinstance(r, OSError) and r.errno == errno.ENOSPC, r
+    # Poisoned: no later append or sync pretends all is well.
+    with pytest.raises(OSError) as info:
+        log.append("x", {})
+    assert info.value.errno == errno.ENOSPC
+    assert log.durable_seq == 1
+    log.close()
+
+
+async def test_a_failed_write_is_cut_back_and_the_log_continues(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    real_write = os.write
+    calls = 0
+
+    def half_then_enospc(fd: int, data: Any) -> int:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return real_write(fd, bytes(data)[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_enospc)
+    with pytest.raises(OSError):
+        log.append("user_input", {"text": "lost"})
+    monkeypatch.undo()
+    entry = log.append("user_input", {"text": "fine"})
+    assert entry["seq"] == 2
+    await log.sync()
+    log.close()
+    result = read_session(sessions, sid)
+    assert not result.torn and [e.get("text") for e in result.entries] == [None, "fine"]
+
+
+async def test_close_while_an_fsync_runs(sessions: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    spy = FsyncSpy(log.fileno(), hold_first=True)
+    monkeypatch.setattr(os, "fsync", spy)
+    log.append("x", {})
+    task = asyncio.create_task(log.sync())
+    assert await asyncio.to_thread(spy.first_started.wait, 10)
+    log.close()
+    spy.release.set()
+    await task
+    assert log.closed
+    with pytest.raises(ValueError, match="closed"):
+        log.append("x", {})
