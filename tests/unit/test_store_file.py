@@ -411,3 +411,23 @@ async def test_close_while_an_fsync_runs(sessions: Path, monkeypatch: pytest.Mon
     assert log.closed
     with pytest.raises(ValueError, match="closed"):
         log.append("x", {})
+
+
+async def test_a_cancelled_waiter_does_not_cancel_the_shared_fsync(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    spy = FsyncSpy(log.fileno(), hold_first=True)
+    monkeypatch.setattr(os, "fsync", spy)
+    log.append("x", {})
+    end = os.fstat(log.fileno()).st_size
+    impatient = asyncio.create_task(log.sync())
+    patient = asyncio.create_task(log.sync())
+    assert await asyncio.to_thread(spy.first_started.wait, 10)
+    impatient.cancel()
+    spy.release.set()
+    await patient
+    assert impatient.cancelled()
+    assert spy.covered(end) and len(spy.started) == 1
+    assert log.durable_seq == 2
+    log.close()
