@@ -1,0 +1,303 @@
+"""podctl as users run it: real subprocesses, PODDAEMON_HOME in a short temp dir.
+
+The first tests need no pod. The end-to-end test starts a real `poddaemon` (through
+`podctl spawn`) against the in-process fake model server.
+"""
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HAVE_DAEMON = importlib.util.find_spec("poddaemon.daemon") is not None
+
+COMMANDS = [
+    [],
+    ["spawn"],
+    ["ls"],
+    ["status"],
+    ["stop"],
+    ["rpc"],
+    ["send"],
+    ["notify"],
+    ["attach"],
+    ["history"],
+    ["pause"],
+    ["resume"],
+    ["cancel"],
+    ["sessions"],
+    ["sessions", "list"],
+    ["sessions", "show"],
+    ["sessions", "verify"],
+    ["dev"],
+    ["dev", "fake-model"],
+]
+
+POD_COMMANDS = [
+    ["status", "ghost"],
+    ["stop", "ghost"],
+    ["stop", "--tree", "ghost"],
+    ["rpc", "ghost", "status"],
+    ["rpc", "ghost", "history", '{"limit": 1}'],
+    ["send", "ghost", "hello"],
+    ["send", "--no-wait", "ghost", "hello"],
+    ["send", "--steer", "ghost", "hello"],
+    ["notify", "ghost", "hello"],
+    ["attach", "ghost"],
+    ["history", "ghost"],
+    ["pause", "ghost"],
+    ["resume", "ghost"],
+    ["cancel", "ghost"],
+]
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="pc", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def env_for(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PODDAEMON_")}
+    env["PODDAEMON_HOME"] = str(home)
+    env.update(extra)
+    return env
+
+
+def podctl(
+    home: Path, *args: str, stdin: str | None = None, timeout: float = 60, **env: str
+) -> "subprocess.CompletedProcess[str]":
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        cwd=REPO,
+        env=env_for(home, **env),
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# --- no pod needed ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "podctl")
+def test_every_command_has_help(home: Path, command: list[str]) -> None:
+    proc = podctl(home, *command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "Usage: podctl" in proc.stdout
+
+
+def test_console_script_runs() -> None:
+    script = Path(sys.executable).parent / "podctl"
+    if not script.exists():
+        pytest.skip("podctl console script not installed")
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "spawn" in proc.stdout
+
+
+@pytest.mark.parametrize("command", POD_COMMANDS, ids=" ".join)
+def test_missing_pod_exits_3_with_one_line(home: Path, command: list[str]) -> None:
+    proc = podctl(home, *command)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr == "podctl: pod 'ghost' is not running\n"
+    assert proc.stdout == ""
+
+
+def test_stale_socket_counts_as_not_running(home: Path) -> None:
+    import socket
+
+    pod_dir = home / "run" / "pods" / "stale"
+    pod_dir.mkdir(parents=True)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(pod_dir / "sock"))
+    sock.close()  # the file stays, nobody listens
+    proc = podctl(home, "status", "stale")
+    assert (proc.returncode, proc.stderr) == (3, "podctl: pod 'stale' is not running\n")
+    ls = podctl(home, "ls", "--json")
+    assert ls.returncode == 0 and json.loads(ls.stdout) == []
+
+
+def imported_modules(importtime_stderr: str) -> set[str]:
+    names = set()
+    for line in importtime_stderr.splitlines():
+        if line.startswith("import time:") and line.count("|") == 2:
+            names.add(line.rsplit("|", 1)[1].strip())
+    return names
+
+
+@pytest.mark.parametrize("args", [["--help"], ["status", "nosuchpod"]], ids=" ".join)
+def test_start_up_never_imports_heavy_modules(home: Path, args: list[str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "cli.main", *args],
+        cwd=REPO,
+        env=env_for(home),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == (0 if args == ["--help"] else 3)
+    modules = imported_modules(proc.stderr)
+    assert "typer" in modules  # the parse worked
+    heavy = {m for m in modules if m.split(".")[0] in {"openai", "anthropic", "asyncio", "uvloop"}}
+    assert not heavy
+    assert not {m for m in modules if m.startswith(("poddaemon.store", "poddaemon.testing"))}
+
+
+def test_rpc_with_invalid_json_params_is_a_usage_error(home: Path) -> None:
+    proc = podctl(home, "rpc", "ghost", "status", "{not json")
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("podctl: invalid JSON params:")
+    proc = podctl(home, "rpc", "ghost", "status", "[1, 2]")
+    assert (proc.returncode, proc.stderr) == (2, "podctl: JSON params must be an object\n")
+
+
+def test_send_of_empty_stdin_is_a_usage_error(home: Path) -> None:
+    proc = podctl(home, "send", "ghost", "-", stdin="\n")
+    assert (proc.returncode, proc.stderr) == (2, "podctl: empty message\n")
+
+
+def test_ls_without_pods(home: Path) -> None:
+    proc = podctl(home, "ls")
+    assert proc.returncode == 0 and proc.stdout == ""
+    assert podctl(home, "status", "--json").stdout.strip() == "[]"
+
+
+def test_spawn_of_missing_manifest_prints_the_pods_error(home: Path) -> None:
+    missing = home / "nope.toml"
+    proc = podctl(home, "spawn", str(missing))
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.strip()
+    if HAVE_DAEMON:
+        assert str(missing) in proc.stderr
+    assert not (home / "run" / "pods").exists() or not list((home / "run" / "pods").iterdir())
+
+
+def test_spawn_rejects_session_with_resume(home: Path) -> None:
+    proc = podctl(home, "spawn", "x.toml", "--session", "abc", "--resume")
+    assert proc.returncode == 2 and "exclude each other" in proc.stderr
+
+
+def test_sessions_verify_and_show(home: Path) -> None:
+    from poddaemon.store.file import SessionLog
+
+    sessions = home / "data" / "sessions"
+    log = SessionLog.create(sessions, "s1", {"pod": "p", "system_prompt": "be brief"})
+    log.append("user_input", {"run_id": "r1", "text": "hello", "mode": "queue"})
+    log.close()
+    listed = podctl(home, "sessions")
+    assert listed.returncode == 0 and listed.stdout.splitlines()[1].split()[:2] == ["s1", "p"]
+    ok = podctl(home, "sessions", "verify", "s1")
+    assert ok.returncode == 0
+    assert ok.stdout.startswith("ok: 2 entries, head ") and len(ok.stdout.split()[-1]) == 12
+    shown = podctl(home, "sessions", "show", "s1")
+    assert shown.stdout.splitlines() == ["1 session_start pod=p", "2 user_input [run r1] hello"]
+    as_json = podctl(home, "sessions", "show", "s1", "--json")
+    assert [json.loads(line)["kind"] for line in as_json.stdout.splitlines()] == [
+        "session_start",
+        "user_input",
+    ]
+    path = sessions / "s1.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + lines[1].replace("hello", "HELLO"))
+    bad = podctl(home, "sessions", "verify", "s1")
+    assert bad.returncode == 1 and "line 2" in bad.stderr and bad.stderr.startswith("podctl: ")
+    missing = podctl(home, "sessions", "verify", "nope")
+    assert missing.returncode == 1 and "nope" in missing.stderr
+
+
+# --- end to end with a real pod -----------------------------------------------------------------
+
+
+def write_manifest(home: Path, name: str, base_url: str) -> Path:
+    work = home / "w"
+    work.mkdir(exist_ok=True)
+    manifest = home / f"{name}.toml"
+    manifest.write_text(
+        f"""
+[pod]
+name = "{name}"
+pwd = "{work}"
+
+[provider]
+kind = "openai"
+model = "fake"
+base_url = "{base_url}"
+api_key_env = "PODCTL_TEST_KEY"
+
+[[scope.allow]]
+target = "{work}"
+permission = "write"
+"""
+    )
+    return manifest
+
+
+def kill_leftover_pods(home: Path) -> None:
+    """Safety net: never leave a pod running if a test failed half-way."""
+    for pid_file in (home / "run" / "pods").glob("*/pid"):
+        with contextlib.suppress(ValueError, OSError):
+            os.killpg(int(pid_file.read_text().split()[0]), signal.SIGKILL)
+
+
+@pytest.mark.skipif(not HAVE_DAEMON, reason="poddaemon.daemon not there yet")
+def test_spawn_ls_status_rpc_send_stop(home: Path) -> None:
+    from poddaemon.testing.fake_model import FakeModel
+
+    key = {"PODCTL_TEST_KEY": "dummy"}
+    with FakeModel() as fake:
+        manifest = write_manifest(home, "e2e", fake.openai_base_url)
+        try:
+            spawned = podctl(home, "spawn", str(manifest), **key)
+            assert spawned.returncode == 0, spawned.stderr
+            name, sock = spawned.stdout.rstrip("\n").split("\t")
+            assert name == "e2e" and Path(sock).is_socket()
+
+            table = podctl(home, "ls").stdout.splitlines()
+            assert table[0].split()[:3] == ["NAME", "PID", "STATE"]
+            row = next(line.split() for line in table[1:] if line.split()[0] == "e2e")
+            assert row[3] == "fake" and row[4] == str(home / "w")
+
+            status = json.loads(podctl(home, "status", "e2e", "--json").stdout)
+            assert status["name"] == "e2e" and status["model"] == "fake"
+            assert podctl(home, "status", "e2e").stdout.startswith("name:")
+
+            raw = podctl(home, "rpc", "e2e", "status")
+            assert raw.returncode == 0 and json.loads(raw.stdout)["pid"] == status["pid"]
+            bad = podctl(home, "rpc", "e2e", "no_such_method")
+            assert bad.returncode == 1 and bad.stderr.endswith("(-32601)\n")
+
+            sent = podctl(home, "send", "e2e", "hello", timeout=90)
+            assert (sent.returncode, sent.stdout) == (0, "ok: hello\n"), sent.stderr
+            piped = podctl(home, "send", "e2e", "-", "--json", stdin="again\n", timeout=90)
+            final = json.loads(piped.stdout)
+            assert piped.returncode == 0 and final["outcome"] == "finished"
+            assert final["text"] == "ok: again"
+
+            hist = podctl(home, "history", "e2e").stdout.splitlines()
+            assert any(" user_input " in line and line.endswith(" hello") for line in hist)
+
+            again = podctl(home, "spawn", str(manifest), **key)
+            assert again.returncode == 1 and "e2e" in again.stderr
+
+            stopped = podctl(home, "stop", "e2e")
+            assert (stopped.returncode, stopped.stdout) == (0, "stopped e2e\n"), stopped.stderr
+            assert not Path(sock).exists()
+            gone = podctl(home, "status", "e2e")
+            assert gone.returncode == 3
+        finally:
+            kill_leftover_pods(home)
