@@ -178,6 +178,12 @@ class Registry:
                 raise RegistryError(
                     f"{self.path}: corrupt pod registry (key {key!r} holds pod {entry.name!r})"
                 )
+            try:
+                Scope.from_dicts(entry.scope)
+            except (KeyError, TypeError, ValueError) as e:
+                raise RegistryError(
+                    f"{self.path}: corrupt pod registry (scope of pod {key!r}: {e!r})"
+                ) from e
         return doc.pods
 
     def live(self) -> list[PodEntry]:

@@ -175,7 +175,13 @@ def test_file_modes(reg: Registry, runtime: Path) -> None:
 
 @pytest.mark.parametrize(
     "content",
-    [b"{not json", b'{"version": 1, "pods": {"a": {"name": "a"}}}', b'{"version": 9, "pods": {}}'],
+    [
+        b"{not json",
+        b'{"version": 1, "pods": {"a": {"name": "a"}}}',
+        b'{"version": 9, "pods": {}}',
+        b'{"version": 1, "pods": {"a": {"name": "a", "pid": 1, "start_time": 1, "socket": "s", '
+        b'"scope": [{"target": "rel", "permission": "write"}], "started_at": 0}}}',
+    ],
 )
 def test_corrupt_file_is_an_error_naming_it(reg: Registry, runtime: Path, content: bytes) -> None:
     runtime.mkdir(parents=True)
