@@ -78,12 +78,16 @@ def env_for(home: Path, **extra: str) -> dict[str, str]:
 
 
 def podctl(
-    home: Path, *args: str, stdin: str | None = None, timeout: float = 60, **env: str
+    home: Path,
+    *args: str,
+    stdin: str | None = None,
+    timeout: float = 60,
+    env: dict[str, str] | None = None,
 ) -> "subprocess.CompletedProcess[str]":
     return subprocess.run(
         [sys.executable, "-m", "cli.main", *args],
         cwd=REPO,
-        env=env_for(home, **env),
+        env=env_for(home, **(env or {})),
         input=stdin if stdin is not None else "",
         capture_output=True,
         text=True,
@@ -262,7 +266,7 @@ def test_spawn_ls_status_rpc_send_stop(home: Path) -> None:
     with FakeModel() as fake:
         manifest = write_manifest(home, "e2e", fake.openai_base_url)
         try:
-            spawned = podctl(home, "spawn", str(manifest), **key)
+            spawned = podctl(home, "spawn", str(manifest), env=key)
             assert spawned.returncode == 0, spawned.stderr
             name, sock = spawned.stdout.rstrip("\n").split("\t")
             assert name == "e2e" and Path(sock).is_socket()
@@ -291,7 +295,7 @@ def test_spawn_ls_status_rpc_send_stop(home: Path) -> None:
             hist = podctl(home, "history", "e2e").stdout.splitlines()
             assert any(" user_input " in line and line.endswith(" hello") for line in hist)
 
-            again = podctl(home, "spawn", str(manifest), **key)
+            again = podctl(home, "spawn", str(manifest), env=key)
             assert again.returncode == 1 and "e2e" in again.stderr
 
             stopped = podctl(home, "stop", "e2e")

@@ -1,0 +1,242 @@
+"""Shared fixtures: a sandboxed PODDAEMON_HOME, a local fake model, real pod processes."""
+
+import contextlib
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from poddaemon.testing.fake_model import FakeModel
+from protocol import PodClient
+from protocol.types import Event
+
+ROOT = Path(__file__).resolve().parent.parent
+READY = "PODDAEMON-READY"
+PROVIDER_KINDS = ("openai", "openai_responses", "anthropic")
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
+    """Poll `predicate` until it returns something truthy; fail with `what` after `timeout`."""
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+class PodProcess:
+    """A real `poddaemon run` process with its stderr drained in a thread."""
+
+    def __init__(self, proc: subprocess.Popen[str], name: str) -> None:
+        self.proc = proc
+        self.name = name
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.stderr: list[str] = []
+        self.socket = ""
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr.append(line)
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def wait_ready(self, timeout: float = 20.0) -> "PodProcess":
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(f"pod not ready after {timeout}s: {self.text()}") from None
+            if line is None:
+                raise StartFailed(self.proc.wait(), self.text())
+            if line.startswith(READY):
+                _, name, sock = line.rstrip("\n").split("\t")
+                assert name == self.name
+                self.socket = sock
+                return self
+
+    def text(self) -> str:
+        return "".join(self.stderr)
+
+    def client(self, timeout: float | None = 30.0) -> PodClient:
+        return PodClient.connect(self.socket, timeout=timeout)
+
+    def call(self, method: str, **params: Any) -> Any:
+        import msgspec
+
+        with self.client() as c:
+            return msgspec.json.decode(c.call_raw(method, params or None))
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception), self.client() as c:
+                c.shutdown()
+        return self.proc.wait(timeout)
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+
+class StartFailed(AssertionError):
+    def __init__(self, code: int, stderr: str) -> None:
+        super().__init__(f"pod exited {code}: {stderr}")
+        self.code = code
+        self.stderr = stderr
+
+
+class Env:
+    """One sandboxed home plus helpers to write manifests and start pods in it."""
+
+    def __init__(self, home: Path, model: FakeModel) -> None:
+        self.home = home
+        self.model = model
+        self.work = home / "work"
+        self.work.mkdir()
+        self.pods: list[PodProcess] = []
+        self.env = {
+            **os.environ,
+            "PODDAEMON_HOME": str(home),
+            "FAKE_API_KEY": "test-key",
+            "PYTHONPATH": str(ROOT),
+        }
+        for var in ("PODDAEMON_CONFIG_DIR", "PODDAEMON_DATA_DIR", "PODDAEMON_RUNTIME_DIR"):
+            self.env.pop(var, None)
+
+    def manifest(
+        self,
+        name: str = "pod",
+        *,
+        kind: str = "openai",
+        write: list[str] | None = None,
+        read: list[str] | None = None,
+        tools: list[str] | None = None,
+        extra: str = "",
+        provider_extra: str = "",
+        pwd: str | None = None,
+    ) -> Path:
+        base_url = self.model.url if kind == "anthropic" else self.model.openai_base_url
+        write = [str(self.work)] if write is None else write
+        if pwd is None:
+            pwd = write[0] if write else str(self.work)
+            os.makedirs(pwd, exist_ok=True)
+        lines = [
+            "[pod]",
+            f'name = "{name}"',
+            f'pwd = "{pwd}"',
+            "[provider]",
+            f'kind = "{kind}"',
+            'model = "fake-model"',
+            f'base_url = "{base_url}"',
+            'api_key_env = "FAKE_API_KEY"',
+            "max_retries = 3",
+            "retry_initial_delay = 0.01",
+            "retry_max_delay = 0.05",
+            provider_extra,
+            "[worker]",
+            'instruction = "You are a test pod."',
+        ]
+        if tools is not None:
+            lines.append(f"tools = {tools!r}".replace("'", '"'))
+        for target in write:
+            lines += ["[[scope.allow]]", f'target = "{target}"', 'permission = "write"']
+        for target in read or []:
+            lines += ["[[scope.allow]]", f'target = "{target}"', 'permission = "read"']
+        path = self.home / f"{name}.toml"
+        path.write_text("\n".join(lines) + "\n" + extra)
+        return path
+
+    def popen(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "poddaemon", "run", *args],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+
+    def start(self, name: str = "pod", *args: str, **manifest: Any) -> PodProcess:
+        path = self.manifest(name, **manifest)
+        pod = PodProcess(self.popen(str(path), *args), name)
+        self.pods.append(pod)
+        return pod.wait_ready()
+
+    def restart(self, pod: PodProcess, *args: str) -> PodProcess:
+        again = PodProcess(self.popen(str(self.home / f"{pod.name}.toml"), *args), pod.name)
+        self.pods.append(again)
+        return again.wait_ready()
+
+    def podctl(
+        self, *args: str, input: str | None = None, timeout: float = 60
+    ) -> "subprocess.CompletedProcess[str]":
+        return subprocess.run(
+            [sys.executable, "-m", "cli.main", *args],
+            env=self.env,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def cleanup(self) -> None:
+        for pod in self.pods:
+            if pod.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pod.proc.pid, signal.SIGKILL)
+                pod.proc.wait(10)
+
+
+@pytest.fixture
+def fake_model() -> Iterator[FakeModel]:
+    with FakeModel().start() as model:
+        yield model
+
+
+@pytest.fixture
+def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    # Short paths: Unix socket addresses must fit in 108 bytes.
+    path = Path(tempfile.mkdtemp(prefix="pd", dir="/tmp"))
+    monkeypatch.setenv("PODDAEMON_HOME", str(path))
+    for var in ("PODDAEMON_CONFIG_DIR", "PODDAEMON_DATA_DIR", "PODDAEMON_RUNTIME_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def env(home: Path, fake_model: FakeModel) -> Iterator[Env]:
+    e = Env(home, fake_model)
+    try:
+        yield e
+    finally:
+        e.cleanup()
+
+
+def collect_run(client: PodClient, run_id: str | None = None) -> list[Event]:
+    """Events from a subscribed connection up to and including the run's `run.finished`."""
+    out: list[Event] = []
+    for event in client.events():
+        out.append(event)
+        if event.type == "run.finished" and (run_id is None or event.run_id == run_id):
+            return out
+    raise AssertionError("event stream ended")
