@@ -33,14 +33,23 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Plain help and usage errors: rich's formatting would import ~60 ms of modules.
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-sessions_app = typer.Typer(help="Browse and check session logs.", no_args_is_help=False)
-dev_app = typer.Typer(help="Developer tools.", no_args_is_help=True)
+sessions_app = typer.Typer(
+    help="Browse and check session logs.", rich_markup_mode=None, pretty_exceptions_enable=False
+)
+dev_app = typer.Typer(
+    help="Developer tools.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
 app.add_typer(sessions_app, name="sessions")
 app.add_typer(dev_app, name="dev")
 
-PodArg = Annotated[str, typer.Argument(help="Pod name, or the path of its socket.")]
+PodArg = Annotated[str, typer.Argument(metavar="POD", help="Pod name, or the path of its socket.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
 
@@ -132,7 +141,7 @@ def live_statuses() -> list[dict[str, Any]]:
 
 @app.command()
 def spawn(
-    manifest: Annotated[str, typer.Argument(help="The pod's manifest (TOML).")],
+    manifest: Annotated[str, typer.Argument(metavar="MANIFEST", help="The pod's manifest (TOML).")],
     set_: Annotated[
         list[str] | None,
         typer.Option("--set", metavar="K=V", help="Override one manifest value (repeatable)."),
@@ -147,7 +156,10 @@ def spawn(
         bool, typer.Option("--foreground", help="Run attached to this terminal instead.")
     ] = False,
 ) -> None:
-    """Start a pod detached, wait until it is ready, print its name and socket."""
+    """Start a pod detached; print its name and socket.
+
+    Waits until the pod is ready; on failure prints the pod's own error and exits 1.
+    """
     import os
 
     from cli.spawn import SpawnFailed, daemon_command, spawn_detached
@@ -180,7 +192,10 @@ def spawn(
 
 @app.command("ls")
 def ls(as_json: JsonOpt = False) -> None:
-    """Table of live pods: name, pid, state, model, write scope, parent, queue, tokens."""
+    """Table of live pods.
+
+    Columns: name, pid, state, model, write scope, parent, queue (runs/notifications), tokens.
+    """
     statuses = live_statuses()
     if as_json:
         print_json(statuses)
@@ -196,7 +211,8 @@ def ls(as_json: JsonOpt = False) -> None:
 @app.command()
 def status(
     pod: Annotated[
-        str | None, typer.Argument(help="Pod name or socket path; without it, like `ls`.")
+        str | None,
+        typer.Argument(metavar="[POD]", help="Pod name or socket path; without it, like `ls`."),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -288,7 +304,7 @@ def stop(
 @app.command()
 def rpc(
     pod: PodArg,
-    method: Annotated[str, typer.Argument(help="JSON-RPC method, e.g. status.")],
+    method: Annotated[str, typer.Argument(metavar="METHOD", help="JSON-RPC method, e.g. status.")],
     params: Annotated[
         str | None, typer.Argument(metavar="[JSON]", help="Params: a JSON object.")
     ] = None,
@@ -318,7 +334,9 @@ def rpc(
 @app.command()
 def send(
     pod: PodArg,
-    message: Annotated[str, typer.Argument(help="The input; `-` reads it from stdin.")],
+    message: Annotated[
+        str, typer.Argument(metavar="MESSAGE", help="The input; `-` reads it from stdin.")
+    ],
     no_wait: Annotated[
         bool, typer.Option("--no-wait", help="Only submit: print `run_id state`.")
     ] = False,
@@ -329,7 +347,10 @@ def send(
         bool, typer.Option("--json", help="Print the final run.finished data as JSON.")
     ] = False,
 ) -> None:
-    """Start a run and stream its reply. Exit 0 finished, 1 error/cancelled/paused, 2 limit."""
+    """Start a run and stream its reply.
+
+    Exit 0 finished, 1 error/cancelled/paused, 2 limit reached.
+    """
     import msgspec
 
     text = read_message(message)
@@ -389,12 +410,17 @@ def send(
 @app.command()
 def notify(
     pod: PodArg,
-    message: Annotated[str, typer.Argument(help="The message; `-` reads it from stdin.")],
+    message: Annotated[
+        str, typer.Argument(metavar="MESSAGE", help="The message; `-` reads it from stdin.")
+    ],
     source: Annotated[
         str | None, typer.Option("--source", metavar="S", help="Who it is from.")
     ] = None,
 ) -> None:
-    """Commit a notification; it reaches the model at its next request (an idle pod wakes)."""
+    """Send the pod a notification.
+
+    It reaches the model at its next request; an idle pod wakes for it.
+    """
     text = read_message(message)
     with connect(pod) as client:
         result = client.notify(text, source=source)
@@ -448,7 +474,7 @@ def history(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """The pod's session history: `seq kind summary` per entry."""
+    """The pod's session history (`seq kind summary` lines)."""
     with connect(pod) as client:
         result = client.history(since=since, limit=limit)
     if as_json:
@@ -571,7 +597,10 @@ def sessions_show(
 def sessions_verify(
     session_id: Annotated[str, typer.Argument(metavar="ID", help="Session id.")],
 ) -> None:
-    """Check a session log's hash chain: `ok: N entries, head H` or the first bad line (exit 1)."""
+    """Check a session log's hash chain.
+
+    Prints `ok: N entries, head H`, or the first bad line and exits 1.
+    """
     result = _read_session(session_id)
     sys.stdout.write(f"ok: {len(result.entries)} entries, head {result.head[:12]}\n")
     if result.torn:

@@ -5,7 +5,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 
 import msgspec
 import pytest
@@ -13,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol import PodClient, PodNotRunning
-from tests.conftest import Env, StartFailed, wait_until
+from tests.conftest import Env, StartFailed
 
 
 def registry(env: Env) -> dict:
