@@ -44,7 +44,7 @@ class _Capture:
 
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        pass
+        os.killpg(pgid, signal.SIGKILL)
 
 
 class Bash:
