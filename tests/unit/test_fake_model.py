@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -288,6 +289,30 @@ def test_anthropic_stop_reasons(
     assert msg.stop_reason == reason
     with ant.messages.stream(model="m", max_tokens=9, messages=USER) as stream:
         assert stream.get_final_message().stop_reason == reason
+
+
+async def test_async_clients_stream(fake: FakeModel) -> None:
+    fake.script({"text": LONG}, {"text": LONG, "tool_calls": TWO_CALLS[:1]})
+    oai = openai.AsyncOpenAI(base_url=fake.openai_base_url, api_key="x", max_retries=0)
+    ant = anthropic.AsyncAnthropic(base_url=fake.url, api_key="x", max_retries=0)
+    try:
+        stream = await oai.chat.completions.create(model="m", messages=USER, stream=True)
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        assert text == LONG
+        async with ant.messages.stream(model="m", max_tokens=9, messages=USER) as astream:
+            final = await astream.get_final_message()
+        assert final.stop_reason == "tool_use" and len(final.content) == 2
+    finally:
+        await oai.close()
+        await ant.close()
+
+
+def test_delay_spaces_out_deltas(fake: FakeModel, oai: OpenAI) -> None:
+    fake.script({"text": LONG, "delay": 0.05})
+    started = time.monotonic()
+    stream = oai.chat.completions.create(model="m", messages=USER, stream=True)
+    assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) == 3
+    assert time.monotonic() - started >= 0.15
 
 
 # ---------------------------------------------------------------- faults
