@@ -169,9 +169,10 @@ class Turn:
 
     def tool_returned(self, call_id: str, output: str, is_error: bool) -> list[Record]:
         self._expect(_State.AWAIT_TOOL)
-        call = self._pending.pop(0)
+        call = self._pending[0]
         if call.id != call_id:
             raise RuntimeError(f"result for {call_id}, expected {call.id}")
+        self._pending.pop(0)
         self._state = _State.NEED_TOOLS
         records = [self._result(call, output, is_error)]
         if self._cancel or self._pause:
