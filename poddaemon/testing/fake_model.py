@@ -8,10 +8,27 @@ Real HTTP/1.1 on 127.0.0.1 (stdlib `ThreadingHTTPServer`, keep-alive, chunked SS
 - ``POST /_fake/script`` (``{"replies": [...]}``, appended), ``GET /_fake/requests``,
   ``POST /_fake/gate/<name>``, ``POST /_fake/reset``, ``GET /_fake/health``
 
-Each model request consumes the next scripted reply (see `_plan.validate_reply` for the schema);
-with an empty script the answer is ``ok: <last user text>``. Usage numbers in a reply are
-provider-neutral and non-overlapping (``input`` = uncached input); the OpenAI formats report
-``prompt_tokens``/``input_tokens`` = input + cache_read + cache_write, as OpenAI does.
+Each model request (faulty or not) is recorded as ``{path, body, headers}`` and consumes the next
+scripted reply; with an empty script the answer is ``ok: <last user text, 200 chars>``. A reply:
+
+- ``text``, ``reasoning`` (chat: ``delta.reasoning_content``; responses: a reasoning item with a
+  summary; anthropic: a ``thinking`` block with a signature), streamed in ``chunk_size`` pieces.
+- ``tool_calls: [{name, arguments: object | raw JSON str, id?}]``; ids default to
+  ``call_<serial>_<i>`` (OpenAI) / ``toolu_<serial>_<i>`` (Anthropic).
+- ``stop: "end" | "max_tokens" | "content_filter"`` -> chat ``stop``/``tool_calls``, ``length``,
+  ``content_filter``; responses ``completed``, ``incomplete`` (``max_output_tokens`` /
+  ``content_filter``); anthropic ``end_turn``/``tool_use``, ``max_tokens``, ``refusal``.
+- ``usage: {input, output, cache_read, cache_write}``: provider-neutral and non-overlapping
+  (``input`` = uncached input). Anthropic reports them as they are; the OpenAI formats report
+  ``prompt_tokens``/``input_tokens`` = input + cache_read + cache_write, as OpenAI does. Missing
+  numbers default to request bytes // 4 (input), produced chars // 4 (output), 0 (caches).
+- ``gate: name``: the answer waits until the gate is opened (gates stay open until reset).
+- ``delay: seconds`` between streamed deltas.
+- ``fault``: ``{kind: "status", status, retry_after?, message?, type?}`` (the API's error JSON,
+  ``Retry-After`` header); ``{kind: "hang", seconds, headers?}`` (stall, then drop the
+  connection; ``headers`` defaults to true for streams); ``{kind: "cut", after_chunks}`` (stream
+  that many deltas, then drop the connection; never sends the terminal events; non-streaming:
+  half the body).
 
 Python: ``with FakeModel().start() as fake: fake.script({...}); ...``.
 Standalone: ``python -m poddaemon.testing.fake_model [--host H] [--port N] [--script F.json]``
