@@ -305,3 +305,68 @@ def test_spawn_ls_status_rpc_send_stop(home: Path) -> None:
             assert gone.returncode == 3
         finally:
             kill_leftover_pods(home)
+
+
+@pytest.mark.skipif(not HAVE_DAEMON, reason="poddaemon.daemon not there yet")
+def test_send_exit_codes_and_attach(home: Path) -> None:
+    from poddaemon.testing.fake_model import FakeModel
+
+    key = {"PODCTL_TEST_KEY": "dummy"}
+    with FakeModel() as fake:
+        manifest = write_manifest(home, "talk", fake.openai_base_url)
+        attach: subprocess.Popen[str] | None = None
+        try:
+            spawned = podctl(home, "spawn", str(manifest), "--set", "worker.max_turns=1", env=key)
+            assert spawned.returncode == 0, spawned.stderr
+            attach = subprocess.Popen(
+                [sys.executable, "-m", "cli.main", "attach", "talk", "--since", "0"],
+                cwd=REPO,
+                env=env_for(home),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+
+            # One model round that asks for a tool: max_turns=1 ends the run limit_reached.
+            fake.script(
+                {"text": "looking", "tool_calls": [{"name": "list_dir", "arguments": "{}"}]}
+            )
+            limited = podctl(home, "send", "talk", "look around", timeout=90)
+            assert limited.returncode == 2, (limited.stdout, limited.stderr)
+            assert "limit" in limited.stderr
+
+            # A provider refusal ends the run with an error: exit 1, the error on stderr.
+            fake.script({"fault": {"kind": "status", "status": 400}})
+            failed = podctl(home, "send", "talk", "fail please", timeout=90)
+            assert failed.returncode == 1 and failed.stderr.startswith("podctl: run ")
+
+            done = podctl(home, "send", "talk", "bye", timeout=90)
+            assert (done.returncode, done.stdout) == (0, "ok: bye\n"), done.stderr
+
+            queued = podctl(home, "send", "--no-wait", "talk", "later")
+            run_id, state = queued.stdout.split()
+            assert queued.returncode == 0 and state in ("started", "queued")
+
+            # attach rendered all of it, live; the last run ends the stream we read.
+            assert attach.stdout is not None
+            seen: list[str] = []
+            for line in attach.stdout:
+                seen.append(line.rstrip("\n"))
+                if line.startswith(f"[run {run_id}] finished"):
+                    break
+            assert any(line == "⚙ list_dir {}" for line in seen), seen
+            assert any("] finished: limit_reached" in line for line in seen), "\n".join(seen)
+            assert any(
+                line.endswith("finished: error") or "finished: error" in line for line in seen
+            )
+            assert "ok: bye" in seen
+            attach.send_signal(signal.SIGINT)
+            assert attach.wait(timeout=10) == 0
+
+            stopped = podctl(home, "stop", "--tree", "talk")
+            assert (stopped.returncode, stopped.stdout) == (0, "stopped talk\n"), stopped.stderr
+        finally:
+            if attach is not None and attach.poll() is None:
+                attach.kill()
+                attach.wait()
+            kill_leftover_pods(home)
