@@ -200,6 +200,8 @@ class Env:
 
     def cleanup(self) -> None:
         for pod in self.pods:
+            # Shown by pytest only when the test failed: the pod's own account of it.
+            print(f"--- stderr of pod {pod.name} (pid {pod.proc.pid}) ---\n{pod.text()}")
             if pod.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pod.proc.pid, signal.SIGKILL)

@@ -1,0 +1,278 @@
+"""Issue 3: the agent loop through each wire format: real SDK <-> fake server <-> real pod."""
+
+import os
+
+import pytest
+
+from protocol import RpcError
+from tests.conftest import PROVIDER_KINDS, Env, collect_run, wait_until
+
+
+def last_request_text(env: Env) -> str:
+    return str(env.model.requests[-1]["body"])
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_text_answer_streams_and_finishes(env: Env, kind: str) -> None:
+    env.model.script(
+        {
+            "text": "Hello from the fake model, streamed in pieces.",
+            "usage": {"input": 11, "output": 7},
+        }
+    )
+    pod = env.start("talker", kind=kind)
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("hi there")
+        assert run.state == "started"
+        events = collect_run(c, run.run_id)
+    deltas = [e.data["text"] for e in events if e.type == "text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == "Hello from the fake model, streamed in pieces."
+    finished = [e for e in events if e.type == "run.finished"]
+    assert len(finished) == 1
+    assert finished[0].data["outcome"] == "finished"
+    assert finished[0].data["text"] == "Hello from the fake model, streamed in pieces."
+    usage = [e.data for e in events if e.type == "llm.usage"]
+    assert usage == [{"input": 11, "output": 7, "cache_read": 0, "cache_write": 0}]
+    body = env.model.requests[0]["body"]
+    assert "hi there" in str(body) and "You are a test pod." in str(body)
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_tool_loop_edits_a_file_in_scope(env: Env, kind: str) -> None:
+    target = env.work / "notes.txt"
+    target.write_text("status: draft\n")
+    env.model.script(
+        {"tool_calls": [{"name": "read_file", "arguments": {"path": "notes.txt"}}]},
+        {
+            "tool_calls": [
+                {
+                    "name": "edit_file",
+                    "arguments": {
+                        "path": "notes.txt",
+                        "old_string": "draft",
+                        "new_string": "final",
+                    },
+                }
+            ]
+        },
+        {"text": "Done: the note is final."},
+    )
+    pod = env.start("editor", kind=kind)
+    with pod.client() as c:
+        result = c.run_wait("finalize the note")
+    assert (result.outcome, result.text) == ("finished", "Done: the note is final.")
+    assert target.read_text() == "status: final\n"
+    requests = env.model.requests
+    assert len(requests) == 3
+    assert "1\\tstatus: draft" in str(requests[1]["body"])  # the numbered file, tab escaped by repr
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_reads_outside_scope_are_tool_errors(env: Env, kind: str) -> None:
+    secret = env.home / "outside.txt"
+    secret.write_text("TOP-SECRET-CONTENT")
+    os.symlink(secret, env.work / "link.txt")
+    env.model.script(
+        {
+            "tool_calls": [
+                {"name": "read_file", "arguments": {"path": "/etc/passwd"}},
+                {"name": "read_file", "arguments": {"path": "../outside.txt"}},
+                {"name": "read_file", "arguments": {"path": "link.txt"}},
+            ]
+        },
+        {"text": "I could not read those."},
+    )
+    pod = env.start("prisoner", kind=kind)
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("read the secrets")
+        events = collect_run(c, run.run_id)
+    finished_tools = [e.data for e in events if e.type == "tool.finished"]
+    assert [t["is_error"] for t in finished_tools] == [True, True, True]
+    followup = str(env.model.requests[1]["body"])
+    assert followup.count("outside scope") == 3
+    assert "TOP-SECRET-CONTENT" not in followup and "root:x:0:0" not in followup
+    assert events[-1].data["outcome"] == "finished"
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_429_then_success_retries_with_an_event(env: Env, kind: str) -> None:
+    env.model.script(
+        {"fault": {"kind": "status", "status": 429, "retry_after": 0.01}},
+        {"text": "after the retry"},
+    )
+    pod = env.start("patient", kind=kind)
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("go")
+        events = collect_run(c, run.run_id)
+    assert [e.type for e in events].count("llm.retry") == 1
+    assert events[-1].data["outcome"] == "finished" and events[-1].data["text"] == "after the retry"
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_500_until_the_cap_is_an_error(env: Env, kind: str) -> None:
+    env.model.script(*[{"fault": {"kind": "status", "status": 500}}] * 4)
+    pod = env.start("doomed", kind=kind)
+    with pod.client() as c:
+        result = c.run_wait("go")
+    assert result.outcome == "error"
+    assert "4 attempts" in (result.error or "")
+    assert len(env.model.requests) == 4  # max_retries = 3 in the test manifests
+    assert pod.call("status")["state"] == "idle"
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_cut_stream_is_an_error_without_duplicate_output(env: Env, kind: str) -> None:
+    env.model.script(
+        {
+            "text": "partial output that will be cut off midway through",
+            "fault": {"kind": "cut", "after_chunks": 2},
+        }
+    )
+    pod = env.start("cut", kind=kind)
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("go")
+        events = collect_run(c, run.run_id)
+    text = "".join(e.data["text"] for e in events if e.type == "text.delta")
+    assert text and "partial output that will be cut off midway through".startswith(text)
+    assert events[-1].data["outcome"] == "error"
+    assert len(env.model.requests) == 1  # no silent retry after output started
+    history = pod.call("history")["entries"]
+    assert not [e for e in history if e["kind"] == "assistant"]
+
+
+def test_run_while_busy_is_queued_then_runs(env: Env) -> None:
+    env.model.script({"text": "first answer", "gate": "first"}, {"text": "second answer"})
+    pod = env.start("busy")
+    with pod.client() as c:
+        c.subscribe()
+        first = c.run("one")
+        env.model.wait_for_requests(1)
+        second = c.run("two")
+        assert (second.state, second.position) == ("queued", 1)
+        assert pod.call("status")["queue"]["runs"] == 1
+        env.model.open_gate("first")
+        events = collect_run(c, second.run_id)
+    finished = [e for e in events if e.type == "run.finished"]
+    assert [(e.run_id, e.data["text"]) for e in finished] == [
+        (first.run_id, "first answer"),
+        (second.run_id, "second answer"),
+    ]
+    assert "one" in str(env.model.requests[1]["body"]) and "two" in str(
+        env.model.requests[1]["body"]
+    )
+
+
+def test_steer_reaches_the_model_inside_the_active_run(env: Env) -> None:
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"},
+        {"text": "took the steer into account"},
+    )
+    pod = env.start("steered")
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("list things")
+        env.model.wait_for_requests(1)
+        steer = c.run("also: be brief", mode="steer")
+        assert (steer.state, steer.run_id) == ("steered", run.run_id)
+        env.model.open_gate("g")
+        events = collect_run(c, run.run_id)
+    assert len([e for e in events if e.type == "run.finished"]) == 1
+    assert "also: be brief" in str(env.model.requests[1]["body"])
+
+
+def test_cancel_kills_a_hanging_bash_group(env: Env) -> None:
+    pidfile = env.work / "pids"
+    env.model.script(
+        {
+            "tool_calls": [
+                {
+                    "name": "bash",
+                    "arguments": {
+                        "command": f"sleep 300 & echo $! > {pidfile}; echo $$ >> {pidfile}; wait"
+                    },
+                }
+            ]
+        },
+    )
+    pod = env.start("basher", tools=["bash", "read_file"])
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("hang")
+        pids = wait_until(
+            lambda: (
+                pidfile.exists()
+                and len(pidfile.read_text().split()) == 2
+                and pidfile.read_text().split()
+            ),
+            what="bash to start",
+        )
+        assert c.cancel().cancelled
+        events = collect_run(c, run.run_id)
+    assert events[-1].data["outcome"] == "cancelled"
+    for pid in map(int, pids):
+        wait_until(lambda pid=pid: not _alive(pid), what=f"process {pid} to be killed")
+    results = [e for e in pod.call("history")["entries"] if e["kind"] == "tool_result"]
+    assert len(results) == 1 and results[0]["item"]["is_error"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_max_turns_reached(env: Env) -> None:
+    env.model.script(*[{"tool_calls": [{"name": "list_dir", "arguments": {}}]}] * 3)
+    pod = env.start("looper", "--set", "worker.max_turns=2")
+    with pod.client() as c:
+        result = c.run_wait("loop")
+    assert result.outcome == "limit_reached" and "max_turns (2)" in (result.error or "")
+    assert len(env.model.requests) == 2
+    entries = pod.call("history")["entries"]
+    calls = [c["id"] for e in entries if e["kind"] == "assistant" for c in e["item"]["tool_calls"]]
+    results = [e["item"]["call_id"] for e in entries if e["kind"] == "tool_result"]
+    assert calls == results and len(calls) == 2
+
+
+def test_client_key_is_idempotent(env: Env) -> None:
+    pod = env.start("keyed")
+    with pod.client() as c:
+        first = c.run_wait("same input", client_key="k1")
+        again = c.run_wait("same input", client_key="k1")
+        assert again.run_id == first.run_id and again.text == first.text
+        with pytest.raises(RpcError) as err:
+            c.run("different input", client_key="k1")
+    assert err.value.code == -32006
+    assert len(env.model.requests) == 1
+
+
+def test_pause_then_resume(env: Env) -> None:
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "p"},
+        {"text": "resumed and done"},
+    )
+    pod = env.start("pauser")
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("work")
+        env.model.wait_for_requests(1)
+        assert c.pause().paused
+        env.model.open_gate("p")
+        events = collect_run(c, run.run_id)
+        assert events[-1].data["outcome"] == "paused"
+        assert c.status().state == "paused"
+        assert c.resume().run_id == run.run_id
+        events = collect_run(c, run.run_id)
+    assert (
+        events[-1].data["outcome"] == "finished" and events[-1].data["text"] == "resumed and done"
+    )
+    with pytest.raises(RpcError) as err, pod.client() as c:
+        c.resume()
+    assert err.value.code == -32001
