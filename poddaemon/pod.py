@@ -35,7 +35,7 @@ from poddaemon.prompt import Instruction
 from poddaemon.registry import PodEntry, Registry
 from poddaemon.scope import Scope
 from poddaemon.session import SessionState, fold
-from poddaemon.store.file import SessionLog, read_session
+from poddaemon.store.file import HeadMoved, SessionLog, read_session
 from poddaemon.store.log import new_session_id
 from poddaemon.tools import Tool
 from poddaemon.tools.base import ToolContext, ToolOutcome, ToolOutputLimits, execute
@@ -176,10 +176,46 @@ class Pod:
         return self._log
 
     def _commit(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
-        """Append to the log (not yet fsync'd), fold into the state, tell subscribers."""
-        entry = self._ensure_log().append(kind, body)
+        """Append to the log (not yet fsync'd) and fold it into the state."""
+        try:
+            entry = self._ensure_log().append(kind, body)
+        except HeadMoved:
+            self._fork()
+            entry = self._ensure_log().append(kind, body)
         self.state.apply(entry)
         return entry
+
+    def _fork(self) -> None:
+        """Another writer appended to our session: carry on in a new session linked to it."""
+        old = self._ensure_log()
+        s = self.state
+        body = {
+            "session_id": new_session_id(),
+            "pod": self.name,
+            "system_prompt": self.system_prompt,
+            "config": manifest_to_dict(self.m),
+            "history": [item_to_builtins(i) for i in s.history],
+            "pending_runs": [vars(r) for r in s.pending_runs.values()],
+            "pending_inputs": [vars(p) for p in s.pending_inputs.values()],
+            "paused_run": s.paused_run,
+            "rounds": s.rounds,
+            "usage": msgspec.to_builtins(s.usage),
+            "forked_from": old.session_id,
+        }
+        self._log = old.fork(start_body=body, new_id=body["session_id"])
+        old.close()
+        self.state = fold([self._log_start_entry(body)])
+        self.s.registry.update(self.name, self.s.entry.pid, session=body["session_id"])
+        self._alert(
+            "warning",
+            "session",
+            f"session {old.session_id} was written by someone else; "
+            f"continuing in session {body['session_id']} (forked_from links them)",
+        )
+
+    @staticmethod
+    def _log_start_entry(body: dict[str, Any]) -> dict[str, Any]:
+        return {"seq": 1, "ts": time.time(), "kind": "session_start", **body}
 
     def _commit_records(self, records: Iterable[Record]) -> None:
         for rec in records:
@@ -477,6 +513,8 @@ class Pod:
                 await asyncio.wait_for(self._wake.wait(), min(quiet_until, deadline) - now)
 
     async def _run(self, work: str) -> None:
+        if self._log is not None and not self._log.head_is_mine():
+            self._fork()
         run_id = new_session_id() if work == "notifications" else work
         self._commit(
             "run_start", {"run_id": run_id, "trigger": work if work == "notifications" else "input"}
@@ -682,6 +720,3 @@ def _args_preview(arguments: str) -> Any:
 
 def _first_line(text: str) -> str:
     return text.split("\n", 1)[0][:200]
-
-
-__all__ = ["Pod", "Services", "item_to_builtins"]

@@ -122,6 +122,8 @@ def _session_start(s: SessionState, e: Mapping[str, Any]) -> None:
         s.pending_inputs[p["id"]] = PendingInput(
             p["id"], p["kind"], p["text"], p.get("source", ""), p.get("ts", 0.0)
         )
+    if e.get("usage"):
+        s.usage = Usage(**e["usage"])
     if e.get("paused_run"):
         s.paused_run = e["paused_run"]
         s.rounds = e.get("rounds", 0)
@@ -216,8 +218,12 @@ def _run_end(s: SessionState, e: Mapping[str, Any]) -> None:
     s.pending_runs.pop(run_id, None)  # a queued run cancelled before it started
     if s.active_run == run_id:
         s.active_run = None
-    s.open_calls = []
-    s.paused_run = run_id if e["outcome"] == "paused" else None
+        s.open_calls = []
+    # A queued run cancelled before it started touches neither the active nor the paused run.
+    if e["outcome"] == "paused":
+        s.paused_run = run_id
+    elif s.paused_run == run_id:
+        s.paused_run = None
     s.run_outcomes[run_id] = {
         "outcome": e["outcome"],
         "text": e.get("text", ""),
