@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from poddaemon.history import (
@@ -497,6 +497,12 @@ def test_folding_generated_sessions(data: st.DataObject) -> None:
     for _ in range(data.draw(st.integers(0, 40))):
         sim.step(data)
     entries = sim.log.entries
+    event(f"entries>={len(entries) // 20 * 20}")
+    for kind in ("inputs_delivered", "tool_result", "run_end"):
+        if any(e["kind"] == kind for e in entries):
+            event(f"has {kind}")
+    if any(e["kind"] == "run_end" and e["outcome"] == "paused" for e in entries):
+        event("has a pause")
 
     # Restoring (folding the log) gives exactly the live state, built entry by entry.
     assert fold(entries) == sim.state
