@@ -362,7 +362,6 @@ class Pod:
             "system_item",
             {
                 "id": nid,
-                "kind": "notification",
                 "source": source,
                 "text": message,
                 **_key(client_key),

@@ -1,0 +1,86 @@
+"""`make demo`: a whole pod session offline, against the bundled fake model server.
+
+Spawns the example pod, follows its event stream, sends it a task that needs two tool calls,
+shows status and history, and stops it. Everything lives in a throwaway PODDAEMON_HOME.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from poddaemon.testing.fake_model import FakeModel
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "demo"
+
+
+def step(title: str) -> None:
+    print(f"\n\033[1m== {title}\033[0m", flush=True)
+
+
+def podctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    print(f"$ podctl {' '.join(args)}", flush=True)
+    return subprocess.run([sys.executable, "-m", "cli.main", *args], check=check)
+
+
+def _wait_for_text(path: Path, text: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def main() -> int:
+    import msgspec
+
+    home = Path(tempfile.mkdtemp(prefix="pd-demo", dir="/tmp"))
+    os.environ["PODDAEMON_HOME"] = str(home)
+    os.environ.setdefault("OPENAI_API_KEY", "demo-key-not-used")
+    demo = home / "demo"
+    shutil.copytree(EXAMPLE, demo)
+    (demo / "workspace").mkdir()
+    (demo / "workspace" / "TODO.md").write_text(
+        "# TODO\n- [ ] review the README\n- [ ] write the changelog\n"
+    )
+    replies = msgspec.json.decode((EXAMPLE / "script.json").read_bytes())["replies"]
+    with FakeModel().start() as model:
+        model.script(*replies)
+        print(
+            "This demo uses a STAND-IN model: the fake model server bundled with poddaemon\n"
+            f"({model.openai_base_url}), speaking the real OpenAI wire format to the real SDK.\n"
+            "With an API key, the same manifest runs against the real API:\n"
+            f"  podctl spawn {EXAMPLE / 'pod.toml'}"
+        )
+        step("spawn the pod")
+        podctl(
+            "spawn", str(demo / "pod.toml"), "--set", f"provider.base_url={model.openai_base_url}"
+        )
+        podctl("ls")
+        step("send it a task; the reply streams back (podctl attach records the events)")
+        events = home / "attach.log"
+        with events.open("w") as out:
+            attach = subprocess.Popen(
+                [sys.executable, "-m", "cli.main", "attach", "demo"], stdout=out
+            )
+            podctl("send", "demo", "Tick off the README review in TODO.md.")
+            _wait_for_text(events, "finished: finished")
+            attach.terminate()
+            attach.wait()
+        step("what podctl attach showed meanwhile")
+        print(events.read_text())
+        step("the file it edited")
+        print((demo / "workspace" / "TODO.md").read_text())
+        step("status and history")
+        podctl("status", "demo")
+        podctl("history", "demo")
+        step("stop")
+        podctl("stop", "demo")
+    print(f"\nSession logs stay in {home / 'data' / 'sessions'}; `rm -rf {home}` when done.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
