@@ -52,6 +52,9 @@ class EventBus:
         return event
 
     def subscribe(self, sub: Subscription) -> None:
+        # A cursor past the head (e.g. from before the pod restarted) would otherwise receive
+        # nothing until the numbering caught up with it; start it at the head instead.
+        sub.cursor = min(sub.cursor, self.seq)
         self._subs.add(sub)
         self.catch_up(sub)
 

@@ -1,0 +1,262 @@
+"""The event bus: numbered events, replay from a cursor, `gap` when the buffer lost what was
+asked for, and congested subscribers left behind without blocking anyone, then caught up."""
+
+from dataclasses import dataclass, field
+
+import msgspec
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from poddaemon.events import EventBus, Subscription, event_frame
+from protocol.core import ClientCore
+from protocol.types import Event
+
+
+@dataclass
+class Conn:
+    """A subscriber's connection: decodes what it is written, and can be congested."""
+
+    congested: bool = False
+    limit: int | None = None  # becomes congested after this many more writes
+    events: list[Event] = field(default_factory=list)
+    core: ClientCore = field(default_factory=ClientCore)
+
+    def write(self, frame: bytes) -> None:
+        assert not self.congested, "written to while congested"
+        self.core.feed(frame)  # the client's own decoder must understand the frame
+        while self.core.events:
+            self.events.append(self.core.events.popleft())
+        if self.limit is not None:
+            self.limit -= 1
+            if self.limit <= 0:
+                self.congested = True
+                self.limit = None
+
+    def is_congested(self) -> bool:
+        return self.congested
+
+    def sub(self, cursor: int) -> Subscription:
+        return Subscription(self.write, self.is_congested, cursor)
+
+    @property
+    def seqs(self) -> list[int]:
+        return [e.seq for e in self.events if e.type != "gap"]
+
+    @property
+    def gaps(self) -> list[Event]:
+        return [e for e in self.events if e.type == "gap"]
+
+
+def publish_n(bus: EventBus, n: int) -> None:
+    for _ in range(n):
+        bus.publish("text.delta", {"text": f"t{bus.seq + 1}"}, run_id="R")
+
+
+def test_frame_is_a_jsonrpc_event_notification() -> None:
+    bus = EventBus()
+    ev = bus.publish("state.changed", {"state": "idle"})
+    msg = msgspec.json.decode(event_frame(ev))
+    assert msg["jsonrpc"] == "2.0" and msg["method"] == "event" and "id" not in msg
+    assert msg["params"]["seq"] == 1 and msg["params"]["type"] == "state.changed"
+    assert msg["params"]["data"] == {"state": "idle"}
+    assert "run_id" not in msg["params"]
+    assert event_frame(ev).endswith(b"}\n") and event_frame(ev).count(b"\n") == 1
+
+
+def test_live_events_arrive_in_order_with_increasing_seq() -> None:
+    bus = EventBus()
+    a, b = Conn(), Conn()
+    bus.subscribe(a.sub(bus.seq))
+    bus.subscribe(b.sub(bus.seq))
+    publish_n(bus, 5)
+    for conn in (a, b):
+        assert conn.seqs == [1, 2, 3, 4, 5]
+        assert [e.data["text"] for e in conn.events] == ["t1", "t2", "t3", "t4", "t5"]
+        assert all(e.run_id == "R" and e.type == "text.delta" for e in conn.events)
+        assert conn.gaps == []
+
+
+def test_subscribing_at_the_head_replays_nothing() -> None:
+    bus = EventBus()
+    publish_n(bus, 3)
+    conn = Conn()
+    bus.subscribe(conn.sub(bus.seq))
+    assert conn.events == []
+    publish_n(bus, 1)
+    assert conn.seqs == [4]
+
+
+def test_replay_from_since_then_live() -> None:
+    bus = EventBus()
+    publish_n(bus, 5)
+    conn = Conn()
+    bus.subscribe(conn.sub(2))
+    assert conn.seqs == [3, 4, 5]
+    publish_n(bus, 2)
+    assert conn.seqs == [3, 4, 5, 6, 7]
+    other = Conn()
+    bus.subscribe(other.sub(0))
+    assert other.seqs == [1, 2, 3, 4, 5, 6, 7] and other.gaps == []
+
+
+def test_gap_when_the_buffer_no_longer_holds_what_was_asked() -> None:
+    bus = EventBus(capacity=3)
+    publish_n(bus, 10)  # holds 8, 9, 10
+    conn = Conn()
+    bus.subscribe(conn.sub(2))
+    [gap] = conn.gaps
+    assert conn.events[0] is gap
+    assert gap.data == {"since": 2}
+    assert gap.seq == 7  # the last seq the subscriber cannot get
+    assert conn.seqs == [8, 9, 10]
+    publish_n(bus, 1)
+    assert conn.seqs == [8, 9, 10, 11]
+
+
+def test_no_gap_when_exactly_the_oldest_held_is_next() -> None:
+    bus = EventBus(capacity=3)
+    publish_n(bus, 10)
+    conn = Conn()
+    bus.subscribe(conn.sub(7))
+    assert conn.gaps == [] and conn.seqs == [8, 9, 10]
+
+
+def test_congested_subscriber_is_skipped_and_catches_up_without_duplicates() -> None:
+    bus = EventBus(capacity=100)
+    fast, slow = Conn(), Conn()
+    s_fast, s_slow = fast.sub(0), slow.sub(0)
+    bus.subscribe(s_fast)
+    bus.subscribe(s_slow)
+    publish_n(bus, 2)
+    slow.congested = True
+    publish_n(bus, 5)  # publishing never waits for the slow one
+    assert fast.seqs == [1, 2, 3, 4, 5, 6, 7]
+    assert slow.seqs == [1, 2] and s_slow.cursor == 2
+    slow.congested = False
+    publish_n(bus, 1)  # still behind: not handed event 8 out of order
+    assert slow.seqs == [1, 2]
+    bus.catch_up(s_slow)
+    assert slow.seqs == [1, 2, 3, 4, 5, 6, 7, 8] and s_slow.cursor == 8
+    publish_n(bus, 2)
+    bus.catch_up(s_slow)  # nothing more to give: no duplicates
+    assert slow.seqs == list(range(1, 11))
+    assert fast.seqs == list(range(1, 11))
+
+
+def test_catch_up_stops_when_the_connection_fills_again_and_resumes_later() -> None:
+    bus = EventBus(capacity=100)
+    conn = Conn(congested=True)
+    sub = conn.sub(0)
+    bus.subscribe(sub)
+    publish_n(bus, 10)
+    assert conn.events == []
+    conn.congested = False
+    conn.limit = 3
+    bus.catch_up(sub)
+    assert conn.seqs == [1, 2, 3] and sub.cursor == 3
+    conn.congested = False
+    conn.limit = 4
+    bus.catch_up(sub)
+    assert conn.seqs == list(range(1, 8))
+    conn.congested = False
+    bus.catch_up(sub)
+    assert conn.seqs == list(range(1, 11))
+
+
+def test_congested_past_the_buffer_gets_a_gap_then_what_is_held() -> None:
+    bus = EventBus(capacity=4)
+    conn = Conn()
+    sub = conn.sub(0)
+    bus.subscribe(sub)
+    publish_n(bus, 2)
+    conn.congested = True
+    publish_n(bus, 10)  # 3..12 missed; only 9..12 held
+    conn.congested = False
+    bus.catch_up(sub)
+    assert conn.seqs == [1, 2, 9, 10, 11, 12]
+    [gap] = conn.gaps
+    assert gap.data == {"since": 2} and gap.seq == 8
+    assert [e.type for e in conn.events].index("gap") == 2
+
+
+def test_unsubscribed_connection_gets_nothing_more() -> None:
+    bus = EventBus()
+    conn = Conn()
+    sub = conn.sub(0)
+    bus.subscribe(sub)
+    publish_n(bus, 2)
+    bus.unsubscribe(sub)
+    publish_n(bus, 2)
+    assert conn.seqs == [1, 2]
+    bus.unsubscribe(sub)  # twice is harmless
+
+
+def test_cursor_ahead_of_the_stream_still_receives_new_events() -> None:
+    """A client that asks for events after a seq this pod never reached (a cursor from before a
+    restart) must not silently miss what follows."""
+    bus = EventBus()
+    publish_n(bus, 3)
+    conn = Conn()
+    bus.subscribe(conn.sub(100))
+    publish_n(bus, 2)
+    assert conn.seqs == [4, 5]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    capacity=st.integers(1, 8),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["pub"] * 4 + ["jam", "free", "sub"]), st.integers(0, 2)),
+        max_size=100,
+    ),
+)
+def test_random_congestion_never_loses_reorders_or_duplicates(
+    capacity: int, ops: list[tuple[str, int]]
+) -> None:
+    bus = EventBus(capacity=capacity)
+    conns = [Conn() for _ in range(3)]
+    subs: list[Subscription | None] = [None, None, None]
+    # Subscriber 0 is there from the start, so every example exercises at least one.
+    subs[0] = conns[0].sub(0)
+    bus.subscribe(subs[0])
+    start: list[int] = [0, 0, 0]
+    for op, i in ops:
+        conn = conns[i]
+        sub = subs[i]
+        if op == "pub":
+            publish_n(bus, 1)
+        elif op == "jam":
+            conn.congested = True
+        elif op == "free":
+            conn.congested = False
+            if sub is not None:
+                bus.catch_up(sub)
+        elif op == "sub" and sub is None:
+            start[i] = bus.seq
+            subs[i] = conn.sub(bus.seq)
+            bus.subscribe(subs[i])  # type: ignore[arg-type]
+    for i, conn in enumerate(conns):
+        sub = subs[i]
+        if sub is None:
+            assert conn.events == []
+            continue
+        conn.congested = False
+        bus.catch_up(sub)
+        assert sub.cursor == bus.seq
+        event("gap" if conn.gaps else "no gap")
+        # Walk the stream: each event follows the previous one, or a gap says what was lost.
+        last = start[i]
+        for e in conn.events:
+            if e.type == "gap":
+                assert e.data == {"since": last}
+                assert e.seq > last
+                last = e.seq
+            else:
+                assert e.seq == last + 1
+                last = e.seq
+        assert last == bus.seq
+        # Whatever the buffer still holds was delivered.
+        held = range(max(start[i], bus.seq - capacity) + 1, bus.seq + 1)
+        assert set(held) <= set(conn.seqs)
+        if not conn.gaps:
+            assert conn.seqs == list(range(start[i] + 1, bus.seq + 1))
