@@ -97,7 +97,7 @@ class Connection(asyncio.Protocol):
         )
         if uid not in (os.getuid(), 0):
             log.warning("refused a connection from uid %d (pid %d)", uid, pid)
-            transport.write(_error(None, errors.INVALID_REQUEST, "permission denied") + b"\n")
+            self.transport.write(_error(None, errors.INVALID_REQUEST, "permission denied") + b"\n")
             transport.close()
             return
         self.peer_pid = pid
