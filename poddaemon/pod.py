@@ -527,8 +527,9 @@ class Pod:
                 self._commit_records(await self._model_round(turn))
                 while turn.in_tools and (tool := turn.next_tool()) is not None:
                     self._commit_records(await self._tool_round(turn, tool.call))
-        except Exception as exc:  # a bug must still end the run properly
+        except Exception as exc:  # a bug must still end the run properly, history valid
             log.exception("run %s failed", run_id)
+            self._commit_records(interrupted_results(self.state.open_calls, run_id))
             step = Finished("error", "", f"internal error: {exc}")
         finally:
             self._turn = None

@@ -67,7 +67,7 @@ def _guess_id(line: bytes) -> Any:
     """The id of an invalid request, when one can be read (JSON-RPC allows null otherwise)."""
     try:
         obj = msgspec.json.decode(line)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError):
         return None
     if isinstance(obj, dict):
         rid = obj.get("id")
@@ -145,7 +145,8 @@ class Connection(asyncio.Protocol):
         except msgspec.ValidationError as exc:
             self._send(_error(_guess_id(line), errors.INVALID_REQUEST, f"invalid request: {exc}"))
             return
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            # msgspec raises UnicodeDecodeError for invalid UTF-8 inside a string.
             self._send(_error(None, errors.PARSE_ERROR, f"parse error: {exc}"))
             return
         if isinstance(msg, Request):
@@ -178,7 +179,7 @@ class Connection(asyncio.Protocol):
         for i, raw in enumerate(items):
             try:
                 req = _request_decoder.decode(raw)
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
                 message = f"invalid request: {exc}"
                 collect(i)(_error(_guess_id(raw), errors.INVALID_REQUEST, message))
                 continue

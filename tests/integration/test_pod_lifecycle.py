@@ -262,3 +262,20 @@ def test_error_codes_and_the_connection_survives(env: Env) -> None:
     assert batch[1]["id"] == 6
     assert replies[9]["id"] == "last"  # the notification produced nothing
     assert len(replies) == 10
+
+
+def test_invalid_utf8_inside_a_string_is_a_parse_error(env: Env) -> None:
+    pod = env.start("utf")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(pod.socket)
+    sock.settimeout(20)
+    sock.sendall(b'{"jsonrpc":"2.0","id":1,"method":"st\xff\xfeatus"}\n')
+    sock.sendall(b'{"jsonrpc":"2.0","id":2,"method":"status"}\n')
+    buf = b""
+    while buf.count(b"\n") < 2:
+        chunk = sock.recv(4096)
+        assert chunk, "connection closed"
+        buf += chunk
+    first, second = (json.loads(line) for line in buf.split(b"\n")[:2])
+    assert first["error"]["code"] == -32700
+    assert second["result"]["name"] == "utf"
