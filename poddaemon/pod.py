@@ -178,12 +178,22 @@ class Pod:
     def _commit(self, kind: str, body: dict[str, Any]) -> dict[str, Any]:
         """Append to the log (not yet fsync'd) and fold it into the state."""
         try:
-            entry = self._ensure_log().append(kind, body)
-        except HeadMoved:
-            self._fork()
-            entry = self._ensure_log().append(kind, body)
+            try:
+                entry = self._ensure_log().append(kind, body)
+            except HeadMoved:
+                self._fork()
+                entry = self._ensure_log().append(kind, body)
+        except OSError as exc:
+            raise self._log_failed(exc) from exc
         self.state.apply(entry)
         return entry
+
+    def _log_failed(self, exc: OSError) -> RpcError:
+        """The session log cannot be written: nothing more can be acknowledged, so stop
+        (a supervisor restarts the pod from what is on disk) and tell everyone why."""
+        self._alert("error", "session", f"session log write failed: {exc}; the pod stops")
+        self.request_shutdown()
+        return RpcError(errors.INTERNAL_ERROR, f"could not persist: {exc}")
 
     def _fork(self) -> None:
         """Another writer appended to our session: carry on in a new session linked to it."""
@@ -225,8 +235,7 @@ class Pod:
         try:
             await self._ensure_log().sync()
         except OSError as exc:
-            self._alert("error", "session", f"session log write failed: {exc}")
-            raise RpcError(errors.INTERNAL_ERROR, f"could not persist: {exc}") from exc
+            raise self._log_failed(exc) from exc
 
     def _alert(self, level: str, source: str, message: str) -> None:
         log.log(logging.ERROR if level == "error" else logging.WARNING, "%s", message)
@@ -529,7 +538,8 @@ class Pod:
                     self._commit_records(await self._tool_round(turn, tool.call))
         except Exception as exc:  # a bug must still end the run properly, history valid
             log.exception("run %s failed", run_id)
-            self._commit_records(interrupted_results(self.state.open_calls, run_id))
+            with contextlib.suppress(RpcError):
+                self._commit_records(interrupted_results(self.state.open_calls, run_id))
             step = Finished("error", "", f"internal error: {exc}")
         finally:
             self._turn = None
@@ -544,7 +554,8 @@ class Pod:
             body.update(outcome="error", error="interrupted: the pod shut down", interrupted=True)
         elif end.error:
             body["error"] = end.error
-        self._commit("run_end", body)
+        with contextlib.suppress(RpcError):  # the log failed; the pod is stopping anyway
+            self._commit("run_end", body)
         usage = self._totals()
         data = {k: v for k, v in body.items() if k in ("outcome", "text", "error")}
         data["usage"] = msgspec.to_builtins(usage)

@@ -4,16 +4,30 @@ Imports nothing from `poddaemon` or `cli`: other programs can depend on this pac
 `AsyncPodClient` lives in `protocol.aio` (importing it pulls in asyncio).
 """
 
-from protocol.client import PodClient
-from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
-from protocol.types import Event
+from typing import TYPE_CHECKING
 
-__all__ = ["ConnectionClosed", "Event", "PodClient", "PodNotRunning", "RpcError"]
+from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+
+if TYPE_CHECKING:
+    from protocol.aio import AsyncPodClient
+    from protocol.client import PodClient
+    from protocol.types import Event
+
+__all__ = ["AsyncPodClient", "ConnectionClosed", "Event", "PodClient", "PodNotRunning", "RpcError"]
 
 
 def __getattr__(name: str) -> object:
+    # Loaded on first use: `protocol.paths` alone must not pay for msgspec (podctl ls is fast).
+    if name == "PodClient":
+        from protocol.client import PodClient
+
+        return PodClient
     if name == "AsyncPodClient":
         from protocol.aio import AsyncPodClient
 
         return AsyncPodClient
+    if name == "Event":
+        from protocol.types import Event
+
+        return Event
     raise AttributeError(name)
