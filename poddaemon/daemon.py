@@ -89,8 +89,10 @@ def run_pod(args: argparse.Namespace) -> int:
         instruction = load_instruction(
             manifest.worker.instruction, manifest.worker.instruction_file, manifest.source
         )
-    except (CredentialsError, PromptError) as exc:
+    except CredentialsError as exc:
         raise StartupError(f"{manifest.source}: {exc}") from None
+    except PromptError as exc:  # already names the manifest or the instruction file
+        raise StartupError(str(exc)) from None
     missing = [t for t in manifest.worker.tools if t not in BUILTIN]
     if missing:
         raise StartupError(

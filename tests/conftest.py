@@ -1,6 +1,7 @@
 """Shared fixtures: a sandboxed PODDAEMON_HOME, a local fake model, real pod processes."""
 
 import contextlib
+import json
 import os
 import queue
 import shutil
@@ -132,6 +133,7 @@ class Env:
         extra: str = "",
         provider_extra: str = "",
         pwd: str | None = None,
+        instruction: str = "You are a test pod.",
     ) -> Path:
         base_url = self.model.url if kind == "anthropic" else self.model.openai_base_url
         write = [str(self.work)] if write is None else write
@@ -152,7 +154,7 @@ class Env:
             "retry_max_delay = 0.05",
             provider_extra,
             "[worker]",
-            'instruction = "You are a test pod."',
+            f"instruction = {json.dumps(instruction)}",
         ]
         if tools is not None:
             lines.append(f"tools = {tools!r}".replace("'", '"'))

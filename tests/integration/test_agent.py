@@ -276,3 +276,26 @@ def test_pause_then_resume(env: Env) -> None:
     with pytest.raises(RpcError) as err, pod.client() as c:
         c.resume()
     assert err.value.code == -32001
+
+
+def test_system_prompt_template_is_rendered_once_with_context(env: Env) -> None:
+    (env.work / "AGENTS.md").write_text("Always answer in haiku.")
+    template = "pwd={{ pwd }}; tools={{ tools | join(',') }}; year={{ now.year }}\n{{ agents_md }}"
+    pod = env.start("templated", instruction=template, tools=["read_file", "grep"])
+    with pod.client() as c:
+        c.run_wait("one")
+        c.run_wait("two")
+    first, second = (str(r["body"]) for r in env.model.requests)
+    expected = f"pwd={env.work}; tools=read_file,grep; year="
+    assert expected in first and "Always answer in haiku." in first
+    system = first[first.index(expected) :][:200]
+    assert system.split("\\n")[0] in second  # rendered once: the same prompt both times
+
+
+def test_template_error_fails_start_up_naming_the_line(env: Env) -> None:
+    path = env.manifest("broken", instruction="line one\n{% endfor %}\nline three")
+    proc = env.popen(str(path))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode != 0
+    assert f"poddaemon: {path}: worker.instruction:2: template error" in err
+    assert "endfor" in err
