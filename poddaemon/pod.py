@@ -10,7 +10,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -28,6 +28,7 @@ from poddaemon.llm.types import (
     ProviderError,
     ReasoningDelta,
     RetryScheduled,
+    StreamEvent,
     TextDelta,
     ToolSpec,
 )
@@ -619,8 +620,19 @@ class Pod:
             self._commit("inputs_delivered", {"ids": ids, "more": left})
 
     async def _stream(self, request: ModelRequest, run_id: str) -> ModelResponse:
+        stream = self.s.model.stream(request)
+        try:
+            return await self._consume(stream, run_id)
+        finally:
+            # Release the HTTP stream now, also when a cancel interrupted us mid-way.
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def _consume(self, stream: AsyncIterator[StreamEvent], run_id: str) -> ModelResponse:
         publish = self.bus.publish
-        async for event in self.s.model.stream(request):
+        async for event in stream:
             if isinstance(event, TextDelta):
                 publish("text.delta", {"text": event.text}, run_id)
             elif isinstance(event, ReasoningDelta):
