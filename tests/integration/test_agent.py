@@ -299,3 +299,34 @@ def test_template_error_fails_start_up_naming_the_line(env: Env) -> None:
     assert proc.returncode != 0
     assert f"poddaemon: {path}: worker.instruction:2: template error" in err
     assert "endfor" in err
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_output_limit_ends_the_run_without_running_its_tools(env: Env, kind: str) -> None:
+    marker = env.work / "should-not-exist.txt"
+    env.model.script(
+        {
+            "text": "cut",
+            "tool_calls": [
+                {"name": "write_file", "arguments": {"path": str(marker), "content": "x"}}
+            ],
+            "stop": "max_tokens",
+        }
+    )
+    pod = env.start("limited", kind=kind)
+    with pod.client() as c:
+        result = c.run_wait("write it")
+    assert result.outcome == "error" and (result.error or "").startswith("incomplete")
+    assert not marker.exists()
+    entries = pod.call("history")["entries"]
+    results = [e["item"] for e in entries if e["kind"] == "tool_result"]
+    assert len(results) == 1 and results[0]["is_error"] and "output limit" in results[0]["output"]
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_content_filter_is_an_error_with_the_reason(env: Env, kind: str) -> None:
+    env.model.script({"text": "", "stop": "content_filter"})
+    pod = env.start("filtered", kind=kind)
+    with pod.client() as c:
+        result = c.run_wait("something")
+    assert result.outcome == "error" and "content_filter" in (result.error or "")
