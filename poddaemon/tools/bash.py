@@ -42,6 +42,20 @@ class _Capture:
         return text
 
 
+class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """Tells when the shell itself exits. `Process.wait()` only returns once every pipe is
+    closed, which a background job holding stdout would delay until the timeout."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=2**16, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
@@ -64,16 +78,30 @@ class Bash:
         if not 1 <= timeout <= MAX_TIMEOUT:
             raise ToolError(f"timeout must be between 1 and {MAX_TIMEOUT} seconds")
         capture = _Capture(ctx.limits.max_bytes(self.name))
-        proc = await asyncio.create_subprocess_exec(
-            "/bin/bash",
-            "-c",
-            command,
-            cwd=ctx.pwd,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
+        loop = asyncio.get_running_loop()
+        spawn = asyncio.ensure_future(
+            loop.subprocess_exec(
+                lambda: _Protocol(loop),
+                "/bin/bash",
+                "-c",
+                command,
+                cwd=ctx.pwd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
         )
+        try:
+            # Shielded: cancelled while starting, the shell may already be running (and forking).
+            transport, protocol = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                started, _ = await spawn
+                _kill_group(started.get_pid())
+                started.close()
+            raise
+        proc = asyncio.subprocess.Process(transport, protocol, loop)
         pgid = proc.pid  # a new session: the shell leads its own process group
         assert proc.stdout is not None
         reader = asyncio.create_task(capture.drain(proc.stdout))
@@ -81,17 +109,19 @@ class Bash:
         try:
             try:
                 async with asyncio.timeout(timeout):
-                    await proc.wait()
+                    await protocol.exited
             except TimeoutError:
                 timed_out = True
             _kill_group(pgid)  # on timeout everything; otherwise leftover background jobs
-            await proc.wait()
             done, _ = await asyncio.wait({reader}, timeout=DRAIN_GRACE)
-            if not done:
+            if not done:  # something left the group and still holds the pipe
                 reader.cancel()
+                transport.close()
+            await proc.wait()
         except BaseException:  # cancellation: kill, reap, then let it propagate
             _kill_group(pgid)
             reader.cancel()
+            transport.close()
             with contextlib.suppress(BaseException):
                 await proc.wait()
             with contextlib.suppress(BaseException):
