@@ -121,3 +121,36 @@ async def test_cancellation_kills_the_group_and_propagates(
     with pytest.raises(asyncio.CancelledError):
         await task
     assert await wait_until_gone(pgid) == []
+
+
+def live_with_token(token: str) -> list[int]:
+    """Running (non-zombie) processes whose command line contains `token`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if token.encode() in cmdline and state not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("yields", [0, 1, 2, 3, 5, 8, 13, 21])
+async def test_cancellation_at_any_point_leaves_no_process(ctx: ToolContext, yields: int) -> None:
+    token = f"{987 + yields}.{os.getpid()}{yields}"  # a unique `sleep` argument
+    task = asyncio.create_task(bash(ctx, f"sleep {token} & sleep {token}"))
+    for _ in range(yields):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    end = time.monotonic() + 5.0
+    while (alive := live_with_token(token)) and time.monotonic() < end:
+        await asyncio.sleep(0.01)
+    assert alive == []
