@@ -291,6 +291,7 @@ class Pod:
                     errors.CONFLICTING_CLIENT_KEY,
                     f"client_key {p.client_key!r} was used for a different input",
                 )
+            await self._sync()  # the original may still be on its way to disk
             if p.wait:
                 return await self._wait_for(run_id)
             return RunResult(
@@ -335,9 +336,9 @@ class Pod:
 
     async def rpc_pod_event(self, p: PodEventParams, conn: Any) -> AcceptedResult:
         text = f"[{p.kind}] {p.text}" if p.text else f"[{p.kind}]"
-        data = {"pod": p.pod, "kind": p.kind, "text": p.text}
-        self.bus.publish("child.event", data, p.run_id)
         await self._notify(text, f"pod:{p.pod}", None)
+        data = {"pod": p.pod, "kind": p.kind, "text": p.text}
+        self.bus.publish("child.event", data, p.run_id)  # only once it is accepted
         return AcceptedResult()
 
     async def _notify(self, message: str, source: str, client_key: str | None) -> NotifyResult:
@@ -349,6 +350,7 @@ class Pod:
                     errors.CONFLICTING_CLIENT_KEY,
                     f"client_key {client_key!r} was used for a different message",
                 )
+            await self._sync()  # the original may still be on its way to disk
             return NotifyResult(notification_id=nid, wakes=False)
         pending = self.state.pending_notifications
         if pending >= self.m.notify.max_pending:
@@ -360,7 +362,7 @@ class Pod:
         nid = new_session_id()
         self._commit_notification(nid, source, message, client_key)
         await self._sync()
-        wakes = self.pod_state == "idle"
+        wakes = self.pod_state == "idle" and self._budget_left()
         self._last_notify = time.monotonic()
         self._wake.set()
         return NotifyResult(notification_id=nid, wakes=wakes)

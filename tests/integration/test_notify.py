@@ -426,10 +426,6 @@ def test_client_key_makes_notify_idempotent(env: Env) -> None:
     assert seen.count(("cd", "deploy 42 done")) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pod.py _notify answers a client_key retry from state before the original is fsync'd",
-)
 def test_client_key_retry_is_not_acknowledged_before_the_original_is_durable(env: Env) -> None:
     # The original and its retry, pipelined: the original's ack goes out the moment its fsync
     # completes, so a retry acknowledged before it was acknowledged before the entry was durable
@@ -467,9 +463,6 @@ def test_pod_event_is_a_child_event_and_a_notification(env: Env) -> None:
     assert len(block) == 1 and block[0][0] == "pod:kid" and "tests pass" in block[0][1]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pod.py rpc_pod_event publishes child.event before _notify may refuse it"
-)
 def test_a_refused_pod_event_leaves_no_child_event(env: Env) -> None:
     env.model.script({**GATED_TOOL_CALL, "gate": "full"})
     pod = env.start("fullparent", extra="[notify]\nmax_pending = 1\n")
@@ -487,9 +480,6 @@ def test_a_refused_pod_event_leaves_no_child_event(env: Env) -> None:
     assert [e for e in events if e.type == "child.event"] == []
 
 
-@pytest.mark.xfail(
-    strict=True, reason="pod.py _notify: wakes = idle, but _next_work never runs out of budget"
-)
 def test_notify_to_a_pod_out_of_budget_does_not_claim_to_wake_it(env: Env) -> None:
     env.model.script({"text": "spent", "usage": {"input": 100, "output": 10}})
     pod = env.start("broke", extra="[budget]\nmax_total_tokens = 50\n")
