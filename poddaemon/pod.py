@@ -299,34 +299,26 @@ class Pod:
             )
         if not self._budget_left():
             raise RpcError(errors.BUDGET_EXHAUSTED, self._budget_message())
-        if p.mode == "steer" and self.state.active_run is not None:
-            steer_id = new_session_id()
-            self._commit(
-                "user_input",
-                {
-                    "id": steer_id,
-                    "run_id": self.state.active_run,
-                    "text": p.input,
-                    "mode": "steer",
-                    **_key(p.client_key),
-                },
-            )
+        active = self.state.active_run
+        if p.mode == "steer" and active is not None:
+            body = {"id": new_session_id(), "run_id": active, "text": p.input, "mode": "steer"}
+            self._commit("user_input", {**body, **_key(p.client_key)})
             await self._sync()
-            return RunResult(run_id=self.state.active_run, state="steered")
+            return RunResult(run_id=active, state="steered")
         run_id = new_session_id()
-        busy = self.state.active_run is not None or bool(self.state.pending_runs)
+        # Decide the answer before awaiting the fsync: by then the run may already have started.
+        position = len(self.state.pending_runs) + 1 if active or self.state.pending_runs else 0
         self._commit(
             "user_input",
             {"run_id": run_id, "text": p.input, "mode": "queue", **_key(p.client_key)},
         )
         await self._sync()
-        if busy:
-            position = list(self.state.pending_runs).index(run_id) + 1
+        self._wake.set()  # only now: nothing runs on input that is not yet durable
+        if position:
             self.bus.publish("run.queued", {"position": position}, run_id)
             result = RunResult(run_id=run_id, state="queued", position=position)
         else:
             result = RunResult(run_id=run_id, state="started")
-        self._wake.set()
         if p.wait:
             return await self._wait_for(run_id)
         return result
