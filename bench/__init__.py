@@ -1,0 +1,1 @@
+"""`make bench` / `python -m bench [section ...]`: poddaemon numbers beside same-run baselines."""

@@ -1,0 +1,87 @@
+"""2. CLI: `podctl status|notify` wall time against a one-command typer app that does nothing."""
+
+import subprocess
+import time
+from pathlib import Path
+
+from bench.harness import ROOT, Home, Row, Section, all_of, median, ratio_le, value_lt
+
+RUNS = 21
+PODCTL = str(ROOT / ".venv" / "bin" / "podctl")
+NOOP_APP = '''import typer
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def status(pod: str) -> None:
+    """Do nothing."""
+
+
+app()
+'''
+
+
+def wall(cmd: list[str], env: dict[str, str]) -> float:
+    t = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    return (time.perf_counter() - t) * 1e3
+
+
+def run(sec: Section) -> None:
+    with Home() as home:
+        assert home.fake is not None
+        # A pod that is busy (its first model call waits on a gate that never opens), so the
+        # notifications below are only committed, never turned into runs that would compete
+        # for the CPU with the next measurement.
+        home.fake.script({"gate": "never", "text": "x"})
+        pod = home.start_pod("cli", extra="[notify]\nmax_pending = 1000000\n")
+        with pod.rpc() as c:
+            c.call("run", {"input": "block"})
+        home.fake.wait_requests(1)
+        app = home.path / "noop_app.py"
+        app.write_text(NOOP_APP)
+        py = str(Path(PODCTL).parent / "python")
+        env = home.env
+        cmds = {
+            "noop": [py, str(app), "cli"],
+            "status": [PODCTL, "status", "cli"],
+            "notify": [PODCTL, "notify", "cli", "msg"],
+        }
+        times: dict[str, list[float]] = {k: [] for k in cmds}
+        for cmd in cmds.values():  # warm the page cache
+            wall(cmd, env)
+        for _ in range(RUNS):  # interleaved, so drift hits every command alike
+            for key, cmd in cmds.items():
+                times[key].append(wall(cmd, env))
+        base = median(times["noop"])
+        sec.add(
+            Row(
+                "podctl status <pod>, median",
+                median(times["status"]),
+                "ms",
+                base,
+                "no-op typer app",
+                all_of(ratio_le(1.5), value_lt(100, "ms")),
+            )
+        )
+        sec.add(
+            Row(
+                "podctl notify <pod> msg, median",
+                median(times["notify"]),
+                "ms",
+                base,
+                "no-op typer app",
+                ratio_le(1.5),
+            )
+        )
+        sec.add(Row("python -c pass (reference)", _python_pass(py, env), "ms"))
+        sec.note(
+            f"{RUNS} runs each, interleaved; via {PODCTL}; the no-op app is one typer "
+            f"command with one argument, run by the same interpreter; the pod is busy (a "
+            f"gated model call), so notify only commits"
+        )
+
+
+def _python_pass(py: str, env: dict[str, str]) -> float:
+    return median([wall([py, "-c", "pass"], env) for _ in range(11)])

@@ -1,0 +1,107 @@
+"""8. Acknowledged `run` and `notify`: latency and throughput, 1 and 8 clients."""
+
+import os
+
+from bench.harness import (
+    Home,
+    LoadResult,
+    Row,
+    Section,
+    echo_server,
+    fsync_us,
+    load,
+    median,
+    request_line,
+)
+
+DURATION = 1.5  # seconds of load per measurement
+CLIENTS = 8
+
+
+def _measure(sock: str, line: bytes, clients: int, fsync_dir: str) -> tuple[LoadResult, float]:
+    """The load, and the median fsync measured right before and right after it: the disk's
+    speed changes with other writers, so the floor is taken next to each measurement."""
+    before = fsync_us(40, fsync_dir)
+    result = load(sock, line, clients=clients, duration=DURATION, warmup=5)
+    after = fsync_us(40, fsync_dir)
+    return result, median(before + after)
+
+
+def _rows(sec: Section, what: str, line: bytes, sock: str, echo: float, where: str) -> LoadResult:
+    """Rows for 1 then CLIENTS clients; returns the 1-client result."""
+    results = []
+    for clients in (1, CLIENTS):
+        res, fs = _measure(sock, line, clients, where)
+        floor = echo + fs
+        tag = f"{clients} client" + ("s" if clients > 1 else "")
+        sec.add(Row(f"{what} ack p50, {tag}", res.p50, "µs", floor, "echo + fsync (p50s)"))
+        sec.add(Row(f"{what} ack p99, {tag}", res.p99, "µs"))
+        sec.add(Row(f"{what} acks/s, {tag}", res.rps, "req/s", 1e6 / floor, "1 / (echo + fsync)"))
+        results.append(res)
+    return results[0]
+
+
+def run(sec: Section) -> None:
+    os.sync()  # start from a quiet disk: earlier sections' writeback would inflate fsync
+    with Home() as home:
+        fake = home.fake
+        assert fake is not None
+        where = str(home.path)
+        with echo_server() as echo_sock:
+            echo = load(echo_sock, request_line("status"), count=2000, warmup=200).p50
+        sec.add(Row("raw echo round trip p50", echo, "µs"))
+        sec.add(Row("fsync of a small file p50", median(fsync_us(100, where)), "µs"))
+
+        # run: the model answers at once, so the pod also runs the turns it acknowledges.
+        pod = home.start_pod("runs")
+        with pod.rpc() as c:
+            c.call("run", {"input": "warm up", "wait": True})
+        _rows(sec, "run", request_line("run", {"input": "say hi"}), pod.socket, echo, where)
+        with pod.rpc() as c:
+            status = c.call("status")
+        pod.kill()
+
+        # notify: the pod is busy (its first model call waits on a gate that is never opened)
+        # and max_pending is 1,000,000, so every notification is committed and acknowledged,
+        # none starts a turn and the queue never fills.
+        fake.reset()
+        fake.script({"gate": "never", "text": "x"})
+        pod = home.start_pod("notes", extra="[notify]\nmax_pending = 1000000\n")
+        with pod.rpc() as c:
+            c.call("run", {"input": "block"})
+        fake.wait_requests(1)
+        line = request_line("notify", {"message": "CI: build 481 failed", "source": "ci"})
+        first = _rows(sec, "notify", line, pod.socket, echo, where)
+        with pod.rpc() as c:
+            pending = c.call("status")["queue"]["notifications"]
+        again, _ = _measure(pod.socket, line, 1, where)
+        sec.add(
+            Row(
+                f"notify ack p50, 1 client, {pending:,} already pending",
+                again.p50,
+                "µs",
+                first.p50,
+                "same, fresh pod",
+            )
+        )
+        sec.add(
+            Row(
+                f"notify acks/s, 1 client, {pending:,} already pending",
+                again.rps,
+                "req/s",
+                first.rps,
+                "same, fresh pod",
+            )
+        )
+        with pod.rpc() as c:
+            pending = c.call("status")["queue"]["notifications"]
+        pod.kill()
+    sec.note(
+        f"run: a fresh pod whose model answers instantly; `run` without wait is acked "
+        f"after its user_input is fsync'd while the same pod keeps running the queued turns "
+        f"(afterwards: {status['queue']['runs']} runs still queued); notify: a pod kept busy "
+        f"by a run whose model call waits on a gate never opened, [notify] max_pending = "
+        f"1000000 ({pending:,} pending at the end); clients: separate processes, own "
+        f"connection each, NOT pipelined, {DURATION} s per measurement; fsync baseline "
+        f"re-measured around each load; 1/(echo+fsync) is one client without group commit"
+    )

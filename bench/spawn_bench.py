@@ -1,0 +1,84 @@
+"""3. Spawn: `podctl spawn manifest` until READY, and the idle pod's RSS."""
+
+import os
+import subprocess
+import time
+
+from bench.cli_bench import PODCTL
+from bench.harness import PY, Home, Row, Rpc, Section, median, value_le, vm_rss_mb
+
+SPAWNS = 5
+
+
+def _python_pass(env: dict[str, str]) -> tuple[float, float]:
+    """Wall ms of `python -c pass`, and the VmRSS (MB) of a bare interpreter reading its own
+    /proc status (ru_maxrss is no good here: a forked child's counts the parent's pages)."""
+    t = time.perf_counter()
+    subprocess.run([PY, "-c", "pass"], env=env, check=True)
+    ms = (time.perf_counter() - t) * 1e3
+    out = subprocess.run(
+        [PY, "-c", "print(open('/proc/self/status').read())"],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    rss = next(int(x.split()[1]) for x in out.splitlines() if x.startswith("VmRSS:"))
+    return ms, rss / 1024
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                return
+        time.sleep(0.005)
+
+
+def run(sec: Section) -> None:
+    with Home() as home:
+        manifest = home.manifest("spawned")
+        _python_pass(home.env)
+        base = [_python_pass(home.env) for _ in range(11)]
+        walls: list[float] = []
+        rss: list[float] = []
+        for _ in range(SPAWNS):
+            t = time.perf_counter()
+            subprocess.run(
+                [PODCTL, "spawn", str(manifest)],
+                env=home.env,
+                check=True,
+                stdout=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+            )
+            walls.append((time.perf_counter() - t) * 1e3)
+            pid = int((home.path / "run" / "pods" / "spawned" / "pid").read_text())
+            time.sleep(0.3)  # let it settle into idle
+            rss.append(vm_rss_mb(pid))
+            with Rpc(str(home.path / "run" / "pods" / "spawned" / "sock")) as c:
+                c.call("shutdown")
+            _wait_gone(pid)
+        sec.add(
+            Row(
+                "podctl spawn to READY, median",
+                median(walls),
+                "ms",
+                median([b[0] for b in base]),
+                "python -c pass",
+            )
+        )
+        sec.add(
+            Row(
+                "idle pod VmRSS, median",
+                median(rss),
+                "MB",
+                median([b[1] for b in base]),
+                "bare python VmRSS",
+                value_le(40, "MB"),
+            )
+        )
+        sec.note(
+            f"{SPAWNS} spawns of one manifest (each shut down before the next); "
+            f"spawn walls {', '.join(f'{w:.0f}' for w in walls)} ms"
+        )
