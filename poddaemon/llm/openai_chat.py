@@ -144,7 +144,18 @@ class OpenAIChatClient(RetryingClient):
 
     async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
         body = render_request(req, self.cfg.model, max_tokens_field=self._max_tokens_field)
-        stream = await client.chat.completions.create(**body)
+        from openai import AsyncStream
+        from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+        # post() rather than create(): our body is already plain JSON, and create()'s
+        # transform walks it on the event loop (~0.4 ms per history message).
+        stream = await client.post(
+            "/chat/completions",
+            cast_to=ChatCompletion,
+            body=body,
+            stream=True,
+            stream_cls=AsyncStream[ChatCompletionChunk],
+        )
         try:
             text: list[str] = []
             reasoning: list[str] = []

@@ -120,7 +120,17 @@ class OpenAIResponsesClient(RetryingClient):
         return build_openai_client(sdk, self.cfg)
 
     async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
-        stream = await client.responses.create(**render_request(req, self.cfg.model))
+        from openai import AsyncStream
+        from openai.types.responses import Response, ResponseStreamEvent
+
+        # post() rather than create(): see openai_chat (no per-message transform on the loop).
+        stream = await client.post(
+            "/responses",
+            cast_to=Response,
+            body=render_request(req, self.cfg.model),
+            stream=True,
+            stream_cls=AsyncStream[ResponseStreamEvent],
+        )
         try:
             text: list[str] = []
             reasoning: list[str] = []
