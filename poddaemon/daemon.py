@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         format="poddaemon[%(process)d] %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    for noisy in ("httpx", "httpx2", "openai", "anthropic"):  # one INFO line per request
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         return run_pod(args)
     except StartupError as exc:
@@ -114,7 +116,9 @@ def run_pod(args: argparse.Namespace) -> int:
     if problem:
         raise StartupError(problem)
     registry = Registry(runtime)
-    entry = make_entry(name, str(sock_path), scope, parent=None)
+    session_id = _session_to_restore(args, name)
+    # The session is claimed with the name, in one locked transaction: no two pods restore it.
+    entry = make_entry(name, str(sock_path), scope, parent=None, session=session_id)
     try:
         registry.register(entry)
     except (RegistryConflict, RegistryError) as exc:
@@ -122,7 +126,6 @@ def run_pod(args: argparse.Namespace) -> int:
     try:
         paths.ensure_dir(pod_dir)
         (pod_dir / "pid").write_text(f"{os.getpid()}\n")
-        session_id = _session_to_restore(args, name)
         return _serve(args, manifest, scope, registry, entry, instruction, session_id, sock_path)
     finally:
         registry.release(name, entry.pid)
@@ -185,19 +188,10 @@ def _serve(
     async def amain() -> int:
         pod = Pod(services)
         if session_id is not None:
-            holder = next(
-                (e for e in registry.live() if e.session == session_id and e.name != entry.name),
-                None,
-            )
-            if holder is not None:
-                raise StartupError(
-                    f"session {session_id} is held by live pod {holder.name!r} (pid {holder.pid})"
-                )
             try:
-                warnings = pod.restore(session_id)
+                warnings = await pod.restore(session_id)
             except (LogCorrupt, FileNotFoundError, ValueError) as exc:
                 raise StartupError(f"cannot restore session {session_id}: {exc}") from None
-            registry.update(entry.name, entry.pid, session=session_id)
             for warning in warnings:
                 pod._alert("warning", "session", warning)
         server = RpcServer(pod.handlers(), bus)

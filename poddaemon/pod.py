@@ -20,7 +20,7 @@ import poddaemon
 from poddaemon.config.load import manifest_to_dict
 from poddaemon.config.manifest import Manifest
 from poddaemon.events import EventBus
-from poddaemon.history import ToolCall, item_to_builtins
+from poddaemon.history import ToolCall
 from poddaemon.llm.types import (
     ModelClient,
     ModelRequest,
@@ -131,13 +131,14 @@ class Pod:
 
     # --- session ----------------------------------------------------------------------------
 
-    def restore(self, session_id: str) -> list[str]:
+    async def restore(self, session_id: str) -> list[str]:
         """Reopen a session: fold its log, close what a crash left open. Returns warnings."""
         log_, entries, warnings = SessionLog.open(self.s.sessions_dir, session_id)
         self._log = log_
-        self.state = fold(entries)
-        self.state.session_id = session_id
         self.system_prompt = entries[0].get("system_prompt", "")
+        self.state = fold(entries)
+        del entries  # the folded state is all we keep; a long session's entries are large
+        self.state.session_id = session_id
         if self.state.active_run is not None:
             run_id = self.state.active_run
             for rec in interrupted_results(self.state.open_calls, run_id):
@@ -155,6 +156,7 @@ class Pod:
             self._commit_notification(
                 f"restart-{run_id}", "poddaemon", RESTART_NOTE, client_key=None
             )
+        await self._sync()
         return warnings
 
     def _ensure_log(self) -> SessionLog:
@@ -199,18 +201,12 @@ class Pod:
     def _fork(self) -> None:
         """Another writer appended to our session: carry on in a new session linked to it."""
         old = self._ensure_log()
-        s = self.state
         body = {
             "session_id": new_session_id(),
             "pod": self.name,
             "system_prompt": self.system_prompt,
             "config": manifest_to_dict(self.m),
-            "history": [item_to_builtins(i) for i in s.history],
-            "pending_runs": [vars(r) for r in s.pending_runs.values()],
-            "pending_inputs": [vars(p) for p in s.pending_inputs.values()],
-            "paused_run": s.paused_run,
-            "rounds": s.rounds,
-            "usage": msgspec.to_builtins(s.usage),
+            **self.state.snapshot(),
             "forked_from": old.session_id,
         }
         self._log = old.fork(start_body=body, new_id=body["session_id"])

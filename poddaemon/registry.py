@@ -299,6 +299,16 @@ class Registry:
 
     def _admit(self, pods: dict[str, PodEntry], entry: PodEntry) -> PodEntry:
         """Check `entry`'s claims against `pods`, then store it and record any delegation."""
+        if entry.session is not None:
+            holder = next(
+                (p for p in pods.values() if p.session == entry.session and p.name != entry.name),
+                None,
+            )
+            if holder is not None:
+                raise RegistryConflict(
+                    f"session {entry.session} is held by live pod {holder.name!r}"
+                    f" (pid {holder.pid})"
+                )
         parent = pods.get(entry.parent) if entry.parent else None
         delegated = self._check_claims(pods, entry, parent)
         stored = msgspec.structs.replace(entry, delegated=list(entry.delegated))

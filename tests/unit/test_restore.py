@@ -6,6 +6,7 @@ has a valid history that has lost nothing acknowledged.
 The first property is pure (bytes in memory, `verify` + `fold`, the restore's closing entries
 built as `Pod.restore` builds them); the second runs the real `Pod.restore` on a file."""
 
+import asyncio
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -335,7 +336,7 @@ def test_pod_restore_of_a_cut_file(data: st.DataObject) -> None:
         path = Path(tmp) / "S.jsonl"
         path.write_bytes(blob[:cut])
         pod = make_pod(tmp)
-        warnings = pod.restore("S")
+        warnings = asyncio.run(pod.restore("S"))
         torn = cut != sum(map(len, sim.lines[:k]))
         assert bool(warnings) == torn
         if torn:
