@@ -116,7 +116,6 @@ class Pod:
         self._wake = asyncio.Event()
         self._resume_requested = False
         self._stopping = False
-        self._stopped = asyncio.Event()
         self._waiters: dict[str, list[asyncio.Future[RunWaitResult]]] = {}
         self._last_notify = 0.0
         self._tool_specs: list[ToolSpec] = []
@@ -280,14 +279,8 @@ class Pod:
 
     async def rpc_run(self, p: RunParams, conn: Any) -> RunResult | RunWaitResult:
         self._check_open()
-        if p.client_key is not None and p.client_key in self.state.client_keys:
-            text, run_id = self.state.client_keys[p.client_key]
-            if text != p.input:
-                raise RpcError(
-                    errors.CONFLICTING_CLIENT_KEY,
-                    f"client_key {p.client_key!r} was used for a different input",
-                )
-            await self._sync()  # the original may still be on its way to disk
+        run_id = await self._replayed(p.client_key, p.input)
+        if run_id is not None:
             if p.wait:
                 return await self._wait_for(run_id)
             return RunResult(
@@ -319,6 +312,22 @@ class Pod:
             return await self._wait_for(run_id)
         return result
 
+    async def _replayed(self, client_key: str | None, text: str) -> str | None:
+        """The id an earlier request with this key got (an idempotent retry), or None.
+
+        Same key with different text is -32006. The answer waits for the sync, because the
+        original may still be on its way to disk."""
+        if client_key is None or client_key not in self.state.client_keys:
+            return None
+        original, input_id = self.state.client_keys[client_key]
+        if original != text:
+            raise RpcError(
+                errors.CONFLICTING_CLIENT_KEY,
+                f"client_key {client_key!r} was used for a different input",
+            )
+        await self._sync()
+        return input_id
+
     async def rpc_notify(self, p: NotifyParams, conn: Any) -> NotifyResult:
         return await self._notify(p.message, p.source, p.client_key)
 
@@ -331,15 +340,9 @@ class Pod:
 
     async def _notify(self, message: str, source: str, client_key: str | None) -> NotifyResult:
         self._check_open()
-        if client_key is not None and client_key in self.state.client_keys:
-            text, nid = self.state.client_keys[client_key]
-            if text != message:
-                raise RpcError(
-                    errors.CONFLICTING_CLIENT_KEY,
-                    f"client_key {client_key!r} was used for a different message",
-                )
-            await self._sync()  # the original may still be on its way to disk
-            return NotifyResult(notification_id=nid, wakes=False)
+        replayed = await self._replayed(client_key, message)
+        if replayed is not None:
+            return NotifyResult(notification_id=replayed, wakes=False)
         pending = self.state.pending_notifications
         if pending >= self.m.notify.max_pending:
             raise RpcError(
@@ -717,7 +720,6 @@ class Pod:
             self._log.close()
         with contextlib.suppress(Exception):
             await self.s.model.aclose()
-        self._stopped.set()
 
 
 def _key(client_key: str | None) -> dict[str, str]:
