@@ -161,13 +161,14 @@ def _serve(
     from poddaemon.config.manifest import Manifest
     from poddaemon.events import EventBus
     from poddaemon.llm import make_client
+    from poddaemon.llm.threaded import ThreadedModel
     from poddaemon.pod import Pod, Services
     from poddaemon.prompt import Instruction
     from poddaemon.registry import PodEntry, Registry
     from poddaemon.scope import Scope
     from poddaemon.server import RpcServer
     from poddaemon.store.log import LogCorrupt
-    from poddaemon.tools import BUILTIN
+    from poddaemon.toolset import Toolset
 
     assert isinstance(manifest, Manifest) and isinstance(scope, Scope)
     assert isinstance(registry, Registry) and isinstance(entry, PodEntry)
@@ -181,8 +182,8 @@ def _serve(
         bus=bus,
         sessions_dir=str(paths.ensure_dir(paths.sessions_dir())),
         instruction=instruction,
-        tools=dict(BUILTIN),
-        model=make_client(manifest.provider),
+        tools=Toolset.from_names(manifest.worker.tools),
+        model=ThreadedModel(make_client(manifest.provider)),
     )
 
     async def amain() -> int:
@@ -193,7 +194,7 @@ def _serve(
             except (LogCorrupt, FileNotFoundError, ValueError) as exc:
                 raise StartupError(f"cannot restore session {session_id}: {exc}") from None
             for warning in warnings:
-                pod._alert("warning", "session", warning)
+                pod._alert("warning", warning)
         server = RpcServer(pod.handlers(), bus)
         await server.listen(sock_path)
         loop = asyncio.get_running_loop()
@@ -208,6 +209,9 @@ def _serve(
         finally:
             sd_notify("STOPPING=1")
             await server.close()
+        if pod.failure is not None:
+            print(f"poddaemon: {pod.failure}", file=sys.stderr, flush=True)
+            return 1
         return 0
 
     return _run_loop(amain())

@@ -16,17 +16,20 @@ from typing import Any, Literal
 
 import msgspec
 
-from poddaemon.history import (
-    AssistantMessage,
-    Item,
-    SystemNote,
-    ToolCall,
-    ToolResult,
-    Usage,
-    UserMessage,
-    item_from_builtins,
-    item_to_builtins,
+from poddaemon.entries import (
+    Assistant,
+    Entry,
+    InputsDelivered,
+    LlmUsage,
+    RunEnd,
+    RunStart,
+    SessionStart,
+    SystemItem,
+    ToolResultEntry,
+    UserInput,
+    from_log,
 )
+from poddaemon.history import Item, SystemNote, ToolCall, Usage, UserMessage, item_to_builtins
 
 # How many notifications one model request shows in full; the rest follow in later rounds.
 MAX_NOTIFICATIONS_PER_REQUEST = 100
@@ -56,9 +59,15 @@ class SessionState:
     history: list[Item] = field(default_factory=list)
     pending_runs: dict[str, PendingRun] = field(default_factory=dict)
     pending_inputs: dict[str, PendingInput] = field(default_factory=dict)
-    client_keys: dict[str, tuple[str, str]] = field(default_factory=dict)  # key -> (input, id)
+    system_prompt: str = ""
+    # client_key -> (input, id), one namespace per method: a run key never matches a notify.
+    run_keys: dict[str, tuple[str, str]] = field(default_factory=dict)
+    notify_keys: dict[str, tuple[str, str]] = field(default_factory=dict)
     usage_calls: list[dict[str, Any]] = field(default_factory=list)
     usage: Usage = field(default_factory=Usage)
+    run_usage: Usage = field(default_factory=Usage)  # of the active (or paused) run
+    run_calls: int = 0  # model calls of the active (or paused) run
+    report_ids: set[str] = field(default_factory=set)  # child reports accepted (dedup)
     active_run: str | None = None
     rounds: int = 0  # model rounds of the active (or paused) run
     paused_run: str | None = None
@@ -94,7 +103,8 @@ class SessionState:
             "history": [item_to_builtins(i) for i in self.history],
             "pending_runs": [vars(r) for r in self.pending_runs.values()],
             "pending_inputs": [vars(p) for p in self.pending_inputs.values()],
-            "client_keys": {k: list(v) for k, v in self.client_keys.items()},
+            "run_keys": {k: list(v) for k, v in self.run_keys.items()},
+            "notify_keys": {k: list(v) for k, v in self.notify_keys.items()},
             "usage": msgspec.to_builtins(self.usage),
             "usage_calls": self.usage_calls,
             "active_run": self.active_run,
@@ -104,18 +114,22 @@ class SessionState:
             # Outcomes a keyed retry with wait=True may still ask for.
             "run_outcomes": {
                 rid: self.run_outcomes[rid]
-                for _, rid in self.client_keys.values()
+                for _, rid in self.run_keys.values()
                 if rid in self.run_outcomes
             },
         }
 
-    def apply(self, entry: Mapping[str, Any]) -> None:
-        kind = entry["kind"]
-        handler = _APPLY.get(kind)
-        if handler is not None:
-            handler(self, entry)
-        self.last_seq = entry["seq"]
-        self.head = entry.get("hash", self.head)
+    def apply(self, entry: Mapping[str, Any] | Entry) -> None:
+        """Fold one entry: a typed one, or a log entry as the store reads it."""
+        if isinstance(entry, Mapping):
+            self.head = entry.get("hash", self.head)
+            typed = from_log(entry if isinstance(entry, dict) else dict(entry))
+            if typed is None:  # a kind this version does not know
+                self.last_seq = entry["seq"]
+                return
+            entry = typed
+        _apply(self, entry)
+        self.last_seq = entry.seq
 
     def deliverable(self) -> tuple[list[str], list[Item]]:
         """Ids and rendered items of what the next model request should carry (pure)."""
@@ -138,151 +152,125 @@ class SessionState:
 def render_notifications(notes: list[PendingInput], more: int) -> str:
     """One clearly marked block for a batch of notifications, each with its source and time."""
     head = "notification" if len(notes) == 1 else f"{len(notes)} notifications"
-    lines = [f"<notifications> {head} arrived while you worked:"]
+    lines = [f"<notifications> {head} arrived:"]
     for n in notes:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(n.ts))
         lines.append(f"- [{stamp}] from {n.source}: {n.text}")
     if more:
-        lines.append(f"({more} more are queued and will follow in the next request)")
+        lines.append(f"({more} more are queued and follow in the next request)")
     lines.append("</notifications>")
     return "\n".join(lines)
 
 
-# --- one function per entry kind ---------------------------------------------------------------
+# --- the fold: one case per entry kind -----------------------------------------------------
 
 
-def _session_start(s: SessionState, e: Mapping[str, Any]) -> None:
-    s.session_id = e.get("session_id", s.session_id)
-    s.history = [item_from_builtins(i) for i in e.get("history", [])]
-    for r in e.get("pending_runs", []):
-        s.pending_runs[r["run_id"]] = PendingRun(r["run_id"], r["text"], r.get("client_key"))
-    for p in e.get("pending_inputs", []):
-        s.add_pending(
-            PendingInput(p["id"], p["kind"], p["text"], p.get("source", ""), p.get("ts", 0.0))
-        )
-    s.client_keys = {k: (v[0], v[1]) for k, v in e.get("client_keys", {}).items()}
-    if e.get("usage"):
-        s.usage = Usage(**e["usage"])
-    s.usage_calls = list(e.get("usage_calls", []))
-    s.active_run = e.get("active_run")
-    s.paused_run = e.get("paused_run")
-    s.rounds = e.get("rounds", 0)
-    s.open_calls = [msgspec.convert(c, ToolCall) for c in e.get("open_calls", [])]
-    s.run_outcomes = dict(e.get("run_outcomes", {}))
+def _apply(s: SessionState, e: Entry) -> None:
+    match e:
+        case SessionStart():
+            _session_start(s, e)
+        case UserInput(mode="steer"):
+            s.add_pending(PendingInput(e.id or "", "steer", e.text, "user", e.ts))
+            if e.client_key:
+                s.run_keys[e.client_key] = (e.text, e.id or "")
+        case UserInput():
+            run_id = e.run_id or ""
+            s.pending_runs[run_id] = PendingRun(run_id, e.text, e.client_key)
+            if e.client_key:
+                s.run_keys[e.client_key] = (e.text, run_id)
+        case SystemItem():
+            s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts))
+            if e.client_key:
+                s.notify_keys[e.client_key] = (e.text, e.id)
+            if e.event_id is not None:
+                s.report_ids.add(e.event_id)
+        case RunStart(run_id=run_id):
+            if run_id != s.paused_run:  # a resumed run keeps its round count and usage
+                s.rounds = 0
+                s.run_usage = Usage()
+                s.run_calls = 0
+            s.paused_run = None
+            s.active_run = run_id
+            run = s.pending_runs.pop(run_id, None)
+            if run is not None:
+                s.history.append(UserMessage(text=run.text))
+        case InputsDelivered():
+            delivered = [p for p in map(s.take_pending, e.ids) if p is not None]
+            for p in delivered:
+                if p.kind == "steer":
+                    s.history.append(UserMessage(text=p.text))
+            notes = [p for p in delivered if p.kind == "notification"]
+            if notes:
+                s.history.append(SystemNote(text=render_notifications(notes, e.more)))
+        case Assistant(item=item):
+            s.history.append(item)
+            s.open_calls = list(item.tool_calls)
+            s.rounds += 1
+        case ToolResultEntry(item=item):
+            s.history.append(item)
+            s.open_calls = [c for c in s.open_calls if c.id != item.call_id]
+        case LlmUsage():
+            u = e.usage()
+            s.usage.add(u)
+            if e.run_id is not None and e.run_id in (s.active_run, s.paused_run):
+                s.run_usage.add(u)
+                s.run_calls += 1
+            s.usage_calls.append(
+                {
+                    "seq": e.seq,
+                    "ts": e.ts,
+                    "model": e.model,
+                    "run_id": e.run_id,
+                    "input": u.input,
+                    "output": u.output,
+                    "cache_read": u.cache_read,
+                    "cache_write": u.cache_write,
+                }
+            )
+        case RunEnd(run_id=run_id):
+            s.pending_runs.pop(run_id, None)  # a queued run cancelled before it started
+            calls = s.run_calls if s.active_run == run_id else 0
+            if s.active_run == run_id:
+                s.active_run = None
+                s.open_calls = []
+            # A queued run cancelled before it started touches neither the active nor the
+            # paused run.
+            if e.outcome == "paused":
+                s.paused_run = run_id
+            elif s.paused_run == run_id:
+                s.paused_run = None
+            s.run_outcomes[run_id] = {
+                "outcome": e.outcome,
+                "text": e.text,
+                "error": e.error,
+                "usage": msgspec.to_builtins(e.usage) if e.usage is not None else None,
+                "calls": calls,
+            }
 
 
-def _user_input(s: SessionState, e: Mapping[str, Any]) -> None:
-    key = e.get("client_key")
-    if e.get("mode") == "steer":
-        s.add_pending(PendingInput(e["id"], "steer", e["text"], "user", e["ts"]))
-        if key:
-            s.client_keys[key] = (e["text"], e["id"])
-    else:
-        s.pending_runs[e["run_id"]] = PendingRun(e["run_id"], e["text"], key)
-        if key:
-            s.client_keys[key] = (e["text"], e["run_id"])
+def _session_start(s: SessionState, e: SessionStart) -> None:
+    s.session_id = e.session_id or s.session_id
+    s.system_prompt = e.system_prompt
+    s.history = list(e.history)
+    for r in e.pending_runs:
+        s.pending_runs[r.run_id] = PendingRun(r.run_id, r.text, r.client_key)
+    for p in e.pending_inputs:
+        s.add_pending(PendingInput(p.id, p.kind, p.text, p.source, p.ts))
+    # Before 0.2 keys shared one namespace; such a fork's keys count for both methods.
+    legacy = {k: (v[0], v[1]) for k, v in e.client_keys.items()}
+    s.run_keys = {**legacy, **{k: (v[0], v[1]) for k, v in e.run_keys.items()}}
+    s.notify_keys = {**legacy, **{k: (v[0], v[1]) for k, v in e.notify_keys.items()}}
+    if e.usage is not None:
+        s.usage = Usage(**msgspec.structs.asdict(e.usage))
+    s.usage_calls = list(e.usage_calls)
+    s.active_run = e.active_run
+    s.paused_run = e.paused_run
+    s.rounds = e.rounds
+    s.open_calls = list(e.open_calls)
+    s.run_outcomes = dict(e.run_outcomes)
 
 
-def _system_item(s: SessionState, e: Mapping[str, Any]) -> None:
-    s.add_pending(PendingInput(e["id"], "notification", e["text"], e.get("source", ""), e["ts"]))
-    key = e.get("client_key")
-    if key:
-        s.client_keys[key] = (e["text"], e["id"])
-
-
-def _run_start(s: SessionState, e: Mapping[str, Any]) -> None:
-    run_id = e["run_id"]
-    if run_id == s.paused_run:
-        s.paused_run = None  # resumed: keeps its round count
-    else:
-        s.paused_run = None
-        s.rounds = 0
-    s.active_run = run_id
-    run = s.pending_runs.pop(run_id, None)
-    if run is not None:
-        s.history.append(UserMessage(text=run.text))
-
-
-def _inputs_delivered(s: SessionState, e: Mapping[str, Any]) -> None:
-    ids = e["ids"]
-    delivered = [p for p in map(s.take_pending, ids) if p is not None]
-    notes = [p for p in delivered if p.kind == "notification"]
-    for p in delivered:
-        if p.kind == "steer":
-            s.history.append(UserMessage(text=p.text))
-    if notes:
-        s.history.append(SystemNote(text=render_notifications(notes, e.get("more", 0))))
-
-
-def _assistant(s: SessionState, e: Mapping[str, Any]) -> None:
-    item = item_from_builtins(e["item"])
-    assert isinstance(item, AssistantMessage)
-    s.history.append(item)
-    s.open_calls = list(item.tool_calls)
-    s.rounds += 1
-
-
-def _tool_result(s: SessionState, e: Mapping[str, Any]) -> None:
-    item = item_from_builtins(e["item"])
-    assert isinstance(item, ToolResult)
-    s.history.append(item)
-    s.open_calls = [c for c in s.open_calls if c.id != item.call_id]
-
-
-def _llm_usage(s: SessionState, e: Mapping[str, Any]) -> None:
-    u = Usage(
-        input=e.get("input", 0),
-        output=e.get("output", 0),
-        cache_read=e.get("cache_read", 0),
-        cache_write=e.get("cache_write", 0),
-    )
-    s.usage.add(u)
-    s.usage_calls.append(
-        {
-            "seq": e["seq"],
-            "ts": e["ts"],
-            "model": e.get("model", ""),
-            "run_id": e.get("run_id"),
-            "input": u.input,
-            "output": u.output,
-            "cache_read": u.cache_read,
-            "cache_write": u.cache_write,
-        }
-    )
-
-
-def _run_end(s: SessionState, e: Mapping[str, Any]) -> None:
-    run_id = e["run_id"]
-    s.pending_runs.pop(run_id, None)  # a queued run cancelled before it started
-    if s.active_run == run_id:
-        s.active_run = None
-        s.open_calls = []
-    # A queued run cancelled before it started touches neither the active nor the paused run.
-    if e["outcome"] == "paused":
-        s.paused_run = run_id
-    elif s.paused_run == run_id:
-        s.paused_run = None
-    s.run_outcomes[run_id] = {
-        "outcome": e["outcome"],
-        "text": e.get("text", ""),
-        "error": e.get("error"),
-    }
-
-
-_APPLY = {
-    "session_start": _session_start,
-    "user_input": _user_input,
-    "system_item": _system_item,
-    "run_start": _run_start,
-    "inputs_delivered": _inputs_delivered,
-    "assistant": _assistant,
-    "tool_result": _tool_result,
-    "llm_usage": _llm_usage,
-    "run_end": _run_end,
-}
-
-
-def fold(entries: Iterable[Mapping[str, Any]]) -> SessionState:
+def fold(entries: Iterable[Mapping[str, Any] | Entry]) -> SessionState:
     state = SessionState()
     # The fold allocates many small long-lived objects; the cyclic GC would rescan them all
     # again and again (a 100k-entry restore took ~40% longer with it on).

@@ -13,8 +13,9 @@ before a tool), except that the pod also interrupts whatever is in flight on can
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal
+from typing import Literal
 
+from poddaemon.entries import Assistant, Entry, ToolResultEntry, TurnEnd
 from poddaemon.history import ToolCall, ToolResult, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError
 
@@ -24,15 +25,9 @@ NOT_RUN_PAUSED = "not run: the run was paused before this tool started"
 NOT_RUN_CANCELLED = "not run: the run was cancelled"
 NOT_RUN_CUT_OFF = "not run: the response hit the output limit before this call was complete"
 NOT_RUN_STOPPED = "not run: the model's response was stopped ({reason})"
-INTERRUPTED = "interrupted: the pod stopped before this finished"
-
-
-@dataclass(frozen=True)
-class Record:
-    """Something to commit to the session log (and show subscribers)."""
-
-    kind: str
-    body: dict[str, Any]
+INTERRUPTED = (
+    "interrupted: the pod stopped before this finished; any process it started was killed"
+)
 
 
 @dataclass(frozen=True)
@@ -124,14 +119,14 @@ class Turn:
 
     # --- results fed back -----------------------------------------------------------------------
 
-    def model_returned(self, response: ModelResponse, more_input: bool = False) -> list[Record]:
+    def model_returned(self, response: ModelResponse, more_input: bool = False) -> list[Entry]:
         """Records for a complete model response. `more_input`: steer input is waiting, so a
         final answer does not end the run; the model gets another round to read it."""
         self._expect(_State.AWAIT_MODEL)
         self.rounds += 1
         self.usage.add(response.usage)
         message = response.message
-        records = [Record("assistant", {"run_id": self.run_id, "item": message})]
+        records: list[Entry] = [Assistant(run_id=self.run_id, item=message)]
         if message.text:
             self._text = message.text
         calls = list(message.tool_calls)
@@ -154,11 +149,13 @@ class Turn:
             records.append(self._turn_end())
             if more_input and not (self._cancel or self._pause):
                 self._state = _State.NEED_MODEL
-            else:
-                self._finish("cancelled" if self._cancel else "finished", None)
+            elif self._cancel:
+                self._finish("cancelled", None)
+            else:  # a pause asked for during the answer holds: resuming finishes the run
+                self._finish("paused" if self._pause else "finished", None)
         return records
 
-    def model_failed(self, error: ProviderError | None) -> list[Record]:
+    def model_failed(self, error: ProviderError | None) -> list[Entry]:
         """The model call failed, or (error None) was cancelled before it completed."""
         self._expect(_State.AWAIT_MODEL)
         if error is None or self._cancel:
@@ -167,14 +164,26 @@ class Turn:
             self._finish("error", error.message)
         return []
 
-    def tool_returned(self, call_id: str, output: str, is_error: bool) -> list[Record]:
+    def model_refused(self, reason: str) -> list[Entry]:
+        """An interceptor refused the call before it was made (the budget is spent)."""
+        self._expect(_State.AWAIT_MODEL)
+        self._finish("limit_reached", reason)
+        return []
+
+    @property
+    def pause_requested(self) -> bool:
+        return self._pause
+
+    def tool_returned(
+        self, call_id: str, output: str, is_error: bool, summary: str = ""
+    ) -> list[Entry]:
         self._expect(_State.AWAIT_TOOL)
         call = self._pending[0]
         if call.id != call_id:
             raise RuntimeError(f"result for {call_id}, expected {call.id}")
         self._pending.pop(0)
         self._state = _State.NEED_TOOLS
-        records = [self._result(call, output, is_error)]
+        records: list[Entry] = [self._result(call, output, is_error, summary)]
         if self._cancel or self._pause:
             records += self._stop_batch()
         elif not self._pending:
@@ -183,24 +192,26 @@ class Turn:
 
     # --- helpers --------------------------------------------------------------------------------
 
-    def _stop_batch(self) -> list[Record]:
+    def _stop_batch(self) -> list[Entry]:
         """Close the rest of the batch with synthetic results; the run ends at this safe point."""
         reason = NOT_RUN_CANCELLED if self._cancel else NOT_RUN_PAUSED
-        records = self._close_calls(self._pending, reason)
+        records: list[Entry] = self._close_calls(self._pending, reason)
         self._pending = []
         records.append(self._turn_end())
         self._finish("cancelled" if self._cancel else "paused", None)
         return records
 
-    def _close_calls(self, calls: list[ToolCall], reason: str) -> list[Record]:
+    def _close_calls(self, calls: list[ToolCall], reason: str) -> list[Entry]:
         return [self._result(call, reason, True) for call in calls]
 
-    def _result(self, call: ToolCall, output: str, is_error: bool) -> Record:
+    def _result(
+        self, call: ToolCall, output: str, is_error: bool, summary: str = ""
+    ) -> ToolResultEntry:
         item = ToolResult(call_id=call.id, name=call.name, output=output, is_error=is_error)
-        return Record("tool_result", {"run_id": self.run_id, "item": item})
+        return ToolResultEntry(run_id=self.run_id, item=item, summary=summary)
 
-    def _turn_end(self) -> Record:
-        return Record("turn_end", {"run_id": self.run_id, "round": self.rounds})
+    def _turn_end(self) -> TurnEnd:
+        return TurnEnd(run_id=self.run_id, round=self.rounds)
 
     def _finish(self, outcome: Outcome, error: str | None) -> Finished:
         self._state = _State.DONE
@@ -212,15 +223,13 @@ class Turn:
             raise RuntimeError(f"unexpected result in state {self._state.value}")
 
 
-def interrupted_results(calls: list[ToolCall], run_id: str) -> list[Record]:
+def interrupted_results(calls: list[ToolCall], run_id: str) -> list[Entry]:
     """Results for tool calls a crash left without one (used when a session is restored)."""
     return [
-        Record(
-            "tool_result",
-            {
-                "run_id": run_id,
-                "item": ToolResult(call_id=c.id, name=c.name, output=INTERRUPTED, is_error=True),
-            },
+        ToolResultEntry(
+            run_id=run_id,
+            item=ToolResult(call_id=c.id, name=c.name, output=INTERRUPTED, is_error=True),
+            summary="interrupted",
         )
         for c in calls
     ]

@@ -81,8 +81,11 @@ class SubscribeParams(Params):
 class PodEventParams(Params):
     pod: str
     kind: str
+    event_id: str | None = None  # the same id twice is accepted once
     run_id: str | None = None
     text: str | None = None
+    outcome: str | None = None
+    usage: dict[str, int] | None = None
 
 
 # --- results ----------------------------------------------------------------------------------

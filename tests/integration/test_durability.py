@@ -59,7 +59,9 @@ def check_pairing(entries: list[dict[str, Any]]) -> None:
     open_ids: list[str] = []
     seen: set[str] = set()
     for e in entries:
-        if e["kind"] == "assistant":
+        if e["kind"] == "session_start":  # a fork starts with the calls still open in it
+            open_ids = [c["id"] for c in e.get("open_calls", [])]
+        elif e["kind"] == "assistant":
             assert not open_ids, f"seq {e['seq']}: calls {open_ids} have no result"
             open_ids = [c["id"] for c in e["item"].get("tool_calls", [])]
         elif e["kind"] == "tool_result":

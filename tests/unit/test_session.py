@@ -9,6 +9,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from poddaemon.entries import body_of
 from poddaemon.history import (
     AssistantMessage,
     Item,
@@ -152,7 +153,7 @@ def test_steer_input_is_delivered_as_a_user_message_before_the_notes() -> None:
     s = state_of(log)
     assert s.pending_steers == 1 and s.pending_notifications == 1
     assert s.pending_inputs["s1"].source == "user"
-    assert s.client_keys["ks"] == ("also check y", "s1")
+    assert s.run_keys["ks"] == ("also check y", "s1")
     ids, items = s.deliverable()
     assert ids == ["n1", "s1"]
     assert items[0] == UserMessage(text="also check y")
@@ -180,7 +181,7 @@ def test_deliverable_is_bounded_and_the_rest_summarised_by_count() -> None:
     note = items[-1]
     assert isinstance(note, SystemNote)
     assert note.text.count("\n- [") == MAX_NOTIFICATIONS_PER_REQUEST
-    assert f"({extra} more are queued and will follow in the next request)" in note.text
+    assert f"({extra} more are queued and follow in the next request)" in note.text
     assert f"from ci: event {MAX_NOTIFICATIONS_PER_REQUEST}\n" not in note.text
 
     # The pod delivers them with the count left; the fold renders the same block.
@@ -229,7 +230,13 @@ def test_assistant_and_tool_results_pair_and_track_open_calls() -> None:
     log.add("run_end", run_id="r", outcome="finished", text="done")
     s = state_of(log)
     assert s.rounds == 2 and s.active_run is None
-    assert s.run_outcomes["r"] == {"outcome": "finished", "text": "done", "error": None}
+    assert s.run_outcomes["r"] == {
+        "outcome": "finished",
+        "text": "done",
+        "error": None,
+        "usage": None,
+        "calls": 0,
+    }
 
 
 def test_llm_usage_totals_and_calls() -> None:
@@ -330,7 +337,7 @@ def test_restore_closes_open_calls_of_the_interrupted_run() -> None:
     s = state_of(log)  # the pod crashed here
     assert s.active_run == "r" and s.open_calls == [call("b")]
     for rec in interrupted_results(s.open_calls, "r"):
-        log.add(rec.kind, **rec.body)
+        log.add(rec.kind, **body_of(rec))
     log.add("run_end", run_id="r", outcome="error", text="", error="interrupted", interrupted=True)
     s = state_of(log)
     assert s.open_calls == [] and s.active_run is None
@@ -345,7 +352,9 @@ def test_client_keys_for_runs_steers_and_notifications() -> None:
     log.add("system_item", id="n1", source="ci", text="c", client_key="k3")
     log.add("user_input", run_id="r2", text="d", mode="queue")
     s = state_of(log)
-    assert s.client_keys == {"k1": ("a", "r1"), "k2": ("b", "s1"), "k3": ("c", "n1")}
+    # Keys are per method: a run key (queue or steer) never matches a notify key.
+    assert s.run_keys == {"k1": ("a", "r1"), "k2": ("b", "s1")}
+    assert s.notify_keys == {"k3": ("c", "n1")}
 
 
 def test_session_start_carries_pending_work_and_a_paused_run() -> None:
@@ -464,12 +473,12 @@ class PodSim:
                 )
                 recs = turn.model_returned(response, more_input=self.state.pending_steers > 0)
             for rec in recs:
-                self.commit(rec.kind, **rec.body)
+                self.commit(rec.kind, **body_of(rec))
             while turn.in_tools and (tool := turn.next_tool()) is not None:
                 if data.draw(st.integers(0, 5)) == 0:
                     turn.request_pause()
                 for rec in turn.tool_returned(tool.call.id, "out", False):
-                    self.commit(rec.kind, **rec.body)
+                    self.commit(rec.kind, **body_of(rec))
             if turn.done:
                 step = turn.next_step()
         if isinstance(step, Finished):

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from poddaemon.entries import Assistant, Entry, TurnEnd
 from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError, StopReason
 from poddaemon.turn import (
@@ -21,7 +22,6 @@ from poddaemon.turn import (
     NOT_RUN_PAUSED,
     CallModel,
     Finished,
-    Record,
     RunTool,
     Turn,
     interrupted_results,
@@ -59,7 +59,7 @@ def tool_output_for(call_id: str) -> str:
     return f"output of {call_id}"
 
 
-def check_pairing(records: list[Record]) -> None:
+def check_pairing(records: list[Entry]) -> None:
     """Every call of an assistant record has exactly one result, in call order, before the next
     assistant record; no result without a call; one turn_end per assistant record, after its
     results."""
@@ -68,16 +68,16 @@ def check_pairing(records: list[Record]) -> None:
     assistants = 0
     turn_ends = 0
     for rec in records:
-        assert "run_id" in rec.body
+        assert rec.run_id
         if rec.kind == "assistant":
             assert not open_calls, f"new round with unanswered calls {open_calls}"
             assert assistants == turn_ends, "new round before the previous turn_end"
-            item = rec.body["item"]
+            item = rec.item
             assert isinstance(item, AssistantMessage)
             open_calls = [c.id for c in item.tool_calls]
             assistants += 1
         elif rec.kind == "tool_result":
-            item = rec.body["item"]
+            item = rec.item
             assert isinstance(item, ToolResult)
             assert open_calls and open_calls[0] == item.call_id, (open_calls, item.call_id)
             open_calls.pop(0)
@@ -112,8 +112,8 @@ def check_terminal(turn: Turn, fin: Finished) -> None:
     assert turn.next_step() is fin
 
 
-def results_of(records: list[Record]) -> list[ToolResult]:
-    return [r.body["item"] for r in records if r.kind == "tool_result"]
+def results_of(records: list[Entry]) -> list[ToolResult]:
+    return [r.item for r in records if r.kind == "tool_result"]
 
 
 @dataclass
@@ -121,7 +121,7 @@ class Run:
     """A scripted pod: calls the model and runs tools the way pod.py does."""
 
     turn: Turn
-    records: list[Record] = field(default_factory=list)
+    records: list[Entry] = field(default_factory=list)
     steps: list[CallModel | RunTool] = field(default_factory=list)
 
     def model(self, response: ModelResponse, more_input: bool = False) -> None:
@@ -156,8 +156,8 @@ def test_plain_answer_finishes_with_its_text() -> None:
     run = Run(Turn("r1", max_turns=5))
     run.model(resp("hello", usage=Usage(input=7, output=3, cache_read=1)))
     assert [r.kind for r in run.records] == ["assistant", "turn_end"]
-    assert run.records[0].body == {"run_id": "r1", "item": AssistantMessage(text="hello")}
-    assert run.records[1].body == {"run_id": "r1", "round": 1}
+    assert run.records[0] == Assistant(run_id="r1", item=AssistantMessage(text="hello"))
+    assert run.records[1] == TurnEnd(run_id="r1", round=1)
     assert not run.turn.in_tools
     fin = run.finish()
     assert fin == Finished("finished", "hello", None)
@@ -180,7 +180,7 @@ def test_tool_loop_over_several_rounds() -> None:
         ("a", "output of a", False),
         ("b", "output of b", False),
     ]
-    assert [r.body["round"] for r in run.records if r.kind == "turn_end"] == [1, 2, 3]
+    assert [r.round for r in run.records if r.kind == "turn_end"] == [1, 2, 3]
     assert run.turn.usage == Usage(input=30, output=6)
 
 
@@ -230,7 +230,7 @@ def test_tool_result_for_the_wrong_call_does_not_lose_the_call() -> None:
         turn.tool_returned("b", "x", False)
     # The mistaken result must not have consumed call "a": it can still be answered.
     recs = turn.tool_returned("a", "x", False)
-    assert [r.body["item"].call_id for r in recs] == ["a"]
+    assert [r.item.call_id for r in recs] == ["a"]
     assert turn.next_tool() == RunTool(call("b"))
 
 
@@ -417,12 +417,14 @@ def test_steer_on_a_final_answer_gives_another_round() -> None:
     assert [s.round for s in run.steps] == [1, 2]  # type: ignore[union-attr]
 
 
-def test_steer_is_ignored_once_a_pause_is_requested() -> None:
+def test_a_pause_during_the_final_answer_holds_and_steer_waits() -> None:
+    # The pause was acknowledged `paused: true`, so the run ends paused (the answer is kept;
+    # resuming finishes the run) and the steer input waits for the resume.
     run = Run(Turn("r", max_turns=5))
     assert isinstance(run.turn.next_step(), CallModel)
     run.turn.request_pause()
     run.records += run.turn.model_returned(resp("answer"), more_input=True)
-    assert run.finish().outcome == "finished"
+    assert run.finish().outcome == "paused"
 
 
 def test_steer_still_respects_max_turns() -> None:
@@ -437,7 +439,7 @@ def test_tool_error_results_are_passed_through() -> None:
     turn.model_returned(resp("", (call("a"),)))
     turn.next_tool()
     [res, end] = turn.tool_returned("a", "outside scope: /etc", True)
-    assert res.body["item"] == ToolResult(
+    assert res.item == ToolResult(
         call_id="a", name="read_file", output="outside scope: /etc", is_error=True
     )
     assert end.kind == "turn_end"
@@ -446,8 +448,8 @@ def test_tool_error_results_are_passed_through() -> None:
 def test_interrupted_results_close_each_call() -> None:
     recs = interrupted_results([call("x"), call("y", "grep")], "r9")
     assert [r.kind for r in recs] == ["tool_result", "tool_result"]
-    assert [r.body["run_id"] for r in recs] == ["r9", "r9"]
-    assert [r.body["item"] for r in recs] == [
+    assert [r.run_id for r in recs] == ["r9", "r9"]
+    assert [r.item for r in recs] == [
         ToolResult(call_id="x", name="read_file", output=INTERRUPTED, is_error=True),
         ToolResult(call_id="y", name="grep", output=INTERRUPTED, is_error=True),
     ]
@@ -508,7 +510,7 @@ def test_random_scripts_keep_the_invariants(
     inject: dict[int, str],
 ) -> None:
     turn = Turn("run", max_turns=max_turns, rounds=start_rounds)
-    records: list[Record] = []
+    records: list[Entry] = []
     steps: list[CallModel | RunTool | Finished] = []
     remaining = list(script)
     point = 0

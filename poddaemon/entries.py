@@ -1,0 +1,231 @@
+"""Session log entries as types: a msgspec tagged union keyed on `kind`. Pure: no I/O.
+
+The log format (seq, ts, prev, hash around a body) is `store/log.py`'s; this module owns the
+bodies. Fields unknown to this version are ignored when reading, so a newer writer's extras do
+not break an older reader, and every field added since the first version has a default, so the
+sessions of earlier versions decode unchanged (see tests/fixtures/v1_session.jsonl).
+
+`events_of(entry)` is the one place where committed entries become subscriber events.
+"""
+
+from typing import Any, Literal
+
+import msgspec
+
+from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
+
+
+class Entry(msgspec.Struct, tag_field="kind", kw_only=True, omit_defaults=True):
+    # Assigned by the log when written; carried here so the fold can read them back.
+    seq: int = 0
+    ts: float = 0.0
+
+    @property
+    def kind(self) -> str:
+        return str(self.__struct_config__.tag)
+
+
+class PendingRunSnap(msgspec.Struct, kw_only=True, omit_defaults=True):
+    run_id: str
+    text: str
+    client_key: str | None = None
+
+
+class PendingInputSnap(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    kind: Literal["steer", "notification"]
+    text: str
+    source: str = ""
+    ts: float = 0.0
+
+
+class SessionStart(Entry, tag="session_start"):
+    session_id: str = ""
+    pod: str = ""
+    system_prompt: str = ""
+    config: dict[str, Any] = {}
+    history: list[Item] = []
+    forked_from: str | None = None
+    compacted_from: str | None = None
+    # The rest continues a forked session from the state it was forked in.
+    pending_runs: list[PendingRunSnap] = []
+    pending_inputs: list[PendingInputSnap] = []
+    client_keys: dict[str, list[str]] = {}  # before keys were per method: one namespace
+    run_keys: dict[str, list[str]] = {}
+    notify_keys: dict[str, list[str]] = {}
+    usage: Usage | None = None
+    usage_calls: list[dict[str, Any]] = []
+    active_run: str | None = None
+    rounds: int = 0
+    paused_run: str | None = None
+    open_calls: list[ToolCall] = []
+    run_outcomes: dict[str, dict[str, Any]] = {}
+
+
+class UserInput(Entry, tag="user_input"):
+    """A `run` input: queued (starts a run of its own) or steered into the active run."""
+
+    text: str
+    mode: Literal["queue", "steer"]
+    run_id: str | None = None
+    id: str | None = None  # steer inputs: the pending input's id
+    client_key: str | None = None
+
+
+class SystemItem(Entry, tag="system_item"):
+    """A notification (or child report) waiting for the model's next request."""
+
+    id: str
+    text: str
+    source: str
+    client_key: str | None = None
+    # Child reports (`pod_event`): what the spawner's subscribers see as `child.event`.
+    pod: str | None = None
+    event_kind: str | None = None
+    event_id: str | None = None
+    run_id: str | None = None
+    detail: str | None = None  # the report's own text (`text` is what the model reads)
+
+
+class RunStart(Entry, tag="run_start"):
+    run_id: str
+    trigger: str  # "input" | "notifications" | "resume"
+
+
+class InputsDelivered(Entry, tag="inputs_delivered"):
+    ids: list[str]
+    more: int
+
+
+class Assistant(Entry, tag="assistant"):
+    run_id: str
+    item: AssistantMessage
+
+
+class ToolResultEntry(Entry, tag="tool_result"):
+    run_id: str
+    item: ToolResult
+    summary: str = ""
+
+
+class TurnEnd(Entry, tag="turn_end"):
+    run_id: str
+    round: int
+
+
+class LlmUsage(Entry, tag="llm_usage"):
+    run_id: str | None
+    model: str
+    input: int
+    output: int
+    cache_read: int
+    cache_write: int
+
+    def usage(self) -> Usage:
+        return Usage(
+            input=self.input,
+            output=self.output,
+            cache_read=self.cache_read,
+            cache_write=self.cache_write,
+        )
+
+
+class RunEnd(Entry, tag="run_end"):
+    run_id: str
+    outcome: str
+    text: str
+    error: str | None = None
+    interrupted: bool = False
+    usage: Usage | None = None  # this run's own usage (absent in sessions of before 0.2)
+
+
+AnyEntry = (
+    SessionStart
+    | UserInput
+    | SystemItem
+    | RunStart
+    | InputsDelivered
+    | Assistant
+    | ToolResultEntry
+    | TurnEnd
+    | LlmUsage
+    | RunEnd
+)
+
+BY_KIND: dict[str, type[Entry]] = {
+    t.__struct_config__.tag: t  # type: ignore[misc]
+    for t in (
+        SessionStart,
+        UserInput,
+        SystemItem,
+        RunStart,
+        InputsDelivered,
+        Assistant,
+        ToolResultEntry,
+        TurnEnd,
+        LlmUsage,
+        RunEnd,
+    )
+}
+
+
+def from_log(obj: dict[str, Any]) -> Entry | None:
+    """A log entry (as the store reads it) as its type; None for a kind this version does not
+    know (skipped by the fold, as before). Converting to the concrete type is much cheaper than
+    to the union, whose type info msgspec would rebuild on every call."""
+    target = BY_KIND.get(obj.get("kind", ""))
+    if target is None:
+        return None
+    return msgspec.convert(obj, target)
+
+
+def body_of(entry: Entry) -> dict[str, Any]:
+    """What the log writes for `entry` besides its own seq/ts/kind/prev/hash."""
+    body: dict[str, Any] = msgspec.to_builtins(entry)
+    for key in ("kind", "seq", "ts"):
+        body.pop(key, None)
+    return body
+
+
+# --- events: the projection of committed entries --------------------------------------------
+
+EventSpec = tuple[str, dict[str, Any], str | None]
+
+
+def events_of(entry: Entry) -> list[EventSpec]:
+    """The subscriber events a committed entry stands for (type, data, run_id)."""
+    data: dict[str, Any]
+    match entry:
+        case SystemItem():
+            data = {"notification_id": entry.id, "source": entry.source, "message": entry.text}
+            events: list[EventSpec] = [("notification.committed", data, None)]
+            if entry.pod is not None:  # a child's report is also a child event
+                report = {"pod": entry.pod, "kind": entry.event_kind, "text": entry.detail}
+                events.append(("child.event", report, entry.run_id))
+            return events
+        case RunStart():
+            return [("run.started", {"trigger": entry.trigger}, entry.run_id)]
+        case ToolResultEntry(item=item):
+            summary = entry.summary or item.output.split("\n", 1)[0][:200]
+            data = {
+                "call_id": item.call_id,
+                "name": item.name,
+                "is_error": item.is_error,
+                "summary": summary,
+            }
+            return [("tool.finished", data, entry.run_id)]
+        case LlmUsage():
+            data = {
+                "input": entry.input,
+                "output": entry.output,
+                "cache_read": entry.cache_read,
+                "cache_write": entry.cache_write,
+            }
+            return [("llm.usage", data, entry.run_id)]
+        case RunEnd():
+            data = {"outcome": entry.outcome, "text": entry.text}
+            if entry.error is not None:
+                data["error"] = entry.error
+            data["usage"] = msgspec.to_builtins(entry.usage or Usage())
+            return [("run.finished", data, entry.run_id)]
+    return []

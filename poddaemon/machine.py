@@ -1,0 +1,753 @@
+"""The pod's decisions as one pure machine, in the manner of h11.
+
+Commands go in (a `run`, a notification, a model or tool result, a timer tick, …); effects come
+out (commit an entry, reply once durable, publish, call the model, run a tool, set a timer). The
+machine does no I/O and never awaits; the clock and fresh ids are the caller's functions. It
+owns the folded `SessionState`, the active run (a `Turn`), the queue, pause/cancel/steer,
+notification bursts, budget and shutdown, so every rule of the pod lives here and can be driven
+by a test with no sockets, files or model.
+
+Entries are applied to the state as they are emitted (they get their `seq` and `ts` here), so
+the next decision already sees them; the executor writes them in the same order. Replies marked
+`durable` must not reach the client before the log is fsync'd past every entry emitted before
+them.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from poddaemon.entries import (
+    Entry,
+    InputsDelivered,
+    LlmUsage,
+    PendingInputSnap,
+    PendingRunSnap,
+    RunEnd,
+    RunStart,
+    SessionStart,
+    SystemItem,
+    UserInput,
+)
+from poddaemon.history import AssistantMessage, Item, ToolCall, Usage
+from poddaemon.llm.types import ModelResponse, ProviderError
+from poddaemon.session import MAX_NOTIFICATIONS_PER_REQUEST, SessionState, fold
+from poddaemon.turn import CallModel as _CallStep
+from poddaemon.turn import Finished, Turn, interrupted_results
+from protocol import errors
+from protocol.errors import RpcError
+from protocol.types import (
+    AcceptedResult,
+    CancelResult,
+    NotifyResult,
+    OkResult,
+    PauseResult,
+    ResumeResult,
+    RunResult,
+    RunWaitResult,
+    UsageTotals,
+)
+
+# A burst of notifications to an idle pod is handled in one turn: the turn starts once no new
+# notification has arrived for NOTIFY_QUIET seconds (but never later than NOTIFY_MAX_DELAY).
+NOTIFY_QUIET = 0.05
+NOTIFY_MAX_DELAY = 1.0
+RESTART_NOTE = (
+    "The pod restarted while your previous run was in progress; it was interrupted. "
+    "Check the state of your work and continue where you left off."
+)
+
+PodState = Literal["idle", "running", "paused", "stopping"]
+
+
+# --- effects ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenSession:
+    """Create a new session log whose first entry is `start` (a fresh session or a fork)."""
+
+    start: SessionStart
+
+
+@dataclass(frozen=True)
+class Commit:
+    """Append `entry` to the log (not yet fsync'd); publish the events it stands for."""
+
+    entry: Entry
+
+
+@dataclass(frozen=True)
+class Reply:
+    token: int
+    result: Any = None
+    error: RpcError | None = None
+    durable: bool = False  # send only once everything committed before it is fsync'd
+
+
+@dataclass(frozen=True)
+class Publish:
+    """An event that is not an entry (state changes, tool starts, queue positions)."""
+
+    type: str
+    data: dict[str, Any]
+    run_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CallModel:
+    run_id: str
+    system: str
+    items: list[Item]
+
+
+@dataclass(frozen=True)
+class RunTool:
+    run_id: str
+    call: ToolCall
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """Cancel the model call or tool in flight; its result comes back as cancelled."""
+
+
+@dataclass(frozen=True)
+class SetTimer:
+    at: float  # call `tick()` at this clock time
+
+
+@dataclass(frozen=True)
+class Sync:
+    """Make everything committed so far durable (no one waits for it)."""
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Nothing is left to do: persist and exit."""
+
+
+Effect = (
+    OpenSession
+    | Commit
+    | Reply
+    | Publish
+    | CallModel
+    | RunTool
+    | Interrupt
+    | SetTimer
+    | Sync
+    | Stopped
+)
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    name: str
+    model: str
+    max_turns: int
+    max_pending: int = 1000
+    budget_cap: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved manifest, for the log
+
+
+class Machine:
+    def __init__(
+        self,
+        cfg: MachineConfig,
+        clock: Callable[[], float],
+        new_id: Callable[[], str],
+        system_prompt: str = "",
+    ) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.new_id = new_id
+        self.system_prompt = system_prompt
+        self.state = SessionState()
+        self.turn: Turn | None = None
+        self.stopping = False
+        self.stopped = False
+        self.in_flight: Literal["model", "tool"] | None = None
+        self._resume_requested = False
+        self._waiters: dict[str, list[int]] = {}  # run_id -> tokens of `run {wait}`
+        self._burst_start: float | None = None
+        self._last_notify = 0.0
+        self._timer_at: float | None = None
+        self._notes_overflow = False  # the last request could not show every notification
+        self._out: list[Effect] = []
+
+    # --- queries --------------------------------------------------------------------------------
+
+    @property
+    def pod_state(self) -> PodState:
+        if self.stopping:
+            return "stopping"
+        if self.state.active_run is not None:
+            return "running"
+        if self.state.paused_run is not None:
+            return "paused"
+        return "idle"
+
+    def budget_exhausted(self) -> bool:
+        cap = self.cfg.budget_cap
+        return cap is not None and self.state.usage.total >= cap
+
+    def budget_message(self) -> str:
+        return (
+            f"budget exhausted: {self.state.usage.total} tokens used of "
+            f"budget.max_total_tokens = {self.cfg.budget_cap}"
+        )
+
+    # --- commands from clients ------------------------------------------------------------------
+
+    def run(
+        self,
+        token: int,
+        text: str,
+        mode: str = "queue",
+        client_key: str | None = None,
+        wait: bool = False,
+    ) -> list[Effect]:
+        return self._handle(lambda: self._run(token, text, mode, client_key, wait))
+
+    def notify(
+        self, token: int, message: str, source: str = "", client_key: str | None = None
+    ) -> list[Effect]:
+        return self._handle(lambda: self._notify(token, message, source, client_key))
+
+    def child_report(
+        self,
+        token: int,
+        pod: str,
+        kind: str,
+        event_id: str,
+        run_id: str | None = None,
+        text: str | None = None,
+    ) -> list[Effect]:
+        def go() -> None:
+            if self._refuse_if_stopping(token):
+                return
+            if event_id in self.state.report_ids:  # redelivered: accepted once
+                self._reply(token, AcceptedResult(), durable=True)
+                return
+            if self._queue_full(token):
+                return
+            body = f"[{kind}] {text}" if text else f"[{kind}]"
+            self._note_arrived()
+            self._commit(
+                SystemItem(
+                    id=self.new_id(),
+                    text=body,
+                    source=f"pod:{pod}",
+                    pod=pod,
+                    event_kind=kind,
+                    event_id=event_id,
+                    run_id=run_id,
+                    detail=text,
+                )
+            )
+            self._reply(token, AcceptedResult(), durable=True)
+
+        return self._handle(go)
+
+    def pause(self, token: int) -> list[Effect]:
+        def go() -> None:
+            turn = self.turn
+            if turn is None or turn.done:
+                self._reply(token, PauseResult(paused=False))
+            else:  # even a final answer in flight ends the run `paused` (see _start_run)
+                turn.request_pause()
+                self._reply(token, PauseResult(paused=True))
+
+        return self._handle(go)
+
+    def resume(self, token: int) -> list[Effect]:
+        def go() -> None:
+            if self._refuse_if_stopping(token):
+                return
+            run_id = self.state.paused_run
+            if run_id is None or self.state.active_run is not None:
+                self._error(token, errors.NOT_PAUSED, "the pod is not paused")
+                return
+            self._resume_requested = True
+            self._reply(token, ResumeResult(run_id=run_id))
+
+        return self._handle(go)
+
+    def cancel(self, token: int, run_id: str | None = None) -> list[Effect]:
+        def go() -> None:
+            active, paused = self.state.active_run, self.state.paused_run
+            if active is None and paused is not None and run_id in (None, paused):
+                self._finish_run(paused, Finished("cancelled", ""))  # its final report
+                self._reply(token, CancelResult(cancelled=True))
+                return
+            if run_id is not None and run_id != active:
+                queued = run_id in self.state.pending_runs
+                if queued:
+                    self._finish_run(run_id, Finished("cancelled", ""), started=False)
+                self._reply(token, CancelResult(cancelled=queued))
+                return
+            if self.turn is None or self.turn.done:
+                self._reply(token, CancelResult(cancelled=False))
+                return
+            self.turn.request_cancel()
+            if self.in_flight is not None:
+                self._emit(Interrupt())
+            self._reply(token, CancelResult(cancelled=True))
+
+        return self._handle(go)
+
+    def shutdown(self, token: int | None = None) -> list[Effect]:
+        def go() -> None:
+            if token is not None:
+                self._reply(token, OkResult())
+            if self.stopping:
+                return
+            self.stopping = True
+            self._publish("state.changed", {"state": "stopping"})
+            if self.turn is not None and not self.turn.done:
+                self.turn.request_cancel()
+                if self.in_flight is not None:
+                    self._emit(Interrupt())
+
+        return self._handle(go)
+
+    def tick(self) -> list[Effect]:
+        self._timer_at = None
+        return self._handle(lambda: None)
+
+    # --- results from the executor --------------------------------------------------------------
+
+    def model_returned(self, response: ModelResponse) -> list[Effect]:
+        def go() -> None:
+            turn = self._expect("model")
+            u = response.usage
+            self._commit(
+                LlmUsage(
+                    run_id=turn.run_id,
+                    model=self.cfg.model,
+                    input=u.input,
+                    output=u.output,
+                    cache_read=u.cache_read,
+                    cache_write=u.cache_write,
+                )
+            )
+            more = self.state.pending_steers > 0 or self._notes_overflow
+            self._commit_all(turn.model_returned(response, more_input=more))
+            self._advance()
+
+        return self._handle(go)
+
+    def model_failed(self, error: ProviderError | None) -> list[Effect]:
+        """The call failed, or (None) was interrupted before it completed."""
+
+        def go() -> None:
+            turn = self._expect("model")
+            self._commit_all(turn.model_failed(error))
+            self._advance()
+
+        return self._handle(go)
+
+    def model_refused(self, reason: str) -> list[Effect]:
+        """An interceptor refused the call before it was made (the budget is spent)."""
+
+        def go() -> None:
+            turn = self._expect("model")
+            self._commit_all(turn.model_refused(reason))
+            self._advance()
+
+        return self._handle(go)
+
+    def tool_returned(
+        self, call_id: str, output: str, is_error: bool, summary: str = ""
+    ) -> list[Effect]:
+        def go() -> None:
+            turn = self._expect("tool")
+            self._commit_all(turn.tool_returned(call_id, output, is_error, summary))
+            self._advance()
+
+        return self._handle(go)
+
+    def internal_error(self, message: str) -> list[Effect]:
+        """A bug in the executor: end the run properly, every call closed."""
+
+        def go() -> None:
+            turn = self.turn
+            self.in_flight = None
+            if turn is None:
+                return
+            self._commit_all(interrupted_results(self.state.open_calls, turn.run_id))
+            self._finish_run(turn.run_id, Finished("error", "", f"internal error: {message}"))
+
+        return self._handle(go)
+
+    # --- sessions -------------------------------------------------------------------------------
+
+    def restore(self, entries: list[dict[str, Any]]) -> list[Effect]:
+        """Continue a session from its log: close what a crash left open, then go on."""
+
+        def go() -> None:
+            self.state = fold(entries)
+            self.system_prompt = self.state.system_prompt
+            run_id = self.state.active_run
+            if run_id is not None:
+                self._commit_all(interrupted_results(self.state.open_calls, run_id))
+                self._commit(
+                    RunEnd(
+                        run_id=run_id,
+                        outcome="error",
+                        text="",
+                        error="interrupted: the pod stopped during this run",
+                        interrupted=True,
+                        usage=self.state.run_usage,
+                    )
+                )
+                self._note_arrived()
+                self._commit(
+                    SystemItem(id=f"restart-{run_id}", text=RESTART_NOTE, source="poddaemon")
+                )
+            self._emit(Sync())
+
+        return self._handle(go)
+
+    def fork(self) -> SessionStart:
+        """Another writer moved our log's head: continue, from the state as it is now, in a new
+        session linked to the old one. The caller creates the log from the returned entry."""
+        old = self.state
+        snap = old.snapshot()
+        start = SessionStart(
+            session_id=self.new_id(),
+            pod=self.cfg.name,
+            system_prompt=self.system_prompt,
+            config=self.cfg.config,
+            history=list(old.history),
+            forked_from=old.session_id,
+            pending_runs=[msgspec.convert(r, PendingRunSnap) for r in snap["pending_runs"]],
+            pending_inputs=[msgspec.convert(p, PendingInputSnap) for p in snap["pending_inputs"]],
+            run_keys=snap["run_keys"],
+            notify_keys=snap["notify_keys"],
+            usage=old.usage,
+            usage_calls=old.usage_calls,
+            active_run=old.active_run,
+            rounds=old.rounds,
+            paused_run=old.paused_run,
+            open_calls=list(old.open_calls),
+            run_outcomes=snap["run_outcomes"],
+            seq=1,
+            ts=self.clock(),
+        )
+        run_usage = old.run_usage
+        self.state = fold([start])
+        self.state.run_usage = run_usage
+        return start
+
+    # --- the rules ------------------------------------------------------------------------------
+
+    def _run(self, token: int, text: str, mode: str, key: str | None, wait: bool) -> None:
+        if self._refuse_if_stopping(token):
+            return
+        s = self.state
+        original = self._replayed(token, s.run_keys, key, text)
+        if original == "":
+            return  # a conflicting key: answered
+        if original is not None:
+            if wait:
+                self._wait_for(token, original)
+            else:
+                queued = original in s.pending_runs
+                result = RunResult(run_id=original, state="queued" if queued else "started")
+                self._reply(token, result, durable=True)
+            return
+        if self.budget_exhausted():
+            self._error(token, errors.BUDGET_EXHAUSTED, self.budget_message())
+            return
+        active = s.active_run
+        if mode == "steer" and active is not None:
+            steer_id = self.new_id()
+            self._commit(
+                UserInput(text=text, mode="steer", run_id=active, id=steer_id, client_key=key)
+            )
+            self._reply(token, RunResult(run_id=active, state="steered"), durable=True)
+            return
+        run_id = self.new_id()
+        busy = active is not None or s.pending_runs
+        position = len(s.pending_runs) + 1 if busy else 0
+        self._commit(UserInput(text=text, mode="queue", run_id=run_id, client_key=key))
+        if position:
+            self._publish("run.queued", {"position": position}, run_id)
+        if wait:
+            self._waiters.setdefault(run_id, []).append(token)
+        elif position:
+            self._reply(
+                token, RunResult(run_id=run_id, state="queued", position=position), durable=True
+            )
+        else:
+            self._reply(token, RunResult(run_id=run_id, state="started"), durable=True)
+
+    def _notify(self, token: int, message: str, source: str, key: str | None) -> None:
+        if self._refuse_if_stopping(token):
+            return
+        original = self._replayed(token, self.state.notify_keys, key, message)
+        if original == "":
+            return  # a conflicting key: answered
+        if original is not None:
+            self._reply(token, NotifyResult(notification_id=original, wakes=False), durable=True)
+            return
+        if self._queue_full(token):
+            return
+        nid = self.new_id()
+        self._note_arrived()
+        self._commit(SystemItem(id=nid, text=message, source=source, client_key=key))
+        wakes = self.pod_state == "idle" and not self.budget_exhausted()
+        self._reply(token, NotifyResult(notification_id=nid, wakes=wakes), durable=True)
+
+    def _queue_full(self, token: int) -> bool:
+        pending = self.state.pending_notifications
+        if pending < self.cfg.max_pending:
+            return False
+        message = (
+            f"queue full: {pending} notifications pending "
+            f"(notify.max_pending = {self.cfg.max_pending})"
+        )
+        self._error(token, errors.QUEUE_FULL, message)
+        return True
+
+    def _replayed(
+        self, token: int, keys: dict[str, tuple[str, str]], key: str | None, text: str
+    ) -> str | None:
+        """The id an earlier request with this key got (an idempotent retry), or None. Same key
+        with a different text is -32006 (replied here; then '' is returned)."""
+        if key is None or key not in keys:
+            return None
+        original, input_id = keys[key]
+        if original != text:
+            self._error(
+                token,
+                errors.CONFLICTING_CLIENT_KEY,
+                f"client_key {key!r} was used for a different input",
+            )
+            return ""
+        return input_id
+
+    def _wait_for(self, token: int, run_id: str) -> None:
+        done = self.state.run_outcomes.get(run_id)
+        if done is None:
+            self._waiters.setdefault(run_id, []).append(token)
+            return
+        usage = msgspec.convert(
+            {**(done.get("usage") or {}), "calls": done.get("calls", 0)}, UsageTotals
+        )
+        result = RunWaitResult(
+            run_id=run_id,
+            outcome=done["outcome"],
+            text=done["text"],
+            usage=usage,
+            error=done["error"],
+        )
+        self._reply(token, result, durable=True)
+
+    # --- scheduling -----------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        """Start the next piece of work while the pod is free; stop if it is stopping."""
+        while self.turn is None and not self.stopped and self._start_next():
+            pass
+
+    def _start_next(self) -> bool:
+        """Start one run if one is due (True); a run may end at once (a resumed final answer)."""
+        if self.stopping:
+            self._stop()
+            return False
+        s = self.state
+        if self._resume_requested and s.paused_run is not None:
+            self._resume_requested = False
+            self._start_run(s.paused_run, "resume")
+            return True
+        self._resume_requested = False
+        if s.pending_runs:
+            if s.paused_run is not None:  # a new run supersedes it: its final report now
+                reason = "superseded: a new run started while this one was paused"
+                self._finish_run(s.paused_run, Finished("cancelled", "", reason), started=False)
+            self._start_run(next(iter(s.pending_runs)), "input")
+            return True
+        if s.paused_run is not None:
+            return False  # notifications wait for `resume` (or for a new run)
+        if not s.pending_notifications or self.budget_exhausted():
+            return False
+        now = self.clock()
+        start = self._burst_start if self._burst_start is not None else now
+        settle_at = min(self._last_notify + NOTIFY_QUIET, start + NOTIFY_MAX_DELAY)
+        if now < settle_at:
+            if self._timer_at is None or self._timer_at > settle_at or self._timer_at < now:
+                self._timer_at = settle_at
+                self._emit(SetTimer(settle_at))
+            return False
+        self._start_run(self.new_id(), "notifications")
+        return True
+
+    def _start_run(self, run_id: str, trigger: str) -> None:
+        self._burst_start = None
+        self._commit(RunStart(run_id=run_id, trigger=trigger))
+        self.turn = Turn(run_id, self.cfg.max_turns, rounds=self.state.rounds)
+        self._publish("state.changed", {"state": "running"})
+        last = self.state.history[-1] if self.state.history else None
+        if trigger == "resume" and not self.state.pending_steers and _final_answer(last):
+            # Paused while its final answer streamed: the answer stands, the run is done.
+            assert isinstance(last, AssistantMessage)
+            self._finish_run(run_id, Finished("finished", last.text))
+            return
+        self._advance()
+
+    def _advance(self) -> None:
+        """Drive the active turn to its next effect: a model call, a tool, or its end."""
+        turn = self.turn
+        assert turn is not None
+        self.in_flight = None
+        if self.stopping:
+            turn.request_cancel()
+        while turn.in_tools:
+            step = turn.next_tool()
+            if step is not None:
+                call = step.call
+                data = {"call_id": call.id, "name": call.name, "args": _args_preview(call)}
+                self._publish("tool.started", data, turn.run_id)
+                self.in_flight = "tool"
+                self._emit(RunTool(turn.run_id, call))
+                return
+        next_step = turn.next_step()
+        if isinstance(next_step, Finished):
+            self._finish_run(turn.run_id, next_step)
+            return
+        assert isinstance(next_step, _CallStep)
+        self._deliver_pending()
+        self.in_flight = "model"
+        self._emit(CallModel(turn.run_id, self.system_prompt, list(self.state.history)))
+
+    def _deliver_pending(self) -> None:
+        ids, _ = self.state.deliverable()
+        if not ids:
+            self._notes_overflow = False
+            return
+        shown = sum(1 for i in ids if self.state.pending_inputs[i].kind == "notification")
+        left = self.state.pending_notifications - shown
+        self._notes_overflow = left > 0 and shown >= MAX_NOTIFICATIONS_PER_REQUEST
+        self._commit(InputsDelivered(ids=ids, more=left))
+
+    def _finish_run(self, run_id: str, end: Finished, started: bool = True) -> None:
+        interrupted = self.stopping and end.outcome == "cancelled" and started
+        outcome, error = end.outcome, end.error
+        if interrupted:
+            outcome, error = "error", "interrupted: the pod shut down"
+        run_usage = msgspec.structs.replace(self.state.run_usage) if started else Usage()
+        self._commit(
+            RunEnd(
+                run_id=run_id,
+                outcome=outcome,
+                text=end.text,
+                error=error,
+                interrupted=interrupted,
+                usage=run_usage,
+            )
+        )
+        calls = self.state.run_calls if started else 0
+        usage = UsageTotals(**msgspec.structs.asdict(run_usage), calls=calls)
+        if started:
+            self.turn = None
+            self.in_flight = None
+            self._notes_overflow = False
+            self._publish("state.changed", {"state": self.pod_state})
+        result = RunWaitResult(
+            run_id=run_id, outcome=outcome, text=end.text, usage=usage, error=error
+        )
+        for token in self._waiters.pop(run_id, []):
+            self._reply(token, result, durable=True)
+        self._emit(Sync())
+
+    def _stop(self) -> None:
+        self.stopped = True
+        for tokens in self._waiters.values():
+            for token in tokens:
+                self._error(token, errors.SHUTTING_DOWN, "the pod shut down")
+        self._waiters.clear()
+        self._publish("shutdown", {"reason": "requested"})
+        self._emit(Sync())
+        self._emit(Stopped())
+
+    # --- plumbing -------------------------------------------------------------------------------
+
+    def _handle(self, go: Callable[[], None]) -> list[Effect]:
+        self._out = []
+        go()
+        self._schedule()
+        out, self._out = self._out, []
+        return out
+
+    def _emit(self, effect: Effect) -> None:
+        self._out.append(effect)
+
+    def _commit(self, entry: Entry) -> None:
+        if not self.state.session_id:
+            self._open_session()
+        entry.seq = self.state.last_seq + 1
+        entry.ts = self.clock()
+        self.state.apply(entry)
+        self._emit(Commit(entry))
+
+    def _commit_all(self, entries: list[Entry]) -> None:
+        for entry in entries:
+            self._commit(entry)
+
+    def _open_session(self) -> None:
+        start = SessionStart(
+            session_id=self.new_id(),
+            pod=self.cfg.name,
+            system_prompt=self.system_prompt,
+            config=self.cfg.config,
+            seq=1,
+            ts=self.clock(),
+        )
+        self.state.apply(start)
+        self._emit(OpenSession(start))
+
+    def _publish(self, type: str, data: dict[str, Any], run_id: str | None = None) -> None:
+        self._emit(Publish(type, data, run_id))
+
+    def _reply(self, token: int, result: Any, durable: bool = False) -> None:
+        self._emit(Reply(token, result=result, durable=durable))
+
+    def _error(self, token: int, code: int, message: str) -> None:
+        self._emit(Reply(token, error=RpcError(code, message)))
+
+    def _refuse_if_stopping(self, token: int) -> bool:
+        if self.stopping:
+            self._error(token, errors.SHUTTING_DOWN, "the pod is shutting down")
+        return self.stopping
+
+    def _note_arrived(self) -> None:
+        now = self.clock()
+        self._last_notify = now
+        if self._burst_start is None:
+            self._burst_start = now
+
+    def _expect(self, what: Literal["model", "tool"]) -> Turn:
+        if self.turn is None or self.in_flight != what:
+            raise RuntimeError(f"a {what} result with no {what} in flight")
+        self.in_flight = None
+        return self.turn
+
+
+def _final_answer(item: Item | None) -> bool:
+    return isinstance(item, AssistantMessage) and not item.tool_calls
+
+
+def _args_preview(call: ToolCall) -> Any:
+    """The arguments as JSON values for `tool.started`, or their text when they are not valid
+    (or too deeply nested to re-encode safely)."""
+    try:
+        value = msgspec.json.decode(call.arguments)
+        msgspec.json.encode(value)
+    except Exception:
+        return call.arguments[:1000]
+    return value

@@ -1,0 +1,329 @@
+"""The pod machine alone, no I/O: scripted command sequences, asserting the exact effects."""
+
+from poddaemon.llm.types import ProviderError
+from poddaemon.machine import (
+    NOTIFY_MAX_DELAY,
+    NOTIFY_QUIET,
+    CallModel,
+    Commit,
+    Interrupt,
+    MachineConfig,
+    OpenSession,
+    Publish,
+    Reply,
+    RunTool,
+    SetTimer,
+    Stopped,
+)
+from poddaemon.session import MAX_NOTIFICATIONS_PER_REQUEST
+from poddaemon.turn import NOT_RUN_CANCELLED, NOT_RUN_PAUSED
+from protocol import errors
+from tests.unit.machine_driver import Driver
+
+
+def kinds_of(effects: list[object]) -> list[str]:
+    out = []
+    for e in effects:
+        if isinstance(e, Commit):
+            out.append(e.entry.kind)
+        elif isinstance(e, Publish):
+            out.append(f"event:{e.type}")
+        else:
+            out.append(type(e).__name__)
+    return out
+
+
+def test_a_run_on_an_idle_pod_opens_the_session_commits_acks_durably_and_calls_the_model() -> None:
+    d = Driver()
+    token = d.call("run", "hello")
+    assert kinds_of(d.effects) == [
+        "OpenSession",
+        "user_input",
+        "Reply",
+        "run_start",
+        "event:state.changed",
+        "CallModel",
+    ]
+    (reply,) = [e for e in d.effects if isinstance(e, Reply)]
+    assert reply.durable and reply.result.state == "started"
+    assert token not in d.answers  # not before the fsync
+    assert d.answer(token).result.run_id == reply.result.run_id
+    call = d.inflight
+    assert isinstance(call, CallModel) and call.items[-1].text == "hello"  # type: ignore[union-attr]
+    d.model("hi there")
+    assert d.kinds()[-4:] == ["llm_usage", "assistant", "turn_end", "run_end"]
+    finished = [data for t, data, _ in d.events if t == "run.finished"]
+    assert finished == [
+        {
+            "outcome": "finished",
+            "text": "hi there",
+            "usage": {"input": 10, "output": 1, "cache_read": 0, "cache_write": 0},
+        }
+    ]
+    assert d.machine.pod_state == "idle"
+
+
+def test_run_started_and_shutdown_events_carry_data() -> None:
+    d = Driver()
+    d.call("run", "x")
+    d.model()
+    d.call("shutdown")
+    started = [data for t, data, _ in d.events if t == "run.started"]
+    stopped = [data for t, data, _ in d.events if t == "shutdown"]
+    assert started == [{"trigger": "input"}] and stopped == [{"reason": "requested"}]
+    assert d.stopped
+
+
+def test_runs_queue_fifo_with_positions_and_start_in_order() -> None:
+    d = Driver()
+    d.call("run", "first")
+    second = d.call("run", "second")
+    third = d.call("run", "third")
+    assert d.answer(second).result.position == 1
+    assert d.answer(third).result.position == 2
+    queued = [data for t, data, _ in d.events if t == "run.queued"]
+    assert queued == [{"position": 1}, {"position": 2}]
+    d.model("one")
+    assert isinstance(d.inflight, CallModel) and d.inflight.items[-1].text == "second"
+    d.model("two")
+    assert isinstance(d.inflight, CallModel) and d.inflight.items[-1].text == "third"
+
+
+def test_steer_reaches_the_next_request_and_a_final_answer_gets_another_round() -> None:
+    d = Driver()
+    d.call("run", "task")
+    steer = d.call("run", "also this", mode="steer")
+    assert d.answer(steer).result.state == "steered"
+    d.model("first take")  # final, but steer input waits: another round
+    call = d.inflight
+    assert isinstance(call, CallModel)
+    assert [getattr(i, "text", "") for i in call.items][-2:] == ["first take", "also this"]
+    d.model("revised")
+    assert d.machine.pod_state == "idle"
+
+
+def test_a_notification_burst_wakes_an_idle_pod_once_after_quiet() -> None:
+    d = Driver()
+    for k in range(3):
+        t = d.call("notify", f"event {k}", "ci")
+        assert d.answer(t).result.wakes
+        d.now += NOTIFY_QUIET / 10
+    assert d.inflight is None and d.timer is not None  # waiting for the burst to settle
+    d.tick(NOTIFY_QUIET)
+    call = d.inflight
+    assert isinstance(call, CallModel)
+    (note,) = call.items
+    assert "3 notifications arrived:" in note.text and "event 2" in note.text
+    assert "while you worked" not in note.text
+    d.model()
+    assert d.inflight is None and d.machine.pod_state == "idle"
+
+
+def test_a_burst_never_waits_past_the_max_delay() -> None:
+    d = Driver()
+    d.call("notify", "first", "ci")
+    start = d.now
+    while d.inflight is None:
+        d.now += NOTIFY_QUIET / 2
+        d.call("notify", "more", "ci")
+        assert d.now - start <= NOTIFY_MAX_DELAY + NOTIFY_QUIET
+        if d.timer is not None and d.now >= d.timer:
+            d.tick(0)
+    assert isinstance(d.inflight, CallModel)
+
+
+def test_more_notifications_than_one_request_shows_are_handled_in_one_run() -> None:
+    d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=10, max_pending=1000))
+    n = MAX_NOTIFICATIONS_PER_REQUEST * 2 + 50
+    for k in range(n):
+        d.call("notify", f"n{k}", "ci")
+    d.tick()
+    rounds = 0
+    while isinstance(d.inflight, CallModel):
+        d.model("seen")
+        rounds += 1
+    assert rounds == 3
+    assert d.kinds().count("run_start") == 1
+    assert d.machine.state.pending_notifications == 0
+
+
+def test_pause_stops_at_the_tool_safe_point_and_resume_continues_the_same_run() -> None:
+    d = Driver()
+    d.call("run", "work")
+    d.model(calls=2)
+    assert isinstance(d.inflight, RunTool)
+    pause = d.call("pause")
+    assert d.answer(pause).result.paused
+    d.tool()
+    results = [e["item"]["output"] for e in d.entries if e["kind"] == "tool_result"]
+    assert results == ["tool output", NOT_RUN_PAUSED]
+    assert d.machine.pod_state == "paused" and d.inflight is None
+    run_id = d.machine.state.paused_run
+    notify = d.call("notify", "while paused", "ci")
+    assert not d.answer(notify).result.wakes and d.inflight is None
+    resume = d.call("resume")
+    assert d.answer(resume).result.run_id == run_id
+    assert isinstance(d.inflight, CallModel) and d.inflight.run_id == run_id
+    d.model("done")
+    outcomes = [data["outcome"] for t, data, _ in d.events if t == "run.finished"]
+    assert outcomes == ["paused", "finished"]
+
+
+def test_pause_during_the_final_answer_holds_and_resume_finishes_without_a_call() -> None:
+    d = Driver()
+    d.call("run", "work")
+    assert d.answer(d.call("pause")).result.paused
+    d.model("the answer")
+    assert d.machine.pod_state == "paused"
+    d.call("resume")
+    assert d.inflight is None
+    finished = [data for t, data, _ in d.events if t == "run.finished"]
+    assert [f["outcome"] for f in finished] == ["paused", "finished"]
+    assert finished[-1]["text"] == "the answer"
+
+
+def test_resume_when_not_paused_is_an_error() -> None:
+    d = Driver()
+    assert d.answer(d.call("resume")).error.code == errors.NOT_PAUSED  # type: ignore[union-attr]
+
+
+def test_cancel_during_the_model_call_interrupts_it() -> None:
+    d = Driver()
+    d.call("run", "work")
+    t = d.call("cancel")
+    assert any(isinstance(e, Interrupt) for e in d.effects)
+    assert d.answer(t).result.cancelled
+    d.model_fails(None)
+    (finished,) = [data for t_, data, _ in d.events if t_ == "run.finished"]
+    assert finished["outcome"] == "cancelled"
+
+
+def test_cancel_during_a_tool_closes_the_rest_of_the_batch() -> None:
+    d = Driver()
+    d.call("run", "work")
+    d.model(calls=3)
+    d.call("cancel")
+    d.tool(NOT_RUN_CANCELLED + " while it ran", is_error=True)
+    outputs = [e["item"]["output"] for e in d.entries if e["kind"] == "tool_result"]
+    assert outputs == [NOT_RUN_CANCELLED + " while it ran", NOT_RUN_CANCELLED, NOT_RUN_CANCELLED]
+    assert d.kinds()[-2:] == ["turn_end", "run_end"]
+
+
+def test_cancel_of_a_queued_run_ends_it_without_starting_it() -> None:
+    d = Driver()
+    d.call("run", "first")
+    queued = d.answer(d.call("run", "second")).result.run_id
+    assert d.answer(d.call("cancel", queued)).result.cancelled
+    d.model()
+    assert d.inflight is None and d.kinds().count("run_start") == 1
+
+
+def test_max_turns_ends_the_run_limit_reached() -> None:
+    d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=2))
+    t = d.call("run", "loop", wait=True)
+    d.model(calls=1)
+    d.tool()
+    d.model(calls=1)
+    d.tool()
+    result = d.answer(t).result
+    assert result.outcome == "limit_reached" and "max_turns (2)" in result.error
+    assert result.usage.calls == 2 and result.usage.input == 20
+
+
+def test_budget_refusal_ends_the_run_and_new_runs_get_32007() -> None:
+    d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=5, budget_cap=15))
+    t = d.call("run", "spend", wait=True)
+    d.model(calls=1, usage=20)
+    d.tool()
+    assert d.machine.budget_exhausted()
+    d.inflight = None
+    d.feed(d.machine.model_refused(d.machine.budget_message()))
+    assert d.answer(t).result.outcome == "limit_reached"
+    refused = d.answer(d.call("run", "more"))
+    assert refused.error is not None and refused.error.code == errors.BUDGET_EXHAUSTED
+    assert not d.answer(d.call("notify", "x", "ci")).result.wakes
+
+
+def test_client_keys_are_per_method_and_replay_the_original() -> None:
+    d = Driver()
+    run = d.answer(d.call("run", "same", client_key="k")).result
+    note = d.answer(d.call("notify", "same", "ci", client_key="k")).result
+    assert note.notification_id != run.run_id  # a different method: a new notification
+    again = d.answer(d.call("run", "same", client_key="k")).result
+    assert again.run_id == run.run_id
+    conflict = d.answer(d.call("run", "other", client_key="k")).error
+    assert conflict is not None and conflict.code == errors.CONFLICTING_CLIENT_KEY
+    assert sum(1 for e in d.entries if e["kind"] == "user_input") == 1
+
+
+def test_notify_past_max_pending_is_queue_full() -> None:
+    d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=2, max_pending=2))
+    d.call("run", "busy")
+    for k in range(2):
+        d.call("notify", f"n{k}", "ci")
+    full = d.answer(d.call("notify", "n2", "ci")).error
+    assert full is not None and full.code == errors.QUEUE_FULL
+
+
+def test_child_reports_are_accepted_once_per_event_id() -> None:
+    d = Driver()
+    for _ in range(2):
+        t = d.call("child_report", "kid", "run.finished", "ev-1", "r1", "done")
+        assert d.answer(t).result.accepted
+    assert sum(1 for e in d.entries if e["kind"] == "system_item") == 1
+    assert [t for t, _, _ in d.events].count("child.event") == 1
+
+
+def test_shutdown_mid_run_interrupts_and_ends_the_run_as_interrupted() -> None:
+    d = Driver()
+    waiter = d.call("run", "work", wait=True)
+    d.call("shutdown")
+    assert any(isinstance(e, Interrupt) for e in d.effects)
+    refused = d.answer(d.call("run", "late")).error
+    assert refused is not None and refused.code == errors.SHUTTING_DOWN
+    d.model_fails(None)
+    result = d.answer(waiter).result
+    assert result.outcome == "error" and "shut down" in result.error
+    assert d.entries[-1]["interrupted"] is True
+    assert any(isinstance(e, Stopped) for e in d.effects)
+
+
+def test_a_provider_error_ends_the_run_with_its_message() -> None:
+    d = Driver()
+    t = d.call("run", "x", wait=True)
+    d.model_fails(ProviderError("fatal", "401 bad key"))
+    assert d.answer(t).result.error == "401 bad key"
+
+
+def test_restore_closes_open_calls_ends_the_run_and_notes_the_restart() -> None:
+    d = Driver()
+    d.call("run", "work")
+    d.model(calls=2)
+    d.tool()
+    queued = d.call("run", "next")
+    d.sync()
+    crashed = d.entries
+    again = Driver()
+    again.lines, again.entries, again.prev = list(d.lines), list(crashed), d.prev
+    effects = again.feed(again.machine.restore(crashed))
+    tail = [e.entry.kind for e in effects if isinstance(e, Commit)]
+    assert tail == ["tool_result", "run_end", "system_item", "run_start", "inputs_delivered"]
+    assert isinstance(again.inflight, CallModel)
+    assert [getattr(i, "text", "") for i in again.inflight.items][-2:-1] == ["next"]
+    assert "restarted" in again.inflight.items[-1].text  # type: ignore[union-attr]
+    assert d.answers[queued].result.state == "queued"
+
+
+def test_a_later_notification_moves_the_burst_deadline_at_the_next_tick() -> None:
+    d = Driver()
+    d.call("notify", "a", "ci")
+    (first,) = [e for e in d.effects if isinstance(e, SetTimer)]
+    d.now += NOTIFY_QUIET / 2
+    d.call("notify", "b", "ci")
+    assert not [e for e in d.effects if isinstance(e, SetTimer)]  # the timer stands
+    assert not any(isinstance(e, OpenSession) for e in d.effects)
+    d.tick(first.at - d.now)
+    (second,) = [e for e in d.effects if isinstance(e, SetTimer)]
+    assert second.at == first.at + NOTIFY_QUIET / 2 and d.inflight is None
+    d.tick(second.at - d.now)
+    assert isinstance(d.inflight, CallModel)
