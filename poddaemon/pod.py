@@ -275,7 +275,14 @@ class Pod:
             "subscribe": self.rpc_subscribe,
             "pod_event": self.rpc_pod_event,
             "shutdown": self.rpc_shutdown,
+            "compact": self.rpc_compact,
         }
+
+    def rpc_compact(self, p: NoParams, conn: Any) -> OkResult:
+        # Placeholder until compaction lands: the method table has it, so the server needs it.
+        if self.pod_state != "idle":
+            raise RpcError(errors.BUSY, "compact needs an idle pod")
+        raise RpcError(errors.INTERNAL_ERROR, "compaction is not available in this version")
 
     async def rpc_run(self, p: RunParams, conn: Any) -> RunResult | RunWaitResult:
         self._check_open()
