@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from protocol import errors
 from protocol.core import ClientCore, clean_params, resolve_socket
 from protocol.errors import RpcError
+from protocol.methods import METHODS
 from protocol.types import (
-    METHOD_PARAMS,
     CancelParams,
     Event,
     NotifyParams,
@@ -124,7 +124,7 @@ def test_take_raises_rpc_error_with_code_message_and_data() -> None:
     assert rid not in core.replies
 
 
-def test_error_without_id_is_stored_under_none() -> None:
+def test_error_without_id_and_nothing_in_flight_is_stored_under_none() -> None:
     core = ClientCore()
     core.feed(error_reply(None, errors.PARSE_ERROR, "parse error: bad"))
     assert core.replies[None].error.code == -32700  # type: ignore[union-attr]
@@ -222,7 +222,7 @@ def test_params_defaults() -> None:
     assert (run.mode, run.client_key, run.wait) == ("queue", None, False)
     assert msgspec.json.decode(b'{"message":"m"}', type=NotifyParams).source == "user"
     # Every method decodes an empty params object when it has no required field.
-    for method, ptype in METHOD_PARAMS.items():
-        if method in ("run", "notify", "pod_event"):
+    for name, method in METHODS.items():
+        if name in ("run", "notify", "pod_event"):
             continue
-        msgspec.json.decode(b"{}", type=ptype)
+        msgspec.json.decode(b"{}", type=method.params)
