@@ -11,7 +11,16 @@ import contextlib
 import socket
 import threading
 
-from bench.harness import Home, LoadResult, Row, Section, load, request_line, value_le
+from bench.harness import (
+    Home,
+    LoadResult,
+    Row,
+    Section,
+    load,
+    request_line,
+    value_le,
+    vm_rss_mb,
+)
 from protocol import PodClient
 
 SENDERS = 8
@@ -21,11 +30,7 @@ PARTIAL_BYTES = 8 * 1024 * 1024 - 1024
 
 
 def vm_hwm_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
+    return vm_rss_mb(pid, "VmHWM")
 
 
 class Hog(threading.Thread):
@@ -140,7 +145,7 @@ def run(sec: Section) -> None:
                 s.close()
         sec.add(
             Row(
-                f"peak RSS: {PARTIAL_CLIENTS} clients x partial {PARTIAL_BYTES / 2**20:.1f} MiB frame",
+                f"peak RSS: {PARTIAL_CLIENTS} clients x partial {PARTIAL_BYTES / 2**20:.1f} MiB",
                 peak_partial,
                 "MB",
                 idle,

@@ -91,20 +91,7 @@ class FrameTooLarge(RpcError):
         self.limit = limit
 
 
-_BY_CODE: dict[int, type[ApplicationError]] = {
-    cls.CODE: cls
-    for cls in (
-        NotPaused,
-        QueueFull,
-        NotRunning,
-        ShuttingDown,
-        ScopeDenied,
-        ConflictingClientKey,
-        BudgetExhausted,
-        Busy,
-        HookRefused,
-    )
-}
+_BY_CODE = {cls.CODE: cls for cls in ApplicationError.__subclasses__()}
 
 
 def error_for(code: int, message: str, data: Any = None) -> RpcError:
