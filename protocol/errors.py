@@ -85,7 +85,7 @@ class FrameTooLarge(RpcError):
         super().__init__(
             INVALID_REQUEST,
             f"request of {size} bytes exceeds the frame limit of {limit} bytes "
-            f"(max_frame_bytes); nothing was sent",
+            f"({limit / 2**20:g} MiB, the pod's max_frame_bytes); nothing was sent",
         )
         self.size = size
         self.limit = limit

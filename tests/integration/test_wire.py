@@ -19,7 +19,7 @@ import pytest
 
 from protocol import PodClient, RpcError
 from protocol.aio import AsyncPodClient
-from protocol.errors import FrameTooLarge, UnsafeSocket
+from protocol.errors import Busy, FrameTooLarge, NotPaused, QueueFull, UnsafeSocket
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from tests.conftest import Env, PodProcess
 
@@ -60,6 +60,30 @@ def history_notes(pod: PodProcess) -> list[str]:
     with pod.client() as c:
         entries = c.history(limit=1000).entries
     return [str(e) for e in entries if "notification" in str(e.get("kind", ""))]
+
+
+# --- the method table and typed errors, end to end ----------------------------------------------
+
+
+def test_application_errors_are_their_own_classes(env: Env) -> None:
+    env.model.script({"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "busy"})
+    pod = env.start(extra="[notify]\nmax_pending = 1\n")
+    with pod.client() as c:
+        with pytest.raises(NotPaused) as not_paused:
+            c.resume()
+        assert isinstance(not_paused.value, RpcError) and not_paused.value.code == -32001
+        c.run("keep busy")
+        env.model.wait_for_requests(1)
+        c.notify("first", source="load")
+        try:
+            c.notify("second", source="load")
+        except QueueFull as exc:  # the point: callers can catch the one error they expect
+            assert exc.code == -32002 and "queue full" in exc.message
+        else:
+            raise AssertionError("no QueueFull")
+        with pytest.raises(Busy):  # compact is in the table: answered, not -32601
+            c.compact()
+        env.model.open_gate("busy")
 
 
 # --- item 1: a client that half-closes still gets its replies -----------------------------------
