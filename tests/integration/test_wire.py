@@ -105,6 +105,23 @@ def test_socat_notify_prints_the_reply(env: Env) -> None:
         assert reply["id"] == i + 1 and reply["result"]["notification_id"], reply
 
 
+@pytest.mark.skipif(shutil.which("socat") is None, reason="socat is not installed")
+def test_socat_run_with_wait_prints_the_outcome(env: Env) -> None:
+    """socat waits -t seconds for the reply after its stdin ends; the pod closes once it has
+    answered, so socat returns as soon as the run is over."""
+    env.model.script({"text": "all good", "delay": 0.3})
+    pod = env.start()
+    line = b'{"jsonrpc":"2.0","id":1,"method":"run","params":{"input":"check","wait":true}}\n'
+    proc = subprocess.run(
+        ["socat", "-t", "30", "-", f"UNIX-CONNECT:{pod.socket}"],
+        input=line,
+        capture_output=True,
+        timeout=30,
+    )
+    [reply] = replies(proc.stdout)
+    assert reply["result"]["outcome"] == "finished" and reply["result"]["text"] == "all good"
+
+
 def test_half_closed_raw_socket_gets_every_reply_then_eof(env: Env) -> None:
     pod = env.start()
     sock = raw(pod)
