@@ -171,6 +171,10 @@ class Rpc(Generic[P, R]):
     def __init__(self, method: Method[PT, R], build: Callable[P, PT]) -> None:
         self.method: Method[Params, R] = method
         self.build = build
+        self.name = method.name
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.name = name  # run_wait, not run, in reprs and tracebacks
 
     @overload
     def __get__(self, obj: None, owner: type[Any]) -> "Rpc[P, R]": ...
@@ -186,7 +190,8 @@ class Rpc(Generic[P, R]):
         def call(*args: P.args, **kwargs: P.kwargs) -> Any:
             return obj._invoke(method, build(*args, **kwargs))
 
-        call.__name__ = call.__qualname__ = method.name
+        call.__name__ = self.name
+        call.__qualname__ = f"{type(obj).__name__}.{self.name}"
         return call
 
 
