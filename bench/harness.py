@@ -201,12 +201,13 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def vm_rss_mb(pid: int) -> float:
+def vm_rss_mb(pid: int, field: str = "VmRSS") -> float:
+    """A memory line of /proc/PID/status in MB (VmHWM: the peak RSS)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")
 
 
 def fsync_us(n: int = 200, dir: str = "/tmp") -> list[float]:

@@ -1,14 +1,17 @@
 """JSON-RPC 2.0 over a Unix stream socket (SPEC §5).
 
 One `asyncio.Protocol` per connection feeds a sans-IO line framer; every request is decoded
-into typed params and dispatched. Synchronous handlers answer inline (no task per request);
-coroutine handlers run as tasks, so slow methods never hold up the connection.
+into typed params (from `protocol.methods.METHODS`) and dispatched. Synchronous handlers answer
+inline (no task per request); coroutine handlers run as tasks, so slow methods never hold up the
+connection. No line, however malformed, closes a connection; a client that half-closes still
+gets every reply; memory per connection is bounded (unread replies, partial frames).
 """
 
 import asyncio
 import inspect
 import logging
 import os
+import re
 import socket
 import struct
 from collections.abc import Awaitable, Callable
@@ -20,8 +23,9 @@ import msgspec
 from poddaemon.events import EventBus, Subscription
 from protocol import errors
 from protocol.errors import RpcError
-from protocol.framing import DEFAULT_MAX_FRAME_BYTES, LineFramer, Oversize
-from protocol.types import METHOD_PARAMS, NoParams, Request, Result
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES, HEAD_BYTES, LineFramer, Oversize
+from protocol.methods import METHODS
+from protocol.types import NoParams, Request, Result
 
 log = logging.getLogger("poddaemon.server")
 
@@ -29,13 +33,22 @@ Handler = Callable[[Any, "Connection"], Result | Awaitable[Result]]
 
 _envelope_decoder = msgspec.json.Decoder(Request | list[msgspec.Raw])
 _request_decoder = msgspec.json.Decoder(Request)
-_params_decoders = {name: msgspec.json.Decoder(t) for name, t in METHOD_PARAMS.items()}
+_params_decoders = {name: msgspec.json.Decoder(m.params) for name, m in METHODS.items()}
 _encoder = msgspec.json.Encoder()
 _NO_PARAMS = NoParams()
 _PEERCRED = struct.Struct("3i")
 
 # Stop writing events to a subscriber once this much is queued in its socket buffer.
 EVENT_HIGH_WATER = 1 << 20
+# A client that has left this much of its replies unread is disconnected (it never reads).
+MAX_UNREAD_BYTES = 16 * 1024 * 1024
+# Incomplete request lines held for all connections together: 40 clients each sending most of
+# an 8 MiB frame must not cost 320 MB.
+MAX_PARTIAL_BYTES = 64 * 1024 * 1024
+# What msgspec raises for bytes that are not JSON: a nesting deeper than its limit is a
+# RecursionError, invalid UTF-8 inside a string a UnicodeDecodeError.
+_UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+_ID_VALUE = re.compile(rb'\s*:\s*(-?\d{1,18}|"[^"\\\x00-\x1f]{0,200}")\s*[,}]')
 
 
 def _reply(request_id: Any, result: Any) -> bytes:
@@ -67,12 +80,42 @@ def _guess_id(line: bytes) -> Any:
     """The id of an invalid request, when one can be read (JSON-RPC allows null otherwise)."""
     try:
         obj = msgspec.json.decode(line)
-    except (msgspec.DecodeError, UnicodeDecodeError):
-        return None
+    except _UNREADABLE:
+        return id_from_head(line[:HEAD_BYTES])
     if isinstance(obj, dict):
         rid = obj.get("id")
         if isinstance(rid, int | str) and not isinstance(rid, bool):
             return rid
+    return None
+
+
+def id_from_head(head: bytes) -> int | str | None:
+    """The top-level `"id"` of a request from its first bytes alone (an oversize or unparsable
+    line), so its error still reaches the caller waiting for that id; None when not there."""
+    text = head.lstrip()
+    if not text.startswith(b"{"):
+        return None
+    depth, i, n = 0, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == 0x22:  # a string: skip it whole, escapes included
+            j = i + 1
+            while j < n and text[j] != 0x22:
+                j += 2 if text[j] == 0x5C else 1
+            if j >= n:
+                return None
+            if depth == 1 and text[i : j + 1] == b'"id"':
+                m = _ID_VALUE.match(text, j + 1)
+                if m:
+                    rid: int | str = msgspec.json.decode(m.group(1))
+                    return rid
+            i = j + 1
+            continue
+        if c in b"{[":
+            depth += 1
+        elif c in b"}]":
+            depth -= 1
+        i += 1
     return None
 
 
@@ -84,6 +127,9 @@ class Connection(asyncio.Protocol):
         self.subscription: Subscription | None = None
         self.peer_pid = 0
         self._paused = False
+        self._eof = False  # the client half-closed: answer what was read, then close
+        self._dropped = False
+        self._held = 0  # bytes of partial frame counted in server.partial_bytes
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- asyncio.Protocol ------------------------------------------------------------------
@@ -106,6 +152,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.server.partial_bytes -= self._held
+        self._held = 0
         if self.subscription is not None:
             self.server.bus.unsubscribe(self.subscription)
         for task in self._tasks:
@@ -120,24 +168,82 @@ class Connection(asyncio.Protocol):
             self.server.bus.catch_up(self.subscription)
 
     def data_received(self, data: bytes) -> None:
-        for line in self.framer.feed(data):
-            if isinstance(line, Oversize):
-                self._send(
-                    _error(
-                        None,
-                        errors.INVALID_REQUEST,
-                        f"frame of {line.size} bytes exceeds max_frame_bytes "
-                        f"({self.server.max_frame_bytes}); discarded",
+        self._lines(self.framer.feed(data))
+        self._count_partial()
+
+    def eof_received(self) -> bool:
+        # The client half-closed (`printf ... | socat`, shutdown(SHUT_WR)): it still reads. Finish
+        # the requests already read, a last line without its newline included, then close.
+        self._eof = True
+        self._lines(self.framer.close())
+        self._count_partial()
+        self._close_if_done()
+        return True  # keep our half open
+
+    def _lines(self, lines: list[bytes | Oversize]) -> None:
+        for line in lines:
+            if self._dropped:
+                return
+            try:
+                if isinstance(line, Oversize):
+                    self._send(
+                        _error(
+                            id_from_head(line.head),
+                            errors.INVALID_REQUEST,
+                            f"frame of {line.size} bytes exceeds max_frame_bytes "
+                            f"({self.server.max_frame_bytes}); discarded",
+                        )
                     )
-                )
-            else:
-                self._handle_line(line)
+                else:
+                    self._handle_line(line)
+            except Exception as exc:  # a bug for one line must not cost the client its connection
+                log.exception("request line failed")
+                self._send(_error(None, errors.INTERNAL_ERROR, f"internal error: {exc}"))
+
+    def _count_partial(self) -> None:
+        held = self.framer.held
+        self.server.partial_bytes += held - self._held
+        self._held = held
+        if held and self.server.partial_bytes > self.server.max_partial_bytes:
+            self._drop(
+                f"partial frames of all clients exceed {self.server.max_partial_bytes} bytes "
+                f"(this one holds {held})"
+            )
+
+    def _close_if_done(self) -> None:
+        if (
+            self._eof
+            and not self._tasks
+            and self.subscription is None
+            and self.transport is not None
+            and not self.transport.is_closing()
+        ):
+            self.transport.close()  # after the buffered replies are written
+
+    def _drop(self, reason: str) -> None:
+        """Disconnect a client past a memory bound, with an alert; others are unaffected."""
+        if self._dropped or self.transport is None:
+            return
+        self._dropped = True
+        message = f"disconnected client (pid {self.peer_pid}): {reason}"
+        log.warning("%s", message)
+        self.transport.abort()  # frees its buffers now
+        self.framer = LineFramer(self.server.max_frame_bytes)
+        self._count_partial()
+        self.server.bus.publish(
+            "alert", {"level": "warning", "source": "server", "message": message}
+        )
 
     # --- requests --------------------------------------------------------------------------
 
     def _send(self, frame: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame + b"\n")
+        if self.transport is None or self.transport.is_closing():
+            return
+        unread = self.transport.get_write_buffer_size()
+        if unread > self.server.max_unread_bytes:
+            self._drop(f"{unread} bytes of replies unread (limit {self.server.max_unread_bytes})")
+            return
+        self.transport.write(frame + b"\n")
 
     def _handle_line(self, line: bytes) -> None:
         try:
@@ -145,9 +251,8 @@ class Connection(asyncio.Protocol):
         except msgspec.ValidationError as exc:
             self._send(_error(_guess_id(line), errors.INVALID_REQUEST, f"invalid request: {exc}"))
             return
-        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
-            # msgspec raises UnicodeDecodeError for invalid UTF-8 inside a string.
-            self._send(_error(None, errors.PARSE_ERROR, f"parse error: {exc}"))
+        except _UNREADABLE as exc:
+            self._send(_error(_guess_id(line), errors.PARSE_ERROR, f"parse error: {exc}"))
             return
         if isinstance(msg, Request):
             self._dispatch(msg, self._send)
@@ -179,7 +284,7 @@ class Connection(asyncio.Protocol):
         for i, raw in enumerate(items):
             try:
                 req = _request_decoder.decode(raw)
-            except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            except (msgspec.ValidationError, *_UNREADABLE) as exc:
                 message = f"invalid request: {exc}"
                 collect(i)(_error(_guess_id(raw), errors.INVALID_REQUEST, message))
                 continue
@@ -212,6 +317,9 @@ class Connection(asyncio.Protocol):
             except msgspec.ValidationError as exc:
                 answer(_error(rid, errors.INVALID_PARAMS, _params_message(exc)))
                 return
+            except _UNREADABLE as exc:  # params are only skipped, not parsed, by the envelope
+                answer(_error(rid, errors.PARSE_ERROR, f"parse error in params: {exc}"))
+                return
         try:
             result = handler(params, self)
         except RpcError as exc:
@@ -224,7 +332,7 @@ class Connection(asyncio.Protocol):
         if inspect.isawaitable(result):
             task = asyncio.ensure_future(self._finish(result, rid, answer, req.method))
             self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(self._task_done)
         else:
             answer(_reply(rid, result))
 
@@ -245,10 +353,16 @@ class Connection(asyncio.Protocol):
         else:
             answer(_reply(rid, result))
 
+    def _task_done(self, task: "asyncio.Task[None]") -> None:
+        self._tasks.discard(task)
+        self._close_if_done()
+
     # --- events ----------------------------------------------------------------------------
 
     def start_events(self, cursor: int) -> None:
         """Begin streaming events after `cursor` (called once the subscribe reply is written)."""
+        if self.transport is None or self.transport.is_closing():
+            return  # closed meanwhile: a subscription now would never be removed
         if self.subscription is not None:
             self.server.bus.unsubscribe(self.subscription)
         self.subscription = Subscription(self._write_event, self._congested, cursor)
@@ -268,10 +382,23 @@ class RpcServer:
         handlers: dict[str, Handler],
         bus: EventBus,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        max_unread_bytes: int = MAX_UNREAD_BYTES,
+        max_partial_bytes: int | None = None,
     ) -> None:
+        missing = sorted(METHODS.keys() - handlers.keys())
+        unknown = sorted(handlers.keys() - METHODS.keys())
+        if missing or unknown:
+            raise ValueError(
+                "handlers do not match protocol.methods.METHODS: "
+                f"methods without a handler {missing}, handlers without a method {unknown}"
+            )
         self.handlers = handlers
         self.bus = bus
         self.max_frame_bytes = max_frame_bytes
+        self.max_unread_bytes = max_unread_bytes
+        # At least two maximal frames in flight at once, whatever the limit.
+        self.max_partial_bytes = max_partial_bytes or max(MAX_PARTIAL_BYTES, 2 * max_frame_bytes)
+        self.partial_bytes = 0
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._path: Path | None = None

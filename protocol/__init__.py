@@ -6,14 +6,47 @@ Imports nothing from `poddaemon` or `cli`: other programs can depend on this pac
 
 from typing import TYPE_CHECKING
 
-from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+from protocol.errors import (
+    BudgetExhausted,
+    Busy,
+    ConflictingClientKey,
+    ConnectionClosed,
+    FrameTooLarge,
+    HookRefused,
+    NotPaused,
+    NotRunning,
+    PodNotRunning,
+    QueueFull,
+    RpcError,
+    ScopeDenied,
+    ShuttingDown,
+    UnsafeSocket,
+)
 
 if TYPE_CHECKING:
     from protocol.aio import AsyncPodClient
     from protocol.client import PodClient
     from protocol.types import Event
 
-__all__ = ["AsyncPodClient", "ConnectionClosed", "Event", "PodClient", "PodNotRunning", "RpcError"]
+__all__ = [
+    "AsyncPodClient",
+    "BudgetExhausted",
+    "Busy",
+    "ConflictingClientKey",
+    "ConnectionClosed",
+    "Event",
+    "FrameTooLarge",
+    "HookRefused",
+    "NotPaused",
+    "NotRunning",
+    "PodClient",
+    "PodNotRunning",
+    "QueueFull",
+    "RpcError",
+    "ScopeDenied",
+    "ShuttingDown",
+    "UnsafeSocket",
+]
 
 
 def __getattr__(name: str) -> object:

@@ -1,43 +1,46 @@
-"""AsyncPodClient: the asyncio twin of PodClient; many calls may be in flight on one connection."""
+"""AsyncPodClient: the asyncio twin of PodClient; many calls may be in flight on one connection.
+
+Its RPC methods (run, notify, status, ...) are declared once for both clients in
+`protocol.core.ClientMethods`; here each returns an awaitable.
+"""
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
-from protocol.core import ClientCore, clean_params, resolve_socket
-from protocol.errors import ConnectionClosed, PodNotRunning
-from protocol.types import (
-    AcceptedResult,
-    CancelResult,
-    CompactResult,
-    Event,
-    HistoryResult,
-    NotifyResult,
-    OkResult,
-    PauseResult,
-    ResumeResult,
-    RunResult,
-    RunWaitResult,
-    StatusResult,
-    SubscribeResult,
-    UsageResult,
+from protocol.core import (
+    MAX_REPLY_BYTES,
+    AsyncCaller,
+    ClientCore,
+    ClientMethods,
+    check_peer,
+    check_socket_owner,
+    resolve_socket,
 )
+from protocol.errors import ConnectionClosed, PodNotRunning
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES
+from protocol.methods import Method
+from protocol.types import Event, Params
 
 T = TypeVar("T")
 
 
-class AsyncPodClient:
+class AsyncPodClient(ClientMethods, AsyncCaller):
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, target: str
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        target: str,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
         self._reader = reader
         self._writer = writer
-        self._core = ClientCore()
+        self._core = ClientCore(max_frame_bytes)
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._event_ready = asyncio.Event()
         self._closed: BaseException | None = None
@@ -45,13 +48,22 @@ class AsyncPodClient:
         self.target = target
 
     @classmethod
-    async def connect(cls, target: str | Path) -> "AsyncPodClient":
+    async def connect(
+        cls, target: str | Path, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> "AsyncPodClient":
+        """As PodClient.connect: refuses a socket another user owns or serves."""
         path = resolve_socket(target)
         try:
-            reader, writer = await asyncio.open_unix_connection(str(path), limit=1 << 26)
+            check_socket_owner(path)
+            reader, writer = await asyncio.open_unix_connection(str(path), limit=MAX_REPLY_BYTES)
         except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
             raise PodNotRunning(str(target), f"no socket at {path}") from exc
-        return cls(reader, writer, str(target))
+        try:
+            check_peer(writer.get_extra_info("socket"), path)
+        except BaseException:
+            writer.close()
+            raise
+        return cls(reader, writer, str(target), max_frame_bytes)
 
     async def close(self) -> None:
         self._read_task.cancel()
@@ -74,7 +86,7 @@ class AsyncPodClient:
             while data := await self._reader.read(1 << 16):
                 self._core.feed(data)
                 for request_id, fut in list(self._waiters.items()):
-                    if request_id in self._core.replies and not fut.done():
+                    if self._core.has_reply(request_id) and not fut.done():
                         fut.set_result(None)
                 if self._core.events:
                     self._event_ready.set()
@@ -86,7 +98,9 @@ class AsyncPodClient:
                 fut.set_exception(self._closed)
         self._event_ready.set()
 
-    async def call(self, method: str, params: dict[str, Any] | None, result_type: type[T]) -> T:
+    async def _roundtrip(
+        self, method: str, params: Params | dict[str, Any] | None, rtype: type[T]
+    ) -> T:
         if self._closed:
             raise self._closed
         request_id, data = self._core.request(method, params)
@@ -95,9 +109,18 @@ class AsyncPodClient:
         try:
             self._writer.write(data)
             await fut
+        except BaseException:
+            self._core.forget(request_id)
+            raise
         finally:
             del self._waiters[request_id]
-        return self._core.take(request_id, result_type)
+        return self._core.take(request_id, rtype)
+
+    async def _invoke(self, method: Method[Params, T], params: Params) -> T:
+        return await self._roundtrip(method.name, params, method.result)
+
+    async def call(self, method: str, params: dict[str, Any] | None, result_type: type[T]) -> T:
+        return await self._roundtrip(method, params, result_type)
 
     async def call_raw(self, method: str, params: dict[str, Any] | None = None) -> Any:
         return await self.call(method, params, msgspec.Raw)
@@ -114,61 +137,3 @@ class AsyncPodClient:
                 raise self._closed
             self._event_ready.clear()
             await self._event_ready.wait()
-
-    async def run(
-        self,
-        input: str,
-        mode: Literal["queue", "steer"] = "queue",
-        client_key: str | None = None,
-    ) -> RunResult:
-        params = clean_params({"input": input, "mode": mode, "client_key": client_key})
-        return await self.call("run", params, RunResult)
-
-    async def run_wait(
-        self,
-        input: str,
-        mode: Literal["queue", "steer"] = "queue",
-        client_key: str | None = None,
-    ) -> RunWaitResult:
-        params = clean_params({"input": input, "mode": mode, "client_key": client_key})
-        return await self.call("run", {**params, "wait": True}, RunWaitResult)
-
-    async def notify(
-        self, message: str, source: str | None = None, client_key: str | None = None
-    ) -> NotifyResult:
-        params = clean_params({"message": message, "source": source, "client_key": client_key})
-        return await self.call("notify", params, NotifyResult)
-
-    async def resume(self) -> ResumeResult:
-        return await self.call("resume", None, ResumeResult)
-
-    async def pause(self) -> PauseResult:
-        return await self.call("pause", None, PauseResult)
-
-    async def cancel(self, run_id: str | None = None) -> CancelResult:
-        return await self.call("cancel", clean_params({"run_id": run_id}), CancelResult)
-
-    async def status(self) -> StatusResult:
-        return await self.call("status", None, StatusResult)
-
-    async def history(self, since: int = 0, limit: int | None = None) -> HistoryResult:
-        params = clean_params({"since": since, "limit": limit})
-        return await self.call("history", params, HistoryResult)
-
-    async def usage(self) -> UsageResult:
-        return await self.call("usage", None, UsageResult)
-
-    async def subscribe(self, since: int | None = None) -> SubscribeResult:
-        return await self.call("subscribe", clean_params({"since": since}), SubscribeResult)
-
-    async def compact(self) -> CompactResult:
-        return await self.call("compact", None, CompactResult)
-
-    async def pod_event(
-        self, pod: str, kind: str, run_id: str | None = None, text: str | None = None
-    ) -> AcceptedResult:
-        params = clean_params({"pod": pod, "kind": kind, "run_id": run_id, "text": text})
-        return await self.call("pod_event", params, AcceptedResult)
-
-    async def shutdown(self) -> OkResult:
-        return await self.call("shutdown", None, OkResult)

@@ -2,59 +2,69 @@
 
     with PodClient.connect("reviewer") as pod:
         pod.notify("build failed", source="ci")
+
+Its RPC methods (run, notify, status, ...) are declared once for both clients in
+`protocol.core.ClientMethods`, from the method table.
 """
 
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
-from protocol.core import ClientCore, clean_params, resolve_socket
-from protocol.errors import ConnectionClosed, PodNotRunning
-from protocol.types import (
-    AcceptedResult,
-    CancelResult,
-    CompactResult,
-    Event,
-    HistoryResult,
-    NotifyResult,
-    OkResult,
-    PauseResult,
-    ResumeResult,
-    RunResult,
-    RunWaitResult,
-    StatusResult,
-    SubscribeResult,
-    UsageResult,
+from protocol.core import (
+    ClientCore,
+    ClientMethods,
+    SyncCaller,
+    check_peer,
+    check_socket_owner,
+    resolve_socket,
 )
+from protocol.errors import ConnectionClosed, PodNotRunning
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES
+from protocol.methods import Method
+from protocol.types import Event, Params
 
 T = TypeVar("T")
+_GONE = (FileNotFoundError, ConnectionRefusedError, NotADirectoryError)
 
 
-class PodClient:
-    def __init__(self, sock: socket.socket, target: str) -> None:
+class PodClient(ClientMethods, SyncCaller):
+    def __init__(
+        self, sock: socket.socket, target: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
         self._sock = sock
-        self._core = ClientCore()
+        self._core = ClientCore(max_frame_bytes)
         self.target = target
 
     @classmethod
-    def connect(cls, target: str | Path, timeout: float | None = None) -> "PodClient":
-        """Connect to a pod by name (looked up under the runtime dir) or by socket path."""
+    def connect(
+        cls,
+        target: str | Path,
+        timeout: float | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> "PodClient":
+        """Connect to a pod by name (looked up under the runtime dir) or by socket path.
+
+        Refuses (UnsafeSocket) a socket that another user owns or serves, before sending anything.
+        """
         path = resolve_socket(target)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout)
         try:
+            check_socket_owner(path)
             sock.connect(str(path))
-        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
+            check_peer(sock, path)
+        except _GONE as exc:
             sock.close()
             raise PodNotRunning(str(target), f"no socket at {path}") from exc
-        except OSError:
+        except BaseException:
             sock.close()
             raise
-        return cls(sock, str(target))
+        return cls(sock, str(target), max_frame_bytes)
 
     def close(self) -> None:
         self._sock.close()
@@ -75,12 +85,22 @@ class PodClient:
             raise ConnectionClosed(f"pod {self.target!r} closed the connection")
         self._core.feed(data)
 
-    def call(self, method: str, params: dict[str, Any] | None, result_type: type[T]) -> T:
+    def _roundtrip(self, method: str, params: Params | dict[str, Any] | None, rtype: type[T]) -> T:
         request_id, data = self._core.request(method, params)
-        self._sock.sendall(data)
-        while request_id not in self._core.replies:
-            self._receive()
-        return self._core.take(request_id, result_type)
+        try:
+            self._sock.sendall(data)
+            while not self._core.has_reply(request_id):
+                self._receive()
+        except BaseException:
+            self._core.forget(request_id)
+            raise
+        return self._core.take(request_id, rtype)
+
+    def _invoke(self, method: Method[Params, T], params: Params) -> T:
+        return self._roundtrip(method.name, params, method.result)
+
+    def call(self, method: str, params: dict[str, Any] | None, result_type: type[T]) -> T:
+        return self._roundtrip(method, params, result_type)
 
     def call_raw(self, method: str, params: dict[str, Any] | None = None) -> Any:
         """Any method, untyped result (podctl rpc)."""
@@ -96,62 +116,3 @@ class PodClient:
             while self._core.events:
                 yield self._core.events.popleft()
             self._receive()
-
-    # --- one method per RPC --------------------------------------------------------------------
-
-    def run(
-        self,
-        input: str,
-        mode: Literal["queue", "steer"] = "queue",
-        client_key: str | None = None,
-    ) -> RunResult:
-        params = clean_params({"input": input, "mode": mode, "client_key": client_key})
-        return self.call("run", params, RunResult)
-
-    def run_wait(
-        self,
-        input: str,
-        mode: Literal["queue", "steer"] = "queue",
-        client_key: str | None = None,
-    ) -> RunWaitResult:
-        params = clean_params({"input": input, "mode": mode, "client_key": client_key})
-        return self.call("run", {**params, "wait": True}, RunWaitResult)
-
-    def notify(
-        self, message: str, source: str | None = None, client_key: str | None = None
-    ) -> NotifyResult:
-        params = clean_params({"message": message, "source": source, "client_key": client_key})
-        return self.call("notify", params, NotifyResult)
-
-    def resume(self) -> ResumeResult:
-        return self.call("resume", None, ResumeResult)
-
-    def pause(self) -> PauseResult:
-        return self.call("pause", None, PauseResult)
-
-    def cancel(self, run_id: str | None = None) -> CancelResult:
-        return self.call("cancel", clean_params({"run_id": run_id}), CancelResult)
-
-    def status(self) -> StatusResult:
-        return self.call("status", None, StatusResult)
-
-    def history(self, since: int = 0, limit: int | None = None) -> HistoryResult:
-        return self.call("history", clean_params({"since": since, "limit": limit}), HistoryResult)
-
-    def usage(self) -> UsageResult:
-        return self.call("usage", None, UsageResult)
-
-    def subscribe(self, since: int | None = None) -> SubscribeResult:
-        return self.call("subscribe", clean_params({"since": since}), SubscribeResult)
-
-    def compact(self) -> CompactResult:
-        return self.call("compact", None, CompactResult)
-
-    def pod_event(
-        self, pod: str, kind: str, run_id: str | None = None, text: str | None = None
-    ) -> AcceptedResult:
-        params = clean_params({"pod": pod, "kind": kind, "run_id": run_id, "text": text})
-        return self.call("pod_event", params, AcceptedResult)
-
-    def shutdown(self) -> OkResult:
-        return self.call("shutdown", None, OkResult)

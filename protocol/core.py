@@ -1,26 +1,51 @@
 """The sans-IO half of PodClient, shared by the sync and the async client.
 
-It turns calls into request bytes and received bytes into replies and events; the two clients
-only move bytes.
+It turns calls into request bytes and received bytes into replies and events, and declares every
+client method once, from the method table: the two clients only move bytes.
 """
 
 import os
+import socket
+import struct
 from collections import deque
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import msgspec
 
-from protocol import paths
-from protocol.errors import RpcError
-from protocol.framing import LineFramer, Oversize
-from protocol.types import Event, Response
+from protocol import methods, paths
+from protocol.errors import (
+    INTERNAL_ERROR,
+    PARSE_ERROR,
+    FrameTooLarge,
+    RpcError,
+    UnsafeSocket,
+    error_for,
+)
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES, LineFramer, Oversize
+from protocol.methods import Method
+from protocol.types import (
+    CancelParams,
+    Event,
+    NoParams,
+    Params,
+    PodEventParams,
+    Response,
+    SubscribeParams,
+)
 
 T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
+PT = TypeVar("PT", bound=Params)
 
 _encoder = msgspec.json.Encoder()
 _response_decoder = msgspec.json.Decoder(Response)
 _event_decoder = msgspec.json.Decoder(Event)
+_PEERCRED = struct.Struct("3i")
+# Replies may be larger than requests (history): the client reads up to this much per frame.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
 def resolve_socket(target: str | os.PathLike[str]) -> Path:
@@ -35,40 +60,154 @@ def clean_params(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v is not None}
 
 
+def _check_uid(uid: int, what: str) -> None:
+    me = os.getuid()
+    if uid not in (me, 0):
+        raise UnsafeSocket(
+            f"{what} belongs to uid {uid}, not to you (uid {me}): refusing to use it"
+        )
+
+
+def check_socket_owner(path: Path) -> None:
+    """Refuse a socket file another user owns (SPEC §2): it may be an impostor's.
+
+    Raises FileNotFoundError when there is no socket, like connect() would.
+    """
+    _check_uid(os.stat(path).st_uid, f"socket {path}")
+
+
+def check_peer(sock: socket.socket, path: Path) -> None:
+    """Refuse a connection whose listening process runs as another user (no race with a swap)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, _ = _PEERCRED.unpack(raw)
+    _check_uid(uid, f"the process (pid {pid}) behind socket {path}")
+
+
 class ClientCore:
-    def __init__(self) -> None:
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.max_frame_bytes = max_frame_bytes
         self._next_id = 0
-        self._framer = LineFramer(max_frame_bytes=64 * 1024 * 1024)
+        self._framer = LineFramer(max_frame_bytes=MAX_REPLY_BYTES)
+        self._inflight: dict[int, None] = {}  # sent and not yet answered, oldest first
         self.replies: dict[int | str | None, Response] = {}
         self.events: deque[Event] = deque()
 
-    def request(self, method: str, params: dict[str, Any] | None) -> tuple[int, bytes]:
-        self._next_id += 1
-        msg: dict[str, Any] = {"jsonrpc": "2.0", "id": self._next_id, "method": method}
-        if params:
-            msg["params"] = params
-        return self._next_id, _encoder.encode(msg) + b"\n"
+    def _frame(self, head: bytes, params: Params | dict[str, Any] | None) -> bytes:
+        body = _encoder.encode(params) if params is not None else b"{}"
+        frame = head + (b',"params":' + body if body != b"{}" else b"") + b"}"
+        if len(frame) > self.max_frame_bytes:
+            # The pod would discard it after reading it all: say so before sending a byte.
+            raise FrameTooLarge(len(frame), self.max_frame_bytes)
+        return frame + b"\n"
 
-    def notification(self, method: str, params: dict[str, Any] | None) -> bytes:
-        msg: dict[str, Any] = {"jsonrpc": "2.0", "method": method}
-        if params:
-            msg["params"] = params
-        return _encoder.encode(msg) + b"\n"
+    def request(self, method: str, params: Params | dict[str, Any] | None) -> tuple[int, bytes]:
+        rid = self._next_id + 1
+        frame = self._frame(
+            b'{"jsonrpc":"2.0","id":%d,"method":%b' % (rid, _encoder.encode(method)), params
+        )
+        self._next_id = rid
+        self._inflight[rid] = None
+        return rid, frame
+
+    def notification(self, method: str, params: Params | dict[str, Any] | None) -> bytes:
+        return self._frame(b'{"jsonrpc":"2.0","method":%b' % _encoder.encode(method), params)
 
     def feed(self, data: bytes) -> None:
         for line in self._framer.feed(data):
             if isinstance(line, Oversize):
-                raise RpcError(-32700, f"reply of {line.size} bytes exceeds the client's limit")
+                raise RpcError(
+                    PARSE_ERROR, f"reply of {line.size} bytes exceeds the client's limit"
+                )
             reply = _response_decoder.decode(line)
             if reply.method == "event" and not isinstance(reply.params, msgspec.UnsetType):
                 self.events.append(_event_decoder.decode(reply.params))
+            elif reply.id is None and self._unanswered() is not None:
+                # The pod could not read the id of a request (e.g. one it found too large): the
+                # answer belongs to the oldest request still waiting, or its caller hangs.
+                self.replies[self._unanswered()] = reply
             else:
                 self.replies[reply.id] = reply
 
+    def _unanswered(self) -> int | None:
+        return next((rid for rid in self._inflight if rid not in self.replies), None)
+
+    def has_reply(self, request_id: int) -> bool:
+        return request_id in self.replies
+
+    def forget(self, request_id: int) -> None:
+        """The caller gave up on `request_id` (timeout, cancel): a late reply is dropped."""
+        self._inflight.pop(request_id, None)
+        self.replies.pop(request_id, None)
+
     def take(self, request_id: int, result_type: type[T]) -> T:
+        self._inflight.pop(request_id, None)
         reply = self.replies.pop(request_id)
         if not isinstance(reply.error, msgspec.UnsetType):
-            raise RpcError(reply.error.code, reply.error.message, reply.error.data)
+            raise error_for(reply.error.code, reply.error.message, reply.error.data)
         if isinstance(reply.result, msgspec.UnsetType):
-            raise RpcError(-32603, "reply has neither result nor error")
+            raise RpcError(INTERNAL_ERROR, "reply has neither result nor error")
         return msgspec.json.decode(reply.result, type=result_type)
+
+
+# --- client methods, declared once for both clients --------------------------------------------
+
+
+class SyncCaller:
+    def _invoke(self, method: Method[Params, R], params: Params) -> R:
+        raise NotImplementedError
+
+
+class AsyncCaller:
+    async def _invoke(self, method: Method[Params, R], params: Params) -> R:
+        raise NotImplementedError
+
+
+class Rpc(Generic[P, R]):
+    """A client method: its arguments build the params Struct, its result is the method's.
+
+    On a PodClient it returns the result; on an AsyncPodClient, an awaitable of it.
+    """
+
+    def __init__(self, method: Method[PT, R], build: Callable[P, PT]) -> None:
+        self.method: Method[Params, R] = method
+        self.build = build
+        self.name = method.name
+
+    def __set_name__(self, owner: type[Any], name: str) -> None:
+        self.name = name  # run_wait, not run, in reprs and tracebacks
+
+    @overload
+    def __get__(self, obj: None, owner: type[Any]) -> "Rpc[P, R]": ...
+    @overload
+    def __get__(self, obj: AsyncCaller, owner: type[Any]) -> Callable[P, Awaitable[R]]: ...
+    @overload
+    def __get__(self, obj: SyncCaller, owner: type[Any]) -> Callable[P, R]: ...
+    def __get__(self, obj: Any, owner: type[Any]) -> Any:
+        if obj is None:
+            return self
+        method, build = self.method, self.build
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> Any:
+            return obj._invoke(method, build(*args, **kwargs))
+
+        call.__name__ = self.name
+        call.__qualname__ = f"{type(obj).__name__}.{self.name}"
+        return call
+
+
+class ClientMethods:
+    """One attribute per method of `protocol.methods.METHODS` (a test checks it stays so)."""
+
+    run = Rpc(methods.RUN, methods.run_params)
+    run_wait = Rpc(methods.RUN_WAIT, methods.run_wait_params)
+    notify = Rpc(methods.NOTIFY, methods.notify_params)
+    resume = Rpc(methods.RESUME, NoParams)
+    pause = Rpc(methods.PAUSE, NoParams)
+    cancel = Rpc(methods.CANCEL, CancelParams)
+    status = Rpc(methods.STATUS, NoParams)
+    history = Rpc(methods.HISTORY, methods.history_params)
+    usage = Rpc(methods.USAGE, NoParams)
+    subscribe = Rpc(methods.SUBSCRIBE, SubscribeParams)
+    compact = Rpc(methods.COMPACT, NoParams)
+    pod_event = Rpc(methods.POD_EVENT, PodEventParams)
+    shutdown = Rpc(methods.SHUTDOWN, NoParams)

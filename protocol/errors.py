@@ -1,6 +1,10 @@
-"""JSON-RPC error codes (SPEC §5) and the exceptions clients see."""
+"""JSON-RPC error codes (SPEC §5) and the exceptions clients see.
 
-from typing import Any
+Every application error code has its own `RpcError` subclass, so callers can write
+`except QueueFull:`; each is still an `RpcError` with `.code`, `.message` and `.data`.
+"""
+
+from typing import Any, ClassVar
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
@@ -29,6 +33,73 @@ class RpcError(Exception):
         self.data = data
 
 
+class ApplicationError(RpcError):
+    """Base of the per-code errors: constructed from a message alone."""
+
+    CODE: ClassVar[int]
+
+    def __init__(self, message: str, data: Any = None) -> None:
+        super().__init__(self.CODE, message, data)
+
+
+class NotPaused(ApplicationError):
+    CODE = NOT_PAUSED
+
+
+class QueueFull(ApplicationError):
+    CODE = QUEUE_FULL
+
+
+class NotRunning(ApplicationError):
+    CODE = NOT_RUNNING
+
+
+class ShuttingDown(ApplicationError):
+    CODE = SHUTTING_DOWN
+
+
+class ScopeDenied(ApplicationError):
+    CODE = SCOPE_DENIED
+
+
+class ConflictingClientKey(ApplicationError):
+    CODE = CONFLICTING_CLIENT_KEY
+
+
+class BudgetExhausted(ApplicationError):
+    CODE = BUDGET_EXHAUSTED
+
+
+class Busy(ApplicationError):
+    CODE = BUSY
+
+
+class HookRefused(ApplicationError):
+    CODE = HOOK_REFUSED
+
+
+class FrameTooLarge(RpcError):
+    """A request the client refused to send: its frame is over the pod's `max_frame_bytes`."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(
+            INVALID_REQUEST,
+            f"request of {size} bytes exceeds the frame limit of {limit} bytes "
+            f"({limit / 2**20:g} MiB, the pod's max_frame_bytes); nothing was sent",
+        )
+        self.size = size
+        self.limit = limit
+
+
+_BY_CODE = {cls.CODE: cls for cls in ApplicationError.__subclasses__()}
+
+
+def error_for(code: int, message: str, data: Any = None) -> RpcError:
+    """The exception for an error reply: the code's own subclass when it has one."""
+    cls = _BY_CODE.get(code)
+    return cls(message, data) if cls is not None else RpcError(code, message, data)
+
+
 class PodNotRunning(Exception):
     """No pod answers at that name or socket."""
 
@@ -40,3 +111,7 @@ class PodNotRunning(Exception):
 
 class ConnectionClosed(Exception):
     """The pod closed the connection before answering."""
+
+
+class UnsafeSocket(PermissionError):
+    """The socket (or the process behind it) belongs to another user: nothing was sent to it."""

@@ -1,18 +1,29 @@
 """Newline-delimited JSON framing as a sans-IO buffer: bytes in, complete lines out."""
 
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
+HEAD_BYTES = 256  # kept of an oversize line, so the server can still read its id
 
 
 class Oversize:
-    """Marks a line longer than the limit; its bytes were discarded up to the next newline."""
+    """Marks a line longer than the limit; its bytes were discarded up to the next newline.
 
-    __slots__ = ("size",)
+    `head` is the line's first HEAD_BYTES bytes.
+    """
 
-    def __init__(self, size: int) -> None:
+    __slots__ = ("head", "size")
+
+    def __init__(self, size: int, head: bytes = b"") -> None:
         self.size = size
+        self.head = head
 
     def __repr__(self) -> str:
         return f"Oversize({self.size})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Oversize) and other.size == self.size
+
+    def __hash__(self) -> int:
+        return hash(self.size)
 
 
 class LineFramer:
@@ -26,6 +37,7 @@ class LineFramer:
         self.max_frame_bytes = max_frame_bytes
         self._buf = bytearray()
         self._discarding = 0  # bytes of an oversize line skipped so far; 0 when not discarding
+        self._head = b""  # the first bytes of the line being skipped
 
     def feed(self, data: bytes) -> list[bytes | Oversize]:
         out: list[bytes | Oversize] = []
@@ -37,14 +49,16 @@ class LineFramer:
                 if nl < 0:
                     self._discarding += n - start
                     return out
-                out.append(Oversize(self._discarding + nl - start))
+                out.append(Oversize(self._discarding + nl - start, self._head))
                 self._discarding = 0
+                self._head = b""
                 start = nl + 1
                 continue
             if nl < 0:
                 self._buf += data[start:]
                 if len(self._buf) > self.max_frame_bytes:
                     self._discarding = len(self._buf)
+                    self._head = bytes(self._buf[:HEAD_BYTES])
                     self._buf.clear()
                 return out
             if self._buf:
@@ -55,12 +69,21 @@ class LineFramer:
                 line = data[start:nl]
             start = nl + 1
             if len(line) > self.max_frame_bytes:
-                out.append(Oversize(len(line)))
+                out.append(Oversize(len(line), line[:HEAD_BYTES]))
             elif line.strip():
                 out.append(line)
         return out
+
+    def close(self) -> list[bytes | Oversize]:
+        """At end of stream: the last line, when it had no newline (as `printf '{...}' | socat`)."""
+        return self.feed(b"\n") if self.pending else []
 
     @property
     def pending(self) -> int:
         """Bytes of an incomplete line held (or being skipped)."""
         return len(self._buf) or self._discarding
+
+    @property
+    def held(self) -> int:
+        """Bytes of memory the incomplete line holds (a skipped line holds none)."""
+        return len(self._buf)

@@ -1,7 +1,8 @@
 """Wire types of the control socket (SPEC §5): the JSON-RPC envelope, params, results, events.
 
 Params are decoded with `forbid_unknown_fields`, so a typo in a field name is a -32602 that names
-it instead of a silently ignored option.
+it instead of a silently ignored option. Which method takes which params and answers which result
+is `protocol.methods.METHODS`.
 """
 
 from typing import Any, Literal
@@ -44,7 +45,12 @@ class Response(Struct, kw_only=True, omit_defaults=True):
 # --- params -----------------------------------------------------------------------------------
 
 
-class Params(Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+DEFAULT_SOURCE = "user"
+DEFAULT_HISTORY_LIMIT = 200
+
+
+# Positional fields (no kw_only): the clients' methods take their arguments in field order.
+class Params(Struct, forbid_unknown_fields=True, omit_defaults=True):
     pass
 
 
@@ -61,7 +67,7 @@ class RunParams(Params):
 
 class NotifyParams(Params):
     message: str
-    source: str = "user"
+    source: str = DEFAULT_SOURCE
     client_key: str | None = None
 
 
@@ -71,7 +77,7 @@ class CancelParams(Params):
 
 class HistoryParams(Params):
     since: int = 0
-    limit: int = 200
+    limit: int = DEFAULT_HISTORY_LIMIT
 
 
 class SubscribeParams(Params):
@@ -210,22 +216,6 @@ class Event(Struct, kw_only=True, omit_defaults=True):
     data: dict[str, Any] = msgspec.field(default_factory=dict)
     run_id: str | None = None
 
-
-# Method name -> params type. The server validates against it; the client builds from it.
-METHOD_PARAMS: dict[str, type[Params]] = {
-    "run": RunParams,
-    "notify": NotifyParams,
-    "resume": NoParams,
-    "pause": NoParams,
-    "cancel": CancelParams,
-    "status": NoParams,
-    "history": HistoryParams,
-    "usage": NoParams,
-    "subscribe": SubscribeParams,
-    "compact": NoParams,
-    "pod_event": PodEventParams,
-    "shutdown": NoParams,
-}
 
 EVENT_TYPES = frozenset(
     {

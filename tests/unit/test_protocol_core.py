@@ -1,24 +1,35 @@
 """The sans-IO client core: request bytes out, replies and events demultiplexed from frames in."""
 
+import asyncio
+import socket
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
 import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from protocol import errors
-from protocol.core import ClientCore, clean_params, resolve_socket
+from protocol.aio import AsyncPodClient
+from protocol.client import PodClient
+from protocol.core import ClientCore, ClientMethods, Rpc, SyncCaller, clean_params, resolve_socket
 from protocol.errors import RpcError
+from protocol.methods import METHODS, Method
 from protocol.types import (
-    METHOD_PARAMS,
     CancelParams,
     Event,
     NotifyParams,
     NotifyResult,
+    Params,
     RunParams,
     RunResult,
     StatusResult,
     SubscribeParams,
 )
+
+T = TypeVar("T")
 
 
 def reply(rid: int, result: object) -> bytes:
@@ -124,7 +135,7 @@ def test_take_raises_rpc_error_with_code_message_and_data() -> None:
     assert rid not in core.replies
 
 
-def test_error_without_id_is_stored_under_none() -> None:
+def test_error_without_id_and_nothing_in_flight_is_stored_under_none() -> None:
     core = ClientCore()
     core.feed(error_reply(None, errors.PARSE_ERROR, "parse error: bad"))
     assert core.replies[None].error.code == -32700  # type: ignore[union-attr]
@@ -222,7 +233,196 @@ def test_params_defaults() -> None:
     assert (run.mode, run.client_key, run.wait) == ("queue", None, False)
     assert msgspec.json.decode(b'{"message":"m"}', type=NotifyParams).source == "user"
     # Every method decodes an empty params object when it has no required field.
-    for method, ptype in METHOD_PARAMS.items():
-        if method in ("run", "notify", "pod_event"):
+    for name, method in METHODS.items():
+        if name in ("run", "notify", "pod_event"):
             continue
-        msgspec.json.decode(b"{}", type=ptype)
+        msgspec.json.decode(b"{}", type=method.params)
+
+
+# --- error classes, the frame limit, id:null replies (issue 9) --------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "cls"),
+    [
+        (errors.NOT_PAUSED, errors.NotPaused),
+        (errors.QUEUE_FULL, errors.QueueFull),
+        (errors.NOT_RUNNING, errors.NotRunning),
+        (errors.SHUTTING_DOWN, errors.ShuttingDown),
+        (errors.SCOPE_DENIED, errors.ScopeDenied),
+        (errors.CONFLICTING_CLIENT_KEY, errors.ConflictingClientKey),
+        (errors.BUDGET_EXHAUSTED, errors.BudgetExhausted),
+        (errors.BUSY, errors.Busy),
+        (errors.HOOK_REFUSED, errors.HookRefused),
+    ],
+)
+def test_application_errors_raise_their_own_class(code: int, cls: type[RpcError]) -> None:
+    core = ClientCore()
+    rid, _ = core.request("notify", {"message": "m"})
+    core.feed(error_reply(rid, code, "nope", {"x": 1}))
+    with pytest.raises(cls) as info:
+        core.take(rid, NotifyResult)
+    assert isinstance(info.value, RpcError)
+    assert (info.value.code, info.value.message, info.value.data) == (code, "nope", {"x": 1})
+
+
+def test_other_codes_stay_plain_rpc_errors() -> None:
+    core = ClientCore()
+    rid, _ = core.request("nope", None)
+    core.feed(error_reply(rid, errors.METHOD_NOT_FOUND, "method not found: nope"))
+    with pytest.raises(RpcError) as info:
+        core.take(rid, NotifyResult)
+    assert type(info.value) is RpcError and info.value.code == -32601
+
+
+def test_a_frame_over_the_limit_is_refused_before_sending() -> None:
+    core = ClientCore(max_frame_bytes=100)
+    with pytest.raises(errors.FrameTooLarge) as info:
+        core.request("run", RunParams("x" * 100))
+    assert info.value.code == errors.INVALID_REQUEST
+    assert "exceeds the frame limit of 100 bytes" in info.value.message
+    with pytest.raises(errors.FrameTooLarge):
+        core.notification("notify", NotifyParams("x" * 100))
+    rid, frame = core.request("run", RunParams("x" * 20))  # the refused one used no id
+    assert rid == 1 and len(frame) - 1 <= 100
+
+
+def test_frame_limit_is_inclusive() -> None:
+    _, frame = ClientCore().request("run", RunParams("x"))
+    exact = len(frame) - 1
+    ClientCore(max_frame_bytes=exact).request("run", RunParams("x"))
+    with pytest.raises(errors.FrameTooLarge):
+        ClientCore(max_frame_bytes=exact - 1).request("run", RunParams("x"))
+
+
+def test_null_id_error_answers_the_oldest_request_still_waiting() -> None:
+    core = ClientCore()
+    r1, _ = core.request("status", None)
+    r2, _ = core.request("run", {"input": "big"})
+    core.feed(reply(r1, {"n": 1}))
+    core.feed(error_reply(None, errors.INVALID_REQUEST, "frame too large"))
+    assert core.has_reply(r2) and None not in core.replies
+    with pytest.raises(RpcError, match="frame too large"):
+        core.take(r2, RunResult)
+    assert msgspec.json.decode(core.replies[r1].result) == {"n": 1}  # type: ignore[arg-type]
+
+
+def test_a_forgotten_request_gets_no_null_id_answer() -> None:
+    core = ClientCore()
+    r1, _ = core.request("status", None)
+    r2, _ = core.request("status", None)
+    core.forget(r1)  # e.g. timed out
+    core.feed(error_reply(None, errors.PARSE_ERROR, "bad"))
+    assert core.has_reply(r2) and not core.has_reply(r1)
+
+
+# --- the client methods come from the method table ---------------------------------------------
+
+
+def test_client_methods_cover_the_method_table_exactly() -> None:
+    bound = {name: attr for name, attr in vars(ClientMethods).items() if isinstance(attr, Rpc)}
+    assert {rpc.method.name for rpc in bound.values()} == set(METHODS)
+    for name, rpc in bound.items():
+        assert rpc.method.name == name.removesuffix("_wait")
+        assert rpc.method.params is METHODS[rpc.method.name].params
+
+
+class Recorder(ClientMethods, SyncCaller):
+    def __init__(self) -> None:
+        self.core = ClientCore()
+        self.sent: list[dict[str, object]] = []
+
+    def _invoke(self, method: Method[Params, T], params: Params) -> T:
+        _, frame = self.core.request(method.name, params)
+        self.sent.append(msgspec.json.decode(frame))
+        return None  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("call", "method", "params"),
+    [
+        (lambda c: c.run("hi"), "run", {"input": "hi"}),
+        (
+            lambda c: c.run("hi", mode="steer", client_key="k"),
+            "run",
+            {"input": "hi", "mode": "steer", "client_key": "k"},
+        ),
+        (lambda c: c.run_wait("hi"), "run", {"input": "hi", "wait": True}),
+        (lambda c: c.notify("m"), "notify", {"message": "m"}),
+        (lambda c: c.notify("m", source=None), "notify", {"message": "m"}),
+        (
+            lambda c: c.notify("m", "ci", "k"),
+            "notify",
+            {"message": "m", "source": "ci", "client_key": "k"},
+        ),
+        (lambda c: c.history(), "history", None),
+        (lambda c: c.history(since=3, limit=None), "history", {"since": 3}),
+        (lambda c: c.history(0, 5), "history", {"limit": 5}),
+        (lambda c: c.cancel("r1"), "cancel", {"run_id": "r1"}),
+        (lambda c: c.subscribe(7), "subscribe", {"since": 7}),
+        (lambda c: c.subscribe(), "subscribe", None),
+        (
+            lambda c: c.pod_event("kid", "run.finished", text="t"),
+            "pod_event",
+            {"pod": "kid", "kind": "run.finished", "text": "t"},
+        ),
+        (lambda c: c.status(), "status", None),
+        (lambda c: c.compact(), "compact", None),
+        (lambda c: c.shutdown(), "shutdown", None),
+    ],
+)
+def test_client_methods_send_what_the_api_says(
+    call: Callable[[Recorder], object], method: str, params: dict[str, object] | None
+) -> None:
+    rec = Recorder()
+    call(rec)
+    [sent] = rec.sent
+    assert sent["method"] == method
+    assert sent.get("params") == params
+
+
+# --- both clients over a real socket: an id:null error ends the call --------------------------
+
+
+def null_id_server(sock: socket.socket) -> threading.Thread:
+    """Reads one request line, answers it with an error whose id is null (as a pod does for a
+    frame it could not read), then with nothing."""
+
+    def serve() -> None:
+        buf = b""
+        while not buf.endswith(b"\n"):
+            buf += sock.recv(1 << 16)
+        sock.sendall(error_reply(None, errors.INVALID_REQUEST, "frame too large; discarded"))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sync_client_takes_a_null_id_error_as_its_answer() -> None:
+    mine, theirs = socket.socketpair(socket.AF_UNIX)
+    mine.settimeout(10)
+    thread = null_id_server(theirs)
+    client = PodClient(mine, "pair")
+    with pytest.raises(RpcError, match="frame too large") as info:
+        client.run("x")
+    assert info.value.code == errors.INVALID_REQUEST
+    thread.join()
+    client.close()
+    theirs.close()
+
+
+def test_async_client_takes_a_null_id_error_as_its_answer() -> None:
+    mine, theirs = socket.socketpair(socket.AF_UNIX)
+    thread = null_id_server(theirs)
+
+    async def go() -> None:
+        reader, writer = await asyncio.open_unix_connection(sock=mine)
+        client = AsyncPodClient(reader, writer, "pair")
+        with pytest.raises(RpcError, match="frame too large"):
+            await asyncio.wait_for(client.run("x"), 10)
+        await client.close()
+
+    asyncio.run(go())
+    thread.join()
+    theirs.close()

@@ -1,0 +1,159 @@
+"""9. Memory per connection: a client that never reads its replies, and partial frames.
+
+Peak RSS (VmHWM) of a pod while 8 client processes send 100k `status` requests in all, with one
+more client that sends requests as fast as it can and never reads a reply, against a second pod
+under the same 8 senders without it. Then 40 clients each holding a partial frame of almost
+8 MiB (the default `max_frame_bytes`). The server disconnects a client past its bound with an
+alert; the others are unaffected.
+"""
+
+import contextlib
+import socket
+import threading
+
+from bench.harness import (
+    Home,
+    LoadResult,
+    Row,
+    Section,
+    load,
+    request_line,
+    value_le,
+    vm_rss_mb,
+)
+from protocol import PodClient
+
+SENDERS = 8
+REQUESTS = 100_000
+PARTIAL_CLIENTS = 40
+PARTIAL_BYTES = 8 * 1024 * 1024 - 1024
+
+
+def vm_hwm_mb(pid: int) -> float:
+    return vm_rss_mb(pid, "VmHWM")
+
+
+class Hog(threading.Thread):
+    """Sends `status` requests without ever reading, until the pod drops it or `stop` is set."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(daemon=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(path)
+        self.sock.settimeout(0.2)
+        self.stop = threading.Event()
+        self.sent = 0
+        self.dropped = False
+
+    def run(self) -> None:
+        chunk = request_line("status") * 1000
+        while not self.stop.is_set():
+            try:
+                self.sock.sendall(chunk)
+                self.sent += 1000
+            except TimeoutError:
+                continue  # the pod is busy with the others: try again
+            except OSError:
+                self.dropped = True
+                return
+
+
+def _first_alert(watcher: PodClient) -> str:
+    try:
+        for event in watcher.events():
+            if event.type == "alert":
+                return str(event.data.get("message"))
+    except TimeoutError:
+        pass
+    return "none seen"
+
+
+def _senders(path: str) -> LoadResult:
+    return load(path, request_line("status"), clients=SENDERS, count=REQUESTS // SENDERS, warmup=0)
+
+
+def run(sec: Section) -> None:
+    line_status = "status requests, not pipelined (bench.worker)"
+    with Home() as home:
+        plain = home.start_pod("plain")
+        hogged = home.start_pod("hogged")
+        base_idle = vm_hwm_mb(plain.pid)
+        res_plain = _senders(plain.socket)
+        base_peak = vm_hwm_mb(plain.pid)
+
+        with PodClient.connect(hogged.socket, timeout=10) as watcher:
+            watcher.subscribe()
+            hog = Hog(hogged.socket)
+            hog.start()
+            res_hog = _senders(hogged.socket)
+            hog.stop.set()
+            hog.join(10)
+            peak = vm_hwm_mb(hogged.pid)
+            alert = _first_alert(watcher) if hog.dropped else "none"
+        sec.add(
+            Row(
+                f"peak RSS: {SENDERS} senders + 1 client that never reads",
+                peak,
+                "MB",
+                base_peak,
+                f"{SENDERS} senders alone (other pod)",
+            )
+        )
+        sec.add(
+            Row(
+                "  of which the never-reading client",
+                peak - base_peak,
+                "MB",
+                target=value_le(24, "MB"),
+            )
+        )
+        sec.add(
+            Row(
+                f"{SENDERS} senders' req/s beside it",
+                res_hog.rps,
+                "req/s",
+                res_plain.rps,
+                "without it (other pod)",
+            )
+        )
+        sec.note(
+            f"{REQUESTS} {line_status}; the never-reading client sent {hog.sent} requests and "
+            f"was {'disconnected' if hog.dropped else 'NOT disconnected'} (alert: {alert}); "
+            f"idle pod {base_idle:.1f} MB"
+        )
+
+        pod = home.start_pod("partial")
+        idle = vm_hwm_mb(pod.pid)
+        head = b'{"jsonrpc":"2.0","id":1,"method":"status"'
+        part = head + b" " * (PARTIAL_BYTES - len(head))
+        socks: list[socket.socket] = []
+        dropped = 0
+        for _ in range(PARTIAL_CLIENTS):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(30)
+            s.connect(pod.socket)
+            socks.append(s)
+            try:
+                s.sendall(part)
+            except OSError:
+                dropped += 1
+        with pod.rpc() as c:
+            c.call("status")  # the pod still answers others
+        peak_partial = vm_hwm_mb(pod.pid)
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.close()
+        sec.add(
+            Row(
+                f"peak RSS: {PARTIAL_CLIENTS} clients x partial {PARTIAL_BYTES / 2**20:.1f} MiB",
+                peak_partial,
+                "MB",
+                idle,
+                "the same pod idle",
+            )
+        )
+        sec.add(Row("  growth", peak_partial - idle, "MB", target=value_le(100, "MB")))
+        sec.note(
+            f"{dropped} of {PARTIAL_CLIENTS} partial-frame clients disconnected (partial frames of "
+            "all connections together are bounded to 64 MiB)"
+        )

@@ -1,0 +1,380 @@
+"""Issue 9, items 1-4 and the client side of 6: the control socket as shell scripts, broken or
+hostile clients and other users meet it. Real pods, real sockets, real socat."""
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from protocol import PodClient, RpcError
+from protocol.aio import AsyncPodClient
+from protocol.errors import Busy, FrameTooLarge, NotPaused, QueueFull, UnsafeSocket
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES
+from tests.conftest import Env, PodProcess
+
+NOTIFY_LINE = b'{"jsonrpc":"2.0","id":1,"method":"notify","params":{"message":"hi"}}\n'
+
+
+def raw(pod: PodProcess) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(30)
+    sock.connect(pod.socket)
+    return sock
+
+
+def read_until_eof(sock: socket.socket) -> bytes:
+    out = b""
+    while chunk := sock.recv(1 << 16):
+        out += chunk
+    return out
+
+
+def replies(data: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def rpc(sock: socket.socket, line: bytes) -> dict[str, Any]:
+    """Send one line and read one reply line on a raw socket (no events subscribed)."""
+    sock.sendall(line)
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = sock.recv(1 << 16)
+        assert chunk, "the pod closed the connection"
+        buf += chunk
+    reply: dict[str, Any] = json.loads(buf)
+    return reply
+
+
+def history_notes(pod: PodProcess) -> list[str]:
+    with pod.client() as c:
+        entries = c.history(limit=1000).entries
+    return [str(e) for e in entries if "notification" in str(e.get("kind", ""))]
+
+
+# --- the method table and typed errors, end to end ----------------------------------------------
+
+
+def test_application_errors_are_their_own_classes(env: Env) -> None:
+    env.model.script({"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "busy"})
+    pod = env.start(extra="[notify]\nmax_pending = 1\n")
+    with pod.client() as c:
+        with pytest.raises(NotPaused) as not_paused:
+            c.resume()
+        assert isinstance(not_paused.value, RpcError) and not_paused.value.code == -32001
+        c.run("keep busy")
+        env.model.wait_for_requests(1)
+        c.notify("first", source="load")
+        try:
+            c.notify("second", source="load")
+        except QueueFull as exc:  # the point: callers can catch the one error they expect
+            assert exc.code == -32002 and "queue full" in exc.message
+        else:
+            raise AssertionError("no QueueFull")
+        with pytest.raises(Busy):  # compact is in the table: answered, not -32601
+            c.compact()
+        env.model.open_gate("busy")
+
+
+# --- item 1: a client that half-closes still gets its replies -----------------------------------
+
+
+@pytest.mark.skipif(shutil.which("socat") is None, reason="socat is not installed")
+def test_socat_notify_prints_the_reply(env: Env) -> None:
+    pod = env.start()
+    for i in range(3):
+        line = NOTIFY_LINE.replace(b'"id":1', b'"id":%d' % (i + 1))
+        proc = subprocess.run(
+            ["socat", "-", f"UNIX-CONNECT:{pod.socket}"],
+            input=line,
+            capture_output=True,
+            timeout=30,
+        )
+        assert proc.returncode == 0, proc.stderr
+        [reply] = replies(proc.stdout)
+        assert reply["id"] == i + 1 and reply["result"]["notification_id"], reply
+
+
+@pytest.mark.skipif(shutil.which("socat") is None, reason="socat is not installed")
+def test_socat_run_with_wait_prints_the_outcome(env: Env) -> None:
+    """socat waits -t seconds for the reply after its stdin ends; the pod closes once it has
+    answered, so socat returns as soon as the run is over."""
+    env.model.script({"text": "all good", "delay": 0.3})
+    pod = env.start()
+    line = b'{"jsonrpc":"2.0","id":1,"method":"run","params":{"input":"check","wait":true}}\n'
+    proc = subprocess.run(
+        ["socat", "-t", "30", "-", f"UNIX-CONNECT:{pod.socket}"],
+        input=line,
+        capture_output=True,
+        timeout=30,
+    )
+    [reply] = replies(proc.stdout)
+    assert reply["result"]["outcome"] == "finished" and reply["result"]["text"] == "all good"
+
+
+def test_half_closed_raw_socket_gets_every_reply_then_eof(env: Env) -> None:
+    pod = env.start()
+    sock = raw(pod)
+    lines = [
+        b'{"jsonrpc":"2.0","id":1,"method":"status"}\n',
+        NOTIFY_LINE.replace(b'"id":1', b'"id":2'),
+        # the last line without its newline: EOF ends it
+        b'{"jsonrpc":"2.0","id":3,"method":"notify","params":{"message":"no newline"}}',
+    ]
+    sock.sendall(b"".join(lines))
+    sock.shutdown(socket.SHUT_WR)
+    got = replies(read_until_eof(sock))
+    sock.close()
+    assert [r["id"] for r in got] == [1, 2, 3]
+    assert all("result" in r for r in got), got
+    assert got[2]["result"]["notification_id"]
+
+
+def test_half_closed_run_wait_gets_the_reply_when_the_run_ends(env: Env) -> None:
+    env.model.script({"text": "finished late", "gate": "w"})
+    pod = env.start()
+    sock = raw(pod)
+    sock.sendall(b'{"jsonrpc":"2.0","id":7,"method":"run","params":{"input":"go","wait":true}}\n')
+    sock.shutdown(socket.SHUT_WR)
+    env.model.wait_for_requests(1)  # the run is under way, its reply not yet due
+    env.model.open_gate("w")
+    [reply] = replies(read_until_eof(sock))
+    sock.close()
+    assert reply["id"] == 7
+    assert reply["result"]["outcome"] == "finished" and reply["result"]["text"] == "finished late"
+
+
+# --- item 2: an oversize request fails fast -----------------------------------------------------
+
+
+def test_client_refuses_a_frame_over_the_limit_before_sending(env: Env) -> None:
+    pod = env.start()
+    with pod.client(timeout=10) as c:
+        started = time.monotonic()
+        with pytest.raises(FrameTooLarge) as info:
+            c.run("x" * (9 * 1024 * 1024))
+        assert time.monotonic() - started < 2
+        assert str(DEFAULT_MAX_FRAME_BYTES) in info.value.message
+        assert isinstance(info.value, RpcError) and info.value.code == -32600
+        assert c.status().state == "idle"  # nothing was sent: the connection is as it was
+
+
+def test_pod_error_for_an_oversize_frame_answers_the_request(env: Env) -> None:
+    """A client whose limit is above the pod's: the pod's -32600 ends the call, no hang."""
+    pod = env.start()
+    with PodClient.connect(pod.socket, timeout=20, max_frame_bytes=64 << 20) as c:
+        with pytest.raises(RpcError) as info:
+            c.run("x" * (9 * 1024 * 1024))
+        assert info.value.code == -32600 and "max_frame_bytes" in info.value.message
+        assert c.status().state == "idle"
+
+
+def test_oversize_frame_error_carries_the_request_id(env: Env) -> None:
+    pod = env.start()
+    sock = raw(pod)
+    big = b'{"jsonrpc":"2.0","id":"big-1","method":"run","params":{"input":"%b"}}\n' % (
+        b"y" * (DEFAULT_MAX_FRAME_BYTES + 10)
+    )
+    reply = rpc(sock, big)
+    assert reply["id"] == "big-1" and reply["error"]["code"] == -32600
+    assert rpc(sock, b'{"jsonrpc":"2.0","id":2,"method":"status"}\n')["result"]["state"] == "idle"
+    sock.close()
+
+
+def test_podctl_send_of_10mb_from_stdin_fails_fast_with_one_line(env: Env) -> None:
+    env.start("big")
+    started = time.monotonic()
+    proc = env.podctl("send", "big", "-", input="z" * (10 * 1024 * 1024), timeout=60)
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "exceeds the frame limit" in lines[0], proc.stderr
+
+
+# --- item 3: malformed params keep the connection -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        (
+            b'{"jsonrpc":"2.0","id":5,"method":"status","params":'
+            + b"[" * 1000
+            + b"]" * 1000
+            + b"}",
+            -32700,
+        ),
+        (b"[" * 1000 + b"]" * 1000, -32700),
+        (b'{"jsonrpc":"2.0","id":5,"method":"notify","params":{"message":"a\xffb"}}', -32700),
+        (
+            b'{"jsonrpc":"2.0","id":5,"method":"notify","params":{"message":'
+            + b"[" * 3000
+            + b"]" * 3000
+            + b"}}",
+            -32700,
+        ),
+        (
+            b'[{"jsonrpc":"2.0","id":5,"method":"status","params":'
+            + b'{"a":' * 900
+            + b"1"
+            + b"}" * 900
+            + b"}]",
+            None,
+        ),
+    ],
+    ids=["deep-params", "deep-batch", "bad-utf8-params", "deep-message", "deep-in-batch"],
+)
+def test_malformed_line_is_an_error_and_the_connection_stays(
+    env: Env, line: bytes, code: int | None
+) -> None:
+    pod = env.start()
+    sock = raw(pod)
+    reply = rpc(sock, line + b"\n")
+    error = reply[0]["error"] if isinstance(reply, list) else reply["error"]
+    assert error["code"] in (-32700, -32600, -32602), reply
+    if code is not None:
+        assert error["code"] == code
+    if not line.startswith(b"[["):
+        assert (reply[0] if isinstance(reply, list) else reply)["id"] == 5
+    after = rpc(sock, b'{"jsonrpc":"2.0","id":6,"method":"status"}\n')
+    assert after["id"] == 6 and after["result"]["state"] == "idle"
+    sock.close()
+
+
+# --- item 4: memory per connection is bounded --------------------------------------------------
+
+
+def test_client_that_never_reads_is_disconnected_with_an_alert(env: Env) -> None:
+    pod = env.start()
+    with pod.client() as watcher:
+        watcher.subscribe()
+        hog = raw(pod)
+        hog.settimeout(10)  # a pod that stops reading us without dropping us fails here
+        line = b'{"jsonrpc":"2.0","id":1,"method":"status"}\n' * 1000
+        sent = 0
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            while sent < 1_000_000:  # ~400 MB of replies: far past any bound
+                hog.sendall(line)
+                sent += 1000
+        hog.close()
+        alert = next(e for e in watcher.events() if e.type == "alert")
+        assert alert.data["source"] == "server" and alert.data["level"] == "warning"
+        assert "unread" in alert.data["message"]
+        assert watcher.status().state == "idle"  # everyone else is unaffected
+
+
+def test_partial_frames_are_bounded_across_connections(env: Env) -> None:
+    pod = env.start()
+    with pod.client() as watcher:
+        watcher.subscribe()
+        # Valid JSON once finished: white space may pad a request.
+        part = b'{"jsonrpc":"2.0","id":1,"method":"status"' + b" " * (7 << 20)
+        socks = [raw(pod) for _ in range(12)]
+        dropped = 0
+        for s in socks:
+            try:
+                s.sendall(part)
+            except (BrokenPipeError, ConnectionResetError):
+                dropped += 1
+        alerts = []
+        for event in watcher.events():
+            if event.type == "alert":
+                alerts.append(event)
+                if len(alerts) >= 3:
+                    break
+        assert all("partial frames" in a.data["message"] for a in alerts)
+        # 9 frames of 7 MiB fit in 64 MiB; every later one is dropped, the first ones kept.
+        assert rpc_after_partial(socks[0]) == "ok"
+        assert watcher.status().state == "idle"
+        for s in socks:
+            s.close()
+
+
+def rpc_after_partial(sock: socket.socket) -> str:
+    """Finish a kept partial frame: its request is answered."""
+    reply = rpc(sock, b"}\n")
+    return "ok" if "result" in reply else str(reply)
+
+
+# --- item 6, client side: another user's socket is refused -------------------------------------
+
+
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second uid")
+NOBODY = 65534
+
+
+@pytest.fixture
+def impostor() -> Iterator[Path]:
+    """A socket bound and served by another uid (nobody), as an impostor pod would be."""
+    d = Path(tempfile.mkdtemp(prefix="imp", dir="/tmp"))  # /tmp: nobody can reach it
+    os.chown(d, NOBODY, NOBODY)
+    path = d / "sock"
+    code = (
+        "import os,socket,sys;os.setgid(65534);os.setuid(65534);"
+        "s=socket.socket(socket.AF_UNIX);s.bind(sys.argv[1]);s.listen();print('up',flush=True);"
+        "c,_=s.accept();data=c.recv(100);print('GOT',data,flush=True)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        yield path
+    finally:
+        proc.kill()
+        out = proc.communicate()[0]
+        shutil.rmtree(d, ignore_errors=True)
+        assert "GOT b'" not in out or "GOT b''" in out, f"the client sent data: {out}"
+
+
+@needs_root
+def test_sync_client_refuses_another_users_socket(impostor: Path) -> None:
+    with pytest.raises(UnsafeSocket, match="uid 65534"):
+        PodClient.connect(impostor, timeout=5)
+
+
+@needs_root
+def test_async_client_refuses_another_users_socket(impostor: Path) -> None:
+    async def go() -> None:
+        with pytest.raises(UnsafeSocket, match="uid 65534"):
+            await AsyncPodClient.connect(impostor)
+
+    asyncio.run(go())
+
+
+@needs_root
+def test_client_refuses_a_socket_served_by_another_user(impostor: Path) -> None:
+    """The file is ours (root's) but the process listening on it is not: SO_PEERCRED says so."""
+    os.chown(impostor, 0, 0)
+    with pytest.raises(UnsafeSocket, match=r"the process \(pid \d+\) behind socket .* uid 65534"):
+        PodClient.connect(impostor, timeout=5)
+
+
+@needs_root
+def test_client_refuses_a_socket_file_chowned_to_another_user(env: Env) -> None:
+    """The socket file's owner counts too (a swapped file over a live pod's name)."""
+    pod = env.start()
+    os.chown(pod.socket, NOBODY, NOBODY)
+    with pytest.raises(UnsafeSocket, match=f"socket {pod.socket} belongs to uid 65534"):
+        PodClient.connect(pod.socket, timeout=5)
+    proc = env.podctl("notify", pod.socket, "deploy token=s3cret")
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "belongs to uid 65534" in proc.stderr
+    os.chown(pod.socket, 0, 0)
+    assert history_notes(pod) == []  # nothing was delivered
+
+
+def test_own_socket_is_accepted(env: Env) -> None:
+    pod = env.start()
+    with PodClient.connect(pod.socket, timeout=5) as c:
+        assert msgspec.to_builtins(c.status())["state"] == "idle"
