@@ -7,7 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import Env
+import pytest
+
+from tests.conftest import Env, StartFailed
 
 BIN = Path(sys.executable).parent
 
@@ -54,3 +56,28 @@ def test_spawn_from_a_dir_with_a_poddaemon_folder_starts_the_installed_pod(env: 
         timeout=60,
     )
     assert stopped.returncode == 0, stopped.stderr
+
+
+# --- item 8: a damaged complete last line is corruption, not a torn write -------------------------
+
+
+def test_flipped_byte_in_the_complete_last_line_refuses_to_restore(env: Env) -> None:
+    pod = env.start("lastline")
+    with pod.client() as c:
+        c.run_wait("acknowledged and fsync'd")
+        sid = c.status().session_id
+    assert pod.stop() == 0
+    path = env.home / "data" / "sessions" / f"{sid}.jsonl"
+    data = bytearray(path.read_bytes())
+    lineno = data.count(b"\n")
+    assert data.endswith(b"}\n")
+    data[-2] ^= 0x01  # the last line keeps its newline but is no longer JSON
+    path.write_bytes(bytes(data))
+    with pytest.raises(StartFailed) as failed:
+        env.restart(pod, "--session", sid)
+    assert failed.value.code != 0
+    assert f"line {lineno}" in failed.value.stderr and sid in failed.value.stderr
+    assert path.read_bytes() == bytes(data)  # nothing cut
+    verify = env.podctl("sessions", "verify", sid)
+    assert verify.returncode != 0
+    assert f"line {lineno}" in verify.stderr and "ok:" not in verify.stdout
