@@ -383,7 +383,7 @@ async def watch_claim(claim: Claim, lost: Callable[[str], None]) -> None:
     """Stop the pod if its registry entry goes (pods.json edited or removed, the entry taken
     over): it could no longer promise that its name and scope are its own."""
     path = claim.registry.path
-    seen: tuple[int, int, int] | None = None
+    seen: tuple[int, int, int] | bool | None = False  # False: not looked yet (None: no file)
     while True:
         await asyncio.sleep(CLAIM_CHECK_INTERVAL)
         try:

@@ -96,13 +96,17 @@ def registry_entries(env: Env) -> dict[str, Any]:
     return json.loads(path.read_text())["pods"] if path.exists() else {}
 
 
-def test_a_lost_registry_claim_stops_the_pod_with_status_1(env: Env) -> None:
+@pytest.mark.parametrize("how", ["entry removed", "registry deleted"])
+def test_a_lost_registry_claim_stops_the_pod_with_status_1(env: Env, how: str) -> None:
     pod = env.start("claimed")
     with pod.client() as watcher:
         watcher.subscribe()
         # Someone removes the pod's entry (by hand, or a bad tool): its name and scope are no
         # longer its own, so it must stop, and say it failed.
-        assert Registry(env.home / "run").release("claimed", pod.proc.pid)
+        if how == "entry removed":
+            assert Registry(env.home / "run").release("claimed", pod.proc.pid)
+        else:
+            (env.home / "run" / "pods.json").unlink()
         alert = next(e for e in watcher.events() if e.type == "alert")
     assert alert.data["level"] == "error" and "lost the registry claim" in alert.data["message"]
     assert pod.proc.wait(20) == 1
