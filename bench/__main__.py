@@ -1,5 +1,5 @@
 """`python -m bench [section ...]`: run every section (or the named ones), print each table and
-a summary of every target. Sections: socket cli spawn agent request rss store ack conn."""
+a summary of every target. The sections are listed in SECTIONS below (and by `--help`)."""
 
 import argparse
 import sys
@@ -25,6 +25,7 @@ SECTIONS: list[tuple[str, str, str]] = [
         "9. Memory per connection: a client that never reads, partial frames",
         "bench.conn_bench",
     ),
+    ("stop", "10. Stop: shutdown to registry free and to exit", "bench.stop_bench"),
 ]
 
 

@@ -30,8 +30,12 @@ class SpawnFailed(Exception):
 
 
 def daemon_command(manifest: str, sets: list[str], session: str | None, resume: bool) -> list[str]:
-    """The `poddaemon run` command line for these podctl spawn options."""
-    cmd = [sys.executable, "-m", "poddaemon", "run", manifest]
+    """The `poddaemon run` command line for these podctl spawn options.
+
+    `-P` (Python 3.11+): do not put the current directory on `sys.path`, or a `poddaemon/`
+    folder where the user stands would be imported instead of the installed package.
+    """
+    cmd = [sys.executable, "-P", "-m", "poddaemon", "run", manifest]
     for item in sets:
         cmd += ["--set", item]
     if session:

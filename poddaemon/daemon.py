@@ -1,8 +1,17 @@
 """`poddaemon run MANIFEST`: validate, claim the scope, listen, serve, release.
 
-Start-up fails fast, with one clear line on stderr and a non-zero exit, on anything a user can
+Start-up fails fast, with one clear line on stderr and exit status 1, on anything a user can
 fix: a bad manifest, a missing API key, a pwd outside the scope, a template error, a registry
-conflict, a session that cannot be restored.
+conflict, a session that cannot be restored, a directory another user could tamper with.
+
+Exit status (SPEC §7): 0 only after a requested shutdown (the `shutdown` call, SIGTERM, SIGINT);
+1 after any failure: a session log that cannot be written, a lost registry claim, a crash. A
+supervisor's `Restart=on-failure` then restarts the pod.
+
+Shutdown gives the name up first: once the pod has stopped its run and closed its log, the
+socket and pid files go, then the registry entry (so `podctl stop p; podctl spawn m.toml` works
+at once), and only then does the process exit, without waiting for threads that cancelled calls
+left behind (an SDK import can take half a second).
 """
 
 import argparse
@@ -13,13 +22,19 @@ import os
 import signal
 import socket
 import sys
+import threading
+from collections.abc import Callable, Coroutine
 from pathlib import Path
+from typing import Any
 
 from protocol import paths
 
 log = logging.getLogger("poddaemon")
 
 READY_PREFIX = "PODDAEMON-READY"
+EXIT_OK = 0
+EXIT_FAILURE = 1
+CLAIM_CHECK_INTERVAL = 0.5  # seconds between looks at pods.json (a stat; a read when it changed)
 
 
 class StartupError(Exception):
@@ -67,10 +82,40 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "httpx2", "openai", "anthropic"):  # one INFO line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        return run_pod(args)
+        code = run_pod(args)
     except StartupError as exc:
         print(f"poddaemon: {exc}", file=sys.stderr, flush=True)
-        return 2
+        code = EXIT_FAILURE
+    except OSError as exc:  # e.g. a permission problem nobody foresaw: one line, no traceback
+        print(f"poddaemon: {_os_error(exc)}", file=sys.stderr, flush=True)
+        code = EXIT_FAILURE
+    _exit_without_joining_threads(code)
+    return code
+
+
+def _os_error(exc: OSError) -> str:
+    """One line for an OSError: its own message when it has one, else `<file>: <reason>`."""
+    if exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
+def _exit_without_joining_threads(code: int) -> None:
+    """Exit now if threads other than this one still run.
+
+    By now everything the pod owns is persisted and given up. A thread still running is a call
+    a cancelled run left behind (an SDK import, a blocking read whose result nobody wants), and
+    the interpreter would join it before exiting (concurrent.futures' atexit hook): the process
+    would linger on for nothing.
+    """
+    main = threading.main_thread()
+    if threading.current_thread() is not main:
+        return
+    if any(t is not main and t.is_alive() and not t.daemon for t in threading.enumerate()):
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def run_pod(args: argparse.Namespace) -> int:
@@ -100,16 +145,21 @@ def run_pod(args: argparse.Namespace) -> int:
         raise StartupError(
             f"{manifest.source}: worker.tools: {', '.join(missing)} not available in this version"
         )
-    scope = Scope.from_config(manifest.scope.allow, manifest.scope.deny, cwd=manifest.pod.pwd)
     pwd = resolve(manifest.pod.pwd, "/")
+    if not os.path.exists(pwd):
+        raise StartupError(f"{manifest.source}: pod.pwd: {pwd} does not exist")
+    if not os.path.isdir(pwd):
+        raise StartupError(f"{manifest.source}: pod.pwd: {pwd} is not a directory")
+    scope = Scope.from_config(manifest.scope.allow, manifest.scope.deny, cwd=manifest.pod.pwd)
     if scope.access(pwd) < Access.READ:
         raise StartupError(
             f"{manifest.source}: pod.pwd: {pwd} is not readable under the pod's scope"
         )
-    if not os.path.isdir(pwd):
-        raise StartupError(f"{manifest.source}: pod.pwd: {pwd} is not a directory")
 
-    runtime = paths.ensure_dir(paths.runtime_dir())
+    try:
+        _, runtime = paths.ensure_private_dirs()
+    except OSError as exc:
+        raise StartupError(_os_error(exc)) from None
     pod_dir = paths.pod_dir(name)
     sock_path = pod_dir / "sock"
     problem = paths.socket_path_problem(sock_path)
@@ -123,28 +173,81 @@ def run_pod(args: argparse.Namespace) -> int:
         registry.register(entry)
     except (RegistryConflict, RegistryError) as exc:
         raise StartupError(f"cannot start pod {name!r}: {exc}") from None
+    claim = Claim(registry, entry, pod_dir)
     try:
-        paths.ensure_dir(pod_dir)
-        (pod_dir / "pid").write_text(f"{os.getpid()}\n")
-        return _serve(args, manifest, scope, registry, entry, instruction, session_id, sock_path)
+        try:
+            paths.ensure_dir(pod_dir)
+            (pod_dir / "pid").write_text(f"{os.getpid()}\n")
+        except OSError as exc:
+            raise StartupError(_os_error(exc)) from None
+        return _serve(args, manifest, scope, claim, instruction, session_id)
     finally:
-        registry.release(name, entry.pid)
+        claim.release()  # once only: on the normal path _serve gave it up already
+
+
+class Claim:
+    """What a running pod holds: its registry entry (name, scope, session) and its files
+    `<runtime>/pods/<name>/{sock,pid}`. Given up once, files first: the moment the entry goes,
+    a new pod of this name may bind the same socket path, and must not lose it to our cleanup."""
+
+    def __init__(self, registry: Any, entry: Any, pod_dir: Path) -> None:
+        from poddaemon.registry import PodEntry, Registry
+
+        assert isinstance(registry, Registry) and isinstance(entry, PodEntry)
+        self.registry = registry
+        self.entry = entry
+        self.pod_dir = pod_dir
+        self.sock_path = pod_dir / "sock"
+        self.released = False
+        self.lost = False
+
+    def still_held(self) -> bool:
+        """True while pods.json names this process for this pod (a dead or reused pid never
+        passes `get`; another process's entry under our name is someone else's claim)."""
+        held = self.registry.get(self.entry.name)
+        return held is not None and (held.pid, held.start_time) == (
+            self.entry.pid,
+            self.entry.start_time,
+        )
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        pid_file = self.pod_dir / "pid"
         with contextlib.suppress(OSError):
-            (pod_dir / "pid").unlink()
+            if pid_file.read_text().strip() == str(self.entry.pid):
+                pid_file.unlink()
+        if self.lost:
+            return  # the name may be someone else's now: leave their socket and entry alone
         with contextlib.suppress(OSError):
-            sock_path.unlink()
+            self.sock_path.unlink()
+        from poddaemon.registry import RegistryError
+
+        try:
+            self.registry.release(self.entry.name, self.entry.pid)
+        except RegistryError as exc:
+            log.error("could not release the registry entry: %s", exc)
 
 
 def _session_to_restore(args: argparse.Namespace, name: str) -> str | None:
     if args.session:
-        return str(args.session)
+        from poddaemon.store.file import session_path
+
+        sid = str(args.session)
+        sessions = paths.sessions_dir()
+        try:
+            path = session_path(sessions, sid)
+        except ValueError as exc:
+            raise StartupError(f"--session: {exc}") from None
+        if not path.is_file():
+            raise StartupError(f"--session: no session {sid} under {sessions}")
+        return sid
     if args.resume:
         from poddaemon.store.file import newest_session_for
 
         found = newest_session_for(paths.sessions_dir(), name)
-        if found is None:
-            raise StartupError(f"--resume: no session of pod {name!r} in {paths.sessions_dir()}")
-        return found
+        return found  # None: no session yet, so start one (a unit always passes --resume)
     return None
 
 
@@ -152,11 +255,9 @@ def _serve(
     args: argparse.Namespace,
     manifest: object,
     scope: object,
-    registry: object,
-    entry: object,
+    claim: Claim,
     instruction: object,
     session_id: str | None,
-    sock_path: Path,
 ) -> int:
     from poddaemon.config.manifest import Manifest
     from poddaemon.events import EventBus
@@ -164,27 +265,30 @@ def _serve(
     from poddaemon.llm.threaded import ThreadedModel
     from poddaemon.pod import Pod, Services
     from poddaemon.prompt import Instruction
-    from poddaemon.registry import PodEntry, Registry
     from poddaemon.scope import Scope
     from poddaemon.server import RpcServer
     from poddaemon.store.log import LogCorrupt
     from poddaemon.toolset import Toolset
 
     assert isinstance(manifest, Manifest) and isinstance(scope, Scope)
-    assert isinstance(registry, Registry) and isinstance(entry, PodEntry)
     assert isinstance(instruction, Instruction)
+    try:
+        sessions_dir = paths.ensure_dir(paths.sessions_dir(), "sessions directory")
+    except OSError as exc:
+        raise StartupError(_os_error(exc)) from None
     bus = EventBus()
     services = Services(
         manifest=manifest,
         scope=scope,
-        registry=registry,
-        entry=entry,
+        registry=claim.registry,
+        entry=claim.entry,
         bus=bus,
-        sessions_dir=str(paths.ensure_dir(paths.sessions_dir())),
+        sessions_dir=str(sessions_dir),
         instruction=instruction,
         tools=Toolset.from_names(manifest.worker.tools),
         model=ThreadedModel(make_client(manifest.provider)),
     )
+    sock_path = claim.sock_path
 
     async def amain() -> int:
         pod = Pod(services)
@@ -195,34 +299,143 @@ def _serve(
                 raise StartupError(f"cannot restore session {session_id}: {exc}") from None
             for warning in warnings:
                 pod._alert("warning", warning)
-        server = RpcServer(pod.handlers(), bus)
-        await server.listen(sock_path)
+        ending = Ending(pod.request_shutdown, lambda: pod.pod_state == "stopping")
+        handlers = pod.handlers()
+        handlers["shutdown"] = ending.wrap_shutdown(handlers["shutdown"])
+        server = RpcServer(handlers, bus)
+        try:
+            await server.listen(sock_path)
+        except OSError as exc:
+            raise StartupError(f"cannot listen on {sock_path}: {_os_error(exc)}") from None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, pod.request_shutdown)
+            loop.add_signal_handler(sig, ending.request)
         print(f"{READY_PREFIX}\t{manifest.pod.name}\t{sock_path}", file=sys.stderr, flush=True)
         if args.stderr_log:
             _move_stderr(sock_path.parent / "stderr.log")
         sd_notify("READY=1")
+
+        def lost(reason: str) -> None:
+            claim.lost = True
+            bus.publish("alert", {"level": "error", "source": "registry", "message": reason})
+            ending.fail(reason)
+
+        watch = asyncio.create_task(watch_claim(claim, lost))
         try:
             await pod.serve()
+            if pod.failure is not None:
+                ending.fail(pod.failure)
+        except Exception:
+            log.exception("the pod failed")
+            ending.fail("internal error (see the traceback above)")
         finally:
+            watch.cancel()
             sd_notify("STOPPING=1")
+            # The run is stopped and the log closed: give the name up before anything slower.
             await server.close()
-        if pod.failure is not None:
-            print(f"poddaemon: {pod.failure}", file=sys.stderr, flush=True)
-            return 1
-        return 0
+            claim.release()
+        if ending.code != EXIT_OK:
+            log.error("exiting with status %d: %s", ending.code, ending.why())
+        return ending.code
 
     return _run_loop(amain())
 
 
-def _run_loop(coro: "asyncio.Future[int] | object") -> int:
+class Ending:
+    """Why the pod stops, hence its exit status: 0 only when it was asked to stop (SPEC §7).
+
+    A stop the pod decides on its own (its session log failed: it calls `request_shutdown`
+    itself) or one `fail` records is a failure, so `Restart=on-failure` restarts it.
+    """
+
+    def __init__(self, request_shutdown: Callable[[], None], stopping: Callable[[], bool]) -> None:
+        self._request_shutdown = request_shutdown
+        self._stopping = stopping
+        self.requested = False
+        self.failure: str | None = None
+
+    def request(self) -> None:
+        """A user or supervisor asks the pod to stop (the `shutdown` call, SIGTERM, SIGINT)."""
+        if not self._stopping():  # already stopping on its own: that stop stays a failure
+            self.requested = True
+        self._request_shutdown()
+
+    def fail(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            log.error("%s; the pod stops", reason)
+        self._request_shutdown()
+
+    def wrap_shutdown(self, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def shutdown(params: Any, conn: Any) -> Any:
+            if not self._stopping():
+                self.requested = True
+            return handler(params, conn)
+
+        return shutdown
+
+    @property
+    def code(self) -> int:
+        return EXIT_OK if self.requested and self.failure is None else EXIT_FAILURE
+
+    def why(self) -> str:
+        return self.failure or "the pod stopped without being asked to (see the error above)"
+
+
+async def watch_claim(claim: Claim, lost: Callable[[str], None]) -> None:
+    """Stop the pod if its registry entry goes (pods.json edited or removed, the entry taken
+    over): it could no longer promise that its name and scope are its own."""
+    path = claim.registry.path
+    seen: tuple[int, int, int] | bool | None = False  # False: not looked yet (None: no file)
+    while True:
+        await asyncio.sleep(CLAIM_CHECK_INTERVAL)
+        try:
+            st = os.stat(path)
+            now: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            now = None
+        except OSError:
+            continue  # cannot look right now; not proof of anything
+        if now == seen:
+            continue
+        seen = now
+        from poddaemon.registry import RegistryError
+
+        try:
+            held = claim.still_held()
+        except RegistryError as exc:
+            log.warning("cannot check the registry entry: %s", exc)
+            continue
+        if not held:
+            lost(
+                f"lost the registry claim on pod {claim.entry.name!r}: its entry in "
+                f"{path} is gone or belongs to another process"
+            )
+            return
+
+
+def _run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """`asyncio.run` without its last step, which joins the default executor's threads: one may
+    still be importing an SDK for a run the shutdown cancelled (see main)."""
     try:
         import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return int(asyncio.run(coro))  # type: ignore[arg-type]
-    return int(uvloop.run(coro))  # type: ignore[arg-type]
+        loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        try:
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            asyncio.set_event_loop(None)
+            loop.close()
 
 
 def _move_stderr(path: Path) -> None:

@@ -129,6 +129,15 @@ class Pod:
         self._timer: asyncio.TimerHandle | None = None
         self._stopped = asyncio.Event()
 
+    @property
+    def pod_state(self) -> str:
+        return self.machine.pod_state
+
+    @property
+    def state(self) -> Any:
+        """The folded session state (read-only for everyone but the machine)."""
+        return self.machine.state
+
     # --- the loop: effects out, commands in -----------------------------------------------------
 
     def feed(self, effects: list[Effect]) -> None:
@@ -147,9 +156,9 @@ class Pod:
                 case Reply(token, result, error, durable):
                     self._answer(token, result, error, durable)
                 case CallModel():
-                    self._inflight = asyncio.ensure_future(self._call_model(effect))
-                case RunTool():
-                    self._inflight = asyncio.ensure_future(self._run_tool(effect))
+                    self._start(self._call_model(effect), "model", self._model_cancelled)
+                case RunTool(_, call):
+                    self._start(self._run_tool(effect), "tool", lambda: self._tool_cancelled(call))
                 case Interrupt():
                     if self._inflight is not None:
                         self._inflight.cancel()
@@ -336,6 +345,24 @@ class Pod:
         self.feed(
             self.machine.tool_returned(call.id, outcome.output, outcome.is_error, outcome.summary)
         )
+
+    def _start(self, coro: Any, what: str, cancelled: Callable[[], list[Effect]]) -> None:
+        """Run a model call or tool as the in-flight task. A task cancelled before it ever ran
+        never reaches its own handler, so its result is fed from here instead."""
+        task = self._inflight = asyncio.ensure_future(coro)
+
+        def done(t: "asyncio.Task[None]") -> None:
+            if t.cancelled() and self.machine.in_flight == what:
+                self._inflight = None
+                self.feed(cancelled())
+
+        task.add_done_callback(done)
+
+    def _model_cancelled(self) -> list[Effect]:
+        return self.machine.model_failed(None)
+
+    def _tool_cancelled(self, call: Any) -> list[Effect]:
+        return self.machine.tool_returned(call.id, NOT_RUN_CANCELLED, True, "cancelled")
 
     def _set_timer(self, at: float) -> None:
         if self._timer is not None:

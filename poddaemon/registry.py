@@ -21,6 +21,7 @@ import filelock
 import msgspec
 
 from poddaemon.scope import Rule, Scope, write_overlap
+from protocol import paths
 
 __all__ = [
     "LOCK_TIMEOUT",
@@ -73,6 +74,12 @@ class RegistryError(Exception):
 
 class RegistryConflict(RegistryError):
     """A live pod already holds the name or an overlapping write claim."""
+
+
+def _reason(e: OSError) -> str:
+    """An OSError as a short clause ("permission denied"), without errno or the file name."""
+    text = str(e) if isinstance(e, paths.UnsafeDirectory) else (e.strerror or str(e))
+    return text[:1].lower() + text[1:]
 
 
 def process_start_time(pid: int) -> int | None:
@@ -159,7 +166,7 @@ class Registry:
         except FileNotFoundError:
             return {}
         except OSError as e:
-            raise RegistryError(f"{self.path}: cannot read the pod registry: {e}") from e
+            raise RegistryError(f"cannot read the pod registry {self.path}: {_reason(e)}") from e
         if not data.strip():
             return {}  # nothing was ever claimed in it; our writes are never empty
         try:
@@ -198,7 +205,11 @@ class Registry:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        self.runtime_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            if not self.runtime_dir.is_dir():
+                paths.ensure_dir(self.runtime_dir, "runtime directory")
+        except OSError as e:
+            raise RegistryError(f"cannot create {self.runtime_dir}: {_reason(e)}") from None
         if self._lock is None:
             self._lock = filelock.FileLock(
                 self.lock_path, timeout=self._lock_timeout, mode=0o600, poll_interval=0.005
@@ -209,6 +220,10 @@ class Registry:
             raise RegistryError(
                 f"timed out after {self._lock_timeout:g}s waiting for the registry lock "
                 f"{self.lock_path}; another process holds it"
+            ) from None
+        except OSError as e:  # e.g. a lock file another user made, that we may not open
+            raise RegistryError(
+                f"cannot open the registry lock {self.lock_path}: {_reason(e)}"
             ) from None
         try:
             yield
@@ -259,7 +274,12 @@ class Registry:
                 (pod_dir / leftover).unlink()
 
     def _write(self, pods: dict[str, PodEntry]) -> None:
-        data = _encoder.encode(_File(version=_VERSION, pods=pods))
+        try:
+            self._replace(_encoder.encode(_File(version=_VERSION, pods=pods)))
+        except OSError as e:
+            raise RegistryError(f"cannot write the pod registry {self.path}: {_reason(e)}") from e
+
+    def _replace(self, data: bytes) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.runtime_dir, prefix=".pods.json.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:

@@ -1,7 +1,9 @@
 """Where poddaemon keeps its files (SPEC §2). Shared by the daemon, podctl and client programs."""
 
+import errno
 import os
 import re
+import stat
 import warnings
 from pathlib import Path
 
@@ -15,9 +17,14 @@ def _env(name: str) -> str | None:
     return value or None  # empty variables count as unset
 
 
-def _home(sub: str) -> Path | None:
+def home_dir() -> Path | None:
     home = _env("PODDAEMON_HOME")
-    return Path(home) / sub if home else None
+    return Path(home) if home else None
+
+
+def _home(sub: str) -> Path | None:
+    home = home_dir()
+    return home / sub if home else None
 
 
 def config_dir() -> Path:
@@ -68,10 +75,107 @@ def log_dir() -> Path:
     return Path(platformdirs.user_log_dir(APP))
 
 
-def ensure_dir(path: Path) -> Path:
-    """Create `path` (and parents) with mode 0700; an existing directory is left as it is."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+# --- private directories (SPEC §2) -------------------------------------------------------------
+#
+# Whoever can write to a directory on the way to a pod's socket or session log can swap it for
+# their own: a fake socket that collects what root sends it, a log that restores a conversation
+# nobody had. So the home, data and runtime directories must be ours and writable by nobody else,
+# and so must every directory above them, unless it belongs to root (or us) and is sticky, like
+# /tmp, where nobody may rename what another user made.
+
+
+class UnsafeDirectory(PermissionError):
+    """A directory another user could tamper with. `str()` is the one-line reason."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(errno.EPERM, message)
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+_WHY = "another user could swap its sockets or logs"
+
+
+def _ancestors(path: Path) -> list[Path]:
+    """Every directory above `path`, as written and as resolved (a symlink's own parent
+    matters as much as its target's)."""
+    seen: dict[Path, None] = {}
+    for p in (Path(os.path.abspath(path)), path.resolve()):
+        for parent in p.parents:
+            seen.setdefault(parent, None)
+    return list(seen)
+
+
+def check_dir(path: Path, what: str = "directory") -> None:
+    """Raise `UnsafeDirectory` unless `path` is a directory owned by this user, not writable by
+    group or others, under parents nobody else can rename it in. `what` names it in the message
+    ("home directory", ...). A missing `path` raises FileNotFoundError."""
+    me = os.geteuid()
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(f"{what} {path} is not a directory")
+    if st.st_uid != me:
+        raise UnsafeDirectory(
+            f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {me}): refusing it, {_WHY}"
+        )
+    if st.st_mode & 0o022:
+        raise UnsafeDirectory(
+            f"{what} {path} is writable by group or others (mode {st.st_mode & 0o7777:04o}): "
+            f"refusing it, {_WHY}; run chmod go-w {path}"
+        )
+    for parent in _ancestors(path):
+        pst = os.stat(parent)
+        if pst.st_uid not in (0, me):
+            raise UnsafeDirectory(
+                f"{what} {path} is inside {parent}, owned by uid {pst.st_uid}, who could "
+                f"swap it: refusing it"
+            )
+        if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+            raise UnsafeDirectory(
+                f"{what} {path} is inside {parent}, writable by group or others "
+                f"(mode {pst.st_mode & 0o7777:04o}) without the sticky bit: refusing it, {_WHY}"
+            )
+
+
+def ensure_dir(path: Path, what: str = "directory") -> Path:
+    """Create `path` and any missing parents with mode 0700, whatever the umask, then
+    `check_dir` it. An existing directory keeps its mode (if it passes the check)."""
+    missing: list[Path] = []
+    p = Path(os.path.abspath(path))
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            continue  # someone made it meanwhile: check_dir judges it like any other
+        os.chmod(p, 0o700)  # mkdir's mode went through the umask
+    check_dir(path, what)
     return path
+
+
+def ensure_private_dirs() -> tuple[Path, Path]:
+    """For a pod: the home (when set), data and runtime directories, created 0700 and checked.
+    Returns `(data, runtime)`."""
+    home = home_dir()
+    if home is not None:
+        ensure_dir(home, "home directory")
+    return ensure_dir(data_dir(), "data directory"), ensure_dir(runtime_dir(), "runtime directory")
+
+
+def check_private_dirs() -> None:
+    """For a client: refuse the home, data or runtime directory if it exists and another user
+    could tamper with it (one that does not exist yet holds nothing to fear)."""
+    home = home_dir()
+    for path, what in (
+        (home, "home directory"),
+        (data_dir(), "data directory"),
+        (runtime_dir(), "runtime directory"),
+    ):
+        if path is not None and os.path.lexists(path):
+            check_dir(path, what)
 
 
 def sessions_dir() -> Path:

@@ -31,11 +31,13 @@ from poddaemon.store.log import (
     new_session_id,
     verify,
 )
+from protocol import paths
 
 __all__ = [
     "HeadMoved",
     "SessionInfo",
     "SessionLog",
+    "SessionNotFound",
     "list_sessions",
     "newest_session_for",
     "read_session",
@@ -89,11 +91,8 @@ def session_path(sessions_dir: StrPath, session_id: str) -> Path:
 
 
 def _ensure_dir(path: Path) -> None:
-    try:
-        path.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        return
-    os.chmod(path, 0o700)  # mkdir's mode is masked by the umask
+    if not path.is_dir():
+        paths.ensure_dir(path, "sessions directory")  # 0700, parents too, whatever the umask
 
 
 def _fsync_dir(path: Path) -> None:
@@ -116,10 +115,15 @@ def _read_all(fd: int) -> bytes:
         offset += len(chunk)
 
 
-def _missing(path: Path, session_id: str) -> FileNotFoundError:
-    return FileNotFoundError(
-        errno.ENOENT, f"no session {session_id!r} (no log file {path})", str(path)
-    )
+class SessionNotFound(FileNotFoundError):
+    """No log file for this session id. `str()` is one plain line (no errno, no repr)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _missing(path: Path, session_id: str) -> SessionNotFound:
+    return SessionNotFound(errno.ENOENT, f"no session {session_id} under {path.parent}", str(path))
 
 
 def _check_start(result: VerifyResult, path: Path) -> None:

@@ -130,9 +130,9 @@ def _check_entry(obj: Any, expect_seq: int, prev: str) -> str | None:
 def verify(data: bytes) -> VerifyResult:
     """Verify a whole log.
 
-    A last line without its ``\\n``, or a last line that is not JSON, is a torn write: it is
-    reported (``torn=True``) and left out, everything before it is returned. Any other damage
-    raises ``LogCorrupt`` naming the first bad line.
+    Only a last line without its ``\\n`` is a torn write (SPEC §8): it is reported
+    (``torn=True``) and left out, everything before it is returned. Any other damage, a complete
+    last line that fails to parse or to hash included, raises ``LogCorrupt`` naming the line.
     """
     # Every entry is kept, so the cyclic GC would rescan a growing heap again and again while
     # finding nothing to free (about a third of the time on 100k entries). Pause it.
@@ -158,12 +158,11 @@ def _verify(data: bytes) -> VerifyResult:
             # No newline: an append cut short, even if what is there happens to parse.
             return VerifyResult(entries=entries, end_offset=offset, torn=True, head=prev)
         line = data[offset:nl]
-        last = nl + 1 == size
         try:
             obj = _decoder.decode(line)
         except msgspec.DecodeError as exc:
-            if last:
-                return VerifyResult(entries=entries, end_offset=offset, torn=True, head=prev)
+            # A complete line was written whole (one write, then acknowledged): if it does not
+            # parse, the disk or someone damaged it. That is corruption even on the last line.
             raise LogCorrupt(lineno, f"not valid JSON ({exc})") from None
         problem = _check_entry(obj, lineno, prev)
         if problem is not None:

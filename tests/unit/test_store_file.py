@@ -431,3 +431,20 @@ async def test_a_cancelled_waiter_does_not_cancel_the_shared_fsync(
     assert spy.covered(end) and len(spy.started) == 1
     assert log.durable_seq == 2
     log.close()
+
+
+def test_damaged_complete_last_line_is_refused_not_cut(sessions: Path) -> None:
+    # SPEC §8: the last line has its newline, so it was written whole (and acknowledged):
+    # damage there is corruption, never a torn write to cut silently.
+    sid = new_session_id()
+    with SessionLog.create(sessions, sid, START) as log:
+        log.append("user_input", {"text": "acknowledged"})
+    data = bytearray(log.path.read_bytes())
+    data[-2] ^= 0x01  # the closing brace of the last line: no longer JSON
+    log.path.write_bytes(bytes(data))
+    with pytest.raises(LogCorrupt) as info:
+        SessionLog.open(sessions, sid)
+    assert info.value.line == 2 and str(log.path) in str(info.value)
+    with pytest.raises(LogCorrupt):
+        read_session(sessions, sid)
+    assert log.path.read_bytes() == bytes(data)  # left for a human to look at

@@ -202,10 +202,24 @@ def test_torn_last_line_at_every_offset() -> None:
     assert verify(full[:start]).entries == entries[:-1]
 
 
-def test_unparsable_last_line_with_newline_is_torn() -> None:
-    lines, entries = build(SAMPLE)
-    result = verify(b"".join(lines) + b"\x00\x00\x00\n")
-    assert result.torn and result.entries == entries
+def test_unparsable_last_line_with_newline_is_corruption() -> None:
+    # SPEC §8: only a line without its newline is torn; a complete one was written whole.
+    lines, _ = build(SAMPLE)
+    with pytest.raises(LogCorrupt) as info:
+        verify(b"".join(lines) + b"\x00\x00\x00\n")
+    assert info.value.line == len(lines) + 1 and "JSON" in info.value.reason
+
+
+@pytest.mark.parametrize("where", ["first", "brace", "middle"])
+def test_flipped_byte_of_the_complete_last_line_is_corruption(where: str) -> None:
+    lines, _ = build(SAMPLE)
+    last = bytearray(lines[-1])
+    pos = {"first": 0, "brace": len(last) - 2, "middle": len(last) // 2}[where]
+    last[pos] ^= 0x01
+    lines[-1] = bytes(last)
+    with pytest.raises(LogCorrupt) as info:
+        verify(b"".join(lines))
+    assert info.value.line == len(lines)
 
 
 def test_garbage_tail_of_zeros_is_torn() -> None:

@@ -1,0 +1,269 @@
+"""Issue 9, items 6 and 7: a pod's directories are private, and permission problems are one line.
+
+Real `poddaemon run` processes. The ownership cases need root: as root the test hands
+directories to a second real uid (nobody, 65534) and also runs the pod *as* that uid (with the
+system python 3.11 and this checkout's installed packages on PYTHONPATH).
+"""
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, Env
+
+OTHER_UID = 65534  # nobody
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="needs root to hand a directory to a second uid"
+)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def start_fails(env: Env, manifest: Path, **extra_env: str) -> str:
+    """Run the pod expecting a start-up failure: its whole stderr (asserted one line, exit 1)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "poddaemon", "run", str(manifest)],
+        env={**env.env, **extra_env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("poddaemon: ") and proc.stderr.count("\n") == 1, proc.stderr
+    return proc.stderr
+
+
+# --- 0700 whatever the umask ---------------------------------------------------------------------
+
+
+def test_every_directory_is_created_0700_under_umask_0(env: Env) -> None:
+    home = env.home / "fresh"  # does not exist yet: the pod creates all of it
+    env.env["PODDAEMON_HOME"] = str(home)
+    manifest = env.manifest("private")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poddaemon", "run", str(manifest)],
+        env=env.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: os.umask(0),
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    try:
+        assert line.startswith("PODDAEMON-READY"), line + proc.stderr.read()
+        sock = line.rstrip("\n").split("\t")[2]
+        from protocol import PodClient
+
+        with PodClient.connect(sock) as c:
+            c.run_wait("make a session")
+        dirs = [
+            home,
+            home / "data",
+            home / "data" / "sessions",
+            home / "run",
+            home / "run" / "pods",
+            home / "run" / "pods" / "private",
+        ]
+        assert {str(d): oct(mode(d)) for d in dirs} == {str(d): "0o700" for d in dirs}
+        assert oct(mode(home / "run" / "pods.json")) == "0o600"
+        assert oct(mode(sock)) == "0o600"
+        with PodClient.connect(sock) as c:
+            c.shutdown()
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
+
+
+# --- refused directories (as root, handing them to a second uid) -------------------------------
+
+
+@needs_root
+def test_a_home_owned_by_another_user_is_refused(env: Env) -> None:
+    manifest = env.manifest("hijack")
+    home = env.home / "theirs"
+    home.mkdir(mode=0o700)
+    os.chown(home, OTHER_UID, OTHER_UID)
+    err = start_fails(env, manifest, PODDAEMON_HOME=str(home))
+    assert err.startswith(
+        f"poddaemon: home directory {home} is owned by uid {OTHER_UID}, not by you (uid 0)"
+    )
+    assert not (home / "run").exists()  # nothing was created in it
+
+
+@needs_root
+def test_a_data_dir_owned_by_another_user_is_refused(env: Env) -> None:
+    manifest = env.manifest("hijack")
+    data = env.home / "otherdata"
+    data.mkdir(mode=0o700)
+    os.chown(data, OTHER_UID, OTHER_UID)
+    err = start_fails(env, manifest, PODDAEMON_DATA_DIR=str(data))
+    assert f"data directory {data} is owned by uid {OTHER_UID}" in err
+
+
+def test_a_runtime_dir_writable_by_others_is_refused(env: Env) -> None:
+    manifest = env.manifest("hijack")
+    runtime = env.home / "openrun"
+    runtime.mkdir()
+    os.chmod(runtime, 0o777)
+    err = start_fails(env, manifest, PODDAEMON_RUNTIME_DIR=str(runtime))
+    assert f"runtime directory {runtime} is writable by group or others (mode 0777)" in err
+    assert not (runtime / "pods.json").exists()
+
+
+# --- as a second real uid ----------------------------------------------------------------------
+
+
+def _python_for_other_uid() -> str | None:
+    """An interpreter uid 65534 may run, of this Python's minor version (the compiled
+    dependencies installed for this one load in it); pyenv's lives under /root."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if not os.path.exists(candidate):
+            continue
+        out = subprocess.run(
+            [candidate, "-c", "import sys; print(sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+        )
+        if out.returncode == 0 and out.stdout.strip() == str(sys.version_info[:2]):
+            return candidate
+    return None
+
+
+class Other:
+    """A directory tree owned by uid 65534 holding a manifest, and a way to run the pod as it."""
+
+    def __init__(self, env: Env, base: Path, python: str) -> None:
+        self.env = env
+        self.base = base
+        self.python = python
+        self.mine = base / "nobody"
+        (self.mine / "work").mkdir(parents=True, mode=0o700)
+        self.manifest = self.mine / "pod.toml"
+        self.manifest.write_text(
+            "[pod]\n"
+            'name = "guest"\n'
+            f'pwd = "{self.mine / "work"}"\n'
+            "[provider]\n"
+            'kind = "openai"\n'
+            'model = "fake-model"\n'
+            f'base_url = "{env.model.openai_base_url}"\n'
+            'api_key_env = "FAKE_API_KEY"\n'
+            "[worker]\n"
+            'instruction = "test"\n'
+            "[[scope.allow]]\n"
+            f'target = "{self.mine / "work"}"\n'
+            'permission = "write"\n'
+        )
+        for p in [self.mine, *self.mine.rglob("*")]:
+            os.chown(p, OTHER_UID, OTHER_UID)
+
+    def run(self, **env: str) -> subprocess.CompletedProcess[str]:
+        site = sysconfig.get_paths()["purelib"]
+        full = {
+            "PATH": "/usr/bin:/bin",
+            "HOME": str(self.mine),
+            "FAKE_API_KEY": "test-key",
+            "PYTHONPATH": f"{site}{os.pathsep}{ROOT}",
+            "PODDAEMON_CONFIG_DIR": str(self.mine / "config"),
+            "PODDAEMON_DATA_DIR": str(self.mine / "data"),
+            **env,
+        }
+        return subprocess.run(
+            [self.python, "-m", "poddaemon", "run", str(self.manifest)],
+            env=full,
+            cwd=self.mine,
+            user=OTHER_UID,
+            group=OTHER_UID,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+
+@pytest.fixture
+def other(env: Env) -> Iterator[Other]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the pod as a second uid")
+    python = _python_for_other_uid()
+    if python is None:
+        pytest.skip(f"no system python {sys.version_info[:2]} that uid {OTHER_UID} can run")
+    base = env.home / "x"
+    base.mkdir()
+    os.chmod(env.home, 0o755)  # let uid 65534 reach its own tree (root still owns the path)
+    os.chmod(base, 0o755)
+    yield Other(env, base, python)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def one_line_failure(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("poddaemon: ") and proc.stderr.count("\n") == 1, proc.stderr
+    return proc.stderr
+
+
+def test_other_uid_accepts_a_home_of_its_own(other: Other) -> None:
+    # The control case for the refusals below: the same uid, the same checks, its own home.
+    home = other.mine / "home"
+    probe = subprocess.run(
+        [other.python, "-c", "from protocol import paths; paths.ensure_private_dirs()"],
+        env={
+            "PYTHONPATH": f"{sysconfig.get_paths()['purelib']}{os.pathsep}{ROOT}",
+            "PODDAEMON_HOME": str(home),
+        },
+        cwd=other.mine,
+        user=OTHER_UID,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert os.stat(home).st_uid == OTHER_UID and mode(home / "run") == 0o700
+
+
+def test_other_uid_refuses_a_home_owned_by_root(other: Other) -> None:
+    home = other.base / "roots"  # root's, readable by everyone: a hijacker's set-up
+    home.mkdir(mode=0o755)
+    err = one_line_failure(other.run(PODDAEMON_HOME=str(home)))
+    assert err.startswith(
+        f"poddaemon: home directory {home} is owned by uid 0, not by you (uid {OTHER_UID})"
+    )
+
+
+def test_other_uid_with_an_unreadable_lock_file_gets_one_line(other: Other) -> None:
+    runtime = other.mine / "run"
+    runtime.mkdir(mode=0o700)
+    os.chown(runtime, OTHER_UID, OTHER_UID)
+    lock = runtime / "pods.json.lock"
+    lock.write_text("")
+    os.chmod(lock, 0o600)  # root's: uid 65534 may not open it
+    err = one_line_failure(other.run(PODDAEMON_RUNTIME_DIR=str(runtime)))
+    assert f"cannot open the registry lock {lock}: permission denied" in err
+
+
+def test_other_uid_with_a_squatted_tmp_runtime_dir_gets_one_line(other: Other) -> None:
+    squat = Path(f"/tmp/runtime-{OTHER_UID}")  # platformdirs' fallback without XDG_RUNTIME_DIR
+    if os.path.lexists(squat):
+        pytest.skip(f"{squat} exists already; not touching it")
+    squat.mkdir(mode=0o700)  # root's: the fallback belongs to someone else
+    try:
+        err = one_line_failure(other.run(XDG_RUNTIME_DIR=""))
+    finally:
+        shutil.rmtree(squat, ignore_errors=True)
+    assert err.startswith(f"poddaemon: runtime directory {squat} is owned by uid 0")

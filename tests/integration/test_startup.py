@@ -1,0 +1,214 @@
+"""Issue 9, start-up and shutdown: the code that starts, the exit status, `--resume`, the claim.
+
+Each test drives real `poddaemon` / `podctl` processes against the fake model.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from poddaemon.registry import Registry
+from tests.conftest import Env, StartFailed, wait_until
+
+BIN = Path(sys.executable).parent
+
+
+def test_spawn_from_a_dir_with_a_poddaemon_folder_starts_the_installed_pod(env: Env) -> None:
+    # A `poddaemon/` package where the user stands must not be what `podctl spawn` runs.
+    cwd = env.home / "checkout"
+    bogus = cwd / "poddaemon"
+    bogus.mkdir(parents=True)
+    (bogus / "__init__.py").write_text("")
+    (bogus / "__main__.py").write_text(
+        "import sys\nprint('BOGUS POD', file=sys.stderr)\nsys.exit(7)\n"
+    )
+    manifest = env.manifest("real")
+    podctl = BIN / "podctl"
+    spawned = subprocess.run(
+        [str(podctl), "spawn", str(manifest)],
+        cwd=cwd,
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert spawned.returncode == 0, spawned.stderr
+    assert "BOGUS" not in spawned.stderr
+    name, sock = spawned.stdout.rstrip("\n").split("\t")
+    assert name == "real" and sock == str(env.home / "run" / "pods" / "real" / "sock")
+    status = subprocess.run(
+        [str(podctl), "status", "real", "--json"],
+        cwd=cwd,
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    assert '"name": "real"' in status.stdout
+    stopped = subprocess.run(
+        [str(podctl), "stop", "real"],
+        cwd=cwd,
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert stopped.returncode == 0, stopped.stderr
+
+
+# --- item 8: a damaged complete last line is corruption, not a torn write -------------------------
+
+
+def test_flipped_byte_in_the_complete_last_line_refuses_to_restore(env: Env) -> None:
+    pod = env.start("lastline")
+    with pod.client() as c:
+        c.run_wait("acknowledged and fsync'd")
+        sid = c.status().session_id
+    assert pod.stop() == 0
+    path = env.home / "data" / "sessions" / f"{sid}.jsonl"
+    data = bytearray(path.read_bytes())
+    lineno = data.count(b"\n")
+    assert data.endswith(b"}\n")
+    data[-2] ^= 0x01  # the last line keeps its newline but is no longer JSON
+    path.write_bytes(bytes(data))
+    with pytest.raises(StartFailed) as failed:
+        env.restart(pod, "--session", sid)
+    assert failed.value.code != 0
+    assert f"line {lineno}" in failed.value.stderr and sid in failed.value.stderr
+    assert path.read_bytes() == bytes(data)  # nothing cut
+    verify = env.podctl("sessions", "verify", sid)
+    assert verify.returncode != 0
+    assert f"line {lineno}" in verify.stderr and "ok:" not in verify.stdout
+
+
+# --- item 9: the exit status says whether the pod was asked to stop ----------------------------
+
+
+def registry_entries(env: Env) -> dict[str, Any]:
+    path = env.home / "run" / "pods.json"
+    return json.loads(path.read_text())["pods"] if path.exists() else {}
+
+
+@pytest.mark.parametrize("how", ["entry removed", "registry deleted"])
+def test_a_lost_registry_claim_stops_the_pod_with_status_1(env: Env, how: str) -> None:
+    pod = env.start("claimed")
+    with pod.client() as watcher:
+        watcher.subscribe()
+        # Someone removes the pod's entry (by hand, or a bad tool): its name and scope are no
+        # longer its own, so it must stop, and say it failed.
+        if how == "entry removed":
+            assert Registry(env.home / "run").release("claimed", pod.proc.pid)
+        else:
+            (env.home / "run" / "pods.json").unlink()
+        alert = next(e for e in watcher.events() if e.type == "alert")
+    assert alert.data["level"] == "error" and "lost the registry claim" in alert.data["message"]
+    assert pod.proc.wait(20) == 1
+    assert "exiting with status 1" in pod.text() and "Traceback" not in pod.text()
+
+
+def test_requested_stops_exit_0(env: Env) -> None:
+    by_call = env.start("asked")
+    assert by_call.stop() == 0
+    by_signal = env.start("signalled")
+    by_signal.proc.send_signal(signal.SIGINT)
+    assert by_signal.proc.wait(20) == 0
+
+
+# --- item 10: --resume is the newest session of this pod, or a new one ---------------------------
+
+
+def test_resume_without_any_session_starts_a_new_one(env: Env) -> None:
+    pod = env.start("fresh", "--resume")
+    with pod.client() as c:
+        c.run_wait("first words")
+        sid = c.status().session_id
+    assert sid and pod.stop() == 0
+    again = env.restart(pod, "--resume")
+    with again.client() as c:
+        assert c.status().session_id == sid
+        texts = [e.get("text") for e in c.history().entries]
+    assert "first words" in texts
+
+
+def test_resume_picks_the_newest_session_of_this_pod_name(env: Env) -> None:
+    first = env.start("multi")
+    with first.client() as c:
+        c.run_wait("old session")
+        old = c.status().session_id
+    assert first.stop() == 0
+    second = env.restart(first)  # no --resume: a new session
+    with second.client() as c:
+        c.run_wait("new session")
+        new = c.status().session_id
+    assert second.stop() == 0
+    other = env.start("other", write=[str(env.home / "elsewhere")])  # a newer session, other pod
+    with other.client() as c:
+        c.run_wait("not mine")
+    assert other.stop() == 0
+    assert old != new
+    resumed = env.restart(first, "--resume")
+    assert resumed.call("status")["session_id"] == new
+
+
+# --- item 21: one clear line for a missing session or pwd ----------------------------------------
+
+
+def test_missing_session_is_one_clear_line(env: Env) -> None:
+    manifest = env.manifest("nosession")
+    proc = env.popen(str(manifest), "--session", "0190aaaa-0000-7000-8000-000000000000")
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 1
+    sessions = env.home / "data" / "sessions"
+    assert err == (
+        f"poddaemon: --session: no session 0190aaaa-0000-7000-8000-000000000000 under {sessions}\n"
+    )
+    assert registry_entries(env) == {}
+
+
+def test_missing_pwd_is_reported_as_missing(env: Env) -> None:
+    missing = env.work / "not-there"
+    manifest = env.manifest("nopwd", write=[str(env.work)], pwd=str(missing))
+    proc = env.popen(str(manifest))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 1
+    assert err == f"poddaemon: {manifest}: pod.pwd: {missing} does not exist\n"
+
+
+# --- item 22: the name is free as soon as the pod stops, whatever is still in flight -------------
+
+
+def test_stop_frees_the_name_without_waiting_for_a_stuck_sdk_import(env: Env) -> None:
+    # A stand-in `openai` package that blocks its importer until the gate file exists: the run's
+    # SDK import thread is stuck, as a slow import is for half a second in real life.
+    shim = env.home / "shim"
+    (shim / "openai").mkdir(parents=True)
+    gate = env.home / "gate"
+    (shim / "openai" / "__init__.py").write_text(
+        "import os, time\n"
+        f"while not os.path.exists({str(gate)!r}):\n"
+        "    time.sleep(0.01)\n"
+        "raise ImportError('stand-in openai released')\n"
+    )
+    env.env["PYTHONPATH"] = f"{shim}{os.pathsep}{env.env['PYTHONPATH']}"
+    try:
+        pod = env.start("stuck")
+        with pod.client() as c:
+            c.run("hello")
+            wait_until(lambda: c.status().state == "running", what="the run to start")
+            c.shutdown()
+        wait_until(lambda: "stuck" not in registry_entries(env), what="the registry entry to go")
+        assert not os.path.exists(pod.socket)
+        assert pod.proc.wait(20) == 0  # exits with the import thread still stuck in the gate
+        # The name is free: the same manifest starts again at once.
+        again = env.restart(pod)
+        assert again.call("status")["pid"] == again.proc.pid
+        assert again.stop() == 0
+    finally:
+        gate.touch()

@@ -1,0 +1,133 @@
+"""protocol.paths: directories created 0700 whatever the umask, and refused when another user
+could tamper with them (SPEC §2). Ownership cases need root (to chown to a second uid)."""
+
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from protocol import paths
+from protocol.paths import UnsafeDirectory, check_dir, check_private_dirs, ensure_dir
+
+OTHER_UID = 65534  # nobody
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="pdpa", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+def test_ensure_dir_makes_every_missing_level_0700(tmp: Path, umask: int) -> None:
+    target = tmp / "a" / "b" / "c"
+    old = os.umask(umask)
+    try:
+        assert ensure_dir(target) == target
+    finally:
+        os.umask(old)
+    for p in (tmp / "a", tmp / "a" / "b", target):
+        assert mode(p) == 0o700, p
+
+
+def test_an_existing_dir_keeps_its_mode(tmp: Path) -> None:
+    (tmp / "kept").mkdir(mode=0o755)
+    os.chmod(tmp / "kept", 0o755)
+    ensure_dir(tmp / "kept")
+    assert mode(tmp / "kept") == 0o755  # not writable by others: acceptable as it is
+
+
+@pytest.mark.parametrize("bits", [0o770, 0o702, 0o777])
+def test_a_dir_writable_by_group_or_others_is_refused(tmp: Path, bits: int) -> None:
+    d = tmp / "open"
+    d.mkdir()
+    os.chmod(d, bits)
+    with pytest.raises(UnsafeDirectory) as info:
+        check_dir(d, "runtime directory")
+    message = str(info.value)
+    assert message.startswith(f"runtime directory {d} is writable by group or others")
+    assert "\n" not in message and isinstance(info.value, PermissionError)
+
+
+def test_a_file_is_not_a_directory(tmp: Path) -> None:
+    (tmp / "f").write_text("")
+    with pytest.raises(UnsafeDirectory, match="is not a directory"):
+        ensure_dir(tmp / "f", "home directory")
+
+
+@needs_root
+def test_a_dir_owned_by_another_user_is_refused(tmp: Path) -> None:
+    d = tmp / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeDirectory) as info:
+        ensure_dir(d, "home directory")
+    assert str(info.value).startswith(
+        f"home directory {d} is owned by uid {OTHER_UID}, not by you (uid 0)"
+    )
+
+
+@needs_root
+def test_a_dir_inside_another_users_dir_is_refused(tmp: Path) -> None:
+    parent = tmp / "theirs"
+    parent.mkdir(mode=0o755)
+    (parent / "mine").mkdir(mode=0o700)
+    os.chown(parent, OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeDirectory) as info:
+        check_dir(parent / "mine", "data directory")
+    assert f"inside {parent}, owned by uid {OTHER_UID}" in str(info.value)
+
+
+def test_a_dir_inside_a_world_writable_dir_needs_the_sticky_bit(tmp: Path) -> None:
+    shared = tmp / "shared"
+    shared.mkdir()
+    (shared / "mine").mkdir(mode=0o700)
+    os.chmod(shared, 0o777)
+    with pytest.raises(UnsafeDirectory, match="without the sticky bit"):
+        check_dir(shared / "mine")
+    os.chmod(shared, 0o1777)  # like /tmp: nobody may rename what another user made
+    check_dir(shared / "mine")
+
+
+def test_a_symlink_is_judged_where_it_points_and_where_it_lies(tmp: Path) -> None:
+    (tmp / "real").mkdir(mode=0o700)
+    shared = tmp / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    (shared / "link").symlink_to(tmp / "real")
+    with pytest.raises(UnsafeDirectory, match="without the sticky bit"):
+        check_dir(shared / "link")  # whoever can write `shared` can repoint the link
+
+
+def test_ensure_private_dirs_and_the_client_check(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = tmp / "home"
+    monkeypatch.setenv("PODDAEMON_HOME", str(home))
+    for var in ("PODDAEMON_CONFIG_DIR", "PODDAEMON_DATA_DIR", "PODDAEMON_RUNTIME_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    check_private_dirs()  # nothing exists yet: nothing to refuse
+    old = os.umask(0)
+    try:
+        data, runtime = paths.ensure_private_dirs()
+    finally:
+        os.umask(old)
+    assert (data, runtime) == (home / "data", home / "run")
+    assert mode(home) == mode(data) == mode(runtime) == 0o700
+    check_private_dirs()
+    os.chmod(runtime, 0o777)
+    with pytest.raises(UnsafeDirectory, match=f"runtime directory {runtime} is writable"):
+        check_private_dirs()
