@@ -121,6 +121,8 @@ def _query(name: str, registered: bool) -> dict[str, Any] | str | None:
         return f"status failed: {exc.message} ({exc.code})"
     except (ConnectionClosed, OSError, msgspec.DecodeError) as exc:
         return f"status failed: {exc}"
+    except Exception as exc:  # whatever one pod does wrong, ls lists the others
+        return f"status failed: {exc!r}"
 
 
 def live_statuses() -> list[dict[str, Any]]:
