@@ -279,3 +279,23 @@ def test_demo_prints_no_escape_codes_into_a_pipe(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "== spawn the pod" in proc.stdout and "[x] review the README" in proc.stdout
     assert "\x1b" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.xfail(
+    strict=True, reason="needs the one preflight() call at pod start-up in daemon.py (lead)"
+)
+def test_spawn_warns_about_a_base_url_that_cannot_be_right(cleanup: Env) -> None:
+    env = cleanup
+    manifest = env.manifest("root")
+    text = manifest.read_text().replace(env.model.openai_base_url, env.model.url)
+    manifest.write_text(text)  # the fake model's root: openai kinds need /v1
+    spawned = env.podctl("spawn", str(manifest))
+    assert spawned.returncode == 0, spawned.stderr  # a warning, not a failure
+    assert f"use '{env.model.openai_base_url}'" in spawned.stderr
+    from protocol import PodClient
+
+    with PodClient.connect("root", timeout=10) as client:  # the same warning as an alert
+        client.subscribe(0)
+        alert = next(e for e in client.events() if e.type == "alert")
+    assert alert.data["level"] == "warning" and "/v1" in alert.data["message"]
+    assert env.podctl("stop", "root").returncode == 0
