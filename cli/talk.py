@@ -200,7 +200,8 @@ def history(
 ) -> None:
     """The newest session log entries (`seq kind summary`).
 
-    Shows the newest entries; when some are left out, says how many on stderr (in `--json`:
+    By default the newest 50; `--limit N` the newest N, `--all` every entry, `--since SEQ`
+    every entry after SEQ. When entries are left out, says how many on stderr (in `--json`:
     `earlier`).
     """
     keep = limit if limit is not None else (None if all_ or since is not None else HISTORY_TAIL)
