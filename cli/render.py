@@ -8,7 +8,7 @@ import json
 import os
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import IO, Any, TypeVar
 
 SUMMARY_WIDTH = 120
 ARGS_WIDTH = 200
@@ -160,6 +160,23 @@ def event_line(
     return f"{etype or 'event'} {one_line(compact_json(dict(data)))}".rstrip()
 
 
+# --- terminal styling ---------------------------------------------------------------------------
+
+
+def color_enabled(stream: IO[str]) -> bool:
+    """Escape codes only for a terminal, and never when NO_COLOR is set (https://no-color.org)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def bold(text: str, stream: IO[str]) -> str:
+    return f"\033[1m{text}\033[0m" if color_enabled(stream) else text
+
+
 # --- status and the pod table -------------------------------------------------------------------
 
 
@@ -195,22 +212,63 @@ def queue_cell(status: Mapping[str, Any]) -> str:
 
 
 TABLE_HEADER = ("NAME", "PID", "STATE", "MODEL", "SCOPE", "PARENT", "QUEUE", "TOKENS")
+TREE_INDENT = "  "
+
+_Status = TypeVar("_Status", bound=Mapping[str, Any])
+
+
+def tree_order(statuses: Sequence[_Status]) -> list[tuple[int, _Status]]:
+    """`(depth, status)` with every pod right after its parent, children by name. A pod whose
+    parent is not listed (gone, or a cycle) is a root."""
+    by_name = {str(st.get("name")): st for st in statuses}
+    children: dict[str, list[_Status]] = {}
+    roots: list[_Status] = []
+    for st in sorted(statuses, key=lambda s: str(s.get("name"))):
+        parent = st.get("parent")
+        if parent is not None and str(parent) in by_name and parent != st.get("name"):
+            children.setdefault(str(parent), []).append(st)
+        else:
+            roots.append(st)
+    out: list[tuple[int, _Status]] = []
+    seen: set[str] = set()
+
+    def visit(st: _Status, depth: int) -> None:
+        name = str(st.get("name"))
+        if name in seen:
+            return
+        seen.add(name)
+        out.append((depth, st))
+        for child in children.get(name, []):
+            visit(child, depth + 1)
+
+    for st in roots:
+        visit(st, 0)
+    # Pods caught in a parent cycle were reached from no root: list them at the top level.
+    for st in statuses:
+        visit(st, 0)
+    return out
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def pod_table(statuses: Sequence[Mapping[str, Any]], home: str | None = None) -> str:
-    """The `podctl ls` table, header included, columns padded to their widest cell."""
+    """The `podctl ls` table, header included, columns padded to their widest cell; children
+    indented under their parent. An unresponsive pod shows what the registry knows of it."""
     rows: list[tuple[str, ...]] = [TABLE_HEADER]
-    for st in statuses:
+    for depth, st in tree_order(statuses):
+        unresponsive = st.get("state") == "unresponsive"
         rows.append(
             (
-                str(st.get("name", "?")),
-                str(st.get("pid", "?")),
+                TREE_INDENT * depth + str(st.get("name", "?")),
+                _cell(st.get("pid")),
                 str(st.get("state", "?")),
-                str(st.get("model", "?")),
+                _cell(st.get("model")),
                 scope_cell(st.get("scope") or [], home),
-                str(st.get("parent") or "-"),
-                queue_cell(st),
-                str(tokens(st)),
+                _cell(st.get("parent")),
+                "-" if unresponsive else queue_cell(st),
+                "-" if unresponsive else str(tokens(st)),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]

@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from cli.render import bold
 from poddaemon.testing.fake_model import FakeModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +20,8 @@ EXAMPLE = ROOT / "examples" / "demo"
 
 
 def step(title: str) -> None:
-    print(f"\n\033[1m== {title}\033[0m", flush=True)
+    # Bold only on a terminal: `make demo | less` or a CI log must not get escape codes.
+    print("\n" + bold(f"== {title}", sys.stdout), flush=True)
 
 
 def podctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
@@ -41,18 +43,17 @@ def main() -> int:
     os.environ.setdefault("OPENAI_API_KEY", "demo-key-not-used")
     demo = home / "demo"
     shutil.copytree(EXAMPLE, demo)
+    shutil.rmtree(demo / "workspace", ignore_errors=True)  # a quick-start run's leftovers
     (demo / "workspace").mkdir()
-    (demo / "workspace" / "TODO.md").write_text(
-        "# TODO\n- [ ] review the README\n- [ ] write the changelog\n"
-    )
+    shutil.copy(EXAMPLE / "TODO.md", demo / "workspace" / "TODO.md")
     replies = msgspec.json.decode((EXAMPLE / "script.json").read_bytes())["replies"]
     with FakeModel().start() as model:
         model.script(*replies)
         print(
             "This demo uses a STAND-IN model: the fake model server bundled with poddaemon\n"
             f"({model.openai_base_url}), speaking the real OpenAI wire format to the real SDK.\n"
-            "With an API key, the same manifest runs against the real API:\n"
-            f"  podctl spawn {EXAMPLE / 'pod.toml'}"
+            "With OPENAI_API_KEY set, the same manifest runs against the real API\n"
+            "(the README's quick start shows both)."
         )
         step("spawn the pod")
         podctl(

@@ -1,9 +1,14 @@
 """podctl's pure rendering: events, the pod table, status lines, history entries."""
 
+import io
 from typing import Any
+
+import pytest
 
 from cli.render import (
     EventRenderer,
+    bold,
+    color_enabled,
     entry_line,
     entry_summary,
     one_line,
@@ -11,6 +16,7 @@ from cli.render import (
     scope_cell,
     shorten_path,
     status_text,
+    tree_order,
 )
 
 
@@ -173,6 +179,66 @@ def test_pod_table() -> None:
     assert lines[2].split() == ["kid-a", "5", "idle", "fake", "-", "reviewer", "0/0", "0"]
     # columns line up
     assert lines[0].index("STATE") == lines[1].index("running") == lines[2].index("idle")
+
+
+def pod(name: str, parent: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {**STATUS, "name": name, "parent": parent, **extra}
+
+
+def test_tree_order_puts_children_under_their_parent() -> None:
+    statuses = [
+        pod("zeta"),
+        pod("b-kid", "alpha"),
+        pod("grandkid", "a-kid"),
+        pod("alpha"),
+        pod("a-kid", "alpha"),
+        pod("orphan", "gone"),  # parent not listed: a root
+    ]
+    order = [(depth, st["name"]) for depth, st in tree_order(statuses)]
+    assert order == [
+        (0, "alpha"),
+        (1, "a-kid"),
+        (2, "grandkid"),
+        (1, "b-kid"),
+        (0, "orphan"),
+        (0, "zeta"),
+    ]
+
+
+def test_tree_order_survives_a_parent_cycle() -> None:
+    order = tree_order([pod("x", "y"), pod("y", "x"), pod("self", "self")])
+    assert sorted(st["name"] for _, st in order) == ["self", "x", "y"]
+
+
+def test_pod_table_indents_children_and_shows_unresponsive_pods() -> None:
+    stuck = {"name": "stuck", "pid": 77, "state": "unresponsive", "parent": "boss", "scope": []}
+    unknown = {"name": "lost", "pid": None, "state": "unresponsive", "error": "no answer"}
+    lines = pod_table([pod("boss", state="idle"), stuck, unknown], home="/home/u").splitlines()
+    assert lines[1].startswith("boss ")
+    assert lines[2].startswith("  stuck ")
+    assert lines[2].split() == ["stuck", "77", "unresponsive", "-", "-", "boss", "-", "-"]
+    assert lines[3].split() == ["lost", "-", "unresponsive", "-", "-", "-", "-", "-"]
+
+
+class Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_escape_codes_only_for_a_terminal_without_no_color(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert bold("x", Stream(tty=True)) == "\x1b[1mx\x1b[0m"
+    assert bold("x", Stream(tty=False)) == "x"
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert bold("x", Stream(tty=True)) == "x"
+    monkeypatch.setenv("NO_COLOR", "")  # empty counts as unset (no-color.org)
+    assert color_enabled(Stream(tty=True))
 
 
 def test_scope_cell_lists_write_targets_only_and_cuts_long_ones() -> None:

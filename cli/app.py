@@ -1,0 +1,127 @@
+"""What every podctl command group shares: the typer app, exit codes, common options, error
+handling and the client connect helper.
+
+Start-up time matters (`podctl status` runs in scripts and prompts), so this module and the
+command modules import only typer and the standard library at the top. `protocol` (msgspec,
+sockets), `poddaemon.*` and `cli.render` are imported inside the commands that use them; podctl
+never imports openai, anthropic or asyncio.
+
+Exit codes (SPEC §6): 0 ok · 1 error (an RPC error prints `podctl: <message> (<code>)`), a run
+that ended in error, was cancelled or paused · 2 usage error only, except `send`'s "limit
+reached" · 3 the pod is not running (`podctl: pod 'x' is not running`).
+"""
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+
+if TYPE_CHECKING:
+    from protocol.client import PodClient
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_RUNNING = 3
+EXIT_LIMIT = 2  # `send` only, documented in its --help (SPEC §6)
+EXIT_INTERRUPTED = 130
+
+app = typer.Typer(
+    name="podctl",
+    help="Control poddaemon pods: LLM agents running as supervised processes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    # Plain help and usage errors: rich's formatting would import ~60 ms of modules.
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def sub_app(help: str, **kwargs: Any) -> typer.Typer:
+    """A command group (`podctl sessions …`) with the same plain settings as the main app."""
+    return typer.Typer(help=help, rich_markup_mode=None, pretty_exceptions_enable=False, **kwargs)
+
+
+PodArg = Annotated[str, typer.Argument(metavar="POD", help="Pod name, or the path of its socket.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.write(f"podctl: {message}\n")
+    raise typer.Exit(code)
+
+
+def not_running(target: str) -> NoReturn:
+    fail(f"pod '{target}' is not running", EXIT_NOT_RUNNING)
+
+
+def print_json(value: Any) -> None:
+    import json
+
+    sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+
+
+def read_message(message: str) -> str:
+    """MESSAGE as given, or stdin for `-` (without its trailing newlines). Empty: usage error."""
+    text = sys.stdin.read().rstrip("\n") if message == "-" else message
+    if not text.strip():
+        fail("empty message", EXIT_USAGE)
+    return text
+
+
+@contextlib.contextmanager
+def rpc_errors(target: str) -> Iterator[None]:
+    """Map the client's exceptions to podctl's one-line messages and exit codes."""
+    from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+
+    try:
+        yield
+    except PodNotRunning:
+        not_running(target)
+    except RpcError as exc:
+        fail(f"{exc.message} ({exc.code})")
+    except ConnectionClosed:
+        fail(f"pod '{target}' closed the connection")
+    except BrokenPipeError:
+        raise  # our stdout went away (e.g. `| head`): main() handles it
+    except TimeoutError:
+        fail(f"pod '{target}' did not answer in time")
+    except OSError as exc:
+        fail(f"cannot talk to pod '{target}': {exc}")
+
+
+@contextlib.contextmanager
+def connect(target: str, timeout: float | None = None) -> Iterator["PodClient"]:
+    """A PodClient for `target`, with podctl's error handling around everything in the block."""
+    from protocol.client import PodClient
+
+    with rpc_errors(target), PodClient.connect(target, timeout=timeout) as client:
+        yield client
+
+
+def raw_status(client: "PodClient") -> dict[str, Any]:
+    """The `status` result as plain JSON data (what the renderers and `--json` take)."""
+    import msgspec
+
+    result: dict[str, Any] = msgspec.json.decode(client.call_raw("status"))
+    return result
+
+
+def run(commands: tuple[str, ...]) -> None:
+    """Import the command modules (each registers itself on `app`), then run podctl."""
+    import importlib
+
+    for module in commands:
+        importlib.import_module(module)
+    try:
+        app(prog_name="podctl")
+    except BrokenPipeError:
+        # Reader went away (`podctl history x | head`): quietly stop, like other Unix tools.
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(EXIT_ERROR)

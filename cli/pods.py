@@ -1,0 +1,310 @@
+"""Pod lifecycle commands: spawn, ls, status, stop, rpc."""
+
+import sys
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from cli.app import (
+    EXIT_ERROR,
+    EXIT_USAGE,
+    JsonOpt,
+    PodArg,
+    app,
+    connect,
+    fail,
+    not_running,
+    print_json,
+    raw_status,
+    rpc_errors,
+)
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+LS_TIMEOUT = 2.0  # a pod slower than this to answer `status` is listed as unresponsive
+STOP_TIMEOUT = 10.0
+POLL = 0.02
+
+
+@app.command()
+def spawn(
+    manifest: Annotated[str, typer.Argument(metavar="MANIFEST", help="The pod's manifest (TOML).")],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", metavar="K=V", help="Override one manifest value (repeatable)."),
+    ] = None,
+    session: Annotated[
+        str | None, typer.Option("--session", metavar="ID", help="Restore this session.")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Restore the pod's newest session.")
+    ] = False,
+    foreground: Annotated[
+        bool, typer.Option("--foreground", help="Run attached to this terminal instead.")
+    ] = False,
+) -> None:
+    """Start a pod detached; print its name and socket.
+
+    Waits until the pod is ready; on failure prints the pod's own error and exits 1.
+    """
+    import os
+
+    from cli.spawn import SpawnFailed, daemon_command, spawn_detached
+
+    if session and resume:
+        fail("--session and --resume exclude each other", EXIT_USAGE)
+    cmd = daemon_command(manifest, set_ or [], session, resume)
+    if foreground:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(cmd[0], cmd)
+    try:
+        name, socket, early = spawn_detached(cmd)
+    except SpawnFailed as exc:
+        sys.stdout.flush()
+        if exc.output.strip():
+            sys.stderr.buffer.write(
+                exc.output if exc.output.endswith(b"\n") else exc.output + b"\n"
+            )
+            sys.stderr.flush()
+            if "ready within" in exc.message:
+                fail(exc.message)
+            raise typer.Exit(EXIT_ERROR) from None
+        fail(exc.message)
+    if early:
+        sys.stderr.buffer.write(early)  # warnings the pod printed while starting
+        sys.stderr.flush()
+    sys.stdout.write(f"{name}\t{socket}\n")
+
+
+# --- ls -----------------------------------------------------------------------------------------
+
+
+def _registry_entries() -> dict[str, Any]:
+    """Live registry entries by name (read-only, lock-free); {} when the registry is unusable."""
+    from poddaemon.registry import Registry, RegistryError
+    from protocol import paths
+
+    try:
+        return {e.name: e for e in Registry(paths.runtime_dir()).live()}
+    except RegistryError as exc:
+        sys.stderr.write(f"podctl: warning: {exc}\n")
+        return {}
+
+
+def _socket_names() -> set[str]:
+    from protocol import paths
+
+    try:
+        return {e.name for e in (paths.runtime_dir() / "pods").iterdir() if (e / "sock").exists()}
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+
+
+def _query(name: str, registered: bool) -> dict[str, Any] | str | None:
+    """A pod's status, or why it is unresponsive (a string), or None when it is not a pod at all
+    (a stale socket nobody listens on, and no live registry entry)."""
+    import msgspec
+
+    from protocol.client import PodClient
+    from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+
+    try:
+        with PodClient.connect(name, timeout=LS_TIMEOUT) as client:
+            return raw_status(client)
+    except PodNotRunning:
+        return "socket not accepting connections" if registered else None
+    except TimeoutError:
+        return f"no answer within {LS_TIMEOUT:g} s"
+    except RpcError as exc:
+        return f"status failed: {exc.message} ({exc.code})"
+    except (ConnectionClosed, OSError, msgspec.DecodeError) as exc:
+        return f"status failed: {exc}"
+    except Exception as exc:  # whatever one pod does wrong, ls lists the others
+        return f"status failed: {exc!r}"
+
+
+def live_statuses() -> list[dict[str, Any]]:
+    """Every live pod: its status, or a row with `state: unresponsive` when it errs or does not
+    answer within LS_TIMEOUT. Pods come from the registry and from the sockets under the runtime
+    dir; all are asked at once, so a stuck pod costs LS_TIMEOUT once, not per pod."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    entries = _registry_entries()
+    names = sorted(entries.keys() | _socket_names())
+    if not names:
+        return []
+    with ThreadPoolExecutor(max_workers=min(16, len(names))) as pool:
+        answers = list(pool.map(lambda n: _query(n, n in entries), names))
+    statuses = []
+    for name, answer in zip(names, answers, strict=True):
+        if isinstance(answer, dict):
+            statuses.append(answer)
+        elif isinstance(answer, str):
+            entry = entries.get(name)
+            statuses.append(
+                {
+                    "name": name,
+                    "pid": entry.pid if entry is not None else None,
+                    "state": "unresponsive",
+                    "parent": entry.parent if entry is not None else None,
+                    "scope": entry.scope if entry is not None else [],
+                    "error": answer,
+                }
+            )
+    from cli.render import tree_order
+
+    return [st for _, st in tree_order(statuses)]
+
+
+@app.command("ls")
+def ls(as_json: JsonOpt = False) -> None:
+    """Table of live pods, children indented under their parent.
+
+    Columns: name, pid, state, model, write scope, parent, queue (runs/notifications), tokens.
+    A pod that errs or does not answer within 2 s is listed with state `unresponsive`.
+    """
+    statuses = live_statuses()
+    if as_json:
+        print_json(statuses)
+        return
+    if not statuses:
+        sys.stderr.write("podctl: no pods running\n")
+        return
+    from cli.render import pod_table
+
+    sys.stdout.write(pod_table(statuses))
+
+
+@app.command()
+def status(
+    pod: Annotated[
+        str | None,
+        typer.Argument(metavar="[POD]", help="Pod name or socket path; without it, like `ls`."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """One pod's status (or, without POD, the table of live pods)."""
+    if pod is None:
+        ls(as_json)
+        return
+    with connect(pod) as client:
+        st = raw_status(client)
+    if as_json:
+        print_json(st)
+        return
+    from cli.render import status_text
+
+    sys.stdout.write(status_text(st))
+
+
+# --- stop ---------------------------------------------------------------------------------------
+
+
+def _released(name: str, pid: int | None, sock: "Path", deadline: float) -> bool:
+    """Poll until the pod is gone and its registry claim (name and scope) is free; False at the
+    deadline. Gone: its socket was removed, or its process ended."""
+    import time
+
+    from poddaemon.registry import Registry, RegistryError, process_start_time
+    from protocol import paths
+
+    registry = Registry(paths.runtime_dir())
+    while True:
+        gone = not sock.exists() or (pid is not None and process_start_time(pid) is None)
+        if gone:
+            try:
+                entry = registry.get(name)  # None once released, or when its process is dead
+            except RegistryError:
+                entry = None  # unreadable registry: the socket is all there is to go by
+            if entry is None or (pid is not None and entry.pid != pid):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL)
+
+
+def _stop(target: str, tree: bool, top: bool) -> None:
+    import time
+
+    from protocol.client import PodClient
+    from protocol.core import resolve_socket
+    from protocol.errors import SHUTTING_DOWN, ConnectionClosed, PodNotRunning, RpcError
+
+    name, pid = target, None
+    try:
+        with rpc_errors(target), PodClient.connect(target, timeout=STOP_TIMEOUT) as client:
+            children: list[str] = []
+            try:
+                st = client.status()
+                name, pid, children = st.name, st.pid, st.children
+            except RpcError:
+                if tree:
+                    raise
+            if tree:
+                for child in children:
+                    _stop(child, tree=True, top=False)
+            try:
+                client.shutdown()
+            except ConnectionClosed:
+                pass  # it went before it could answer: fine
+            except RpcError as exc:
+                if exc.code != SHUTTING_DOWN:
+                    raise
+    except PodNotRunning:
+        if top:
+            not_running(target)
+        return  # a child that already went
+    except typer.Exit:
+        if top:
+            raise
+        return
+    # `podctl stop p; podctl spawn p.toml` must work: return only once name and scope are free.
+    if not _released(name, pid, resolve_socket(target), time.monotonic() + STOP_TIMEOUT):
+        fail(f"pod '{name}' did not stop within {STOP_TIMEOUT:g} s")
+    sys.stdout.write(f"stopped {name}\n")
+    sys.stdout.flush()
+
+
+@app.command()
+def stop(
+    pod: PodArg,
+    tree: Annotated[bool, typer.Option("--tree", help="Stop its descendants first.")] = False,
+) -> None:
+    """Shut a pod down; wait until its name is free.
+
+    Returns once the pod is gone and its name and scope are free in the registry, so a
+    `podctl spawn` of the same manifest right after it succeeds.
+    """
+    _stop(pod, tree, top=True)
+
+
+# --- rpc ----------------------------------------------------------------------------------------
+
+
+@app.command()
+def rpc(
+    pod: PodArg,
+    method: Annotated[str, typer.Argument(metavar="METHOD", help="JSON-RPC method, e.g. status.")],
+    params: Annotated[
+        str | None, typer.Argument(metavar="[JSON]", help="Params: a JSON object.")
+    ] = None,
+) -> None:
+    """Raw JSON-RPC call; prints the JSON result."""
+    import json
+
+    parsed: dict[str, Any] | None = None
+    if params is not None:
+        try:
+            value = json.loads(params)
+        except ValueError as exc:
+            fail(f"invalid JSON params: {exc}", EXIT_USAGE)
+        if not isinstance(value, dict):
+            fail("JSON params must be an object", EXIT_USAGE)
+        parsed = value
+    import msgspec
+
+    with connect(pod) as client:
+        result = msgspec.json.decode(client.call_raw(method, parsed))
+    print_json(result)

@@ -1,0 +1,104 @@
+"""`podctl sessions`: browse and check session logs on disk (no pod needed)."""
+
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from cli.app import JsonOpt, app, fail, print_json, sub_app
+
+sessions_app = sub_app("Browse and check session logs.")
+app.add_typer(sessions_app, name="sessions")
+
+
+def _sessions_dir() -> Any:
+    from protocol import paths
+
+    return paths.sessions_dir()
+
+
+@sessions_app.callback(invoke_without_command=True)
+def sessions(ctx: typer.Context) -> None:
+    """Browse and check session logs (without a subcommand: list)."""
+    if ctx.invoked_subcommand is None:
+        sessions_list(False)
+
+
+@sessions_app.command("list")
+def sessions_list(as_json: JsonOpt = False) -> None:
+    """Every session log, newest first."""
+    import msgspec
+
+    from cli.render import format_time
+    from poddaemon.store.file import list_sessions
+
+    infos = list_sessions(_sessions_dir())
+    if as_json:
+        print_json(msgspec.to_builtins(infos))
+        return
+    if not infos:
+        sys.stderr.write("podctl: no sessions\n")
+        return
+    rows = [("ID", "POD", "STARTED", "BYTES", "FROM")]
+    for info in infos:
+        link = ""
+        if info.compacted_from:
+            link = f"compacted {info.compacted_from}"
+        elif info.forked_from:
+            link = f"forked {info.forked_from}"
+        rows.append((info.id, info.pod or "?", format_time(info.started), str(info.size), link))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        sys.stdout.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        sys.stdout.write("\n")
+
+
+def _read_session(session_id: str) -> Any:
+    from poddaemon.store.file import read_session
+    from poddaemon.store.log import LogCorrupt
+
+    try:
+        return read_session(_sessions_dir(), session_id)
+    except LogCorrupt as exc:
+        fail(str(exc))
+    except FileNotFoundError as exc:
+        fail(exc.strerror or str(exc))
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+
+
+@sessions_app.command("show")
+def sessions_show(
+    session_id: Annotated[str, typer.Argument(metavar="ID", help="Session id.")],
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line per entry.")] = False,
+) -> None:
+    """The entries of one session log (`seq kind summary`)."""
+    import json
+
+    from cli.render import entry_line
+
+    result = _read_session(session_id)
+    for entry in result.entries:
+        if as_json:
+            sys.stdout.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        else:
+            sys.stdout.write(entry_line(entry) + "\n")
+    if result.torn:
+        sys.stderr.write(f"podctl: torn last line after byte {result.end_offset} (not shown)\n")
+
+
+@sessions_app.command("verify")
+def sessions_verify(
+    session_id: Annotated[str, typer.Argument(metavar="ID", help="Session id.")],
+) -> None:
+    """Check a session log's hash chain.
+
+    Prints `ok: N entries, head H`, or the first bad line and exits 1.
+    """
+    result = _read_session(session_id)
+    sys.stdout.write(f"ok: {len(result.entries)} entries, head {result.head[:12]}\n")
+    if result.torn:
+        sys.stderr.write(
+            f"podctl: warning: torn last line after byte {result.end_offset}; "
+            "restoring the session cuts it off\n"
+        )

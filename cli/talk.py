@@ -1,0 +1,253 @@
+"""Talking to a pod: send, notify, attach, history, pause, resume, cancel."""
+
+import sys
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from cli.app import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_LIMIT,
+    JsonOpt,
+    PodArg,
+    app,
+    connect,
+    fail,
+    print_json,
+    read_message,
+)
+
+if TYPE_CHECKING:
+    from protocol.client import PodClient
+
+HISTORY_TAIL = 50  # entries `podctl history` shows without --all/--since/--limit
+HISTORY_PAGE = 10_000  # entries asked for per `history` call (the pod caps a page there)
+
+
+@app.command()
+def send(
+    pod: PodArg,
+    message: Annotated[
+        str, typer.Argument(metavar="MESSAGE", help="The input; `-` reads it from stdin.")
+    ],
+    no_wait: Annotated[
+        bool, typer.Option("--no-wait", help="Only submit: print `run_id state`.")
+    ] = False,
+    steer: Annotated[
+        bool, typer.Option("--steer", help="Deliver into the active run instead of queueing.")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the final run.finished data as JSON.")
+    ] = False,
+) -> None:
+    """Start a run and stream its reply.
+
+    Exit status: 0 finished; 1 error, cancelled or paused; 2 limit reached (max_turns or the
+    budget; otherwise 2 means a usage error, e.g. an empty message); 3 the pod is not running.
+    """
+    import msgspec
+
+    text = read_message(message)
+    with connect(pod) as client:
+        if steer or no_wait:
+            result = client.run(text, mode="steer" if steer else "queue")
+            if as_json:
+                print_json(msgspec.to_builtins(result))
+            else:
+                sys.stdout.write(f"{result.run_id} {result.state}\n")
+            return
+        client.subscribe()
+        result = client.run(text)
+        run_id = result.run_id
+        if result.state == "queued" and sys.stderr.isatty():
+            position = f" (position {result.position})" if result.position is not None else ""
+            sys.stderr.write(f"podctl: run {run_id} queued{position}\n")
+        wrote, ends_nl = False, True
+        finished: dict[str, Any] | None = None
+        try:
+            for event in client.events():
+                if event.type == "gap":
+                    sys.stderr.write("podctl: some events were missed; output may be incomplete\n")
+                if event.run_id != run_id:
+                    continue
+                if event.type == "text.delta" and not as_json:
+                    delta = str(event.data.get("text", ""))
+                    if delta:
+                        sys.stdout.write(delta)
+                        sys.stdout.flush()
+                        wrote, ends_nl = True, delta.endswith("\n")
+                elif event.type == "run.finished":
+                    finished = dict(event.data)
+                    break
+        except KeyboardInterrupt:
+            if wrote and not ends_nl:
+                sys.stdout.write("\n")
+            fail(f"stopped waiting; run {run_id} goes on (podctl cancel {pod})", EXIT_INTERRUPTED)
+    assert finished is not None
+    if wrote and not ends_nl:
+        sys.stdout.write("\n")
+    if as_json:
+        print_json({"run_id": run_id, **finished})
+    outcome = finished.get("outcome")
+    if outcome == "finished":
+        return
+    if outcome == "limit_reached":
+        if not as_json:
+            sys.stderr.write(f"podctl: run {run_id} reached its limit\n")
+        raise typer.Exit(EXIT_LIMIT)
+    if not as_json:
+        error = finished.get("error")
+        sys.stderr.write(f"podctl: run {run_id} {outcome}" + (f": {error}" if error else "") + "\n")
+    raise typer.Exit(EXIT_ERROR)
+
+
+@app.command()
+def notify(
+    pod: PodArg,
+    message: Annotated[
+        str, typer.Argument(metavar="MESSAGE", help="The message; `-` reads it from stdin.")
+    ],
+    source: Annotated[
+        str | None, typer.Option("--source", metavar="S", help="Who it is from.")
+    ] = None,
+) -> None:
+    """Send the pod a notification.
+
+    It reaches the model at its next request; an idle pod wakes for it.
+    """
+    text = read_message(message)
+    with connect(pod) as client:
+        result = client.notify(text, source=source)
+    sys.stdout.write(result.notification_id + (" (woke the pod)" if result.wakes else "") + "\n")
+
+
+@app.command()
+def attach(
+    pod: PodArg,
+    since: Annotated[
+        int | None, typer.Option("--since", metavar="N", help="Replay events after seq N.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON line per event.")] = False,
+) -> None:
+    """Follow the pod's event stream (Ctrl-C to stop)."""
+    import msgspec
+
+    from cli.render import EventRenderer
+    from protocol.errors import ConnectionClosed
+
+    renderer = EventRenderer()
+    out = sys.stdout
+    seen_shutdown = False
+    with connect(pod) as client:
+        client.subscribe(since)
+        try:
+            for event in client.events():
+                seen_shutdown = seen_shutdown or event.type == "shutdown"
+                if as_json:
+                    out.write(msgspec.json.encode(event).decode() + "\n")
+                else:
+                    out.write(renderer.render(msgspec.structs.asdict(event)))
+                out.flush()
+        except KeyboardInterrupt:
+            out.write(renderer.finish())
+            return
+        except ConnectionClosed:
+            out.write(renderer.finish())
+            out.flush()
+            if seen_shutdown:
+                return
+            raise
+
+
+def history_pages(client: "PodClient", since: int) -> Iterable[list[dict[str, Any]]]:
+    """Every entry after seq `since`, page by page, oldest first."""
+    while True:
+        page = client.history(since=since, limit=HISTORY_PAGE)
+        if not page.entries:
+            return
+        yield page.entries
+        if page.next <= since:
+            return  # a pod that does not advance would loop forever
+        since = page.next
+
+
+def newest(pages: Iterable[list[dict[str, Any]]], keep: int | None) -> tuple[list[Any], int]:
+    """The newest `keep` entries (all with None) and how many earlier ones were left out."""
+    from collections import deque
+
+    kept: deque[dict[str, Any]] = deque(maxlen=keep)
+    total = 0
+    for page in pages:
+        total += len(page)
+        kept.extend(page)
+    return list(kept), total - len(kept)
+
+
+@app.command()
+def history(
+    pod: PodArg,
+    all_: Annotated[bool, typer.Option("--all", help="Every entry of the session.")] = False,
+    since: Annotated[
+        int | None, typer.Option("--since", metavar="SEQ", help="Every entry after seq SEQ.")
+    ] = None,
+    limit: Annotated[
+        int | None,
+        typer.Option("--limit", metavar="N", min=1, help=f"The newest N (default {HISTORY_TAIL})."),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """The newest session log entries (`seq kind summary`).
+
+    By default the newest 50; `--limit N` the newest N, `--all` every entry, `--since SEQ`
+    every entry after SEQ. When entries are left out, says how many on stderr (in `--json`:
+    `earlier`).
+    """
+    keep = limit if limit is not None else (None if all_ or since is not None else HISTORY_TAIL)
+    start = since or 0
+    with connect(pod) as client:
+        entries, earlier = newest(history_pages(client, start), keep)
+    if as_json:
+        last = entries[-1]["seq"] if entries else start
+        print_json({"entries": entries, "next": last, "earlier": earlier})
+        return
+    from cli.render import entry_line
+
+    if earlier:
+        sys.stderr.write(f"podctl: {earlier} earlier entries not shown (--all shows every entry)\n")
+        sys.stderr.flush()
+    sys.stdout.writelines(entry_line(entry) + "\n" for entry in entries)
+
+
+def _say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+
+
+@app.command()
+def pause(pod: PodArg) -> None:
+    """Pause the active run at its next safe point."""
+    with connect(pod) as client:
+        result = client.pause()
+    _say("pausing" if result.paused else "nothing to pause")
+
+
+@app.command()
+def resume(pod: PodArg) -> None:
+    """Continue a paused run."""
+    with connect(pod) as client:
+        result = client.resume()
+    _say(f"resumed run {result.run_id}")
+
+
+@app.command()
+def cancel(
+    pod: PodArg,
+    run_id: Annotated[
+        str | None, typer.Option("--run-id", metavar="ID", help="Only this run.")
+    ] = None,
+) -> None:
+    """Cancel the active run (or the given one)."""
+    with connect(pod) as client:
+        result = client.cancel(run_id)
+    _say("cancelled" if result.cancelled else "nothing to cancel")
