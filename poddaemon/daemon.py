@@ -299,6 +299,7 @@ def _serve(
                 raise StartupError(f"cannot restore session {session_id}: {exc}") from None
             for warning in warnings:
                 pod._alert("warning", warning)
+        await _preflight(pod, manifest)
         ending = Ending(pod.request_shutdown, lambda: pod.pod_state == "stopping")
         handlers = pod.handlers()
         handlers["shutdown"] = ending.wrap_shutdown(handlers["shutdown"])
@@ -412,6 +413,16 @@ async def watch_claim(claim: Claim, lost: Callable[[str], None]) -> None:
                 f"{path} is gone or belongs to another process"
             )
             return
+
+
+async def _preflight(pod: Any, manifest: Any) -> None:
+    """Warn (never fail: the server may start later) about a base URL that cannot be right."""
+    from poddaemon.llm.preflight import preflight
+
+    provider = manifest.provider
+    for warning in await asyncio.to_thread(preflight, provider.kind, provider.base_url):
+        print(f"poddaemon: warning: {warning}", file=sys.stderr, flush=True)
+        pod._alert("warning", warning, source="provider")
 
 
 def _run_loop(main: Coroutine[Any, Any, int]) -> int:

@@ -281,9 +281,6 @@ def test_demo_prints_no_escape_codes_into_a_pipe(tmp_path: Path) -> None:
     assert "\x1b" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.xfail(
-    strict=True, reason="needs the one preflight() call at pod start-up in daemon.py (lead)"
-)
 def test_spawn_warns_about_a_base_url_that_cannot_be_right(cleanup: Env) -> None:
     env = cleanup
     manifest = env.manifest("root")
