@@ -11,10 +11,10 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
+from poddaemon import sdnotify
 from protocol import paths
 
 log = logging.getLogger("poddaemon")
@@ -45,18 +45,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def sd_notify(state: str) -> None:
-    """systemd's readiness protocol: one datagram to $NOTIFY_SOCKET, if there is one."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.connect(address)
-        sock.sendall(state.encode())
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(
@@ -66,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("httpx", "httpx2", "openai", "anthropic"):  # one INFO line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    sdnotify.use_journal_prefixes()
     try:
         return run_pod(args)
     except StartupError as exc:
@@ -142,9 +131,7 @@ def _session_to_restore(args: argparse.Namespace, name: str) -> str | None:
         from poddaemon.store.file import newest_session_for
 
         found = newest_session_for(paths.sessions_dir(), name)
-        if found is None:
-            raise StartupError(f"--resume: no session of pod {name!r} in {paths.sessions_dir()}")
-        return found
+        return found  # None: no session yet, so start one (a unit always passes --resume)
     return None
 
 
@@ -194,6 +181,7 @@ def _serve(
                 raise StartupError(f"cannot restore session {session_id}: {exc}") from None
             for warning in warnings:
                 pod._alert("warning", "session", warning)
+        failure = sdnotify.FailureWatch(bus)
         server = RpcServer(pod.handlers(), bus)
         await server.listen(sock_path)
         loop = asyncio.get_running_loop()
@@ -202,12 +190,17 @@ def _serve(
         print(f"{READY_PREFIX}\t{manifest.pod.name}\t{sock_path}", file=sys.stderr, flush=True)
         if args.stderr_log:
             _move_stderr(sock_path.parent / "stderr.log")
-        sd_notify("READY=1")
+        sdnotify.notify("READY=1")
+        supervisor = asyncio.create_task(sdnotify.supervise(pod))
         try:
             await pod.serve()
         finally:
-            sd_notify("STOPPING=1")
+            supervisor.cancel()
+            sdnotify.stopping()
             await server.close()
+        if failure.failed:
+            log.error("exiting with status 1: %s", failure.failed)
+            return 1
         return 0
 
     return _run_loop(amain())

@@ -58,7 +58,7 @@ def test_disk_full_is_reported_and_nothing_acknowledged_is_lost(
         assert "No space left on device" in err.value.message
         alert = next(e for e in watcher.events() if e.type == "alert")
     assert alert.data["level"] == "error" and "No space left" in alert.data["message"]
-    assert pod.proc.wait(20) == 0  # it stops cleanly rather than run without a log
+    assert pod.proc.wait(20) == 1  # it stops rather than run without a log, and says it failed
     filler.unlink()
     again = env.restart(pod, "--resume")
     entries = again.call("history")["entries"]
