@@ -297,7 +297,11 @@ def stop(
     pod: PodArg,
     tree: Annotated[bool, typer.Option("--tree", help="Stop its descendants first.")] = False,
 ) -> None:
-    """Shut a pod down and wait until it is gone."""
+    """Shut a pod down and wait until it is gone (a unit-managed pod: stop its unit)."""
+    from cli.service import stop_unit_pod
+
+    if stop_unit_pod(pod):
+        return
     _stop(pod, tree, top=True)
 
 
@@ -633,6 +637,31 @@ def dev_fake_model(
     if script:
         argv += ["--script", script]
     raise typer.Exit(fake_model_main(argv))
+
+
+# --- systemd and service commands (cli/unit.py, cli/service.py) ---------------------------------
+
+from cli import service, unit  # noqa: E402  (they use the helpers above, lazily)
+
+app.add_typer(unit.unit_app, name="unit")
+app.command()(service.logs)
+app.command()(service.wait)
+app.command()(service.restart)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the podctl and protocol versions.",
+            callback=service.version_callback,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """Control poddaemon pods: LLM agents running as supervised processes."""
 
 
 def main() -> None:

@@ -115,6 +115,7 @@ def run_pod(args: argparse.Namespace) -> int:
     try:
         paths.ensure_dir(pod_dir)
         (pod_dir / "pid").write_text(f"{os.getpid()}\n")
+        _keep_config(manifest)
         return _serve(args, manifest, scope, registry, entry, instruction, session_id, sock_path)
     finally:
         registry.release(name, entry.pid)
@@ -122,6 +123,18 @@ def run_pod(args: argparse.Namespace) -> int:
             (pod_dir / "pid").unlink()
         with contextlib.suppress(OSError):
             sock_path.unlink()
+
+
+def _keep_config(manifest: object) -> None:
+    """`<data>/pods/<name>.toml`: the fully resolved manifest, so `podctl restart` can start the
+    same pod again whatever happened to the file it came from (SPEC §2)."""
+    from poddaemon.config.manifest import Manifest
+
+    assert isinstance(manifest, Manifest)
+    target = paths.ensure_dir(paths.data_dir() / "pods") / f"{manifest.pod.name}.toml"
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(manifest.to_toml())
+    os.replace(tmp, target)
 
 
 def _session_to_restore(args: argparse.Namespace, name: str) -> str | None:
