@@ -204,6 +204,7 @@ def _serve(
         if args.stderr_log:
             _move_stderr(sock_path.parent / "stderr.log")
         sdnotify.notify("READY=1")
+        log.info("ready on %s (session %s)", sock_path, pod.state.session_id or "not yet started")
         supervisor = asyncio.create_task(sdnotify.supervise(pod))
         try:
             await pod.serve()
@@ -214,6 +215,7 @@ def _serve(
         if failure.failed:
             log.error("exiting with status 1: %s", failure.failed)
             return 1
+        log.info("shut down")
         return 0
 
     return _run_loop(amain())
