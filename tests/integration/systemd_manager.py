@@ -68,8 +68,16 @@ class UserManager:
     @classmethod
     def start(cls, home: Path) -> UserManager:
         proc = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "--", sys.executable, __file__,
-             str(home)],
+            [
+                "unshare",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                sys.executable,
+                __file__,
+                str(home),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -88,8 +96,13 @@ class UserManager:
         """`cmd` wrapped to run inside the namespace with the manager's environment."""
         full = {**self.env, **(env or {})}
         return [
-            "nsenter", f"--mount=/proc/{self.proc.pid}/ns/mnt", "--",
-            "env", "-i", *(f"{k}={v}" for k, v in full.items()), *cmd,
+            "nsenter",
+            f"--mount=/proc/{self.proc.pid}/ns/mnt",
+            "--",
+            "env",
+            "-i",
+            *(f"{k}={v}" for k, v in full.items()),
+            *cmd,
         ]
 
     def run(
@@ -190,8 +203,11 @@ def _holder(home: Path) -> int:
                     f.write(str(os.getpid()))
 
         journald = subprocess.Popen(
-            [JOURNALD], preexec_fn=lambda: enter(journald_dirs), stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [JOURNALD],
+            preexec_fn=lambda: enter(journald_dirs),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         _wait_for("/run/systemd/journal/stdout", journald, "systemd-journald")
         env = manager_env(home, uid)
@@ -206,7 +222,9 @@ def _holder(home: Path) -> int:
         _wait_for(f"{runtime}/systemd/private", manager, "systemd --user")
         subprocess.run(
             ["systemctl", "--user", "is-system-running", "--wait"],
-            env=env, capture_output=True, timeout=SETUP_TIMEOUT,
+            env=env,
+            capture_output=True,
+            timeout=SETUP_TIMEOUT,
         )
         print(f"{READY} {manager.pid}", flush=True)
         sys.stdin.read()  # hold until the test closes our stdin

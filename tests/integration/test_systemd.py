@@ -241,9 +241,10 @@ def test_log_write_failure_exits_non_zero_and_is_restarted(sd: Sd) -> None:
     sd.m.run(["rm", "-f", str(filler)])
     sd.wait_prop("fragile", "NRestarts", "1")
     sd.wait_prop("fragile", "ActiveState", "active")
-    assert "status=1/FAILURE" in sd.journal("fragile") or "status=1/FAILURE" in sd.m.run(
-        ["journalctl", "--no-pager"]
-    ).stdout
+    assert (
+        "status=1/FAILURE" in sd.journal("fragile")
+        or "status=1/FAILURE" in sd.m.run(["journalctl", "--no-pager"]).stdout
+    )
     # stderr is the journal: the pod's error line carries priority 3 (err), without the prefix.
     errors = sd.m.run(
         ["journalctl", f"_SYSTEMD_USER_UNIT={sd.unit('fragile')}", "-p", "err", "--no-pager"]
