@@ -297,3 +297,31 @@ def test_wait_and_logs_of_a_plain_pod(env: Env) -> None:
     assert env.podctl("logs", "waiter", "--since", "1h").stdout == log.stdout
     assert env.podctl("logs", "waiter", "--since", "2999-01-01").stdout == ""
     assert env.podctl("wait", "waiter").returncode == 3
+
+
+def test_example_timer_and_path_units_notify_the_pod(sd: Sd) -> None:
+    sd.install("reviewer")
+    podctl = str(Path(sys.executable).parent / "podctl")
+    examples = ROOT / "examples" / "systemd"
+    target = units_dir(sd)
+    for unit_file in examples.glob("reviewer-*"):
+        text = unit_file.read_text().replace("%h/.local/bin/podctl", podctl)
+        (target / unit_file.name).write_text(text)
+    assert sd.m.systemctl("set-environment", f"PODDAEMON_HOME={sd.env.home}").returncode == 0
+    assert sd.m.systemctl("daemon-reload").returncode == 0
+    timer = sd.m.systemctl("enable", "--now", "reviewer-nightly.timer", "reviewer-inbox.path")
+    assert timer.returncode == 0, timer.stderr
+    assert sd.m.prop("reviewer-nightly.timer", "ActiveState") == "active"
+    assert sd.m.prop("reviewer-nightly.timer", "NextElapseUSecRealtime") != ""
+
+    def notified(source: str) -> bool:
+        return any(e.get("source") == source for e in history("reviewer"))
+
+    # What the timer runs, run now; then the path unit, by changing a file in ~/inbox.
+    fired = sd.m.systemctl("start", "reviewer-nightly.service")
+    assert fired.returncode == 0, fired.stderr
+    wait_until(lambda: notified("timer"), 20, "the timer's notification")
+    (sd.m.home / "inbox" / "hello.txt").write_text("new work\n")
+    wait_until(lambda: notified("inbox"), 20, "the path unit's notification")
+    texts = "\n".join(str(e) for e in history("reviewer"))
+    assert f"Files changed in {sd.m.home}/inbox" in texts

@@ -149,3 +149,17 @@ def test_parse_since() -> None:
         service.parse_since("yesterday-ish")
     assert service._line_time("2026-01-02 03:04:05.123 poddaemon[1] INFO x") is not None
     assert service._line_time("Traceback (most recent call last):") is None
+
+
+@needs_analyze
+@pytest.mark.parametrize("name", ["reviewer-nightly.timer", "reviewer-inbox.path"])
+def test_examples_verify(tmp_path: Path, name: str) -> None:
+    podctl = str(Path(sys.executable).parent / "podctl")
+    for example in (ROOT / "examples" / "systemd").glob("reviewer-*"):
+        text = example.read_text().replace("%h/.local/bin/podctl", podctl)
+        (tmp_path / example.name).write_text(text)
+    # The pod's own unit, which the examples Want.
+    (tmp_path / "poddaemon-reviewer.service").write_text(
+        "[Service]\nType=notify\nExecStart=/bin/true\n"
+    )
+    verify(tmp_path / name, tmp_path)
