@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sdnotify.claim()
     args = parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("PODDAEMON_LOG_LEVEL", "INFO").upper(),

@@ -21,6 +21,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,6 +31,20 @@ log = logging.getLogger("poddaemon")
 
 STATUS_POLL = 0.25  # seconds between looks at the pod's state for STATUS= lines
 WEDGE_ENV = "PODDAEMON_TEST_WEDGE_FILE"
+SUPERVISOR_VARS = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+
+_claimed: dict[str, str] | None = None
+
+
+def claim() -> None:
+    """Take the supervisor's variables out of the environment (sd_notify's `unset_environment`):
+    child pods and tool processes must not report to our supervisor as if they were us."""
+    global _claimed
+    _claimed = {k: os.environ.pop(k) for k in SUPERVISOR_VARS if k in os.environ}
+
+
+def _environ() -> Mapping[str, str]:
+    return os.environ if _claimed is None else _claimed
 
 
 def notify(state: str) -> bool:
@@ -37,7 +52,7 @@ def notify(state: str) -> bool:
 
     Never raises: a supervisor that went away must not take the pod down with it.
     """
-    address = os.environ.get("NOTIFY_SOCKET")
+    address = _environ().get("NOTIFY_SOCKET")
     if not address:
         return False
     if address.startswith("@"):
@@ -52,12 +67,12 @@ def notify(state: str) -> bool:
     return True
 
 
-def watchdog_interval(environ: dict[str, str] | None = None) -> float | None:
+def watchdog_interval(environ: Mapping[str, str] | None = None) -> float | None:
     """Seconds between WATCHDOG=1 pings (half the timeout), or None when not watched.
 
     `$WATCHDOG_PID`, when set, must be this process (systemd's rule for forked helpers).
     """
-    env = os.environ if environ is None else environ
+    env = _environ() if environ is None else environ
     usec = env.get("WATCHDOG_USEC", "")
     pid = env.get("WATCHDOG_PID", "")
     if not usec.isdigit() or int(usec) == 0:
@@ -91,7 +106,7 @@ async def supervise(pod: Any) -> None:
     """
     interval = watchdog_interval()
     wedge = os.environ.get(WEDGE_ENV) or None
-    if interval is None and not os.environ.get("NOTIFY_SOCKET") and wedge is None:
+    if interval is None and not _environ().get("NOTIFY_SOCKET") and wedge is None:
         return
     tick = min(STATUS_POLL, interval) if interval is not None else STATUS_POLL
     last_ping = 0.0
@@ -154,7 +169,7 @@ class FailureWatch:
 # --- journal priorities ------------------------------------------------------------------------
 
 
-def stderr_is_journal(environ: dict[str, str] | None = None, fd: int = 2) -> bool:
+def stderr_is_journal(environ: Mapping[str, str] | None = None, fd: int = 2) -> bool:
     """True when `$JOURNAL_STREAM` ("dev:inode") is the file behind `fd`."""
     env = os.environ if environ is None else environ
     value = env.get("JOURNAL_STREAM", "")

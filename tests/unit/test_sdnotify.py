@@ -80,3 +80,21 @@ def test_journal_formatter_prefixes_every_line() -> None:
     assert fmt.format(record) == "<3>ERROR a\n<3>b"
     record = logging.LogRecord("x", logging.INFO, __file__, 1, "hi", None, None)
     assert fmt.format(record) == "<6>INFO hi"
+
+
+def test_claim_keeps_the_supervisor_from_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    addr = os.path.join(tempfile.mkdtemp(dir="/tmp"), "n")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(addr)
+        listener.settimeout(5)
+        monkeypatch.setenv("NOTIFY_SOCKET", addr)
+        monkeypatch.setenv("WATCHDOG_USEC", "4000000")
+        monkeypatch.setattr(sdnotify, "_claimed", None)
+        sdnotify.claim()
+        try:
+            assert "NOTIFY_SOCKET" not in os.environ and "WATCHDOG_USEC" not in os.environ
+            assert sdnotify.notify("READY=1")  # the pod itself still reaches its supervisor
+            assert listener.recv(100) == b"READY=1"
+            assert sdnotify.watchdog_interval() == 2.0
+        finally:
+            monkeypatch.setattr(sdnotify, "_claimed", None)

@@ -163,3 +163,17 @@ def test_examples_verify(tmp_path: Path, name: str) -> None:
         "[Service]\nType=notify\nExecStart=/bin/true\n"
     )
     verify(tmp_path / name, tmp_path)
+
+
+def test_version() -> None:
+    from poddaemon import __version__
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cli.main", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0
+    assert out.stdout == f"podctl {__version__} (protocol 1)\n"
