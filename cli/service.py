@@ -71,12 +71,21 @@ def _live_status(target: str) -> dict[str, Any] | None:
         return None
 
 
+def _own_unit(status: dict[str, Any]) -> str | None:
+    """The pod's own unit. A child of a unit pod lives in its parent's cgroup, but it is not
+    that unit: stopping it must not stop its parent."""
+    from cli.unit import unit_name
+
+    unit = unit_of_pid(int(status["pid"]))
+    return unit if unit == unit_name(str(status["name"])) else None
+
+
 def pod_unit(target: str, status: dict[str, Any] | None) -> str | None:
     """The unit that runs this pod: from its process when it runs, else an installed unit file."""
     from cli.unit import unit_name, unit_path
 
     if status is not None:
-        return unit_of_pid(int(status["pid"]))
+        return _own_unit(status)
     if "/" not in target and unit_path(target).exists():
         return unit_name(target)
     return None
@@ -87,7 +96,7 @@ def stop_unit_pod(target: str) -> bool:
     status = _live_status(target)
     if status is None:
         return False
-    unit = unit_of_pid(int(status["pid"]))
+    unit = _own_unit(status)
     if unit is None:
         return False
     _systemctl_or_fail("stop", unit)

@@ -193,6 +193,8 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> str:
     except ManifestError as exc:
         raise UnitError(str(exc)) from None
     pod = m.pod.name
+    if now:
+        _refuse_if_running_elsewhere(pod)
     executable = poddaemon_executable()
     manager_env = manager_environment()
     config = paths.config_dir()
@@ -211,6 +213,18 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> str:
         # Type=notify: this returns once the pod has sent READY=1 (or failed to).
         systemctl("enable", "--now", unit_name(pod))
     return unit_name(pod)
+
+
+def _refuse_if_running_elsewhere(pod: str) -> None:
+    """`--now` while the pod runs outside systemd would fail on the registry; say so plainly."""
+    from cli.service import _live_status, unit_of_pid
+
+    status = _live_status(pod)
+    if status is not None and unit_of_pid(int(status["pid"])) != unit_name(pod):
+        raise UnitError(
+            f"pod '{pod}' is already running (pid {status['pid']}) outside its unit; "
+            f"stop it first (podctl stop {pod}), then install with --now"
+        )
 
 
 def remove(pod: str) -> bool:

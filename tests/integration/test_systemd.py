@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,32 @@ def test_install_now_is_active_only_once_ready_and_serves(sd: Sd) -> None:
     assert sent.stdout.strip() == "ok: hello through systemd"
     listed = sd.podctl("ls")
     assert "unitpod" in listed.stdout
+
+    # Watched from outside: `activating` until READY, and once `active` the socket answers.
+    assert sd.m.systemctl("restart", "--no-block", sd.unit("unitpod")).returncode == 0
+    states = [sd.prop("unitpod", "ActiveState")]
+    deadline = time.monotonic() + 20
+    while states[-1] != "active":
+        assert time.monotonic() < deadline, states
+        states.append(sd.prop("unitpod", "ActiveState"))
+    assert "activating" in states
+    with sd.client("unitpod") as c:
+        assert c.status().pid == sd.main_pid("unitpod")
+
+
+def test_install_now_refuses_a_pod_running_outside_its_unit(sd: Sd) -> None:
+    path = sd.env.manifest("twice")
+    assert sd.podctl("spawn", str(path)).returncode == 1  # no key in podctl's own env
+    spawned = sd.m.run(
+        [sys.executable, "-m", "cli.main", "spawn", str(path)],
+        {**sd.podenv, "FAKE_API_KEY": "test-key"},
+    )
+    assert spawned.returncode == 0, spawned.stderr
+    try:
+        out = sd.podctl("unit", "install", str(path), "--now")
+        assert out.returncode == 1 and "already running" in out.stderr, out.stderr
+    finally:
+        assert sd.podctl("stop", "twice").returncode == 0
 
 
 def test_kill9_restarts_and_resumes_every_acknowledged_input(sd: Sd) -> None:
