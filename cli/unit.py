@@ -183,7 +183,7 @@ def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | 
 
 
 def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> str:
-    """Write and load the unit; with `now`, enable and start it. Returns the unit name."""
+    """Write and load the unit; with `now`, enable and start it. Returns the pod's name."""
     from poddaemon.config.load import ManifestError, load_manifest
     from protocol import paths
 
@@ -212,7 +212,7 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> str:
     if now:
         # Type=notify: this returns once the pod has sent READY=1 (or failed to).
         systemctl("enable", "--now", unit_name(pod))
-    return unit_name(pod)
+    return pod
 
 
 def _refuse_if_running_elsewhere(pod: str) -> None:
@@ -257,11 +257,15 @@ def install_cmd(
     WatchdogSec=, KillMode=mixed). API keys: NAME=value lines in <config>/env.
     """
     try:
-        name = install(manifest, now, watchdog)
+        pod = install(manifest, now, watchdog)
     except UnitError as exc:
         _fail(str(exc))
-    started = " (enabled and started)" if now else f"; start it: systemctl --user start {name}"
-    sys.stdout.write(f"{unit_path(name[len(UNIT_PREFIX) : -len('.service')])}{started}\n")
+    if now:
+        sys.stdout.write(f"{unit_path(pod)} (enabled and started)\n")
+    else:
+        sys.stdout.write(
+            f"{unit_path(pod)}\nstart it: systemctl --user enable --now {unit_name(pod)}\n"
+        )
 
 
 @unit_app.command("remove")
