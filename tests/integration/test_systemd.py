@@ -235,6 +235,8 @@ def test_podctl_stop_stops_the_unit_and_logs_show_the_journal(sd: Sd) -> None:
     # Not running any more, but its unit is installed: logs still come from the journal.
     after = sd.podctl("logs", "stopme").stdout
     assert "PODDAEMON-READY" in after and "Stopped" in after, after
+    assert sd.podctl("logs", "stopme", "--since", "10m").stdout == after
+    assert "PODDAEMON-READY" not in sd.podctl("logs", "stopme", "--since", "2999-01-01").stdout
     # `podctl restart` of a unit pod goes through systemd too; then remove leaves nothing.
     again = sd.podctl("restart", "stopme")
     assert again.returncode == 0, again.stderr
@@ -315,7 +317,20 @@ def test_wait_and_logs_of_a_plain_pod(env: Env) -> None:
         waited = env.podctl("wait", "waiter", "--json", "--timeout", "20")
         assert waited.returncode == 0, waited.stderr
         assert '"idle": true' in waited.stdout
-        c.call_raw("shutdown")
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "logs", "waiter", "-f"],
+            env=env.env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert follow.stdout is not None
+            assert "ready on" in follow.stdout.readline()
+            c.call_raw("shutdown")
+            assert "shut down" in follow.stdout.readline()  # written after -f started
+        finally:
+            follow.kill()
+            follow.wait(10)
     wait_until(lambda: env.podctl("status", "waiter").returncode == 3, 10, "the pod to stop")
     log = env.podctl("logs", "waiter")
     assert log.returncode == 0, log.stderr
