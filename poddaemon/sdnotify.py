@@ -117,7 +117,12 @@ async def supervise(pod: Any) -> None:
         if interval is not None and now - last_ping >= interval:
             message.append("WATCHDOG=1")
             last_ping = now
-        current = _pod_status(pod)
+        try:
+            current = _pod_status(pod)
+        except Exception:  # a status we cannot read must never stop the watchdog pings
+            if last_status != "unknown":
+                log.warning("cannot read the pod's state for STATUS=", exc_info=True)
+            current = "unknown"
         if current != last_status:
             if current == "stopping":
                 message.append("STOPPING=1")  # as soon as it begins: children may take a while

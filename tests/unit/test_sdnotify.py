@@ -98,3 +98,27 @@ def test_claim_keeps_the_supervisor_from_children(monkeypatch: pytest.MonkeyPatc
             assert sdnotify.watchdog_interval() == 2.0
         finally:
             monkeypatch.setattr(sdnotify, "_claimed", None)
+
+
+def test_supervise_keeps_pinging_when_the_state_cannot_be_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    addr = os.path.join(tempfile.mkdtemp(dir="/tmp"), "n")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as listener:
+        listener.bind(addr)
+        listener.settimeout(5)
+        monkeypatch.setattr(
+            sdnotify, "_claimed", {"NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "100000"}
+        )
+        broken = SimpleNamespace()  # no pod_state, no state
+
+        async def drive() -> list[bytes]:
+            task = asyncio.create_task(sdnotify.supervise(broken))
+            loop = asyncio.get_running_loop()
+            got = [await loop.run_in_executor(None, listener.recv, 200) for _ in range(3)]
+            task.cancel()
+            return got
+
+        got = asyncio.run(drive())
+    assert got[0] == b"WATCHDOG=1\nSTATUS=unknown"
+    assert got[1:] == [b"WATCHDOG=1", b"WATCHDOG=1"]
