@@ -26,6 +26,7 @@ SECTIONS: list[tuple[str, str, str]] = [
         "bench.conn_bench",
     ),
     ("stop", "10. Stop: shutdown to registry free and to exit", "bench.stop_bench"),
+    ("systemd", "11. systemd unit: start, restart after kill -9", "bench.systemd_bench"),
 ]
 
 

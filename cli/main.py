@@ -12,6 +12,7 @@ COMMANDS = (
     "cli.talk",  # send, notify, attach, history, pause, resume, cancel
     "cli.sessions",  # sessions list | show | verify
     "cli.dev",  # dev fake-model
+    "cli.service",  # unit install|remove, logs, wait, restart, --version
 )
 
 

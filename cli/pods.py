@@ -275,8 +275,13 @@ def stop(
     """Shut a pod down; wait until its name is free.
 
     Returns once the pod is gone and its name and scope are free in the registry, so a
-    `podctl spawn` of the same manifest right after it succeeds.
+    `podctl spawn` of the same manifest right after it succeeds. A unit-managed pod: its unit
+    is stopped (or systemd would start it again).
     """
+    from cli.service import stop_unit_pod
+
+    if stop_unit_pod(pod):
+        return
     _stop(pod, tree, top=True)
 
 

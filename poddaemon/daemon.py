@@ -20,13 +20,13 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from poddaemon import sdnotify
 from protocol import paths
 
 log = logging.getLogger("poddaemon")
@@ -60,19 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def sd_notify(state: str) -> None:
-    """systemd's readiness protocol: one datagram to $NOTIFY_SOCKET, if there is one."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.connect(address)
-        sock.sendall(state.encode())
-
-
 def main(argv: list[str] | None = None) -> int:
+    sdnotify.claim()
     args = parse_args(argv)
     logging.basicConfig(
         level=os.environ.get("PODDAEMON_LOG_LEVEL", "INFO").upper(),
@@ -81,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("httpx", "httpx2", "openai", "anthropic"):  # one INFO line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    sdnotify.use_journal_prefixes()
     try:
         code = run_pod(args)
     except StartupError as exc:
@@ -178,6 +168,7 @@ def run_pod(args: argparse.Namespace) -> int:
         try:
             paths.ensure_dir(pod_dir)
             (pod_dir / "pid").write_text(f"{os.getpid()}\n")
+            _keep_config(manifest)
         except OSError as exc:
             raise StartupError(_os_error(exc)) from None
         return _serve(args, manifest, scope, claim, instruction, session_id)
@@ -228,6 +219,18 @@ class Claim:
             self.registry.release(self.entry.name, self.entry.pid)
         except RegistryError as exc:
             log.error("could not release the registry entry: %s", exc)
+
+
+def _keep_config(manifest: object) -> None:
+    """`<data>/pods/<name>.toml`: the fully resolved manifest, so `podctl restart` can start the
+    same pod again whatever happened to the file it came from (SPEC §2)."""
+    from poddaemon.config.manifest import Manifest
+
+    assert isinstance(manifest, Manifest)
+    target = paths.ensure_dir(paths.data_dir() / "pods") / f"{manifest.pod.name}.toml"
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(manifest.to_toml())
+    os.replace(tmp, target)
 
 
 def _session_to_restore(args: argparse.Namespace, name: str) -> str | None:
@@ -314,7 +317,9 @@ def _serve(
         print(f"{READY_PREFIX}\t{manifest.pod.name}\t{sock_path}", file=sys.stderr, flush=True)
         if args.stderr_log:
             _move_stderr(sock_path.parent / "stderr.log")
-        sd_notify("READY=1")
+        sdnotify.notify("READY=1")
+        log.info("ready on %s (session %s)", sock_path, pod.state.session_id or "not yet started")
+        supervisor = asyncio.create_task(sdnotify.supervise(pod))
 
         def lost(reason: str) -> None:
             claim.lost = True
@@ -331,12 +336,15 @@ def _serve(
             ending.fail("internal error (see the traceback above)")
         finally:
             watch.cancel()
-            sd_notify("STOPPING=1")
+            supervisor.cancel()
+            sdnotify.stopping()
             # The run is stopped and the log closed: give the name up before anything slower.
             await server.close()
             claim.release()
         if ending.code != EXIT_OK:
             log.error("exiting with status %d: %s", ending.code, ending.why())
+            return ending.code
+        log.info("shut down")
         return ending.code
 
     return _run_loop(amain())

@@ -103,8 +103,12 @@ def test_ready_is_sent_to_notify_socket(env: Env, tmp_path_factory: pytest.TempP
         env.env["NOTIFY_SOCKET"] = addr
         pod = env.start("sdpod")
         assert listener.recv(100) == b"READY=1"
+        assert listener.recv(100) == b"STATUS=idle"
         pod.stop()
-        assert listener.recv(100) == b"STOPPING=1"
+        # STATUS lines may come in between; STOPPING=1 must come before the pod exits.
+        messages = []
+        while not any(b"STOPPING=1" in m for m in messages):
+            messages.append(listener.recv(100))
 
 
 def test_other_uid_is_refused(env: Env) -> None:

@@ -1,29 +1,179 @@
-"""The shipped unit file passes systemd's own verifier (with ExecStart pointed at our script)."""
+"""Unit files: the shipped template and what `podctl unit install` writes pass systemd's own
+verifier; the pieces around them (quoting, env files, key check, cgroup detection, --since)."""
 
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
-UNIT = Path(__file__).resolve().parents[2] / "systemd" / "poddaemon@.service"
+from cli import service, unit
+
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATE = ROOT / "systemd" / "poddaemon@.service"
+needs_analyze = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed"
+)
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-def test_unit_verifies(tmp_path: Path) -> None:
-    script = Path(sys.executable).parent / "poddaemon"
-    assert script.exists(), "the poddaemon console script is installed next to python"
-    text = UNIT.read_text().replace("%h/.local/bin/poddaemon", str(script))
-    unit = tmp_path / "poddaemon@demo.service"
-    unit.write_text(text)
+def verify(path: Path, runtime: Path) -> None:
     out = subprocess.run(
-        ["systemd-analyze", "verify", "--recursive-errors=yes", "--man=no", "--user", str(unit)],
-        env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)},
+        ["systemd-analyze", "verify", "--recursive-errors=yes", "--man=no", "--user", str(path)],
+        env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)},
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert out.returncode == 0, out.stderr
-    assert "Type=notify" in text and "poddaemon run %E/poddaemon/pods/%i.toml" in text
+    assert out.stderr.strip() == "", out.stderr  # no warnings either
+
+
+@needs_analyze
+def test_template_verifies(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "poddaemon"
+    assert script.exists(), "the poddaemon console script is installed next to python"
+    text = TEMPLATE.read_text()
+    assert "Type=notify" in text and "--resume" in text and "WatchdogSec=" in text
+    target = tmp_path / "poddaemon@demo.service"
+    target.write_text(text.replace("%h/.local/bin/poddaemon", str(script)))
+    verify(target, tmp_path)
+
+
+@needs_analyze
+def test_installed_unit_verifies(tmp_path: Path) -> None:
+    manifest = tmp_path / "my pods" / "100% reviewer.toml"  # spaces and a specifier character
+    manifest.parent.mkdir()
+    manifest.write_text("")
+    text = unit.render_unit(
+        "reviewer",
+        manifest,
+        unit.poddaemon_executable(),
+        tmp_path / "config",
+        {"PODDAEMON_HOME": str(tmp_path / "h")},
+    )
+    for line in (
+        "Type=notify",
+        "Restart=on-failure",
+        f"WatchdogSec={unit.WATCHDOG_SEC}",
+        "KillMode=mixed",
+        "TimeoutStopSec=",
+        f"EnvironmentFile=-{tmp_path}/config/env",
+        f"Environment=PODDAEMON_HOME={tmp_path}/h",
+        "WantedBy=default.target",
+    ):
+        assert line in text
+    assert f'run "{tmp_path}/my pods/100%% reviewer.toml" --resume' in text
+    target = tmp_path / "poddaemon-reviewer.service"
+    target.write_text(text)
+    verify(target, tmp_path)
+
+
+def test_executable_is_this_installation() -> None:
+    exe = unit.poddaemon_executable()
+    assert exe.is_absolute() and exe.parent == Path(sys.executable).parent.absolute()
+
+
+def test_quote_arg() -> None:
+    assert unit.quote_arg("/a/b") == "/a/b"
+    assert unit.quote_arg("/a b/c") == '"/a b/c"'
+    assert unit.quote_arg("50%") == "50%%"
+    assert unit.quote_arg("$HOME") == "$$HOME"
+    assert unit.quote_arg('say "hi"') == '"say \\"hi\\""'
+
+
+def test_env_file_and_key_check(tmp_path: Path) -> None:
+    env_file = tmp_path / "env"
+    problem = unit.key_problem("MY_KEY", env_file, {})
+    assert problem is not None
+    assert "MY_KEY" in problem and str(env_file) in problem and "set-environment" in problem
+    env_file.write_text('# comment\nOTHER=1\nMY_KEY = "secret"\n')
+    assert unit.read_env_file(env_file) == {"OTHER": "1", "MY_KEY": "secret"}
+    assert unit.key_problem("MY_KEY", env_file, {}) is None
+    assert unit.key_problem("FROM_MANAGER", env_file, {"FROM_MANAGER": "x"}) is None
+
+
+def test_install_without_a_user_manager_says_how(tmp_path: Path) -> None:
+    if shutil.which("systemctl") is None:
+        pytest.skip("systemctl not installed")
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(
+        '[pod]\nname = "nomgr"\npwd = "/tmp"\n[provider]\nkind = "openai"\nmodel = "m"\n'
+        '[worker]\ninstruction = "x"\n[[scope.allow]]\ntarget = "/tmp"\npermission = "read"\n'
+    )
+    home = tempfile.mkdtemp(dir="/tmp")
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": home,
+        "PODDAEMON_HOME": home,
+        "XDG_RUNTIME_DIR": home,  # no manager's private socket in there
+        "PYTHONPATH": str(ROOT),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "cli.main", "unit", "install", str(manifest)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    shutil.rmtree(home, ignore_errors=True)
+    assert out.returncode == 1
+    assert "is `systemctl --user` available?" in out.stderr
+    assert "loginctl enable-linger" in out.stderr
+    assert not (Path(home) / ".config").exists()
+
+
+def test_unit_of_pid_reads_the_cgroup() -> None:
+    assert service.unit_of_pid(os.getpid()) is None or "poddaemon-" in str(
+        service.unit_of_pid(os.getpid())
+    )
+    assert service._UNIT_IN_CGROUP.search(
+        "/user.slice/user-1000.slice/user@1000.service/app.slice/poddaemon-rev.service"
+    )
+    found = service._UNIT_IN_CGROUP.search("/x/user@0.service/poddaemon-a_b-1.service/child")
+    assert found is not None and found.group(1) == "poddaemon-a_b-1.service"
+    assert service._UNIT_IN_CGROUP.search("/x/poddaemon-a.service.d") is None
+    assert service.unit_of_pid(2**22 + 1) is None  # no such process
+
+
+def test_parse_since() -> None:
+    now = 1_000_000.0
+    assert service.parse_since("30s", now) == now - 30
+    assert service.parse_since("10m", now) == now - 600
+    assert service.parse_since("2h", now) == now - 7200
+    assert service.parse_since("90", now) == now - 90
+    assert service.parse_since("2026-01-02T03:04:05+00:00") == 1767323045.0
+    with pytest.raises(ValueError, match="--since"):
+        service.parse_since("yesterday-ish")
+    assert service._line_time("2026-01-02 03:04:05.123 poddaemon[1] INFO x") is not None
+    assert service._line_time("Traceback (most recent call last):") is None
+
+
+@needs_analyze
+@pytest.mark.parametrize("name", ["reviewer-nightly.timer", "reviewer-inbox.path"])
+def test_examples_verify(tmp_path: Path, name: str) -> None:
+    podctl = str(Path(sys.executable).parent / "podctl")
+    for example in (ROOT / "examples" / "systemd").glob("reviewer-*"):
+        text = example.read_text().replace("%h/.local/bin/podctl", podctl)
+        (tmp_path / example.name).write_text(text)
+    # The pod's own unit, which the examples Want.
+    (tmp_path / "poddaemon-reviewer.service").write_text(
+        "[Service]\nType=notify\nExecStart=/bin/true\n"
+    )
+    verify(tmp_path / name, tmp_path)
+
+
+def test_version() -> None:
+    from poddaemon import __version__
+
+    out = subprocess.run(
+        [sys.executable, "-m", "cli.main", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0
+    assert out.stdout == f"podctl {__version__} (protocol 1)\n"

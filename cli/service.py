@@ -1,0 +1,351 @@
+"""`podctl logs | wait | restart`, `--version`, and how a unit-managed pod is found (SPEC §6, §7).
+
+A pod started by its systemd unit is the same pod to every command. What makes it a unit pod is
+where its process lives: its cgroup path ends in `poddaemon-<name>.service` (also true of its
+children, which are stopped with it). Stopping or restarting such a pod goes through
+`systemctl --user`, or systemd would just start it again.
+"""
+
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from cli.app import EXIT_NOT_RUNNING, EXIT_USAGE, PodArg, app, fail, print_json
+
+EXIT_TIMEOUT = 4
+WAIT_POLL = 0.05
+FOLLOW_POLL = 0.2
+_UNIT_IN_CGROUP = re.compile(r"/(poddaemon-[a-z0-9][a-z0-9_-]{0,47}\.service)(?:/|$)")
+_AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
+
+
+# --- which pods are units -------------------------------------------------------------------
+
+
+def unit_of_pid(pid: int) -> str | None:
+    """`poddaemon-<name>.service` when the process runs in that unit's cgroup, else None."""
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        found = _UNIT_IN_CGROUP.search(line.split(":", 2)[-1])
+        if found:
+            return found.group(1)
+    return None
+
+
+def _live_status(target: str) -> dict[str, Any] | None:
+    """The pod's status, or None when it is not running."""
+    import msgspec
+
+    from protocol.client import PodClient
+    from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+
+    try:
+        with PodClient.connect(target, timeout=5.0) as client:
+            result: dict[str, Any] = msgspec.json.decode(client.call_raw("status"))
+            return result
+    except (PodNotRunning, ConnectionClosed, RpcError, OSError, msgspec.DecodeError):
+        return None
+
+
+def _own_unit(status: dict[str, Any]) -> str | None:
+    """The pod's own unit. A child of a unit pod lives in its parent's cgroup, but it is not
+    that unit: stopping it must not stop its parent."""
+    from cli.unit import unit_name
+
+    unit = unit_of_pid(int(status["pid"]))
+    return unit if unit == unit_name(str(status["name"])) else None
+
+
+def pod_unit(target: str, status: dict[str, Any] | None) -> str | None:
+    """The unit that runs this pod: from its process when it runs, else an installed unit file."""
+    from cli.unit import unit_name, unit_path
+
+    if status is not None:
+        return _own_unit(status)
+    if "/" not in target and unit_path(target).exists():
+        return unit_name(target)
+    return None
+
+
+def stop_unit_pod(target: str) -> bool:
+    """`podctl stop` of a unit-managed pod: stop its unit. False when it is not one."""
+    status = _live_status(target)
+    if status is None:
+        return False
+    unit = _own_unit(status)
+    if unit is None:
+        return False
+    _systemctl_or_fail("stop", unit)
+    sys.stdout.write(f"stopped {status['name']} (unit {unit})\n")
+    return True
+
+
+def _systemctl_or_fail(*args: str) -> None:
+    from cli.unit import UnitError, systemctl
+
+    try:
+        systemctl(*args)
+    except UnitError as exc:
+        fail(str(exc))
+
+
+# --- restart --------------------------------------------------------------------------------
+
+
+def kept_config(name: str) -> Path:
+    from protocol import paths
+
+    return paths.data_dir() / "pods" / f"{name}.toml"
+
+
+def restart(pod: PodArg) -> None:
+    """Stop the pod (if running), then start it again with --resume.
+
+    A unit pod is restarted by systemd; any other pod from its kept configuration
+    (<data>/pods/NAME.toml, written when it started).
+    """
+    status = _live_status(pod)
+    name = str(status["name"]) if status is not None else pod
+    unit = pod_unit(pod, status)
+    if unit is not None:
+        _systemctl_or_fail("restart", unit)  # Type=notify: returns once READY
+        sys.stdout.write(f"restarted {name} (unit {unit})\n")
+        return
+    if "/" in name:
+        fail(f"pod '{pod}' is not running; restart it by name", EXIT_NOT_RUNNING)
+    config = kept_config(name)
+    if not config.exists():
+        if status is None:
+            fail(f"pod '{name}' is not running and has no kept configuration", EXIT_NOT_RUNNING)
+        fail(f"pod '{name}' has no kept configuration ({config}); stop it and spawn it again")
+    if status is not None:
+        from cli.pods import _stop
+
+        _stop(pod, tree=False, top=True)
+    from cli.spawn import SpawnFailed, daemon_command, spawn_detached
+
+    try:
+        started, socket, early = spawn_detached(daemon_command(str(config), [], None, True))
+    except SpawnFailed as exc:
+        sys.stderr.buffer.write(exc.output)
+        fail(exc.message)
+    sys.stderr.buffer.write(early)
+    sys.stdout.write(f"{started}\t{socket}\n")
+
+
+# --- wait -----------------------------------------------------------------------------------
+
+
+def wait(
+    pod: PodArg,
+    until: Annotated[
+        str, typer.Option("--until", metavar="STATE", help="The state to wait for: idle.")
+    ] = "idle",
+    timeout: Annotated[
+        float | None,
+        typer.Option("--timeout", metavar="S", help="Give up after S seconds (exit 4)."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the final status as JSON.")
+    ] = False,
+) -> None:
+    """Block until the pod is idle with an empty queue.
+
+    Exit 0 when it is, 4 on timeout, 3 when the pod is not running.
+    """
+    import msgspec
+
+    from cli.app import connect
+
+    if until != "idle":
+        fail(f"--until: only 'idle' is supported, not {until!r}", EXIT_USAGE)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with connect(pod, timeout=30.0) as client:
+        while True:
+            status: dict[str, Any] = msgspec.json.decode(client.call_raw("status"))
+            queue = status.get("queue") or {}
+            if (
+                status.get("state") == "idle"
+                and not queue.get("runs")
+                and not queue.get("notifications")
+            ):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                if as_json:
+                    print_json({"idle": False, "status": status})
+                sys.stderr.write(
+                    f"podctl: pod '{status.get('name', pod)}' still {status.get('state')} "
+                    f"after {timeout:g} s\n"
+                )
+                raise typer.Exit(EXIT_TIMEOUT)
+            time.sleep(WAIT_POLL)  # polling a condition: status is cheap and always answered
+    if as_json:
+        print_json({"idle": True, "status": status})
+
+
+# --- logs -----------------------------------------------------------------------------------
+
+
+def parse_since(value: str, now: float | None = None) -> float:
+    """An epoch time from `30s`/`10m`/`2h`/`1d`/`90` (ago) or an ISO date/time."""
+    from datetime import datetime
+
+    now = time.time() if now is None else now
+    age = _AGE.match(value.strip())
+    if age:
+        unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[age.group(2)]
+        return now - float(age.group(1)) * unit
+    try:
+        stamp = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise ValueError(
+            f"--since: {value!r} is neither an age (30s, 10m, 2h, 1d) nor a date/time"
+        ) from None
+    return stamp.timestamp()
+
+
+def _line_time(line: str) -> float | None:
+    """The timestamp a pod log line starts with (`YYYY-MM-DD HH:MM:SS.mmm`), if any."""
+    from datetime import datetime
+
+    head = line[:23]
+    if len(head) < 19 or head[4] != "-" or head[10] != " ":
+        return None
+    try:
+        return datetime.fromisoformat(head.replace(",", ".")).timestamp()
+    except ValueError:
+        return None
+
+
+def logs(
+    pod: PodArg,
+    follow: Annotated[
+        bool, typer.Option("-f", "--follow", help="Keep printing new lines.")
+    ] = False,
+    since: Annotated[
+        str | None,
+        typer.Option("--since", metavar="WHEN", help="Only lines since: 30s, 10m, 2h, or a time."),
+    ] = None,
+) -> None:
+    """The pod's own log lines, with timestamps.
+
+    From the journal for a pod run by its systemd unit, else from
+    <runtime>/pods/NAME/stderr.log.
+    """
+    try:
+        after = None if since is None else parse_since(since)
+    except ValueError as exc:
+        fail(str(exc), EXIT_USAGE)
+    status = _live_status(pod)
+    name = str(status["name"]) if status is not None else pod
+    unit = pod_unit(pod, status)
+    if unit is not None:
+        _journal(unit, follow, after)
+    _stderr_log(name, follow, after)
+
+
+def _journal(unit: str, follow: bool, after: float | None) -> None:
+    import shutil
+
+    exe = shutil.which("journalctl")
+    if exe is None:
+        fail("journalctl not found; the pod's log lines are in the journal")
+    cmd = [exe, f"--user-unit={unit}", "-o", "short-iso-precise", "--no-pager", "--quiet"]
+    if after is not None:
+        cmd.append(f"--since=@{after:.0f}")
+    if follow:
+        cmd.append("--follow")
+    sys.stdout.flush()
+    os.execv(exe, cmd)
+
+
+def _stderr_log(name: str, follow: bool, after: float | None) -> None:
+    from protocol import paths
+
+    path = paths.pod_dir(name) / "stderr.log"
+    try:
+        f = path.open("r", errors="replace")
+    except FileNotFoundError:
+        fail(f"no log for pod '{name}' ({path})", EXIT_NOT_RUNNING)
+    with f:
+        showing = after is None
+        try:
+            while True:
+                line = f.readline()
+                if not line:
+                    if not follow:
+                        return
+                    sys.stdout.flush()
+                    time.sleep(FOLLOW_POLL)  # tail -f: wait for the pod to write more
+                    continue
+                if not showing:
+                    stamp = _line_time(line)
+                    showing = stamp is not None and after is not None and stamp >= after
+                if showing:
+                    sys.stdout.write(line)
+        except KeyboardInterrupt:
+            return
+
+
+# --- version --------------------------------------------------------------------------------
+
+
+def version_text() -> str:
+    import protocol
+    from poddaemon import __version__
+
+    # The wire protocol's version, where the protocol package declares one.
+    proto = getattr(protocol, "PROTOCOL_VERSION", "1")
+    return f"podctl {__version__} (protocol {proto})\n"
+
+
+def version_callback(value: bool) -> None:
+    if value:
+        sys.stdout.write(version_text())
+        raise typer.Exit(0)
+
+
+__all__ = [
+    "logs",
+    "restart",
+    "stop_unit_pod",
+    "unit_of_pid",
+    "version_callback",
+    "wait",
+]
+
+
+# --- registered on podctl when cli/main.py imports this module ---------------------------------
+
+
+def _register() -> None:
+    from cli.unit import unit_app
+
+    app.add_typer(unit_app, name="unit")
+    for command in (logs, wait, restart):
+        app.command()(command)
+
+    @app.callback()
+    def _root(
+        version: Annotated[
+            bool,
+            typer.Option(
+                "--version",
+                help="Print the podctl and protocol versions.",
+                callback=version_callback,
+                is_eager=True,
+            ),
+        ] = False,
+    ) -> None:
+        """Control poddaemon pods: LLM agents running as supervised processes."""
+
+
+_register()

@@ -1,0 +1,288 @@
+"""`podctl unit install|remove`: a pod as a systemd user service (SPEC §7).
+
+The unit runs this installation's own `poddaemon` (an absolute path: a unit must not depend on
+PATH or on a `~/.local/bin` that no install created) with `--resume`, so every restart continues
+the pod's session and processes what it had acknowledged. `Type=notify`: systemd calls the unit
+active only once the pod's socket listens; `WatchdogSec=`: a pod whose event loop stops turning
+is killed and restarted. API keys come from `EnvironmentFile=-<config>/env`.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+
+EXIT_ERROR = 1
+UNIT_PREFIX = "poddaemon-"
+WATCHDOG_SEC = 30
+TIMEOUT_STOP_SEC = 30
+RESTART_SEC = 2
+SYSTEMCTL_TIMEOUT = 90.0
+MARKER = "# Written by `podctl unit install`"
+# Directory overrides a unit pod must share with the podctl that installed it (SPEC §2): otherwise
+# `podctl ls/send/stop` would look for its socket somewhere else.
+DIR_VARS = ("PODDAEMON_HOME", "PODDAEMON_CONFIG_DIR", "PODDAEMON_DATA_DIR", "PODDAEMON_RUNTIME_DIR")
+NO_MANAGER = (
+    "no systemd user manager answers (is `systemctl --user` available? "
+    "For a server: `loginctl enable-linger $USER` keeps one running without a login)"
+)
+
+unit_app = typer.Typer(
+    help="Run a pod as a systemd user service.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+
+class UnitError(Exception):
+    pass
+
+
+def unit_name(pod: str) -> str:
+    return f"{UNIT_PREFIX}{pod}.service"
+
+
+def unit_dir() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "systemd" / "user"
+
+
+def unit_path(pod: str) -> Path:
+    return unit_dir() / unit_name(pod)
+
+
+def poddaemon_executable() -> Path:
+    """This installation's `poddaemon` console script (next to the running interpreter)."""
+    here = Path(sys.executable).parent / "poddaemon"
+    if here.is_file() and os.access(here, os.X_OK):
+        return here.absolute()
+    found = shutil.which("poddaemon")
+    if found:
+        return Path(found).resolve()
+    raise UnitError(f"cannot find the poddaemon executable (looked in {here.parent} and PATH)")
+
+
+def quote_arg(arg: str) -> str:
+    """One ExecStart= word: `%` and `$` escaped (specifiers, variables), quoted when needed."""
+    escaped = arg.replace("%", "%%").replace("$", "$$")
+    if any(c.isspace() or c in "\"'\\;" for c in escaped) or not escaped:
+        return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return escaped
+
+
+def render_unit(
+    pod: str,
+    manifest: Path,
+    executable: Path,
+    config_dir: Path,
+    environment: dict[str, str],
+    watchdog_sec: int = WATCHDOG_SEC,
+) -> str:
+    exec_start = " ".join(quote_arg(a) for a in (str(executable), "run", str(manifest), "--resume"))
+    env_lines = "".join(
+        f"Environment={quote_arg(f'{k}={v}')}\n" for k, v in sorted(environment.items())
+    )
+    return f"""{MARKER} from {manifest}.
+# `podctl unit remove {pod}` stops, disables and deletes it.
+[Unit]
+Description=poddaemon pod {pod}
+Documentation=https://pypi.org/project/poddaemon/
+
+[Service]
+Type=notify
+NotifyAccess=main
+ExecStart={exec_start}
+# API keys: NAME=value lines in a 0600 file (the leading - : the file is optional).
+EnvironmentFile=-{quote_arg(str(config_dir / "env"))}
+{env_lines}Restart=on-failure
+RestartSec={RESTART_SEC}
+# The pod pings from its event loop at half this: a wedged pod is killed and restarted.
+WatchdogSec={watchdog_sec}
+# SIGTERM to the pod (a graceful shutdown that stops its children); SIGKILL for what is left.
+KillMode=mixed
+TimeoutStopSec={TIMEOUT_STOP_SEC}
+
+[Install]
+WantedBy=default.target
+"""
+
+
+def systemctl(*args: str, check: bool = True) -> "subprocess.CompletedProcess[str]":
+    """`systemctl --user ARGS`; UnitError with systemd's own message when it fails."""
+    exe = shutil.which("systemctl")
+    if exe is None:
+        raise UnitError("systemctl not found: " + NO_MANAGER)
+    try:
+        out = subprocess.run(
+            [exe, "--user", *args],
+            capture_output=True,
+            text=True,
+            timeout=SYSTEMCTL_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        raise UnitError(f"systemctl --user {' '.join(args)} did not finish in time") from None
+    if check and out.returncode != 0:
+        raise UnitError(
+            f"systemctl --user {' '.join(args)} failed: "
+            + (out.stderr.strip() or out.stdout.strip() or f"exit {out.returncode}")
+        )
+    return out
+
+
+def manager_environment() -> dict[str, str]:
+    """The user manager's environment; UnitError when there is no manager to ask."""
+    try:
+        out = systemctl("show-environment")
+    except UnitError as exc:
+        raise UnitError(f"{NO_MANAGER}: {exc}") from None
+    env = {}
+    for line in out.stdout.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            env[key] = value
+    return env
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    """`NAME=value` lines as systemd's EnvironmentFile= reads the simple cases."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    env = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        key, sep, value = line.partition("=")
+        if sep:
+            value = value.strip()
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+                value = value[1:-1]
+            env[key.strip()] = value
+    return env
+
+
+def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | None:
+    """None when the pod's API key variable reaches the unit; else how to make it so."""
+    if read_env_file(env_file).get(var) or manager_env.get(var):
+        return None
+    return (
+        f"{var} (the provider's API key) is set neither in {env_file} nor in the user "
+        f"manager's environment, so the pod could not start. Set it with:\n"
+        f"  install -m 600 /dev/null {env_file}  # once\n"
+        f"  echo '{var}=...' >> {env_file}\n"
+        f"or: systemctl --user set-environment {var}=..."
+    )
+
+
+def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> str:
+    """Write and load the unit; with `now`, enable and start it. Returns the pod's name."""
+    from poddaemon.config.load import ManifestError, load_manifest
+    from protocol import paths
+
+    path = Path(manifest).absolute()
+    try:
+        m = load_manifest(str(path), (), paths.defaults_path())
+    except ManifestError as exc:
+        raise UnitError(str(exc)) from None
+    pod = m.pod.name
+    if now:
+        _refuse_if_running_elsewhere(pod)
+    executable = poddaemon_executable()
+    manager_env = manager_environment()
+    config = paths.config_dir()
+    problem = key_problem(m.provider.api_key_var, config / "env", manager_env)
+    if problem:
+        raise UnitError(problem)
+    environment = {k: os.environ[k] for k in DIR_VARS if os.environ.get(k)}
+    text = render_unit(pod, path, executable, config, environment, watchdog_sec)
+    target = unit_path(pod)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+    systemctl("daemon-reload")
+    if now:
+        # Type=notify: this returns once the pod has sent READY=1 (or failed to).
+        systemctl("enable", "--now", unit_name(pod))
+    return pod
+
+
+def _refuse_if_running_elsewhere(pod: str) -> None:
+    """`--now` while the pod runs outside systemd would fail on the registry; say so plainly."""
+    from cli.service import _live_status, unit_of_pid
+
+    status = _live_status(pod)
+    if status is not None and unit_of_pid(int(status["pid"])) != unit_name(pod):
+        raise UnitError(
+            f"pod '{pod}' is already running (pid {status['pid']}) outside its unit; "
+            f"stop it first (podctl stop {pod}), then install with --now"
+        )
+
+
+def remove(pod: str) -> bool:
+    """Stop, disable, delete and reload. False when there was no such unit file."""
+    target = unit_path(pod)
+    name = unit_name(pod)
+    existed = target.exists()
+    manager_environment()  # a clear error first when there is no manager
+    systemctl("disable", "--now", name, check=False)  # fine when not enabled or not loaded
+    if existed:
+        target.unlink()
+    systemctl("daemon-reload")
+    systemctl("reset-failed", name, check=False)
+    return existed
+
+
+@unit_app.command("install")
+def install_cmd(
+    manifest: Annotated[str, typer.Argument(metavar="MANIFEST", help="The pod's manifest (TOML).")],
+    now: Annotated[bool, typer.Option("--now", help="Enable and start it (waits for READY).")] = (
+        False
+    ),
+    watchdog: Annotated[
+        int, typer.Option("--watchdog", metavar="SEC", help="WatchdogSec= (0 disables).", min=0)
+    ] = WATCHDOG_SEC,
+) -> None:
+    """Write ~/.config/systemd/user/poddaemon-NAME.service for a pod and load it.
+
+    The unit runs `poddaemon run MANIFEST --resume` (Type=notify, Restart=on-failure,
+    WatchdogSec=, KillMode=mixed). API keys: NAME=value lines in <config>/env.
+    """
+    try:
+        pod = install(manifest, now, watchdog)
+    except UnitError as exc:
+        _fail(str(exc))
+    if now:
+        sys.stdout.write(f"{unit_path(pod)} (enabled and started)\n")
+    else:
+        sys.stdout.write(
+            f"{unit_path(pod)}\nstart it: systemctl --user enable --now {unit_name(pod)}\n"
+        )
+
+
+@unit_app.command("remove")
+def remove_cmd(
+    name: Annotated[str, typer.Argument(metavar="NAME", help="The pod's name.")],
+) -> None:
+    """Stop, disable and delete a pod's unit."""
+    try:
+        existed = remove(name)
+    except UnitError as exc:
+        _fail(str(exc))
+    if not existed:
+        _fail(f"no unit for pod '{name}' ({unit_path(name)})")
+    sys.stdout.write(f"removed {unit_name(name)}\n")
+
+
+def _fail(message: str) -> NoReturn:
+    sys.stdout.flush()
+    sys.stderr.write(f"podctl: {message}\n")
+    raise typer.Exit(EXIT_ERROR)

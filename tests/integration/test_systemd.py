@@ -1,0 +1,369 @@
+"""Pods as units of a REAL `systemd --user` manager (with journald), per ../shared/SYSTEMD.md.
+
+Each test gets its own manager in a private mount namespace and its own cgroup; `podctl` and
+`systemctl --user` run inside that namespace, the pods' sockets (under PODDAEMON_HOME in /tmp) are
+reached from the test directly. API keys reach the unit through `<config>/env`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol import PodClient, RpcError
+from tests.conftest import ROOT, Env, wait_until
+from tests.integration.systemd_manager import UserManager, unavailable
+
+pytestmark = pytest.mark.timeout(60)
+
+WATCHDOG = 2  # seconds: short, so the wedged-loop test is quick
+
+
+class Sd:
+    """One manager plus the sandboxed poddaemon home it serves."""
+
+    def __init__(self, env: Env, manager: UserManager) -> None:
+        self.env = env
+        self.m = manager
+        self.config = env.home / "config"
+        self.config.mkdir(mode=0o700, exist_ok=True)
+        self.env_file = self.config / "env"
+        self.podenv = {"PODDAEMON_HOME": str(env.home), "PYTHONPATH": str(ROOT)}
+
+    def podctl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return self.m.run([sys.executable, "-m", "cli.main", *args], self.podenv, timeout)
+
+    def write_env(self, **values: str) -> None:
+        self.env_file.write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+        self.env_file.chmod(0o600)
+
+    def install(self, name: str, *extra: str, **manifest: Any) -> Path:
+        path = self.env.manifest(name, **manifest)
+        out = self.podctl("unit", "install", str(path), "--now", *extra)
+        assert out.returncode == 0, out.stderr + self.journal(name)
+        return path
+
+    def unit(self, name: str) -> str:
+        return f"poddaemon-{name}.service"
+
+    def prop(self, name: str, prop: str) -> str:
+        return self.m.prop(self.unit(name), prop)
+
+    def main_pid(self, name: str) -> int:
+        return int(self.prop(name, "MainPID"))
+
+    def wait_prop(self, name: str, prop: str, value: str, timeout: float = 20) -> None:
+        wait_until(
+            lambda: self.prop(name, prop) == value, timeout, f"{self.unit(name)} {prop}={value}"
+        )
+
+    def journal(self, name: str) -> str:
+        out = self.m.run(["journalctl", f"_SYSTEMD_USER_UNIT={self.unit(name)}", "--no-pager"])
+        return out.stdout
+
+    def client(self, name: str) -> PodClient:
+        return PodClient.connect(name, timeout=30)
+
+
+@pytest.fixture
+def sd(env: Env) -> Iterator[Sd]:
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    home = env.home / "h"
+    home.mkdir()
+    try:
+        manager = UserManager.start(home)
+    except (RuntimeError, OSError) as exc:
+        pytest.skip(f"cannot run a systemd user manager here: {exc}")
+    s = Sd(env, manager)
+    s.write_env(FAKE_API_KEY="test-key")
+    try:
+        yield s
+    finally:
+        manager.stop()
+
+
+def units_dir(sd: Sd) -> Path:
+    return sd.m.home / ".config" / "systemd" / "user"
+
+
+def history(name: str) -> list[dict[str, Any]]:
+    with PodClient.connect(name, timeout=30) as c:
+        return list(c.history().entries)
+
+
+def requests_text(sd: Sd, start: int) -> str:
+    return "\n".join(str(r["body"]) for r in sd.env.model.requests[start:])
+
+
+# --- tests ------------------------------------------------------------------------------------
+
+
+def test_install_now_is_active_only_once_ready_and_serves(sd: Sd) -> None:
+    path = sd.env.manifest("unitpod")
+    sd.env_file.unlink()
+    missing = sd.podctl("unit", "install", str(path), "--now")
+    assert missing.returncode == 1
+    assert "FAKE_API_KEY" in missing.stderr and "set-environment" in missing.stderr
+    assert not (units_dir(sd) / "poddaemon-unitpod.service").exists()
+
+    sd.write_env(FAKE_API_KEY="test-key")
+    out = sd.podctl("unit", "install", str(path), "--now")
+    assert out.returncode == 0, out.stderr
+    # Type=notify: `enable --now` returned only after READY=1, so the socket answers at once.
+    with sd.client("unitpod") as c:
+        status = c.status()
+    assert status.pid == sd.main_pid("unitpod")
+    assert sd.prop("unitpod", "ActiveState") == "active"
+    assert sd.prop("unitpod", "StatusText") == "idle"
+    assert sd.prop("unitpod", "NRestarts") == "0"
+    unit_text = (units_dir(sd) / "poddaemon-unitpod.service").read_text()
+    assert f"ExecStart={Path(sys.executable).parent / 'poddaemon'} run {path} --resume" in unit_text
+    assert sd.m.systemctl("is-enabled", sd.unit("unitpod")).stdout.strip() == "enabled"
+
+    sent = sd.podctl("send", "unitpod", "hello through systemd")
+    assert sent.returncode == 0, sent.stderr
+    assert sent.stdout.strip() == "ok: hello through systemd"
+    listed = sd.podctl("ls")
+    assert "unitpod" in listed.stdout
+
+    # Watched from outside: `activating` until READY, and once `active` the socket answers.
+    assert sd.m.systemctl("restart", "--no-block", sd.unit("unitpod")).returncode == 0
+    states = [sd.prop("unitpod", "ActiveState")]
+    deadline = time.monotonic() + 20
+    while states[-1] != "active":
+        assert time.monotonic() < deadline, states
+        states.append(sd.prop("unitpod", "ActiveState"))
+    assert "activating" in states
+    with sd.client("unitpod") as c:
+        assert c.status().pid == sd.main_pid("unitpod")
+
+
+def test_install_now_refuses_a_pod_running_outside_its_unit(sd: Sd) -> None:
+    path = sd.env.manifest("twice")
+    assert sd.podctl("spawn", str(path)).returncode == 1  # no key in podctl's own env
+    spawned = sd.m.run(
+        [sys.executable, "-m", "cli.main", "spawn", str(path)],
+        {**sd.podenv, "FAKE_API_KEY": "test-key"},
+    )
+    assert spawned.returncode == 0, spawned.stderr
+    try:
+        out = sd.podctl("unit", "install", str(path), "--now")
+        assert out.returncode == 1 and "already running" in out.stderr, out.stderr
+    finally:
+        assert sd.podctl("stop", "twice").returncode == 0
+
+
+def test_kill9_restarts_and_resumes_every_acknowledged_input(sd: Sd) -> None:
+    sd.env.model.script({"text": "never delivered", "gate": "hold"})
+    sd.install("crashy")
+    with sd.client("crashy") as c:
+        first = c.run("first input")
+        sd.env.model.wait_for_requests(1)
+        second = c.run("second input")
+        note = c.notify("a notification arrived")
+        status = c.status()
+    assert second.state == "queued" and status.state == "running"
+    sd.wait_prop("crashy", "StatusText", f"running run {first.run_id}")
+    pid = sd.main_pid("crashy")
+    before = len(sd.env.model.requests)
+    os.kill(pid, 9)
+    sd.env.model.open_gate("hold")  # let the fake server's stuck handler go
+    sd.wait_prop("crashy", "NRestarts", "1")
+    sd.wait_prop("crashy", "ActiveState", "active")
+    assert sd.main_pid("crashy") != pid
+    waited = sd.podctl("wait", "crashy", "--timeout", "30")
+    assert waited.returncode == 0, waited.stderr
+    with sd.client("crashy") as c:
+        assert c.status().session_id == status.session_id  # the same session, resumed
+    entries = history("crashy")
+    ends = {e["run_id"]: e for e in entries if e["kind"] == "run_end"}
+    assert first.run_id in ends and second.run_id in ends
+    assert ends[second.run_id]["outcome"] == "finished"
+    after = requests_text(sd, before)
+    for text in ("first input", "second input", "a notification arrived"):
+        assert text in after, f"{text!r} never reached the model after the restart"
+    assert note.notification_id
+
+
+def test_wedged_loop_is_killed_by_the_watchdog_and_resumed(sd: Sd) -> None:
+    wedge = sd.env.home / "wedge"
+    sd.write_env(FAKE_API_KEY="test-key", PODDAEMON_TEST_WEDGE_FILE=str(wedge))
+    sd.install("wedgy", "--watchdog", str(WATCHDOG))
+    assert sd.prop("wedgy", "WatchdogUSec") == f"{WATCHDOG}s"
+    with sd.client("wedgy") as c:
+        c.run_wait("before the wedge")
+        sid = c.status().session_id
+    pid = sd.main_pid("wedgy")
+    wedge.touch()
+    # The pod stops answering: the loop that would ping the watchdog is blocked.
+    wait_until(lambda: not wedge.exists(), 10, "the pod to take the wedge")
+    with pytest.raises((TimeoutError, OSError)), PodClient.connect("wedgy", timeout=0.5) as c:
+        c.status()
+    sd.wait_prop("wedgy", "NRestarts", "1", timeout=WATCHDOG * 5)
+    sd.wait_prop("wedgy", "ActiveState", "active")
+    assert sd.main_pid("wedgy") != pid
+    assert "Watchdog timeout" in sd.m.run(["journalctl", "--no-pager"]).stdout
+    with sd.client("wedgy") as c:
+        assert c.status().session_id == sid
+    assert any(e.get("text") == "before the wedge" for e in history("wedgy"))
+
+
+def test_podctl_stop_stops_the_unit_and_logs_show_the_journal(sd: Sd) -> None:
+    sd.install("stopme")
+    assert sd.podctl("send", "stopme", "say something").returncode == 0
+    logs = sd.podctl("logs", "stopme")
+    assert logs.returncode == 0, logs.stderr
+    ready = [line for line in logs.stdout.splitlines() if "PODDAEMON-READY" in line]
+    assert ready, logs.stdout
+    assert ready[0][:4].isdigit() and "T" in ready[0][:11]  # short-iso timestamps
+    stopped = sd.podctl("stop", "stopme")
+    assert stopped.returncode == 0, stopped.stderr
+    assert "unit poddaemon-stopme.service" in stopped.stdout
+    assert sd.prop("stopme", "ActiveState") == "inactive"
+    assert sd.prop("stopme", "SubState") == "dead"  # not auto-restart: nothing will start it
+    assert sd.prop("stopme", "Result") == "success"
+    assert sd.m.systemctl("list-jobs").stdout.strip().startswith("No jobs")
+    # Not running any more, but its unit is installed: logs still come from the journal.
+    after = sd.podctl("logs", "stopme").stdout
+    assert "PODDAEMON-READY" in after and "Stopped" in after, after
+    assert sd.podctl("logs", "stopme", "--since", "10m").stdout == after
+    assert "PODDAEMON-READY" not in sd.podctl("logs", "stopme", "--since", "2999-01-01").stdout
+    # `podctl restart` of a unit pod goes through systemd too; then remove leaves nothing.
+    again = sd.podctl("restart", "stopme")
+    assert again.returncode == 0, again.stderr
+    assert sd.prop("stopme", "ActiveState") == "active"
+    removed = sd.podctl("unit", "remove", "stopme")
+    assert removed.returncode == 0, removed.stderr
+    assert sd.prop("stopme", "ActiveState") == "inactive"
+    leftovers = [str(p) for p in units_dir(sd).rglob("*") if "poddaemon" in p.name]
+    assert leftovers == []
+    assert sd.podctl("status", "stopme").returncode == 3
+
+
+def test_log_write_failure_exits_non_zero_and_is_restarted(sd: Sd) -> None:
+    data = sd.env.home / "data"
+    data.mkdir(mode=0o700)
+    mounted = sd.m.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(data)])
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    sd.install("fragile")
+    with sd.client("fragile") as c:
+        done = c.run_wait("before the disk filled up")
+        sid = c.status().session_id
+    filler = data / "filler"
+    sd.m.run(["sh", "-c", f"cat /dev/zero > {filler}"])
+    pid = sd.main_pid("fragile")
+    with sd.client("fragile") as c, pytest.raises(RpcError) as err:
+        c.run("x" * 64 * 1024)
+    assert "could not persist" in err.value.message
+    # It exits 1 (a failure), so Restart=on-failure schedules a restart; make room meanwhile.
+    wait_until(lambda: sd.main_pid("fragile") != pid, 10, "the pod to exit")
+    sd.m.run(["rm", "-f", str(filler)])
+    sd.wait_prop("fragile", "NRestarts", "1")
+    sd.wait_prop("fragile", "ActiveState", "active")
+    assert (
+        "status=1/FAILURE" in sd.journal("fragile")
+        or "status=1/FAILURE" in sd.m.run(["journalctl", "--no-pager"]).stdout
+    )
+    # stderr is the journal: the pod's error line carries priority 3 (err), without the prefix.
+    errors = sd.m.run(
+        ["journalctl", f"_SYSTEMD_USER_UNIT={sd.unit('fragile')}", "-p", "err", "--no-pager"]
+    ).stdout
+    assert "exiting with status 1" in errors and "<3>" not in errors, errors
+    with sd.client("fragile") as c:
+        assert c.status().session_id == sid
+    assert any(e["kind"] == "run_end" and e["run_id"] == done.run_id for e in history("fragile"))
+
+
+# --- the same commands for pods that are not units (no manager needed) -----------------------
+
+
+def test_restart_of_a_plain_pod_resumes_from_its_kept_config(env: Env) -> None:
+    path = env.manifest("plain")
+    started = env.podctl("spawn", str(path))
+    assert started.returncode == 0, started.stderr
+    with PodClient.connect("plain", timeout=30) as c:
+        c.run_wait("remember me")
+        st = c.status()
+    path.unlink()  # the kept configuration is what restart uses
+    assert (env.home / "data" / "pods" / "plain.toml").exists()
+    again = env.podctl("restart", "plain")
+    assert again.returncode == 0, again.stderr
+    with PodClient.connect("plain", timeout=30) as c:
+        now = c.status()
+    assert now.session_id == st.session_id and now.pid != st.pid
+    assert env.podctl("stop", "plain").returncode == 0
+    assert env.podctl("restart", "nosuchpod").returncode == 3
+
+
+def test_wait_and_logs_of_a_plain_pod(env: Env) -> None:
+    env.model.script({"text": "slow", "gate": "g"})
+    started = env.podctl("spawn", str(env.manifest("waiter")))
+    assert started.returncode == 0, started.stderr
+    with PodClient.connect("waiter", timeout=30) as c:
+        c.run("take your time")
+        timed_out = env.podctl("wait", "waiter", "--timeout", "0.3")
+        assert timed_out.returncode == 4
+        env.model.open_gate("g")
+        waited = env.podctl("wait", "waiter", "--json", "--timeout", "20")
+        assert waited.returncode == 0, waited.stderr
+        assert '"idle": true' in waited.stdout
+        follow = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "logs", "waiter", "-f"],
+            env=env.env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert follow.stdout is not None
+            assert "ready on" in follow.stdout.readline()
+            c.call_raw("shutdown")
+            assert "shut down" in follow.stdout.readline()  # written after -f started
+        finally:
+            follow.kill()
+            follow.wait(10)
+    wait_until(lambda: env.podctl("status", "waiter").returncode == 3, 10, "the pod to stop")
+    log = env.podctl("logs", "waiter")
+    assert log.returncode == 0, log.stderr
+    lines = log.stdout.splitlines()
+    assert lines and all(line[:2] == "20" and line[10] == " " for line in lines if line[:1] != " ")
+    assert env.podctl("logs", "waiter", "--since", "1h").stdout == log.stdout
+    assert env.podctl("logs", "waiter", "--since", "2999-01-01").stdout == ""
+    assert env.podctl("wait", "waiter").returncode == 3
+
+
+def test_example_timer_and_path_units_notify_the_pod(sd: Sd) -> None:
+    sd.install("reviewer")
+    podctl = str(Path(sys.executable).parent / "podctl")
+    examples = ROOT / "examples" / "systemd"
+    target = units_dir(sd)
+    for unit_file in examples.glob("reviewer-*"):
+        text = unit_file.read_text().replace("%h/.local/bin/podctl", podctl)
+        (target / unit_file.name).write_text(text)
+    assert sd.m.systemctl("set-environment", f"PODDAEMON_HOME={sd.env.home}").returncode == 0
+    assert sd.m.systemctl("daemon-reload").returncode == 0
+    timer = sd.m.systemctl("enable", "--now", "reviewer-nightly.timer", "reviewer-inbox.path")
+    assert timer.returncode == 0, timer.stderr
+    assert sd.m.prop("reviewer-nightly.timer", "ActiveState") == "active"
+    assert sd.m.prop("reviewer-nightly.timer", "NextElapseUSecRealtime") != ""
+
+    def notified(source: str) -> bool:
+        return any(e.get("source") == source for e in history("reviewer"))
+
+    # What the timer runs, run now; then the path unit, by changing a file in ~/inbox.
+    fired = sd.m.systemctl("start", "reviewer-nightly.service")
+    assert fired.returncode == 0, fired.stderr
+    wait_until(lambda: notified("timer"), 20, "the timer's notification")
+    (sd.m.home / "inbox" / "hello.txt").write_text("new work\n")
+    wait_until(lambda: notified("inbox"), 20, "the path unit's notification")
+    texts = "\n".join(str(e) for e in history("reviewer"))
+    assert f"Files changed in {sd.m.home}/inbox" in texts
