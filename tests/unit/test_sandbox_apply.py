@@ -135,7 +135,9 @@ def test_launcher_usage_and_missing_command(work: Path) -> None:
     pol = policy_file(work, mode="off")
     r = subprocess.run([*base, pol, "--", "no-such-cmd-x"], capture_output=True, text=True)
     assert r.returncode == 127 and "no-such-cmd-x: command not found" in r.stderr
-    r = subprocess.run([*base, str(work / "nope.json"), "--", "true"], capture_output=True)
+    r = subprocess.run(
+        [*base, str(work / "nope.json"), "--", "true"], capture_output=True, text=True
+    )
     assert r.returncode == 126
 
 
