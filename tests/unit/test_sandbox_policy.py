@@ -135,6 +135,8 @@ def test_protected_dirs_are_never_granted(root: Path) -> None:
     assert p.access(f"{root}/home/proj/a") & FS.WRITE_FILE
     for f in ("home/data/sessions/s.jsonl", "home/run/pods.json"):
         assert not p.access(f"{root}/{f}") & CONTENT
+    # Inside a writable scope, removing entries there stays possible: said, so the pod can refuse.
+    assert any(n.startswith(f"{root}/home/run: denied, but entries inside") for n in p.notes)
 
 
 def test_private_tmpdir_is_writable_even_inside_a_protected_dir(root: Path) -> None:
