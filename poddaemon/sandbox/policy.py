@@ -197,7 +197,9 @@ class _Builder:
         if not os.path.lexists(g.path):
             self.note(f"{g.path}: does not exist yet; commands get no access to it")
             return
-        if g.recursive or not os.path.isdir(g.path):
+        if not os.path.isdir(g.path):
+            self.emit(g.path, bits)  # a file: nothing beneath it to carve around
+        elif g.recursive:
             self.carve(g.path, bits, below)
         else:
             self.shallow(g.path, bits, below)
@@ -215,9 +217,10 @@ class _Builder:
         own = bits & (keep | ENTRIES)
         self.emit(top, own)
         self.report(top, bits, own, below)
-        for child, _is_dir in self.listdir(top):
+        for child, is_dir in self.listdir(top):
             here = [d for d in below if d.path == child]
-            deeper = [d for d in below if d.path != child and _within(d.path, child)]
+            # A file has nothing beneath it: a deny below it names a path that cannot exist.
+            deeper = [d for d in below if is_dir and d.path != child and _within(d.path, child)]
             sub = bits
             for d in here:
                 sub &= d.cap

@@ -234,3 +234,14 @@ def test_sound_and_complete_for_file_contents(
             }[scope.access(path)]
             got = p.access(path) & (FS.READ_FILE | FS.WRITE_FILE)
             assert got == want, (path, scope, p.rules)
+
+
+def test_a_deny_below_a_file_changes_nothing(root: Path) -> None:
+    tree(root, "p/f", "p/d/g")
+    scope = Scope.from_config(
+        [("p", "write", True), ("p/f", "read", False)],
+        [("p/f/x", "read", True), ("p/d", "write", True)],
+        cwd=str(root),
+    )
+    p = policy(scope, root)
+    assert p.access(f"{root}/p/f") & FS.WRITE_FILE
