@@ -12,7 +12,14 @@ import os
 import msgspec
 
 from poddaemon.sandbox import landlock
-from poddaemon.sandbox.policy import Grant, PathRule, Policy, build_policy, system_grants
+from poddaemon.sandbox.policy import (
+    Grant,
+    PathRule,
+    Policy,
+    build_pod_policy,
+    build_policy,
+    system_grants,
+)
 
 __all__ = [
     "Grant",
@@ -22,6 +29,7 @@ __all__ = [
     "SandboxUnavailable",
     "apply_policy",
     "available",
+    "build_pod_policy",
     "build_policy",
     "describe",
     "system_grants",
@@ -91,7 +99,7 @@ def apply_policy(policy_json: bytes) -> str:
             ((r.path, r.access) for r in policy.rules),
             abi=abi,
             deny_tcp=not policy.network,
-            scoped=True,
+            scoped=policy.scoped,
         )
     except landlock.LandlockError as e:
         raise SandboxError(f"sandbox: landlock failed: {e.strerror}") from None

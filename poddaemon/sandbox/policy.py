@@ -26,6 +26,7 @@ __all__ = [
     "Grant",
     "PathRule",
     "Policy",
+    "build_pod_policy",
     "build_policy",
     "system_grants",
 ]
@@ -69,6 +70,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     mode: Mode = "enforce"
     tmpdir: str | None = None  # the private $TMPDIR the launcher exports
     notes: tuple[str, ...] = ()  # what the kernel cannot express, for `podctl status`
+    # Abstract unix sockets and signals stay inside the domain (ABI >= 6). Off only for the pod's
+    # own layer: a pod signals and probes other pods.
+    scoped: bool = True
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)
@@ -335,3 +339,27 @@ def build_policy(
         tmpdir=os.path.realpath(tmpdir) if tmpdir is not None else None,
         notes=tuple(b.notes),
     )
+
+
+def build_pod_policy(
+    scope: Scope,
+    *,
+    pwd: str,
+    own: Iterable[str],
+    read: Iterable[str] = (),
+    tmpdir: str | None = None,
+    mode: Mode = "enforce",
+) -> Policy:
+    """The outer layer for the pod process itself (optional, see docs/sandbox.md): its allow
+    rules as written, without carving around denies (the file tools check those per path, and
+    carving would hide files the pod creates next to a denied path), plus what the pod needs:
+    `own` directories writable (its data, runtime and log dirs: session log, registry, socket),
+    `read` ones readable (its config, manifests), the network (its model calls), and no signal
+    scoping (it probes and stops other pods). Commands get `build_policy`'s layer on top."""
+    extra = system_grants()
+    extra += [Grant(os.path.realpath(d), WRITE, exempt=True) for d in own]
+    extra += [Grant(os.path.realpath(d), READ, exempt=True) for d in read]
+    policy = build_policy(
+        Scope(allow=scope.allow), pwd=pwd, tmpdir=tmpdir, network=True, mode=mode, extra=extra
+    )
+    return msgspec.structs.replace(policy, scoped=False)
