@@ -11,7 +11,7 @@ import os
 
 import msgspec
 
-from poddaemon.sandbox import landlock
+from poddaemon.sandbox import landlock, seccomp
 from poddaemon.sandbox.policy import (
     Grant,
     PathRule,
@@ -70,8 +70,9 @@ def apply_policy(policy_json: bytes) -> str:
 
     Landlock binds the calling thread and what it starts later, so this must run before any
     other thread exists in the process: with more than one thread it refuses. `enforce` raises
-    `SandboxUnavailable` where the kernel lacks Landlock, or lacks the TCP rules (ABI 4) that
-    `network = false` needs; `best_effort` then confines as far as it can.
+    `SandboxUnavailable` where the kernel lacks Landlock, or where `network = false` can be
+    enforced neither by Landlock TCP rules (ABI 4) nor by the seccomp filter (x86_64, arm64);
+    `best_effort` then confines as far as it can.
     """
     policy = msgspec.json.decode(policy_json, type=Policy)
     if policy.mode == "off":
@@ -80,7 +81,7 @@ def apply_policy(policy_json: bytes) -> str:
     problem = None
     if abi == 0:
         problem = "this kernel has no Landlock (Linux >= 5.13 with landlock enabled in lsm=)"
-    elif not policy.network and abi < 4:
+    elif not policy.network and abi < 4 and not seccomp.supported():
         problem = f"network = false needs Landlock ABI 4 (Linux 6.7); this kernel has ABI {abi}"
     if problem is not None:
         if policy.mode == "enforce":
@@ -103,4 +104,10 @@ def apply_policy(policy_json: bytes) -> str:
         )
     except landlock.LandlockError as e:
         raise SandboxError(f"sandbox: landlock failed: {e.strerror}") from None
+    if not policy.network and seccomp.supported():
+        # Landlock stops TCP only; this stops UDP and every other IP socket too.
+        try:
+            seccomp.deny_inet_sockets()
+        except seccomp.SeccompError as e:
+            raise SandboxError(f"sandbox: seccomp failed: {e.strerror}") from None
     return describe(abi)

@@ -330,7 +330,10 @@ def build_policy(
         "Landlock restricts them only from ABI 9"
     )
     if not network:
-        b.note("network = false blocks TCP (Landlock ABI >= 4); UDP is not restricted")
+        b.note(
+            "network = false: TCP by Landlock (ABI >= 4), every other IP socket by a seccomp "
+            "filter (x86_64 and arm64); unix sockets stay usable"
+        )
     rules = tuple(PathRule(p, bits) for p, bits in _minimal(b.rules))
     return Policy(
         rules=rules,

@@ -249,6 +249,27 @@ def test_network_false_blocks_tcp(world: World) -> None:
         assert world.run(CONNECT.format(port)).returncode == 0
 
 
+UDP = (
+    "python3 -c 'import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+    's.sendto(b"leak", ("127.0.0.1", {}))\''
+)
+
+
+def test_network_false_blocks_udp_too(world: World) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.settimeout(10)
+        port = server.getsockname()[1]
+        r = world.run(UDP.format(port))
+        assert r.returncode != 0 and "PermissionError" in r.stderr
+        assert world.run(UDP.format(port), confined=False).returncode == 0
+        assert server.recv(16) == b"leak"  # only the control's datagram ever arrived
+        server.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            server.recv(16)
+    assert world.run("python3 -c 'import socket; a, b = socket.socketpair()'").returncode == 0
+
+
 @pytest.mark.skipif(ABI < 6, reason="abstract unix sockets are scoped from Landlock ABI 6")
 def test_abstract_unix_sockets_outside_are_unreachable(world: World) -> None:
     name = f"\0poddaemon-escape-{os.getpid()}"
