@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench.harness import PY, ROOT, Row, Section, Target, median, pct, value_le
+from bench.harness import PY, ROOT, Row, Section, Target, median, pct
 
 N = 200  # commands per variant
 STARTS = 21
@@ -133,14 +133,9 @@ def _launcher(sec: Section, enforce: str, off: str) -> None:
             "same launcher, mode off",
         )
     )
-    sec.add(
-        Row(
-            "launcher: added by Landlock (p50 difference)",
-            added,
-            "ms",
-            target=value_le(1, "ms"),
-        )
-    )
+    # No target here: Python start-up (~100 ms, ±5 ms on a shared machine) swamps the
+    # sub-millisecond Landlock share, which `apply_policy at start` below measures directly.
+    sec.add(Row("launcher: p50 difference (within noise)", added, "ms"))
     sec.add(Row("launcher: p99 confined / off", pct(confined, 99), "ms", pct(plain, 99)))
 
 
