@@ -9,6 +9,7 @@ entries need (listing, creating, removing), and each sibling on the way down to 
 gets the full rule. What that cannot express is returned as `Policy.notes` (SPEC §3 [sandbox]).
 """
 
+import hashlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
@@ -73,6 +74,15 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     # Abstract unix sockets and signals stay inside the domain (ABI >= 6). Off only for the pod's
     # own layer: a pod signals and probes other pods.
     scoped: bool = True
+    # Directories whose entries were enumerated (carved around a deny, or non-recursive), with a
+    # digest of their names then: an entry added later is not covered until a rebuild.
+    listed: tuple[tuple[str, str], ...] = ()
+
+    def stale(self) -> bool:
+        """An enumerated directory gained or lost entries since the build: a rebuilt policy
+        would differ (one listdir per such directory; for a helper deciding to restart).
+        Names, not mtimes: a coarse mtime can miss an entry made in the same tick."""
+        return any(_names_digest(path) != digest for path, digest in self.listed)
 
     def encode(self) -> bytes:
         return msgspec.json.encode(self)
@@ -85,6 +95,16 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
             if _within(path, rule.path):
                 bits |= rule.access
         return bits
+
+
+def _names_digest(path: str) -> str:
+    try:
+        names = sorted(os.listdir(path))
+    except OSError:
+        return ""
+    return hashlib.blake2b(
+        "\0".join(names).encode(errors="surrogateescape"), digest_size=16
+    ).hexdigest()
 
 
 class Grant(msgspec.Struct, frozen=True):
@@ -178,6 +198,7 @@ class _Builder:
         self.listdir = listdir
         self.rules: dict[str, int] = {}
         self.notes: dict[str, None] = {}  # ordered set
+        self.listed: dict[str, str] = {}
 
     def emit(self, path: str, bits: int) -> None:
         if bits:
@@ -208,6 +229,10 @@ class _Builder:
         else:
             self.shallow(g.path, bits, below)
 
+    def enumerate(self, path: str) -> list[tuple[str, bool]]:
+        self.listed[path] = _names_digest(path)
+        return self.listdir(path)
+
     def carve(self, top: str, bits: int, below: list[_Deny]) -> None:
         """`bits` for `top` and everything beneath it except the `below` denies."""
         if not below:
@@ -221,7 +246,7 @@ class _Builder:
         own = bits & (keep | ENTRIES)
         self.emit(top, own)
         self.report(top, bits, own, below)
-        for child, is_dir in self.listdir(top):
+        for child, is_dir in self.enumerate(top):
             here = [d for d in below if d.path == child]
             # A file has nothing beneath it: a deny below it names a path that cannot exist.
             deeper = [d for d in below if is_dir and d.path != child and _within(d.path, child)]
@@ -246,7 +271,7 @@ class _Builder:
             f"{top} (not recursive): files created in it after the sandbox was built cannot "
             "be read or written by commands until it is rebuilt"
         )
-        for child, is_dir in self.listdir(top):
+        for child, is_dir in self.enumerate(top):
             if is_dir:
                 continue  # its contents are two levels down: not covered
             sub = bits & CONTENT
@@ -341,6 +366,7 @@ def build_policy(
         mode=mode,
         tmpdir=os.path.realpath(tmpdir) if tmpdir is not None else None,
         notes=tuple(b.notes),
+        listed=tuple(sorted(b.listed.items())),
     )
 
 

@@ -245,3 +245,20 @@ def test_a_deny_below_a_file_changes_nothing(root: Path) -> None:
     )
     p = policy(scope, root)
     assert p.access(f"{root}/p/f") & FS.WRITE_FILE
+
+
+def test_stale_once_an_enumerated_dir_changes(root: Path) -> None:
+    tree(root, "p/secret/k", "p/src/a", "q/x")
+    scope = Scope.from_config(
+        [("p", "write", True), ("q", "read", False)], [("p/secret", "read", True)], cwd=str(root)
+    )
+    p = policy(scope, root)
+    assert [path for path, _ in p.listed] == [f"{root}/p", f"{root}/q"]
+    assert not p.stale()
+    (root / "p" / "src" / "b").write_text("deeper: still covered")
+    assert not p.stale()
+    (root / "p" / "new.txt").write_text("next to the deny")
+    assert p.stale()
+    assert not policy(scope, root).stale()
+    (root / "q" / "y").write_text("in a non-recursive target")
+    assert p.stale()
