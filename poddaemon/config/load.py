@@ -18,7 +18,14 @@ import msgspec
 
 from protocol import paths
 
-from .manifest import FieldError, Manifest, ProviderConfig, ScopeRule, SpawnConfig
+from .manifest import (
+    FieldError,
+    Manifest,
+    ProviderConfig,
+    SandboxConfig,
+    ScopeRule,
+    SpawnConfig,
+)
 
 __all__ = ["ManifestError", "load_manifest", "manifest_to_dict", "manifest_to_toml"]
 
@@ -34,6 +41,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "kind": get_args(ProviderConfig.__annotations__["kind"]),
     "permission": get_args(ScopeRule.__annotations__["permission"]),
     "on_parent_exit": get_args(SpawnConfig.__annotations__["on_parent_exit"]),
+    "mode": get_args(SandboxConfig.__annotations__["mode"]),
 }
 
 

@@ -150,6 +150,11 @@ class SpawnConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     on_parent_exit: Literal["stop", "detach"] = "stop"
 
 
+class SandboxConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    mode: Literal["enforce", "best_effort", "off"] = "enforce"
+    network: bool = True  # False: commands the pod starts get no network
+
+
 class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
     pod: PodSection
     provider: ProviderConfig
@@ -159,6 +164,7 @@ class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     notify: NotifyConfig = field(default_factory=NotifyConfig)
     spawn: SpawnConfig = field(default_factory=SpawnConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     # Where this manifest was loaded from; set by the loader, never a TOML key.
     source: str = ""
 
