@@ -27,6 +27,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     ),
     ("stop", "10. Stop: shutdown to registry free and to exit", "bench.stop_bench"),
     ("systemd", "11. systemd unit: start, restart after kill -9", "bench.systemd_bench"),
+    ("stream", "13. Acks while the pod streams a long reply", "bench.stream_ack_bench"),
     ("sandbox", "12. Sandbox: Landlock per command and at start", "bench.sandbox_bench"),
 ]
 

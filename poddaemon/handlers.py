@@ -1,18 +1,36 @@
-"""The pod's JSON-RPC methods: each decodes nothing (the server gives typed params) and either
-answers from the pod's state or runs a command through the machine."""
+"""The pod's JSON-RPC methods (one per entry of `protocol.methods`). The server hands each its
+typed params; a method either answers from the pod's state or runs a command through the
+machine and awaits the machine's reply."""
 
+import asyncio
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+import poddaemon
+from poddaemon.store.file import read_session
 from poddaemon.store.log import new_session_id
+from protocol import errors
+from protocol.errors import RpcError
 from protocol.types import (
     CancelParams,
+    CompactResult,
     HistoryParams,
+    HistoryResult,
     NoParams,
     NotifyParams,
     PodEventParams,
+    QueueInfo,
     RunParams,
+    ScopeEntry,
+    StatusResult,
     SubscribeParams,
+    SubscribeResult,
+    UsageCall,
+    UsageResult,
+    UsageTotals,
 )
 
 if TYPE_CHECKING:
@@ -48,8 +66,25 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
     async def shutdown(p: NoParams, conn: Any) -> Any:
         return await pod.request(m.shutdown)
 
-    async def history(p: HistoryParams, conn: Any) -> Any:
-        return await pod.history(p)
+    async def history(p: HistoryParams, conn: Any) -> HistoryResult:
+        sid = m.state.session_id
+        if not sid:
+            return HistoryResult(entries=[], next=p.since)
+        limit = max(1, min(p.limit, 10_000))
+        result = await asyncio.to_thread(read_session, pod.s.sessions_dir, sid)
+        entries = [e for e in result.entries if e["seq"] > p.since][:limit]
+        return HistoryResult(entries=entries, next=entries[-1]["seq"] if entries else p.since)
+
+    def subscribe(p: SubscribeParams, conn: Any) -> SubscribeResult:
+        cursor = pod.bus.seq if p.since is None else max(0, p.since)
+        # Start streaming right after this reply is written (the reply goes out synchronously).
+        asyncio.get_running_loop().call_soon(conn.start_events, cursor)
+        return SubscribeResult(cursor=pod.bus.seq)
+
+    def compact(p: NoParams, conn: Any) -> CompactResult:
+        if m.pod_state != "idle":
+            raise RpcError(errors.BUSY, "compact needs an idle pod")
+        raise RpcError(errors.INVALID_REQUEST, "compaction is not available in this version")
 
     return {
         "run": run,
@@ -59,12 +94,47 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         "resume": resume,
         "cancel": cancel,
         "shutdown": shutdown,
-        "status": lambda p, conn: pod.status(),
+        "status": lambda p, conn: status(pod),
         "history": history,
-        "usage": lambda p, conn: pod.usage(),
-        "subscribe": lambda p, conn: pod.subscribe(p.since, conn),
-        "compact": lambda p, conn: pod.compact(),
+        "usage": lambda p, conn: usage(pod),
+        "subscribe": subscribe,
+        "compact": compact,
     }
 
 
-__all__ = ["SubscribeParams", "handlers"]
+def status(pod: "Pod") -> StatusResult:
+    st = pod.machine.state
+    return StatusResult(
+        name=pod.name,
+        pid=os.getpid(),
+        state=pod.machine.pod_state,
+        run_id=st.active_run or st.paused_run,
+        session_id=st.session_id or None,
+        provider=pod.m.provider.kind,
+        model=pod.m.provider.model,
+        pwd=pod.m.pod.pwd,
+        scope=[msgspec.convert(e, ScopeEntry) for e in pod.scope.summary()],
+        queue=QueueInfo(runs=len(st.pending_runs), notifications=st.pending_notifications),
+        usage=totals(pod),
+        parent=pod.s.entry.parent,
+        children=[],
+        started_at=pod.started_at,
+        version=poddaemon.__version__,
+    )
+
+
+def totals(pod: "Pod") -> UsageTotals:
+    st = pod.machine.state
+    u = st.usage
+    return UsageTotals(
+        input=u.input,
+        output=u.output,
+        cache_read=u.cache_read,
+        cache_write=u.cache_write,
+        calls=len(st.usage_calls),
+    )
+
+
+def usage(pod: "Pod") -> UsageResult:
+    calls = [msgspec.convert(c, UsageCall) for c in pod.machine.state.usage_calls]
+    return UsageResult(calls=calls, totals=totals(pod))

@@ -9,15 +9,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
-import poddaemon
+from poddaemon.acks import DurableReplies, settle
 from poddaemon.config.load import manifest_to_dict
 from poddaemon.config.manifest import Manifest
 from poddaemon.entries import RunStart, SessionStart, body_of, events_of
@@ -50,25 +47,13 @@ from poddaemon.machine import (
 from poddaemon.prompt import Instruction
 from poddaemon.registry import PodEntry, Registry
 from poddaemon.scope import Scope
-from poddaemon.store.file import HeadMoved, SessionLog, read_session
+from poddaemon.store.file import HeadMoved, SessionLog
 from poddaemon.store.log import new_session_id
 from poddaemon.tools.base import ToolContext, ToolOutcome, ToolOutputLimits, execute
 from poddaemon.toolset import Toolset
 from poddaemon.turn import NOT_RUN_CANCELLED
 from protocol import errors
 from protocol.errors import RpcError
-from protocol.types import (
-    CompactResult,
-    HistoryParams,
-    HistoryResult,
-    QueueInfo,
-    ScopeEntry,
-    StatusResult,
-    SubscribeResult,
-    UsageCall,
-    UsageResult,
-    UsageTotals,
-)
 
 log = logging.getLogger("poddaemon.pod")
 
@@ -123,8 +108,7 @@ class Pod:
         self._log: SessionLog | None = None
         self._tokens = itertools.count(1)
         self._replies: dict[int, asyncio.Future[Any]] = {}
-        self._unsynced: list[tuple[asyncio.Future[Any], Any]] = []
-        self._flusher: asyncio.Task[None] | None = None
+        self._durable = DurableReplies(self._synced, lambda: self.failure, self._fail)
         self._inflight: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._stopped = asyncio.Event()
@@ -165,7 +149,7 @@ class Pod:
                 case SetTimer(at):
                     self._set_timer(at)
                 case Sync():
-                    self._flush_soon()
+                    self._durable.flush_soon()
                 case Stopped():
                     self._stopped.set()
 
@@ -232,45 +216,16 @@ class Pod:
             self._alert("error", f"{message}; the pod stops")
             asyncio.get_running_loop().call_soon(self.request_shutdown)
 
-    # --- replies once durable (group commit) ----------------------------------------------------
+    # --- replies ------------------------------------------------------------------------------
 
     def _answer(self, token: int, result: Any, error: RpcError | None, durable: bool) -> None:
         future = self._replies.pop(token, None)
-        if future is None or future.done():
+        if future is None:
             return
-        outcome = error if error is not None else result
         if durable and error is None:
-            self._unsynced.append((future, outcome))
-            self._flush_soon()
+            self._durable.add(future, result)
         else:
-            _settle(future, outcome)
-
-    def _flush_soon(self) -> None:
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.ensure_future(self._flush())
-
-    async def _flush(self) -> None:
-        """fsync, then release every reply that waited for it; again while more arrive."""
-        while True:
-            batch, self._unsynced = self._unsynced, []
-            if self.failure is not None:
-                for future, _ in batch:
-                    _settle(
-                        future,
-                        RpcError(errors.INTERNAL_ERROR, f"could not persist: {self.failure}"),
-                    )
-                return
-            if self._log is not None:
-                try:
-                    await self._log.sync()
-                except OSError as exc:
-                    self._fail(f"session log fsync failed: {exc}")
-                    self._unsynced[:0] = batch
-                    continue
-            for future, outcome in batch:
-                _settle(future, outcome)
-            if not self._unsynced:
-                return
+            settle(future, error if error is not None else result)
 
     async def _synced(self) -> None:
         if self._log is not None and self.failure is None:
@@ -396,73 +351,14 @@ class Pod:
         if self._timer is not None:
             self._timer.cancel()
         for future in self._replies.values():
-            _settle(future, RpcError(errors.SHUTTING_DOWN, "the pod shut down"))
-        if self._flusher is not None:
-            with contextlib.suppress(Exception):
-                await self._flusher
+            settle(future, RpcError(errors.SHUTTING_DOWN, "the pod shut down"))
+        await self._durable.drain()
         if self._log is not None:
             with contextlib.suppress(OSError):
                 await self._log.sync()
             self._log.close()
         with contextlib.suppress(Exception):
             await self.s.model.aclose()
-
-    # --- read-only methods ----------------------------------------------------------------------
-
-    def status(self) -> StatusResult:
-        st = self.machine.state
-        return StatusResult(
-            name=self.name,
-            pid=os.getpid(),
-            state=self.machine.pod_state,
-            run_id=st.active_run or st.paused_run,
-            session_id=st.session_id or None,
-            provider=self.m.provider.kind,
-            model=self.m.provider.model,
-            pwd=self.m.pod.pwd,
-            scope=[msgspec.convert(e, ScopeEntry) for e in self.scope.summary()],
-            queue=QueueInfo(runs=len(st.pending_runs), notifications=st.pending_notifications),
-            usage=self.totals(),
-            parent=self.s.entry.parent,
-            children=[],
-            started_at=self.started_at,
-            version=poddaemon.__version__,
-        )
-
-    def totals(self) -> UsageTotals:
-        st = self.machine.state
-        u = st.usage
-        return UsageTotals(
-            input=u.input,
-            output=u.output,
-            cache_read=u.cache_read,
-            cache_write=u.cache_write,
-            calls=len(st.usage_calls),
-        )
-
-    def usage(self) -> UsageResult:
-        calls = [msgspec.convert(c, UsageCall) for c in self.machine.state.usage_calls]
-        return UsageResult(calls=calls, totals=self.totals())
-
-    async def history(self, p: HistoryParams) -> HistoryResult:
-        sid = self.machine.state.session_id
-        if not sid:
-            return HistoryResult(entries=[], next=p.since)
-        limit = max(1, min(p.limit, 10_000))
-        result = await asyncio.to_thread(read_session, self.s.sessions_dir, sid)
-        entries = [e for e in result.entries if e["seq"] > p.since][:limit]
-        return HistoryResult(entries=entries, next=entries[-1]["seq"] if entries else p.since)
-
-    def subscribe(self, since: int | None, conn: Any) -> SubscribeResult:
-        cursor = self.bus.seq if since is None else max(0, since)
-        # Start streaming right after this reply is written (the reply goes out synchronously).
-        asyncio.get_running_loop().call_soon(conn.start_events, cursor)
-        return SubscribeResult(cursor=self.bus.seq)
-
-    def compact(self) -> CompactResult:
-        if self.machine.pod_state != "idle":
-            raise RpcError(errors.BUSY, "compact needs an idle pod")
-        raise RpcError(errors.INVALID_REQUEST, "compaction is not available in this version")
 
     def handlers(self) -> dict[str, Callable[[Any, Any], Any]]:
         from poddaemon.handlers import handlers
@@ -481,12 +377,3 @@ class _LiveScope:
 
     def access(self, path: str) -> Any:
         return self._pod.scope.access(path)
-
-
-def _settle(future: asyncio.Future[Any], outcome: Any) -> None:
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
