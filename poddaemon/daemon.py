@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     sdnotify.claim()
     args = parse_args(argv)
+    # The model thread parses streams while the loop answers clients; a waiting thread gets the
+    # GIL only after this interval (default 5 ms), which an ack would pay several times over.
+    sys.setswitchinterval(float(os.environ.get("PODDAEMON_SWITCH", "0.00005")))
     logging.basicConfig(
         level=os.environ.get("PODDAEMON_LOG_LEVEL", "INFO").upper(),
         format="poddaemon[%(process)d] %(levelname)s %(message)s",

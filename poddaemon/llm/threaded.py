@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from poddaemon.llm.types import ModelClient, ModelRequest, StreamEvent
+from poddaemon.llm.types import ModelClient, ModelRequest, ReasoningDelta, StreamEvent, TextDelta
 
 T = TypeVar("T")
 _END = object()
@@ -104,7 +104,7 @@ class ThreadedModel:
         future = asyncio.run_coroutine_threadsafe(pump(), self._worker_loop())
         try:
             while True:
-                for item in await channel.take():
+                for item in _coalesced(await channel.take()):
                     if item is _END:
                         return
                     if isinstance(item, _Failed):
@@ -125,6 +125,21 @@ class ThreadedModel:
             await self._on_worker(self.inner.aclose())
         loop.call_soon_threadsafe(loop.stop)
         self._loop = None
+
+
+def _coalesced(batch: list[Any]) -> list[Any]:
+    """Adjacent text (or reasoning) deltas of one batch as one delta: the pod's loop publishes
+    one event per delta, and a fast stream would otherwise cost it one per 20-byte chunk."""
+    out: list[Any] = []
+    for item in batch:
+        last = out[-1] if out else None
+        if isinstance(item, TextDelta) and isinstance(last, TextDelta):
+            out[-1] = TextDelta(last.text + item.text)
+        elif isinstance(item, ReasoningDelta) and isinstance(last, ReasoningDelta):
+            out[-1] = ReasoningDelta(last.text + item.text)
+        else:
+            out.append(item)
+    return out
 
 
 async def _as_coro(awaitable: Awaitable[T]) -> T:
