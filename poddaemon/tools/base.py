@@ -161,6 +161,53 @@ def _error(text: str) -> ToolOutcome:
     return ToolOutcome(output=text, is_error=True, summary=first)
 
 
+# Deeper than any real tool's arguments; far below the interpreter's recursion limit, so
+# neither decoding nor anything that walks the value later can overflow the stack.
+MAX_ARGUMENT_DEPTH = 64
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether a decoded value nests more than `limit` lists/dicts deep. Iterative: it must
+    not recurse on exactly the values that would overflow the stack."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def decode_arguments(arguments: str) -> Any:
+    """A tool call's raw JSON arguments decoded, or ToolError with the reason the model sees.
+    msgspec raises RecursionError past ~1000 levels, which used to escape as a crash of the
+    whole run; shallower but still absurd nesting is refused too, before anything recurses on it."""
+    too_deep = f"arguments nest deeper than {MAX_ARGUMENT_DEPTH} levels"
+    if not arguments.strip():
+        return {}
+    try:
+        value = msgspec.json.decode(arguments)
+    except RecursionError:
+        raise ToolError(too_deep) from None
+    except msgspec.DecodeError as e:
+        raise ToolError(f"arguments are not valid JSON: {e}") from None
+    if isinstance(value, dict | list) and _depth_exceeds(value, MAX_ARGUMENT_DEPTH):
+        raise ToolError(too_deep)
+    return value
+
+
+def args_preview(arguments: str) -> Any:
+    """The arguments for an event (`tool.started`): decoded when that is safe, else the raw
+    text. Never raises."""
+    try:
+        return decode_arguments(arguments)
+    except ToolError:
+        return arguments
+
+
 async def execute(
     name: str,
     arguments: str,
@@ -177,9 +224,9 @@ async def execute(
     if tool is None:
         return _error(f"unknown tool: {name} (available: {', '.join(sorted(tools))})")
     try:
-        raw = msgspec.json.decode(arguments) if arguments.strip() else {}
-    except msgspec.DecodeError as e:
-        return _error(f"arguments are not valid JSON: {e}")
+        raw = decode_arguments(arguments)
+    except ToolError as e:
+        return _error(str(e))
     if not isinstance(raw, dict):
         return _error(f"arguments must be a JSON object, got {_json_type(raw)}")
     try:

@@ -547,3 +547,31 @@ def test_default_tools_and_specs_are_small() -> None:
         assert spec.parameters["type"] == "object"
     with pytest.raises(ValueError, match="unknown tool: spawn_pod"):
         tool_specs(["spawn_pod"])
+
+
+# --- issue 9 item 3: absurdly nested arguments are a tool error, never a crash ---------------
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        "[" * 3000 + "]" * 3000,
+        '{"path": ' + '{"a": ' * 3000 + "1" + "}" * 3001,
+        '{"path": "x", "extra": ' + "[" * 100 + "]" * 100 + "}",
+    ],
+    ids=["array-3000", "object-3000", "array-100"],
+)
+def test_deeply_nested_arguments_are_a_tool_error(ctx: ToolContext, arguments: str) -> None:
+    out = asyncio.run(execute("read_file", arguments, ctx))
+    assert out.is_error
+    assert "nest deeper than" in out.output
+
+
+def test_args_preview_never_raises() -> None:
+    from poddaemon.tools import args_preview
+
+    deep = "[" * 3000 + "]" * 3000
+    assert args_preview(deep) == deep
+    assert args_preview('{"path": "a"}') == {"path": "a"}
+    assert args_preview("not json") == "not json"
+    assert args_preview("") == {}
