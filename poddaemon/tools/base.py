@@ -1,14 +1,18 @@
 """What every builtin tool shares: the context it runs in, its outcome, argument checking,
 output capping and `execute`, the one entry point that turns any failure into a tool error."""
 
+import asyncio
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 
 from poddaemon.scope import Access, ScopeDenied
+
+if TYPE_CHECKING:
+    from poddaemon.tools.runner_client import CommandRunner
 
 
 class ScopeLike(Protocol):
@@ -46,6 +50,32 @@ class ToolContext:
     limits: ToolOutputLimits = field(default_factory=ToolOutputLimits)
     # resolved absolute path -> stamp at the model's last read or write of it
     reads: dict[str, FileStamp] = field(default_factory=dict)
+    # credential-like variables commands may still see (`[worker] env_passthrough`)
+    env_passthrough: tuple[str, ...] = ()
+    # JSON for `poddaemon.sandbox.apply_policy`, applied by the command runner (issue 13)
+    sandbox_policy: bytes | None = None
+    _runner: "CommandRunner | None" = field(default=None, repr=False)
+    _runner_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    async def command_runner(self) -> "CommandRunner":
+        """The helper process that starts this pod's commands, started at first use (and again
+        if it died)."""
+        async with self._runner_lock:
+            if self._runner is None or not self._runner.alive:
+                from poddaemon.tools.runner_client import CommandRunner, clean_env
+
+                if self._runner is not None:
+                    await self._runner.aclose()
+                env = clean_env(os.environ, self.env_passthrough)
+                self._runner = await CommandRunner.start(env, self.sandbox_policy)
+            return self._runner
+
+    async def aclose(self) -> None:
+        """Stop the command runner, if any: every command still running is killed."""
+        async with self._runner_lock:
+            if self._runner is not None:
+                runner, self._runner = self._runner, None
+                await runner.aclose()
 
     def check(self, path: str, want: Access) -> str:
         """The resolved absolute path, or ScopeDenied. Call before touching the filesystem."""
