@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import msgspec
 
 from poddaemon.scope import Access, ScopeDenied
+from poddaemon.tools.fsopen import open_resolved, opened_path
 
 if TYPE_CHECKING:
     from poddaemon.tools.runner_client import CommandRunner
@@ -80,6 +81,27 @@ class ToolContext:
     def check(self, path: str, want: Access) -> str:
         """The resolved absolute path, or ScopeDenied. Call before touching the filesystem."""
         return self.scope.check(path, want, self.pwd)
+
+    def open_checked(self, resolved: str, want: Access, flags: int) -> int:
+        """Open a path `check` returned, following no symlink (one found now means the tree
+        changed since the check: OSError ELOOP), then check what was actually opened."""
+        fd = open_resolved(resolved, flags)
+        try:
+            self.check_opened(fd, want)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def check_opened(self, fd: int, want: Access, name: str = "") -> None:
+        """ScopeDenied unless the object behind `fd` (or its entry `name`, for a directory fd)
+        is, where it is now, within scope."""
+        actual = opened_path(fd)
+        if name:
+            actual = os.path.join(actual, name)
+        has = self.scope.access(actual)
+        if has < want:
+            raise ScopeDenied(actual, want, has)
 
     def display(self, resolved: str) -> str:
         """A path as the model should see it: relative to pwd when inside it."""
