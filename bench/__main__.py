@@ -1,5 +1,5 @@
 """`python -m bench [section ...]`: run every section (or the named ones), print each table and
-a summary of every target. Sections: socket cli spawn agent request rss store ack."""
+a summary of every target. Sections: socket cli spawn agent request rss store ack files."""
 
 import argparse
 import sys
@@ -20,6 +20,11 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("rss", "6. RSS over many runs (SDK loaded)", "bench.rss_bench"),
     ("store", "7. Session store: append, restore", "bench.store_bench"),
     ("ack", "8. Acknowledged run/notify: latency and throughput", "bench.notify_bench"),
+    (
+        "files",
+        "9. File tools: race-free open vs check-then-open; bash runner",
+        "bench.file_tools_bench",
+    ),
 ]
 
 
