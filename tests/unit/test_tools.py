@@ -604,8 +604,14 @@ class SwapAfterCheck:
         return self.scope.access(path)
 
 
-@pytest.fixture
-def swapping(root: Path, outside: Path) -> tuple[ToolContext, SwapAfterCheck]:
+@pytest.fixture(params=["openat2", "walk"])
+def swapping(
+    request: pytest.FixtureRequest, root: Path, outside: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[ToolContext, SwapAfterCheck]:
+    if request.param == "walk":  # as on kernels without openat2 (< 5.6) or under seccomp
+        from poddaemon.tools import fsopen
+
+        monkeypatch.setattr(fsopen._openat2, "works", False)
     (root / "d").mkdir()
     (root / "d" / "f.txt").write_text("INSIDE\n")
     (root / "link").symlink_to(outside)  # swapped with d after each check
