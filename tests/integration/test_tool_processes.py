@@ -77,3 +77,16 @@ def test_deeply_nested_tool_arguments_are_a_tool_error(env: Env, kind: str) -> N
     followup = str(env.model.requests[1]["body"])
     assert "nest deeper than" in followup
     assert "the pod stopped" not in followup
+
+
+def test_bash_commands_do_not_see_the_provider_key(env: Env) -> None:
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": "env; echo END-OF-ENV"}}]},
+        {"text": "seen"},
+    )
+    pod = env.start("envy", tools=["bash"])
+    with pod.client() as c:
+        assert c.run_wait("show env").outcome == "finished"
+    followup = str(env.model.requests[1]["body"])
+    assert "END-OF-ENV" in followup and "PODDAEMON_HOME=" in followup
+    assert "FAKE_API_KEY" not in followup and "test-key" not in followup
