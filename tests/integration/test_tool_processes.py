@@ -41,7 +41,7 @@ def script_long_command(env: Env) -> Path:
     return pids_file
 
 
-@pytest.mark.parametrize("how", ["kill -9", "shutdown"])
+@pytest.mark.parametrize("how", ["kill -9", "shutdown", "cancel"])
 def test_command_processes_die_with_the_pod(env: Env, how: str) -> None:
     pids_file = script_long_command(env)
     pod = env.start("runner-pod", tools=["bash"])
@@ -51,11 +51,22 @@ def test_command_processes_die_with_the_pod(env: Env, how: str) -> None:
     assert all(alive(p) for p in pids)
     if how == "kill -9":
         pod.kill9()
-    else:
+    elif how == "shutdown":
         assert pod.stop() == 0
+    else:
+        with pod.client() as c:
+            assert c.cancel().cancelled
     started = time.monotonic()
     wait_until(lambda: not any(alive(p) for p in pids), timeout=10, what="command processes gone")
     assert time.monotonic() - started < 5
+    if how == "cancel":  # the pod lives on, and its next command works
+        env.model.script(
+            {"tool_calls": [{"name": "bash", "arguments": {"command": "echo still-here"}}]},
+            {"text": "ok"},
+        )
+        with pod.client() as c:
+            assert c.run_wait("again").outcome == "finished"
+        assert "still-here" in str(env.model.requests[-1]["body"])
 
 
 # The fake server's Anthropic wire cannot carry such input itself (it parses it with json).
