@@ -267,3 +267,22 @@ async def test_a_policy_without_the_sandbox_module_fails_start_with_the_reason()
 
     with pytest.raises(RunnerError, match="sandbox"):
         await CommandRunner.start(clean_env(os.environ), policy=b"{}")
+
+
+async def test_killing_one_command_spares_a_concurrent_ones_escapees(
+    ctx: ToolContext, tmp_path: Path
+) -> None:
+    """Orphans are attributed by the tag in their environment: finishing command B kills B's
+    escapees, not those of command A still running beside it."""
+    a_pids, b_pids = tmp_path / "a", tmp_path / "b"
+    a = asyncio.create_task(bash(ctx, ESCAPE.format(f=a_pids) + "; sleep 1000", timeout=30))
+    (a_escapee, _) = await asyncio.to_thread(pids_in, a_pids, 2)
+    wait = f"until [ -f {b_pids} ] && [ $(wc -l < {b_pids}) -ge 2 ]; do sleep 0.01; done"
+    out = await bash(ctx, f"{ESCAPE.format(f=b_pids)}; {wait}; echo b-done")
+    assert out.output == "b-done"
+    assert wait_dead(pids_in(b_pids, 2)) == []
+    assert alive(a_escapee)
+    a.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await a
+    assert wait_dead(pids_in(a_pids, 2)) == []
