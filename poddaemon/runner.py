@@ -180,7 +180,7 @@ class Runner:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: killed as one
             )
-        except OSError as e:
+        except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: a NUL byte
             self.send(op="failed", id=cid, error=f"{type(e).__name__}: {e}")
             return
         finally:

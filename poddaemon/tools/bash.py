@@ -118,7 +118,10 @@ class Bash:
             runner = await ctx.command_runner()
         except (RunnerError, OSError) as e:
             raise ToolError(f"cannot run commands: {e}") from None
-        rc, timed_out = await _run(runner, command, ctx.pwd, timeout, capture)
+        try:
+            rc, timed_out = await _run(runner, command, ctx.pwd, timeout, capture)
+        except RunnerError as e:
+            raise ToolError(str(e)) from None
         lines = [capture.text()] if capture.total else []
         if timed_out:
             lines.append(f"timed out after {timeout}s")

@@ -286,3 +286,17 @@ async def test_killing_one_command_spares_a_concurrent_ones_escapees(
     with pytest.raises(asyncio.CancelledError):
         await a
     assert wait_dead(pids_in(a_pids, 2)) == []
+
+
+async def test_a_command_that_cannot_start_is_a_tool_error_and_the_runner_lives_on(
+    ctx: ToolContext, tmp_path: Path
+) -> None:
+    out = await bash(ctx, "echo a\0b")
+    assert out.is_error and out.output.startswith("could not start the command: ValueError")
+    ctx.pwd = str(tmp_path / "gone")
+    out = await bash(ctx, "true")
+    assert out.is_error and "could not start the command" in out.output
+    ctx.pwd = str(tmp_path)
+    first = (await ctx.command_runner()).pid
+    assert (await bash(ctx, "echo fine")).output == "fine"
+    assert (await ctx.command_runner()).pid == first
