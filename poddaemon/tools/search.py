@@ -151,9 +151,7 @@ def _grep(
         if not accept(os.path.relpath(full, base), os.path.basename(full)):
             continue
         try:
-            if not stat.S_ISREG(os.stat(real).st_mode):
-                continue  # cheap pre-filter by name; the fd below is what counts
-            fd, _ = open_regular(ctx, real, real)
+            fd, _ = open_regular(ctx, real, real)  # O_NONBLOCK: a FIFO cannot hang us
             with os.fdopen(fd, "rb") as f:
                 if is_binary(f.read(BINARY_SNIFF_BYTES)):
                     continue
