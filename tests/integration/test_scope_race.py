@@ -76,4 +76,4 @@ def test_racing_symlink_swaps_never_escape_the_scope(env: Env) -> None:
     # Not vacuous: the tools did work inside while the race ran.
     assert "INSIDE" in results
     written = [p.name for p in Path(env.work).rglob("*.txt") if p.name.startswith(("w", "x"))]
-    assert len(written) > 10
+    assert written  # most writes are refused mid-race (8-60 of 120 land); none outside
