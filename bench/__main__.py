@@ -20,15 +20,12 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("rss", "6. RSS over many runs (SDK loaded)", "bench.rss_bench"),
     ("store", "7. Session store: append, restore", "bench.store_bench"),
     ("ack", "8. Acknowledged run/notify: latency and throughput", "bench.notify_bench"),
-    (
-        "conn",
-        "9. Memory per connection: a client that never reads, partial frames",
-        "bench.conn_bench",
-    ),
-    ("stop", "10. Stop: shutdown to registry free and to exit", "bench.stop_bench"),
-    ("systemd", "11. systemd unit: start, restart after kill -9", "bench.systemd_bench"),
-    ("stream", "13. Acks while the pod streams a long reply", "bench.stream_ack_bench"),
-    ("sandbox", "12. Sandbox: Landlock per command and at start", "bench.sandbox_bench"),
+    ("stream", "9. Acks while the pod streams a long reply", "bench.stream_ack_bench"),
+    ("conn", "10. Memory per connection: a client that never reads", "bench.conn_bench"),
+    ("stop", "11. Stop: shutdown to registry free and to exit", "bench.stop_bench"),
+    ("files", "12. File tools: race-free open; bash runner", "bench.file_tools_bench"),
+    ("sandbox", "13. Sandbox: Landlock per command and at start", "bench.sandbox_bench"),
+    ("systemd", "14. systemd unit: start, restart after kill -9", "bench.systemd_bench"),
 ]
 
 

@@ -104,6 +104,7 @@ class Pod:
                 default_max_bytes=m.worker.tool_output.default_max_bytes,
                 per_tool=dict(m.worker.tool_output.per_tool),
             ),
+            env_passthrough=tuple(m.worker.env_passthrough),
         )
         self._log: SessionLog | None = None
         self._tokens = itertools.count(1)
@@ -353,6 +354,7 @@ class Pod:
         for future in self._replies.values():
             settle(future, RpcError(errors.SHUTTING_DOWN, "the pod shut down"))
         await self._durable.drain()
+        await self.tool_ctx.aclose()  # kills commands still running, reaps the runner
         if self._log is not None:
             with contextlib.suppress(OSError):
                 await self._log.sync()

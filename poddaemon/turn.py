@@ -26,7 +26,8 @@ NOT_RUN_CANCELLED = "not run: the run was cancelled"
 NOT_RUN_CUT_OFF = "not run: the response hit the output limit before this call was complete"
 NOT_RUN_STOPPED = "not run: the model's response was stopped ({reason})"
 INTERRUPTED = (
-    "interrupted: the pod stopped before this finished; any process it started was killed"
+    "interrupted: the pod stopped while this call ran; a command and every process it started "
+    "were killed with the pod. It did not finish: check its effects before running it again."
 )
 
 

@@ -96,8 +96,13 @@ class WorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_turns: PositiveInt = 50
     tools: list[str] = field(default_factory=lambda: list(FILE_TOOLS))
     tool_output: ToolOutputConfig = field(default_factory=ToolOutputConfig)
+    # Credential-like variables (*_API_KEY, *TOKEN*, *SECRET*, *PASSWORD*) commands may see.
+    env_passthrough: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        for i, name in enumerate(self.env_passthrough):
+            if not name or "=" in name:
+                raise FieldError(f"env_passthrough[{i}]", f"not a variable name: {name!r}")
         # Neither is fine (an empty instruction); both is ambiguous.
         if self.instruction is not None and self.instruction_file is not None:
             raise FieldError(

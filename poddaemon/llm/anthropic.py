@@ -30,7 +30,7 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     """tool_use.input must be an object; keep malformed arguments visible rather than drop them."""
     try:
         value = json.loads(arguments) if arguments.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past what json decodes
         return {"_raw_arguments": arguments}
     return value if isinstance(value, dict) else {"_raw_arguments": arguments}
 

@@ -45,7 +45,7 @@ def _usage(plan: Plan, output: int) -> dict[str, Any]:
 def _parsed_input(arguments: str) -> Any:
     try:
         return json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
 
 

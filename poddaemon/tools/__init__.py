@@ -15,7 +15,9 @@ from poddaemon.tools.base import (
     ToolError,
     ToolOutcome,
     ToolOutputLimits,
+    args_preview,
     cap_output,
+    decode_arguments,
     execute,
 )
 from poddaemon.tools.bash import Bash
@@ -60,7 +62,9 @@ __all__ = [
     "ToolError",
     "ToolOutcome",
     "ToolOutputLimits",
+    "args_preview",
     "cap_output",
+    "decode_arguments",
     "execute",
     "tool_specs",
 ]

@@ -1,14 +1,19 @@
 """What every builtin tool shares: the context it runs in, its outcome, argument checking,
 output capping and `execute`, the one entry point that turns any failure into a tool error."""
 
+import asyncio
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 
 from poddaemon.scope import Access, ScopeDenied
+from poddaemon.tools.fsopen import open_resolved, opened_path
+
+if TYPE_CHECKING:
+    from poddaemon.tools.runner_client import CommandRunner
 
 
 class ScopeLike(Protocol):
@@ -46,10 +51,57 @@ class ToolContext:
     limits: ToolOutputLimits = field(default_factory=ToolOutputLimits)
     # resolved absolute path -> stamp at the model's last read or write of it
     reads: dict[str, FileStamp] = field(default_factory=dict)
+    # credential-like variables commands may still see (`[worker] env_passthrough`)
+    env_passthrough: tuple[str, ...] = ()
+    # JSON for `poddaemon.sandbox.apply_policy`, applied by the command runner (issue 13)
+    sandbox_policy: bytes | None = None
+    _runner: "CommandRunner | None" = field(default=None, repr=False)
+    _runner_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    async def command_runner(self) -> "CommandRunner":
+        """The helper process that starts this pod's commands, started at first use (and again
+        if it died)."""
+        async with self._runner_lock:
+            if self._runner is None or not self._runner.alive:
+                from poddaemon.tools.runner_client import CommandRunner, clean_env
+
+                if self._runner is not None:
+                    await self._runner.aclose()
+                env = clean_env(os.environ, self.env_passthrough)
+                self._runner = await CommandRunner.start(env, self.sandbox_policy)
+            return self._runner
+
+    async def aclose(self) -> None:
+        """Stop the command runner, if any: every command still running is killed."""
+        async with self._runner_lock:
+            if self._runner is not None:
+                runner, self._runner = self._runner, None
+                await runner.aclose()
 
     def check(self, path: str, want: Access) -> str:
         """The resolved absolute path, or ScopeDenied. Call before touching the filesystem."""
         return self.scope.check(path, want, self.pwd)
+
+    def open_checked(self, resolved: str, want: Access, flags: int) -> int:
+        """Open a path `check` returned, following no symlink (one found now means the tree
+        changed since the check: OSError ELOOP), then check what was actually opened."""
+        fd = open_resolved(resolved, flags)
+        try:
+            self.check_opened(fd, want)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def check_opened(self, fd: int, want: Access, name: str = "") -> None:
+        """ScopeDenied unless the object behind `fd` (or its entry `name`, for a directory fd)
+        is, where it is now, within scope."""
+        actual = opened_path(fd)
+        if name:
+            actual = os.path.join(actual, name)
+        has = self.scope.access(actual)
+        if has < want:
+            raise ScopeDenied(actual, want, has)
 
     def display(self, resolved: str) -> str:
         """A path as the model should see it: relative to pwd when inside it."""
@@ -161,6 +213,53 @@ def _error(text: str) -> ToolOutcome:
     return ToolOutcome(output=text, is_error=True, summary=first)
 
 
+# Deeper than any real tool's arguments; far below the interpreter's recursion limit, so
+# neither decoding nor anything that walks the value later can overflow the stack.
+MAX_ARGUMENT_DEPTH = 64
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """Whether a decoded value nests more than `limit` lists/dicts deep. Iterative: it must
+    not recurse on exactly the values that would overflow the stack."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def decode_arguments(arguments: str) -> Any:
+    """A tool call's raw JSON arguments decoded, or ToolError with the reason the model sees.
+    msgspec raises RecursionError past ~1000 levels, which used to escape as a crash of the
+    whole run; shallower but still absurd nesting is refused too, before anything recurses on it."""
+    too_deep = f"arguments nest deeper than {MAX_ARGUMENT_DEPTH} levels"
+    if not arguments.strip():
+        return {}
+    try:
+        value = msgspec.json.decode(arguments)
+    except RecursionError:
+        raise ToolError(too_deep) from None
+    except msgspec.DecodeError as e:
+        raise ToolError(f"arguments are not valid JSON: {e}") from None
+    if isinstance(value, dict | list) and _depth_exceeds(value, MAX_ARGUMENT_DEPTH):
+        raise ToolError(too_deep)
+    return value
+
+
+def args_preview(arguments: str) -> Any:
+    """The arguments for an event (`tool.started`): decoded when that is safe, else the raw
+    text. Never raises."""
+    try:
+        return decode_arguments(arguments)
+    except ToolError:
+        return arguments
+
+
 async def execute(
     name: str,
     arguments: str,
@@ -177,9 +276,9 @@ async def execute(
     if tool is None:
         return _error(f"unknown tool: {name} (available: {', '.join(sorted(tools))})")
     try:
-        raw = msgspec.json.decode(arguments) if arguments.strip() else {}
-    except msgspec.DecodeError as e:
-        return _error(f"arguments are not valid JSON: {e}")
+        raw = decode_arguments(arguments)
+    except ToolError as e:
+        return _error(str(e))
     if not isinstance(raw, dict):
         return _error(f"arguments must be a JSON object, got {_json_type(raw)}")
     try:

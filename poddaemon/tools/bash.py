@@ -1,15 +1,18 @@
-"""The opt-in bash tool. It runs in its own process group, killed as a group on timeout,
-cancellation, or when the shell exits (leftover background jobs): no orphans.
+"""The opt-in bash tool. Commands are started by the pod's command runner (a subreaper helper
+process, `poddaemon/runner.py`), each in its own session; on timeout, cancellation, or when the
+shell exits (leftover background jobs), the runner kills the command's group, its whole process
+tree and every orphan it left (`setsid` ones too); when the pod dies, even by `kill -9`, the
+runner kills everything. Commands get the pod's environment minus credential-like variables.
 It is not confined by the scope check; that is why it is opt-in."""
 
 import asyncio
 import codecs
 import contextlib
 import os
-import signal
 from typing import Any
 
 from poddaemon.tools.base import ToolContext, ToolError, ToolOutcome, schema
+from poddaemon.tools.runner_client import CommandRunner, RunnerError
 
 DEFAULT_TIMEOUT = 120
 MAX_TIMEOUT = 600
@@ -42,23 +45,56 @@ class _Capture:
         return text
 
 
-class _Protocol(asyncio.subprocess.SubprocessStreamProtocol):
-    """Tells when the shell itself exits. `Process.wait()` only returns once every pipe is
-    closed, which a background job holding stdout would delay until the timeout."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(limit=2**16, loop=loop)
-        self.exited: asyncio.Future[None] = loop.create_future()
-
-    def process_exited(self) -> None:
-        super().process_exited()
-        if not self.exited.done():
-            self.exited.set_result(None)
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+async def _run(
+    runner: CommandRunner, command: str, cwd: str, timeout: int, capture: _Capture
+) -> tuple[int | None, bool]:
+    """Run `command` through the runner: (returncode, timed out). Whatever happens here, the
+    command and everything it started are killed before this returns or raises."""
+    loop = asyncio.get_running_loop()
+    r, w = os.pipe()
+    try:
+        spawn = asyncio.ensure_future(runner.spawn(["/bin/bash", "-c", command], cwd, w))
+        try:
+            # Shielded: cancelled while starting, the shell may already be running (and forking).
+            cmd = await asyncio.shield(spawn)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await runner.kill(await spawn)
+            raise
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)  # the command holds the only write end now: EOF once it is all gone
+    stream = asyncio.StreamReader(limit=2**16)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(r, "rb", buffering=0)
+    )
+    reader = asyncio.create_task(capture.drain(stream))
+    timed_out = False
+    try:
+        try:
+            async with asyncio.timeout(timeout):
+                # Not the pipe's EOF: a background job holding stdout would delay that.
+                await asyncio.shield(cmd.exited)
+        except TimeoutError:
+            timed_out = True
+        await runner.kill(cmd)  # on timeout everything; otherwise leftover background jobs
+        done, _ = await asyncio.wait({reader}, timeout=DRAIN_GRACE)
+        if not done:  # cannot happen unless something escaped the runner: stop reading
+            reader.cancel()
+    except BaseException:  # cancellation: kill, then let it propagate
+        with contextlib.suppress(BaseException):
+            await runner.kill(cmd)
+        reader.cancel()
+        raise
+    finally:
+        transport.close()
+    with contextlib.suppress(BaseException):
+        await reader
+    if cmd.exited.done() and cmd.exited.exception() is None:
+        return cmd.exited.result(), timed_out
+    raise ToolError("the command runner exited while the command ran; it was killed")
 
 
 class Bash:
@@ -78,56 +114,14 @@ class Bash:
         if not 1 <= timeout <= MAX_TIMEOUT:
             raise ToolError(f"timeout must be between 1 and {MAX_TIMEOUT} seconds")
         capture = _Capture(ctx.limits.max_bytes(self.name))
-        loop = asyncio.get_running_loop()
-        spawn = asyncio.ensure_future(
-            loop.subprocess_exec(
-                lambda: _Protocol(loop),
-                "/bin/bash",
-                "-c",
-                command,
-                cwd=ctx.pwd,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
         try:
-            # Shielded: cancelled while starting, the shell may already be running (and forking).
-            transport, protocol = await asyncio.shield(spawn)
-        except asyncio.CancelledError:
-            with contextlib.suppress(BaseException):
-                started, _ = await spawn
-                _kill_group(started.get_pid())
-                started.close()
-            raise
-        proc = asyncio.subprocess.Process(transport, protocol, loop)
-        pgid = proc.pid  # a new session: the shell leads its own process group
-        assert proc.stdout is not None
-        reader = asyncio.create_task(capture.drain(proc.stdout))
-        timed_out = False
+            runner = await ctx.command_runner()
+        except (RunnerError, OSError) as e:
+            raise ToolError(f"cannot run commands: {e}") from None
         try:
-            try:
-                async with asyncio.timeout(timeout):
-                    await protocol.exited
-            except TimeoutError:
-                timed_out = True
-            _kill_group(pgid)  # on timeout everything; otherwise leftover background jobs
-            done, _ = await asyncio.wait({reader}, timeout=DRAIN_GRACE)
-            if not done:  # something left the group and still holds the pipe
-                reader.cancel()
-                transport.close()
-            await proc.wait()
-        except BaseException:  # cancellation: kill, reap, then let it propagate
-            _kill_group(pgid)
-            reader.cancel()
-            transport.close()
-            with contextlib.suppress(BaseException):
-                await proc.wait()
-            with contextlib.suppress(BaseException):
-                await reader
-            raise
-        rc = proc.returncode
+            rc, timed_out = await _run(runner, command, ctx.pwd, timeout, capture)
+        except RunnerError as e:
+            raise ToolError(str(e)) from None
         lines = [capture.text()] if capture.total else []
         if timed_out:
             lines.append(f"timed out after {timeout}s")

@@ -1,12 +1,14 @@
-"""File tools: read_file, write_file, edit_file, list_dir. Every path is scope-checked first."""
+"""File tools: read_file, write_file, edit_file, list_dir. Every path is scope-checked first, then
+opened without following symlinks and checked again where it actually is (`fsopen`); writes go
+through a temp file renamed relative to the directory's fd, never by name."""
 
 import asyncio
 import contextlib
+import errno
 import functools
 import os
 import stat
-import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
 from poddaemon.scope import Access
 from poddaemon.tools.base import (
@@ -16,6 +18,7 @@ from poddaemon.tools.base import (
     ToolOutcome,
     schema,
 )
+from poddaemon.tools.fsopen import open_resolved
 
 BINARY_SNIFF_BYTES = 8192
 DEFAULT_READ_LIMIT = 2000
@@ -49,7 +52,7 @@ class ReadFile:
         shown = ctx.display(path)
         budget = ctx.limits.max_bytes(self.name) - 200
         lines, stamp, total, more = await asyncio.to_thread(
-            _read_lines, path, shown, offset, limit, budget
+            _read_lines, ctx, path, shown, offset, limit, budget
         )
         ctx.reads[path] = stamp
         if total == 0:
@@ -62,17 +65,26 @@ class ReadFile:
         return ToolOutcome(output=body, summary=f"read {plural(len(lines), 'line')} of {shown}")
 
 
+def open_regular(ctx: ToolContext, path: str, shown: str) -> tuple[int, os.stat_result]:
+    """A checked file opened for reading (O_NONBLOCK: a FIFO must not hang us), and its stat;
+    ToolError if it is not a regular file."""
+    fd = ctx.open_checked(path, Access.READ, os.O_RDONLY | os.O_NONBLOCK)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise ToolError(f"{shown} is a directory; use list_dir")
+        raise ToolError(f"{shown} is not a regular file")
+    return fd, st
+
+
 def _read_lines(
-    path: str, shown: str, offset: int, limit: int, budget: int
+    ctx: ToolContext, path: str, shown: str, offset: int, limit: int, budget: int
 ) -> tuple[list[str], FileStamp, int, bool]:
     """(lines from offset, stamp, lines seen, whether more follow)."""
-    mode = os.stat(path).st_mode
-    if stat.S_ISDIR(mode):
-        raise ToolError(f"{shown} is a directory; use list_dir")
-    if not stat.S_ISREG(mode):
-        raise ToolError(f"{shown} is not a regular file")
-    with open(path, "rb") as f:
-        stamp = FileStamp.of(os.fstat(f.fileno()))
+    fd, st = open_regular(ctx, path, shown)
+    with os.fdopen(fd, "rb") as f:
+        stamp = FileStamp.of(st)
         if is_binary(f.read(BINARY_SNIFF_BYTES)):
             raise ToolError(f"{shown} is a binary file; not shown")
         f.seek(0)
@@ -115,33 +127,77 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: str, data: bytes) -> os.stat_result:
-    """Replace `path` with `data` via a temp file in the same directory (fsync'd), keeping an
-    existing file's mode. On any failure the old file is untouched. Returns the new stat."""
-    directory, base = os.path.split(path)
+def open_parent(ctx: ToolContext, path: str, create: bool) -> int:
+    """The directory `path` is to be written in, opened without following symlinks and checked
+    for write where it actually is; missing directories are made one by one under it when
+    `create` (each relative to its parent's fd, so none can be redirected)."""
+    parent = os.path.dirname(path)
+    missing: list[str] = []
+    while True:
+        try:
+            dfd = open_resolved(parent, os.O_RDONLY | os.O_DIRECTORY)
+            break
+        except FileNotFoundError:
+            if not create or parent == "/":
+                raise
+            ctx.check(parent, Access.WRITE)
+            parent, name = os.path.split(parent)
+            missing.append(name)
     try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
+        for name in reversed(missing):
+            ctx.check_opened(dfd, Access.WRITE, name)
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, dir_fd=dfd)
+            sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+            os.close(dfd)
+            dfd = sub
+        ctx.check_opened(dfd, Access.WRITE, os.path.basename(path))
+    except BaseException:
+        os.close(dfd)
+        raise
+    return dfd
+
+
+def lstat_at(dfd: int, name: str, shown: str) -> os.stat_result | None:
+    """The entry `name` of directory `dfd` (None if absent); never a symlink: the path was
+    resolved, so a symlink there now means it changed since the scope check."""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
     except FileNotFoundError:
-        mode = 0o666 & ~_umask()
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{base}.", suffix=".tmp")
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise ToolError(f"{shown} changed while being opened (it is now a symlink); try again")
+    if stat.S_ISDIR(st.st_mode):
+        raise ToolError(f"{shown} is a directory")
+    return st
+
+
+def atomic_write_at(dfd: int, name: str, data: bytes, old: os.stat_result | None) -> os.stat_result:
+    """Replace entry `name` of directory `dfd` with `data` via a temp file beside it (fsync'd),
+    keeping an existing file's mode. On any failure the old file is untouched."""
+    mode = stat.S_IMODE(old.st_mode) if old is not None else 0o666 & ~_umask()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        tmp = f".{name}.{os.urandom(4).hex()}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dfd)
         raise
     with contextlib.suppress(OSError):
-        dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    return os.stat(path)
+        os.fsync(dfd)
+    return os.stat(name, dir_fd=dfd, follow_symlinks=False)
 
 
 def _encode(text: str) -> bytes:
@@ -160,20 +216,16 @@ class WriteFile:
         path = ctx.check(args["path"], Access.WRITE)
         shown = ctx.display(path)
         data = _encode(args["content"])
+        dfd = open_parent(ctx, path, create=True)
         try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            existed = False
-            parent = os.path.dirname(path)
-            if not os.path.isdir(parent):
-                ctx.check(parent, Access.WRITE)
-                os.makedirs(parent, exist_ok=True)
-        else:
-            existed = True
-            if stat.S_ISDIR(st.st_mode):
-                raise ToolError(f"{shown} is a directory")
-            _require_fresh(ctx, path, st, "overwriting")
-        ctx.reads[path] = FileStamp.of(atomic_write(path, data))
+            st = lstat_at(dfd, os.path.basename(path), shown)
+            if st is not None:
+                _require_fresh(ctx, path, st, "overwriting")
+            new = atomic_write_at(dfd, os.path.basename(path), data, st)
+        finally:
+            os.close(dfd)
+        ctx.reads[path] = FileStamp.of(new)
+        existed = st is not None
         verb = "updated" if existed else "created"
         lines = args["content"].count("\n") + (0 if args["content"].endswith("\n") else 1)
         if not args["content"]:
@@ -198,33 +250,50 @@ class EditFile:
 
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
         old: str = args["old_string"]
-        new: str = args["new_string"]
+        new_text: str = args["new_string"]
         if not old:
             raise ToolError("old_string is empty; use write_file to create a file")
-        if old == new:
+        if old == new_text:
             raise ToolError("old_string and new_string are the same")
         path = ctx.check(args["path"], Access.WRITE)
         shown = ctx.display(path)
-        st = os.stat(path)
-        if stat.S_ISDIR(st.st_mode):
-            raise ToolError(f"{shown} is a directory")
-        _require_fresh(ctx, path, st, "editing")
-        with open(path, "rb") as f:
-            raw = f.read()
+        name = os.path.basename(path)
+        dfd = open_parent(ctx, path, create=False)
         try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise ToolError(f"{shown} is not UTF-8 text; cannot edit it") from None
-        count = text.count(old)
-        if count == 0:
-            raise ToolError(f"old_string not found in {shown}")
-        if count > 1 and not args.get("replace_all", False):
-            raise ToolError(
-                f"old_string occurs {count} times in {shown}; add context or set replace_all"
-            )
-        ctx.reads[path] = FileStamp.of(atomic_write(path, _encode(text.replace(old, new))))
-        n = plural(count, "replacement")
+            st = lstat_at(dfd, name, shown)
+            if st is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+            _require_fresh(ctx, path, st, "editing")
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read()
+            new = _edited(raw, old, new_text, shown, args.get("replace_all", False))
+            stamp = FileStamp.of(atomic_write_at(dfd, name, new.encoded, st))
+        finally:
+            os.close(dfd)
+        ctx.reads[path] = stamp
+        n = plural(new.replacements, "replacement")
         return ToolOutcome(output=f"edited {shown}: {n}", summary=f"edited {shown} ({n})")
+
+
+class _Edit(NamedTuple):
+    encoded: bytes
+    replacements: int
+
+
+def _edited(raw: bytes, old: str, new: str, shown: str, replace_all: bool) -> _Edit:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ToolError(f"{shown} is not UTF-8 text; cannot edit it") from None
+    count = text.count(old)
+    if count == 0:
+        raise ToolError(f"old_string not found in {shown}")
+    if count > 1 and not replace_all:
+        raise ToolError(
+            f"old_string occurs {count} times in {shown}; add context or set replace_all"
+        )
+    return _Edit(_encode(text.replace(old, new)), count)
 
 
 class ListDir:
@@ -235,14 +304,23 @@ class ListDir:
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
         path = ctx.check(args.get("path", "."), Access.READ)
         shown = ctx.display(path)
-        names: list[str] = []
-        with os.scandir(path) as it:
-            for entry in it:
-                try:
-                    is_dir = entry.is_dir()
-                except OSError:
-                    is_dir = False
-                names.append(entry.name + "/" if is_dir else entry.name)
+        fd = ctx.open_checked(path, Access.READ, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            names = _list(fd)
+        finally:
+            os.close(fd)
         names.sort()
         summary = f"listed {plural(len(names), 'entry', 'entries')} in {shown}"
         return ToolOutcome(output="\n".join(names) or "(empty directory)", summary=summary)
+
+
+def _list(fd: int) -> list[str]:
+    names: list[str] = []
+    with os.scandir(fd) as it:
+        for entry in it:
+            try:
+                is_dir = entry.is_dir()
+            except OSError:
+                is_dir = False
+            names.append(entry.name + "/" if is_dir else entry.name)
+    return names

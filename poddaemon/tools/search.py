@@ -1,4 +1,5 @@
-"""Search tools: glob (file names) and grep (file contents). Results outside scope are skipped."""
+"""Search tools: glob (file names) and grep (file contents). Results outside scope are skipped;
+grep opens each file without following symlinks and checks where it actually is (`fsopen`)."""
 
 import asyncio
 import fnmatch
@@ -8,9 +9,9 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from poddaemon.scope import Access
+from poddaemon.scope import Access, ScopeDenied
 from poddaemon.tools.base import ToolContext, ToolError, ToolOutcome, schema
-from poddaemon.tools.files import BINARY_SNIFF_BYTES, is_binary, plural
+from poddaemon.tools.files import BINARY_SNIFF_BYTES, is_binary, open_regular, plural
 
 MAX_GLOB_RESULTS = 500
 MAX_GREP_MATCHES = 200
@@ -150,9 +151,8 @@ def _grep(
         if not accept(os.path.relpath(full, base), os.path.basename(full)):
             continue
         try:
-            if not stat.S_ISREG(os.stat(real).st_mode):
-                continue
-            with open(real, "rb") as f:
+            fd, _ = open_regular(ctx, real, real)  # O_NONBLOCK: a FIFO cannot hang us
+            with os.fdopen(fd, "rb") as f:
                 if is_binary(f.read(BINARY_SNIFF_BYTES)):
                     continue
                 f.seek(0)
@@ -170,6 +170,6 @@ def _grep(
                     if not hit:
                         hit = True
                         files += 1
-        except OSError:
-            continue
+        except (OSError, ToolError, ScopeDenied):
+            continue  # unreadable, not regular, or moved outside the scope meanwhile
     return out, files, False

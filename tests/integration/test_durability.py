@@ -620,8 +620,15 @@ def test_history_paging_usage_and_podctl_sessions(env: Env) -> None:
     assert lines[0].startswith("1 session_start") and lines[-1].startswith(
         f"{len(entries)} run_end"
     )
+    # --limit keeps the newest N (of those after --since), and says how many it left out.
     limited = env.podctl("history", "pager", "--since", "2", "--limit", "3")
-    assert [line.split()[0] for line in limited.stdout.splitlines()] == ["3", "4", "5"]
+    n = len(entries)
+    assert [line.split()[0] for line in limited.stdout.splitlines()] == [
+        str(n - 2),
+        str(n - 1),
+        str(n),
+    ]
+    assert f"{n - 2 - 3} earlier entries not shown" in limited.stderr
 
     listed = env.podctl("sessions", "list")
     assert listed.returncode == 0 and sid in listed.stdout and "pager" in listed.stdout

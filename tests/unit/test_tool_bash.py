@@ -3,6 +3,7 @@
 import asyncio
 import os
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,11 @@ from poddaemon.tools import ToolContext, ToolOutcome, ToolOutputLimits, execute
 
 
 @pytest.fixture
-def ctx(tmp_path: Path) -> ToolContext:
+async def ctx(tmp_path: Path) -> AsyncIterator[ToolContext]:
     scope = Scope.from_config([(str(tmp_path), "write", True)])
-    return ToolContext(scope=scope, pwd=str(tmp_path))
+    context = ToolContext(scope=scope, pwd=str(tmp_path))
+    yield context
+    await context.aclose()
 
 
 async def bash(ctx: ToolContext, command: str, **args: Any) -> ToolOutcome:
@@ -83,6 +86,7 @@ async def test_output_is_capped_with_true_size(tmp_path: Path) -> None:
         scope=scope, pwd=str(tmp_path), limits=ToolOutputLimits(per_tool={"bash": 1000})
     )
     out = await bash(ctx, "head -c 100000 /dev/zero | tr '\\0' a")
+    await ctx.aclose()
     assert out.output == "a" * 1000 + "\n[output truncated: 100000 bytes, showing the first 1000]"
 
 
@@ -96,9 +100,9 @@ async def test_timeout_kills_the_whole_group(ctx: ToolContext) -> None:
     started = time.monotonic()
     out = await bash(ctx, "echo $$; echo begun; sleep 1000 & sleep 1000", timeout=1)
     assert time.monotonic() - started < 10
-    assert out.is_error
+    assert out.is_error, out.output
     pgid_text, rest = out.output.split("\n", 1)
-    assert rest == "begun\ntimed out after 1s"
+    assert rest == "begun\ntimed out after 1s", out.output
     assert await wait_until_gone(int(pgid_text)) == []
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from poddaemon.scope import Scope
+from poddaemon.scope import Access, Scope
 from poddaemon.tools import (
     BUILTIN,
     DEFAULT_TOOLS,
@@ -175,10 +175,10 @@ async def test_write_file_is_atomic_when_replace_fails(
     f.write_text("precious")
     await read(ctx, "keep.txt")
 
-    def broken_replace(src: str, dst: str) -> None:
+    def broken_rename(src: str, dst: str, **dir_fds: int) -> None:
         raise OSError(28, "No space left on device", dst)
 
-    monkeypatch.setattr(os, "replace", broken_replace)
+    monkeypatch.setattr(os, "rename", broken_rename)
     out = await call(ctx, "write_file", path="keep.txt", content="x" * 10000)
     assert out.is_error and "No space left on device" in out.output
     assert f.read_text() == "precious"
@@ -547,3 +547,112 @@ def test_default_tools_and_specs_are_small() -> None:
         assert spec.parameters["type"] == "object"
     with pytest.raises(ValueError, match="unknown tool: spawn_pod"):
         tool_specs(["spawn_pod"])
+
+
+# --- issue 9 item 3: absurdly nested arguments are a tool error, never a crash ---------------
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        "[" * 3000 + "]" * 3000,
+        '{"path": ' + '{"a": ' * 3000 + "1" + "}" * 3001,
+        '{"path": "x", "extra": ' + "[" * 100 + "]" * 100 + "}",
+    ],
+    ids=["array-3000", "object-3000", "array-100"],
+)
+def test_deeply_nested_arguments_are_a_tool_error(ctx: ToolContext, arguments: str) -> None:
+    out = asyncio.run(execute("read_file", arguments, ctx))
+    assert out.is_error
+    assert "nest deeper than" in out.output
+
+
+def test_args_preview_never_raises() -> None:
+    from poddaemon.tools import args_preview
+
+    deep = "[" * 3000 + "]" * 3000
+    assert args_preview(deep) == deep
+    assert args_preview('{"path": "a"}') == {"path": "a"}
+    assert args_preview("not json") == "not json"
+    assert args_preview("") == {}
+
+
+# --- issue 9 item 13: no check-then-use race ------------------------------------------------
+
+
+class SwapAfterCheck:
+    """A scope whose check swaps `a` and `b` (renameat2 RENAME_EXCHANGE) right after it has
+    resolved and approved a path: the worst moment, every time."""
+
+    def __init__(self, scope: Scope, a: Path, b: Path) -> None:
+        import ctypes
+
+        self.scope = scope
+        self.a, self.b = os.fsencode(a), os.fsencode(b)
+        self.libc = ctypes.CDLL(None, use_errno=True)
+
+    def swap(self) -> None:
+        if self.libc.renameat2(-100, self.a, -100, self.b, 2) != 0:  # AT_FDCWD, RENAME_EXCHANGE
+            raise OSError("renameat2 failed")
+
+    def check(self, path: str, want: Access, cwd: str) -> str:
+        resolved = self.scope.check(path, want, cwd)
+        self.swap()
+        return resolved
+
+    def access(self, path: str) -> Access:
+        return self.scope.access(path)
+
+
+@pytest.fixture(params=["openat2", "walk"])
+def swapping(
+    request: pytest.FixtureRequest, root: Path, outside: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[ToolContext, SwapAfterCheck]:
+    if request.param == "walk":  # as on kernels without openat2 (< 5.6) or under seccomp
+        from poddaemon.tools import fsopen
+
+        monkeypatch.setattr(fsopen._openat2, "works", False)
+    (root / "d").mkdir()
+    (root / "d" / "f.txt").write_text("INSIDE\n")
+    (root / "link").symlink_to(outside)  # swapped with d after each check
+    racer = SwapAfterCheck(
+        Scope.from_config([(str(root), "write", True)]), root / "d", root / "link"
+    )
+    return ToolContext(scope=racer, pwd=str(root)), racer
+
+
+@pytest.mark.parametrize(
+    ("tool", "args"),
+    [
+        ("read_file", {"path": "d/secret.txt"}),
+        ("list_dir", {"path": "d"}),
+        ("grep", {"pattern": "TOP", "path": "d"}),
+        ("write_file", {"path": "d/new.txt", "content": "x"}),
+        ("write_file", {"path": "d/sub/new.txt", "content": "x"}),
+    ],
+)
+async def test_a_directory_swapped_for_a_symlink_after_the_check_is_not_followed(
+    swapping: tuple[ToolContext, SwapAfterCheck], outside: Path, tool: str, args: dict[str, Any]
+) -> None:
+    ctx, _ = swapping
+    # d/secret.txt exists only outside: the check sees d as the real directory (no such file,
+    # judged by d), then d becomes the link to outside.
+    out = await call(ctx, tool, **args)
+    assert "TOPSECRET" not in out.output
+    if tool == "list_dir":
+        assert "secret.txt" not in out.output
+    assert sorted(p.name for p in outside.iterdir()) == ["secret.txt"]
+    assert (outside / "secret.txt").read_text() == "TOPSECRET\n"
+
+
+async def test_edit_after_a_swap_never_touches_the_outside(
+    root: Path, outside: Path, swapping: tuple[ToolContext, SwapAfterCheck]
+) -> None:
+    ctx, racer = swapping
+    (outside / "f.txt").write_text("OUTSIDE\n")
+    ctx.scope = racer.scope  # read without a swap, so the edit is allowed to start
+    await read(ctx, "d/f.txt")
+    ctx.scope = racer
+    out = await call(ctx, "edit_file", path="d/f.txt", old_string="E", new_string="X")
+    assert (outside / "f.txt").read_text() == "OUTSIDE\n"
+    assert out.is_error or "INSIDX" in (root / "link" / "f.txt").read_text()

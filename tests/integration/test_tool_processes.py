@@ -1,0 +1,99 @@
+"""Issue 9 items 11 and 3 against a real pod: the bash tool's processes (background jobs and
+`setsid` escapees too) die with the pod however it ends; absurd tool arguments are a tool error."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PROVIDER_KINDS, Env, wait_until
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def command_pids(pids_file: Path, n: int) -> list[int]:
+    def ready() -> list[int] | None:
+        if not pids_file.exists():
+            return None
+        lines = pids_file.read_text().splitlines()
+        return [int(x) for x in lines[:n]] if len(lines) >= n else None
+
+    pids: list[int] = wait_until(ready, timeout=20, what=f"{n} pids in {pids_file}")
+    return pids
+
+
+def script_long_command(env: Env) -> Path:
+    """The model runs a command with a background job and two escapees, then hangs in it."""
+    pids_file = env.work / "pids"
+    command = (
+        f"echo $$ >> {pids_file}; sleep 1000 & echo $! >> {pids_file}; "
+        f"(setsid sh -c 'echo $$ >> {pids_file}; exec sleep 1000' &); "
+        f"(sh -c 'echo $$ >> {pids_file}; exec sleep 1000' &); "
+        "sleep 1000"
+    )
+    env.model.script({"tool_calls": [{"name": "bash", "arguments": {"command": command}}]})
+    return pids_file
+
+
+@pytest.mark.parametrize("how", ["kill -9", "shutdown", "cancel"])
+def test_command_processes_die_with_the_pod(env: Env, how: str) -> None:
+    pids_file = script_long_command(env)
+    pod = env.start("runner-pod", tools=["bash"])
+    with pod.client() as c:
+        c.run("start the long job")
+    pids = command_pids(pids_file, 4)
+    assert all(alive(p) for p in pids)
+    if how == "kill -9":
+        pod.kill9()
+    elif how == "shutdown":
+        assert pod.stop() == 0
+    else:
+        with pod.client() as c:
+            assert c.cancel().cancelled
+    started = time.monotonic()
+    wait_until(lambda: not any(alive(p) for p in pids), timeout=10, what="command processes gone")
+    assert time.monotonic() - started < 5
+    if how == "cancel":  # the pod lives on, and its next command works
+        env.model.script(
+            {"tool_calls": [{"name": "bash", "arguments": {"command": "echo still-here"}}]},
+            {"text": "ok"},
+        )
+        with pod.client() as c:
+            assert c.run_wait("again").outcome == "finished"
+        assert "still-here" in str(env.model.requests[-1]["body"])
+
+
+# The fake server's Anthropic wire cannot carry such input itself (it parses it with json).
+@pytest.mark.parametrize("kind", [k for k in PROVIDER_KINDS if k != "anthropic"])
+def test_deeply_nested_tool_arguments_are_a_tool_error(env: Env, kind: str) -> None:
+    deep = '{"path": ' + "[" * 3000 + "]" * 3000 + "}"
+    env.model.script(
+        {"tool_calls": [{"name": "read_file", "arguments": deep}]},
+        {"text": "noted"},
+    )
+    pod = env.start("deep", kind=kind)
+    with pod.client() as c:
+        result = c.run_wait("go")
+    assert (result.outcome, result.text) == ("finished", "noted")
+    followup = str(env.model.requests[1]["body"])
+    assert "nest deeper than" in followup
+    assert "the pod stopped" not in followup
+
+
+def test_bash_commands_do_not_see_the_provider_key(env: Env) -> None:
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": "env; echo END-OF-ENV"}}]},
+        {"text": "seen"},
+    )
+    pod = env.start("envy", tools=["bash"])
+    with pod.client() as c:
+        assert c.run_wait("show env").outcome == "finished"
+    followup = str(env.model.requests[1]["body"])
+    assert "END-OF-ENV" in followup and "PODDAEMON_HOME=" in followup
+    assert "FAKE_API_KEY" not in followup and "test-key" not in followup
