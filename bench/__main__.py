@@ -1,5 +1,5 @@
 """`python -m bench [section ...]`: run every section (or the named ones), print each table and
-a summary of every target. Sections: socket cli spawn agent request rss store ack."""
+a summary of every target. Sections: socket cli spawn agent request rss store ack mcp."""
 
 import argparse
 import sys
@@ -20,6 +20,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("rss", "6. RSS over many runs (SDK loaded)", "bench.rss_bench"),
     ("store", "7. Session store: append, restore", "bench.store_bench"),
     ("ack", "8. Acknowledged run/notify: latency and throughput", "bench.notify_bench"),
+    ("mcp", "9. MCP: READY with a stdio server, tool call cost", "bench.mcp_bench"),
 ]
 
 
