@@ -231,6 +231,7 @@ class McpConnection:
             self._restart = asyncio.create_task(self._relaunch(), name=f"mcp-restart:{self.name}")
             return
         self.state, self.error = "dead", reason
+        self._settled.set()
         self._alert(
             "error",
             "mcp",
@@ -277,11 +278,11 @@ class McpConnection:
             if exc.code == REQUEST_TIMEOUT:
                 return self._timed_out(remote)
             if exc.code == CONNECTION_CLOSED:
-                return self._call_lost(remote, exc.message)
+                return self._call_lost(remote, exc.message, client)
             return error(f"MCP server '{self.name}' refused {remote}: {exc.message} ({exc.code})")
         except Exception as exc:  # a transport failure, or a result that breaks the protocol
             if self.transport == "http" and _is_connection_error(exc):
-                return self._call_lost(remote, _describe(exc))
+                return self._call_lost(remote, _describe(exc), client)
             return error(f"MCP server '{self.name}' failed on {remote}: {_describe(exc)}")
         return outcome(result)
 
@@ -291,8 +292,13 @@ class McpConnection:
             "[[mcp.servers]] timeout)"
         )
 
-    def _call_lost(self, remote: str, why: str) -> ToolOutcome:
-        self._lost.set()
+    def _call_lost(self, remote: str, why: str, client: Any) -> ToolOutcome:
+        # Only the connection this call used: a restart may already have replaced it.
+        if client is self._client and not self._closing.is_set():
+            # Later calls wait for the holder's verdict (restarted or dead), not this client.
+            self._client = None
+            self._settled.clear()
+            self._lost.set()
         return error(
             f"MCP server '{self.name}' lost the connection during {remote} ({why}); the call may "
             "or may not have taken effect"

@@ -231,36 +231,44 @@ def test_the_server_and_its_children_die_with_the_pod(env: Env, tmp_path: Path, 
 # --- streamable HTTP ---------------------------------------------------------------------------
 
 
-@pytest.fixture
-def http_server() -> Iterator[str]:
-    """The same test server over streamable HTTP on a free port; yields its URL."""
-    proc = subprocess.Popen(
-        [sys.executable, SERVER, "--http", "0"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    found: list[str] = []
-    lines: list[str] = []
+class HttpServer:
+    """The same test server over streamable HTTP on a free port."""
 
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if m := re.search(r"running on (http://127\.0\.0\.1:\d+)", line):
-                found.append(m[1])
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, SERVER, "--http", "0"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        found: list[str] = []
 
-    threading.Thread(target=read, daemon=True).start()
-    try:
+        def read() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                if m := re.search(r"running on (http://127\.0\.0\.1:\d+)", line):
+                    found.append(m[1])
+
+        threading.Thread(target=read, daemon=True).start()
         base = wait_until(lambda: found and found[0], timeout=30, what="the HTTP MCP server")
-        yield f"{base}/mcp"
+        self.url = f"{base}/mcp"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def http_server() -> Iterator[HttpServer]:
+    server = HttpServer()
+    try:
+        yield server
     finally:
-        proc.kill()
-        proc.wait(10)
+        server.kill()
 
 
-def test_streamable_http_tools_answer_fail_and_time_out(env: Env, http_server: str) -> None:
+def test_streamable_http_tools_answer_fail_and_time_out(env: Env, http_server: HttpServer) -> None:
     env.model.script(
         {
             "tool_calls": [
@@ -271,7 +279,7 @@ def test_streamable_http_tools_answer_fail_and_time_out(env: Env, http_server: s
         },
         {"text": "http done"},
     )
-    pod = env.start("httpuser", extra=server_toml("web", url=http_server, timeout=1))
+    pod = env.start("httpuser", extra=server_toml("web", url=http_server.url, timeout=1))
     with pod.client() as c:
         assert c.run_wait("use the web tools").text == "http done"
     assert "web__add" in advertised_tools(env.model.requests[0]["body"])
@@ -279,3 +287,49 @@ def test_streamable_http_tools_answer_fail_and_time_out(env: Env, http_server: s
     assert (add["output"], add["is_error"]) == ("42", False)
     assert fail["is_error"] and "http boom" in fail["output"]
     assert slow["is_error"] and "timed out after 1 s" in slow["output"]
+
+
+def test_an_http_server_that_goes_away_fails_its_calls_and_is_retried_once(
+    env: Env, http_server: HttpServer
+) -> None:
+    add = {"tool_calls": [{"name": "web__add", "arguments": {"a": 1, "b": 2}}]}
+    env.model.script(add, {**add, "gate": "killed"}, add, {"text": "carried on"})
+    pod = env.start("httplost", extra=server_toml("web", url=http_server.url, start_timeout=3))
+    with pod.client() as c:
+        run = c.run("call it while it dies")
+        env.model.wait_for_requests(2)
+        http_server.kill()
+        env.model.open_gate("killed")
+        c.subscribe(since=0)
+        for event in c.events():
+            if event.type == "run.finished" and event.run_id == run.run_id:
+                assert event.data["outcome"] == "finished"
+                break
+    first, lost, after = tool_results(pod)
+    assert (first["output"], first["is_error"]) == ("3", False)
+    assert lost["is_error"] and "lost the connection during add" in lost["output"]
+    assert after["is_error"] and "MCP server 'web' is not available" in after["output"]
+    assert any("could not be restarted" in m for m in alerts(pod))
+
+
+def test_cancelling_a_run_interrupts_an_mcp_call_and_the_server_stays_usable(env: Env) -> None:
+    env.model.script(
+        {"tool_calls": [{"name": "t__slow", "arguments": {"seconds": 60}}]},
+        {"tool_calls": [{"name": "t__add", "arguments": {"a": 5, "b": 5}}]},
+        {"text": "after the cancel"},
+    )
+    pod = env.start("canceller", extra=server_toml())
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("start something slow")
+        for event in c.events():
+            if event.type == "tool.started":
+                assert c.cancel(run.run_id).cancelled
+            if event.type == "run.finished":
+                assert event.data["outcome"] == "cancelled"
+                break
+        again = c.run_wait("now something quick")
+    assert (again.outcome, again.text) == ("finished", "after the cancel")
+    slow, add = tool_results(pod)
+    assert slow["is_error"]
+    assert (add["output"], add["is_error"]) == ("10", False)
