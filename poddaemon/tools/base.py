@@ -184,7 +184,8 @@ async def execute(
         return _error(f"arguments must be a JSON object, got {_json_type(raw)}")
     try:
         # MCP tools' schemas go beyond check_args' flat types; their servers validate.
-        args = raw if getattr(tool, "validates_own_args", False) else check_args(tool.parameters, raw)
+        own = getattr(tool, "validates_own_args", False)
+        args = raw if own else check_args(tool.parameters, raw)
         outcome = await tool.run(ctx, args)
     except ScopeDenied as e:
         outcome = _error(str(e))
