@@ -333,3 +333,18 @@ def test_cancelling_a_run_interrupts_an_mcp_call_and_the_server_stays_usable(env
     slow, add = tool_results(pod)
     assert slow["is_error"]
     assert (add["output"], add["is_error"]) == ("10", False)
+
+
+def test_a_hand_written_2025_era_server_works_too(env: Env) -> None:
+    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
+    env.model.script(
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "quiet please"}}]},
+        {"text": "heard"},
+    )
+    extra = server_toml("old").replace(json.dumps([sys.executable, SERVER]),
+                                       json.dumps([sys.executable, legacy]))  # fmt: skip
+    pod = env.start("legacyuser", extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("shout").text == "heard"
+    [shout] = tool_results(pod)
+    assert (shout["output"], shout["is_error"]) == ("QUIET PLEASE", False)
