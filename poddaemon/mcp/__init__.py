@@ -5,6 +5,6 @@ when the manifest lists servers.
 """
 
 from poddaemon.mcp.connection import McpServerStatus
-from poddaemon.mcp.manager import McpManager, McpStartupError, start_mcp
+from poddaemon.mcp.manager import McpManager, McpStartupError, preload_sdk, start_mcp
 
-__all__ = ["McpManager", "McpServerStatus", "McpStartupError", "start_mcp"]
+__all__ = ["McpManager", "McpServerStatus", "McpStartupError", "preload_sdk", "start_mcp"]

@@ -9,6 +9,8 @@ import asyncio
 import importlib
 import logging
 import os
+import sys
+import threading
 from collections.abc import Mapping
 
 from poddaemon.config.manifest import Manifest
@@ -39,6 +41,17 @@ def _import_sdk() -> None:
     importlib.import_module("mcp")
     # The SDK logs every request at INFO; the pod's log keeps its warnings.
     logging.getLogger("mcp").setLevel(logging.WARNING)
+
+
+def preload_sdk(manifest: Manifest) -> None:
+    """Start importing the SDK in a background thread now, if the manifest has MCP servers.
+
+    The import (~0.6 s of CPU, more on a busy host) is on the path to READY; the daemon calls
+    this as soon as the manifest is loaded, so it overlaps the rest of start-up. `start_mcp`
+    then finds it done or waits for it (Python's import lock).
+    """
+    if manifest.mcp.servers and "mcp" not in sys.modules:
+        threading.Thread(target=_import_sdk, name="mcp-import", daemon=True).start()
 
 
 async def start_mcp(
