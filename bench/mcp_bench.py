@@ -62,8 +62,13 @@ def _server_own_start(py: str, env: dict[str, str]) -> float:
     return ms
 
 
-def _server_toml(py: str) -> str:
-    return f'\n[[mcp.servers]]\nname = "b"\ncommand = {json.dumps([py, str(HERE), "serve"])}\n'
+# A hand-written server without the SDK (starts in tens of ms, like a native binary would).
+TINY = HERE.parent.parent / "tests" / "integration" / "mcp_legacy_server.py"
+
+
+def _server_toml(py: str, script: Path = HERE) -> str:
+    args = [py, str(script)] + (["serve"] if script == HERE else [])
+    return f'\n[[mcp.servers]]\nname = "b"\ncommand = {json.dumps(args)}\n'
 
 
 def _ready_ms(home: Any, name: str, extra: str) -> float:
@@ -142,10 +147,12 @@ def run(sec: Any) -> None:
         own: list[float] = []
         plain: list[float] = []
         with_mcp: list[float] = []
+        with_tiny: list[float] = []
         for i in range(STARTS):
             own.append(_server_own_start(PY, home.env))
             plain.append(_ready_ms(home, f"plain{i}", ""))
             with_mcp.append(_ready_ms(home, f"mcp{i}", _server_toml(PY)))
+            with_tiny.append(_ready_ms(home, f"tiny{i}", _server_toml(PY, TINY)))
         sec.add(Row("start to READY, no MCP server, median", median(plain), "ms"))
         sec.add(
             Row(
@@ -164,6 +171,16 @@ def run(sec: Any) -> None:
                 median(own),
                 "the server's own start (spawn to tool list, raw pipes)",
                 ratio_le(1.25),
+            )
+        )
+
+        sec.add(
+            Row(
+                "READY delayed by a tiny server without the SDK, median",
+                median(with_tiny) - median(plain),
+                "ms",
+                median(plain),
+                "no MCP server (the delay is the pod's SDK import + handshake)",
             )
         )
 
