@@ -85,6 +85,9 @@ def run_pod(args: argparse.Namespace) -> int:
         manifest = load_manifest(args.manifest, args.set, paths.defaults_path())
     except ManifestError as exc:
         raise StartupError(str(exc)) from None
+    from poddaemon.mcp import preload_sdk
+
+    preload_sdk(manifest)  # the SDK import overlaps the rest of start-up
     name = manifest.pod.name
     try:
         check_credentials(manifest.provider)
@@ -186,6 +189,14 @@ def _serve(
     )
 
     async def amain() -> int:
+        from poddaemon.mcp import McpStartupError, start_mcp
+
+        def alert(level: str, source: str, message: str) -> None:
+            log.warning("%s", message)
+            bus.publish("alert", {"level": level, "source": source, "message": message})
+
+        # Servers start while the pod restores and binds; READY waits for them.
+        mcp_start = asyncio.ensure_future(start_mcp(manifest, alert))
         pod = Pod(services)
         if session_id is not None:
             try:
@@ -194,6 +205,11 @@ def _serve(
                 raise StartupError(f"cannot restore session {session_id}: {exc}") from None
             for warning in warnings:
                 pod._alert("warning", "session", warning)
+        try:
+            mcp = await mcp_start
+        except McpStartupError as exc:
+            raise StartupError(str(exc)) from None
+        services.tools.update(mcp.tools)
         server = RpcServer(pod.handlers(), bus)
         await server.listen(sock_path)
         loop = asyncio.get_running_loop()
@@ -208,6 +224,7 @@ def _serve(
         finally:
             sd_notify("STOPPING=1")
             await server.close()
+            await mcp.aclose()
         return 0
 
     return _run_loop(amain())

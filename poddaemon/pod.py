@@ -655,7 +655,9 @@ class Pod:
         if not self._tool_specs:
             from poddaemon.tools import tool_specs
 
-            self._tool_specs = tool_specs(self.m.worker.tools, self.s.tools)
+            # TEMP wiring for mcp: MCP tools (<server>__<tool>) are offered besides worker.tools.
+            mcp = [n for n in self.s.tools if "__" in n]
+            self._tool_specs = tool_specs([*self.m.worker.tools, *mcp], self.s.tools)
         return self._tool_specs
 
     def _budget_message(self) -> str:
