@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from poddaemon.config.manifest import McpServerConfig
+from poddaemon.mcp.handshake import Handshake, HandshakeError, handshake
 from poddaemon.mcp.stdio import StdioProcess, transport
 from poddaemon.mcp.tool import McpTool, error, input_schema, offered_name, outcome
 from poddaemon.tools.base import ToolOutcome
@@ -46,7 +47,7 @@ class McpConnection:
         cfg: McpServerConfig,
         env: dict[str, str] | None,
         cwd: str,
-        sdk: "asyncio.Future[None]",
+        sdk: Callable[[], "asyncio.Future[None]"],
         alert: Alert,
     ) -> None:
         self.cfg = cfg
@@ -65,6 +66,7 @@ class McpConnection:
         self._restart: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._lost = asyncio.Event()  # the current connection is unusable (set by a call)
+        self._usable = asyncio.Event()  # the current connection has its SDK session
         self._settled = asyncio.Event()  # not (re)starting
 
     @property
@@ -100,6 +102,7 @@ class McpConnection:
         loop = asyncio.get_running_loop()
         started: asyncio.Future[list[Any]] = loop.create_future()
         self._lost = asyncio.Event()
+        self._usable = asyncio.Event()
         self._holder = holder = asyncio.create_task(self._hold(started), name=f"mcp:{self.name}")
         try:
             return await asyncio.wait_for(asyncio.shield(started), self.cfg.start_timeout)
@@ -133,26 +136,45 @@ class McpConnection:
                 except OSError as exc:
                     raise StartFailed(f"cannot start the guard: {exc}") from None
                 self._process = process
+            shook: Handshake | None = None
+            if process is not None:
+                try:
+                    # Without the SDK: the tools are known (and READY may come) before its import.
+                    shook = await handshake(process)
+                except HandshakeError as exc:
+                    raise StartFailed(str(exc)) from None
+                if shook is not None:
+                    started.set_result(shook.tools)
             try:
-                await asyncio.shield(self._sdk)  # shared: one holder's cancel must not cancel it
+                await asyncio.shield(self._sdk())  # shared: one holder's cancel must not cancel it
             except ImportError as exc:
                 raise StartFailed(f"the mcp package cannot be imported: {exc}") from None
-            from mcp import Client
-            from mcp_types import Implementation
+            from mcp import Client, ClientSession
+            from mcp_types import Implementation, InitializeResult
 
             import poddaemon
 
-            conn: Any = transport(process) if process is not None else self.cfg.url
-            client = Client(
-                conn,
-                client_info=Implementation(name="poddaemon", version=poddaemon.__version__),
-                cache=None,  # the pod lists tools once and keeps them
-            )
-            async with client:
-                listed = await _list_tools(client)
-                self._client = client
-                started.set_result(listed)
-                await self._until_unusable(process)
+            info = Implementation(name="poddaemon", version=poddaemon.__version__)
+            if process is not None and shook is not None:
+                async with (
+                    transport(process) as (read, write),
+                    ClientSession(read, write, client_info=info) as session,
+                ):
+                    # The session the handshake opened, taken over without wire traffic.
+                    session.adopt(InitializeResult.model_validate(shook.initialize, by_name=False))
+                    self._client = session
+                    self._usable.set()
+                    await self._until_unusable(process)
+            else:
+                conn: Any = transport(process) if process is not None else self.cfg.url
+                # cache=None: the pod lists tools once and keeps them.
+                client = Client(conn, client_info=info, cache=None)
+                async with client:
+                    listed = await _list_tools(client)
+                    self._client = client
+                    self._usable.set()
+                    started.set_result(listed)
+                    await self._until_unusable(process)
             if self._closing.is_set():
                 return None
             return self._with_stderr("the connection was lost")
@@ -185,7 +207,8 @@ class McpConnection:
 
     def _make_tools(self, listed: list[Any]) -> dict[str, McpTool]:
         wanted = self.cfg.tools
-        names = {t.name for t in listed}
+        entries = [_tool_fields(t) for t in listed]
+        names = {remote for remote, _, _ in entries}
         if wanted is not None and (missing := [w for w in wanted if w not in names]):
             self._alert(
                 "warning",
@@ -194,23 +217,23 @@ class McpConnection:
                 f"(it offers: {', '.join(sorted(names)) or 'none'})",
             )
         out: dict[str, McpTool] = {}
-        for t in listed:
-            if wanted is not None and t.name not in wanted:
+        for remote, description, schema in entries:
+            if wanted is not None and remote not in wanted:
                 continue
-            name = offered_name(self.name, t.name)
+            name = offered_name(self.name, remote)
             if name is None or name in out:
                 self._alert(
                     "warning",
                     "mcp",
-                    f"MCP server '{self.name}': tool {t.name!r} cannot be offered to the model "
+                    f"MCP server '{self.name}': tool {remote!r} cannot be offered to the model "
                     "(its name is too long, or clashes once made safe)",
                 )
                 continue
             out[name] = McpTool(
                 name=name,
-                remote=t.name,
-                description=t.description or getattr(t, "title", None) or "",
-                parameters=input_schema(t.input_schema),
+                remote=remote,
+                description=description,
+                parameters=input_schema(schema),
                 call=self.call,
             )
         return out
@@ -261,6 +284,10 @@ class McpConnection:
         if not self._settled.is_set():  # a restart is under way: wait for its outcome
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._settled.wait(), self.cfg.start_timeout + CALL_MARGIN)
+        if self.state == "ready" and not self._usable.is_set():
+            # Listed before READY; the SDK session follows once the SDK is imported.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._usable.wait(), self.cfg.start_timeout + CALL_MARGIN)
         client = self._client
         if self.state != "ready" or client is None:
             why = self.error or self.state
@@ -339,6 +366,16 @@ async def _list_tools(client: Any) -> list[Any]:
         if not cursor:
             break
     return tools
+
+
+def _tool_fields(tool: Any) -> tuple[str, str, Any]:
+    """(name, description, input schema) of a listed tool: a raw dict from the handshake, or
+    the SDK's Tool."""
+    if isinstance(tool, dict):
+        description = tool.get("description") or tool.get("title") or ""
+        return str(tool["name"]), str(description), tool.get("inputSchema")
+    description = tool.description or getattr(tool, "title", None) or ""
+    return str(tool.name), str(description), tool.input_schema
 
 
 def _describe(exc: BaseException) -> str:

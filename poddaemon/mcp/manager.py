@@ -44,13 +44,14 @@ def _import_sdk() -> None:
 
 
 def preload_sdk(manifest: Manifest) -> None:
-    """Start importing the SDK in a background thread now, if the manifest has MCP servers.
+    """Start importing the SDK in a background thread now, if an HTTP server needs it to start.
 
-    The import (~0.6 s of CPU, more on a busy host) is on the path to READY; the daemon calls
-    this as soon as the manifest is loaded, so it overlaps the rest of start-up. `start_mcp`
-    then finds it done or waits for it (Python's import lock).
+    The import (~0.6 s of CPU, more on a busy host) is on the path to READY for `url` servers;
+    the daemon calls this as soon as the manifest is loaded, so it overlaps the rest of
+    start-up. stdio servers are listed without the SDK, which is imported after their handshake
+    (off the path to READY, and not competing with their own start for the CPU).
     """
-    if manifest.mcp.servers and "mcp" not in sys.modules:
+    if any(s.url for s in manifest.mcp.servers) and "mcp" not in sys.modules:
         threading.Thread(target=_import_sdk, name="mcp-import", daemon=True).start()
 
 
@@ -75,8 +76,14 @@ async def start_mcp(
             envs[cfg.name] = server_env(cfg.env, environ)
         except EnvError as exc:
             raise McpStartupError(f"{manifest.source}: mcp.servers[{i}].{exc}") from None
-    # ~0.6 s of imports, in a thread: the servers' own start-up runs meanwhile.
-    sdk = asyncio.ensure_future(asyncio.to_thread(_import_sdk))
+    # ~0.6 s of imports, in a thread, once, when the first server needs it.
+    loaded: list[asyncio.Future[None]] = []
+
+    def sdk() -> "asyncio.Future[None]":
+        if not loaded:
+            loaded.append(asyncio.ensure_future(asyncio.to_thread(_import_sdk)))
+        return loaded[0]
+
     connections = [
         McpConnection(cfg, envs.get(cfg.name), manifest.pod.pwd, sdk, alert) for cfg in servers
     ]
