@@ -180,7 +180,7 @@ def run(sec: Any) -> None:
                 median(with_tiny) - median(plain),
                 "ms",
                 median(plain),
-                "no MCP server (the delay is the pod's SDK import + handshake)",
+                "no MCP server (the delay: a tiny server's start + the handshake)",
             )
         )
 
