@@ -25,12 +25,19 @@ def reply(id_: object, result: object = None, error: object = None) -> None:
     sys.stdout.flush()
 
 
+# `--refuse-first-initialize`: the first `initialize` gets an error, as a server of a newer
+# revision would answer it; a client must then negotiate on the same pipes.
+refuse = "--refuse-first-initialize" in sys.argv[1:]
+
 for line in sys.stdin:
     msg = json.loads(line)
     if "id" not in msg:
         continue  # notifications/initialized and the like
     method, params = msg.get("method"), msg.get("params") or {}
-    if method == "initialize":
+    if method == "initialize" and refuse:
+        refuse = False
+        reply(msg["id"], error={"code": -32600, "message": "initialize refused (test)"})
+    elif method == "initialize":
         reply(msg["id"], {
             "protocolVersion": "2025-06-18",
             "capabilities": {"tools": {}},

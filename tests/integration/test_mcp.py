@@ -335,14 +335,16 @@ def test_cancelling_a_run_interrupts_an_mcp_call_and_the_server_stays_usable(env
     assert (add["output"], add["is_error"]) == ("10", False)
 
 
-def test_a_hand_written_2025_era_server_works_too(env: Env) -> None:
+@pytest.mark.parametrize("refuse", [False, True], ids=["plain", "refuses-first-initialize"])
+def test_a_hand_written_2025_era_server_works_too(env: Env, refuse: bool) -> None:
+    """Also one that refuses the pod's own `initialize`: the SDK negotiates on the same pipes."""
     legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
     env.model.script(
         {"tool_calls": [{"name": "old__shout", "arguments": {"text": "quiet please"}}]},
         {"text": "heard"},
     )
-    extra = server_toml("old").replace(json.dumps([sys.executable, SERVER]),
-                                       json.dumps([sys.executable, legacy]))  # fmt: skip
+    command = [sys.executable, legacy] + (["--refuse-first-initialize"] if refuse else [])
+    extra = server_toml("old").replace(json.dumps([sys.executable, SERVER]), json.dumps(command))
     pod = env.start("legacyuser", extra=extra)
     with pod.client() as c:
         assert c.run_wait("shout").text == "heard"
