@@ -1,8 +1,11 @@
 """One MCP server for the life of a pod: start and tool list (bounded by `start_timeout`, listed
 once), calls (bounded by `timeout`), one restart after a death, stop.
 
-The SDK's `Client` is entered and exited by one task, the holder (anyio's cancel scopes must nest
-within a task); calls come from the pod's tool tasks and share the client while it is up.
+A stdio server is initialized and listed without the SDK (`handshake.py`), then an SDK
+`ClientSession` adopts that session; an HTTP server (or a stdio one that refuses our
+`initialize`) gets the SDK's `Client` and its own negotiation. Either is entered and exited by
+one task, the holder (anyio's cancel scopes must nest within a task); calls come from the pod's
+tool tasks and share it while it is up.
 """
 
 import asyncio
@@ -129,7 +132,6 @@ class McpConnection:
             if self.cfg.command is not None:
                 assert self._env is not None
                 try:
-                    # Before the SDK import completes: the two overlap.
                     process = await StdioProcess.spawn(
                         self.name, self.cfg.command, self._env, self._cwd
                     )
