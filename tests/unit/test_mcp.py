@@ -1,8 +1,11 @@
 """The pure parts of MCP support: `[[mcp.servers]]` validation, env expansion, tool names and
 results. (The servers themselves are exercised in tests/integration/test_mcp.py.)"""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -167,3 +170,60 @@ def test_importing_the_package_does_not_import_the_sdk() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _guarded(*command: str) -> tuple["subprocess.Popen[bytes]", int]:
+    """The guard over `command`, its stderr a pipe whose only reader is the returned fd."""
+    from poddaemon.mcp.stdio import GUARD
+
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-I", GUARD, "--", *command],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=write_fd,
+        start_new_session=True,
+    )
+    os.close(write_fd)
+    return proc, read_fd
+
+
+def test_guard_kills_the_server_group_when_its_reader_goes() -> None:
+    # A server that ignores SIGTERM and EOF: only the group kill ends it.
+    proc, read_fd = _guarded(sys.executable, "-c", SLEEPER)
+    os.close(read_fd)  # what the pod's death does
+    assert proc.wait(10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while _live_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _live_members(proc.pid)
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that are not zombies (killed children wait for a reaper)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def test_guard_reports_the_server_exit_on_stderr() -> None:
+    proc, read_fd = _guarded(sys.executable, "-c", "raise SystemExit(7)")
+    with os.fdopen(read_fd, "rb") as err:
+        assert b"mcp guard: server exited with status 7" in err.read()
+    proc.wait(10)
+    missing, read_fd = _guarded("/nonexistent/server")
+    with os.fdopen(read_fd, "rb") as err:
+        assert b"cannot start /nonexistent/server" in err.read()
+    assert missing.wait(10) == 127
+
+
+SLEEPER = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)"
