@@ -313,3 +313,15 @@ def rpc(
     with connect(pod) as client:
         result = msgspec.json.decode(client.call_raw(method, parsed))
     print_json(result)
+
+
+# --- mcp-serve ----------------------------------------------------------------------------------
+
+
+@app.command("mcp-serve")
+def mcp_serve() -> None:
+    """Serve this user's pods to an MCP client over stdio (list_pods, send_to_pod, notify_pod,
+    pod_status, pod_history): `claude mcp add pods -- podctl mcp-serve`."""
+    from cli.mcp_serve import main as serve
+
+    raise typer.Exit(serve())

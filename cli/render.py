@@ -318,6 +318,11 @@ def status_text(st: Mapping[str, Any]) -> str:
     fields.append(("parent", str(st.get("parent") or "-")))
     children = st.get("children") or []
     fields.append(("children", ", ".join(map(str, children)) if children else "-"))
+    for i, server in enumerate(st.get("mcp") or []):
+        text = f"{server.get('name')} {server.get('state')} ({server.get('tools', 0)} tools)"
+        if server.get("error"):
+            text += f": {server['error']}"
+        fields.append(("mcp" if i == 0 else "", text))
     started = st.get("started_at")
     fields.append(("started", format_time(float(started)) if started is not None else "-"))
     fields.append(("version", str(st.get("version", "?"))))

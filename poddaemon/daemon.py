@@ -123,6 +123,9 @@ def run_pod(args: argparse.Namespace) -> int:
         manifest = load_manifest(args.manifest, args.set, paths.defaults_path())
     except ManifestError as exc:
         raise StartupError(str(exc)) from None
+    from poddaemon.mcp import preload_sdk
+
+    preload_sdk(manifest)  # the SDK import overlaps the rest of start-up
     name = manifest.pod.name
     try:
         check_credentials(manifest.provider)
@@ -297,6 +300,14 @@ def _serve(
     sock_path = claim.sock_path
 
     async def amain() -> int:
+        from poddaemon.mcp import McpStartupError, start_mcp
+
+        def alert(level: str, source: str, message: str) -> None:
+            log.warning("%s", message)
+            bus.publish("alert", {"level": level, "source": source, "message": message})
+
+        # Servers start while the pod restores and binds; READY waits for them.
+        mcp_start = asyncio.ensure_future(start_mcp(manifest, alert))
         pod = Pod(services)
         if session_id is not None:
             try:
@@ -306,6 +317,13 @@ def _serve(
             for warning in warnings:
                 pod._alert("warning", warning)
         await _preflight(pod, manifest)
+        try:
+            mcp = await mcp_start
+        except McpStartupError as exc:
+            raise StartupError(str(exc)) from None
+        for tool in mcp.tools.values():
+            services.tools.add(tool)
+        pod.mcp = mcp
         ending = Ending(pod.request_shutdown, lambda: pod.pod_state == "stopping")
         handlers = pod.handlers()
         handlers["shutdown"] = ending.wrap_shutdown(handlers["shutdown"])
@@ -344,6 +362,7 @@ def _serve(
             # The run is stopped and the log closed: give the name up before anything slower.
             await server.close()
             claim.release()
+            await mcp.aclose()
         if ending.code != EXIT_OK:
             log.error("exiting with status %d: %s", ending.code, ending.why())
             return ending.code

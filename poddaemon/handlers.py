@@ -19,6 +19,7 @@ from protocol.types import (
     CompactResult,
     HistoryParams,
     HistoryResult,
+    McpServerInfo,
     NoParams,
     NotifyParams,
     PodEventParams,
@@ -120,6 +121,7 @@ def status(pod: "Pod") -> StatusResult:
         children=[],
         started_at=pod.started_at,
         version=poddaemon.__version__,
+        mcp=[msgspec.convert(msgspec.to_builtins(x), McpServerInfo) for x in pod.mcp_status()],
     )
 
 

@@ -113,6 +113,7 @@ class Pod:
         self._inflight: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._stopped = asyncio.Event()
+        self.mcp: Any = None  # the MCP servers' manager, when the manifest lists any
 
     @property
     def pod_state(self) -> str:
@@ -361,6 +362,9 @@ class Pod:
             self._log.close()
         with contextlib.suppress(Exception):
             await self.s.model.aclose()
+
+    def mcp_status(self) -> list[Any]:
+        return self.mcp.status() if self.mcp is not None else []
 
     def handlers(self) -> dict[str, Callable[[Any, Any], Any]]:
         from poddaemon.handlers import handlers

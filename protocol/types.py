@@ -152,6 +152,15 @@ class QueueInfo(Result):
     notifications: int = 0
 
 
+class McpServerInfo(Result):
+    name: str
+    transport: str  # "stdio" | "http"
+    state: str  # starting | ready | restarting | failed | dead | stopped
+    tools: int = 0
+    restarts: int = 0
+    error: str | None = None
+
+
 class StatusResult(Result):
     name: str
     pid: int
@@ -168,6 +177,7 @@ class StatusResult(Result):
     version: str
     run_id: str | None = None
     parent: str | None = None
+    mcp: list[McpServerInfo] = []
 
 
 class HistoryResult(Result):

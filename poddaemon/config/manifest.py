@@ -82,7 +82,8 @@ class ToolOutputConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         # Checked here rather than with Meta so the message can name the tool.
         for tool, limit in self.per_tool.items():
-            if tool not in KNOWN_TOOLS:
+            # `<server>__<tool>` names an MCP tool; Manifest checks that the server exists.
+            if tool not in KNOWN_TOOLS and MCP_SEP not in tool:
                 raise FieldError(f"per_tool.{tool}", f"unknown tool {tool!r}")
             if limit <= 0:
                 raise FieldError(f"per_tool.{tool}", f"expected int >= 1, got {limit}")
@@ -158,6 +159,70 @@ class SpawnConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 class SandboxConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     mode: Literal["enforce", "best_effort", "off"] = "enforce"
     network: bool = True  # False: commands the pod starts get no network
+MCP_SEP = "__"  # MCP tools are offered to the model as <server>__<tool>
+_MCP_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*(?:_[A-Za-z0-9-]+)*")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class McpServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """One `[[mcp.servers]]` entry: a stdio `command` the pod starts, or a streamable HTTP `url`.
+
+    `env` values are kept as written (`${VAR}` unexpanded, so no secret reaches the resolved
+    config on disk); the pod expands them when it starts the server.
+    """
+
+    name: str
+    command: list[str] | None = None
+    url: str | None = None
+    env: dict[str, str] = {}
+    tools: list[str] | None = None  # allow-list of the server's own tool names
+    timeout: PositiveFloat = 60.0  # seconds per call
+    start_timeout: PositiveFloat = 30.0  # seconds for start, handshake and tool list
+    required: bool = False  # a server that fails to start fails the pod's start-up
+
+    def __post_init__(self) -> None:
+        # Providers accept tool names of [A-Za-z0-9_-]{1,64}; `__` separates server and tool.
+        if not _MCP_NAME_RE.fullmatch(self.name) or len(self.name) > 32:
+            raise FieldError(
+                "name",
+                f"{self.name!r} is not a valid MCP server name (letters, digits, '-' and single "
+                "'_', at most 32 characters, starting with a letter or digit)",
+            )
+        if (self.command is None) == (self.url is None):
+            raise FieldError("command", "set exactly one of command (stdio) and url (HTTP)")
+        if self.command is not None:
+            if not self.command:
+                raise FieldError("command", "must not be empty")
+            for i, arg in enumerate(self.command):
+                if "\0" in arg or (i == 0 and not arg):
+                    raise FieldError(f"command[{i}]", "must be a non-empty string without NUL")
+        if self.url is not None:
+            if not self.url.startswith(("http://", "https://")):
+                raise FieldError("url", f"{self.url!r} is not an http:// or https:// URL")
+            if self.env:
+                raise FieldError("env", "only a stdio server (command) gets an environment")
+        for key in self.env:
+            if not _ENV_NAME_RE.fullmatch(key):
+                raise FieldError(f"env.{key}", f"{key!r} is not a valid environment variable name")
+        if self.tools is not None:
+            seen: set[str] = set()
+            for i, tool in enumerate(self.tools):
+                if not tool:
+                    raise FieldError(f"tools[{i}]", "must not be empty")
+                if tool in seen:
+                    raise FieldError(f"tools[{i}]", f"tool {tool!r} is listed twice")
+                seen.add(tool)
+
+
+class McpSection(Struct, kw_only=True, forbid_unknown_fields=True):
+    servers: list[McpServerConfig] = []
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for i, server in enumerate(self.servers):
+            if server.name in seen:
+                raise FieldError(f"servers[{i}].name", f"server {server.name!r} is listed twice")
+            seen.add(server.name)
 
 
 class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -170,12 +235,20 @@ class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
     notify: NotifyConfig = field(default_factory=NotifyConfig)
     spawn: SpawnConfig = field(default_factory=SpawnConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    mcp: McpSection = field(default_factory=McpSection)
     # Where this manifest was loaded from; set by the loader, never a TOML key.
     source: str = ""
 
     def __post_init__(self) -> None:
         if not self.scope.allow:
             raise FieldError("scope.allow", "at least one [[scope.allow]] rule is required")
+        servers = {s.name for s in self.mcp.servers}
+        for tool in self.worker.tool_output.per_tool:
+            server = tool.split(MCP_SEP, 1)[0]
+            if MCP_SEP in tool and server not in servers:
+                raise FieldError(
+                    f"worker.tool_output.per_tool.{tool}", f"no [[mcp.servers]] is named {server!r}"
+                )
 
     @property
     def compaction_provider(self) -> ProviderConfig:

@@ -282,7 +282,10 @@ async def execute(
     if not isinstance(raw, dict):
         return _error(f"arguments must be a JSON object, got {_json_type(raw)}")
     try:
-        outcome = await tool.run(ctx, check_args(tool.parameters, raw))
+        # MCP tools' schemas go beyond check_args' flat types; their servers validate.
+        own = getattr(tool, "validates_own_args", False)
+        args = raw if own else check_args(tool.parameters, raw)
+        outcome = await tool.run(ctx, args)
     except ScopeDenied as e:
         outcome = _error(str(e))
     except ToolError as e:

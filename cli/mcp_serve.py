@@ -1,0 +1,157 @@
+"""`podctl mcp-serve`: a stdio MCP server whose tools reach this user's pods (SPEC §6).
+
+`claude mcp add pods -- podctl mcp-serve` gives any MCP client durable, scoped, supervised
+workers: it can list the pods, hand one work (and wait for the answer or not), notify it, and
+read its status and history. Every call goes through `protocol.AsyncPodClient`, so the pod's own
+rules hold (acknowledged means durable, `client_key` idempotence, scope, budget).
+
+The `mcp` SDK is imported here only, when the command runs; `podctl`'s start-up never pays for it.
+"""
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from mcp.server.mcpserver import MCPServer
+
+    from protocol.aio import AsyncPodClient
+
+STATUS_TIMEOUT = 2.0  # a pod that does not answer `status` in time is listed as unresponsive
+
+INSTRUCTIONS = """\
+Pods are long-lived LLM agents run by poddaemon, each confined to its own files (scope) and
+budget. Use list_pods to see them, send_to_pod to give one a task (wait=true returns its final
+answer; wait=false returns at once with a run_id), notify_pod to tell a pod something without
+starting a task (it sees it at its next step, or wakes up for it), pod_status and pod_history to
+follow one."""
+
+
+def build_server() -> "MCPServer":
+    from mcp.server.mcpserver import MCPServer
+
+    server = MCPServer("poddaemon", instructions=INSTRUCTIONS, log_level="WARNING")
+
+    @server.tool()
+    async def list_pods() -> list[dict[str, Any]]:
+        """The live pods of this user: name, state, model, parent, queue and token usage."""
+        return await _list_pods()
+
+    @server.tool()
+    async def send_to_pod(
+        pod: str,
+        message: str,
+        wait: bool = True,
+        mode: Literal["queue", "steer"] = "queue",
+        client_key: str | None = None,
+    ) -> dict[str, Any]:
+        """Give a pod a task. With wait=true (default) return when the run ends: its outcome
+        (finished, limit_reached, cancelled, error, paused) and final text. With wait=false
+        return at once: run_id and whether it started or was queued. mode="steer" delivers the
+        message into the pod's active run instead of queueing it. A client_key makes a retry
+        idempotent (same key and message: the original result)."""
+        async with _client(pod) as c:
+            if wait:
+                return _plain(await c.run_wait(message, mode=mode, client_key=client_key))
+            return _plain(await c.run(message, mode=mode, client_key=client_key))
+
+    @server.tool()
+    async def notify_pod(
+        pod: str, message: str, source: str = "mcp", client_key: str | None = None
+    ) -> dict[str, Any]:
+        """Tell a pod something without starting a task: the message is committed to its
+        history and reaches its model at the next request; an idle pod wakes up for it."""
+        async with _client(pod) as c:
+            return _plain(await c.notify(message, source=source, client_key=client_key))
+
+    @server.tool()
+    async def pod_status(pod: str) -> dict[str, Any]:
+        """One pod's status: state, active run, queue, scope, usage, budget, children."""
+        async with _client(pod) as c:
+            return _plain(await c.status())
+
+    @server.tool()
+    async def pod_history(pod: str, since: int = 0, limit: int = 50) -> dict[str, Any]:
+        """A pod's session log entries after sequence number `since` (at most `limit`); `next`
+        is the `since` for the following page."""
+        async with _client(pod) as c:
+            return _plain(await c.history(since=since, limit=max(1, min(limit, 1000))))
+
+    return server
+
+
+@contextlib.asynccontextmanager
+async def _client(pod: str) -> AsyncIterator["AsyncPodClient"]:
+    """A connection to `pod`; every failure becomes a tool error the MCP client's model reads."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    from protocol.aio import AsyncPodClient
+    from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+
+    try:
+        client = await AsyncPodClient.connect(pod)
+    except PodNotRunning as exc:
+        raise ToolError(str(exc)) from None
+    except OSError as exc:
+        raise ToolError(f"cannot reach pod {pod!r}: {exc.strerror or exc}") from None
+    try:
+        yield client
+    except RpcError as exc:
+        raise ToolError(f"pod {pod!r}: {exc.message} ({exc.code})") from None
+    except ConnectionClosed as exc:
+        raise ToolError(f"pod {pod!r} closed the connection: {exc}") from None
+    finally:
+        await client.close()
+
+
+async def _list_pods() -> list[dict[str, Any]]:
+    import asyncio
+
+    from protocol import paths
+
+    pods = paths.runtime_dir() / "pods"
+    try:
+        names = sorted(entry.name for entry in pods.iterdir() if (entry / "sock").exists())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return list(await asyncio.gather(*(_summary(name) for name in names)))
+
+
+async def _summary(name: str) -> dict[str, Any]:
+    import asyncio
+
+    from protocol.aio import AsyncPodClient
+
+    try:
+        client = await AsyncPodClient.connect(name)
+    except Exception:
+        return {"name": name, "state": "not running"}
+    try:
+        status = await asyncio.wait_for(client.status(), STATUS_TIMEOUT)
+    except Exception:
+        return {"name": name, "state": "unresponsive"}
+    finally:
+        await client.close()
+    usage = status.usage
+    return {
+        "name": status.name,
+        "state": status.state,
+        "model": status.model,
+        "parent": status.parent,
+        "pwd": status.pwd,
+        "queue": _plain(status.queue),
+        "tokens": usage.input + usage.output,
+        "session_id": status.session_id,
+    }
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    import msgspec
+
+    out: dict[str, Any] = msgspec.to_builtins(value)
+    return out
+
+
+def main() -> int:
+    build_server().run("stdio")
+    return 0

@@ -1,0 +1,399 @@
+"""One MCP server for the life of a pod: start and tool list (bounded by `start_timeout`, listed
+once), calls (bounded by `timeout`), one restart after a death, stop.
+
+A stdio server is initialized and listed without the SDK (`handshake.py`), then an SDK
+`ClientSession` adopts that session; an HTTP server (or a stdio one that refuses our
+`initialize`) gets the SDK's `Client` and its own negotiation. Either is entered and exited by
+one task, the holder (anyio's cancel scopes must nest within a task); calls come from the pod's
+tool tasks and share it while it is up.
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from poddaemon.config.manifest import McpServerConfig
+from poddaemon.mcp.handshake import Handshake, HandshakeError, handshake
+from poddaemon.mcp.stdio import StdioProcess, transport
+from poddaemon.mcp.tool import McpTool, error, input_schema, offered_name, outcome
+from poddaemon.tools.base import ToolOutcome
+
+log = logging.getLogger("poddaemon.mcp")
+
+Alert = Callable[[str, str, str], None]  # (level, source, message), as the pod's alerts
+MAX_PAGES = 100  # tools/list pages followed; a paginator that never ends cannot hang start-up
+CALL_MARGIN = 5.0  # seconds past `timeout` after which a call is abandoned even if the SDK hangs
+
+
+class StartFailed(Exception):
+    """A server could not be started, connected or listed; the message says why."""
+
+
+class McpServerStatus(msgspec.Struct, kw_only=True):
+    name: str
+    transport: str  # "stdio" | "http"
+    # starting | ready | restarting | failed (never started) | dead (died, no restart left)
+    # | stopped
+    state: str
+    tools: int
+    restarts: int = 0
+    error: str | None = None
+
+
+class McpConnection:
+    def __init__(
+        self,
+        cfg: McpServerConfig,
+        env: dict[str, str] | None,
+        cwd: str,
+        sdk: Callable[[], "asyncio.Future[None]"],
+        alert: Alert,
+    ) -> None:
+        self.cfg = cfg
+        self.name = cfg.name
+        self.state = "starting"
+        self.error: str | None = None
+        self.tools: dict[str, McpTool] = {}
+        self.restarts = 0
+        self._env = env
+        self._cwd = cwd
+        self._sdk = sdk
+        self._alert = alert
+        self._client: Any = None
+        self._process: StdioProcess | None = None
+        self._holder: asyncio.Task[None] | None = None
+        self._restart: asyncio.Task[None] | None = None
+        self._closing = asyncio.Event()
+        self._lost = asyncio.Event()  # the current connection is unusable (set by a call)
+        self._usable = asyncio.Event()  # the current connection has its SDK session
+        self._settled = asyncio.Event()  # not (re)starting
+
+    @property
+    def transport(self) -> str:
+        return "stdio" if self.cfg.command is not None else "http"
+
+    def status(self) -> McpServerStatus:
+        return McpServerStatus(
+            name=self.name,
+            transport=self.transport,
+            state=self.state,
+            tools=len(self.tools),
+            restarts=self.restarts,
+            error=self.error,
+        )
+
+    # --- start --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and list the tools once; raises StartFailed."""
+        try:
+            listed = await self._launch()
+        except StartFailed as exc:
+            self.state, self.error = "failed", str(exc)
+            raise
+        finally:
+            self._settled.set()
+        self.tools = self._make_tools(listed)
+        self.state = "ready"
+
+    async def _launch(self) -> list[Any]:
+        """Start one connection (a new holder): its tool list, or StartFailed by start_timeout."""
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[list[Any]] = loop.create_future()
+        self._lost = asyncio.Event()
+        self._usable = asyncio.Event()
+        self._holder = holder = asyncio.create_task(self._hold(started), name=f"mcp:{self.name}")
+        try:
+            return await asyncio.wait_for(asyncio.shield(started), self.cfg.start_timeout)
+        except TimeoutError:
+            holder.cancel()
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                await asyncio.wait_for(holder, 5.0)
+            raise StartFailed(
+                self._with_stderr(f"did not start within {self.cfg.start_timeout:g} s")
+            ) from None
+        except asyncio.CancelledError:
+            holder.cancel()
+            raise
+
+    async def _hold(self, started: "asyncio.Future[list[Any]]") -> None:
+        reason = await self._connect_and_wait(started)
+        if reason is not None and not self._closing.is_set():
+            self._died(reason)
+
+    async def _connect_and_wait(self, started: "asyncio.Future[list[Any]]") -> str | None:
+        """Run one connection until close (returns None) or death (returns why)."""
+        process: StdioProcess | None = None
+        try:
+            if self.cfg.command is not None:
+                assert self._env is not None
+                try:
+                    process = await StdioProcess.spawn(
+                        self.name, self.cfg.command, self._env, self._cwd
+                    )
+                except OSError as exc:
+                    raise StartFailed(f"cannot start the guard: {exc}") from None
+                self._process = process
+            shook: Handshake | None = None
+            if process is not None:
+                try:
+                    # Without the SDK: the tools are known (and READY may come) before its import.
+                    shook = await handshake(process)
+                except HandshakeError as exc:
+                    raise StartFailed(str(exc)) from None
+                if shook is not None:
+                    started.set_result(shook.tools)
+            try:
+                await asyncio.shield(self._sdk())  # shared: one holder's cancel must not cancel it
+            except ImportError as exc:
+                raise StartFailed(f"the mcp package cannot be imported: {exc}") from None
+            from mcp import Client, ClientSession
+            from mcp_types import Implementation, InitializeResult
+
+            import poddaemon
+
+            info = Implementation(name="poddaemon", version=poddaemon.__version__)
+            if process is not None and shook is not None:
+                async with (
+                    transport(process) as (read, write),
+                    ClientSession(read, write, client_info=info) as session,
+                ):
+                    # The session the handshake opened, taken over without wire traffic.
+                    session.adopt(InitializeResult.model_validate(shook.initialize, by_name=False))
+                    self._client = session
+                    self._usable.set()
+                    await self._until_unusable(process)
+            else:
+                conn: Any = transport(process) if process is not None else self.cfg.url
+                # cache=None: the pod lists tools once and keeps them.
+                client = Client(conn, client_info=info, cache=None)
+                async with client:
+                    listed = await _list_tools(client)
+                    self._client = client
+                    self._usable.set()
+                    started.set_result(listed)
+                    await self._until_unusable(process)
+            if self._closing.is_set():
+                return None
+            return self._with_stderr("the connection was lost")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # ExceptionGroup too: the SDK's transports raise them
+            why = str(exc) if isinstance(exc, StartFailed) else _describe(exc)
+            reason = self._with_stderr(why)
+            if not started.done():
+                started.set_exception(StartFailed(reason))
+                return None
+            return None if self._closing.is_set() else reason
+        finally:
+            self._client = None
+            if process is not None:
+                # A dead connection is not waited for; a closing one gets its grace.
+                grace = 0.0 if self._lost.is_set() or process.gone.is_set() else None
+                await (process.stop() if grace is None else process.stop(grace))
+
+    async def _until_unusable(self, process: StdioProcess | None) -> None:
+        waits = [self._closing.wait(), self._lost.wait()]
+        if process is not None:
+            waits.append(process.gone.wait())
+        tasks = [asyncio.ensure_future(w) for w in waits]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _make_tools(self, listed: list[Any]) -> dict[str, McpTool]:
+        wanted = self.cfg.tools
+        entries = [_tool_fields(t) for t in listed]
+        names = {remote for remote, _, _ in entries}
+        if wanted is not None and (missing := [w for w in wanted if w not in names]):
+            self._alert(
+                "warning",
+                "mcp",
+                f"MCP server '{self.name}' has no tool {', '.join(missing)} "
+                f"(it offers: {', '.join(sorted(names)) or 'none'})",
+            )
+        out: dict[str, McpTool] = {}
+        for remote, description, schema in entries:
+            if wanted is not None and remote not in wanted:
+                continue
+            name = offered_name(self.name, remote)
+            if name is None or name in out:
+                self._alert(
+                    "warning",
+                    "mcp",
+                    f"MCP server '{self.name}': tool {remote!r} cannot be offered to the model "
+                    "(its name is too long, or clashes once made safe)",
+                )
+                continue
+            out[name] = McpTool(
+                name=name,
+                remote=remote,
+                description=description,
+                parameters=input_schema(schema),
+                call=self.call,
+            )
+        return out
+
+    # --- death and restart --------------------------------------------------------------------
+
+    def _died(self, reason: str) -> None:
+        self._client = None
+        if self.restarts == 0:
+            self.restarts = 1
+            self.state, self.error = "restarting", reason
+            self._settled.clear()
+            self._alert(
+                "warning",
+                "mcp",
+                f"MCP server '{self.name}' died ({reason}); restarting it (once per pod life)",
+            )
+            self._restart = asyncio.create_task(self._relaunch(), name=f"mcp-restart:{self.name}")
+            return
+        self.state, self.error = "dead", reason
+        self._settled.set()
+        self._alert(
+            "error",
+            "mcp",
+            f"MCP server '{self.name}' died again ({reason}); its tools fail from now on",
+        )
+
+    async def _relaunch(self) -> None:
+        try:
+            await self._launch()
+        except StartFailed as exc:
+            self.state, self.error = "dead", str(exc)
+            self._alert(
+                "error",
+                "mcp",
+                f"MCP server '{self.name}' could not be restarted ({exc}); "
+                "its tools fail from now on",
+            )
+        else:
+            self.state, self.error = "ready", None
+            log.info("MCP server '%s' restarted", self.name)
+        finally:
+            self._settled.set()
+
+    # --- calls --------------------------------------------------------------------------------
+
+    async def call(self, remote: str, args: dict[str, Any]) -> ToolOutcome:
+        if not self._settled.is_set():  # a restart is under way: wait for its outcome
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._settled.wait(), self.cfg.start_timeout + CALL_MARGIN)
+        if self.state == "ready" and not self._usable.is_set():
+            # Listed before READY; the SDK session follows once the SDK is imported.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._usable.wait(), self.cfg.start_timeout + CALL_MARGIN)
+        client = self._client
+        if self.state != "ready" or client is None:
+            why = self.error or self.state
+            return error(f"MCP server '{self.name}' is not available: {why}")
+        from mcp import MCPError
+        from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+
+        timeout = self.cfg.timeout
+        try:
+            async with asyncio.timeout(timeout + CALL_MARGIN):
+                result = await client.call_tool(remote, args, read_timeout_seconds=timeout)
+        except TimeoutError:
+            return self._timed_out(remote)
+        except MCPError as exc:
+            if exc.code == REQUEST_TIMEOUT:
+                return self._timed_out(remote)
+            if exc.code == CONNECTION_CLOSED:
+                return self._call_lost(remote, exc.message, client)
+            return error(f"MCP server '{self.name}' refused {remote}: {exc.message} ({exc.code})")
+        except Exception as exc:  # a transport failure, or a result that breaks the protocol
+            if self.transport == "http" and _is_connection_error(exc):
+                return self._call_lost(remote, _describe(exc), client)
+            return error(f"MCP server '{self.name}' failed on {remote}: {_describe(exc)}")
+        return outcome(result)
+
+    def _timed_out(self, remote: str) -> ToolOutcome:
+        return error(
+            f"{remote} timed out after {self.cfg.timeout:g} s (MCP server '{self.name}', "
+            "[[mcp.servers]] timeout)"
+        )
+
+    def _call_lost(self, remote: str, why: str, client: Any) -> ToolOutcome:
+        # Only the connection this call used: a restart may already have replaced it.
+        if client is self._client and not self._closing.is_set():
+            # Later calls wait for the holder's verdict (restarted or dead), not this client.
+            self._client = None
+            self._settled.clear()
+            self._lost.set()
+        return error(
+            f"MCP server '{self.name}' lost the connection during {remote} ({why}); the call may "
+            "or may not have taken effect"
+        )
+
+    # --- stop ---------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        self._closing.set()
+        for task in (self._restart, self._holder):
+            if task is None or task.done():
+                continue
+            try:
+                await asyncio.wait_for(asyncio.shield(task), 10.0)
+            except (TimeoutError, asyncio.CancelledError):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
+                    await asyncio.wait_for(task, 2.0)
+            except Exception:
+                log.exception("MCP server '%s' failed while stopping", self.name)
+        if self._process is not None:  # whatever a holder could not clean up: kill the group
+            self._process.kill()
+        self.state = "stopped"
+
+    def _with_stderr(self, reason: str) -> str:
+        process = self._process
+        tail = process.stderr_tail() if process is not None else ""
+        return f"{reason}; stderr: {tail}" if tail else reason
+
+
+async def _list_tools(client: Any) -> list[Any]:
+    tools: list[Any] = []
+    cursor: str | None = None
+    for _ in range(MAX_PAGES):
+        page = await client.list_tools(cursor=cursor)
+        tools.extend(page.tools)
+        cursor = page.next_cursor
+        if not cursor:
+            break
+    return tools
+
+
+def _tool_fields(tool: Any) -> tuple[str, str, Any]:
+    """(name, description, input schema) of a listed tool: a raw dict from the handshake, or
+    the SDK's Tool."""
+    if isinstance(tool, dict):
+        description = tool.get("description") or tool.get("title") or ""
+        return str(tool["name"]), str(description), tool.get("inputSchema")
+    description = tool.description or getattr(tool, "title", None) or ""
+    return str(tool.name), str(description), tool.input_schema
+
+
+def _describe(exc: BaseException) -> str:
+    """The innermost useful message of an exception (groups are unwrapped)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    message = getattr(exc, "message", None) or str(exc)
+    return f"{type(exc).__name__}: {message}" if not hasattr(exc, "code") else str(message)
+
+
+def _is_connection_error(exc: BaseException) -> bool:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return isinstance(exc, ConnectionError | OSError) or type(exc).__name__ in (
+        "ConnectError",
+        "RemoteProtocolError",
+        "ReadError",
+        "WriteError",
+    )

@@ -1,0 +1,107 @@
+"""The start of a stdio MCP session without the SDK: `initialize`, `notifications/initialized`,
+`tools/list` (all pages), as plain JSON-RPC lines.
+
+Why: the SDK's import (~0.6 s of CPU, more on a busy host) would otherwise sit on the pod's path
+to READY; the handshake is three small messages. The SDK's `ClientSession.adopt()` then takes
+over the initialized session (no wire traffic) for the calls, once the SDK is imported.
+A server that refuses the handshake-era `initialize` (a modern-only one) makes this return
+None: the SDK's own negotiation takes over the same pipes.
+"""
+
+from typing import Any
+
+import msgspec
+
+import poddaemon
+from poddaemon.mcp.stdio import StdioProcess
+
+# The newest revision reachable with `initialize` (mcp_types.version.LATEST_HANDSHAKE_VERSION).
+PROTOCOL_VERSION = "2025-11-25"
+MAX_PAGES = 100
+
+
+class HandshakeError(Exception):
+    """The server answered something that is not MCP, or went away."""
+
+
+class Handshake(msgspec.Struct):
+    initialize: dict[str, Any]  # the InitializeResult, as sent
+    tools: list[dict[str, Any]]  # every tools/list entry, as sent
+
+
+async def handshake(process: StdioProcess) -> Handshake | None:
+    """Initialize the server and list its tools; None if it refuses `initialize`."""
+    rpc = _Lines(process)
+    init = await rpc.request(
+        "initialize",
+        {
+            "protocolVersion": PROTOCOL_VERSION,
+            "capabilities": {},
+            "clientInfo": {"name": "poddaemon", "version": poddaemon.__version__},
+        },
+    )
+    if "error" in init:
+        return None
+    result = init.get("result")
+    if not isinstance(result, dict):
+        raise HandshakeError(f"initialize: not a result: {init!r:.200}")
+    await rpc.notify("notifications/initialized")
+    tools: list[dict[str, Any]] = []
+    cursor: str | None = None
+    for _ in range(MAX_PAGES):
+        reply = await rpc.request("tools/list", {"cursor": cursor} if cursor else {})
+        if "error" in reply:
+            raise HandshakeError(f"tools/list: {reply['error'].get('message', reply['error'])}")
+        page = reply.get("result") or {}
+        tools.extend(t for t in page.get("tools", []) if isinstance(t, dict) and t.get("name"))
+        cursor = page.get("nextCursor")
+        if not cursor:
+            break
+    return Handshake(initialize=result, tools=tools)
+
+
+class _Lines:
+    """Newline-delimited JSON-RPC on the server's pipes, one request at a time."""
+
+    def __init__(self, process: StdioProcess) -> None:
+        proc = process.proc
+        assert proc.stdin is not None and proc.stdout is not None
+        self._stdin = proc.stdin
+        self._stdout = proc.stdout
+        self._next_id = 0
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        self._stdin.write(msgspec.json.encode({"jsonrpc": "2.0", **message}) + b"\n")
+        await self._stdin.drain()
+
+    async def notify(self, method: str) -> None:
+        await self._send({"method": method})
+
+    async def request(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        # Negative ids: never the ones the SDK's session numbers from 0 or 1 afterwards.
+        self._next_id -= 1
+        rid = self._next_id
+        try:
+            await self._send({"id": rid, "method": method, "params": params})
+        except (ConnectionError, OSError) as exc:
+            raise HandshakeError(f"cannot write to the server: {exc}") from None
+        while True:
+            line = await self._stdout.readline()
+            if not line:
+                raise HandshakeError(f"the server closed its output during {method}")
+            try:
+                msg = msgspec.json.decode(line)
+            except msgspec.DecodeError:
+                continue  # a stray line on stdout; the SDK's transport skips them too
+            if not isinstance(msg, dict):
+                continue
+            if msg.get("id") == rid and ("result" in msg or "error" in msg):
+                return msg
+            if "method" in msg and "id" in msg:  # a request from the server (ping, roots…)
+                answer: dict[str, Any] = (
+                    {"result": {}}
+                    if msg["method"] == "ping"
+                    else {"error": {"code": -32601, "message": "not supported during start-up"}}
+                )
+                await self._send({"id": msg["id"], **answer})
+            # notifications (logging, progress) are dropped

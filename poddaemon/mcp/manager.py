@@ -1,0 +1,110 @@
+"""Every MCP server of a pod: started together before READY, their tools merged, closed at exit.
+
+The pod uses three things: `await start_mcp(manifest, alert)` before READY (raises
+McpStartupError for a start-up error), `manager.tools` merged into its tool registry, and
+`await manager.aclose()` at shutdown; `manager.status()` feeds `status`.
+"""
+
+import asyncio
+import importlib
+import logging
+import os
+import sys
+import threading
+from collections.abc import Mapping
+
+from poddaemon.config.manifest import Manifest
+from poddaemon.mcp.connection import Alert, McpConnection, McpServerStatus, StartFailed
+from poddaemon.mcp.env import EnvError, server_env
+from poddaemon.tools.base import Tool
+
+
+class McpStartupError(Exception):
+    """The pod must not start: a `${VAR}` that is not set, or a required server that failed."""
+
+
+class McpManager:
+    def __init__(self, connections: list[McpConnection]) -> None:
+        self._connections = connections
+        self.tools: dict[str, Tool] = {}
+        for conn in connections:
+            self.tools.update(conn.tools)
+
+    def status(self) -> list[McpServerStatus]:
+        return [c.status() for c in self._connections]
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(c.aclose() for c in self._connections))
+
+
+def _import_sdk() -> None:
+    importlib.import_module("mcp")
+    # The SDK logs every request at INFO; the pod's log keeps its warnings.
+    logging.getLogger("mcp").setLevel(logging.WARNING)
+
+
+def preload_sdk(manifest: Manifest) -> None:
+    """Start importing the SDK in a background thread now, if an HTTP server needs it to start.
+
+    The import (~0.6 s of CPU, more on a busy host) is on the path to READY for `url` servers;
+    the daemon calls this as soon as the manifest is loaded, so it overlaps the rest of
+    start-up. stdio servers are listed without the SDK, which is imported after their handshake
+    (off the path to READY, and not competing with their own start for the CPU).
+    """
+    if any(s.url for s in manifest.mcp.servers) and "mcp" not in sys.modules:
+        threading.Thread(target=_import_sdk, name="mcp-import", daemon=True).start()
+
+
+async def start_mcp(
+    manifest: Manifest, alert: Alert, environ: Mapping[str, str] | None = None
+) -> McpManager:
+    """Start every `[[mcp.servers]]` concurrently, each bounded by its `start_timeout`.
+
+    A server that fails is an alert and its tools are absent, unless it is `required`: then
+    everything started is stopped and McpStartupError names it. With no servers the SDK is never
+    imported.
+    """
+    servers = manifest.mcp.servers
+    if not servers:
+        return McpManager([])
+    environ = os.environ if environ is None else environ
+    envs: dict[str, dict[str, str]] = {}
+    for i, cfg in enumerate(servers):
+        if cfg.command is None:
+            continue
+        try:
+            envs[cfg.name] = server_env(cfg.env, environ)
+        except EnvError as exc:
+            raise McpStartupError(f"{manifest.source}: mcp.servers[{i}].{exc}") from None
+    # ~0.6 s of imports, in a thread, once, when the first server needs it.
+    loaded: list[asyncio.Future[None]] = []
+
+    def sdk() -> "asyncio.Future[None]":
+        if not loaded:
+            loaded.append(asyncio.ensure_future(asyncio.to_thread(_import_sdk)))
+        return loaded[0]
+
+    connections = [
+        McpConnection(cfg, envs.get(cfg.name), manifest.pod.pwd, sdk, alert) for cfg in servers
+    ]
+    results = await asyncio.gather(*(c.start() for c in connections), return_exceptions=True)
+    manager = McpManager(connections)
+    for i, (conn, result) in enumerate(zip(connections, results, strict=True)):
+        if isinstance(result, asyncio.CancelledError):
+            await manager.aclose()
+            raise result
+        if not isinstance(result, BaseException):
+            continue
+        why = str(result) if isinstance(result, StartFailed) else repr(result)
+        if conn.cfg.required:
+            await manager.aclose()
+            raise McpStartupError(
+                f"{manifest.source}: mcp.servers[{i}]: required MCP server '{conn.name}' "
+                f"failed to start: {why}"
+            )
+        alert(
+            "warning",
+            "mcp",
+            f"MCP server '{conn.name}' failed to start: {why}; its tools are absent",
+        )
+    return manager

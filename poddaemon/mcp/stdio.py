@@ -1,0 +1,193 @@
+"""A stdio MCP server as a process of the pod: spawned through the guard, its stderr read by the
+pod (logged, its tail kept for error messages), its stdout/stdin bridged to the MCP SDK.
+
+The process is spawned *before* the SDK is imported (the import takes ~0.6 s; the pod runs it in
+a thread meanwhile), which is why this module does not use `mcp.client.stdio.stdio_client`: the
+SDK's `Client` accepts any transport, and `transport()` below is one for a process that already
+runs. The guard makes stopping simple: closing our end of its stderr pipe kills its whole group.
+"""
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("poddaemon.mcp")
+
+GUARD = str(Path(__file__).with_name("guard.py"))
+MAX_LINE = 64 * 1024 * 1024  # one JSON-RPC message from the server
+STDERR_TAIL = 20  # lines kept for error messages
+STOP_GRACE = 2.0  # seconds a server gets to exit after EOF on stdin (the SDK's own grace)
+
+
+class StdioProcess:
+    """One guarded server process and the pod's end of its pipes."""
+
+    def __init__(
+        self,
+        name: str,
+        proc: asyncio.subprocess.Process,
+        stderr: asyncio.StreamReader,
+        stderr_transport: asyncio.ReadTransport,
+    ) -> None:
+        self.name = name
+        self.proc = proc
+        self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
+        # Set when stderr reaches EOF: the guard has exited, so has the server's whole group.
+        self.gone = asyncio.Event()
+        self._stderr_transport = stderr_transport
+        self._reader = asyncio.ensure_future(self._read_stderr(stderr))
+
+    @classmethod
+    async def spawn(
+        cls, name: str, command: Sequence[str], env: Mapping[str, str], cwd: str
+    ) -> "StdioProcess":
+        """Start `command` under the guard. Raises OSError if even the guard cannot start."""
+        # The pod is the only reader of this pipe (os.pipe is close-on-exec): the guard sees it
+        # close when the pod ends, however it ends.
+        read_fd, write_fd = os.pipe()
+        loop = asyncio.get_running_loop()
+        stderr = asyncio.StreamReader()
+        try:
+            stderr_transport, _ = await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(stderr), os.fdopen(read_fd, "rb", buffering=0)
+            )
+        except BaseException:
+            os.close(read_fd)
+            os.close(write_fd)
+            raise
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                GUARD,
+                "--",
+                *command,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=write_fd,
+                env=dict(env),
+                cwd=cwd,
+                start_new_session=True,  # the guard leads a group it can kill whole
+                limit=MAX_LINE,
+            )
+        except BaseException:
+            stderr_transport.close()
+            raise
+        finally:
+            os.close(write_fd)
+        return cls(name, proc, stderr, stderr_transport)
+
+    async def _read_stderr(self, reader: asyncio.StreamReader) -> None:
+        try:
+            pending = b""
+            while chunk := await reader.read(65536):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self._line(line)
+                if len(pending) > 4096:  # a line without end: show it anyway
+                    self._line(pending)
+                    pending = b""
+            if pending:
+                self._line(pending)
+        finally:
+            self.gone.set()
+
+    def _line(self, raw: bytes) -> None:
+        text = raw.decode("utf-8", "replace").rstrip()
+        if text:
+            self.tail.append(text)
+            log.info("mcp[%s] %s", self.name, text)
+
+    def stderr_tail(self, lines: int = 3, limit: int = 400) -> str:
+        text = " | ".join(list(self.tail)[-lines:])
+        return text if len(text) <= limit else "…" + text[-limit:]
+
+    async def stop(self, grace: float = STOP_GRACE) -> None:
+        """EOF on stdin, `grace` seconds to exit, then the guard kills the group."""
+        if self.proc.stdin is not None and not self.proc.stdin.is_closing():
+            self.proc.stdin.close()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.gone.wait(), grace)
+        self.kill()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.proc.wait(), grace)
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+    def kill(self) -> None:
+        """Kill the server's whole group now (the guard does it when its stderr reader goes)."""
+        self._stderr_transport.close()
+        if self.proc.returncode is None:  # not reaped: its pid is still its group's id
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+@contextlib.asynccontextmanager
+async def transport(process: StdioProcess) -> AsyncIterator[tuple[Any, Any]]:
+    """The MCP SDK's Transport shape (read stream, write stream) over a running process.
+
+    Newline-delimited JSON-RPC, as the SDK's own stdio transport; stopping the process is the
+    caller's business (`StdioProcess.stop`).
+    """
+    import anyio
+    import mcp_types
+    from mcp.shared.message import SessionMessage
+
+    proc = process.proc
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout = proc.stdin, proc.stdout
+    read_send, read_recv = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    write_send, write_recv = anyio.create_memory_object_stream[SessionMessage](0)
+
+    async def server_to_session() -> None:
+        async with read_send:
+            while True:
+                try:
+                    line = await stdout.readline()
+                except (ValueError, OSError) as exc:  # a line over MAX_LINE, a broken pipe
+                    log.warning("mcp[%s] cannot read the server's output: %s", process.name, exc)
+                    return
+                if not line:
+                    return  # EOF: the session sees the connection close
+                if not line.strip():
+                    continue
+                message: SessionMessage | Exception
+                try:
+                    parsed = mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+                    message = SessionMessage(parsed)
+                except ValueError as exc:  # pydantic's ValidationError is one
+                    message = exc
+                try:
+                    await read_send.send(message)
+                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                    return
+
+    async def session_to_server() -> None:
+        try:
+            async with write_recv:
+                async for session_message in write_recv:
+                    json = session_message.message.model_dump_json(
+                        by_alias=True, exclude_unset=True
+                    )
+                    stdin.write(json.encode() + b"\n")
+                    await stdin.drain()
+        except (ConnectionError, OSError, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            await read_send.aclose()  # the server is gone: no request may wait forever
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server_to_session)
+        tg.start_soon(session_to_server)
+        try:
+            yield read_recv, write_send
+        finally:
+            tg.cancel_scope.cancel()
+            for stream in (read_recv, write_send, read_send, write_recv):
+                await stream.aclose()

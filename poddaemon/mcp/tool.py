@@ -1,0 +1,91 @@
+"""MCP tools as pod tools: naming (`<server>__<tool>`), schemas, and results as tool outcomes."""
+
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from poddaemon.config.manifest import MCP_SEP
+from poddaemon.tools.base import ToolContext, ToolOutcome
+
+MAX_NAME = 64  # what OpenAI and Anthropic accept for a tool name
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]")
+
+Caller = Callable[[str, dict[str, Any]], Awaitable[ToolOutcome]]
+
+
+def offered_name(server: str, tool: str) -> str | None:
+    """The name the model sees for `tool` of `server`, or None when no provider would take it.
+
+    MCP allows dots and more in tool names; providers take `[A-Za-z0-9_-]{1,64}`.
+    """
+    name = f"{server}{MCP_SEP}{_UNSAFE.sub('_', tool)}"
+    return name if tool and len(name) <= MAX_NAME else None
+
+
+class McpTool:
+    """One tool of one MCP server, with the pod's builtin tool interface (`poddaemon.tools`)."""
+
+    # The server validates its own arguments against its full JSON Schema; the pod's flat
+    # checker (tools.base.check_args) would refuse valid nested or union-typed arguments.
+    validates_own_args = True
+
+    def __init__(
+        self, name: str, remote: str, description: str, parameters: dict[str, Any], call: Caller
+    ) -> None:
+        self.name = name
+        self.remote = remote  # the server's own name for it
+        self.description = description
+        self.parameters = parameters
+        self._call = call
+
+    async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
+        return await self._call(self.remote, args)
+
+    def __repr__(self) -> str:
+        return f"McpTool({self.name!r})"
+
+
+def input_schema(schema: Any) -> dict[str, Any]:
+    """The tool's input schema as the providers want it: always an object schema."""
+    out = dict(schema) if isinstance(schema, dict) else {}
+    out.setdefault("type", "object")
+    out.setdefault("properties", {})
+    return out
+
+
+def outcome(result: Any) -> ToolOutcome:
+    """A `CallToolResult` as the text the model reads; `isError` makes it a tool error."""
+    parts = [_block_text(block) for block in getattr(result, "content", None) or ()]
+    structured = getattr(result, "structured_content", None)
+    if not parts and structured is not None:
+        parts.append(msgspec.json.encode(structured).decode())
+    text = "\n".join(parts)
+    if getattr(result, "is_error", False):
+        return error(text or "the tool failed without a message")
+    return ToolOutcome(output=text)
+
+
+def error(text: str) -> ToolOutcome:
+    first = text.split("\n", 1)[0]
+    return ToolOutcome(output=text, is_error=True, summary=first[:100])
+
+
+def _block_text(block: Any) -> str:
+    kind = getattr(block, "type", "")
+    if kind == "text":
+        return str(block.text)
+    if kind in ("image", "audio"):
+        size = len(getattr(block, "data", "")) * 3 // 4  # base64
+        return f"[{kind}: {getattr(block, 'mime_type', '?')}, about {size} bytes, not shown]"
+    if kind == "resource_link":
+        return f"[resource: {block.uri}]"
+    if kind == "resource":
+        res = block.resource
+        text = getattr(res, "text", None)
+        if text is not None:
+            return str(text)
+        size = len(getattr(res, "blob", "")) * 3 // 4
+        return f"[resource {res.uri}: {getattr(res, 'mime_type', None) or '?'}, about {size} bytes]"
+    return f"[{kind or 'unknown'} content, not shown]"

@@ -1,0 +1,52 @@
+"""A hand-written stdio MCP server of the 2025-06-18 era (no SDK): `initialize`, `tools/list`,
+`tools/call`, and -32601 for anything else, as the servers users already run answer. Checks that
+pods talk to servers that predate the SDK's newer protocol revisions."""
+
+import json
+import sys
+
+TOOLS = [
+    {
+        "name": "shout",
+        "description": "Upper-case the text.",
+        "inputSchema": {
+            "type": "object",
+            "properties": {"text": {"type": "string"}},
+            "required": ["text"],
+        },
+    }
+]
+
+
+def reply(id_: object, result: object = None, error: object = None) -> None:
+    msg = {"jsonrpc": "2.0", "id": id_}
+    msg.update({"error": error} if error is not None else {"result": result})
+    sys.stdout.write(json.dumps(msg) + "\n")
+    sys.stdout.flush()
+
+
+# `--refuse-first-initialize`: the first `initialize` gets an error, as a server of a newer
+# revision would answer it; a client must then negotiate on the same pipes.
+refuse = "--refuse-first-initialize" in sys.argv[1:]
+
+for line in sys.stdin:
+    msg = json.loads(line)
+    if "id" not in msg:
+        continue  # notifications/initialized and the like
+    method, params = msg.get("method"), msg.get("params") or {}
+    if method == "initialize" and refuse:
+        refuse = False
+        reply(msg["id"], error={"code": -32600, "message": "initialize refused (test)"})
+    elif method == "initialize":
+        reply(msg["id"], {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {"tools": {}},
+            "serverInfo": {"name": "legacy", "version": "1"},
+        })  # fmt: skip
+    elif method == "tools/list":
+        reply(msg["id"], {"tools": TOOLS})
+    elif method == "tools/call" and params.get("name") == "shout":
+        text = str(params.get("arguments", {}).get("text", ""))
+        reply(msg["id"], {"content": [{"type": "text", "text": text.upper()}], "isError": False})
+    else:
+        reply(msg["id"], error={"code": -32601, "message": f"method not found: {method}"})

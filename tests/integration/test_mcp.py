@@ -1,0 +1,352 @@
+"""Issue 14: pods use MCP servers' tools. A real MCP server (tests/integration/mcp_test_server.py,
+written with the `mcp` SDK) over stdio and streamable HTTP; the fake model calls its tools through
+a real pod; results, errors and timeouts come back as tool results; the server's processes die
+with the pod however it ends."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Env, StartFailed, wait_until
+
+SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
+# Not worth a model request: the tool names every test's server offers.
+ALL_TOOLS = {"add", "fail", "slow", "env", "big", "pid", "crash"}
+
+
+def server_toml(name: str = "t", *, url: str | None = None, args: tuple[str, ...] = (),
+                **keys: Any) -> str:  # fmt: skip
+    lines = ["", "[[mcp.servers]]", f'name = "{name}"']
+    if url is None:
+        lines.append(f"command = {json.dumps([sys.executable, SERVER, *args])}")
+    else:
+        lines.append(f'url = "{url}"')
+    for key, value in keys.items():
+        if isinstance(value, dict):
+            inline = ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items())
+            lines.append(f"{key} = {{ {inline} }}")
+        else:
+            lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def tool_results(pod: Any) -> list[dict[str, Any]]:
+    return [e["item"] for e in pod.call("history")["entries"] if e["kind"] == "tool_result"]
+
+
+def advertised_tools(body: dict[str, Any]) -> dict[str, Any]:
+    """name -> JSON schema of the tools in one model request (OpenAI or Anthropic shape)."""
+    out = {}
+    for tool in body.get("tools", []):
+        if "function" in tool:
+            out[tool["function"]["name"]] = tool["function"]["parameters"]
+        else:
+            out[tool["name"]] = tool["input_schema"]
+    return out
+
+
+def alerts(pod: Any) -> list[str]:
+    with pod.client(timeout=10) as c:
+        c.subscribe(since=0)
+        c.run("(collect alerts)")  # an event after the held ones, to know when to stop
+        out = []
+        for event in c.events():
+            if event.type == "alert":
+                out.append(event.data["message"])
+            if event.type == "run.finished":
+                return out
+    return out
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_stdio_tools_answer_fail_and_time_out_as_tool_results(env: Env, kind: str) -> None:
+    env.model.script(
+        {
+            "tool_calls": [
+                {"name": "t__add", "arguments": {"a": 2, "b": 40}},
+                {"name": "t__fail", "arguments": {"message": "boom from the server"}},
+                {"name": "t__slow", "arguments": {"seconds": 30}},
+                {"name": "t__add", "arguments": {"a": "not a number", "b": 1}},
+            ]
+        },
+        {"text": "all done"},
+    )
+    pod = env.start("mcpuser", kind=kind, extra=server_toml(timeout=1))
+    with pod.client() as c:
+        result = c.run_wait("use the tools")
+    assert (result.outcome, result.text) == ("finished", "all done")
+
+    tools = advertised_tools(env.model.requests[0]["body"])
+    assert {f"t__{t}" for t in ALL_TOOLS} <= set(tools)
+    assert {"read_file", "list_dir"} <= set(tools)  # worker.tools are still there
+    assert tools["t__add"]["properties"]["a"]["type"] == "integer"
+    assert tools["t__add"]["required"] == ["a", "b"]
+
+    add, fail, slow, bad = tool_results(pod)
+    assert (add["name"], add["output"], add["is_error"]) == ("t__add", "42", False)
+    assert fail["is_error"] and "boom from the server" in fail["output"]
+    assert slow["is_error"] and "timed out after 1 s" in slow["output"]
+    assert bad["is_error"] and "valid integer" in bad["output"]  # the server's own validation
+    # The model saw them as tool results, in its next request.
+    assert "boom from the server" in str(env.model.requests[1]["body"])
+
+
+def test_env_allow_list_and_output_caps(env: Env) -> None:
+    env.env["MCP_SECRET_FOR_TEST"] = "s3cret"
+    env.model.script(
+        {
+            "tool_calls": [
+                {"name": "t__env", "arguments": {"name": "GREETING"}},
+                {"name": "t__env", "arguments": {"name": "FAKE_API_KEY"}},
+                {"name": "t__env", "arguments": {"name": "PODDAEMON_HOME"}},
+                {"name": "t__env", "arguments": {"name": "PATH"}},
+                {"name": "t__big", "arguments": {"n": 5000}},
+                {"name": "t__pid", "arguments": {}},
+            ]
+        },
+        {"text": "ok"},
+    )
+    extra = server_toml(
+        env={"GREETING": "hello ${MCP_SECRET_FOR_TEST}!"},
+        tools=["env", "big", "nosuch"],
+    )
+    extra = extra.replace("[[mcp.servers]]", "[worker.tool_output]\nper_tool = { t__big = 100 }\n"
+                          "\n[[mcp.servers]]")  # fmt: skip
+    pod = env.start("envpod", extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("go").outcome == "finished"
+    tools = advertised_tools(env.model.requests[0]["body"])
+    assert {t for t in tools if t.startswith("t__")} == {"t__env", "t__big"}
+    greeting, api_key, home, path, big, pid = tool_results(pod)
+    assert greeting["output"] == "hello s3cret!"
+    assert api_key["output"] == "<unset>"  # nothing of the pod's environment but what env names
+    assert home["output"] == "<unset>"
+    assert path["output"] == os.environ["PATH"]  # the SDK's few basics
+    assert big["output"].startswith("x" * 100 + "\n[output truncated: 5000 bytes")
+    assert pid["is_error"] and "unknown tool: t__pid" in pid["output"]  # not in the allow-list
+    assert any("has no tool nosuch" in a for a in alerts(pod))
+
+
+def test_unset_env_variable_is_a_start_up_error_naming_it(env: Env) -> None:
+    with pytest.raises(StartFailed) as failed:
+        env.start("unset", extra=server_toml(env={"TOKEN": "${MCP_TEST_NOT_SET_ANYWHERE}"}))
+    assert failed.value.code != 0
+    expected = "mcp.servers[0].env.TOKEN: ${MCP_TEST_NOT_SET_ANYWHERE} is not set"
+    assert expected in failed.value.stderr
+
+
+def test_a_server_that_fails_to_start_is_an_alert_and_its_tools_are_absent(env: Env) -> None:
+    env.model.script({"text": "fine"})
+    extra = server_toml() + server_toml("broken", args=()).replace(
+        json.dumps([sys.executable, SERVER]), json.dumps(["/nonexistent/mcp-server"])
+    )
+    pod = env.start("halfmcp", extra=extra)
+    messages = alerts(pod)
+    assert any(
+        "MCP server 'broken' failed to start" in m and "/nonexistent/mcp-server" in m
+        for m in messages
+    ), messages
+    tools = advertised_tools(env.model.requests[0]["body"])
+    assert "t__add" in tools and not [t for t in tools if t.startswith("broken__")]
+
+
+def test_a_required_server_that_fails_fails_the_start_up(env: Env) -> None:
+    extra = server_toml("needed", required=True, start_timeout=2, args=("--hang-at-start",))
+    with pytest.raises(StartFailed) as failed:
+        env.start("required", extra=extra)
+    assert "required MCP server 'needed' failed to start" in failed.value.stderr
+    assert "did not start within 2 s" in failed.value.stderr
+
+
+def test_a_server_that_dies_is_restarted_once_then_its_calls_fail(env: Env) -> None:
+    env.model.script(
+        {"tool_calls": [{"name": "t__crash", "arguments": {}}]},
+        {"tool_calls": [{"name": "t__add", "arguments": {"a": 1, "b": 2}}]},
+        {"tool_calls": [{"name": "t__crash", "arguments": {}}]},
+        {"tool_calls": [{"name": "t__add", "arguments": {"a": 1, "b": 2}}]},
+        {"text": "survived"},
+    )
+    pod = env.start("phoenix", extra=server_toml())
+    with pod.client() as c:
+        assert c.run_wait("crash it twice").outcome == "finished"
+    crash1, add1, crash2, add2 = tool_results(pod)
+    assert crash1["is_error"] and "lost the connection during crash" in crash1["output"]
+    assert (add1["output"], add1["is_error"]) == ("3", False)  # restarted
+    assert crash2["is_error"]
+    assert add2["is_error"] and "MCP server 't' is not available" in add2["output"]
+    messages = alerts(pod)
+    assert any("restarting it" in m for m in messages)
+    assert any("died again" in m for m in messages)
+
+
+# --- processes die with the pod --------------------------------------------------------------
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def parent_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("how", ["shutdown", "sigterm", "kill -9"])
+def test_the_server_and_its_children_die_with_the_pod(env: Env, tmp_path: Path, how: str) -> None:
+    """Even a server that ignores EOF on stdin and SIGTERM, with a child that ignores SIGTERM."""
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    env.env["MCP_TEST_PIDDIR"] = str(piddir)
+    extra = server_toml(args=("--ignore-eof", "--child"), env={"MCP_TEST_PIDDIR": str(piddir)})
+    pod = env.start("mortal", extra=extra)
+    files = wait_until(lambda: len(list(piddir.iterdir())) == 2 and list(piddir.iterdir()),
+                       what="the pid files of the server and its child")  # fmt: skip
+    pids = {f.name.split(".")[0]: int(f.name.split(".")[1]) for f in files}
+    guard = parent_of(pids["server"])
+    everyone = [pids["server"], pids["child"], guard]
+    assert all(alive(p) for p in everyone), everyone
+    if how == "shutdown":
+        assert pod.stop() == 0
+    elif how == "sigterm":
+        pod.proc.send_signal(signal.SIGTERM)
+        assert pod.proc.wait(20) == 0
+    else:
+        pod.kill9()
+    wait_until(lambda: not any(alive(p) for p in everyone), timeout=15, what="no server process")
+
+
+# --- streamable HTTP ---------------------------------------------------------------------------
+
+
+class HttpServer:
+    """The same test server over streamable HTTP on a free port."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, SERVER, "--http", "0"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        found: list[str] = []
+
+        def read() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                if m := re.search(r"running on (http://127\.0\.0\.1:\d+)", line):
+                    found.append(m[1])
+
+        threading.Thread(target=read, daemon=True).start()
+        base = wait_until(lambda: found and found[0], timeout=30, what="the HTTP MCP server")
+        self.url = f"{base}/mcp"
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def http_server() -> Iterator[HttpServer]:
+    server = HttpServer()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+def test_streamable_http_tools_answer_fail_and_time_out(env: Env, http_server: HttpServer) -> None:
+    env.model.script(
+        {
+            "tool_calls": [
+                {"name": "web__add", "arguments": {"a": 20, "b": 22}},
+                {"name": "web__fail", "arguments": {"message": "http boom"}},
+                {"name": "web__slow", "arguments": {"seconds": 30}},
+            ]
+        },
+        {"text": "http done"},
+    )
+    pod = env.start("httpuser", extra=server_toml("web", url=http_server.url, timeout=1))
+    with pod.client() as c:
+        assert c.run_wait("use the web tools").text == "http done"
+    assert "web__add" in advertised_tools(env.model.requests[0]["body"])
+    add, fail, slow = tool_results(pod)
+    assert (add["output"], add["is_error"]) == ("42", False)
+    assert fail["is_error"] and "http boom" in fail["output"]
+    assert slow["is_error"] and "timed out after 1 s" in slow["output"]
+
+
+def test_an_http_server_that_goes_away_fails_its_calls_and_is_retried_once(
+    env: Env, http_server: HttpServer
+) -> None:
+    add = {"tool_calls": [{"name": "web__add", "arguments": {"a": 1, "b": 2}}]}
+    env.model.script(add, {**add, "gate": "killed"}, add, {"text": "carried on"})
+    pod = env.start("httplost", extra=server_toml("web", url=http_server.url, start_timeout=3))
+    with pod.client() as c:
+        run = c.run("call it while it dies")
+        env.model.wait_for_requests(2)
+        http_server.kill()
+        env.model.open_gate("killed")
+        c.subscribe(since=0)
+        for event in c.events():
+            if event.type == "run.finished" and event.run_id == run.run_id:
+                assert event.data["outcome"] == "finished"
+                break
+    first, lost, after = tool_results(pod)
+    assert (first["output"], first["is_error"]) == ("3", False)
+    assert lost["is_error"] and "lost the connection during add" in lost["output"]
+    assert after["is_error"] and "MCP server 'web' is not available" in after["output"]
+    assert any("could not be restarted" in m for m in alerts(pod))
+
+
+def test_cancelling_a_run_interrupts_an_mcp_call_and_the_server_stays_usable(env: Env) -> None:
+    env.model.script(
+        {"tool_calls": [{"name": "t__slow", "arguments": {"seconds": 60}}]},
+        {"tool_calls": [{"name": "t__add", "arguments": {"a": 5, "b": 5}}]},
+        {"text": "after the cancel"},
+    )
+    pod = env.start("canceller", extra=server_toml())
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("start something slow")
+        for event in c.events():
+            if event.type == "tool.started":
+                assert c.cancel(run.run_id).cancelled
+            if event.type == "run.finished":
+                assert event.data["outcome"] == "cancelled"
+                break
+        again = c.run_wait("now something quick")
+    assert (again.outcome, again.text) == ("finished", "after the cancel")
+    slow, add = tool_results(pod)
+    assert slow["is_error"]
+    assert (add["output"], add["is_error"]) == ("10", False)
+
+
+@pytest.mark.parametrize("refuse", [False, True], ids=["plain", "refuses-first-initialize"])
+def test_a_hand_written_2025_era_server_works_too(env: Env, refuse: bool) -> None:
+    """Also one that refuses the pod's own `initialize`: the SDK negotiates on the same pipes."""
+    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
+    env.model.script(
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "quiet please"}}]},
+        {"text": "heard"},
+    )
+    command = [sys.executable, legacy] + (["--refuse-first-initialize"] if refuse else [])
+    extra = server_toml("old").replace(json.dumps([sys.executable, SERVER]), json.dumps(command))
+    pod = env.start("legacyuser", extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("shout").text == "heard"
+    [shout] = tool_results(pod)
+    assert (shout["output"], shout["is_error"]) == ("QUIET PLEASE", False)

@@ -1,0 +1,89 @@
+"""`podctl mcp-serve` driven by the `mcp` SDK's own client, as Claude Code or any MCP client
+would: list its tools, send work to a real pod and get the answer, notify it, read it."""
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+from tests.conftest import ROOT, Env, wait_until
+
+TOOLS = {"list_pods", "send_to_pod", "notify_pod", "pod_status", "pod_history"}
+
+
+def result_data(result: Any) -> Any:
+    """A tool result's value: structured content when the server sent it, else its text."""
+    if result.structured_content is not None:
+        data = result.structured_content
+        return data.get("result", data) if set(data) == {"result"} else data
+    return json.loads(result.content[0].text)
+
+
+async def test_an_mcp_client_drives_pods_through_mcp_serve(env: Env) -> None:
+    from mcp import Client, StdioServerParameters
+
+    env.model.script({"text": "the answer is 42"})
+    pod = env.start("worker")
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "cli.main", "mcp-serve"], env=env.env, cwd=str(ROOT)
+    )
+    async with Client(params) as client:
+        listed = await client.list_tools()
+        assert {t.name for t in listed.tools} == TOOLS
+        send = next(t for t in listed.tools if t.name == "send_to_pod")
+        assert {"pod", "message", "wait"} <= set(send.input_schema["properties"])
+
+        pods = result_data(await client.call_tool("list_pods", {}))
+        assert [(p["name"], p["state"]) for p in pods] == [("worker", "idle")]
+
+        answer = await client.call_tool("send_to_pod", {"pod": "worker", "message": "question?"})
+        assert not answer.is_error
+        assert result_data(answer)["outcome"] == "finished"
+        assert result_data(answer)["text"] == "the answer is 42"
+
+        queued = result_data(
+            await client.call_tool(
+                "send_to_pod", {"pod": "worker", "message": "later", "wait": False}
+            )
+        )
+        assert queued["run_id"] and queued["state"] in ("started", "queued")
+
+        note = await client.call_tool(
+            "notify_pod", {"pod": "worker", "message": "the build is green", "source": "ci"}
+        )
+        assert not note.is_error and result_data(note)["notification_id"]
+
+        def notified() -> bool:
+            entries = pod.call("history")["entries"]
+            return any("the build is green" in json.dumps(e) for e in entries)
+
+        wait_until(notified, what="the notification in the pod's history")
+
+        status = result_data(await client.call_tool("pod_status", {"pod": "worker"}))
+        assert status["name"] == "worker" and status["model"] == "fake-model"
+
+        history = result_data(await client.call_tool("pod_history", {"pod": "worker", "limit": 5}))
+        assert history["entries"][0]["kind"] == "session_start" and history["next"] >= 5
+        assert any(e.get("text") == "question?" for e in pod.call("history")["entries"])
+
+        missing = await client.call_tool("send_to_pod", {"pod": "ghost", "message": "hi"})
+        assert missing.is_error and "pod 'ghost' is not running" in missing.content[0].text
+
+
+def test_podctl_start_up_does_not_import_the_mcp_sdk(env: Env) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "cli.main", "--help"],
+        cwd=ROOT,
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "mcp-serve" in proc.stdout
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in proc.stderr.splitlines()
+        if line.startswith("import time:") and line.count("|") == 2
+    }
+    assert "typer" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("mcp", "mcp_types", "pydantic")}

@@ -1,0 +1,229 @@
+"""The pure parts of MCP support: `[[mcp.servers]]` validation, env expansion, tool names and
+results. (The servers themselves are exercised in tests/integration/test_mcp.py.)"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from poddaemon.config import ManifestError, load_manifest
+from poddaemon.mcp.env import EnvError, server_env
+from poddaemon.mcp.tool import McpTool, input_schema, offered_name, outcome
+from poddaemon.tools.base import ToolContext, ToolOutcome, execute
+
+BASE = """\
+[pod]
+name = "p"
+
+[provider]
+kind = "openai"
+model = "m"
+
+[[scope.allow]]
+target = "."
+permission = "write"
+"""
+
+
+def load(tmp_path: Path, text: str) -> Any:
+    path = tmp_path / "m.toml"
+    path.write_text(BASE + text)
+    return load_manifest(path, defaults_path=tmp_path / "none.toml")
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    with pytest.raises(ManifestError) as e:
+        load(tmp_path, text)
+    return str(e.value).replace(str(tmp_path) + "/", "")
+
+
+def test_servers_load_with_defaults_and_round_trip(tmp_path: Path) -> None:
+    m = load(
+        tmp_path,
+        '[[mcp.servers]]\nname = "gh"\ncommand = ["gh-mcp", "stdio"]\n'
+        'env = { TOKEN = "${GH_TOKEN}" }\ntools = ["get_file"]\n'
+        '[[mcp.servers]]\nname = "web"\nurl = "http://127.0.0.1:8931/mcp"\ntimeout = 5\n'
+        "required = true\n",
+    )
+    gh, web = m.mcp.servers
+    assert (gh.command, gh.env, gh.tools) == (
+        ["gh-mcp", "stdio"],
+        {"TOKEN": "${GH_TOKEN}"},
+        ["get_file"],
+    )
+    assert (gh.timeout, gh.start_timeout, gh.required) == (60.0, 30.0, False)
+    assert (web.url, web.timeout, web.required) == ("http://127.0.0.1:8931/mcp", 5.0, True)
+    again = tmp_path / "again.toml"
+    again.write_text(m.to_toml())
+    assert load_manifest(again, defaults_path=tmp_path / "none.toml").mcp == m.mcp
+    assert "${GH_TOKEN}" in m.to_toml()  # never expanded into the resolved config on disk
+
+
+def test_no_servers_by_default(tmp_path: Path) -> None:
+    assert load(tmp_path, "").mcp.servers == []
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('name = "a__b"\ncommand = ["x"]', "m.toml:12: mcp.servers[0].name: 'a__b' is not a valid"),
+        ('name = "a"', "mcp.servers[0].command: set exactly one of command (stdio) and url"),
+        ('name = "a"\ncommand = ["x"]\nurl = "http://h/mcp"', "set exactly one of command"),
+        ('name = "a"\ncommand = []', "m.toml:13: mcp.servers[0].command: must not be empty"),
+        ('name = "a"\nurl = "ftp://h"', "mcp.servers[0].url: 'ftp://h' is not an http://"),
+        ('name = "a"\nurl = "http://h"\nenv = { A = "1" }', "mcp.servers[0].env: only a stdio"),
+        ('name = "a"\ncommand = ["x"]\nenv = { "A-B" = "1" }', "env.A-B: 'A-B' is not a valid"),
+        ('name = "a"\ncommand = ["x"]\ntools = ["t", "t"]', "mcp.servers[0].tools[1]: tool 't'"),
+        ('name = "a"\ncommand = ["x"]\ntimeout = 0', "mcp.servers[0].timeout: expected float > 0"),
+        (
+            'name = "a"\ncommand = ["x"]\nretries = 1',
+            "m.toml:14: mcp.servers[0].retries: unknown key",
+        ),
+    ],
+)
+def test_bad_server_entries_name_file_line_and_field(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    assert message in error_of(tmp_path, "[[mcp.servers]]\n" + text + "\n")
+
+
+def test_duplicate_server_names_are_refused(tmp_path: Path) -> None:
+    text = '[[mcp.servers]]\nname = "a"\ncommand = ["x"]\n' * 2
+    assert "mcp.servers[1].name: server 'a' is listed twice" in error_of(tmp_path, text)
+
+
+def test_per_tool_caps_take_prefixed_mcp_names_of_configured_servers(tmp_path: Path) -> None:
+    server = '[[mcp.servers]]\nname = "gh"\ncommand = ["x"]\n'
+    caps = "[worker.tool_output]\nper_tool = { gh__get_file = 100 }\n"
+    assert load(tmp_path, caps + server).worker.tool_output.per_tool == {"gh__get_file": 100}
+    assert "worker.tool_output.per_tool.gh__get_file: no [[mcp.servers]] is named 'gh'" in (
+        error_of(tmp_path, caps)
+    )
+
+
+def test_server_env_is_the_basics_plus_expanded_env() -> None:
+    environ = {"PATH": "/bin", "HOME": "/h", "SECRET": "s", "OPENAI_API_KEY": "k", "F": "() {"}
+    env = server_env({"TOKEN": "${SECRET}-x", "LIT": "a$b ${SECRET}"}, environ)
+    assert env == {"PATH": "/bin", "HOME": "/h", "TOKEN": "s-x", "LIT": "a$b s"}
+    with pytest.raises(EnvError, match=r"env.TOKEN: \$\{NOPE\} is not set"):
+        server_env({"TOKEN": "${NOPE}"}, environ)
+
+
+def test_offered_names_are_prefixed_and_provider_safe() -> None:
+    assert offered_name("gh", "get_file") == "gh__get_file"
+    assert offered_name("gh", "repo.get/file") == "gh__repo_get_file"
+    assert offered_name("gh", "x" * 61) is None  # over 64 characters
+    assert offered_name("gh", "") is None
+
+
+def test_results_become_text_and_is_error_a_tool_error() -> None:
+    text = SimpleNamespace(type="text", text="hello")
+    image = SimpleNamespace(type="image", data="AAAA", mime_type="image/png")
+    link = SimpleNamespace(type="resource_link", uri="file:///a")
+    res = SimpleNamespace(type="resource", resource=SimpleNamespace(uri="u", text="inline"))
+    ok = outcome(SimpleNamespace(content=[text, image, link, res], is_error=False))
+    assert ok == ToolOutcome(
+        output="hello\n[image: image/png, about 3 bytes, not shown]\n[resource: file:///a]\ninline"
+    )
+    bad = outcome(SimpleNamespace(content=[text], is_error=True))
+    assert (bad.output, bad.is_error, bad.summary) == ("hello", True, "hello")
+    structured = outcome(SimpleNamespace(content=[], structured_content={"n": 1}, is_error=False))
+    assert structured.output == '{"n":1}'
+
+
+def test_input_schema_is_always_an_object_schema() -> None:
+    assert input_schema({}) == {"type": "object", "properties": {}}
+    assert input_schema(None) == {"type": "object", "properties": {}}
+    nested = {
+        "type": "object",
+        "properties": {"q": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
+    }
+    assert input_schema(nested) == nested
+
+
+async def test_execute_passes_mcp_arguments_unchecked_and_caps_by_prefixed_name() -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def call(remote: str, args: dict[str, Any]) -> ToolOutcome:
+        seen.append({"remote": remote, **args})
+        return ToolOutcome(output="y" * 50)
+
+    schema = {"type": "object", "properties": {"q": {"anyOf": [{"type": "integer"}]}}}
+    tool = McpTool(name="s__find", remote="find", description="", parameters=schema, call=call)
+    ctx = ToolContext(scope=None, pwd="/")  # type: ignore[arg-type]
+    ctx.limits.per_tool["s__find"] = 10
+    result = await execute("s__find", '{"q": 3, "nested": {"a": [1]}}', ctx, {"s__find": tool})
+    assert seen == [{"remote": "find", "q": 3, "nested": {"a": [1]}}]
+    assert result.output.startswith("y" * 10 + "\n[output truncated: 50 bytes")
+
+
+def test_importing_the_package_does_not_import_the_sdk() -> None:
+    code = (
+        "import sys, poddaemon.mcp\n"
+        "print(any(m.split('.')[0] in ('mcp', 'mcp_types') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def _guarded(*command: str) -> tuple["subprocess.Popen[bytes]", int]:
+    """The guard over `command`, its stderr a pipe whose only reader is the returned fd."""
+    from poddaemon.mcp.stdio import GUARD
+
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-I", GUARD, "--", *command],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=write_fd,
+        start_new_session=True,
+    )
+    os.close(write_fd)
+    return proc, read_fd
+
+
+def test_guard_kills_the_server_group_when_its_reader_goes() -> None:
+    # A server that ignores SIGTERM and EOF: only the group kill ends it.
+    proc, read_fd = _guarded(sys.executable, "-c", SLEEPER)
+    os.close(read_fd)  # what the pod's death does
+    assert proc.wait(10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while _live_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _live_members(proc.pid)
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of group `pgid` that are not zombies (killed children wait for a reaper)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def test_guard_reports_the_server_exit_on_stderr() -> None:
+    proc, read_fd = _guarded(sys.executable, "-c", "raise SystemExit(7)")
+    with os.fdopen(read_fd, "rb") as err:
+        assert b"mcp guard: server exited with status 7" in err.read()
+    proc.wait(10)
+    missing, read_fd = _guarded("/nonexistent/server")
+    with os.fdopen(read_fd, "rb") as err:
+        assert b"cannot start /nonexistent/server" in err.read()
+    assert missing.wait(10) == 127
+
+
+SLEEPER = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)"
