@@ -96,10 +96,13 @@ def rpc_errors(target: str) -> Iterator[None]:
 @contextlib.contextmanager
 def connect(target: str, timeout: float | None = None) -> Iterator["PodClient"]:
     """A PodClient for `target`, with podctl's error handling around everything in the block."""
+    from protocol import paths
     from protocol.client import PodClient
 
-    with rpc_errors(target), PodClient.connect(target, timeout=timeout) as client:
-        yield client
+    with rpc_errors(target):
+        paths.check_private_dirs()  # another user must not be able to swap what we talk to
+        with PodClient.connect(target, timeout=timeout) as client:
+            yield client
 
 
 def raw_status(client: "PodClient") -> dict[str, Any]:
@@ -118,6 +121,9 @@ def run(commands: tuple[str, ...]) -> None:
         importlib.import_module(module)
     try:
         app(prog_name="podctl")
+    except PermissionError as exc:  # an unsafe directory, an unreadable lock file: one line
+        sys.stderr.write(f"podctl: {exc}\n")
+        sys.exit(EXIT_ERROR)
     except BrokenPipeError:
         # Reader went away (`podctl history x | head`): quietly stop, like other Unix tools.
         import os

@@ -165,6 +165,9 @@ def ls(as_json: JsonOpt = False) -> None:
     Columns: name, pid, state, model, write scope, parent, queue (runs/notifications), tokens.
     A pod that errs or does not answer within 2 s is listed with state `unresponsive`.
     """
+    from protocol import paths
+
+    paths.check_private_dirs()  # the registry and sockets of an unsafe home cannot be trusted
     statuses = live_statuses()
     if as_json:
         print_json(statuses)

@@ -267,3 +267,28 @@ def test_other_uid_with_a_squatted_tmp_runtime_dir_gets_one_line(other: Other) -
     finally:
         shutil.rmtree(squat, ignore_errors=True)
     assert err.startswith(f"poddaemon: runtime directory {squat} is owned by uid 0")
+
+
+@pytest.mark.parametrize("command", [["ls"], ["status", "anypod"], ["notify", "anypod", "hi"]])
+def test_podctl_refuses_a_home_others_can_write_in_one_line(env: Env, command: list[str]) -> None:
+    os.chmod(env.home, 0o777)
+    try:
+        proc = env.podctl(*command)
+    finally:
+        os.chmod(env.home, 0o700)
+    assert proc.returncode == 1, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert "writable by group or others" in line and str(env.home) in line
+    assert "Traceback" not in proc.stderr
+
+
+@needs_root
+def test_podctl_refuses_a_home_owned_by_another_user(env: Env) -> None:
+    os.chown(env.home, OTHER_UID, OTHER_UID)
+    try:
+        proc = env.podctl("ls")
+    finally:
+        os.chown(env.home, 0, 0)
+    assert proc.returncode == 1
+    (line,) = proc.stderr.splitlines()
+    assert f"owned by uid {OTHER_UID}" in line
