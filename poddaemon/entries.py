@@ -139,6 +139,17 @@ class RunEnd(Entry, tag="run_end"):
     usage: Usage | None = None  # this run's own usage (absent in sessions of before 0.2)
 
 
+class HookRunEntry(Entry, tag="hook_run"):
+    """A command hook ran (SPEC §10): what policy decided, for a restore or an audit."""
+
+    event: str
+    command: str
+    exit: int | None  # None: killed at its timeout, or it could not start
+    duration: float
+    decision: str  # ok | block | allow | warning
+    reason: str = ""
+
+
 AnyEntry = (
     SessionStart
     | UserInput
@@ -150,6 +161,7 @@ AnyEntry = (
     | TurnEnd
     | LlmUsage
     | RunEnd
+    | HookRunEntry
 )
 
 BY_KIND: dict[str, type[Entry]] = {
@@ -165,6 +177,7 @@ BY_KIND: dict[str, type[Entry]] = {
         TurnEnd,
         LlmUsage,
         RunEnd,
+        HookRunEntry,
     )
 }
 

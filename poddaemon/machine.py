@@ -21,6 +21,7 @@ import msgspec
 
 from poddaemon.entries import (
     Entry,
+    HookRunEntry,
     InputsDelivered,
     LlmUsage,
     PendingInputSnap,
@@ -317,6 +318,33 @@ class Machine:
     def tick(self) -> list[Effect]:
         self._timer_at = None
         return self._handle(lambda: None)
+
+    def add_context(self, text: str, source: str) -> list[Effect]:
+        """Context a hook added (SessionStart, UserPromptSubmit): committed like a notification,
+        so the model reads it at its next request."""
+        return self._handle(
+            lambda: self._commit(SystemItem(id=self.new_id(), text=text, source=source))
+        )
+
+    def hook_ran(
+        self,
+        event: str,
+        command: str,
+        exit: int | None,
+        duration: float,
+        decision: str,
+        reason: str,
+    ) -> list[Effect]:
+        entry = HookRunEntry(
+            event=event,
+            command=command,
+            exit=exit,
+            duration=round(duration, 6),
+            decision=decision,
+            reason=reason,
+        )
+        # Recorded in the session the pod already has; a hook before any input opens none.
+        return self._handle(lambda: self._commit(entry) if self.state.session_id else None)
 
     # --- results from the executor --------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from typing import Any
 from poddaemon.acks import DurableReplies, settle
 from poddaemon.config.load import manifest_to_dict
 from poddaemon.config.manifest import Manifest
-from poddaemon.entries import RunStart, SessionStart, body_of, events_of
+from poddaemon.entries import RunEnd, RunStart, SessionStart, body_of, events_of
 from poddaemon.events import EventBus
+from poddaemon.hooks import HookRun, Hooks
 from poddaemon.interceptors import Budget, Chain, Interceptor, Refuse
 from poddaemon.llm.types import (
     ModelClient,
@@ -46,6 +47,7 @@ from poddaemon.machine import (
 )
 from poddaemon.prompt import Instruction
 from poddaemon.registry import PodEntry, Registry
+from poddaemon.sandbox.pod import PodSandbox
 from poddaemon.scope import Scope
 from poddaemon.store.file import HeadMoved, SessionLog
 from poddaemon.store.log import new_session_id
@@ -72,6 +74,7 @@ class Services:
     tools: Toolset
     model: ModelClient
     interceptors: list[Interceptor] = field(default_factory=list)
+    sandbox: PodSandbox = field(default_factory=PodSandbox)
 
 
 class Pod:
@@ -105,7 +108,19 @@ class Pod:
                 per_tool=dict(m.worker.tool_output.per_tool),
             ),
             env_passthrough=tuple(m.worker.env_passthrough),
+            sandbox_policy=services.sandbox.policy,
         )
+        self.hooks: Hooks | None = None
+        if m.hooks.any():
+            self.hooks = Hooks(
+                m.hooks,
+                pod=self.name,
+                cwd=m.pod.pwd,
+                runner=self.tool_ctx.command_runner,
+                session=self._session_ref,
+                record=self._record_hook,
+            )
+            self.chain.interceptors.append(self.hooks)
         self._log: SessionLog | None = None
         self._tokens = itertools.count(1)
         self._replies: dict[int, asyncio.Future[Any]] = {}
@@ -114,6 +129,7 @@ class Pod:
         self._timer: asyncio.TimerHandle | None = None
         self._stopped = asyncio.Event()
         self.mcp: Any = None  # the MCP servers' manager, when the manifest lists any
+        self._background: set[asyncio.Task[Any]] = set()
 
     @property
     def pod_state(self) -> str:
@@ -137,6 +153,8 @@ class Pod:
                         forked = self._write(entry)
                     for type_, data, run_id in events_of(entry):
                         self.bus.publish(type_, data, run_id)
+                    if isinstance(entry, RunEnd) and entry.outcome != "paused":
+                        self.spawn_background(self.chain.on_run_end(entry.run_id, entry.outcome))
                 case Publish(type_, data, run_id):
                     self.bus.publish(type_, data, run_id)
                 case Reply(token, result, error, durable):
@@ -331,6 +349,25 @@ class Pod:
         self._timer = None
         self.feed(self.machine.tick())
 
+    def _session_ref(self) -> tuple[str, str]:
+        """(session id, its log's path) for a hook's stdin."""
+        path = str(self._log.path) if self._log is not None else ""
+        return self.machine.state.session_id, path
+
+    def _record_hook(self, run: HookRun) -> None:
+        if run.decision == "warning":
+            self._alert("warning", f"{run.event} hook `{run.command}`: {run.reason}", "hook")
+        effects = self.machine.hook_ran(
+            run.event, run.command, run.exit, run.duration, run.decision, run.reason
+        )
+        self.feed(effects)
+
+    def spawn_background(self, coro: Any) -> None:
+        """Run a hook that decides nothing (Notification, SubagentStop, Stop) off the path."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _alert(self, level: str, message: str, source: str = "session") -> None:
         log.log(logging.ERROR if level == "error" else logging.WARNING, "%s", message)
         self.bus.publish("alert", {"level": level, "source": source, "message": message})
@@ -355,6 +392,8 @@ class Pod:
         for future in self._replies.values():
             settle(future, RpcError(errors.SHUTTING_DOWN, "the pod shut down"))
         await self._durable.drain()
+        if self._background:  # Stop/Notification hooks still running: give them a moment
+            await asyncio.wait(self._background, timeout=5)
         await self.tool_ctx.aclose()  # kills commands still running, reaps the runner
         if self._log is not None:
             with contextlib.suppress(OSError):
