@@ -37,6 +37,7 @@ class PendingInputSnap(msgspec.Struct, kw_only=True, omit_defaults=True):
     text: str
     source: str = ""
     ts: float = 0.0
+    context: bool = False
 
 
 class SessionStart(Entry, tag="session_start"):
@@ -85,6 +86,7 @@ class SystemItem(Entry, tag="system_item"):
     event_id: str | None = None
     run_id: str | None = None
     detail: str | None = None  # the report's own text (`text` is what the model reads)
+    context: bool = False  # a hook's context: read at the next request, wakes no one
 
 
 class RunStart(Entry, tag="run_start"):

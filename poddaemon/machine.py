@@ -321,10 +321,9 @@ class Machine:
 
     def add_context(self, text: str, source: str) -> list[Effect]:
         """Context a hook added (SessionStart, UserPromptSubmit): committed like a notification,
-        so the model reads it at its next request."""
-        return self._handle(
-            lambda: self._commit(SystemItem(id=self.new_id(), text=text, source=source))
-        )
+        so the model reads it at its next request, but it wakes no run by itself."""
+        item = SystemItem(id=self.new_id(), text=text, source=source, context=True)
+        return self._handle(lambda: self._commit(item))
 
     def hook_ran(
         self,
@@ -602,8 +601,8 @@ class Machine:
             return True
         if s.paused_run is not None:
             return False  # notifications wait for `resume` (or for a new run)
-        if not s.pending_notifications or self.budget_exhausted():
-            return False
+        if s.pending_notifications <= s.pending_context or self.budget_exhausted():
+            return False  # nothing that wakes the pod (a hook's context waits for input)
         now = self.clock()
         start = self._burst_start if self._burst_start is not None else now
         settle_at = min(self._last_notify + NOTIFY_QUIET, start + NOTIFY_MAX_DELAY)

@@ -171,7 +171,8 @@ class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.command.strip():
             raise FieldError("command", "must not be empty")
-        if self.matcher is not None:
+        if self.matcher not in (None, "", "*"):  # those two match every tool
+            assert self.matcher is not None
             try:
                 re.compile(self.matcher)
             except re.error as exc:
