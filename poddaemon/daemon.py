@@ -372,6 +372,7 @@ def _serve(
         sdnotify.notify("READY=1")
         log.info("ready on %s (session %s)", sock_path, pod.state.session_id or "not yet started")
         supervisor = asyncio.create_task(sdnotify.supervise(pod))
+        pod.warm_model()
 
         def lost(reason: str) -> None:
             claim.lost = True

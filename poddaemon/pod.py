@@ -130,6 +130,7 @@ class Pod:
         self._stopped = asyncio.Event()
         self.mcp: Any = None  # the MCP servers' manager, when the manifest lists any
         self._background: set[asyncio.Task[Any]] = set()
+        self._warming: asyncio.Future[None] | None = None
 
     @property
     def pod_state(self) -> str:
@@ -361,6 +362,16 @@ class Pod:
             run.event, run.command, run.exit, run.duration, run.decision, run.reason
         )
         self.feed(effects)
+
+    def warm_model(self) -> None:
+        """Import the provider's SDK now, in the model thread, so the first run does not pay
+        for it (~0.4-1 s). Failures are left for the first real call to report."""
+
+        async def warm() -> None:
+            with contextlib.suppress(Exception):
+                await self.s.model.warm()
+
+        self._warming = asyncio.ensure_future(warm())  # not awaited at stop: stop stays fast
 
     def spawn_background(self, coro: Any) -> None:
         """Run a hook that decides nothing (Notification, SubagentStop, Stop) off the path."""
