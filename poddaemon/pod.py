@@ -17,7 +17,15 @@ from typing import Any
 from poddaemon.acks import DurableReplies, settle
 from poddaemon.config.load import manifest_to_dict
 from poddaemon.config.manifest import Manifest
-from poddaemon.entries import RunEnd, RunStart, SessionStart, body_of, events_of
+from poddaemon.entries import (
+    RunEnd,
+    RunStart,
+    SessionStart,
+    SystemItem,
+    UserInput,
+    body_of,
+    events_of,
+)
 from poddaemon.events import EventBus
 from poddaemon.hooks import HookRun, Hooks
 from poddaemon.interceptors import Budget, Chain, Interceptor, Refuse
@@ -122,6 +130,7 @@ class Pod:
             )
             self.chain.interceptors.append(self.hooks)
         self._log: SessionLog | None = None
+        self._input_seq = 0  # the last input written: a model call waits until it is durable
         self._tokens = itertools.count(1)
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._durable = DurableReplies(self._synced, lambda: self.failure, self._fail)
@@ -208,7 +217,9 @@ class Pod:
         try:
             if isinstance(entry, RunStart) and not self._log.head_is_mine():
                 raise HeadMoved(0, "head moved")
-            self._log.append(entry.kind, body_of(entry), ts=entry.ts)
+            written = self._log.append(entry.kind, body_of(entry), ts=entry.ts)
+            if isinstance(entry, UserInput | SystemItem):
+                self._input_seq = written["seq"]
         except HeadMoved:
             self._fork()
             return True
@@ -221,6 +232,7 @@ class Pod:
         old = self._log
         start = self.machine.fork()
         self._log = old.fork(start_body=body_of(start), new_id=start.session_id)
+        self._input_seq = 0  # the new session starts durable: its inputs are in its first entry
         old.close()
         self.s.registry.update(self.name, self.s.entry.pid, session=start.session_id)
         self._alert(
@@ -243,10 +255,15 @@ class Pod:
         future = self._replies.pop(token, None)
         if future is None:
             return
-        if durable and error is None:
+        if durable and error is None and not self._inputs_durable():
             self._durable.add(future, result)
         else:
             settle(future, error if error is not None else result)
+
+    def _inputs_durable(self) -> bool:
+        """Every input written so far is on disk: what an acknowledgement or a model call needs
+        (later entries, a run's end say, need no fsync before a reply)."""
+        return self._log is None or self._log.durable_seq >= self._input_seq
 
     async def _synced(self) -> None:
         if self._log is not None and self.failure is None:
@@ -256,7 +273,8 @@ class Pod:
 
     async def _call_model(self, call: CallModel) -> None:
         try:
-            await self._synced()  # nothing runs on input that is not yet durable
+            if not self._inputs_durable():
+                await self._synced()  # nothing runs on input that is not yet durable
             request = ModelRequest(
                 system=call.system,
                 items=call.items,
