@@ -255,8 +255,8 @@ class Pod:
         future = self._replies.pop(token, None)
         if future is None:
             return
-        if durable and error is None and not self._inputs_durable():
-            self._durable.add(future, result)
+        if durable and error is None and (self.failure is not None or not self._inputs_durable()):
+            self._durable.add(future, result)  # after the fsync (or the log's failure)
         else:
             settle(future, error if error is not None else result)
 
