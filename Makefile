@@ -14,10 +14,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	@# The editable install's import finder costs ~20 ms at every start of podctl and of a pod;
-	@# a plain .pth line putting the repo on sys.path does the same job for free.
+	@# poddaemon/_devfinder.py, run from a .pth line, finds the packages for free.
 	$(PY) -c "import glob, os, site; sp = site.getsitepackages()[0]; \
-	  [os.remove(p) for p in glob.glob(sp + '/__editable__*poddaemon*')]; \
-	  open(sp + '/poddaemon-repo.pth', 'w').write(os.getcwd() + '\n')"
+	  [os.remove(p) for p in glob.glob(sp + '/__editable__*poddaemon*') + glob.glob(sp + '/poddaemon-repo.pth')]; \
+	  f = os.path.join(os.getcwd(), 'poddaemon', '_devfinder.py'); \
+	  open(sp + '/poddaemon-dev.pth', 'w').write(f'import sys; exec(compile(open({f!r}).read(), {f!r}, \"exec\"), {{\"__file__\": {f!r}}})\n')"
 	$(PY) -m compileall -q $(VENV)/lib >/dev/null || true
 	touch $@
 
