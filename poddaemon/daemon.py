@@ -296,6 +296,11 @@ def _serve(
         instruction=instruction,
         tools=Toolset.from_names(manifest.worker.tools),
         model=ThreadedModel(make_client(manifest.provider)),
+        compaction_model=(
+            ThreadedModel(make_client(manifest.compaction.provider))
+            if manifest.compaction is not None and manifest.compaction.provider is not None
+            else None
+        ),
     )
     sock_path = claim.sock_path
 

@@ -60,6 +60,7 @@ class SessionStart(Entry, tag="session_start"):
     paused_run: str | None = None
     open_calls: list[ToolCall] = []
     run_outcomes: dict[str, dict[str, Any]] = {}
+    run_from: int | None = None  # index in `history` where the active run's items begin
 
 
 class UserInput(Entry, tag="user_input"):

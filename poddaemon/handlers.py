@@ -12,8 +12,6 @@ import msgspec
 import poddaemon
 from poddaemon.store.file import read_session
 from poddaemon.store.log import new_session_id
-from protocol import errors
-from protocol.errors import RpcError
 from protocol.types import (
     CancelParams,
     CompactResult,
@@ -82,10 +80,9 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         asyncio.get_running_loop().call_soon(conn.start_events, cursor)
         return SubscribeResult(cursor=pod.bus.seq)
 
-    def compact(p: NoParams, conn: Any) -> CompactResult:
-        if m.pod_state != "idle":
-            raise RpcError(errors.BUSY, "compact needs an idle pod")
-        raise RpcError(errors.INVALID_REQUEST, "compaction is not available in this version")
+    async def compact(p: NoParams, conn: Any) -> CompactResult:
+        result: CompactResult = await pod.request(m.compact)
+        return result
 
     return {
         "run": run,
