@@ -251,3 +251,15 @@ def cancel(
     with connect(pod) as client:
         result = client.cancel(run_id)
     _say("cancelled" if result.cancelled else "nothing to cancel")
+
+
+@app.command()
+def compact(pod: PodArg, as_json: JsonOpt = False) -> None:
+    """Compact the pod's context now (idle pods only): summarize the history and continue in a
+    new session linked by `compacted_from`. Prints the new session's id."""
+    with connect(pod) as client:
+        result = client.compact()
+    if as_json:
+        print_json({"session_id": result.session_id})
+        return
+    _say(f"compacted: session {result.session_id}")
