@@ -1,5 +1,6 @@
 """Compaction with real pods, the real SDKs and the fake model (SPEC §3, §5, §8)."""
 
+import itertools
 import json
 import threading
 from typing import Any
@@ -26,7 +27,8 @@ def tool_replies(n: int) -> list[dict[str, Any]]:
 
 
 def write_data(env: Env) -> None:
-    (env.work / "data.txt").write_text("".join(f"line {i:04d} of the data file\n" for i in range(80)))
+    lines = (f"line {i:04d} of the data file\n" for i in range(80))
+    (env.work / "data.txt").write_text("".join(lines))
 
 
 # --- reading the three wire formats -----------------------------------------------------------
@@ -80,7 +82,7 @@ def check_wire(kind: str, body: dict[str, Any]) -> None:
     else:
         roles = [m["role"] for m in body["messages"]]
         assert roles[0] == "user"
-        assert all(a != b for a, b in zip(roles, roles[1:], strict=False)), roles
+        assert all(a != b for a, b in itertools.pairwise(roles)), roles
         previous: set[str] = set()
         for msg in body["messages"]:
             blocks = msg["content"]
@@ -183,7 +185,7 @@ def test_notifications_acked_before_a_compaction_are_in_the_first_request_after_
 ) -> None:
     write_data(env)
     pod = env.start(extra=compaction_toml(1500, retained=1))
-    env.model.script(*tool_replies(2))
+    env.model.script(*tool_replies(4))
     env.model.script_when(MARKER, {"text": "SUMMARY", "gate": "summary"})
     with pod.client() as c:
         c.run(INPUT)
@@ -210,7 +212,7 @@ def test_kill_9_during_a_compaction_restores_a_valid_session(env: Env, point: st
         env.env[CRASH_ENV] = point
     pod = env.start(extra=compaction_toml(1500, retained=1))
     env.env.pop(CRASH_ENV, None)
-    env.model.script(*tool_replies(3))
+    env.model.script(*tool_replies(4))
     env.model.script_when(MARKER, {"text": "SUMMARY", "gate": "summary"})
     with pod.client() as c:
         c.run(INPUT)
@@ -234,11 +236,13 @@ def test_kill_9_during_a_compaction_restores_a_valid_session(env: Env, point: st
     again = env.restart(pod, "--resume")
     status = again.call("status")
     assert status["session_id"] == ids[0]  # the newest of the chain
-    wait_until(lambda: again.call("status")["state"] == "idle", timeout=30)
-    bodies = [r["body"] for r in env.model.requests]
-    assert any(
-        "acknowledged during the compaction" in t for b in bodies for t in user_texts("openai", b)
-    ), "an acknowledged notification was lost"
+
+    def delivered() -> bool:
+        bodies = [r["body"] for r in env.model.requests]
+        texts = [t for b in bodies for t in user_texts("openai", b)]
+        return any("acknowledged during the compaction" in t for t in texts)
+
+    wait_until(delivered, timeout=30, what="the acknowledged notification (never lost)")
     assert note.notification_id
     entries = read_session(sessions, ids[0]).entries
     assert any(e["kind"] == "run_end" and e.get("interrupted") for e in entries) or (
@@ -273,7 +277,7 @@ def test_failing_summaries_trip_the_breaker_and_a_manual_compact_resets_it(env: 
     assert pod.call("status")["session_id"] == new_id
     env.model.script(*tool_replies(4))
     with pod.client(timeout=60) as c:
-        c.run("again", wait=True)
+        c.run_wait("again")
     bodies = [r["body"] for r in env.model.requests]
     assert sum(is_summary_request("openai", b) for b in bodies) >= 5  # automatic again
 
@@ -284,7 +288,7 @@ def test_a_useless_summary_is_not_repeated_in_that_run(env: Env) -> None:
     env.model.script_when(MARKER, {"text": "padding " * 20000}, {"text": "padding " * 20000})
     env.model.script(*tool_replies(6))
     with pod.client(timeout=60) as c:
-        result = c.run(INPUT, wait=True)
+        result = c.run_wait(INPUT)
     assert result.outcome == "finished"
     bodies = [r["body"] for r in env.model.requests]
     assert sum(is_summary_request("openai", b) for b in bodies) == 1
@@ -296,7 +300,7 @@ def test_compact_is_busy_during_a_run_and_resume_picks_the_newest_of_the_chain(
     pod = env.start()
     env.model.script({"text": "first answer"})
     with pod.client() as c:
-        c.run("hello", wait=True)
+        c.run_wait("hello")
         env.model.script({"text": "slow", "gate": "g"})
         c.run("second")
         wait_until(lambda: len(env.model.requests) >= 2)
