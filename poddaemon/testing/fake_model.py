@@ -5,8 +5,8 @@ Real HTTP/1.1 on 127.0.0.1 (stdlib `ThreadingHTTPServer`, keep-alive, chunked SS
 - ``POST /v1/chat/completions``  OpenAI Chat Completions (streaming and not)
 - ``POST /v1/responses``         OpenAI Responses (streaming and not)
 - ``POST /v1/messages``          Anthropic Messages (streaming and not)
-- ``POST /_fake/script`` (``{"replies": [...]}``, appended; Python: ``script_when(marker, …)``
-  for requests whose last user text contains a marker), ``GET /_fake/requests``,
+- ``POST /_fake/script`` (``{"replies": [...]}``, appended; with ``"when": marker`` (Python:
+  ``script_when``) for requests whose last user text contains the marker), ``GET /_fake/requests``,
   ``POST /_fake/gate/<name>``, ``POST /_fake/reset``, ``GET /_fake/health``
 
 Each model request (faulty or not) is recorded as ``{path, body, headers}`` and consumes the next
@@ -464,7 +464,12 @@ class _Handler(BaseHTTPRequestHandler):
             except (ValueError, msgspec.DecodeError) as exc:
                 self._send_json(400, {"error": str(exc)})
                 return
-            fake.script(*replies)
+            payload = _decode(raw) if raw else {}
+            when = payload.get("when") if isinstance(payload, dict) else None
+            if isinstance(when, str) and when:
+                fake.script_when(when, *replies)
+            else:
+                fake.script(*replies)
             self._send_json(200, {"queued": fake.pending})
         elif path == "/_fake/reset":
             fake.reset()
