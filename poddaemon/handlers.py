@@ -12,6 +12,8 @@ import msgspec
 import poddaemon
 from poddaemon.store.file import read_session
 from poddaemon.store.log import new_session_id
+from protocol import errors
+from protocol.errors import RpcError
 from protocol.types import (
     CancelParams,
     CompactResult,
@@ -66,13 +68,24 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         return await pod.request(m.shutdown)
 
     async def history(p: HistoryParams, conn: Any) -> HistoryResult:
-        sid = m.state.session_id
+        sid = p.session_id or m.state.session_id
         if not sid:
             return HistoryResult(entries=[], next=p.since)
         limit = max(1, min(p.limit, 10_000))
-        result = await asyncio.to_thread(read_session, pod.s.sessions_dir, sid)
+        try:
+            result = await asyncio.to_thread(read_session, pod.s.sessions_dir, sid)
+        except (OSError, ValueError) as exc:  # no such session, a bad id, a damaged log
+            raise RpcError(errors.INVALID_PARAMS, f"session_id: {exc}") from None
+        start = result.entries[0]
+        if start.get("pod") != pod.name:
+            raise RpcError(errors.INVALID_PARAMS, f"session_id: {sid} is not a session of this pod")
         entries = [e for e in result.entries if e["seq"] > p.since][:limit]
-        return HistoryResult(entries=entries, next=entries[-1]["seq"] if entries else p.since)
+        return HistoryResult(
+            entries=entries,
+            next=entries[-1]["seq"] if entries else p.since,
+            session_id=sid,
+            previous=start.get("compacted_from") or start.get("forked_from"),
+        )
 
     def subscribe(p: SubscribeParams, conn: Any) -> SubscribeResult:
         cursor = pod.bus.seq if p.since is None else max(0, p.since)

@@ -316,6 +316,14 @@ def test_compact_is_busy_during_a_run_and_resume_picks_the_newest_of_the_chain(
     pod.stop()
     again = env.restart(pod, "--resume")
     assert again.call("status")["session_id"] == new
-    history = again.call("history")["entries"]
-    assert history[0]["compacted_from"] == old
+    history = again.call("history")
+    assert history["entries"][0]["compacted_from"] == old and history["previous"] == old
+    # History paging walks back across the chain: the old session, intact, by its id.
+    shown = env.podctl("history", "pod", "--all", "--json")
+    assert json.loads(shown.stdout)["previous"] == old
+    back = env.podctl("history", "pod", "--session", old, "--json")
+    assert back.returncode == 0, back.stderr
+    kinds = [e["kind"] for e in json.loads(back.stdout)["entries"]]
+    assert kinds.count("run_end") == 2 and "session_start" in kinds
+    assert env.podctl("sessions", "verify", old).returncode == 0
     again.stop()
