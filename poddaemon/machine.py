@@ -666,10 +666,10 @@ class Machine:
             forked_from=None,
             compacted_from=old_id,
             run_from=run_from,
+            run_usage=msgspec.structs.replace(run_usage),
+            run_calls=run_calls,
         )
         self.state = fold([start])
-        self.state.run_usage = run_usage
-        self.state.run_calls = run_calls
         return start
 
     # --- the rules ------------------------------------------------------------------------------

@@ -269,6 +269,9 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     s.paused_run = e.paused_run
     s.rounds = e.rounds
     s.run_from = e.run_from or 0
+    if e.run_usage is not None:
+        s.run_usage = Usage(**msgspec.structs.asdict(e.run_usage))
+        s.run_calls = e.run_calls
     s.open_calls = list(e.open_calls)
     s.run_outcomes = dict(e.run_outcomes)
 

@@ -2,7 +2,7 @@
 
 from typing import Any
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from poddaemon import compaction
@@ -12,6 +12,10 @@ from poddaemon.machine import CallModel, MachineConfig, Summarize, SwitchSession
 from poddaemon.session import fold
 from protocol import errors
 from tests.unit.machine_driver import Driver
+from tests.unit.test_restore import check_fold_matches, check_pairing, check_runs_end_once
+from tests.unit.test_restore import crash as restore_crash
+from tests.unit.test_restore import step as restore_step
+from tests.unit.test_restore import work as restore_work
 
 
 def driver(threshold: int | None = 100, retained: int = 1, max_turns: int = 40) -> Driver:
@@ -305,3 +309,91 @@ def test_switch_session_effect_carries_the_whole_state_to_continue_from() -> Non
     assert [r.text for r in switch.start.pending_runs] == ["queued second"]
     assert switch.start.active_run == d.machine.state.active_run
     assert switch.start.run_from == 1
+
+
+# --- properties: compaction inside random command sequences, with crashes -----------------------
+
+
+def _seen(d: Driver, seen: set[str]) -> None:
+    """Texts the model has been shown (requests and summary requests): what it has read."""
+    for e in d.effects:
+        if isinstance(e, CallModel | Summarize):
+            for item in e.items:
+                if isinstance(item, UserMessage | SystemNote):
+                    seen.add(item.text)
+
+
+def _compaction_work(d: Driver, data: Any) -> None:
+    if isinstance(d.inflight, Summarize):
+        if d.interrupted:
+            d.summarize_fails(None)
+            return
+        kind = data.draw(st.integers(0, 5))
+        if kind == 0:
+            d.summarize_fails("provider down")
+        elif kind == 1:
+            d.summarize("useless " * 5000)
+        else:
+            d.summarize("a short summary")
+    else:
+        restore_work(d, data)
+
+
+def _crash(d: Driver, data: Any) -> Driver:
+    again = restore_crash(d, data)
+    again.old_sessions = d.old_sessions  # complete files: a switch is durable before it happens
+    return again
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_compaction_keeps_the_machine_invariants_across_crashes(data: Any) -> None:
+    d = driver(threshold=data.draw(st.sampled_from([20, 60, 200])), retained=1, max_turns=6)
+    seen: set[str] = set()
+    for _ in range(data.draw(st.integers(1, 60), label="steps")):
+        roll = data.draw(st.integers(0, 14))
+        if roll == 0:
+            d = _crash(d, data)
+        elif roll == 1:
+            d.call("compact")
+        elif isinstance(d.inflight, Summarize) and roll < 8:
+            _compaction_work(d, data)
+        else:
+            restore_step(d, data) if not isinstance(d.inflight, Summarize) else None
+        _seen(d, seen)
+        check_fold_matches(d)
+    for _ in range(300):  # settle
+        if d.inflight is None and d.timer is None:
+            if d.machine.state.paused_run is not None and d.machine.state.active_run is None:
+                d.call("resume")
+                _seen(d, seen)
+                continue
+            break
+        if isinstance(d.inflight, Summarize):
+            d.summarize("settling summary")
+        elif isinstance(d.inflight, CallModel):
+            d.model_fails(None) if d.interrupted else d.model("final")
+        elif d.inflight is not None:
+            d.tool()
+        else:
+            d.tick(5.0)
+        _seen(d, seen)
+    d.sync()
+    check_fold_matches(d)
+    if not d.entries:
+        return
+    state = d.machine.state
+    assert state.active_run is None and state.open_calls == [] and not d.machine.compacting
+    check_pairing(state.history)
+    every = [e for s in [*d.old_sessions, d.entries] for e in s]
+    check_runs_end_once(every)
+    # (a compacted session keeps only the outcomes keyed retries may ask for: read the logs)
+    cancelled_runs = {
+        e["run_id"] for e in every if e["kind"] == "run_end" and e["outcome"] == "cancelled"
+    }
+    for e in d.acked:  # nothing acknowledged is lost: the model read it, or it still waits
+        queued_run = e["kind"] == "user_input" and e.get("mode", "queue") == "queue"
+        cancelled = queued_run and e["run_id"] in cancelled_runs
+        shown = any(e["text"] in t for t in seen)
+        pending = e.get("id") in state.pending_inputs
+        assert shown or cancelled or pending, e
