@@ -11,7 +11,14 @@ from poddaemon.compaction import SUMMARY_TAG
 from poddaemon.pod import CRASH_ENV
 from poddaemon.store.file import list_sessions, read_session
 from protocol.types import Event
-from tests.conftest import PROVIDER_KINDS, Env, PodProcess, collect_run, wait_until
+from tests.conftest import (
+    PROVIDER_KINDS,
+    Env,
+    PodProcess,
+    StartFailed,
+    collect_run,
+    wait_until,
+)
 
 MARKER = "Your context is about to be compacted"
 INPUT = "THE TASK: read data.txt thirty times, then say done."
@@ -327,3 +334,38 @@ def test_compact_is_busy_during_a_run_and_resume_picks_the_newest_of_the_chain(
     assert kinds.count("run_end") == 2 and "session_start" in kinds
     assert env.podctl("sessions", "verify", old).returncode == 0
     again.stop()
+
+
+def test_the_compaction_provider_makes_the_summary_and_its_usage_counts(env: Env) -> None:
+    write_data(env)
+    extra = compaction_toml(1500, retained=1) + (
+        "[compaction.provider]\n"
+        'kind = "anthropic"\n'
+        'model = "summarizer"\n'
+        f'base_url = "{env.model.url}"\n'
+        'api_key_env = "FAKE_API_KEY"\n'
+    )
+    pod = env.start(extra=extra)  # the pod itself speaks openai
+    env.model.script_when(MARKER, {"text": "SUMMARY", "usage": {"input": 777, "output": 55}})
+    env.model.script(*tool_replies(4))
+    with pod.client(timeout=60) as c:
+        result = c.run_wait(INPUT)
+    assert result.outcome == "finished"
+    paths = [r["path"] for r in env.model.requests]
+    assert paths.count("/v1/messages") == 1 and "/v1/chat/completions" in paths
+    summary = next(r for r in env.model.requests if r["path"] == "/v1/messages")
+    assert summary["body"]["model"] == "summarizer"
+    calls = pod.call("usage")["calls"]
+    (mine,) = [c for c in calls if c["model"] == "summarizer"]
+    assert (mine["input"], mine["output"]) == (777, 55)
+    assert result.usage.input >= 777  # the run's usage includes its compaction
+
+
+def test_a_missing_compaction_provider_key_fails_start_up_naming_it(env: Env) -> None:
+    extra = compaction_toml(1500) + (
+        '[compaction.provider]\nkind = "anthropic"\nmodel = "s"\napi_key_env = "NO_SUCH_KEY"\n'
+    )
+    with pytest.raises(StartFailed) as failed:
+        env.start(extra=extra)
+    assert "compaction.provider.api_key_env" in failed.value.stderr
+    assert "NO_SUCH_KEY" in failed.value.stderr
