@@ -397,3 +397,21 @@ def test_compaction_keeps_the_machine_invariants_across_crashes(data: Any) -> No
         shown = any(e["text"] in t for t in seen)
         pending = e.get("id") in state.pending_inputs
         assert shown or cancelled or pending, e
+
+
+def test_the_precompact_point_runs_every_interceptor_in_order() -> None:
+    import asyncio
+
+    from poddaemon.interceptors import Chain, Interceptor
+
+    seen: list[str] = []
+
+    class Hook(Interceptor):
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def before_compact(self, reason: str) -> None:
+            seen.append(f"{self.name}:{reason}")
+
+    asyncio.run(Chain([Hook("a"), Interceptor(), Hook("b")]).before_compact("manual"))
+    assert seen == ["a:manual", "b:manual"]
