@@ -22,6 +22,7 @@ import msgspec
 from poddaemon import compaction
 from poddaemon.entries import (
     Entry,
+    HookRunEntry,
     InputsDelivered,
     LlmUsage,
     PendingInputSnap,
@@ -363,6 +364,32 @@ class Machine:
     def tick(self) -> list[Effect]:
         self._timer_at = None
         return self._handle(lambda: None)
+
+    def add_context(self, text: str, source: str) -> list[Effect]:
+        """Context a hook added (SessionStart, UserPromptSubmit): committed like a notification,
+        so the model reads it at its next request, but it wakes no run by itself."""
+        item = SystemItem(id=self.new_id(), text=text, source=source, context=True)
+        return self._handle(lambda: self._commit(item))
+
+    def hook_ran(
+        self,
+        event: str,
+        command: str,
+        exit: int | None,
+        duration: float,
+        decision: str,
+        reason: str,
+    ) -> list[Effect]:
+        entry = HookRunEntry(
+            event=event,
+            command=command,
+            exit=exit,
+            duration=round(duration, 6),
+            decision=decision,
+            reason=reason,
+        )
+        # Recorded in the session the pod already has; a hook before any input opens none.
+        return self._handle(lambda: self._commit(entry) if self.state.session_id else None)
 
     # --- results from the executor --------------------------------------------------------------
 
@@ -805,8 +832,8 @@ class Machine:
             return True
         if s.paused_run is not None:
             return False  # notifications wait for `resume` (or for a new run)
-        if not s.pending_notifications or self.budget_exhausted():
-            return False
+        if s.pending_notifications <= s.pending_context or self.budget_exhausted():
+            return False  # nothing that wakes the pod (a hook's context waits for input)
         now = self.clock()
         start = self._burst_start if self._burst_start is not None else now
         settle_at = min(self._last_notify + NOTIFY_QUIET, start + NOTIFY_MAX_DELAY)

@@ -179,6 +179,8 @@ class StatusResult(Result):
     run_id: str | None = None
     parent: str | None = None
     mcp: list[McpServerInfo] = []
+    sandbox: str = "none"  # "landlock-abi-N" | "none": what confines the commands it starts
+    sandbox_notes: list[str] = []  # what the kernel cannot express of the scope
 
 
 class HistoryResult(Result):
