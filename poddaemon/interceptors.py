@@ -44,7 +44,8 @@ class Interceptor:
         return None
 
     async def before_compact(self, reason: str) -> None:
-        """The `PreCompact` point: a compaction ("threshold" | "manual") is about to start."""
+        """The `PreCompact` point: a compaction is about to start; `reason` is "auto" (the
+        threshold) or "manual" (`compact`), as Claude Code's trigger."""
         return None
 
 

@@ -138,7 +138,7 @@ class Summarize:
     `compaction_returned` (or `compaction_failed`)."""
 
     run_id: str | None
-    reason: str  # "threshold" | "manual"
+    reason: str  # "auto" (the threshold) | "manual" (`compact`), as Claude Code's PreCompact
     system: str
     items: list[Item]
 
@@ -880,7 +880,7 @@ class Machine:
             return
         assert isinstance(next_step, _CallStep)
         if self._compaction_due(turn.run_id):
-            self._begin_compaction("threshold", turn.run_id, None)
+            self._begin_compaction("auto", turn.run_id, None)
             return
         self._call_model(turn)
 

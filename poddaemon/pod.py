@@ -278,6 +278,19 @@ class Pod:
         if old is not None:
             old.close()
         self.s.registry.update(self.name, self.s.entry.pid, session=start.session_id)
+        if self.hooks is not None and self.hooks.wants("SessionStart"):
+            # As Claude Code: a session that starts from a compaction has source "compact".
+            self.spawn_background(self._session_start_hook("compact"))
+
+    async def _session_start_hook(self, source: str) -> None:
+        assert self.hooks is not None
+        try:
+            context = await self.hooks.session_start(source)
+        except Exception:
+            log.exception("SessionStart hook failed")
+            return
+        if context and not self.machine.stopped:
+            self.feed(self.machine.add_context(context, "hook:SessionStart"))
 
     def _fail(self, message: str) -> None:
         """The log cannot be written: nothing more can be acknowledged, so stop (a supervisor

@@ -369,3 +369,31 @@ def test_a_missing_compaction_provider_key_fails_start_up_naming_it(env: Env) ->
         env.start(extra=extra)
     assert "compaction.provider.api_key_env" in failed.value.stderr
     assert "NO_SUCH_KEY" in failed.value.stderr
+
+
+def test_precompact_and_sessionstart_compact_hooks_run(env: Env) -> None:
+    pre = env.work / "precompact.log"
+    extra = (
+        "[[hooks.PreCompact]]\n"
+        f"command = {json.dumps(f'cat >> {pre}; echo >> {pre}')}\n"
+        "[[hooks.SessionStart]]\n"
+        "command = '''input=$(cat); case \"$input\" in *compact*) echo COMPACT-CONTEXT;; esac'''\n"
+    )
+    pod = env.start(extra=extra)
+    env.model.script({"text": "first"})
+    with pod.client() as c:
+        c.run_wait("hello")
+    out = env.podctl("compact", "pod")
+    assert out.returncode == 0, out.stderr
+    (event,) = [json.loads(line) for line in pre.read_text().splitlines() if line.strip()]
+    assert event["hook_event_name"] == "PreCompact" and event["trigger"] == "manual"
+
+    # The SessionStart hook of the compacted session adds its context for the next request.
+    # (it runs in the background: a run may start before it answers, so try a few runs)
+    def context_seen() -> bool:
+        with pod.client() as c:
+            c.run_wait("again")
+        last = env.model.requests[-1]["body"]
+        return any("COMPACT-CONTEXT" in t for t in user_texts("openai", last))
+
+    wait_until(context_seen, timeout=10, what="the SessionStart(compact) context")

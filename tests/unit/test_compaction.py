@@ -51,7 +51,7 @@ def test_a_round_over_the_threshold_compacts_mid_run_and_the_run_goes_on_in_the_
     tool_round(d, usage=150)  # over it: a summary first
     assert isinstance(d.inflight, Summarize)
     assert d.inflight.items[-1].text == compaction.SUMMARY_PROMPT  # type: ignore[union-attr]
-    assert events(d, "compaction.started") == [{"reason": "threshold", "input_tokens": 150}]
+    assert events(d, "compaction.started") == [{"reason": "auto", "input_tokens": 150}]
     old_id = d.machine.state.session_id
     d.summarize("SUMMARY OF WORK")
     assert len(d.old_sessions) == 1 and d.old_sessions[0][-1]["kind"] == "llm_usage"
