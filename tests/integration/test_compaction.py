@@ -398,3 +398,21 @@ def test_precompact_and_sessionstart_compact_hooks_run(env: Env) -> None:
         return any("COMPACT-CONTEXT" in t for t in user_texts("openai", last))
 
     wait_until(context_seen, timeout=10, what="the SessionStart(compact) context")
+
+
+def test_after_a_useless_compaction_a_rejected_request_ends_the_run_context_full(
+    env: Env,
+) -> None:
+    write_data(env)
+    pod = env.start(extra=compaction_toml(1500, retained=1))
+    env.model.script_when(MARKER, {"text": "padding " * 20000})
+    too_long = "prompt is too long: 250000 tokens > 200000 maximum"
+    env.model.script(
+        *tool_replies(4)[:4], {"fault": {"kind": "status", "status": 400, "message": too_long}}
+    )
+    with pod.client(timeout=60) as c:
+        result = c.run_wait(INPUT)
+    assert result.outcome == "error" and result.error is not None
+    assert result.error.startswith("context full: ") and too_long in result.error
+    bodies = [r["body"] for r in env.model.requests]
+    assert sum(is_summary_request("openai", b) for b in bodies) == 1  # not tried again
