@@ -280,8 +280,11 @@ class FakeServer:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return json.loads(resp.read())
 
-    def script(self, *replies: dict[str, Any]) -> None:
-        self._post("/_fake/script", {"replies": list(replies)})
+    def script(self, *replies: dict[str, Any], when: str | None = None) -> None:
+        payload: dict[str, Any] = {"replies": list(replies)}
+        if when is not None:  # for requests whose last user text contains `when`
+            payload["when"] = when
+        self._post("/_fake/script", payload)
 
     def reset(self) -> None:
         self._post("/_fake/reset")

@@ -146,10 +146,20 @@ def event_line(
             line += f": {one_line(str(data['text']))}"
         return line
     if etype == "compaction.started":
-        return "compaction started"
+        why = data.get("reason")
+        tokens = data.get("input_tokens")
+        return (
+            "compaction started"
+            + (f" ({why})" if why else "")
+            + (f" at {tokens} input tokens" if tokens is not None else "")
+        )
     if etype == "compaction.finished":
         sid = data.get("session_id")
-        return "compaction finished" + (f": new session {sid}" if sid else "")
+        before, after = data.get("before_tokens"), data.get("after_tokens")
+        line = "compaction finished" + (f": new session {sid}" if sid else "")
+        if before is not None and after is not None:
+            line += f" ({before} -> ~{after} tokens)"
+        return line
     if etype == "compaction.failed":
         err = data.get("error") or data.get("message")
         return "compaction failed" + (f": {one_line(str(err))}" if err else "")

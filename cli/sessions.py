@@ -71,20 +71,48 @@ def _read_session(session_id: str) -> Any:
 def sessions_show(
     session_id: Annotated[str, typer.Argument(metavar="ID", help="Session id.")],
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per entry.")] = False,
+    chain: Annotated[
+        bool,
+        typer.Option(
+            "--chain",
+            help="Follow `compacted_from`/`forked_from` back: every session of the chain, "
+            "oldest first, each under a `== session ID` line.",
+        ),
+    ] = False,
 ) -> None:
     """The entries of one session log (`seq kind summary`)."""
     import json
 
     from cli.render import entry_line
 
-    result = _read_session(session_id)
-    for entry in result.entries:
-        if as_json:
-            sys.stdout.write(json.dumps(entry, ensure_ascii=False) + "\n")
-        else:
-            sys.stdout.write(entry_line(entry) + "\n")
-    if result.torn:
-        sys.stderr.write(f"podctl: torn last line after byte {result.end_offset} (not shown)\n")
+    ids = _chain(session_id) if chain else [session_id]
+    for sid in ids:
+        result = _read_session(sid)
+        if chain and not as_json:
+            start = result.entries[0]
+            link = start.get("compacted_from") or start.get("forked_from")
+            how = "compacted" if start.get("compacted_from") else "forked"
+            sys.stdout.write(f"== session {sid}" + (f" ({how} from {link})" if link else "") + "\n")
+        for entry in result.entries:
+            if as_json:
+                sys.stdout.write(json.dumps(entry, ensure_ascii=False) + "\n")
+            else:
+                sys.stdout.write(entry_line(entry) + "\n")
+        if result.torn:
+            sys.stderr.write(
+                f"podctl: {sid}: torn last line after byte {result.end_offset} (not shown)\n"
+            )
+
+
+def _chain(session_id: str) -> list[str]:
+    """The session and those it continues (compacted or forked from), oldest first."""
+    from poddaemon.store.file import list_sessions
+
+    links = {i.id: i.compacted_from or i.forked_from for i in list_sessions(_sessions_dir())}
+    ids = [session_id]
+    while (link := links.get(ids[-1])) and link not in ids:
+        ids.append(link)
+    return ids[::-1]
 
 
 @sessions_app.command("verify")

@@ -161,10 +161,18 @@ def attach(
             raise
 
 
-def history_pages(client: "PodClient", since: int) -> Iterable[list[dict[str, Any]]]:
-    """Every entry after seq `since`, page by page, oldest first."""
+def history_pages(
+    client: "PodClient", since: int, session_id: str | None = None, links: list[str] | None = None
+) -> Iterable[list[dict[str, Any]]]:
+    """Every entry after seq `since`, page by page, oldest first. `links` receives the session
+    the pages continue (compacted or forked from), if any."""
     while True:
-        page = client.history(since=since, limit=HISTORY_PAGE)
+        # session_id only when asked for: a pod of an earlier version does not know it.
+        extra = {"session_id": session_id} if session_id else {}
+        page = client.history(since=since, limit=HISTORY_PAGE, **extra)
+        previous = getattr(page, "previous", None)
+        if links is not None and previous and previous not in links:
+            links.append(previous)
         if not page.entries:
             return
         yield page.entries
@@ -197,26 +205,42 @@ def history(
         typer.Option("--limit", metavar="N", min=1, help=f"The newest N (default {HISTORY_TAIL})."),
     ] = None,
     as_json: JsonOpt = False,
+    session: Annotated[
+        str | None,
+        typer.Option(
+            "--session",
+            metavar="ID",
+            help="An earlier session of the pod (after a compaction: the one it continues).",
+        ),
+    ] = None,
 ) -> None:
     """The newest session log entries (`seq kind summary`).
 
     By default the newest 50; `--limit N` the newest N, `--all` every entry, `--since SEQ`
     every entry after SEQ. When entries are left out, says how many on stderr (in `--json`:
-    `earlier`).
+    `earlier`). After a compaction the pod's session continues an earlier one: stderr names
+    it (in `--json`: `previous`), and `--session ID` pages it.
     """
     keep = limit if limit is not None else (None if all_ or since is not None else HISTORY_TAIL)
     start = since or 0
+    links: list[str] = []
     with connect(pod) as client:
-        entries, earlier = newest(history_pages(client, start), keep)
+        entries, earlier = newest(history_pages(client, start, session, links), keep)
+    previous = links[0] if links else None
     if as_json:
         last = entries[-1]["seq"] if entries else start
-        print_json({"entries": entries, "next": last, "earlier": earlier})
+        print_json({"entries": entries, "next": last, "earlier": earlier, "previous": previous})
         return
     from cli.render import entry_line
 
     if earlier:
         sys.stderr.write(f"podctl: {earlier} earlier entries not shown (--all shows every entry)\n")
-        sys.stderr.flush()
+    if previous and not earlier and start == 0:
+        sys.stderr.write(
+            f"podctl: this session continues session {previous} "
+            f"(podctl history {pod} --session {previous})\n"
+        )
+    sys.stderr.flush()
     sys.stdout.writelines(entry_line(entry) + "\n" for entry in entries)
 
 
@@ -251,3 +275,15 @@ def cancel(
     with connect(pod) as client:
         result = client.cancel(run_id)
     _say("cancelled" if result.cancelled else "nothing to cancel")
+
+
+@app.command()
+def compact(pod: PodArg, as_json: JsonOpt = False) -> None:
+    """Compact the pod's context now (idle pods only): summarize the history and continue in a
+    new session linked by `compacted_from`. Prints the new session's id."""
+    with connect(pod) as client:
+        result = client.compact()
+    if as_json:
+        print_json({"session_id": result.session_id})
+        return
+    _say(f"compacted: session {result.session_id}")

@@ -129,6 +129,12 @@ def run_pod(args: argparse.Namespace) -> int:
     name = manifest.pod.name
     try:
         check_credentials(manifest.provider)
+        if manifest.compaction is not None and manifest.compaction.provider is not None:
+            try:
+                check_credentials(manifest.compaction.provider)
+            except CredentialsError as exc:
+                message = str(exc).replace("provider.", "compaction.provider.", 1)
+                raise CredentialsError(message) from None
         instruction = load_instruction(
             manifest.worker.instruction, manifest.worker.instruction_file, manifest.source
         )
@@ -320,6 +326,11 @@ def _serve(
         instruction=instruction,
         tools=Toolset.from_names(manifest.worker.tools),
         model=ThreadedModel(make_client(manifest.provider)),
+        compaction_model=(
+            ThreadedModel(make_client(manifest.compaction.provider))
+            if manifest.compaction is not None and manifest.compaction.provider is not None
+            else None
+        ),
         sandbox=box,
     )
     sock_path = claim.sock_path

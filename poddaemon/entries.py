@@ -61,6 +61,9 @@ class SessionStart(Entry, tag="session_start"):
     paused_run: str | None = None
     open_calls: list[ToolCall] = []
     run_outcomes: dict[str, dict[str, Any]] = {}
+    run_from: int | None = None  # index in `history` where the active run's items begin
+    run_usage: Usage | None = None  # the active (or paused) run's usage and calls so far
+    run_calls: int = 0
 
 
 class UserInput(Entry, tag="user_input"):

@@ -89,13 +89,24 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         return await pod.request(m.shutdown)
 
     async def history(p: HistoryParams, conn: Any) -> HistoryResult:
-        sid = m.state.session_id
+        sid = p.session_id or m.state.session_id
         if not sid:
             return HistoryResult(entries=[], next=p.since)
         limit = max(1, min(p.limit, 10_000))
-        result = await asyncio.to_thread(read_session, pod.s.sessions_dir, sid)
+        try:
+            result = await asyncio.to_thread(read_session, pod.s.sessions_dir, sid)
+        except (OSError, ValueError) as exc:  # no such session, a bad id, a damaged log
+            raise RpcError(errors.INVALID_PARAMS, f"session_id: {exc}") from None
+        start = result.entries[0]
+        if start.get("pod") != pod.name:
+            raise RpcError(errors.INVALID_PARAMS, f"session_id: {sid} is not a session of this pod")
         entries = [e for e in result.entries if e["seq"] > p.since][:limit]
-        return HistoryResult(entries=entries, next=entries[-1]["seq"] if entries else p.since)
+        return HistoryResult(
+            entries=entries,
+            next=entries[-1]["seq"] if entries else p.since,
+            session_id=sid,
+            previous=start.get("compacted_from") or start.get("forked_from"),
+        )
 
     def subscribe(p: SubscribeParams, conn: Any) -> SubscribeResult:
         cursor = pod.bus.seq if p.since is None else max(0, p.since)
@@ -103,10 +114,9 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         asyncio.get_running_loop().call_soon(conn.start_events, cursor)
         return SubscribeResult(cursor=pod.bus.seq)
 
-    def compact(p: NoParams, conn: Any) -> CompactResult:
-        if m.pod_state != "idle":
-            raise RpcError(errors.BUSY, "compact needs an idle pod")
-        raise RpcError(errors.INVALID_REQUEST, "compaction is not available in this version")
+    async def compact(p: NoParams, conn: Any) -> CompactResult:
+        result: CompactResult = await pod.request(m.compact)
+        return result
 
     return {
         "run": run,

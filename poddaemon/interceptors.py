@@ -43,6 +43,11 @@ class Interceptor:
     async def on_run_end(self, run_id: str, outcome: str) -> None:
         return None
 
+    async def before_compact(self, reason: str) -> None:
+        """The `PreCompact` point: a compaction is about to start; `reason` is "auto" (the
+        threshold) or "manual" (`compact`), as Claude Code's trigger."""
+        return None
+
 
 class Chain:
     def __init__(self, interceptors: Sequence[Interceptor] = ()) -> None:
@@ -71,6 +76,10 @@ class Chain:
     async def on_run_end(self, run_id: str, outcome: str) -> None:
         for i in self.interceptors:
             await i.on_run_end(run_id, outcome)
+
+    async def before_compact(self, reason: str) -> None:
+        for i in self.interceptors:
+            await i.before_compact(reason)
 
 
 class Budget(Interceptor):

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from poddaemon import compaction
 from poddaemon.entries import (
     Entry,
     HookRunEntry,
@@ -42,6 +43,7 @@ from protocol.errors import RpcError
 from protocol.types import (
     AcceptedResult,
     CancelResult,
+    CompactResult,
     NotifyResult,
     OkResult,
     PauseResult,
@@ -130,8 +132,29 @@ class Stopped:
     """Nothing is left to do: persist and exit."""
 
 
+@dataclass(frozen=True)
+class Summarize:
+    """Compaction: ask the compaction model to summarize `items`; feed the text back with
+    `compaction_returned` (or `compaction_failed`)."""
+
+    run_id: str | None
+    reason: str  # "auto" (the threshold) | "manual" (`compact`), as Claude Code's PreCompact
+    system: str
+    items: list[Item]
+
+
+@dataclass(frozen=True)
+class SwitchSession:
+    """Compaction: write the session `start` opens completely (durable) before anything else
+    is appended, then continue in it; the old log stays as it is."""
+
+    start: SessionStart
+
+
 Effect = (
     OpenSession
+    | Summarize
+    | SwitchSession
     | Commit
     | Reply
     | Publish
@@ -152,6 +175,21 @@ class MachineConfig:
     max_pending: int = 1000
     budget_cap: int | None = None
     config: dict[str, Any] = field(default_factory=dict)  # the resolved manifest, for the log
+    compact_threshold: int | None = None  # None: never compact automatically
+    compact_retained_turns: int = 2
+    provider_kind: str = ""
+    compaction_model: str = ""
+
+
+@dataclass
+class _Compaction:
+    """A compaction in flight."""
+
+    reason: str
+    run_id: str | None
+    token: int | None  # of a manual `compact`, answered when it ends
+    before_tokens: int
+    estimate_before: int
 
 
 class Machine:
@@ -170,7 +208,7 @@ class Machine:
         self.turn: Turn | None = None
         self.stopping = False
         self.stopped = False
-        self.in_flight: Literal["model", "tool"] | None = None
+        self.in_flight: Literal["model", "tool", "compact"] | None = None
         self._resume_requested = False
         self._waiters: dict[str, list[int]] = {}  # run_id -> tokens of `run {wait}`
         self._burst_start: float | None = None
@@ -178,6 +216,12 @@ class Machine:
         self._timer_at: float | None = None
         self._notes_overflow = False  # the last request could not show every notification
         self._out: list[Effect] = []
+        # Compaction (see the section below).
+        self._compacting: _Compaction | None = None
+        self._last_input: int | None = None  # context size of the last call; None: estimate
+        self._compact_failures = 0  # in a row
+        self._auto_compact_off = False  # the breaker tripped
+        self._no_compact_run: str | None = None  # the thrash guard holds for this run
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -308,6 +352,8 @@ class Machine:
                 return
             self.stopping = True
             self._publish("state.changed", {"state": "stopping"})
+            if self._compacting is not None and self.turn is None:
+                self._emit(Interrupt())  # a manual compaction: the old session stays
             if self.turn is not None and not self.turn.done:
                 self.turn.request_cancel()
                 if self.in_flight is not None:
@@ -351,6 +397,8 @@ class Machine:
         def go() -> None:
             turn = self._expect("model")
             u = response.usage
+            size = compaction.context_tokens(u, self.cfg.provider_kind)
+            self._last_input = size or None  # a server that reports no usage: estimate
             self._commit(
                 LlmUsage(
                     run_id=turn.run_id,
@@ -372,7 +420,11 @@ class Machine:
 
         def go() -> None:
             turn = self._expect("model")
-            self._commit_all(turn.model_failed(error))
+            failure = error
+            if failure is not None and failure.kind == "context_overflow" and self._compaction_on():
+                message = f"context full: {failure.message}"
+                failure = ProviderError(failure.kind, message, failure.status)
+            self._commit_all(turn.model_failed(failure))
             self._advance()
 
         return self._handle(go)
@@ -459,6 +511,7 @@ class Machine:
             usage_calls=old.usage_calls,
             active_run=old.active_run,
             rounds=old.rounds,
+            run_from=old.run_from,
             paused_run=old.paused_run,
             open_calls=list(old.open_calls),
             run_outcomes=snap["run_outcomes"],
@@ -468,6 +521,182 @@ class Machine:
         run_usage = old.run_usage
         self.state = fold([start])
         self.state.run_usage = run_usage
+        return start
+
+    # --- compaction ---------------------------------------------------------------------------
+    # Decided here, between model rounds (never with a tool call open); `compaction.py` holds the
+    # pure selection rules, the executor makes the summary call and writes the new session.
+
+    def compact(self, token: int) -> list[Effect]:
+        """The `compact` method: idle only (else -32008)."""
+
+        def go() -> None:
+            if self._refuse_if_stopping(token):
+                return
+            if self.pod_state != "idle" or self._compacting is not None or self.turn is not None:
+                self._error(token, errors.BUSY, "compact needs an idle pod")
+                return
+            if not self.state.history:
+                self._reply(token, CompactResult(session_id=self.state.session_id))
+                return
+            if self.budget_exhausted():
+                self._error(token, errors.BUDGET_EXHAUSTED, self.budget_message())
+                return
+            self._begin_compaction("manual", None, token)
+
+        return self._handle(go)
+
+    def compaction_returned(
+        self, summary: str, usage: Usage, children: list[str] | None = None
+    ) -> list[Effect]:
+        """The summary came back: continue in a new session (the executor writes it)."""
+
+        def go() -> None:
+            c = self._end_compaction()
+            u = usage
+            self._commit(
+                LlmUsage(
+                    run_id=c.run_id,
+                    model=self.cfg.compaction_model or self.cfg.model,
+                    input=u.input,
+                    output=u.output,
+                    cache_read=u.cache_read,
+                    cache_write=u.cache_write,
+                )
+            )
+            run_from = self.state.run_from if c.run_id is not None else None
+            history, new_run_from = compaction.build_history(
+                self.state.history,
+                run_from,
+                summary,
+                self.cfg.compact_retained_turns,
+                children or [],
+            )
+            after = compaction.estimate_tokens(self.system_prompt, history)
+            gained = compaction.shrink(c.estimate_before, after)
+            # A manual compaction is applied as asked; an automatic one only if it helps.
+            if not summary.strip() or (gained <= 0 and c.reason != "manual"):
+                if c.run_id is not None:
+                    self._no_compact_run = c.run_id
+                self._compaction_failed(c, "the summary did not make the context smaller")
+                self._after_compaction(c)
+                return
+            if gained < compaction.SHRINK_MIN and c.run_id is not None:
+                self._no_compact_run = c.run_id  # the thrash guard: not again in this run
+            start = self._compacted_start(history, new_run_from)
+            self._emit(SwitchSession(start))
+            self._last_input = None
+            self._compact_failures = 0
+            if c.reason == "manual":
+                self._auto_compact_off = False
+            after_tokens = round(c.before_tokens * (1.0 - gained))
+            data = {
+                "session_id": start.session_id,
+                "before_tokens": c.before_tokens,
+                "after_tokens": after_tokens,
+            }
+            self._publish("compaction.finished", data, c.run_id)
+            if c.token is not None:
+                self._reply(c.token, CompactResult(session_id=start.session_id), durable=True)
+            self._after_compaction(c)
+
+        return self._handle(go)
+
+    def compaction_failed(self, error: str | None) -> list[Effect]:
+        """The summary call failed, or (None) was interrupted: the old session stays."""
+
+        def go() -> None:
+            c = self._end_compaction()
+            if error is None:
+                self._publish("compaction.failed", {"error": "interrupted"}, c.run_id)
+                if c.token is not None:
+                    self._error(c.token, errors.SHUTTING_DOWN, "compaction interrupted")
+            else:
+                self._compaction_failed(c, error)
+            self._after_compaction(c)
+
+        return self._handle(go)
+
+    @property
+    def compacting(self) -> bool:
+        return self._compacting is not None
+
+    @property
+    def auto_compaction_off(self) -> bool:
+        return self._auto_compact_off
+
+    def _compaction_on(self) -> bool:
+        return self.cfg.compact_threshold is not None
+
+    def _context_size(self) -> int:
+        if self._last_input is not None:
+            return self._last_input
+        return compaction.estimate_tokens(self.system_prompt, self.state.history)
+
+    def _compaction_due(self, run_id: str) -> bool:
+        threshold = self.cfg.compact_threshold
+        if threshold is None or self._auto_compact_off or run_id == self._no_compact_run:
+            return False
+        if self.budget_exhausted():
+            return False  # the request is refused anyway
+        return self._context_size() >= threshold
+
+    def _begin_compaction(self, reason: str, run_id: str | None, token: int | None) -> None:
+        before = self._context_size()
+        estimate = compaction.estimate_tokens(self.system_prompt, self.state.history)
+        self._compacting = _Compaction(reason, run_id, token, before, estimate)
+        self.in_flight = "compact"
+        self._publish("compaction.started", {"reason": reason, "input_tokens": before}, run_id)
+        items = compaction.summary_request_items(list(self.state.history))
+        self._emit(Summarize(run_id, reason, self.system_prompt, items))
+
+    def _end_compaction(self) -> _Compaction:
+        c = self._compacting
+        if c is None or self.in_flight != "compact":
+            raise RuntimeError("a compaction result with no compaction in flight")
+        self._compacting = None
+        self.in_flight = None
+        return c
+
+    def _compaction_failed(self, c: _Compaction, error: str) -> None:
+        self._compact_failures += 1
+        self._publish("compaction.failed", {"error": error}, c.run_id)
+        if c.token is not None:
+            self._error(c.token, errors.INTERNAL_ERROR, f"compaction failed: {error}")
+        if self._compact_failures >= compaction.BREAKER_FAILURES and not self._auto_compact_off:
+            self._auto_compact_off = True
+            message = (
+                f"compaction failed {self._compact_failures} times in a row; automatic "
+                "compaction is off until a manual `podctl compact` succeeds"
+            )
+            self._publish("alert", {"level": "warning", "source": "compaction", "message": message})
+
+    def _after_compaction(self, c: _Compaction) -> None:
+        """Go on with the run the compaction interrupted (a manual one had none)."""
+        turn = self.turn
+        if c.run_id is None or turn is None or turn.run_id != c.run_id:
+            return
+        if turn.cancel_requested or self.stopping:
+            self._commit_all(turn.model_failed(None))
+            self._advance()
+            return
+        self._call_model(turn)
+
+    def _compacted_start(self, history: list[Item], run_from: int | None) -> SessionStart:
+        """The new session's first entry; the machine continues in it from now on."""
+        old_id = self.state.session_id
+        run_usage, run_calls = self.state.run_usage, self.state.run_calls
+        continued = self.fork()
+        start = msgspec.structs.replace(
+            continued,
+            history=history,
+            forked_from=None,
+            compacted_from=old_id,
+            run_from=run_from,
+            run_usage=msgspec.structs.replace(run_usage),
+            run_calls=run_calls,
+        )
+        self.state = fold([start])
         return start
 
     # --- the rules ------------------------------------------------------------------------------
@@ -584,6 +813,8 @@ class Machine:
 
     def _start_next(self) -> bool:
         """Start one run if one is due (True); a run may end at once (a resumed final answer)."""
+        if self._compacting is not None:
+            return False  # a manual compaction: the next run starts in the new session
         if self.stopping:
             self._stop()
             return False
@@ -648,6 +879,12 @@ class Machine:
             self._finish_run(turn.run_id, next_step)
             return
         assert isinstance(next_step, _CallStep)
+        if self._compaction_due(turn.run_id):
+            self._begin_compaction("auto", turn.run_id, None)
+            return
+        self._call_model(turn)
+
+    def _call_model(self, turn: Turn) -> None:
         self._deliver_pending()
         self.in_flight = "model"
         self._emit(CallModel(turn.run_id, self.system_prompt, list(self.state.history)))

@@ -9,6 +9,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +53,8 @@ from poddaemon.machine import (
     RunTool,
     SetTimer,
     Stopped,
+    Summarize,
+    SwitchSession,
     Sync,
 )
 from poddaemon.prompt import Instruction
@@ -83,6 +87,7 @@ class Services:
     model: ModelClient
     interceptors: list[Interceptor] = field(default_factory=list)
     sandbox: PodSandbox = field(default_factory=PodSandbox)
+    compaction_model: ModelClient | None = None  # [compaction.provider]; None: `model`
 
 
 class Pod:
@@ -101,6 +106,10 @@ class Pod:
             max_pending=m.notify.max_pending,
             budget_cap=m.budget.max_total_tokens,
             config=manifest_to_dict(m),
+            compact_threshold=m.compaction.compact_threshold if m.compaction else None,
+            compact_retained_turns=m.compaction.compact_retained_turns if m.compaction else 2,
+            provider_kind=m.provider.kind,
+            compaction_model=m.compaction_provider.model,
         )
         prompt = services.instruction.render(
             pwd=m.pod.pwd, scope=self.scope, tools=list(m.worker.tools)
@@ -171,6 +180,10 @@ class Pod:
                     self._answer(token, result, error, durable)
                 case CallModel():
                     self._start(self._call_model(effect), "model", self._model_cancelled)
+                case Summarize():
+                    self._start(self._summarize(effect), "compact", self._compaction_cancelled)
+                case SwitchSession(start):
+                    self._switch(start)
                 case RunTool(_, call):
                     self._start(self._run_tool(effect), "tool", lambda: self._tool_cancelled(call))
                 case Interrupt():
@@ -240,6 +253,44 @@ class Pod:
             f"session {old.session_id} was written by someone else; continuing in session "
             f"{start.session_id} (forked_from links them)",
         )
+
+    def _switch(self, start: SessionStart) -> None:
+        """Compaction: the new session is written completely and made durable under its name,
+        then the old one (fsync'd, left intact) is closed. A crash before the rename restores the
+        old session as if the compaction had not started; after it, the new one is complete."""
+        old = self._log
+        try:
+            self._log = SessionLog.create_complete(
+                self.s.sessions_dir,
+                start.session_id,
+                body_of(start),
+                ts=start.ts,
+                written=lambda: _crash_point("first_line"),
+            )
+            _crash_point("complete")
+            if old is not None:
+                old.sync_now()  # replies waiting on the old log see it durable
+        except OSError as exc:
+            self._log = old
+            self._fail(f"cannot write the compacted session: {exc}")
+            return
+        self._input_seq = 0  # the new session is durable: its inputs are in its first entry
+        if old is not None:
+            old.close()
+        self.s.registry.update(self.name, self.s.entry.pid, session=start.session_id)
+        if self.hooks is not None and self.hooks.wants("SessionStart"):
+            # As Claude Code: a session that starts from a compaction has source "compact".
+            self.spawn_background(self._session_start_hook("compact"))
+
+    async def _session_start_hook(self, source: str) -> None:
+        assert self.hooks is not None
+        try:
+            context = await self.hooks.session_start(source)
+        except Exception:
+            log.exception("SessionStart hook failed")
+            return
+        if context and not self.machine.stopped:
+            self.feed(self.machine.add_context(context, "hook:SessionStart"))
 
     def _fail(self, message: str) -> None:
         """The log cannot be written: nothing more can be acknowledged, so stop (a supervisor
@@ -314,6 +365,56 @@ class Pod:
                 else:
                     return event
         raise ProviderError("interrupted", "the model stream ended without a response")
+
+    async def _summarize(self, effect: Summarize) -> None:
+        """The compaction's summary call, with the compaction provider; no text is streamed to
+        subscribers (it is not the run's answer)."""
+        try:
+            await self._synced()
+            await self.chain.before_compact(effect.reason)
+            request = ModelRequest(
+                system=effect.system,
+                items=effect.items,
+                tools=self.s.tools.specs,  # a history with tool calls needs the tools declared
+                max_tokens=self.m.worker.max_tokens,
+                temperature=self.m.worker.temperature,
+            )
+            client = self.s.compaction_model or self.s.model
+            response = await self._summary(client, request, effect.run_id)
+            effects = self.machine.compaction_returned(
+                response.message.text, response.usage, self._live_children()
+            )
+        except asyncio.CancelledError:
+            if self.machine.in_flight != "compact":
+                raise
+            effects = self.machine.compaction_failed(None)
+        except ProviderError as exc:
+            self._alert("warning", f"compaction: {exc.message}", source="provider")
+            effects = self.machine.compaction_failed(exc.message)
+        except Exception as exc:
+            log.exception("compaction failed")
+            effects = self.machine.compaction_failed(f"internal error: {exc}")
+        self._inflight = None
+        self.feed(effects)
+
+    async def _summary(
+        self, client: ModelClient, request: ModelRequest, run_id: str | None
+    ) -> ModelResponse:
+        async with contextlib.aclosing(client.stream(request)) as events:  # type: ignore[type-var]
+            async for event in events:
+                if isinstance(event, RetryScheduled):
+                    data = {"attempt": event.attempt, "delay": event.delay, "error": event.error}
+                    self.bus.publish("llm.retry", data, run_id)
+                elif isinstance(event, ModelResponse):
+                    return event
+        raise ProviderError("interrupted", "the model stream ended without a response")
+
+    def _live_children(self) -> list[str]:
+        """Live child pods, one line each, for the compacted history (spawn trees fill this)."""
+        return []
+
+    def _compaction_cancelled(self) -> list[Effect]:
+        return self.machine.compaction_failed(None)
 
     async def _run_tool(self, effect: RunTool) -> None:
         call = effect.call
@@ -430,6 +531,9 @@ class Pod:
             self._log.close()
         with contextlib.suppress(Exception):
             await self.s.model.aclose()
+        if self.s.compaction_model is not None:
+            with contextlib.suppress(Exception):
+                await self.s.compaction_model.aclose()
 
     def mcp_status(self) -> list[Any]:
         return self.mcp.status() if self.mcp is not None else []
@@ -438,6 +542,15 @@ class Pod:
         from poddaemon.handlers import handlers
 
         return handlers(self)
+
+
+CRASH_ENV = "PODDAEMON_TEST_CRASH_COMPACTION"
+
+
+def _crash_point(name: str) -> None:
+    """Test hook: `$PODDAEMON_TEST_CRASH_COMPACTION=<name>` kills the pod (-9) right there."""
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _LiveScope:

@@ -71,6 +71,7 @@ class SessionState:
     report_ids: set[str] = field(default_factory=set)  # child reports accepted (dedup)
     active_run: str | None = None
     rounds: int = 0  # model rounds of the active (or paused) run
+    run_from: int = 0  # index in `history` of the active (or paused) run's first item
     paused_run: str | None = None
     open_calls: list[ToolCall] = field(default_factory=list)
     run_outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -193,6 +194,7 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.rounds = 0
                 s.run_usage = Usage()
                 s.run_calls = 0
+                s.run_from = len(s.history)
             s.paused_run = None
             s.active_run = run_id
             run = s.pending_runs.pop(run_id, None)
@@ -270,6 +272,10 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     s.active_run = e.active_run
     s.paused_run = e.paused_run
     s.rounds = e.rounds
+    s.run_from = e.run_from or 0
+    if e.run_usage is not None:
+        s.run_usage = Usage(**msgspec.structs.asdict(e.run_usage))
+        s.run_calls = e.run_calls
     s.open_calls = list(e.open_calls)
     s.run_outcomes = dict(e.run_outcomes)
 

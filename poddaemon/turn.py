@@ -175,6 +175,10 @@ class Turn:
     def pause_requested(self) -> bool:
         return self._pause
 
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel
+
     def tool_returned(
         self, call_id: str, output: str, is_error: bool, summary: str = ""
     ) -> list[Entry]:
@@ -234,4 +238,3 @@ def interrupted_results(calls: list[ToolCall], run_id: str) -> list[Entry]:
         )
         for c in calls
     ]
-

@@ -100,5 +100,7 @@ def notify_params(
     return NotifyParams(message, DEFAULT_SOURCE if source is None else source, client_key)
 
 
-def history_params(since: int = 0, limit: int | None = None) -> HistoryParams:
-    return HistoryParams(since, DEFAULT_HISTORY_LIMIT if limit is None else limit)
+def history_params(
+    since: int = 0, limit: int | None = None, session_id: str | None = None
+) -> HistoryParams:
+    return HistoryParams(since, DEFAULT_HISTORY_LIMIT if limit is None else limit, session_id)

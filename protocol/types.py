@@ -78,6 +78,7 @@ class CancelParams(Params):
 class HistoryParams(Params):
     since: int = 0
     limit: int = DEFAULT_HISTORY_LIMIT
+    session_id: str | None = None  # an earlier session of this pod (walk back a chain)
 
 
 class SubscribeParams(Params):
@@ -185,6 +186,9 @@ class StatusResult(Result):
 class HistoryResult(Result):
     entries: list[dict[str, Any]]
     next: int
+    session_id: str | None = None  # the session these entries are from
+    # The session it continues (compaction or fork): page it next to walk back the chain.
+    previous: str | None = None
 
 
 class UsageCall(Result):

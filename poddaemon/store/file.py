@@ -17,7 +17,7 @@ import os
 import re
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -179,6 +179,44 @@ class SessionLog:
             os.close(fd)
             with contextlib.suppress(OSError):
                 path.unlink()
+            raise
+        return cls(path, session_id, fd, 1, entry["hash"], len(line), line)
+
+    @classmethod
+    def create_complete(
+        cls,
+        sessions_dir: StrPath,
+        session_id: str,
+        start_body: Mapping[str, Any],
+        ts: float | None = None,
+        written: Callable[[], None] | None = None,
+    ) -> "SessionLog":
+        """Like ``create``, but the session appears under its name only once its first line is
+        complete and durable: it is written to a temporary file, fsync'd, then renamed into
+        place (and the directory fsync'd). A crash before the rename leaves no session at all,
+        only a ``.tmp`` file no listing reads. ``written`` runs after the line is written and
+        before the rename (a crash-test hook)."""
+        path = session_path(sessions_dir, session_id)
+        _ensure_dir(path.parent)
+        tmp = path.with_name(path.name + ".tmp")
+        line, entry = encode_entry(
+            1, time.time() if ts is None else ts, "session_start", GENESIS, start_body
+        )
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            _write_all(fd, line)
+            if written is not None:
+                written()
+            os.fsync(fd)
+            if path.exists():
+                raise FileExistsError(errno.EEXIST, f"session {session_id} exists", str(path))
+            os.rename(tmp, path)
+            _fsync_dir(path.parent)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             raise
         return cls(path, session_id, fd, 1, entry["hash"], len(line), line)
 
@@ -348,6 +386,13 @@ class SessionLog:
             self._fsync_task = None
             if self._closed:
                 os.close(self._fd)
+
+    def sync_now(self) -> None:
+        """fsync at once, blocking (before this log is given up for another): waiters of
+        ``sync`` see everything written as durable."""
+        self._usable()
+        os.fsync(self._fd)
+        self._durable = self._seq
 
     def head_is_mine(self) -> bool:
         """True if the file at this log's path is still the one this writer holds, with the

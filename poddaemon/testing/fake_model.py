@@ -5,7 +5,8 @@ Real HTTP/1.1 on 127.0.0.1 (stdlib `ThreadingHTTPServer`, keep-alive, chunked SS
 - ``POST /v1/chat/completions``  OpenAI Chat Completions (streaming and not)
 - ``POST /v1/responses``         OpenAI Responses (streaming and not)
 - ``POST /v1/messages``          Anthropic Messages (streaming and not)
-- ``POST /_fake/script`` (``{"replies": [...]}``, appended), ``GET /_fake/requests``,
+- ``POST /_fake/script`` (``{"replies": [...]}``, appended; with ``"when": marker`` (Python:
+  ``script_when``) for requests whose last user text contains the marker), ``GET /_fake/requests``,
   ``POST /_fake/gate/<name>``, ``POST /_fake/reset``, ``GET /_fake/health``
 
 Each model request (faulty or not) is recorded as ``{path, body, headers}`` and consumes the next
@@ -54,7 +55,15 @@ from typing import Any
 import msgspec
 
 from poddaemon.testing import _anthropic_wire, _openai_wire
-from poddaemon.testing._plan import Event, Plan, Reply, dumps, make_plan, validate_reply
+from poddaemon.testing._plan import (
+    Event,
+    Plan,
+    Reply,
+    dumps,
+    last_user_text,
+    make_plan,
+    validate_reply,
+)
 
 __all__ = ["READY_PREFIX", "FakeModel", "main"]
 
@@ -132,6 +141,8 @@ class FakeModel:
         self.verbose = verbose
         self._cv = threading.Condition()
         self._queue: collections.deque[Reply] = collections.deque()
+        # marker -> replies for requests whose last user text contains the marker
+        self._keyed: dict[str, collections.deque[Reply]] = {}
         self._requests: list[dict[str, Any]] = []
         self._opened: set[str] = set()
         self._generation = 0
@@ -211,6 +222,14 @@ class FakeModel:
         with self._cv:
             self._queue.extend(checked)
 
+    def script_when(self, marker: str, *replies: Reply) -> None:
+        """Replies for requests whose last user text contains `marker` (e.g. a summary
+        prompt): such requests never consume the main queue; with none left for them they get
+        the default answer."""
+        checked = [validate_reply(r) for r in replies]
+        with self._cv:
+            self._keyed.setdefault(marker, collections.deque()).extend(checked)
+
     @property
     def pending(self) -> int:
         """How many scripted replies are still queued."""
@@ -243,6 +262,7 @@ class FakeModel:
         gate or hanging are released by dropping their connection."""
         with self._cv:
             self._queue.clear()
+            self._keyed.clear()
             self._requests.clear()
             self._opened.clear()
             self._generation += 1
@@ -261,10 +281,21 @@ class FakeModel:
         """Record a request and pop its reply: (reply or None, serial, generation)."""
         with self._cv:
             self._requests.append({"path": path, "body": body, "headers": headers})
-            reply = self._queue.popleft() if self._queue else None
+            keyed = self._keyed_queue(body)
+            queue = self._queue if keyed is None else keyed
+            reply = queue.popleft() if queue else None
             self._serial += 1
             self._cv.notify_all()
             return reply, self._serial, self._generation
+
+    def _keyed_queue(self, body: Any) -> collections.deque[Reply] | None:
+        if not self._keyed:
+            return None
+        text = last_user_text(body)
+        for marker, queue in self._keyed.items():
+            if marker in text:
+                return queue
+        return None
 
     def _wait_gate(self, name: str, generation: int) -> bool:
         """Wait until gate `name` opens; False if released by `reset()`/`stop()` instead."""
@@ -433,7 +464,12 @@ class _Handler(BaseHTTPRequestHandler):
             except (ValueError, msgspec.DecodeError) as exc:
                 self._send_json(400, {"error": str(exc)})
                 return
-            fake.script(*replies)
+            payload = _decode(raw) if raw else {}
+            when = payload.get("when") if isinstance(payload, dict) else None
+            if isinstance(when, str) and when:
+                fake.script_when(when, *replies)
+            else:
+                fake.script(*replies)
             self._send_json(200, {"queued": fake.pending})
         elif path == "/_fake/reset":
             fake.reset()

@@ -22,6 +22,8 @@ from poddaemon.machine import (
     RunTool,
     SetTimer,
     Stopped,
+    Summarize,
+    SwitchSession,
     Sync,
 )
 from poddaemon.store.log import GENESIS, encode_entry
@@ -51,7 +53,8 @@ class Driver:
     answers: dict[int, Answer] = field(default_factory=dict)  # replies the client received
     waiting: list[tuple[int, Answer]] = field(default_factory=list)  # (lines needed, reply)
     events: list[tuple[str, dict[str, Any], str | None]] = field(default_factory=list)
-    inflight: CallModel | RunTool | None = None
+    inflight: CallModel | RunTool | Summarize | None = None
+    old_sessions: list[list[dict[str, Any]]] = field(default_factory=list)  # before compactions
     interrupted: bool = False
     timer: float | None = None
     stopped: bool = False
@@ -92,7 +95,14 @@ class Driver:
                         self._deliver(answer)
                 case Publish(type_, data, run_id):
                     self.events.append((type_, data, run_id))
-                case CallModel() | RunTool():
+                case SwitchSession(start):
+                    # Compaction: the new session is durable at once; the old one is kept.
+                    self.sync()
+                    self.old_sessions.append(self.entries)
+                    self.lines, self.entries, self.prev = [], [], GENESIS
+                    self._write(start)
+                    self.durable = 1
+                case CallModel() | RunTool() | Summarize():
                     assert self.inflight is None, "two things in flight"
                     self.inflight = e
                     self.interrupted = False
@@ -173,6 +183,17 @@ class Driver:
             usage=Usage(input=usage, output=1),
         )
         return self.feed(self.machine.model_returned(response))
+
+    def summarize(self, text: str = "summary", usage: int = 5) -> list[Effect]:
+        assert isinstance(self.inflight, Summarize), self.inflight
+        self.inflight = None
+        result = self.machine.compaction_returned(text, Usage(input=usage, output=1))
+        return self.feed(result)
+
+    def summarize_fails(self, error: str | None = "boom") -> list[Effect]:
+        assert isinstance(self.inflight, Summarize), self.inflight
+        self.inflight = None
+        return self.feed(self.machine.compaction_failed(error))
 
     def model_fails(self, error: ProviderError | None = None) -> list[Effect]:
         assert isinstance(self.inflight, CallModel)

@@ -1,0 +1,119 @@
+"""Compaction's pure rules: when the context is too big, what the summary request asks, and what
+the new session's history keeps. No I/O: the machine decides with these, the executor only
+makes the summary call and writes the new session.
+
+The new history (SPEC §3): the summary, then verbatim the current run's input and the steer and
+notification items it received, then the list of live children, then the last
+`compact_retained_turns` rounds of the run. A round starts at an assistant message and carries
+its tool results, so a call is never split from its result. Inputs not yet delivered to the model
+are not history at all: they stay pending and reach the first request after the compaction.
+"""
+
+import msgspec
+
+from poddaemon.history import AssistantMessage, Item, SystemNote, Usage, UserMessage
+
+SHRINK_MIN = 0.05  # a compaction that shrinks the context less is not repeated in that run
+BREAKER_FAILURES = 3  # failures in a row that turn automatic compaction off
+SUMMARY_TAG = "<compaction-summary>"
+CHILDREN_TAG = "<live-children>"
+
+SUMMARY_PROMPT = """\
+Your context is about to be compacted: everything above will be replaced by the summary you \
+write now. Do not call any tool. Write a structured summary that lets you continue the work \
+without the original conversation, with these sections:
+
+## Original task
+What was asked, by whom, with every constraint and acceptance criterion (quote exact wording).
+## Work done
+What you did, step by step, naming every file path, command, function and identifier involved.
+## Discoveries
+Facts learned, errors met and how they were resolved, decisions taken and why.
+## Current state
+Where the work stands right now; what the last tool calls did.
+## Open items
+What is still to do, in order, and any question waiting for an answer.
+
+Be specific and complete; leave out pleasantries."""
+
+
+def context_tokens(usage: Usage, provider_kind: str) -> int:
+    """The size of the request a call's usage reports. Anthropic's `input` excludes cached
+    tokens; the OpenAI formats count them in `input` already."""
+    if provider_kind == "anthropic":
+        return usage.input + usage.cache_read + usage.cache_write
+    return usage.input
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def estimate_tokens(system: str, items: list[Item]) -> int:
+    """bytes/4 of the request's content: the estimate used before the first real usage."""
+    return (len(system.encode()) + len(_encoder.encode(items))) // 4
+
+
+def summary_request_items(history: list[Item]) -> list[Item]:
+    """The summary call's items: the history as it is, then the instruction to summarize."""
+    return [*history, UserMessage(text=SUMMARY_PROMPT)]
+
+
+def summary_item(summary: str) -> UserMessage:
+    return UserMessage(
+        text=(
+            f"{SUMMARY_TAG}\nThe conversation so far was compacted. Your summary of it:\n\n"
+            f"{summary.strip()}\n</compaction-summary>"
+        )
+    )
+
+
+def children_item(children: list[str]) -> SystemNote:
+    lines = "\n".join(f"- {c}" for c in children)
+    return SystemNote(text=f"{CHILDREN_TAG}\nYour live child pods:\n{lines}\n</live-children>")
+
+
+def _is_children_note(item: Item) -> bool:
+    return isinstance(item, SystemNote) and item.text.startswith(CHILDREN_TAG)
+
+
+def retained_start(items: list[Item], turns: int) -> int:
+    """Index in `items` where the last `turns` rounds begin (len(items) for none)."""
+    if turns <= 0:
+        return len(items)
+    starts = [i for i, item in enumerate(items) if isinstance(item, AssistantMessage)]
+    if not starts:
+        return len(items)
+    return starts[-turns] if len(starts) >= turns else starts[0]
+
+
+def build_history(
+    history: list[Item],
+    run_from: int | None,
+    summary: str,
+    retained_turns: int,
+    children: list[str],
+) -> tuple[list[Item], int | None]:
+    """The compacted history and where the active run's items start in it (None when idle).
+
+    `run_from`: index of the active run's first item in `history` (None: no active run, so
+    the last rounds of the whole history are kept and no input is carried)."""
+    base = 0 if run_from is None else min(run_from, len(history))
+    scope = history[base:]
+    tail_at = retained_start(scope, retained_turns)
+    inputs: list[Item] = []
+    if run_from is not None:
+        inputs = [
+            item
+            for item in scope[:tail_at]
+            if isinstance(item, UserMessage | SystemNote) and not _is_children_note(item)
+        ]
+    out: list[Item] = [summary_item(summary), *inputs]
+    if children:
+        out.append(children_item(children))
+    out.extend(scope[tail_at:])
+    return out, (1 if run_from is not None else None)
+
+
+def shrink(before: int, after: int) -> float:
+    """How much smaller the context got (0.1 = by 10 %); negative if it grew."""
+    return 1.0 - after / before if before > 0 else 0.0

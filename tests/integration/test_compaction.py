@@ -1,0 +1,418 @@
+"""Compaction with real pods, the real SDKs and the fake model (SPEC §3, §5, §8)."""
+
+import itertools
+import json
+import threading
+from typing import Any
+
+import pytest
+
+from poddaemon.compaction import SUMMARY_TAG
+from poddaemon.pod import CRASH_ENV
+from poddaemon.store.file import list_sessions, read_session
+from protocol.types import Event
+from tests.conftest import (
+    PROVIDER_KINDS,
+    Env,
+    PodProcess,
+    StartFailed,
+    collect_run,
+    wait_until,
+)
+
+MARKER = "Your context is about to be compacted"
+INPUT = "THE TASK: read data.txt thirty times, then say done."
+
+
+def compaction_toml(threshold: int, retained: int = 2) -> str:
+    return f"[compaction]\ncompact_threshold = {threshold}\ncompact_retained_turns = {retained}\n"
+
+
+def tool_replies(n: int) -> list[dict[str, Any]]:
+    call = {"name": "read_file", "arguments": {"path": "data.txt"}}
+    return [{"tool_calls": [call]} for _ in range(n)] + [{"text": "all done"}]
+
+
+def write_data(env: Env) -> None:
+    lines = (f"line {i:04d} of the data file\n" for i in range(80))
+    (env.work / "data.txt").write_text("".join(lines))
+
+
+# --- reading the three wire formats -----------------------------------------------------------
+
+
+def user_texts(kind: str, body: dict[str, Any]) -> list[str]:
+    """The texts of the user-role items in request order (tool results left out)."""
+    out: list[str] = []
+    if kind == "openai_responses":
+        for item in body["input"]:
+            if item.get("role") == "user":
+                content = item["content"]
+                out.append(content if isinstance(content, str) else content[0]["text"])
+        return out
+    for msg in body["messages"]:
+        if msg["role"] != "user":
+            continue
+        content = msg["content"]
+        if isinstance(content, str):
+            out.append(content)
+        else:
+            out += [b["text"] for b in content if b.get("type") == "text"]
+    return out
+
+
+def check_wire(kind: str, body: dict[str, Any]) -> None:
+    """What each API rejects: tool calls without their results (or results without calls),
+    and for Anthropic roles that do not alternate, starting with the user."""
+    calls: list[str] = []
+    results: list[str] = []
+    if kind == "openai_responses":
+        for item in body["input"]:
+            if item.get("type") == "function_call":
+                calls.append(item["call_id"])
+            elif item.get("type") == "function_call_output":
+                assert item["call_id"] in calls, "a result before its call"
+                results.append(item["call_id"])
+    elif kind == "openai":
+        open_: set[str] = set()
+        for msg in body["messages"]:
+            if msg["role"] == "assistant":
+                assert not open_, "an assistant message before every tool call was answered"
+                open_ = {c["id"] for c in msg.get("tool_calls") or []}
+                calls += list(open_)
+            elif msg["role"] == "tool":
+                assert msg["tool_call_id"] in open_, "a tool message that answers no call"
+                open_.discard(msg["tool_call_id"])
+                results.append(msg["tool_call_id"])
+            elif msg["role"] == "user":
+                assert not open_, "a user message between a call and its result"
+    else:
+        roles = [m["role"] for m in body["messages"]]
+        assert roles[0] == "user"
+        assert all(a != b for a, b in itertools.pairwise(roles)), roles
+        previous: set[str] = set()
+        for msg in body["messages"]:
+            blocks = msg["content"]
+            if msg["role"] == "assistant":
+                previous = {b["id"] for b in blocks if b["type"] == "tool_use"}
+                calls += list(previous)
+            else:
+                answered = [b["tool_use_id"] for b in blocks if b["type"] == "tool_result"]
+                assert set(answered) == previous, "tool_use not answered in the next message"
+                assert [b["type"] for b in blocks[: len(answered)]] == ["tool_result"] * len(
+                    answered
+                ), "tool_result blocks must come first"
+                results += answered
+                previous = set()
+    assert sorted(calls) == sorted(results)
+
+
+def is_summary_request(kind: str, body: dict[str, Any]) -> bool:
+    texts = user_texts(kind, body)
+    return bool(texts) and MARKER in texts[-1]
+
+
+def subscribe(pod: PodProcess) -> tuple[list[Event], threading.Thread]:
+    events: list[Event] = []
+    client = pod.client(timeout=120)
+    client.subscribe(since=0)
+
+    def go() -> None:
+        with client:
+            events.extend(collect_run(client))
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return events, thread
+
+
+# --- the run ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_a_30_round_run_compacts_mid_run_and_every_request_after_is_valid(
+    env: Env, kind: str
+) -> None:
+    write_data(env)
+    pod = env.start(kind=kind, extra=compaction_toml(3000))
+    # Summary requests take these, never the run's replies (the text must not echo the prompt).
+    env.model.script_when(MARKER, *[{"text": f"SUMMARY {i}"} for i in range(20)])
+    env.model.script(*tool_replies(30))
+    events, thread = subscribe(pod)
+    with pod.client(timeout=120) as c:
+        run = c.run(INPUT)
+    thread.join(120)
+    assert not thread.is_alive()
+    finished = [e for e in events if e.type == "run.finished"]
+    assert len(finished) == 1 and finished[0].data["outcome"] == "finished", finished
+    assert finished[0].run_id == run.run_id
+    compactions = [e for e in events if e.type == "compaction.finished"]
+    assert len(compactions) >= 2
+    for e in compactions:
+        assert e.run_id == run.run_id and e.data["after_tokens"] < e.data["before_tokens"]
+    started = [e.data["call_id"] for e in events if e.type == "tool.started"]
+    assert len(started) == len(set(started)) == 30  # no tool call executed twice
+
+    bodies = [r["body"] for r in env.model.requests]
+    summaries = [i for i, b in enumerate(bodies) if is_summary_request(kind, b)]
+    assert len(summaries) == len(compactions)
+    for after in bodies[summaries[0] + 1 :]:  # every request after the first compaction
+        if is_summary_request(kind, after):
+            continue
+        texts = user_texts(kind, after)
+        assert texts[0].startswith(SUMMARY_TAG), texts[0][:80]
+        assert texts[1] == INPUT
+    for body in bodies:
+        check_wire(kind, body)
+
+    # The chain on disk: each old session intact, linked by compacted_from, newest is live.
+    sessions = env.home / "data" / "sessions"
+    infos = {i.id: i for i in list_sessions(sessions)}
+    status = pod.call("status")
+    chain = [status["session_id"]]
+    while infos[chain[-1]].compacted_from:
+        chain.append(infos[chain[-1]].compacted_from)
+    assert len(chain) == len(compactions) + 1
+    results = 0
+    for sid in chain:
+        entries = read_session(sessions, sid).entries
+        results += sum(e["kind"] == "tool_result" for e in entries)
+        assert sum(e["kind"] == "run_end" for e in entries) == (1 if sid == chain[0] else 0)
+    assert results == 30
+    usage = pod.call("usage")
+    assert usage["totals"]["calls"] == len(bodies)  # the summaries' calls count too
+    shown = env.podctl("sessions", "show", "--chain", chain[0])
+    assert shown.returncode == 0, shown.stderr
+    heads = [line.split()[2] for line in shown.stdout.splitlines() if line.startswith("== ")]
+    assert heads == chain[::-1]
+    assert f"(compacted from {chain[1]})" in shown.stdout
+
+
+def test_notifications_acked_before_a_compaction_are_in_the_first_request_after_it(
+    env: Env,
+) -> None:
+    write_data(env)
+    pod = env.start(extra=compaction_toml(1500, retained=1))
+    env.model.script(*tool_replies(4))
+    env.model.script_when(MARKER, {"text": "SUMMARY", "gate": "summary"})
+    with pod.client() as c:
+        c.run(INPUT)
+    wait_until(lambda: any(is_summary_request("openai", r["body"]) for r in env.model.requests))
+    with pod.client() as c:
+        ack = c.notify("deploy finished on staging", source="ci")
+    assert ack.notification_id
+    env.model.open_gate("summary")
+    wait_until(lambda: pod.call("status")["state"] == "idle", timeout=30)
+    bodies = [r["body"] for r in env.model.requests]
+    (i,) = [n for n, b in enumerate(bodies) if is_summary_request("openai", b)]
+    texts = user_texts("openai", bodies[i + 1])
+    assert texts[0].startswith(SUMMARY_TAG) and texts[1] == INPUT
+    assert any("deploy finished on staging" in t for t in texts)
+
+
+# --- crashes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("point", ["summary", "first_line", "complete"])
+def test_kill_9_during_a_compaction_restores_a_valid_session(env: Env, point: str) -> None:
+    write_data(env)
+    if point != "summary":
+        env.env[CRASH_ENV] = point
+    pod = env.start(extra=compaction_toml(1500, retained=1))
+    env.env.pop(CRASH_ENV, None)
+    env.model.script(*tool_replies(4))
+    env.model.script_when(MARKER, {"text": "SUMMARY", "gate": "summary"})
+    with pod.client() as c:
+        c.run(INPUT)
+    wait_until(lambda: any(is_summary_request("openai", r["body"]) for r in env.model.requests))
+    with pod.client() as c:
+        note = c.notify("acknowledged during the compaction", source="ci")
+    if point == "summary":
+        pod.kill9()  # the summary has not returned
+    else:
+        env.model.open_gate("summary")
+        wait_until(lambda: pod.proc.poll() is not None, what="the crash point")
+    sessions = env.home / "data" / "sessions"
+    ids = [i.id for i in list_sessions(sessions) if i.pod == "pod"]
+    assert len(ids) == (2 if point == "complete" else 1), ids
+    for sid in ids:  # every session on disk verifies; a half-written one is not listed
+        read_session(sessions, sid)
+    assert not [p for p in sessions.iterdir() if p.suffix == ".tmp"] or point == "first_line"
+
+    env.model.reset()
+    env.model.open_gate("summary")
+    again = env.restart(pod, "--resume")
+    status = again.call("status")
+    assert status["session_id"] == ids[0]  # the newest of the chain
+
+    def delivered() -> bool:
+        bodies = [r["body"] for r in env.model.requests]
+        texts = [t for b in bodies for t in user_texts("openai", b)]
+        return any("acknowledged during the compaction" in t for t in texts)
+
+    wait_until(delivered, timeout=30, what="the acknowledged notification (never lost)")
+    assert note.notification_id
+    entries = read_session(sessions, ids[0]).entries
+    assert any(e["kind"] == "run_end" and e.get("interrupted") for e in entries) or (
+        entries[0].get("compacted_from") and entries[0].get("active_run")
+    )
+    again.stop()
+
+
+# --- guards and the method -----------------------------------------------------------------------
+
+
+def test_failing_summaries_trip_the_breaker_and_a_manual_compact_resets_it(env: Env) -> None:
+    write_data(env)
+    pod = env.start(extra=compaction_toml(1500, retained=1))
+    failing = {"fault": {"kind": "status", "status": 400, "message": "bad summary"}}
+    env.model.script_when(MARKER, failing, failing, failing)
+    env.model.script(*tool_replies(6))
+    events, thread = subscribe(pod)
+    with pod.client(timeout=60) as c:
+        c.run(INPUT)
+    thread.join(60)
+    failed = [e for e in events if e.type == "compaction.failed"]
+    alerts = [e for e in events if e.type == "alert" and e.data["source"] == "compaction"]
+    assert len(failed) == 3 and len(alerts) == 1, [e.type for e in events]
+    finished = [e for e in events if e.type == "run.finished"]
+    assert finished[-1].data["outcome"] == "finished"  # the run went on without compacting
+    bodies = [r["body"] for r in env.model.requests]
+    assert sum(is_summary_request("openai", b) for b in bodies) == 3
+    out = env.podctl("compact", "pod")
+    assert out.returncode == 0, out.stderr
+    new_id = out.stdout.split()[-1]
+    assert pod.call("status")["session_id"] == new_id
+    env.model.script(*tool_replies(4))
+    with pod.client(timeout=60) as c:
+        c.run_wait("again")
+    bodies = [r["body"] for r in env.model.requests]
+    assert sum(is_summary_request("openai", b) for b in bodies) >= 5  # automatic again
+
+
+def test_a_useless_summary_is_not_repeated_in_that_run(env: Env) -> None:
+    write_data(env)
+    pod = env.start(extra=compaction_toml(1500, retained=1))
+    env.model.script_when(MARKER, {"text": "padding " * 20000}, {"text": "padding " * 20000})
+    env.model.script(*tool_replies(6))
+    with pod.client(timeout=60) as c:
+        result = c.run_wait(INPUT)
+    assert result.outcome == "finished"
+    bodies = [r["body"] for r in env.model.requests]
+    assert sum(is_summary_request("openai", b) for b in bodies) == 1
+
+
+def test_compact_is_busy_during_a_run_and_resume_picks_the_newest_of_the_chain(
+    env: Env,
+) -> None:
+    pod = env.start()
+    env.model.script({"text": "first answer"})
+    with pod.client() as c:
+        c.run_wait("hello")
+        env.model.script({"text": "slow", "gate": "g"})
+        c.run("second")
+        wait_until(lambda: len(env.model.requests) >= 2)
+        busy = env.podctl("compact", "pod")
+        assert busy.returncode != 0 and "idle" in busy.stderr
+    env.model.open_gate("g")
+    wait_until(lambda: pod.call("status")["state"] == "idle")
+    old = pod.call("status")["session_id"]
+    out = env.podctl("compact", "pod", "--json")
+    assert out.returncode == 0, out.stderr
+    new = json.loads(out.stdout)["session_id"]
+    assert new != old
+    pod.stop()
+    again = env.restart(pod, "--resume")
+    assert again.call("status")["session_id"] == new
+    history = again.call("history")
+    assert history["entries"][0]["compacted_from"] == old and history["previous"] == old
+    # History paging walks back across the chain: the old session, intact, by its id.
+    shown = env.podctl("history", "pod", "--all", "--json")
+    assert json.loads(shown.stdout)["previous"] == old
+    back = env.podctl("history", "pod", "--session", old, "--json")
+    assert back.returncode == 0, back.stderr
+    kinds = [e["kind"] for e in json.loads(back.stdout)["entries"]]
+    assert kinds.count("run_end") == 2 and "session_start" in kinds
+    assert env.podctl("sessions", "verify", old).returncode == 0
+    again.stop()
+
+
+def test_the_compaction_provider_makes_the_summary_and_its_usage_counts(env: Env) -> None:
+    write_data(env)
+    extra = compaction_toml(1500, retained=1) + (
+        "[compaction.provider]\n"
+        'kind = "anthropic"\n'
+        'model = "summarizer"\n'
+        f'base_url = "{env.model.url}"\n'
+        'api_key_env = "FAKE_API_KEY"\n'
+    )
+    pod = env.start(extra=extra)  # the pod itself speaks openai
+    env.model.script_when(MARKER, {"text": "SUMMARY", "usage": {"input": 777, "output": 55}})
+    env.model.script(*tool_replies(4))
+    with pod.client(timeout=60) as c:
+        result = c.run_wait(INPUT)
+    assert result.outcome == "finished"
+    paths = [r["path"] for r in env.model.requests]
+    assert paths.count("/v1/messages") == 1 and "/v1/chat/completions" in paths
+    summary = next(r for r in env.model.requests if r["path"] == "/v1/messages")
+    assert summary["body"]["model"] == "summarizer"
+    calls = pod.call("usage")["calls"]
+    (mine,) = [c for c in calls if c["model"] == "summarizer"]
+    assert (mine["input"], mine["output"]) == (777, 55)
+    assert result.usage.input >= 777  # the run's usage includes its compaction
+
+
+def test_a_missing_compaction_provider_key_fails_start_up_naming_it(env: Env) -> None:
+    extra = compaction_toml(1500) + (
+        '[compaction.provider]\nkind = "anthropic"\nmodel = "s"\napi_key_env = "NO_SUCH_KEY"\n'
+    )
+    with pytest.raises(StartFailed) as failed:
+        env.start(extra=extra)
+    assert "compaction.provider.api_key_env" in failed.value.stderr
+    assert "NO_SUCH_KEY" in failed.value.stderr
+
+
+def test_precompact_and_sessionstart_compact_hooks_run(env: Env) -> None:
+    pre = env.work / "precompact.log"
+    extra = (
+        "[[hooks.PreCompact]]\n"
+        f"command = {json.dumps(f'cat >> {pre}; echo >> {pre}')}\n"
+        "[[hooks.SessionStart]]\n"
+        "command = '''input=$(cat); case \"$input\" in *compact*) echo COMPACT-CONTEXT;; esac'''\n"
+    )
+    pod = env.start(extra=extra)
+    env.model.script({"text": "first"})
+    with pod.client() as c:
+        c.run_wait("hello")
+    out = env.podctl("compact", "pod")
+    assert out.returncode == 0, out.stderr
+    (event,) = [json.loads(line) for line in pre.read_text().splitlines() if line.strip()]
+    assert event["hook_event_name"] == "PreCompact" and event["trigger"] == "manual"
+
+    # The SessionStart hook of the compacted session adds its context for the next request.
+    # (it runs in the background: a run may start before it answers, so try a few runs)
+    def context_seen() -> bool:
+        with pod.client() as c:
+            c.run_wait("again")
+        last = env.model.requests[-1]["body"]
+        return any("COMPACT-CONTEXT" in t for t in user_texts("openai", last))
+
+    wait_until(context_seen, timeout=10, what="the SessionStart(compact) context")
+
+
+def test_after_a_useless_compaction_a_rejected_request_ends_the_run_context_full(
+    env: Env,
+) -> None:
+    write_data(env)
+    pod = env.start(extra=compaction_toml(1500, retained=1))
+    env.model.script_when(MARKER, {"text": "padding " * 20000})
+    too_long = "prompt is too long: 250000 tokens > 200000 maximum"
+    env.model.script(
+        *tool_replies(4)[:4], {"fault": {"kind": "status", "status": 400, "message": too_long}}
+    )
+    with pod.client(timeout=60) as c:
+        result = c.run_wait(INPUT)
+    assert result.outcome == "error" and result.error is not None
+    assert result.error.startswith("context full: ") and too_long in result.error
+    bodies = [r["body"] for r in env.model.requests]
+    assert sum(is_summary_request("openai", b) for b in bodies) == 1  # not tried again
