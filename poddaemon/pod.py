@@ -72,6 +72,7 @@ class Services:
     tools: Toolset
     model: ModelClient
     interceptors: list[Interceptor] = field(default_factory=list)
+    callback: str | None = None  # the spawner's socket (a child reports there)
 
 
 class Pod:
@@ -90,6 +91,7 @@ class Pod:
             max_pending=m.notify.max_pending,
             budget_cap=m.budget.max_total_tokens,
             config=manifest_to_dict(m),
+            reports=services.callback is not None,
         )
         prompt = services.instruction.render(
             pwd=m.pod.pwd, scope=self.scope, tools=list(m.worker.tools)
@@ -114,6 +116,17 @@ class Pod:
         self._timer: asyncio.TimerHandle | None = None
         self._stopped = asyncio.Event()
         self.mcp: Any = None  # the MCP servers' manager, when the manifest lists any
+        # Spawn trees: our children (the pod tools' host) and, in a child, its outbox.
+        from poddaemon.outbox import Outbox
+        from poddaemon.spawn import Children
+
+        self.children = Children(self)
+        self.tool_ctx.host = self.children
+        self.observers: list[Callable[[Any], None]] = [self.children.observe]
+        self.outbox: Outbox | None = None
+        if services.callback is not None:
+            self.outbox = Outbox(self, services.callback, self.name)
+            self.observers.append(self.outbox.observe)
 
     @property
     def pod_state(self) -> str:
@@ -137,6 +150,8 @@ class Pod:
                         forked = self._write(entry)
                     for type_, data, run_id in events_of(entry):
                         self.bus.publish(type_, data, run_id)
+                    for observe in self.observers:
+                        observe(entry)
                 case Publish(type_, data, run_id):
                     self.bus.publish(type_, data, run_id)
                 case Reply(token, result, error, durable):
@@ -166,6 +181,10 @@ class Pod:
     async def serve(self) -> None:
         """Run until shutdown (or a failure) has settled every run; then persist."""
         await self._stopped.wait()
+        await self.children.on_stop()
+        if self.outbox is not None:
+            await self.outbox.flush(3.0)  # what is not delivered waits in the log
+            await self.outbox.aclose()
         await self._close()
 
     def request_shutdown(self) -> None:
@@ -215,6 +234,8 @@ class Pod:
         restarts the pod from what is on disk) and say why."""
         if self.failure is None:
             self.failure = message
+            if self.machine.final_report is not None:
+                self.machine.final_report = "errored"
             self._alert("error", f"{message}; the pod stops")
             asyncio.get_running_loop().call_soon(self.request_shutdown)
 
@@ -228,6 +249,10 @@ class Pod:
             self._durable.add(future, result)
         else:
             settle(future, error if error is not None else result)
+
+    async def synced(self) -> None:
+        """Everything committed so far is durable."""
+        await self._synced()
 
     async def _synced(self) -> None:
         if self._log is not None and self.failure is None:

@@ -17,10 +17,15 @@ from typing import Any, Literal
 import msgspec
 
 from poddaemon.entries import (
+    SPAWNER_KEY,
     Assistant,
+    ChildEnded,
+    ChildStarted,
     Entry,
     InputsDelivered,
     LlmUsage,
+    OutboxAcked,
+    OutboxItem,
     RunEnd,
     RunStart,
     SessionStart,
@@ -54,6 +59,27 @@ class PendingInput:
 
 
 @dataclass
+class ChildRecord:
+    """A child this pod spawned, as its log knows it (poddaemon/spawn.py acts on it)."""
+
+    name: str
+    socket: str
+    grant: int | None = None
+    scope: list[dict[str, Any]] = field(default_factory=list)
+    spent: int = 0  # its tree's spending as last reported (final once it ended)
+    live: bool = True
+    last_kind: str = ""  # the kind of its last report
+    outcome: str | None = None  # of its last reported run
+    text: str | None = None
+
+    def charged(self) -> int:
+        """What the spawner's budget counts for it: the grant is reserved while it lives."""
+        if self.live and self.grant is not None:
+            return max(self.grant, self.spent)
+        return self.spent
+
+
+@dataclass
 class SessionState:
     session_id: str = ""
     history: list[Item] = field(default_factory=list)
@@ -75,6 +101,11 @@ class SessionState:
     run_outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_seq: int = 0
     head: str = ""
+    # Spawn trees: runs the spawner asked for (reported when they end), reports not yet
+    # acknowledged by the spawner, and this pod's own children.
+    spawner_runs: set[str] = field(default_factory=set)
+    outbox: dict[str, OutboxItem] = field(default_factory=dict)
+    children: dict[str, ChildRecord] = field(default_factory=dict)
     # Kept as counters: `notify` checks max_pending on every request, so this must be O(1).
     pending_notifications: int = 0
     pending_steers: int = 0
@@ -175,6 +206,8 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.run_keys[e.client_key] = (e.text, e.id or "")
         case UserInput():
             run_id = e.run_id or ""
+            if e.client_key and e.client_key.startswith(SPAWNER_KEY):
+                s.spawner_runs.add(run_id)
             s.pending_runs[run_id] = PendingRun(run_id, e.text, e.client_key)
             if e.client_key:
                 s.run_keys[e.client_key] = (e.text, run_id)
@@ -184,6 +217,9 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.notify_keys[e.client_key] = (e.text, e.id)
             if e.event_id is not None:
                 s.report_ids.add(e.event_id)
+            child = s.children.get(e.pod) if e.pod is not None else None
+            if child is not None:
+                _child_report(child, e)
         case RunStart(run_id=run_id):
             if run_id != s.paused_run:  # a resumed run keeps its round count and usage
                 s.rounds = 0
@@ -246,6 +282,33 @@ def _apply(s: SessionState, e: Entry) -> None:
                 "usage": msgspec.to_builtins(e.usage) if e.usage is not None else None,
                 "calls": calls,
             }
+
+
+        case OutboxItem():
+            s.outbox[e.event_id] = e
+            if e.run_id is not None:
+                s.spawner_runs.discard(e.run_id)
+        case OutboxAcked():
+            for event_id in e.ids:
+                s.outbox.pop(event_id, None)
+        case ChildStarted():
+            old = s.children.get(e.name)
+            spent = old.spent if old is not None and old.live else 0
+            s.children[e.name] = ChildRecord(e.name, e.socket, e.grant, list(e.scope), spent)
+        case ChildEnded():
+            child = s.children.get(e.name)
+            if child is not None:
+                child.live = False
+                child.spent = e.spent
+
+
+def _child_report(child: ChildRecord, e: SystemItem) -> None:
+    child.last_kind = e.event_kind or ""
+    if e.tree_spent is not None:
+        child.spent = max(child.spent, e.tree_spent)
+    if e.event_kind == "run.finished":
+        child.outcome = e.outcome
+        child.text = e.detail
 
 
 def _session_start(s: SessionState, e: SessionStart) -> None:

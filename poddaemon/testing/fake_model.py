@@ -132,6 +132,9 @@ class FakeModel:
         self.verbose = verbose
         self._cv = threading.Condition()
         self._queue: collections.deque[Reply] = collections.deque()
+        # Requests naming one of these models take their replies from its own queue (empty:
+        # the echo answer), so pods of a tree can be scripted apart.
+        self._by_model: dict[str, collections.deque[Reply]] = {}
         self._requests: list[dict[str, Any]] = []
         self._opened: set[str] = set()
         self._generation = 0
@@ -211,6 +214,12 @@ class FakeModel:
         with self._cv:
             self._queue.extend(checked)
 
+    def script_model(self, model: str, *replies: Reply) -> None:
+        """Append replies for requests whose `model` is `model` only (the rest use `script`)."""
+        checked = [validate_reply(r) for r in replies]
+        with self._cv:
+            self._by_model.setdefault(model, collections.deque()).extend(checked)
+
     @property
     def pending(self) -> int:
         """How many scripted replies are still queued."""
@@ -243,6 +252,7 @@ class FakeModel:
         gate or hanging are released by dropping their connection."""
         with self._cv:
             self._queue.clear()
+            self._by_model.clear()
             self._requests.clear()
             self._opened.clear()
             self._generation += 1
@@ -261,7 +271,11 @@ class FakeModel:
         """Record a request and pop its reply: (reply or None, serial, generation)."""
         with self._cv:
             self._requests.append({"path": path, "body": body, "headers": headers})
-            reply = self._queue.popleft() if self._queue else None
+            model = body.get("model") if isinstance(body, dict) else None
+            queue = self._queue
+            if isinstance(model, str):
+                queue = self._by_model.get(model, self._queue)
+            reply = queue.popleft() if queue else None
             self._serial += 1
             self._cv.notify_all()
             return reply, self._serial, self._generation

@@ -44,6 +44,21 @@ class ToolOutputLimits:
         return self.per_tool.get(tool, self.default_max_bytes)
 
 
+class PodHost(Protocol):
+    """What the pod tools (spawn_pod, …) act on: the pod's children (poddaemon/spawn.py).
+    Each method raises ToolError with the message the model should see."""
+
+    async def spawn(self, args: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def send(self, pod: str, message: str, mode: str) -> dict[str, Any]: ...
+
+    async def wait(self, pods: list[str] | None, timeout: float) -> dict[str, Any]: ...
+
+    async def list_children(self) -> list[dict[str, Any]]: ...
+
+    async def stop(self, pod: str) -> dict[str, Any]: ...
+
+
 @dataclass
 class ToolContext:
     scope: ScopeLike
@@ -55,6 +70,8 @@ class ToolContext:
     env_passthrough: tuple[str, ...] = ()
     # JSON for `poddaemon.sandbox.apply_policy`, applied by the command runner (issue 13)
     sandbox_policy: bytes | None = None
+    # the pod's children, for the pod tools (None: this pod cannot spawn)
+    host: PodHost | None = None
     _runner: "CommandRunner | None" = field(default=None, repr=False)
     _runner_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
