@@ -16,8 +16,16 @@ import pytest
 from poddaemon.registry import Registry
 from tests.conftest import Env, PodProcess, wait_until
 
-POD_TOOLS = ["read_file", "write_file", "list_dir", "spawn_pod", "send_to_pod", "wait_pods",
-             "list_pods", "stop_pod"]
+POD_TOOLS = [
+    "read_file",
+    "write_file",
+    "list_dir",
+    "spawn_pod",
+    "send_to_pod",
+    "wait_pods",
+    "list_pods",
+    "stop_pod",
+]
 
 
 @pytest.fixture
@@ -48,15 +56,21 @@ def _stray(env: Env) -> list[int]:
             continue
         if stat.rpartition(")")[2].split()[0] in ("Z", "X"):
             continue
-        if b"poddaemon" in cmd and b"run" in cmd and f"PODDAEMON_HOME={env.home}".encode() in environ:
+        if (
+            b"poddaemon" in cmd
+            and b"run" in cmd
+            and f"PODDAEMON_HOME={env.home}".encode() in environ
+        ):
             found.append(int(pid))
     return found
 
 
 def spawn_call(name: str, task: str, write: list[str], **extra: Any) -> dict[str, Any]:
     scope = [{"target": t, "permission": "write"} for t in write]
-    return {"name": "spawn_pod", "arguments": {"name": name, "task": task, "scope": scope,
-                                               "model": f"m-{name}", **extra}}
+    return {
+        "name": "spawn_pod",
+        "arguments": {"name": name, "task": task, "scope": scope, "model": f"m-{name}", **extra},
+    }
 
 
 def tool(name: str, **arguments: Any) -> dict[str, Any]:
@@ -103,15 +117,26 @@ def test_children_get_disjoint_delegated_scopes(tree: Env) -> None:
     dirs = {n: work / n for n in ("a", "b", "c")}
     for d in dirs.values():
         d.mkdir()
-    env.model.script_model("m-a", {"tool_calls": [tool("write_file", path=str(dirs["b"] / "x"),
-                                                      content="no")]}, {"text": "a done"})
-    quiet_children(env, "b", "c")
+    # Each child tries to write into the next one's area (and, c, into the parent's own file).
+    targets = {"a": dirs["b"] / "x", "b": dirs["c"] / "x", "c": work / "x"}
+    for n, target in targets.items():
+        env.model.script_model(
+            f"m-{n}",
+            {"tool_calls": [tool("write_file", path=str(target), content="no")]},
+            {"text": f"{n} done"},
+        )
     env.model.script(
-        {"tool_calls": [spawn_call(n, f"task {n}", [str(d)]) for n, d in dirs.items()]
-         + [tool("write_file", path=str(dirs["a"] / "p.txt"), content="parent")]},
+        {
+            "tool_calls": [spawn_call(n, f"task {n}", [str(d)]) for n, d in dirs.items()]
+            + [tool("write_file", path=str(dirs["a"] / "p.txt"), content="parent")]
+        },
         {"tool_calls": [tool("wait_pods", pods=["a"], timeout_s=30)]},
-        {"tool_calls": [tool("stop_pod", pod="a"),
-                        tool("write_file", path=str(dirs["a"] / "p.txt"), content="parent")]},
+        {
+            "tool_calls": [
+                tool("stop_pod", pod="a"),
+                tool("write_file", path=str(dirs["a"] / "p.txt"), content="parent"),
+            ]
+        },
         {"text": "parent done"},
     )
     parent = start_parent(env)
@@ -125,8 +150,13 @@ def test_children_get_disjoint_delegated_scopes(tree: Env) -> None:
     assert not writes[1]["is_error"], writes  # child a stopped: the area is the parent's again
     assert (dirs["a"] / "p.txt").read_text() == "parent"
     # Child a's write outside its delegated area was refused; nothing landed.
-    assert not (dirs["b"] / "x").exists()
-    assert any("outside scope" in body for body in model_saw(env, "m-a"))
+    for n, target in targets.items():
+        assert not target.exists()
+        wait_until(
+            lambda n=n: any("outside scope" in b for b in model_saw(env, f"m-{n}")),  # type: ignore[misc]
+            20,
+            f"child {n}'s refusal",
+        )
     # The registry knows the tree; b and c still live, with parent = "parent".
     live = {e.name: e for e in Registry(env.home / "run").live()}
     assert {live["b"].parent, live["c"].parent} == {"parent"} and "a" not in live
@@ -146,8 +176,12 @@ def test_each_report_reaches_the_parent_model_once(tree: Env) -> None:
     env = tree
     quiet_children(env, "k1", "k2")
     env.model.script(
-        {"tool_calls": [spawn_call("k1", "alpha", [str(env.work / "k1")]),
-                        spawn_call("k2", "beta", [str(env.work / "k2")])]},
+        {
+            "tool_calls": [
+                spawn_call("k1", "alpha", [str(env.work / "k1")]),
+                spawn_call("k2", "beta", [str(env.work / "k2")]),
+            ]
+        },
         {"text": "spawned"},
     )
     for d in ("k1", "k2"):
@@ -160,8 +194,11 @@ def test_each_report_reaches_the_parent_model_once(tree: Env) -> None:
         assert len(got) == 1, got
         assert got[0]["outcome"] == "finished" and got[0]["detail"] == f"ok: {task}"
     # The parent's model saw each report exactly once (in the request after they arrived).
-    wait_until(lambda: any("ok: alpha" in b and "ok: beta" in b for b in model_saw(env,
-               "fake-model")), 20, "the parent's model to see the reports")
+    wait_until(
+        lambda: any("ok: alpha" in b and "ok: beta" in b for b in model_saw(env, "fake-model")),
+        20,
+        "the parent's model to see the reports",
+    )
     # The first request carrying them has each once; later requests carry the same history item
     # (and the parent's own echo of it), never a second delivery.
     for text in ("ok: alpha", "ok: beta"):
@@ -178,8 +215,9 @@ def test_reports_wait_while_the_parent_is_down(tree: Env) -> None:
     env = tree
     (env.work / "d1").mkdir()
     env.model.script_model("m-d1", {"text": "d1 done", "gate": "child"})
-    env.model.script({"tool_calls": [spawn_call("d1", "work", [str(env.work / "d1")])]},
-                     {"text": "spawned"})
+    env.model.script(
+        {"tool_calls": [spawn_call("d1", "work", [str(env.work / "d1")])]}, {"text": "spawned"}
+    )
     parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     parent.kill9()
@@ -202,8 +240,9 @@ def test_child_killed_mid_report_is_redelivered_once(tree: Env) -> None:
     env = tree
     (env.work / "r1").mkdir()
     env.model.script_model("m-r1")
-    env.model.script({"tool_calls": [spawn_call("r1", "first", [str(env.work / "r1")])]},
-                     {"text": "spawned"})
+    env.model.script(
+        {"tool_calls": [spawn_call("r1", "first", [str(env.work / "r1")])]}, {"text": "spawned"}
+    )
     parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     wait_until(lambda: _finished_reports(parent, "r1"), 20, "the first report")
@@ -235,17 +274,24 @@ def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
     env = tree
     (env.work / "e1").mkdir()
     env.model.script_model("m-e1", {"text": "never", "gate": "never"})
-    env.model.script({"tool_calls": [spawn_call("e1", "hang", [str(env.work / "e1")])]},
-                     {"text": "spawned"})
+    env.model.script(
+        {"tool_calls": [spawn_call("e1", "hang", [str(env.work / "e1")])]}, {"text": "spawned"}
+    )
     parent = start_parent(env)
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     entry = Registry(env.home / "run").get("e1")
     assert entry is not None
     os.kill(entry.pid, signal.SIGKILL)
-    wait_until(lambda: [r for r in reports(parent) if r["event_kind"] == "errored"], 10,
-               "an errored report")
-    wait_until(lambda: any("[errored]" in b for b in model_saw(env, "fake-model")), 10,
-               "the parent's model to see it")
+    wait_until(
+        lambda: [r for r in reports(parent) if r["event_kind"] == "errored"],
+        10,
+        "an errored report",
+    )
+    wait_until(
+        lambda: any("[errored]" in b for b in model_saw(env, "fake-model")),
+        10,
+        "the parent's model to see it",
+    )
     assert parent.call("status")["children"] == []
 
 
@@ -292,14 +338,28 @@ def test_stop_tree_three_levels_deepest_first(tree: Env) -> None:
     # The middle pod spawns a leaf as its task's first tool call.
     env.model.script_model(
         "m-mid",
-        {"tool_calls": [{"name": "spawn_pod", "arguments": {
-            "name": "leaf", "task": "leaf task", "model": "m-leaf",
-            "scope": [{"target": str(env.work / "mid" / "leaf"), "permission": "write"}]}}]},
+        {
+            "tool_calls": [
+                {
+                    "name": "spawn_pod",
+                    "arguments": {
+                        "name": "leaf",
+                        "task": "leaf task",
+                        "model": "m-leaf",
+                        "scope": [
+                            {"target": str(env.work / "mid" / "leaf"), "permission": "write"}
+                        ],
+                    },
+                }
+            ]
+        },
         {"text": "mid done"},
     )
     env.model.script_model("m-leaf")
-    env.model.script({"tool_calls": [spawn_call("mid", "spawn a leaf", [str(env.work / "mid")])]},
-                     {"text": "spawned"})
+    env.model.script(
+        {"tool_calls": [spawn_call("mid", "spawn a leaf", [str(env.work / "mid")])]},
+        {"text": "spawned"},
+    )
     parent = start_parent(env)
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     wait_until(lambda: Registry(env.home / "run").get("leaf") is not None, 30, "the leaf")
@@ -330,18 +390,26 @@ def test_tree_budget_stays_under_the_cap(tree: Env) -> None:
             f"m-{n}", *[{"tool_calls": [tool("list_dir", path=".")], "usage": call}] * 40
         )
     env.model.script(
-        {"tool_calls": [spawn_call("b1", "spend", [str(env.work / "b1")], budget_tokens=1000),
-                        spawn_call("b2", "spend", [str(env.work / "b2")], budget_tokens=1000)],
-         "usage": call},
+        {
+            "tool_calls": [
+                spawn_call("b1", "spend", [str(env.work / "b1")], budget_tokens=1000),
+                spawn_call("b2", "spend", [str(env.work / "b2")], budget_tokens=1000),
+            ],
+            "usage": call,
+        },
         *[{"tool_calls": [tool("list_dir", path=".")], "usage": call}] * 40,
     )
     parent = start_parent(env, extra=f"[budget]\nmax_total_tokens = {cap}\n")
     result = run_and_wait(parent, "go")
     assert result["outcome"] == "limit_reached", result
-    wait_until(lambda: len([r for r in reports(parent) if r["event_kind"] == "run.finished"])
-               == 2, 30, "both children's reports")
-    outcomes = {r["pod"]: r["outcome"] for r in reports(parent)
-                if r["event_kind"] == "run.finished"}
+    wait_until(
+        lambda: len([r for r in reports(parent) if r["event_kind"] == "run.finished"]) == 2,
+        30,
+        "both children's reports",
+    )
+    outcomes = {
+        r["pod"]: r["outcome"] for r in reports(parent) if r["event_kind"] == "run.finished"
+    }
     assert outcomes == {"b1": "limit_reached", "b2": "limit_reached"}
     total = sum(300 for r in env.model.requests)  # every call cost 300 tokens
     per_call = 300
@@ -368,14 +436,20 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     quiet_children(env, "ok", "sib", "x1", "x2", "x3", "parent")
     outside = Path("/tmp")
     env.model.script(
-        {"tool_calls": [
-            spawn_call("ok", "fine", [str(env.work / "ok")]),
-            spawn_call("parent", "name taken", [str(env.work / "sib")]),
-            spawn_call("x1", "outside", [str(outside)]),
-            spawn_call("x2", "overlaps a sibling", [str(env.work / "ok" / "inner")]),
-            spawn_call("x3", "dies at start", [str(env.work / "sib")],
-                       instruction="{{ undefined_function() }}"),
-        ]},
+        {
+            "tool_calls": [
+                spawn_call("ok", "fine", [str(env.work / "ok")]),
+                spawn_call("parent", "name taken", [str(env.work / "sib")]),
+                spawn_call("x1", "outside", [str(outside)]),
+                spawn_call("x2", "overlaps a sibling", [str(env.work / "ok" / "inner")]),
+                spawn_call(
+                    "x3",
+                    "dies at start",
+                    [str(env.work / "sib")],
+                    instruction="{{ undefined_function() }}",
+                ),
+            ]
+        },
         {"text": "done"},
     )
     parent = start_parent(env)
