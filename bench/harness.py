@@ -283,6 +283,10 @@ class FakeServer:
     def script(self, *replies: dict[str, Any]) -> None:
         self._post("/_fake/script", {"replies": list(replies)})
 
+    def script_model(self, model: str, *replies: dict[str, Any]) -> None:
+        """Replies (none: the echo answer) for requests naming `model` only."""
+        self._post("/_fake/script", {"model": model, "replies": list(replies)})
+
     def reset(self) -> None:
         self._post("/_fake/reset")
 

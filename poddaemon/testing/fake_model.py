@@ -5,7 +5,8 @@ Real HTTP/1.1 on 127.0.0.1 (stdlib `ThreadingHTTPServer`, keep-alive, chunked SS
 - ``POST /v1/chat/completions``  OpenAI Chat Completions (streaming and not)
 - ``POST /v1/responses``         OpenAI Responses (streaming and not)
 - ``POST /v1/messages``          Anthropic Messages (streaming and not)
-- ``POST /_fake/script`` (``{"replies": [...]}``, appended), ``GET /_fake/requests``,
+- ``POST /_fake/script`` (``{"replies": [...]}``, appended; with ``"model": M`` they answer only
+  requests for model M, see ``script_model``), ``GET /_fake/requests``,
   ``POST /_fake/gate/<name>``, ``POST /_fake/reset``, ``GET /_fake/health``
 
 Each model request (faulty or not) is recorded as ``{path, body, headers}`` and consumes the next
@@ -447,7 +448,12 @@ class _Handler(BaseHTTPRequestHandler):
             except (ValueError, msgspec.DecodeError) as exc:
                 self._send_json(400, {"error": str(exc)})
                 return
-            fake.script(*replies)
+            payload = _decode(raw) if raw else {}
+            model = payload.get("model") if isinstance(payload, dict) else None
+            if isinstance(model, str):  # {"model": M, "replies": [...]}: for that model only
+                fake.script_model(model, *replies)
+            else:
+                fake.script(*replies)
             self._send_json(200, {"queued": fake.pending})
         elif path == "/_fake/reset":
             fake.reset()
