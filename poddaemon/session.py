@@ -283,7 +283,6 @@ def _apply(s: SessionState, e: Entry) -> None:
                 "calls": calls,
             }
 
-
         case OutboxItem():
             s.outbox[e.event_id] = e
             if e.run_id is not None:
