@@ -60,6 +60,8 @@ class SessionStart(Entry, tag="session_start"):
     paused_run: str | None = None
     open_calls: list[ToolCall] = []
     run_outcomes: dict[str, dict[str, Any]] = {}
+    # Spawn trees: {outbox, children, spawner_runs, report_ids} (SessionState.tree_snapshot).
+    tree: dict[str, Any] = {}
 
 
 class UserInput(Entry, tag="user_input"):

@@ -520,6 +520,7 @@ class Machine:
             paused_run=old.paused_run,
             open_calls=list(old.open_calls),
             run_outcomes=snap["run_outcomes"],
+            tree=old.tree_snapshot(),
             seq=1,
             ts=self.clock(),
         )

@@ -8,6 +8,7 @@ Inputs are committed when acknowledged but enter the model's context later: a qu
 which is exactly what must be processed after a crash.
 """
 
+import dataclasses
 import gc
 import time
 from collections.abc import Iterable, Mapping
@@ -148,6 +149,16 @@ class SessionState:
                 for _, rid in self.run_keys.values()
                 if rid in self.run_outcomes
             },
+        }
+
+    def tree_snapshot(self) -> dict[str, Any]:
+        """The spawn-tree state a new session (fork, compaction) must carry on: undelivered
+        reports, children, runs still to report, report ids already accepted."""
+        return {
+            "outbox": [msgspec.to_builtins(o) for o in self.outbox.values()],
+            "children": [dataclasses.asdict(c) for c in self.children.values()],
+            "spawner_runs": sorted(self.spawner_runs),
+            "report_ids": sorted(self.report_ids),
         }
 
     def apply(self, entry: Mapping[str, Any] | Entry) -> None:
@@ -330,6 +341,15 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     s.rounds = e.rounds
     s.open_calls = list(e.open_calls)
     s.run_outcomes = dict(e.run_outcomes)
+    tree = e.tree
+    if tree:
+        for o in tree.get("outbox", []):
+            item = msgspec.convert(o, OutboxItem)
+            s.outbox[item.event_id] = item
+        for c in tree.get("children", []):
+            s.children[c["name"]] = ChildRecord(**c)
+        s.spawner_runs = set(tree.get("spawner_runs", []))
+        s.report_ids = set(tree.get("report_ids", []))
 
 
 def fold(entries: Iterable[Mapping[str, Any] | Entry]) -> SessionState:

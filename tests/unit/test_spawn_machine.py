@@ -100,3 +100,17 @@ def test_grants_are_reserved_while_children_live_then_reconciled() -> None:
         "j": (False, 600),
         "i": (True, 100),
     }
+
+
+def test_a_fork_carries_the_tree_state_on() -> None:
+    d = child_driver()
+    d.call("run", "a", client_key=f"{SPAWNER_KEY}1")
+    d.model("one")
+    d.feed(d.machine.child_started("g", "/s", 5, [{"target": "/w", "permission": "write"}]))
+    d.call("child_report", "g", "run.finished", "ev-9", "r", "t", "finished", 3)
+    before = fold(d.entries)
+    start = d.machine.fork()
+    after = fold([start])
+    assert list(after.outbox) == list(before.outbox)
+    assert after.children == before.children
+    assert "ev-9" in after.report_ids
