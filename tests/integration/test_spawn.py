@@ -469,3 +469,48 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     for n in ("x1", "x2", "x3"):
         assert not (pods_dir / n / "sock").exists()
     assert not list((env.home / "data" / "pods").glob(".spawn-*"))
+
+
+def test_max_children_counts_live_children_and_max_depth_is_enforced(tree: Env) -> None:
+    env = tree
+    for d in ("l1", "l2"):
+        (env.work / d).mkdir()
+    # l1's own spawn attempt: its max_depth is its spawner's (1) minus one.
+    env.model.script_model(
+        "m-l1",
+        {"tool_calls": [spawn_call("deep", "x", [str(env.work / "l1" / "deep")])]},
+        {"text": "l1 done"},
+    )
+    env.model.script_model("m-l2")
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn_call("l1", "try to spawn", [str(env.work / "l1")]),
+                spawn_call("l2", "one too many", [str(env.work / "l2")]),
+            ]
+        },
+        {
+            "tool_calls": [
+                tool("wait_pods", timeout_s=30),
+                tool("stop_pod", pod="l1"),
+                spawn_call("l2", "now there is room", [str(env.work / "l2")]),
+            ]
+        },
+        {"tool_calls": [tool("list_pods")]},
+        {"text": "done"},
+    )
+    parent = start_parent(env, extra="[spawn]\nmax_children = 1\nmax_depth = 1\n")
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    results = tool_results(parent)
+    spawns = [r for r in results if r["name"] == "spawn_pod"]
+    assert not spawns[0]["is_error"]
+    assert spawns[1]["is_error"] and "max_children = 1" in spawns[1]["output"]
+    assert not spawns[2]["is_error"], spawns[2]  # l1 stopped: it no longer counts
+    waited = json.loads(next(r for r in results if r["name"] == "wait_pods")["output"])
+    assert waited["l1"]["outcome"] == "finished" and waited["l1"]["text"] == "l1 done"
+    listed = json.loads(next(r for r in results if r["name"] == "list_pods")["output"])
+    assert {c["name"]: c["state"] for c in listed} == {"l1": "stopped", "l2": "running"} or {
+        c["name"]: c["state"] for c in listed
+    } == {"l1": "stopped", "l2": "idle"}
+    assert any("max_depth" in b for b in model_saw(env, "m-l1"))
+    assert Registry(env.home / "run").get("deep") is None
