@@ -54,6 +54,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
     async def pod_event(p: PodEventParams, conn: Any) -> Any:
         event_id = p.event_id or new_session_id()
         tree_spent = (p.usage or {}).get("tree_spent")
+        pod.children.heard_from(p.pod)
         return await pod.request(
             lambda t: m.child_report(
                 t, p.pod, p.kind, event_id, p.run_id, p.text, p.outcome, tree_spent

@@ -90,6 +90,21 @@ class Children:
                 self.outstanding.get(entry.pod, set()).discard(entry.run_id)
             self.changed.set()
 
+    def heard_from(self, name: str) -> None:
+        """A `pod_event` arrived from `name`. If we do not watch it, it is a child restarted
+        (podctl restart) after we saw it die: take it back if the registry names us parent."""
+        if name not in self.live and name not in self._spawning:
+            asyncio.get_running_loop().call_soon(self._readopt, name)
+
+    def _readopt(self, name: str) -> None:
+        pod = self.pod
+        entry = pod.s.registry.get(name)
+        if name in self.live or entry is None or entry.parent != pod.name:
+            return
+        pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope))
+        self._watch(_Live(name, entry.pid, entry.socket))
+        self._refresh_scope()
+
     # --- the PodHost methods -------------------------------------------------------------------
 
     async def spawn(self, args: dict[str, Any]) -> dict[str, Any]:

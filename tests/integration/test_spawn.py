@@ -264,6 +264,14 @@ def test_child_killed_mid_report_is_redelivered_once(tree: Env) -> None:
     assert len(_finished_reports(parent, "r1")) == 1
     # and the parent did see the death meanwhile (reported by itself as errored)
     assert any(r["event_kind"] == "errored" for r in reports(parent) if r["pod"] == "r1")
+    # The restarted child is its child again: watched, listed, its area delegated.
+    wait_until(
+        lambda: [c["name"] for c in parent.call("status")["children"]] == ["r1"],
+        10,
+        "the parent to take the restarted child back",
+    )
+    writable = [r for r in parent.call("status")["scope"] if r.get("deny")]
+    assert any(r["target"] == str(env.work / "r1") for r in writable)
 
 
 def _outbox_done(path: Path) -> bool:
