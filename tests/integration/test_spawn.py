@@ -307,16 +307,23 @@ def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
 
 
 def _tree_of_two(env: Env, policy: str) -> PodProcess:
-    for d in ("s1", "s2"):
+    """A parent, two children, and (under s1) a grandchild: four processes."""
+    for d in ("s1", "s2", "s1/g1"):
         (env.work / d).mkdir()
-    quiet_children(env, "s1", "s2")
+    quiet_children(env, "s2", "g1")
+    env.model.script_model(
+        "m-s1",
+        {"tool_calls": [spawn_call("g1", "grandchild", [str(env.work / "s1" / "g1")])]},
+        {"text": "s1 spawned g1"},
+    )
     env.model.script(
         {"tool_calls": [spawn_call(n, "hi", [str(env.work / n)]) for n in ("s1", "s2")]},
         {"text": "spawned"},
     )
     parent = start_parent(env, extra=f'[spawn]\non_parent_exit = "{policy}"\n')
     assert run_and_wait(parent, "go")["outcome"] == "finished"
-    assert len(_stray(env)) == 3
+    wait_until(lambda: len(_stray(env)) == 4, 20, "the grandchild")
+    wait_until(lambda: Registry(env.home / "run").get("g1"), 20, "the grandchild's entry")
     return parent
 
 
@@ -332,7 +339,7 @@ def test_kill9_parent_detach_children_keep_running(tree: Env) -> None:
     parent.kill9()
     time.sleep(1.5)
     live = {e.name: e for e in Registry(tree.home / "run").live()}
-    assert set(live) == {"s1", "s2"}
+    assert set(live) == {"s1", "s2", "g1"}
     child = PodProcess.__new__(PodProcess)
     child.socket = live["s1"].socket
     done = run_and_wait(child, "still there?")
