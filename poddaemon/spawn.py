@@ -63,6 +63,7 @@ class Children:
         self.outstanding: dict[str, set[str]] = {}  # child -> runs we asked for, not reported
         self.changed = asyncio.Event()  # a report arrived or a child went
         self._spawning: set[str] = set()
+        self._reported: set[str] = set()  # runs whose run.finished arrived
 
     # --- start-up: re-adopt --------------------------------------------------------------------
 
@@ -88,6 +89,7 @@ class Children:
         if isinstance(entry, SystemItem) and entry.pod is not None:
             if entry.event_kind == "run.finished" and entry.run_id is not None:
                 self.outstanding.get(entry.pod, set()).discard(entry.run_id)
+                self._reported.add(entry.run_id)  # may come before the run's ack reached us
             self.changed.set()
 
     def heard_from(self, name: str) -> None:
@@ -138,7 +140,7 @@ class Children:
         )
         run_id = result.get("run_id")
         if run_id and result.get("state") != "steered":
-            self.outstanding.setdefault(pod_name, set()).add(run_id)
+            self._expect(pod_name, str(run_id))
         return dict(result)
 
     async def wait(self, pods: list[str] | None, timeout: float) -> dict[str, Any]:
@@ -217,6 +219,11 @@ class Children:
                 raise ToolError(f"child pod {name!r} is not running")
             raise ToolError(f"no child pod named {name!r}")
         return child
+
+    def _expect(self, name: str, run_id: str) -> None:
+        """`wait_pods` waits for this run's report (unless it is here already)."""
+        if run_id not in self._reported:
+            self.outstanding.setdefault(name, set()).add(run_id)
 
     def _grant(self, asked: Any) -> int | None:
         remaining: int | None = self.pod.machine.budget_remaining()
@@ -345,7 +352,7 @@ class Children:
             if isinstance(exc, ToolError):
                 raise ToolError(f"child pod {name!r} refused its task: {exc}") from None
             raise
-        self.outstanding.setdefault(name, set()).add(str(result["run_id"]))
+        self._expect(name, str(result["run_id"]))
         return {"name": name, "socket": socket}
 
     async def _ready(self, proc: "asyncio.subprocess.Process") -> str:

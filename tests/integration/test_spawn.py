@@ -448,7 +448,7 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     env = tree
     (env.work / "ok").mkdir()
     (env.work / "sib").mkdir()
-    quiet_children(env, "ok", "sib", "x1", "x2", "x3", "parent")
+    quiet_children(env, "ok", "sib", "x1", "x2", "x3", "x4", "parent")
     outside = Path("/tmp")
     env.model.script(
         {
@@ -457,6 +457,7 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
                 spawn_call("parent", "name taken", [str(env.work / "sib")]),
                 spawn_call("x1", "outside", [str(outside)]),
                 spawn_call("x2", "overlaps a sibling", [str(env.work / "ok" / "inner")]),
+                spawn_call("x4", "contains a sibling's area", [str(env.work)]),
                 spawn_call(
                     "x3",
                     "dies at start",
@@ -475,13 +476,14 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     assert all(r["is_error"] for r in results[1:]), results
     assert "already running" in errs[0], errs[0]
     assert "not inside this pod's scope" in errs[1], errs[1]
-    assert "not inside this pod's scope" in errs[2] or "ok" in errs[2], errs[2]
-    assert "x3" in errs[3] or "undefined" in errs[3] or "instruction" in errs[3], errs[3]
+    assert "delegated to another child" in errs[2], errs[2]
+    assert "scope conflict: pod 'ok'" in errs[3], errs[3]  # the child's own message
+    assert "child pod failed to start" in errs[4] and "undefined" in errs[4], errs[4]
     live = {e.name for e in Registry(env.home / "run").live()}
     assert live == {"parent", "ok"}
     assert len(_stray(env)) == 2
     pods_dir = env.home / "run" / "pods"
-    for n in ("x1", "x2", "x3"):
+    for n in ("x1", "x2", "x3", "x4"):
         assert not (pods_dir / n / "sock").exists()
     assert not list((env.home / "data" / "pods").glob(".spawn-*"))
 
