@@ -384,11 +384,9 @@ class Children:
         try:
             async with await AsyncPodClient.connect(socket) as client:
                 raw = await client.call_raw(method, params)
-        except RpcError as exc:
+        except RpcError as exc:  # the child's own refusal (-32007 budget, -32004 stopping, …)
             raise ToolError(str(exc)) from None
-        except (OSError, Exception) as exc:
-            if isinstance(exc, ToolError):
-                raise
+        except Exception as exc:  # no socket, connection lost
             raise ToolError(f"cannot reach the child pod: {exc}") from None
         return msgspec.json.decode(raw)
 
