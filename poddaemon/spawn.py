@@ -41,7 +41,7 @@ log = logging.getLogger("poddaemon.spawn")
 READY_PREFIX = b"PODDAEMON-READY\t"
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
-STATUS_TIMEOUT = 1.0
+STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
 
 
 @dataclass

@@ -526,8 +526,7 @@ def test_max_children_counts_live_children_and_max_depth_is_enforced(tree: Env) 
     waited = json.loads(next(r for r in results if r["name"] == "wait_pods")["output"])
     assert waited["l1"]["outcome"] == "finished" and waited["l1"]["text"] == "l1 done"
     listed = json.loads(next(r for r in results if r["name"] == "list_pods")["output"])
-    assert {c["name"]: c["state"] for c in listed} == {"l1": "stopped", "l2": "running"} or {
-        c["name"]: c["state"] for c in listed
-    } == {"l1": "stopped", "l2": "idle"}
+    states = {c["name"]: c["state"] for c in listed}
+    assert states["l1"] == "stopped" and states["l2"] in ("running", "idle"), states
     assert any("max_depth" in b for b in model_saw(env, "m-l1"))
     assert Registry(env.home / "run").get("deep") is None
