@@ -454,7 +454,10 @@ class Children:
         except Exception as exc:
             log.warning("cannot refresh the delegated scope: %s", exc)
             return
-        pod.scope = pod.s.scope.with_delegated(entry.delegated)
+        scope = pod.s.scope.with_delegated(entry.delegated)
+        if scope != pod.scope:
+            pod.scope = scope
+            pod.tool_ctx.scope_changed()  # commands too (when the sandbox confines them)
 
 
 async def _kill(proc: "asyncio.subprocess.Process") -> None:

@@ -530,3 +530,55 @@ def test_max_children_counts_live_children_and_max_depth_is_enforced(tree: Env) 
     assert states["l1"] == "stopped" and states["l2"] in ("running", "idle"), states
     assert any("max_depth" in b for b in model_saw(env, "m-l1"))
     assert Registry(env.home / "run").get("deep") is None
+
+
+# --- the spawner's commands lose the delegated area too (when the sandbox confines them) -------
+
+
+def test_delegation_reaches_the_spawners_commands() -> None:
+    import asyncio
+    import tempfile
+
+    from poddaemon.sandbox import available, build_policy
+    from poddaemon.scope import Scope
+    from poddaemon.tools import ToolContext, execute
+
+    if not available():
+        pytest.skip("no Landlock here")
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        base = Path(os.path.realpath(d))
+        (base / "work" / "kid").mkdir(parents=True)
+        (base / "tmp").mkdir()
+        granted = Scope.from_config([("work", "write", True)], cwd=str(base))
+        live = {"scope": granted}
+
+        class Live:
+            def check(self, path: str, want: Any, cwd: str) -> str:
+                return live["scope"].check(path, want, cwd)
+
+            def access(self, path: str) -> Any:
+                return live["scope"].access(path)
+
+        def policy() -> bytes:
+            p = build_policy(live["scope"], pwd=str(base / "work"), tmpdir=str(base / "tmp"))
+            return p.encode()
+
+        ctx = ToolContext(scope=Live(), pwd=str(base / "work"), policy_for_scope=policy)
+        ctx.sandbox_policy = policy()
+        cmd = json.dumps({"command": "echo x > kid/f && echo wrote"})
+
+        async def go() -> list[str]:
+            out = [(await execute("bash", cmd, ctx)).output]
+            live["scope"] = granted.with_delegated([str(base / "work" / "kid")])
+            ctx.scope_changed()  # what Children._refresh_scope does
+            out.append((await execute("bash", cmd, ctx)).output)
+            live["scope"] = granted  # the child's entry went: the area comes back
+            ctx.scope_changed()
+            out.append((await execute("bash", cmd, ctx)).output)
+            await ctx.aclose()
+            return out
+
+        before, during, after = asyncio.run(go())
+    assert "wrote" in before
+    assert "wrote" not in during and "denied" in during.lower(), during
+    assert "wrote" in after
