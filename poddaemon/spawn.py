@@ -81,7 +81,8 @@ class Children:
             if record.live and name not in mine:
                 reason = f"child pod {name!r} ended while its spawner was not running"
                 pod.feed(pod.machine.child_ended(name, reason))
-        self._refresh_scope()
+        if mine or pod.s.entry.delegated:  # (a registry write: only when there is a tree)
+            self._refresh_scope()
 
     # --- observing committed entries -----------------------------------------------------------
 
