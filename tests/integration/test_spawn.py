@@ -582,3 +582,10 @@ def test_delegation_reaches_the_spawners_commands() -> None:
     assert "wrote" in before
     assert "wrote" not in during and "denied" in during.lower(), during
     assert "wrote" in after
+
+
+def test_stopping_the_parent_stops_its_children_first(tree: Env) -> None:
+    parent = _tree_of_two(tree, "stop")
+    assert parent.stop() == 0  # a requested shutdown: exit 0
+    wait_until(lambda: not _stray(tree), 10, "every pod of the tree to exit")
+    assert Registry(tree.home / "run").live() == []
