@@ -489,6 +489,9 @@ class Machine:
                         usage=self.state.run_usage,
                     )
                 )
+                if self.cfg.reports and run_id in self.state.spawner_runs:
+                    error = "interrupted: the pod stopped during this run"
+                    self._report("run.finished", run_id=run_id, text=error, outcome="error")
                 self._note_arrived()
                 self._commit(
                     SystemItem(id=f"restart-{run_id}", text=RESTART_NOTE, source="poddaemon")

@@ -114,3 +114,16 @@ def test_a_fork_carries_the_tree_state_on() -> None:
     assert list(after.outbox) == list(before.outbox)
     assert after.children == before.children
     assert "ev-9" in after.report_ids
+
+
+def test_a_run_the_spawner_asked_for_that_a_crash_interrupted_is_reported() -> None:
+    d = child_driver()
+    d.call("run", "long task", client_key=f"{SPAWNER_KEY}task")
+    d.sync()
+    again = Driver(cfg=d.cfg, n=d.n + 1000)
+    again.entries, again.lines, again.prev = list(d.entries), list(d.lines), d.prev
+    again.durable = len(again.lines)
+    again.feed(again.machine.restore(d.entries))
+    (report,) = outbox(again)
+    assert report["event_kind"] == "run.finished" and report["outcome"] == "error"
+    assert "interrupted" in report["text"]
