@@ -13,6 +13,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	@# The editable install's import finder costs ~20 ms at every start of podctl and of a pod;
+	@# a plain .pth line putting the repo on sys.path does the same job for free.
+	$(PY) -c "import glob, os, site; sp = site.getsitepackages()[0]; \
+	  [os.remove(p) for p in glob.glob(sp + '/__editable__*poddaemon*')]; \
+	  open(sp + '/poddaemon-repo.pth', 'w').write(os.getcwd() + '\n')"
 	$(PY) -m compileall -q $(VENV)/lib >/dev/null || true
 	touch $@
 

@@ -25,6 +25,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("stop", "11. Stop: shutdown to registry free and to exit", "bench.stop_bench"),
     ("files", "12. File tools: race-free open; bash runner", "bench.file_tools_bench"),
     ("sandbox", "13. Sandbox: Landlock per command and at start", "bench.sandbox_bench"),
+    ("podbox", "15. Pod's bash and hooks: sandboxed vs not, hook cost", "bench.pod_sandbox_bench"),
     ("systemd", "14. systemd unit: start, restart after kill -9", "bench.systemd_bench"),
     ("tree", "15. Spawn trees: spawn_pod, report latency, PSS", "bench.tree_bench"),
 ]

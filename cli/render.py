@@ -211,7 +211,7 @@ def queue_cell(status: Mapping[str, Any]) -> str:
     return f"{queue.get('runs', 0)}/{queue.get('notifications', 0)}"
 
 
-TABLE_HEADER = ("NAME", "PID", "STATE", "MODEL", "SCOPE", "PARENT", "QUEUE", "TOKENS")
+TABLE_HEADER = ("NAME", "PID", "STATE", "MODEL", "SCOPE", "PARENT", "QUEUE", "TOKENS", "SANDBOX")
 TREE_INDENT = "  "
 
 _Status = TypeVar("_Status", bound=Mapping[str, Any])
@@ -269,6 +269,7 @@ def pod_table(statuses: Sequence[Mapping[str, Any]], home: str | None = None) ->
                 _cell(st.get("parent")),
                 "-" if unresponsive else queue_cell(st),
                 "-" if unresponsive else str(tokens(st)),
+                "-" if unresponsive else str(st.get("sandbox") or "none"),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
@@ -329,6 +330,9 @@ def status_text(st: Mapping[str, Any]) -> str:
     children = st.get("children") or []
     names = [str(c.get("name")) if isinstance(c, dict) else str(c) for c in children]
     fields.append(("children", ", ".join(names) if names else "-"))
+    fields.append(("sandbox", str(st.get("sandbox") or "none")))
+    for note in st.get("sandbox_notes") or []:
+        fields.append(("", f"note: {note}"))
     for i, server in enumerate(st.get("mcp") or []):
         text = f"{server.get('name')} {server.get('state')} ({server.get('tools', 0)} tools)"
         if server.get("error"):

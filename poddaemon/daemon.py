@@ -152,6 +152,7 @@ def run_pod(args: argparse.Namespace) -> int:
             f"{manifest.source}: pod.pwd: {pwd} is not readable under the pod's scope"
         )
 
+    box = _sandbox(manifest, scope, pwd)
     try:
         _, runtime = paths.ensure_private_dirs()
     except OSError as exc:
@@ -178,9 +179,10 @@ def run_pod(args: argparse.Namespace) -> int:
             _keep_config(manifest, args.callback if args.adopt else None)
         except OSError as exc:
             raise StartupError(_os_error(exc)) from None
-        return _serve(args, manifest, scope, claim, instruction, session_id)
+        return _serve(args, manifest, scope, claim, instruction, session_id, box)
     finally:
         claim.release()  # once only: on the normal path _serve gave it up already
+        box.close()
 
 
 class Claim:
@@ -265,6 +267,27 @@ def _spawner(args: argparse.Namespace, registry: Any) -> str | None:
     return None
 
 
+def _sandbox(manifest: Any, scope: Any, pwd: str) -> Any:
+    """The pod's sandbox (SPEC §3 [sandbox]): `enforce` without Landlock is a start-up error."""
+    from poddaemon.sandbox import SandboxUnavailable
+    from poddaemon.sandbox.pod import pod_sandbox
+
+    tools = manifest.worker.tools
+    try:
+        return pod_sandbox(
+            name=manifest.pod.name,
+            mode=manifest.sandbox.mode,
+            network=manifest.sandbox.network,
+            scope=scope,
+            pwd=pwd,
+            # Commands never touch this user's session logs, registry and sockets' directories.
+            protect=[str(paths.data_dir()), str(paths.runtime_dir()), str(paths.log_dir())],
+            commands="bash" in tools or manifest.hooks.any(),
+        )
+    except SandboxUnavailable as exc:
+        raise StartupError(f"{manifest.source}: {exc}") from None
+
+
 def _session_to_restore(args: argparse.Namespace, name: str) -> str | None:
     if args.session:
         from poddaemon.store.file import session_path
@@ -293,6 +316,7 @@ def _serve(
     claim: Claim,
     instruction: object,
     session_id: str | None,
+    box: Any,
 ) -> int:
     from poddaemon.config.manifest import Manifest
     from poddaemon.events import EventBus
@@ -323,6 +347,7 @@ def _serve(
         tools=Toolset.from_names(manifest.worker.tools),
         model=ThreadedModel(make_client(manifest.provider)),
         callback=os.path.abspath(args.callback) if args.adopt and args.callback else None,
+        sandbox=box,
     )
     sock_path = claim.sock_path
 
@@ -344,6 +369,12 @@ def _serve(
             for warning in warnings:
                 pod._alert("warning", warning)
         await _preflight(pod, manifest)
+        if manifest.sandbox.mode == "best_effort" and box.status == "none":
+            pod._alert("warning", "; ".join(box.notes), source="sandbox")
+        if pod.hooks is not None and pod.hooks.wants("SessionStart"):
+            context = await pod.hooks.session_start("resume" if session_id else "startup")
+            if context:
+                pod.feed(pod.machine.add_context(context, "hook:SessionStart"))
         try:
             mcp = await mcp_start
         except McpStartupError as exc:
@@ -370,6 +401,7 @@ def _serve(
         log.info("ready on %s (session %s)", sock_path, pod.state.session_id or "not yet started")
         supervisor = asyncio.create_task(sdnotify.supervise(pod))
         tree = _follow_spawner(pod, claim, manifest, ending)
+        pod.warm_model()
 
         def lost(reason: str) -> None:
             claim.lost = True

@@ -37,6 +37,7 @@ class PendingInputSnap(msgspec.Struct, kw_only=True, omit_defaults=True):
     text: str
     source: str = ""
     ts: float = 0.0
+    context: bool = False
 
 
 class SessionStart(Entry, tag="session_start"):
@@ -87,6 +88,7 @@ class SystemItem(Entry, tag="system_item"):
     event_id: str | None = None
     run_id: str | None = None
     detail: str | None = None  # the report's own text (`text` is what the model reads)
+    context: bool = False  # a hook's context: read at the next request, wakes no one
     outcome: str | None = None  # a child's run.finished: the run's outcome
     tree_spent: int | None = None  # tokens the child's tree had spent when it reported
 
@@ -181,6 +183,17 @@ class RunEnd(Entry, tag="run_end"):
     usage: Usage | None = None  # this run's own usage (absent in sessions of before 0.2)
 
 
+class HookRunEntry(Entry, tag="hook_run"):
+    """A command hook ran (SPEC §10): what policy decided, for a restore or an audit."""
+
+    event: str
+    command: str
+    exit: int | None  # None: killed at its timeout, or it could not start
+    duration: float
+    decision: str  # ok | block | allow | warning
+    reason: str = ""
+
+
 AnyEntry = (
     SessionStart
     | UserInput
@@ -196,6 +209,7 @@ AnyEntry = (
     | OutboxAcked
     | ChildStarted
     | ChildEnded
+    | HookRunEntry
 )
 
 BY_KIND: dict[str, type[Entry]] = {
@@ -215,6 +229,7 @@ BY_KIND: dict[str, type[Entry]] = {
         OutboxAcked,
         ChildStarted,
         ChildEnded,
+        HookRunEntry,
     )
 }
 

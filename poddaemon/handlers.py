@@ -45,21 +45,42 @@ Handler = Callable[[Any, Any], Any]
 def handlers(pod: "Pod") -> dict[str, Handler]:
     m = pod.machine
 
+    hooks = pod.hooks
+
     async def run(p: RunParams, conn: Any) -> Any:
+        if hooks is not None and hooks.wants("UserPromptSubmit"):
+            refused, context = await hooks.user_prompt(p.input)
+            if refused is not None:  # nothing is committed
+                raise RpcError(errors.HOOK_REFUSED, refused)
+            if context:
+                pod.feed(m.add_context(context, "hook:UserPromptSubmit"))
         return await pod.request(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait))
 
     async def notify(p: NotifyParams, conn: Any) -> Any:
-        return await pod.request(lambda t: m.notify(t, p.message, p.source, p.client_key))
+        result = await pod.request(lambda t: m.notify(t, p.message, p.source, p.client_key))
+        if hooks is not None and hooks.wants("Notification"):
+            fields = {"message": p.message, "source": p.source}
+            pod.spawn_background(hooks.run("Notification", fields))
+        return result
 
     async def pod_event(p: PodEventParams, conn: Any) -> Any:
         event_id = p.event_id or new_session_id()
         tree_spent = (p.usage or {}).get("tree_spent")
         pod.children.heard_from(p.pod)
-        return await pod.request(
+        result = await pod.request(
             lambda t: m.child_report(
                 t, p.pod, p.kind, event_id, p.run_id, p.text, p.outcome, tree_spent
             )
         )
+        if hooks is not None and p.kind == "run.finished" and hooks.wants("SubagentStop"):
+            fields = {
+                "stop_hook_active": False,
+                "child": p.pod,
+                "outcome": p.outcome,
+                "text": p.text,
+            }
+            pod.spawn_background(hooks.run("SubagentStop", fields))
+        return result
 
     async def pause(p: NoParams, conn: Any) -> Any:
         return await pod.request(m.pause)
@@ -139,6 +160,8 @@ def status(pod: "Pod") -> StatusResult:
         started_at=pod.started_at,
         version=poddaemon.__version__,
         mcp=[msgspec.convert(msgspec.to_builtins(x), McpServerInfo) for x in pod.mcp_status()],
+        sandbox=pod.s.sandbox.status,
+        sandbox_notes=list(pod.s.sandbox.notes),
     )
 
 

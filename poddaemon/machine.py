@@ -23,6 +23,7 @@ from poddaemon.entries import (
     ChildEnded,
     ChildStarted,
     Entry,
+    HookRunEntry,
     InputsDelivered,
     LlmUsage,
     OutboxAcked,
@@ -403,6 +404,32 @@ class Machine:
         self._timer_at = None
         return self._handle(lambda: None)
 
+    def add_context(self, text: str, source: str) -> list[Effect]:
+        """Context a hook added (SessionStart, UserPromptSubmit): committed like a notification,
+        so the model reads it at its next request, but it wakes no run by itself."""
+        item = SystemItem(id=self.new_id(), text=text, source=source, context=True)
+        return self._handle(lambda: self._commit(item))
+
+    def hook_ran(
+        self,
+        event: str,
+        command: str,
+        exit: int | None,
+        duration: float,
+        decision: str,
+        reason: str,
+    ) -> list[Effect]:
+        entry = HookRunEntry(
+            event=event,
+            command=command,
+            exit=exit,
+            duration=round(duration, 6),
+            decision=decision,
+            reason=reason,
+        )
+        # Recorded in the session the pod already has; a hook before any input opens none.
+        return self._handle(lambda: self._commit(entry) if self.state.session_id else None)
+
     # --- results from the executor --------------------------------------------------------------
 
     def model_returned(self, response: ModelResponse) -> list[Effect]:
@@ -663,8 +690,8 @@ class Machine:
             return True
         if s.paused_run is not None:
             return False  # notifications wait for `resume` (or for a new run)
-        if not s.pending_notifications or self.budget_exhausted():
-            return False
+        if s.pending_notifications <= s.pending_context or self.budget_exhausted():
+            return False  # nothing that wakes the pod (a hook's context waits for input)
         now = self.clock()
         start = self._burst_start if self._burst_start is not None else now
         settle_at = min(self._last_notify + NOTIFY_QUIET, start + NOTIFY_MAX_DELAY)

@@ -17,8 +17,17 @@ from typing import Any
 from poddaemon.acks import DurableReplies, settle
 from poddaemon.config.load import manifest_to_dict
 from poddaemon.config.manifest import Manifest
-from poddaemon.entries import RunStart, SessionStart, body_of, events_of
+from poddaemon.entries import (
+    RunEnd,
+    RunStart,
+    SessionStart,
+    SystemItem,
+    UserInput,
+    body_of,
+    events_of,
+)
 from poddaemon.events import EventBus
+from poddaemon.hooks import HookRun, Hooks
 from poddaemon.interceptors import Budget, Chain, Interceptor, Refuse
 from poddaemon.llm.types import (
     ModelClient,
@@ -46,6 +55,7 @@ from poddaemon.machine import (
 )
 from poddaemon.prompt import Instruction
 from poddaemon.registry import PodEntry, Registry
+from poddaemon.sandbox.pod import PodSandbox
 from poddaemon.scope import Scope
 from poddaemon.store.file import HeadMoved, SessionLog
 from poddaemon.store.log import new_session_id
@@ -73,6 +83,7 @@ class Services:
     model: ModelClient
     interceptors: list[Interceptor] = field(default_factory=list)
     callback: str | None = None  # the spawner's socket (a child reports there)
+    sandbox: PodSandbox = field(default_factory=PodSandbox)
 
 
 class Pod:
@@ -107,8 +118,22 @@ class Pod:
                 per_tool=dict(m.worker.tool_output.per_tool),
             ),
             env_passthrough=tuple(m.worker.env_passthrough),
+            sandbox_policy=services.sandbox.policy,
+            policy_for_scope=self._policy_for_scope if services.sandbox.rebuild else None,
         )
+        self.hooks: Hooks | None = None
+        if m.hooks.any():
+            self.hooks = Hooks(
+                m.hooks,
+                pod=self.name,
+                cwd=m.pod.pwd,
+                runner=self.tool_ctx.command_runner,
+                session=self._session_ref,
+                record=self._record_hook,
+            )
+            self.chain.interceptors.append(self.hooks)
         self._log: SessionLog | None = None
+        self._input_seq = 0  # the last input written: a model call waits until it is durable
         self._tokens = itertools.count(1)
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._durable = DurableReplies(self._synced, lambda: self.failure, self._fail)
@@ -127,6 +152,8 @@ class Pod:
         if services.callback is not None:
             self.outbox = Outbox(self, services.callback, self.name)
             self.observers.append(self.outbox.observe)
+        self._background: set[asyncio.Task[Any]] = set()
+        self._warming: asyncio.Future[None] | None = None
 
     @property
     def pod_state(self) -> str:
@@ -152,6 +179,8 @@ class Pod:
                         self.bus.publish(type_, data, run_id)
                     for observe in self.observers:
                         observe(entry)
+                    if isinstance(entry, RunEnd) and entry.outcome != "paused":
+                        self.spawn_background(self.chain.on_run_end(entry.run_id, entry.outcome))
                 case Publish(type_, data, run_id):
                     self.bus.publish(type_, data, run_id)
                 case Reply(token, result, error, durable):
@@ -208,7 +237,9 @@ class Pod:
         try:
             if isinstance(entry, RunStart) and not self._log.head_is_mine():
                 raise HeadMoved(0, "head moved")
-            self._log.append(entry.kind, body_of(entry), ts=entry.ts)
+            written = self._log.append(entry.kind, body_of(entry), ts=entry.ts)
+            if isinstance(entry, UserInput | SystemItem):
+                self._input_seq = written["seq"]
         except HeadMoved:
             self._fork()
             return True
@@ -221,6 +252,7 @@ class Pod:
         old = self._log
         start = self.machine.fork()
         self._log = old.fork(start_body=body_of(start), new_id=start.session_id)
+        self._input_seq = 0  # the new session starts durable: its inputs are in its first entry
         old.close()
         self.s.registry.update(self.name, self.s.entry.pid, session=start.session_id)
         self._alert(
@@ -245,14 +277,23 @@ class Pod:
         future = self._replies.pop(token, None)
         if future is None:
             return
-        if durable and error is None:
-            self._durable.add(future, result)
+        if durable and error is None and (self.failure is not None or not self._inputs_durable()):
+            self._durable.add(future, result)  # after the fsync (or the log's failure)
         else:
             settle(future, error if error is not None else result)
 
     async def synced(self) -> None:
         """Everything committed so far is durable."""
         await self._synced()
+    def _inputs_durable(self) -> bool:
+        """Every input written so far is on disk: what an acknowledgement or a model call needs
+        (later entries, a run's end say, need no fsync before a reply)."""
+        return self._log is None or self._log.durable_seq >= self._input_seq
+
+    def _policy_for_scope(self) -> bytes | None:
+        """The commands' sandbox policy for the live scope (delegation changed it)."""
+        rebuild = self.s.sandbox.rebuild
+        return rebuild(self.scope) if rebuild is not None else self.s.sandbox.policy
 
     async def _synced(self) -> None:
         if self._log is not None and self.failure is None:
@@ -262,7 +303,8 @@ class Pod:
 
     async def _call_model(self, call: CallModel) -> None:
         try:
-            await self._synced()  # nothing runs on input that is not yet durable
+            if not self._inputs_durable():
+                await self._synced()  # nothing runs on input that is not yet durable
             request = ModelRequest(
                 system=call.system,
                 items=call.items,
@@ -356,6 +398,35 @@ class Pod:
         self._timer = None
         self.feed(self.machine.tick())
 
+    def _session_ref(self) -> tuple[str, str]:
+        """(session id, its log's path) for a hook's stdin."""
+        path = str(self._log.path) if self._log is not None else ""
+        return self.machine.state.session_id, path
+
+    def _record_hook(self, run: HookRun) -> None:
+        if run.decision == "warning":
+            self._alert("warning", f"{run.event} hook `{run.command}`: {run.reason}", "hook")
+        effects = self.machine.hook_ran(
+            run.event, run.command, run.exit, run.duration, run.decision, run.reason
+        )
+        self.feed(effects)
+
+    def warm_model(self) -> None:
+        """Import the provider's SDK now, in the model thread, so the first run does not pay
+        for it (~0.4-1 s). Failures are left for the first real call to report."""
+
+        async def warm() -> None:
+            with contextlib.suppress(Exception):
+                await self.s.model.warm()
+
+        self._warming = asyncio.ensure_future(warm())  # not awaited at stop: stop stays fast
+
+    def spawn_background(self, coro: Any) -> None:
+        """Run a hook that decides nothing (Notification, SubagentStop, Stop) off the path."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     def _alert(self, level: str, message: str, source: str = "session") -> None:
         log.log(logging.ERROR if level == "error" else logging.WARNING, "%s", message)
         self.bus.publish("alert", {"level": level, "source": source, "message": message})
@@ -380,6 +451,8 @@ class Pod:
         for future in self._replies.values():
             settle(future, RpcError(errors.SHUTTING_DOWN, "the pod shut down"))
         await self._durable.drain()
+        if self._background:  # Stop/Notification hooks still running: give them a moment
+            await asyncio.wait(self._background, timeout=5)
         await self.tool_ctx.aclose()  # kills commands still running, reaps the runner
         if self._log is not None:
             with contextlib.suppress(OSError):

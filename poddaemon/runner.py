@@ -14,7 +14,8 @@ the standard library (fast, ~12 MB) and the caller's cwd can never shadow a modu
 
 Messages, pod -> runner: `{"op": "init", "policy": str | null}` first (a sandbox policy the
 runner applies to itself before any command starts: `poddaemon.sandbox.apply_policy`, imported
-only when a policy is given); `{"op": "start", "id", "argv", "cwd"}` + one fd (stdout and stderr);
+only when a policy is given); `{"op": "start", "id", "argv", "cwd", "fds"?}` + one fd (stdout
+and stderr) or three (stdin, stdout, stderr: `"fds": 3`);
 `{"op": "kill", "id"}`: kill the command's process group, its whole process tree and the orphans
 it left, then forget it. Runner -> pod: `ready {pid, sandbox}` | `fatal {error}`, `started {id,
 pid}` | `failed {id, error}`, `exited {id, status}` (a returncode: negative = signal), `killed
@@ -162,30 +163,33 @@ class Runner:
     def handle(self, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "start":
-            self.start(msg["id"], msg["argv"], msg["cwd"])
+            self.start(msg["id"], msg["argv"], msg["cwd"], msg.get("fds", 1))
         elif op == "kill":
             self.kill(msg["id"])
 
-    def start(self, cid: int, argv: list[str], cwd: str) -> None:
-        out = self.fds.pop(0) if self.fds else -1
+    def start(self, cid: int, argv: list[str], cwd: str, nfds: int = 1) -> None:
+        # One fd: stdout and stderr merged (bash). Three: stdin, stdout, stderr (hooks).
+        fds = [self.fds.pop(0) if self.fds else -1 for _ in range(nfds)]
+        stdin, out, err = (subprocess.DEVNULL, fds[0], subprocess.STDOUT) if nfds == 1 else fds
         try:
-            if out < 0:
-                raise OSError("no output pipe came with the start request")
+            if min(fds) < 0:
+                raise OSError("the pipes did not come with the start request")
             proc = subprocess.Popen(
                 argv,
                 cwd=cwd,
                 env={**os.environ, ENV_TAG: str(cid)},
-                stdin=subprocess.DEVNULL,
+                stdin=stdin,
                 stdout=out,
-                stderr=subprocess.STDOUT,
+                stderr=err,
                 start_new_session=True,  # its own process group: killed as one
             )
         except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: a NUL byte
             self.send(op="failed", id=cid, error=f"{type(e).__name__}: {e}")
             return
         finally:
-            if out >= 0:
-                os.close(out)
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
         self.commands[cid] = proc
         self.by_pid[proc.pid] = (cid, proc)
         self.send(op="started", id=cid, pid=proc.pid)
@@ -291,7 +295,13 @@ def apply_policy(policy: str) -> str:
         sys.path.append(root)  # -I left the package off the path; add it only now, last
     from poddaemon.sandbox import apply_policy as apply  # type: ignore[import-not-found,unused-ignore]
 
-    return str(apply(policy.encode()))
+    effective = str(apply(policy.encode()))
+    # Commands inherit this environment: their private temp dir, and what confines them.
+    tmpdir = json.loads(policy).get("tmpdir")
+    if tmpdir:
+        os.environ["TMPDIR"] = tmpdir
+    os.environ["PODDAEMON_SANDBOX"] = effective
+    return effective
 
 
 def main() -> int:

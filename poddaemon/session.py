@@ -57,6 +57,7 @@ class PendingInput:
     text: str
     source: str = ""
     ts: float = 0.0
+    context: bool = False  # a hook's context: delivered with the next request, wakes no run
 
 
 @dataclass
@@ -110,6 +111,7 @@ class SessionState:
     # Kept as counters: `notify` checks max_pending on every request, so this must be O(1).
     pending_notifications: int = 0
     pending_steers: int = 0
+    pending_context: int = 0  # of the pending notifications, hook context (wakes no run)
 
     def add_pending(self, p: PendingInput) -> None:
         if p.id in self.pending_inputs:
@@ -117,6 +119,7 @@ class SessionState:
         self.pending_inputs[p.id] = p
         if p.kind == "notification":
             self.pending_notifications += 1
+            self.pending_context += p.context
         else:
             self.pending_steers += 1
 
@@ -125,6 +128,7 @@ class SessionState:
         if p is not None:
             if p.kind == "notification":
                 self.pending_notifications -= 1
+                self.pending_context -= p.context
             else:
                 self.pending_steers -= 1
         return p
@@ -223,7 +227,7 @@ def _apply(s: SessionState, e: Entry) -> None:
             if e.client_key:
                 s.run_keys[e.client_key] = (e.text, run_id)
         case SystemItem():
-            s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts))
+            s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts, e.context))
             if e.client_key:
                 s.notify_keys[e.client_key] = (e.text, e.id)
             if e.event_id is not None:
@@ -328,7 +332,7 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     for r in e.pending_runs:
         s.pending_runs[r.run_id] = PendingRun(r.run_id, r.text, r.client_key)
     for p in e.pending_inputs:
-        s.add_pending(PendingInput(p.id, p.kind, p.text, p.source, p.ts))
+        s.add_pending(PendingInput(p.id, p.kind, p.text, p.source, p.ts, p.context))
     # Before 0.2 keys shared one namespace; such a fork's keys count for both methods.
     legacy = {k: (v[0], v[1]) for k, v in e.client_keys.items()}
     s.run_keys = {**legacy, **{k: (v[0], v[1]) for k, v in e.run_keys.items()}}

@@ -194,6 +194,8 @@ class StatusResult(Result):
     parent: str | None = None
     mcp: list[McpServerInfo] = []
     budget: BudgetInfo = msgspec.field(default_factory=BudgetInfo)
+    sandbox: str = "none"  # "landlock-abi-N" | "none": what confines the commands it starts
+    sandbox_notes: list[str] = []  # what the kernel cannot express of the scope
 
 
 class HistoryResult(Result):

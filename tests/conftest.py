@@ -166,9 +166,12 @@ class Env:
         path.write_text("\n".join(lines) + "\n" + extra)
         return path
 
+    def popen_args(self) -> list[str]:
+        return [sys.executable, "-m", "poddaemon", "run"]
+
     def popen(self, *args: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, "-m", "poddaemon", "run", *args],
+            [*self.popen_args(), *args],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

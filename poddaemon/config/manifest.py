@@ -162,6 +162,40 @@ class SpawnConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 class SandboxConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     mode: Literal["enforce", "best_effort", "off"] = "enforce"
     network: bool = True  # False: commands the pod starts get no network
+
+
+class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
+    """One `[[hooks.<Event>]]` entry (SPEC §10, Claude Code's contract)."""
+
+    command: str  # run with `sh -c`, cwd = pwd, inside the sandbox, JSON on stdin
+    matcher: str | None = None  # a regex on the tool name (PreToolUse / PostToolUse)
+    timeout: PositiveFloat = 60.0  # seconds; then the hook's process group is killed
+
+    def __post_init__(self) -> None:
+        if not self.command.strip():
+            raise FieldError("command", "must not be empty")
+        if self.matcher not in (None, "", "*"):  # those two match every tool
+            assert self.matcher is not None
+            try:
+                re.compile(self.matcher)
+            except re.error as exc:
+                raise FieldError("matcher", f"not a valid regular expression: {exc}") from None
+
+
+class HooksSection(Struct, kw_only=True, forbid_unknown_fields=True, rename=None):
+    SessionStart: list[HookConfig] = []
+    UserPromptSubmit: list[HookConfig] = []
+    PreToolUse: list[HookConfig] = []
+    PostToolUse: list[HookConfig] = []
+    Notification: list[HookConfig] = []
+    Stop: list[HookConfig] = []
+    SubagentStop: list[HookConfig] = []
+    PreCompact: list[HookConfig] = []
+
+    def any(self) -> bool:
+        return any(getattr(self, f) for f in self.__struct_fields__)
+
+
 MCP_SEP = "__"  # MCP tools are offered to the model as <server>__<tool>
 _MCP_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*(?:_[A-Za-z0-9-]+)*")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -239,6 +273,7 @@ class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
     spawn: SpawnConfig = field(default_factory=SpawnConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     mcp: McpSection = field(default_factory=McpSection)
+    hooks: HooksSection = field(default_factory=HooksSection)
     # Where this manifest was loaded from; set by the loader, never a TOML key.
     source: str = ""
 

@@ -133,6 +133,24 @@ def _existing(paths: Iterable[str]) -> Iterator[str]:
             yield real
 
 
+def _command_dirs(path_var: str, home: str) -> list[str]:
+    """Where commands are found: each absolute `$PATH` directory (`~/.local/bin`, a venv's
+    `bin`), and for a version manager's `shims` directory its root (`~/.pyenv`, `~/.rbenv`:
+    a shim runs the real tool from there). Never the home directory or `/` itself."""
+    out: list[str] = []
+    for entry in path_var.split(os.pathsep):
+        if not os.path.isabs(entry):
+            continue
+        real = os.path.realpath(entry)
+        if real in ("/", os.path.realpath(home)):
+            continue
+        out.append(real)
+        root = os.path.dirname(real)
+        if os.path.basename(real) == "shims" and root not in ("/", os.path.realpath(home)):
+            out.append(root)
+    return out
+
+
 def system_grants(*, home: str | None = None) -> list[Grant]:
     """The named list beyond the scope: what a command needs to run at all.
 
@@ -154,6 +172,7 @@ def system_grants(*, home: str | None = None) -> list[Grant]:
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
         os.path.dirname(os.path.abspath(protocol.__file__)),
     ]
+    read_exec += _command_dirs(os.environ.get("PATH", ""), home or os.path.expanduser("~"))
     grants = [Grant(p, READ) for p in _existing(read_exec)]
     # /etc/resolv.conf is often a symlink into /run; grant the one file it points to.
     grants += [Grant(p, FS.READ_FILE) for p in _existing(["/etc/resolv.conf"])]

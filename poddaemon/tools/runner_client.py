@@ -117,9 +117,12 @@ class CommandRunner:
 
     # --- commands ------------------------------------------------------------------------------
 
-    async def spawn(self, argv: list[str], cwd: str, output_fd: int) -> Command:
+    async def spawn(
+        self, argv: list[str], cwd: str, output_fd: int, stdio: tuple[int, int] | None = None
+    ) -> Command:
         """Start `argv` in its own session in `cwd`, stdout and stderr to `output_fd` (the
-        caller keeps and closes its own copy). Raises RunnerError if it could not start."""
+        caller keeps and closes its own copy) or, with `stdio` = (stdin, stderr), stdin from
+        and stderr to those. Raises RunnerError if it could not start."""
         self._next_id += 1
         cid = self._next_id
         reply = self._expect("started", cid)
@@ -129,7 +132,12 @@ class CommandRunner:
         command = Command(id=cid, pid=0, exited=self._loop.create_future())
         self._commands[cid] = command
         try:
-            await self._send({"op": "start", "id": cid, "argv": argv, "cwd": cwd}, [output_fd])
+            msg: dict[str, Any] = {"op": "start", "id": cid, "argv": argv, "cwd": cwd}
+            fds = [output_fd]
+            if stdio is not None:
+                msg["fds"] = 3
+                fds = [stdio[0], output_fd, stdio[1]]
+            await self._send(msg, fds)
             done, _ = await asyncio.wait({reply, failed}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             self._commands.pop(cid, None)

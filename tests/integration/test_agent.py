@@ -18,6 +18,8 @@ def test_text_answer_streams_and_finishes(env: Env, kind: str) -> None:
         {
             "text": "Hello from the fake model, streamed in pieces.",
             "usage": {"input": 11, "output": 7},
+            # Deltas that arrive together become one event; spaced out, each is its own.
+            "delay": 0.01,
         }
     )
     pod = env.start("talker", kind=kind)

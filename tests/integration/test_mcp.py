@@ -350,3 +350,25 @@ def test_a_hand_written_2025_era_server_works_too(env: Env, refuse: bool) -> Non
         assert c.run_wait("shout").text == "heard"
     [shout] = tool_results(pod)
     assert (shout["output"], shout["is_error"]) == ("QUIET PLEASE", False)
+
+
+def test_a_hook_matcher_on_the_prefixed_name_blocks_an_mcp_tool(env: Env) -> None:
+    env.model.script(
+        {
+            "tool_calls": [
+                {"name": "srv__add", "arguments": {"a": 1, "b": 2}},
+                {"name": "list_dir", "arguments": {"path": "."}},
+            ]
+        },
+        {"text": "done"},
+    )
+    hook = (
+        '\n[[hooks.PreToolUse]]\nmatcher = "srv__.*"\n'
+        'command = "echo no MCP tools today >&2; exit 2"\n'
+    )
+    pod = env.start("hooked", tools=["list_dir"], extra=server_toml("srv") + hook)
+    with pod.client() as c:
+        assert c.run_wait("try both").outcome == "finished"
+    add, listing = tool_results(pod)
+    assert add["is_error"] and "no MCP tools today" in add["output"]
+    assert not listing["is_error"]  # the matcher left the builtin tool alone

@@ -78,7 +78,8 @@ def tool(name: str, **arguments: Any) -> dict[str, Any]:
 
 
 def start_parent(env: Env, name: str = "parent", extra: str = "", **kw: Any) -> PodProcess:
-    return env.start(name, tools=POD_TOOLS, extra=extra, **kw)
+    kw.setdefault("tools", POD_TOOLS)
+    return env.start(name, extra=extra, **kw)
 
 
 def tool_results(pod: PodProcess) -> list[dict[str, Any]]:
@@ -589,3 +590,27 @@ def test_stopping_the_parent_stops_its_children_first(tree: Env) -> None:
     assert parent.stop() == 0  # a requested shutdown: exit 0
     wait_until(lambda: not _stray(tree), 10, "every pod of the tree to exit")
     assert Registry(tree.home / "run").live() == []
+
+
+def test_a_real_spawners_bash_loses_the_delegated_area(tree: Env) -> None:
+    """With the sandbox confining commands: the spawner's `bash` cannot write into a live
+    child's area, and can again once the child stopped."""
+    from poddaemon.sandbox import available
+
+    if not available():
+        pytest.skip("no Landlock here")
+    env = tree
+    kid = env.work / "kid"
+    kid.mkdir()
+    env.model.script_model("m-kid")
+    write = tool("bash", command="echo x > kid/f && echo wrote")
+    env.model.script(
+        {"tool_calls": [spawn_call("kid", "hi", [str(kid)]), write]},
+        {"tool_calls": [tool("stop_pod", pod="kid"), write]},
+        {"text": "done"},
+    )
+    parent = start_parent(env, tools=[*POD_TOOLS, "bash"])
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    outputs = [r["output"] for r in tool_results(parent) if r["name"] == "bash"]
+    assert "wrote" not in outputs[0] and "denied" in outputs[0].lower(), outputs
+    assert "wrote" in outputs[1], outputs

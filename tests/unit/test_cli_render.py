@@ -174,9 +174,19 @@ def test_pod_table() -> None:
         "PARENT",
         "QUEUE",
         "TOKENS",
+        "SANDBOX",
     ]
-    assert lines[1].split() == ["reviewer", "4242", "running", "fake", "~/proj", "-", "2/1", "1234"]
-    assert lines[2].split() == ["kid-a", "5", "idle", "fake", "-", "reviewer", "0/0", "0"]
+    assert lines[1].split()[:8] == [
+        "reviewer",
+        "4242",
+        "running",
+        "fake",
+        "~/proj",
+        "-",
+        "2/1",
+        "1234",
+    ]
+    assert lines[2].split() == ["kid-a", "5", "idle", "fake", "-", "reviewer", "0/0", "0", "none"]
     # columns line up
     assert lines[0].index("STATE") == lines[1].index("running") == lines[2].index("idle")
 
@@ -216,8 +226,8 @@ def test_pod_table_indents_children_and_shows_unresponsive_pods() -> None:
     lines = pod_table([pod("boss", state="idle"), stuck, unknown], home="/home/u").splitlines()
     assert lines[1].startswith("boss ")
     assert lines[2].startswith("  stuck ")
-    assert lines[2].split() == ["stuck", "77", "unresponsive", "-", "-", "boss", "-", "-"]
-    assert lines[3].split() == ["lost", "-", "unresponsive", "-", "-", "-", "-", "-"]
+    assert lines[2].split() == ["stuck", "77", "unresponsive", "-", "-", "boss", "-", "-", "-"]
+    assert lines[3].split() == ["lost", "-", "unresponsive", "-", "-", "-", "-", "-", "-"]
 
 
 class Stream(io.StringIO):

@@ -1,0 +1,239 @@
+"""Command hooks (SPEC §10), Claude Code's contract, so hook scripts move between tools unchanged.
+
+A hook is `sh -c COMMAND` run through the pod's command runner (so inside the sandbox, and
+killed with its whole process group at its timeout or with the pod), cwd = the pod's pwd, with
+one JSON object on stdin: `{session_id, transcript_path, cwd, hook_event_name, pod, ...}` plus
+the event's fields. Exit 0: go on (stdout of SessionStart/UserPromptSubmit becomes context);
+exit 2: block (stderr is the reason); any other exit or a timeout: a warning, go on. On exit 0
+a JSON object on stdout may decide instead: `{"decision": "block", "reason": ...}` or, for
+PreToolUse, `{"hookSpecificOutput": {"permissionDecision": "allow"|"deny", ...}}`.
+
+`Hooks` is an interceptor (PreToolUse, PostToolUse, Stop) plus the calls the executor makes for
+the other events. Every hook run is recorded through `record` (a `hook_run` log entry)."""
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from poddaemon.config.manifest import HookConfig, HooksSection
+from poddaemon.history import ToolCall
+from poddaemon.interceptors import Deny, Interceptor
+from poddaemon.tools.base import ToolOutcome
+from poddaemon.tools.runner_client import CommandRunner
+
+Decision = Literal["ok", "block", "allow", "warning"]
+OUTPUT_LIMIT = 1 << 20  # bytes kept of a hook's stdout and of its stderr
+
+
+@dataclass(frozen=True)
+class HookRun:
+    event: str
+    command: str
+    exit: int | None  # None: killed at its timeout (or could not start)
+    duration: float
+    decision: Decision
+    reason: str = ""  # why it blocked, or what went wrong
+    context: str = ""  # what it adds to the model's context (SessionStart, UserPromptSubmit)
+
+
+def matches(hook: HookConfig, tool: str | None) -> bool:
+    """Claude Code's matcher: none, "" or "*" match every tool; otherwise a regex on the whole
+    tool name ("write_file|edit_file", "github__.*")."""
+    if hook.matcher in (None, "", "*") or tool is None:
+        return True
+    return re.fullmatch(hook.matcher, tool) is not None
+
+
+def judge(event: str, code: int | None, stdout: str, stderr: str) -> tuple[Decision, str, str]:
+    """(decision, reason, context) from a finished hook; pure."""
+    if code is None:
+        return "warning", "timed out: killed with its process group", ""
+    if code == 2:
+        return "block", stderr.strip() or f"blocked by a {event} hook", ""
+    if code != 0:
+        return "warning", f"exit {code}: {stderr.strip()[:500]}", ""
+    try:
+        out = json.loads(stdout) if stdout.lstrip().startswith("{") else None
+    except ValueError:
+        out = None
+    if not isinstance(out, dict):
+        context = stdout.strip() if event in ("SessionStart", "UserPromptSubmit") else ""
+        return "ok", "", context
+    specific = out.get("hookSpecificOutput") or {}
+    permission = specific.get("permissionDecision") if isinstance(specific, dict) else None
+    if permission == "deny":
+        return "block", str(specific.get("permissionDecisionReason") or "denied by a hook"), ""
+    if out.get("decision") == "block" or out.get("continue") is False:
+        reason = out.get("reason") or out.get("stopReason") or f"blocked by a {event} hook"
+        return "block", str(reason), ""
+    context = specific.get("additionalContext", "") if isinstance(specific, dict) else ""
+    return ("allow" if permission == "allow" else "ok"), "", str(context or "")
+
+
+class Hooks(Interceptor):
+    def __init__(
+        self,
+        config: HooksSection,
+        *,
+        pod: str,
+        cwd: str,
+        runner: Callable[[], Awaitable[CommandRunner]],
+        session: Callable[[], tuple[str, str]],  # (session id, its log's path)
+        record: Callable[[HookRun], None],
+    ) -> None:
+        self.config = config
+        self.pod = pod
+        self.cwd = cwd
+        self.runner = runner
+        self.session = session
+        self.record = record
+
+    # --- the interceptor -------------------------------------------------------------------------
+
+    async def before_tool(self, run_id: str, call: ToolCall) -> Deny | None:
+        fields = {"tool_name": call.name, "tool_input": _decoded(call.arguments)}
+        for run in await self.run("PreToolUse", fields, tool=call.name):
+            if run.decision == "block":
+                return Deny(f"blocked by a PreToolUse hook: {run.reason}")
+            if run.decision == "allow":
+                return None  # an explicit allow skips the hooks after it, as in Claude Code
+        return None
+
+    async def after_tool(self, run_id: str, call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:
+        fields = {
+            "tool_name": call.name,
+            "tool_input": _decoded(call.arguments),
+            "tool_response": {"output": outcome.output, "is_error": outcome.is_error},
+        }
+        for run in await self.run("PostToolUse", fields, tool=call.name):
+            if run.decision == "block":  # the tool already ran: the model is told why
+                outcome.output += f"\n[PostToolUse hook] {run.reason}"
+        return outcome
+
+    async def on_run_end(self, run_id: str, outcome: str) -> None:
+        await self.run("Stop", {"stop_hook_active": False, "run_id": run_id, "outcome": outcome})
+
+    async def before_compact(self, reason: str) -> None:
+        await self.run("PreCompact", {"trigger": reason, "custom_instructions": ""})
+
+    # --- the other events -------------------------------------------------------------------------
+
+    async def user_prompt(self, prompt: str) -> tuple[str | None, str]:
+        """(the reason it is refused or None, context to add)."""
+        runs = await self.run("UserPromptSubmit", {"prompt": prompt})
+        for run in runs:
+            if run.decision == "block":
+                return run.reason, ""
+        return None, "\n".join(r.context for r in runs if r.context)
+
+    async def session_start(self, source: str) -> str:
+        runs = await self.run("SessionStart", {"source": source})
+        return "\n".join(r.context for r in runs if r.context)
+
+    # --- running one event's hooks ---------------------------------------------------------------
+
+    def wants(self, event: str, tool: str | None = None) -> bool:
+        return any(matches(h, tool) for h in getattr(self.config, event))
+
+    async def run(
+        self, event: str, fields: dict[str, Any], tool: str | None = None
+    ) -> list[HookRun]:
+        hooks = [h for h in getattr(self.config, event) if matches(h, tool)]
+        if not hooks:
+            return []
+        session_id, transcript = self.session()
+        payload = {
+            "session_id": session_id,
+            "transcript_path": transcript,
+            "cwd": self.cwd,
+            "hook_event_name": event,
+            "pod": self.pod,
+            **fields,
+        }
+        data = json.dumps(payload).encode()
+        runs = []
+        for hook in hooks:
+            run = await self._one(event, hook, data)
+            self.record(run)
+            runs.append(run)
+            if run.decision in ("block", "allow"):
+                break
+        return runs
+
+    async def _one(self, event: str, hook: HookConfig, data: bytes) -> HookRun:
+        start = time.monotonic()
+        try:
+            code, stdout, stderr = await _run_command(
+                await self.runner(), hook.command, self.cwd, data, hook.timeout
+            )
+        except Exception as exc:  # the runner could not start it: a warning, go on
+            code, stdout, stderr = None, "", str(exc)
+            decision: Decision = "warning"
+            return HookRun(event, hook.command, None, time.monotonic() - start, decision, stderr)
+        decision, reason, context = judge(event, code, stdout, stderr)
+        return HookRun(
+            event, hook.command, code, time.monotonic() - start, decision, reason, context
+        )
+
+
+async def _run_command(
+    runner: CommandRunner, command: str, cwd: str, stdin: bytes, timeout: float
+) -> tuple[int | None, str, str]:
+    """Run `sh -c command` with `stdin`; (exit code or None on timeout, stdout, stderr). The
+    command and everything it started are gone when this returns."""
+    loop = asyncio.get_running_loop()
+    feed = os.memfd_create("poddaemon-hook", os.MFD_CLOEXEC)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        os.write(feed, stdin)
+        os.lseek(feed, 0, os.SEEK_SET)
+        cmd = await runner.spawn(["/bin/sh", "-c", command], cwd, out_w, stdio=(feed, err_w))
+    except BaseException:
+        os.close(out_r)
+        os.close(err_r)
+        raise
+    finally:
+        for fd in (feed, out_w, err_w):
+            os.close(fd)
+    readers = [asyncio.ensure_future(_read_all(loop, fd)) for fd in (out_r, err_r)]
+    code: int | None = None
+    try:
+        try:
+            async with asyncio.timeout(timeout):
+                code = await asyncio.shield(cmd.exited)
+        except TimeoutError:
+            code = None
+    finally:
+        with contextlib.suppress(Exception):
+            await runner.kill(cmd)  # a timeout: the whole group; otherwise leftovers
+    stdout, stderr = [await r for r in readers]
+    return code, stdout, stderr
+
+
+async def _read_all(loop: asyncio.AbstractEventLoop, fd: int) -> str:
+    stream = asyncio.StreamReader(limit=2**16)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(fd, "rb", buffering=0)
+    )
+    data = bytearray()
+    try:
+        while chunk := await stream.read(65536):
+            if len(data) < OUTPUT_LIMIT:
+                data += chunk[: OUTPUT_LIMIT - len(data)]
+    finally:
+        transport.close()
+    return data.decode("utf-8", "replace")
+
+
+def _decoded(arguments: str) -> Any:
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except (ValueError, RecursionError):
+        return {"_raw_arguments": arguments}

@@ -1,0 +1,73 @@
+"""The sandbox as one pod uses it: decided at start-up from `[sandbox]`, handed to the command
+runner (which confines itself before it starts anything) and shown by `status`."""
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from poddaemon.sandbox import NO_SANDBOX, SandboxUnavailable, available, build_policy, describe
+from poddaemon.sandbox.policy import Mode
+from poddaemon.scope import Scope
+
+
+@dataclass
+class PodSandbox:
+    status: str = NO_SANDBOX  # what `status.sandbox` says: "landlock-abi-N" | "none"
+    notes: list[str] = field(default_factory=list)  # what the kernel cannot express
+    policy: bytes | None = None  # for the command runner's `apply_policy`
+    tmpdir: str | None = None  # the commands' private $TMPDIR
+    # The policy again for another scope (delegation to child pods narrows the pod's own).
+    rebuild: Callable[[Scope], bytes] | None = None
+
+    def close(self) -> None:
+        if self.tmpdir is not None:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(self.tmpdir)
+
+
+def pod_sandbox(
+    *,
+    name: str,
+    mode: Mode,
+    network: bool,
+    scope: Scope,
+    pwd: str,
+    protect: list[str],
+    commands: bool,
+) -> PodSandbox:
+    """Decide the pod's sandbox. `enforce` without Landlock raises `SandboxUnavailable` (a
+    start-up error); `best_effort` then runs unconfined and says so (`warnings`, for an alert).
+    `commands`: the pod can start commands (bash, hooks): only then is a policy built."""
+    if mode == "off":
+        return PodSandbox(notes=["[sandbox] mode = off: commands run unconfined"])
+    abi = available()
+    if abi == 0:
+        if mode == "enforce":
+            raise SandboxUnavailable(
+                "sandbox.mode = enforce: this kernel has no Landlock (Linux >= 5.13 with "
+                'landlock in lsm=); set [sandbox] mode = "best_effort" or "off" to run '
+                "commands unconfined"
+            )
+        note = "best_effort: this kernel has no Landlock; commands run unconfined"
+        return PodSandbox(notes=[note])
+    box = PodSandbox(status=describe(abi))
+    if not commands:
+        return box
+    box.tmpdir = tempfile.mkdtemp(prefix=f"poddaemon-{name}-")
+    policy = build_policy(
+        scope, pwd=pwd, tmpdir=box.tmpdir, network=network, mode=mode, protect=protect
+    )
+    box.policy = policy.encode()
+    box.notes = list(policy.notes)
+    tmpdir = box.tmpdir
+
+    def rebuild(live: Scope) -> bytes:
+        again = build_policy(
+            live, pwd=pwd, tmpdir=tmpdir, network=network, mode=mode, protect=protect
+        )
+        return again.encode()
+
+    box.rebuild = rebuild
+    return box

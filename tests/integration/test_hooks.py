@@ -1,0 +1,154 @@
+"""Issue 13: command hooks (SPEC §10), Claude Code's contract, through real pods."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from protocol.errors import RpcError
+from tests.conftest import Env, wait_until
+
+PY = sys.executable
+
+
+def hooks_toml(event: str, command: str, matcher: str | None = None, timeout: float = 30) -> str:
+    lines = [f"[[hooks.{event}]]", f"command = {json.dumps(command)}", f"timeout = {timeout}"]
+    if matcher is not None:
+        lines.append(f"matcher = {json.dumps(matcher)}")
+    return "\n".join(lines) + "\n"
+
+
+def script(env: Env, name: str, body: str) -> str:
+    path = env.work / name
+    path.write_text(body)
+    return f"{PY} {path}"
+
+
+def entries(pod: Any) -> list[dict[str, Any]]:
+    return list(pod.call("history", since=0, limit=10_000)["entries"])
+
+
+GUARD = """
+import json, sys
+data = json.load(sys.stdin)
+path = data["tool_input"].get("path", "")
+if path.startswith("secrets/"):
+    print(f"{data['tool_name']} may not touch {path}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def test_pre_tool_use_exit_2_blocks_the_call_and_the_model_gets_the_reason(env: Env) -> None:
+    (env.work / "secrets").mkdir()
+    env.model.script(
+        {
+            "tool_calls": [
+                {"name": "write_file", "arguments": {"path": "secrets/k", "content": "x"}}
+            ]
+        },
+        {"tool_calls": [{"name": "write_file", "arguments": {"path": "notes", "content": "y"}}]},
+        {"text": "done"},
+    )
+    guard = hooks_toml("PreToolUse", script(env, "guard.py", GUARD), matcher="write_file|edit_file")
+    pod = env.start("guarded", tools=["write_file"], extra=guard)
+    with pod.client() as c:
+        assert c.run_wait("write things").outcome == "finished"
+    assert not (env.work / "secrets" / "k").exists()
+    assert (env.work / "notes").read_text() == "y"
+    results = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert results[0]["is_error"] and "write_file may not touch secrets/k" in results[0]["output"]
+    assert not results[1]["is_error"]
+    runs = [e for e in entries(pod) if e["kind"] == "hook_run"]
+    assert [(r["event"], r["exit"], r["decision"]) for r in runs] == [
+        ("PreToolUse", 2, "block"),
+        ("PreToolUse", 0, "ok"),
+    ]
+
+
+def test_a_claude_code_hook_script_works_unchanged(env: Env) -> None:
+    # Written against Claude Code's documented contract: the fields it reads and the JSON
+    # decision it prints are Claude Code's own.
+    claude_hook = """
+import json, sys
+event = json.load(sys.stdin)
+assert {"session_id", "transcript_path", "cwd", "hook_event_name"} <= event.keys(), event
+if event["hook_event_name"] == "PreToolUse" and event["tool_name"] == "list_dir":
+    print(json.dumps({"hookSpecificOutput": {
+        "hookEventName": "PreToolUse",
+        "permissionDecision": "deny",
+        "permissionDecisionReason": "listing directories is not allowed here",
+    }}))
+sys.exit(0)
+"""
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}, {"text": "ok"}
+    )
+    extra = hooks_toml("PreToolUse", script(env, "claude_hook.py", claude_hook), matcher="*")
+    pod = env.start("claude", tools=["list_dir"], extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("list").outcome == "finished"
+    (result,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert result["is_error"] and "listing directories is not allowed here" in result["output"]
+
+
+def test_user_prompt_submit_adds_context_or_refuses_the_prompt(env: Env) -> None:
+    hook = """
+import json, sys
+prompt = json.load(sys.stdin)["prompt"]
+if "forbidden" in prompt:
+    print("prompts about forbidden things are refused", file=sys.stderr)
+    sys.exit(2)
+print("CONTEXT: the build is green")
+"""
+    env.model.script({"text": "fine"})
+    pod = env.start("prompted", extra=hooks_toml("UserPromptSubmit", script(env, "ups.py", hook)))
+    with pod.client() as c:
+        assert c.run_wait("how is the build?").outcome == "finished"
+        with pytest.raises(RpcError) as err:
+            c.run("tell me the forbidden thing")
+        assert err.value.code == -32009
+        assert "prompts about forbidden things are refused" in err.value.message
+    body = str(env.model.requests[0]["body"])
+    assert "how is the build?" in body and "CONTEXT: the build is green" in body
+    texts = [e.get("text", "") for e in entries(pod) if e["kind"] == "user_input"]
+    assert texts == ["how is the build?"]  # the refused prompt was never committed
+
+
+def test_stop_hook_sees_the_outcome_and_a_hanging_hook_is_killed(env: Env) -> None:
+    seen = env.work / "stop.json"
+    stop = f"cat > {seen}"
+    hang = "sleep 137; echo never"
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}, {"text": "all done"}
+    )
+    extra = hooks_toml("Stop", stop) + hooks_toml("PreToolUse", hang, timeout=0.5)
+    pod = env.start("stopper", tools=["list_dir"], extra=extra)
+    with pod.client() as c:
+        result = c.run_wait("work")
+    assert result.outcome == "finished"  # the hung hook was a warning: the tool ran
+    (tool,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert not tool["is_error"]
+    data = wait_until(lambda: seen.exists() and seen.read_text() and json.loads(seen.read_text()))
+    assert data["hook_event_name"] == "Stop" and data["outcome"] == "finished"
+    assert data["pod"] == "stopper" and data["session_id"]
+    pre = [e for e in entries(pod) if e["kind"] == "hook_run" and e["event"] == "PreToolUse"]
+    assert pre[0]["exit"] is None and pre[0]["decision"] == "warning"
+    leftovers = subprocess.run(["pgrep", "-f", "sleep 137"], capture_output=True, text=True)
+    assert leftovers.stdout == "", "the hook's process group outlived its timeout"
+
+
+def test_hooks_run_inside_the_sandbox(env: Env) -> None:
+    outside = env.home / "outside.txt"
+    outside.write_text("not for hooks\n")
+    out = env.work / "hook-out.txt"
+    hook = f"cat {outside} > {out} 2>&1; exit 0"
+    env.model.script({"text": "ok"})
+    pod = env.start("boxed", extra=hooks_toml("UserPromptSubmit", hook))
+    with pod.client() as c:
+        assert c.run_wait("go").outcome == "finished"
+    text = out.read_text()
+    assert "not for hooks" not in text and "Permission denied" in text
+    assert Path(outside).read_text() == "not for hooks\n"

@@ -1,0 +1,160 @@
+"""Issue 13: the scope enforced by the kernel for what a real pod starts (its bash tool).
+
+Each attack runs as the model's bash call in a real pod (default `[sandbox] mode = "enforce"`),
+and the same command run by the test itself, unconfined, is the control that must succeed.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from poddaemon.sandbox import available
+from tests.conftest import Env
+
+pytestmark = pytest.mark.skipif(available() == 0, reason="this kernel has no Landlock")
+
+MARK = "EXIT-STATUS:"
+
+
+def bash_results(env: Env, name: str, commands: list[str], **manifest: Any) -> list[str]:
+    """Run each command as one bash call of one run; return each call's output."""
+    calls = [
+        {"name": "bash", "arguments": {"command": f"{cmd}; echo {MARK}$?"}} for cmd in commands
+    ]
+    env.model.script({"tool_calls": calls}, {"text": "done"})
+    pod = env.start(name, tools=["bash"], **manifest)
+    with pod.client() as c:
+        assert c.run_wait("attack").outcome == "finished"
+        entries = c.history(since=0, limit=10_000).entries
+    outputs = [e["item"]["output"] for e in entries if e["kind"] == "tool_result"]
+    assert len(outputs) == len(commands)
+    return outputs
+
+
+def status_of(output: str) -> int:
+    return int(output.rsplit(MARK, 1)[1].split()[0])
+
+
+@pytest.fixture
+def layout(env: Env) -> Iterator[dict[str, Path]]:
+    outside = env.home / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("outside secret\n")
+    secrets = env.work / "secrets"
+    secrets.mkdir()
+    (secrets / "key.txt").write_text("denied secret\n")
+    project = env.work / "project"  # the pwd: a sibling of the denied dir (see docs/sandbox.md:
+    project.mkdir()  # a directory that holds a deny gives new files in it no content access)
+    (project / "mine.txt").write_text("in scope\n")
+    yield {"outside": outside, "secrets": secrets, "project": project}
+
+
+DENY = '[[scope.deny]]\ntarget = "{target}"\npermission = "read"\n'
+
+
+def test_escapes_through_bash_all_fail_and_work_inside_the_scope_does(
+    env: Env, layout: dict[str, Path]
+) -> None:
+    outside, secrets, project = layout["outside"], layout["secrets"], layout["project"]
+    sessions = env.home / "data" / "sessions"
+    registry = env.home / "run" / "pods.json"
+    attacks = [
+        f"cat {outside}/secret.txt",
+        f"echo x > {outside}/new.txt",
+        f"cat {secrets}/key.txt",
+        f"cat /proc/self/root{outside}/secret.txt",
+        f"ln -s {outside}/secret.txt {project}/link && cat {project}/link",
+        f"ln {outside}/secret.txt {project}/hard",
+        f"cat {project}/../../outside/secret.txt",
+        f"cat {sessions}/*.jsonl",
+        f"echo '{{}}' > {registry}",
+        f"ls {env.home}/data",
+    ]
+    inside = [
+        f"cat {project}/mine.txt",
+        f"echo made > {project}/made.txt && cat {project}/made.txt",
+        'echo tmp > "$TMPDIR/t" && cat "$TMPDIR/t"',
+        "python3 -c 'print(6 * 7)'",
+        "printf 'a\\nb\\n' | sort -r | head -1",
+        "git init -q repo && cd repo && git status --short && echo git-ok",
+    ]
+    extra = DENY.format(target=secrets)
+    outputs = bash_results(env, "jail", attacks + inside, extra=extra, pwd=str(project))
+    for command, output in zip(attacks, outputs[: len(attacks)], strict=True):
+        assert status_of(output) != 0, f"escaped: {command!r}: {output}"
+        assert "outside secret" not in output and "denied secret" not in output
+    assert not (outside / "new.txt").exists()
+    assert json.loads(registry.read_text()) != {}
+    for command, output in zip(inside, outputs[len(attacks) :], strict=True):
+        assert status_of(output) == 0, f"failed inside the scope: {command!r}: {output}"
+    assert "42" in outputs[len(attacks) + 3] and "git-ok" in outputs[-1]
+    # The controls: the same reads work unconfined, so the refusals above were the sandbox's.
+    assert (outside / "secret.txt").read_text() == "outside secret\n"
+    control = subprocess.run(["cat", f"{secrets}/key.txt"], capture_output=True, text=True)
+    assert control.returncode == 0
+    status = env.podctl("status", "jail")
+    assert f"sandbox: landlock-abi-{available()}" in " ".join(status.stdout.split()), status.stdout
+
+
+def test_network_false_cuts_commands_off_but_not_the_pods_model_calls(env: Env) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    accepted: list[bool] = []
+
+    def accept() -> None:
+        listener.settimeout(10)
+        try:
+            conn, _ = listener.accept()
+            accepted.append(True)
+            conn.close()
+        except OSError:
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    probe = (
+        'python3 -c \'import socket; s = socket.create_connection(("127.0.0.1", '
+        f'{port}), timeout=3); print("CONNECTED")\''
+    )
+    outputs = bash_results(env, "offline", [probe], extra="[sandbox]\nnetwork = false\n")
+    assert status_of(outputs[0]) != 0 and "CONNECTED" not in outputs[0]
+    # The model calls went over TCP to the fake model all along (the run finished), and the
+    # listener is reachable unconfined: the control.
+    with socket.create_connection(("127.0.0.1", port), timeout=3):
+        pass
+    listener.close()
+
+
+def test_enforce_without_landlock_fails_start_up_and_best_effort_warns(env: Env) -> None:
+    path = env.manifest("strict", tools=["bash"])
+    proc = subprocess.run(
+        [*env.popen_args(), str(path)],
+        env={**env.env, "PODDAEMON_TEST_LANDLOCK_ABI": "0"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    assert "sandbox.mode = enforce" in line and "no Landlock" in line
+
+    path = env.manifest("lenient", tools=["bash"], extra='[sandbox]\nmode = "best_effort"\n')
+    env.env["PODDAEMON_TEST_LANDLOCK_ABI"] = "0"
+    try:
+        pod = env.start("lenient", tools=["bash"], extra='[sandbox]\nmode = "best_effort"\n')
+    finally:
+        del env.env["PODDAEMON_TEST_LANDLOCK_ABI"]
+    with pod.client() as c:
+        assert c.status().sandbox == "none"
+        c.subscribe(since=0)
+        alert = next(e for e in c.events() if e.type == "alert")
+    assert alert.data["source"] == "sandbox" and "no Landlock" in alert.data["message"]
+    assert os.path.exists(path)
