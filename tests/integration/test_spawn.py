@@ -163,6 +163,10 @@ def test_children_get_disjoint_delegated_scopes(tree: Env) -> None:
     assert {live["b"].parent, live["c"].parent} == {"parent"} and "a" not in live
     st = parent.call("status")
     assert sorted(c["name"] for c in st["children"]) == ["b", "c"]
+    # Children log to <runtime>/pods/<name>/stderr.log, their config kept for podctl restart.
+    assert "ready on" in (env.home / "run" / "pods" / "b" / "stderr.log").read_text()
+    assert (env.home / "data" / "pods" / "b.toml").exists()
+    assert (env.home / "data" / "pods" / "b.callback").read_text().strip() == parent.socket
     assert all(c["pid"] > 0 and c["socket"] for c in st["children"])
 
 
