@@ -199,9 +199,11 @@ class Children:
     # --- status and shutdown -------------------------------------------------------------------
 
     async def infos(self) -> list[dict[str, Any]]:
+        live = list(self.live.values())
+        states = await asyncio.gather(*(self._state(c.name) for c in live))  # at once: bounded
         return [
-            {"name": c.name, "pid": c.pid, "state": await self._state(c.name), "socket": c.socket}
-            for c in list(self.live.values())
+            {"name": c.name, "pid": c.pid, "state": state, "socket": c.socket}
+            for c, state in zip(live, states, strict=True)
         ]
 
     async def on_stop(self) -> None:
