@@ -286,6 +286,10 @@ class FakeServer:
             payload["when"] = when
         self._post("/_fake/script", payload)
 
+    def script_model(self, model: str, *replies: dict[str, Any]) -> None:
+        """Replies (none: the echo answer) for requests naming `model` only."""
+        self._post("/_fake/script", {"model": model, "replies": list(replies)})
+
     def reset(self) -> None:
         self._post("/_fake/reset")
 

@@ -241,12 +241,15 @@ def _stop(target: str, tree: bool, top: bool) -> None:
             children: list[str] = []
             try:
                 st = client.status()
-                name, pid, children = st.name, st.pid, st.children
+                name, pid = st.name, st.pid
+                children = [c.name for c in st.children]
             except RpcError:
                 if tree:
                     raise
             if tree:
-                for child in children:
+                # The registry too: a child the pod lost track of is still its descendant.
+                known = {e.name for e in _registry_entries().values() if e.parent == name}
+                for child in sorted(known | set(children)):
                     _stop(child, tree=True, top=False)
             try:
                 client.shutdown()

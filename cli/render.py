@@ -327,8 +327,19 @@ def status_text(st: Mapping[str, Any]) -> str:
     usage = st.get("usage") or {}
     fields.append(("usage", f"{usage_text(usage)} calls={usage.get('calls', 0)}"))
     fields.append(("parent", str(st.get("parent") or "-")))
+    budget = st.get("budget") or {}
+    if budget:
+        limit = budget.get("limit")
+        fields.append(
+            (
+                "budget",
+                f"limit={limit if limit is not None else '-'} spent={budget.get('spent', 0)} "
+                f"tree_spent={budget.get('tree_spent', 0)}",
+            )
+        )
     children = st.get("children") or []
-    fields.append(("children", ", ".join(map(str, children)) if children else "-"))
+    names = [str(c.get("name")) if isinstance(c, dict) else str(c) for c in children]
+    fields.append(("children", ", ".join(names) if names else "-"))
     fields.append(("sandbox", str(st.get("sandbox") or "none")))
     for note in st.get("sandbox_notes") or []:
         fields.append(("", f"note: {note}"))

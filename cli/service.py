@@ -133,7 +133,11 @@ def restart(pod: PodArg) -> None:
     from cli.spawn import SpawnFailed, daemon_command, spawn_detached
 
     try:
-        started, socket, early = spawn_detached(daemon_command(str(config), [], None, True))
+        cmd = daemon_command(str(config), [], None, True)
+        callback = config.with_suffix(".callback")
+        if callback.exists():  # a child: it reports to its spawner again
+            cmd += ["--adopt", "--callback", callback.read_text().strip()]
+        started, socket, early = spawn_detached(cmd)
     except SpawnFailed as exc:
         sys.stderr.buffer.write(exc.output)
         fail(exc.message)

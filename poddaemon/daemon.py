@@ -170,8 +170,9 @@ def run_pod(args: argparse.Namespace) -> int:
         raise StartupError(problem)
     registry = Registry(runtime)
     session_id = _session_to_restore(args, name)
+    parent = _spawner(args, registry)
     # The session is claimed with the name, in one locked transaction: no two pods restore it.
-    entry = make_entry(name, str(sock_path), scope, parent=None, session=session_id)
+    entry = make_entry(name, str(sock_path), scope, parent=parent, session=session_id)
     try:
         registry.register(entry)
     except (RegistryConflict, RegistryError) as exc:
@@ -181,7 +182,7 @@ def run_pod(args: argparse.Namespace) -> int:
         try:
             paths.ensure_dir(pod_dir)
             (pod_dir / "pid").write_text(f"{os.getpid()}\n")
-            _keep_config(manifest)
+            _keep_config(manifest, args.callback if args.adopt else None)
         except OSError as exc:
             raise StartupError(_os_error(exc)) from None
         return _serve(args, manifest, scope, claim, instruction, session_id, box)
@@ -235,16 +236,41 @@ class Claim:
             log.error("could not release the registry entry: %s", exc)
 
 
-def _keep_config(manifest: object) -> None:
+def _keep_config(manifest: object, callback: str | None = None) -> None:
     """`<data>/pods/<name>.toml`: the fully resolved manifest, so `podctl restart` can start the
-    same pod again whatever happened to the file it came from (SPEC §2)."""
+    same pod again whatever happened to the file it came from (SPEC §2). A child also keeps
+    `<name>.callback` (its spawner's socket), so a restarted child reports to it again."""
     from poddaemon.config.manifest import Manifest
 
     assert isinstance(manifest, Manifest)
-    target = paths.ensure_dir(paths.data_dir() / "pods") / f"{manifest.pod.name}.toml"
+    folder = paths.ensure_dir(paths.data_dir() / "pods")
+    target = folder / f"{manifest.pod.name}.toml"
     tmp = target.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(manifest.to_toml())
     os.replace(tmp, target)
+    sidecar = folder / f"{manifest.pod.name}.callback"
+    if callback is None:
+        with contextlib.suppress(FileNotFoundError):
+            sidecar.unlink()
+    else:
+        tmp = sidecar.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(callback + "\n")
+        os.replace(tmp, sidecar)
+
+
+def _spawner(args: argparse.Namespace, registry: Any) -> str | None:
+    """`--adopt --callback SOCKET`: the name of the live pod serving SOCKET (our parent). A
+    spawner that is not running (a child restarted while it is down) leaves us parentless
+    for now; our reports wait in our log until it is back."""
+    if not args.callback:
+        return None
+    if not args.adopt:
+        raise StartupError("--callback needs --adopt")
+    callback = os.path.abspath(args.callback)
+    for entry in registry.live():
+        if os.path.abspath(entry.socket) == callback:
+            return str(entry.name)
+    return None
 
 
 def _sandbox(manifest: Any, scope: Any, pwd: str) -> Any:
@@ -331,6 +357,7 @@ def _serve(
             if manifest.compaction is not None and manifest.compaction.provider is not None
             else None
         ),
+        callback=os.path.abspath(args.callback) if args.adopt and args.callback else None,
         sandbox=box,
     )
     sock_path = claim.sock_path
@@ -366,6 +393,7 @@ def _serve(
         for tool in mcp.tools.values():
             services.tools.add(tool)
         pod.mcp = mcp
+        pod.children.adopt()  # a restored spawner takes its live children back
         ending = Ending(pod.request_shutdown, lambda: pod.pod_state == "stopping")
         handlers = pod.handlers()
         handlers["shutdown"] = ending.wrap_shutdown(handlers["shutdown"])
@@ -383,6 +411,7 @@ def _serve(
         sdnotify.notify("READY=1")
         log.info("ready on %s (session %s)", sock_path, pod.state.session_id or "not yet started")
         supervisor = asyncio.create_task(sdnotify.supervise(pod))
+        tree = _follow_spawner(pod, claim, manifest, ending)
         pod.warm_model()
 
         def lost(reason: str) -> None:
@@ -401,6 +430,8 @@ def _serve(
         finally:
             watch.cancel()
             supervisor.cancel()
+            if tree is not None:
+                tree.cancel()
             sdnotify.stopping()
             # The run is stopped and the log closed: give the name up before anything slower.
             await server.close()
@@ -413,6 +444,26 @@ def _serve(
         return ending.code
 
     return _run_loop(amain())
+
+
+def _follow_spawner(pod: Any, claim: Claim, manifest: Any, ending: "Ending") -> Any:
+    """A child: deliver its reports, and stop with its spawner when on_parent_exit = "stop"
+    (however the spawner ends, kill -9 included: its pidfd tells us at once)."""
+    if pod.outbox is None:
+        return None
+    pod.outbox.start()
+    parent = claim.registry.get(claim.entry.parent) if claim.entry.parent else None
+    if parent is None or manifest.spawn.on_parent_exit != "stop":
+        return None
+    from poddaemon.outbox import watch_parent
+
+    def parent_gone() -> None:
+        log.info("spawner %s (pid %d) is gone; stopping with it", parent.name, parent.pid)
+        pod.outbox.enabled = False  # reporting to nobody
+        pod.machine.final_report = None
+        ending.request()
+
+    return asyncio.create_task(watch_parent(parent.pid, parent_gone))
 
 
 class Ending:

@@ -64,6 +64,8 @@ class SessionStart(Entry, tag="session_start"):
     run_from: int | None = None  # index in `history` where the active run's items begin
     run_usage: Usage | None = None  # the active (or paused) run's usage and calls so far
     run_calls: int = 0
+    # Spawn trees: {outbox, children, spawner_runs, report_ids} (SessionState.tree_snapshot).
+    tree: dict[str, Any] = {}
 
 
 class UserInput(Entry, tag="user_input"):
@@ -90,6 +92,46 @@ class SystemItem(Entry, tag="system_item"):
     run_id: str | None = None
     detail: str | None = None  # the report's own text (`text` is what the model reads)
     context: bool = False  # a hook's context: read at the next request, wakes no one
+    outcome: str | None = None  # a child's run.finished: the run's outcome
+    tree_spent: int | None = None  # tokens the child's tree had spent when it reported
+
+
+# --- spawn trees: the child's outbox and the spawner's children (see poddaemon/spawn.py) ------
+
+# A `run` whose client_key starts with this was sent by the spawner: its end is reported.
+SPAWNER_KEY = "spawner:"
+
+
+class OutboxItem(Entry, tag="outbox"):
+    """A report to the spawner, committed before it is delivered (redelivered until acked)."""
+
+    event_id: str
+    event_kind: str  # "run.finished" | "errored" | "shutdown"
+    run_id: str | None = None
+    text: str | None = None
+    outcome: str | None = None
+    usage: dict[str, int] = {}
+
+
+class OutboxAcked(Entry, tag="outbox_acked"):
+    ids: list[str]
+
+
+class ChildStarted(Entry, tag="child_started"):
+    """The spawner started (or re-adopted) a child; `grant` is reserved from its budget."""
+
+    name: str
+    socket: str
+    grant: int | None = None
+    scope: list[dict[str, Any]] = []
+
+
+class ChildEnded(Entry, tag="child_ended"):
+    """A child's process is gone; `spent` is what its tree is charged with for good."""
+
+    name: str
+    spent: int = 0
+    reason: str = ""
 
 
 class RunStart(Entry, tag="run_start"):
@@ -166,6 +208,10 @@ AnyEntry = (
     | TurnEnd
     | LlmUsage
     | RunEnd
+    | OutboxItem
+    | OutboxAcked
+    | ChildStarted
+    | ChildEnded
     | HookRunEntry
 )
 
@@ -182,6 +228,10 @@ BY_KIND: dict[str, type[Entry]] = {
         TurnEnd,
         LlmUsage,
         RunEnd,
+        OutboxItem,
+        OutboxAcked,
+        ChildStarted,
+        ChildEnded,
         HookRunEntry,
     )
 }
@@ -219,6 +269,8 @@ def events_of(entry: Entry) -> list[EventSpec]:
             events: list[EventSpec] = [("notification.committed", data, None)]
             if entry.pod is not None:  # a child's report is also a child event
                 report = {"pod": entry.pod, "kind": entry.event_kind, "text": entry.detail}
+                if entry.outcome is not None:
+                    report["outcome"] = entry.outcome
                 events.append(("child.event", report, entry.run_id))
             return events
         case RunStart():

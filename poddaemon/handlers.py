@@ -15,7 +15,9 @@ from poddaemon.store.log import new_session_id
 from protocol import errors
 from protocol.errors import RpcError
 from protocol.types import (
+    BudgetInfo,
     CancelParams,
+    ChildInfo,
     CompactResult,
     HistoryParams,
     HistoryResult,
@@ -63,8 +65,12 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     async def pod_event(p: PodEventParams, conn: Any) -> Any:
         event_id = p.event_id or new_session_id()
+        tree_spent = (p.usage or {}).get("tree_spent")
+        pod.children.heard_from(p.pod)
         result = await pod.request(
-            lambda t: m.child_report(t, p.pod, p.kind, event_id, p.run_id, p.text)
+            lambda t: m.child_report(
+                t, p.pod, p.kind, event_id, p.run_id, p.text, p.outcome, tree_spent
+            )
         )
         if hooks is not None and p.kind == "run.finished" and hooks.wants("SubagentStop"):
             fields = {
@@ -126,12 +132,18 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         "resume": resume,
         "cancel": cancel,
         "shutdown": shutdown,
-        "status": lambda p, conn: status(pod),
+        "status": lambda p, conn: status_with_children(pod),
         "history": history,
         "usage": lambda p, conn: usage(pod),
         "subscribe": subscribe,
         "compact": compact,
     }
+
+
+async def status_with_children(pod: "Pod") -> StatusResult:
+    result = status(pod)
+    result.children = [msgspec.convert(c, ChildInfo) for c in await pod.children.infos()]
+    return result
 
 
 def status(pod: "Pod") -> StatusResult:
@@ -150,6 +162,11 @@ def status(pod: "Pod") -> StatusResult:
         usage=totals(pod),
         parent=pod.s.entry.parent,
         children=[],
+        budget=BudgetInfo(
+            limit=pod.m.budget.max_total_tokens,
+            spent=st.usage.total,
+            tree_spent=pod.machine.tree_spent(),
+        ),
         started_at=pod.started_at,
         version=poddaemon.__version__,
         mcp=[msgspec.convert(msgspec.to_builtins(x), McpServerInfo) for x in pod.mcp_status()],

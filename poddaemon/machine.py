@@ -21,10 +21,14 @@ import msgspec
 
 from poddaemon import compaction
 from poddaemon.entries import (
+    ChildEnded,
+    ChildStarted,
     Entry,
     HookRunEntry,
     InputsDelivered,
     LlmUsage,
+    OutboxAcked,
+    OutboxItem,
     PendingInputSnap,
     PendingRunSnap,
     RunEnd,
@@ -179,6 +183,7 @@ class MachineConfig:
     compact_retained_turns: int = 2
     provider_kind: str = ""
     compaction_model: str = ""
+    reports: bool = False  # started by a spawner: commit reports for it (spawn trees, §9)
 
 
 @dataclass
@@ -222,6 +227,9 @@ class Machine:
         self._compact_failures = 0  # in a row
         self._auto_compact_off = False  # the breaker tripped
         self._no_compact_run: str | None = None  # the thrash guard holds for this run
+        # The report committed when the pod stops: "shutdown", "errored" (it failed), or None
+        # (its spawner is gone and it stops with it: it reports to nobody).
+        self.final_report: str | None = "shutdown"
 
     # --- queries --------------------------------------------------------------------------------
 
@@ -235,13 +243,28 @@ class Machine:
             return "paused"
         return "idle"
 
+    def tree_spent(self) -> int:
+        """Tokens this pod and its descendants spent, as far as their reports tell."""
+        s = self.state
+        return s.usage.total + sum(c.spent for c in s.children.values())
+
+    def budget_charged(self) -> int:
+        """What counts against the cap: own spending, children's grants while they live (so
+        the tree cannot overspend), their actual spending once they are gone."""
+        s = self.state
+        return s.usage.total + sum(c.charged() for c in s.children.values())
+
+    def budget_remaining(self) -> int | None:
+        cap = self.cfg.budget_cap
+        return None if cap is None else max(0, cap - self.budget_charged())
+
     def budget_exhausted(self) -> bool:
         cap = self.cfg.budget_cap
-        return cap is not None and self.state.usage.total >= cap
+        return cap is not None and self.budget_charged() >= cap
 
     def budget_message(self) -> str:
         return (
-            f"budget exhausted: {self.state.usage.total} tokens used of "
+            f"budget exhausted: {self.budget_charged()} tokens used or granted to children of "
             f"budget.max_total_tokens = {self.cfg.budget_cap}"
         )
 
@@ -270,6 +293,8 @@ class Machine:
         event_id: str,
         run_id: str | None = None,
         text: str | None = None,
+        outcome: str | None = None,
+        tree_spent: int | None = None,
     ) -> list[Effect]:
         def go() -> None:
             if self._refuse_if_stopping(token):
@@ -279,7 +304,8 @@ class Machine:
                 return
             if self._queue_full(token):
                 return
-            body = f"[{kind}] {text}" if text else f"[{kind}]"
+            head = f"{kind} {outcome}" if outcome else kind
+            body = f"[{head}] {text}" if text else f"[{head}]"
             self._note_arrived()
             self._commit(
                 SystemItem(
@@ -291,11 +317,70 @@ class Machine:
                     event_id=event_id,
                     run_id=run_id,
                     detail=text,
+                    outcome=outcome,
+                    tree_spent=tree_spent,
                 )
             )
             self._reply(token, AcceptedResult(), durable=True)
 
         return self._handle(go)
+
+    # --- spawn trees: the outbox (child side) and the children (spawner side) -------------------
+
+    def outbox_acked(self, ids: list[str]) -> list[Effect]:
+        """The spawner acknowledged these reports: they are not redelivered."""
+
+        def go() -> None:
+            known = [i for i in ids if i in self.state.outbox]
+            if known:
+                self._commit(OutboxAcked(ids=known))
+                self._emit(Sync())
+
+        return self._handle(go)
+
+    def child_started(
+        self, name: str, socket: str, grant: int | None, scope: list[dict[str, Any]]
+    ) -> list[Effect]:
+        def go() -> None:
+            self._commit(ChildStarted(name=name, socket=socket, grant=grant, scope=scope))
+            self._emit(Sync())
+
+        return self._handle(go)
+
+    def child_ended(self, name: str, reason: str) -> list[Effect]:
+        """A child's process is gone. Without a final report its grant stays charged (it may
+        have spent it); one that died without reporting is reported `errored` here."""
+
+        def go() -> None:
+            child = self.state.children.get(name)
+            if child is None or not child.live:
+                return
+            final = child.last_kind in ("shutdown", "errored")
+            spent = child.spent if final or child.grant is None else max(child.grant, child.spent)
+            if not final and not self.stopping:
+                event_id = f"died-{name}-{self.new_id()}"
+                self._note_arrived()
+                self._commit(
+                    SystemItem(
+                        id=self.new_id(),
+                        text=f"[errored] {reason}",
+                        source=f"pod:{name}",
+                        pod=name,
+                        event_kind="errored",
+                        event_id=event_id,
+                        detail=reason,
+                    )
+                )
+            self._commit(ChildEnded(name=name, spent=spent, reason=reason))
+            self._emit(Sync())
+
+        return self._handle(go)
+
+    def _report(self, kind: str, **fields: Any) -> None:
+        """Commit a report for the spawner to this pod's outbox (delivered by the executor)."""
+        usage = dict(fields.pop("usage", {}))
+        usage["tree_spent"] = self.tree_spent()
+        self._commit(OutboxItem(event_id=self.new_id(), event_kind=kind, usage=usage, **fields))
 
     def pause(self, token: int) -> list[Effect]:
         def go() -> None:
@@ -483,6 +568,9 @@ class Machine:
                         usage=self.state.run_usage,
                     )
                 )
+                if self.cfg.reports and run_id in self.state.spawner_runs:
+                    error = "interrupted: the pod stopped during this run"
+                    self._report("run.finished", run_id=run_id, text=error, outcome="error")
                 self._note_arrived()
                 self._commit(
                     SystemItem(id=f"restart-{run_id}", text=RESTART_NOTE, source="poddaemon")
@@ -515,6 +603,7 @@ class Machine:
             paused_run=old.paused_run,
             open_calls=list(old.open_calls),
             run_outcomes=snap["run_outcomes"],
+            tree=old.tree_snapshot(),
             seq=1,
             ts=self.clock(),
         )
@@ -927,10 +1016,21 @@ class Machine:
         )
         for token in self._waiters.pop(run_id, []):
             self._reply(token, result, durable=True)
+        if self.cfg.reports and run_id in self.state.spawner_runs and outcome != "paused":
+            run_usage_dict = {**msgspec.structs.asdict(run_usage), "calls": calls}
+            self._report(
+                "run.finished",
+                run_id=run_id,
+                text=end.text if error is None else f"{end.text}\n{error}".strip(),
+                outcome=outcome,
+                usage=run_usage_dict,
+            )
         self._emit(Sync())
 
     def _stop(self) -> None:
         self.stopped = True
+        if self.cfg.reports and self.final_report is not None and self.state.session_id:
+            self._report(self.final_report)
         for tokens in self._waiters.values():
             for token in tokens:
                 self._error(token, errors.SHUTTING_DOWN, "the pod shut down")

@@ -86,6 +86,7 @@ class Services:
     tools: Toolset
     model: ModelClient
     interceptors: list[Interceptor] = field(default_factory=list)
+    callback: str | None = None  # the spawner's socket (a child reports there)
     sandbox: PodSandbox = field(default_factory=PodSandbox)
     compaction_model: ModelClient | None = None  # [compaction.provider]; None: `model`
 
@@ -110,6 +111,7 @@ class Pod:
             compact_retained_turns=m.compaction.compact_retained_turns if m.compaction else 2,
             provider_kind=m.provider.kind,
             compaction_model=m.compaction_provider.model,
+            reports=services.callback is not None,
         )
         prompt = services.instruction.render(
             pwd=m.pod.pwd, scope=self.scope, tools=list(m.worker.tools)
@@ -126,6 +128,7 @@ class Pod:
             ),
             env_passthrough=tuple(m.worker.env_passthrough),
             sandbox_policy=services.sandbox.policy,
+            policy_for_scope=self._policy_for_scope if services.sandbox.rebuild else None,
         )
         self.hooks: Hooks | None = None
         if m.hooks.any():
@@ -147,6 +150,17 @@ class Pod:
         self._timer: asyncio.TimerHandle | None = None
         self._stopped = asyncio.Event()
         self.mcp: Any = None  # the MCP servers' manager, when the manifest lists any
+        # Spawn trees: our children (the pod tools' host) and, in a child, its outbox.
+        from poddaemon.outbox import Outbox
+        from poddaemon.spawn import Children
+
+        self.children = Children(self)
+        self.tool_ctx.host = self.children
+        self.observers: list[Callable[[Any], None]] = [self.children.observe]
+        self.outbox: Outbox | None = None
+        if services.callback is not None:
+            self.outbox = Outbox(self, services.callback, self.name)
+            self.observers.append(self.outbox.observe)
         self._background: set[asyncio.Task[Any]] = set()
         self._warming: asyncio.Future[None] | None = None
 
@@ -172,6 +186,8 @@ class Pod:
                         forked = self._write(entry)
                     for type_, data, run_id in events_of(entry):
                         self.bus.publish(type_, data, run_id)
+                    for observe in self.observers:
+                        observe(entry)
                     if isinstance(entry, RunEnd) and entry.outcome != "paused":
                         self.spawn_background(self.chain.on_run_end(entry.run_id, entry.outcome))
                 case Publish(type_, data, run_id):
@@ -207,6 +223,10 @@ class Pod:
     async def serve(self) -> None:
         """Run until shutdown (or a failure) has settled every run; then persist."""
         await self._stopped.wait()
+        await self.children.on_stop()
+        if self.outbox is not None:
+            await self.outbox.flush(3.0)  # what is not delivered waits in the log
+            await self.outbox.aclose()
         await self._close()
 
     def request_shutdown(self) -> None:
@@ -297,6 +317,8 @@ class Pod:
         restarts the pod from what is on disk) and say why."""
         if self.failure is None:
             self.failure = message
+            if self.machine.final_report is not None:
+                self.machine.final_report = "errored"
             self._alert("error", f"{message}; the pod stops")
             asyncio.get_running_loop().call_soon(self.request_shutdown)
 
@@ -311,10 +333,18 @@ class Pod:
         else:
             settle(future, error if error is not None else result)
 
+    async def synced(self) -> None:
+        """Everything committed so far is durable."""
+        await self._synced()
     def _inputs_durable(self) -> bool:
         """Every input written so far is on disk: what an acknowledgement or a model call needs
         (later entries, a run's end say, need no fsync before a reply)."""
         return self._log is None or self._log.durable_seq >= self._input_seq
+
+    def _policy_for_scope(self) -> bytes | None:
+        """The commands' sandbox policy for the live scope (delegation changed it)."""
+        rebuild = self.s.sandbox.rebuild
+        return rebuild(self.scope) if rebuild is not None else self.s.sandbox.policy
 
     async def _synced(self) -> None:
         if self._log is not None and self.failure is None:
@@ -410,8 +440,13 @@ class Pod:
         raise ProviderError("interrupted", "the model stream ended without a response")
 
     def _live_children(self) -> list[str]:
-        """Live child pods, one line each, for the compacted history (spawn trees fill this)."""
-        return []
+        """Live child pods, one line each, for the compacted history."""
+        lines = []
+        for c in self.machine.state.children.values():
+            if c.live:
+                rules = ", ".join(f"{r.get('permission')} {r.get('target')}" for r in c.scope)
+                lines.append(f"{c.name} (socket {c.socket}; scope: {rules or '-'})")
+        return lines
 
     def _compaction_cancelled(self) -> list[Effect]:
         return self.machine.compaction_failed(None)

@@ -344,6 +344,17 @@ class Registry:
     ) -> list[str]:
         """Raise on any write overlap; return the targets delegated from `parent`."""
         scope = entry.effective_scope()
+        # A restarted spawner takes its live children back: their areas stay delegated.
+        adopted: list[str] = []
+        for other in pods.values():
+            if other.parent != entry.name or other.name == entry.name:
+                continue
+            theirs = other.effective_scope().writable_rules()
+            if all(_delegable(r, scope, other.effective_scope()) for r in theirs):
+                adopted.extend(r.target for r in theirs)
+        if adopted:
+            scope = scope.with_delegated(adopted)
+            entry.delegated = [*entry.delegated, *(t for t in adopted if t not in entry.delegated)]
         # Siblings and strangers first, so a clash with a sibling names the sibling.
         for other in pods.values():
             if other.name in (entry.name, entry.parent):

@@ -8,6 +8,7 @@ Inputs are committed when acknowledged but enter the model's context later: a qu
 which is exactly what must be processed after a crash.
 """
 
+import dataclasses
 import gc
 import time
 from collections.abc import Iterable, Mapping
@@ -17,10 +18,15 @@ from typing import Any, Literal
 import msgspec
 
 from poddaemon.entries import (
+    SPAWNER_KEY,
     Assistant,
+    ChildEnded,
+    ChildStarted,
     Entry,
     InputsDelivered,
     LlmUsage,
+    OutboxAcked,
+    OutboxItem,
     RunEnd,
     RunStart,
     SessionStart,
@@ -55,6 +61,27 @@ class PendingInput:
 
 
 @dataclass
+class ChildRecord:
+    """A child this pod spawned, as its log knows it (poddaemon/spawn.py acts on it)."""
+
+    name: str
+    socket: str
+    grant: int | None = None
+    scope: list[dict[str, Any]] = field(default_factory=list)
+    spent: int = 0  # its tree's spending as last reported (final once it ended)
+    live: bool = True
+    last_kind: str = ""  # the kind of its last report
+    outcome: str | None = None  # of its last reported run
+    text: str | None = None
+
+    def charged(self) -> int:
+        """What the spawner's budget counts for it: the grant is reserved while it lives."""
+        if self.live and self.grant is not None:
+            return max(self.grant, self.spent)
+        return self.spent
+
+
+@dataclass
 class SessionState:
     session_id: str = ""
     history: list[Item] = field(default_factory=list)
@@ -77,6 +104,11 @@ class SessionState:
     run_outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
     last_seq: int = 0
     head: str = ""
+    # Spawn trees: runs the spawner asked for (reported when they end), reports not yet
+    # acknowledged by the spawner, and this pod's own children.
+    spawner_runs: set[str] = field(default_factory=set)
+    outbox: dict[str, OutboxItem] = field(default_factory=dict)
+    children: dict[str, ChildRecord] = field(default_factory=dict)
     # Kept as counters: `notify` checks max_pending on every request, so this must be O(1).
     pending_notifications: int = 0
     pending_steers: int = 0
@@ -122,6 +154,16 @@ class SessionState:
                 for _, rid in self.run_keys.values()
                 if rid in self.run_outcomes
             },
+        }
+
+    def tree_snapshot(self) -> dict[str, Any]:
+        """The spawn-tree state a new session (fork, compaction) must carry on: undelivered
+        reports, children, runs still to report, report ids already accepted."""
+        return {
+            "outbox": [msgspec.to_builtins(o) for o in self.outbox.values()],
+            "children": [dataclasses.asdict(c) for c in self.children.values()],
+            "spawner_runs": sorted(self.spawner_runs),
+            "report_ids": sorted(self.report_ids),
         }
 
     def apply(self, entry: Mapping[str, Any] | Entry) -> None:
@@ -180,6 +222,8 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.run_keys[e.client_key] = (e.text, e.id or "")
         case UserInput():
             run_id = e.run_id or ""
+            if e.client_key and e.client_key.startswith(SPAWNER_KEY):
+                s.spawner_runs.add(run_id)
             s.pending_runs[run_id] = PendingRun(run_id, e.text, e.client_key)
             if e.client_key:
                 s.run_keys[e.client_key] = (e.text, run_id)
@@ -189,6 +233,9 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.notify_keys[e.client_key] = (e.text, e.id)
             if e.event_id is not None:
                 s.report_ids.add(e.event_id)
+            child = s.children.get(e.pod) if e.pod is not None else None
+            if child is not None:
+                _child_report(child, e)
         case RunStart(run_id=run_id):
             if run_id != s.paused_run:  # a resumed run keeps its round count and usage
                 s.rounds = 0
@@ -253,6 +300,32 @@ def _apply(s: SessionState, e: Entry) -> None:
                 "calls": calls,
             }
 
+        case OutboxItem():
+            s.outbox[e.event_id] = e
+            if e.run_id is not None:
+                s.spawner_runs.discard(e.run_id)
+        case OutboxAcked():
+            for event_id in e.ids:
+                s.outbox.pop(event_id, None)
+        case ChildStarted():
+            old = s.children.get(e.name)
+            spent = old.spent if old is not None and old.live else 0
+            s.children[e.name] = ChildRecord(e.name, e.socket, e.grant, list(e.scope), spent)
+        case ChildEnded():
+            child = s.children.get(e.name)
+            if child is not None:
+                child.live = False
+                child.spent = e.spent
+
+
+def _child_report(child: ChildRecord, e: SystemItem) -> None:
+    child.last_kind = e.event_kind or ""
+    if e.tree_spent is not None:
+        child.spent = max(child.spent, e.tree_spent)
+    if e.event_kind == "run.finished":
+        child.outcome = e.outcome
+        child.text = e.detail
+
 
 def _session_start(s: SessionState, e: SessionStart) -> None:
     s.session_id = e.session_id or s.session_id
@@ -278,6 +351,15 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
         s.run_calls = e.run_calls
     s.open_calls = list(e.open_calls)
     s.run_outcomes = dict(e.run_outcomes)
+    tree = e.tree
+    if tree:
+        for o in tree.get("outbox", []):
+            item = msgspec.convert(o, OutboxItem)
+            s.outbox[item.event_id] = item
+        for c in tree.get("children", []):
+            s.children[c["name"]] = ChildRecord(**c)
+        s.spawner_runs = set(tree.get("spawner_runs", []))
+        s.report_ids = set(tree.get("report_ids", []))
 
 
 def fold(entries: Iterable[Mapping[str, Any] | Entry]) -> SessionState:

@@ -162,6 +162,21 @@ class McpServerInfo(Result):
     error: str | None = None
 
 
+class ChildInfo(Result):
+    """A live child of the pod (spawn trees)."""
+
+    name: str
+    pid: int
+    state: str
+    socket: str
+
+
+class BudgetInfo(Result):
+    limit: int | None = None  # budget.max_total_tokens
+    spent: int = 0  # this pod's own model calls
+    tree_spent: int = 0  # this pod and its descendants, as their reports tell
+
+
 class StatusResult(Result):
     name: str
     pid: int
@@ -173,12 +188,13 @@ class StatusResult(Result):
     scope: list[ScopeEntry]
     queue: QueueInfo
     usage: UsageTotals
-    children: list[str]
+    children: list[ChildInfo]
     started_at: float
     version: str
     run_id: str | None = None
     parent: str | None = None
     mcp: list[McpServerInfo] = []
+    budget: BudgetInfo = msgspec.field(default_factory=BudgetInfo)
     sandbox: str = "none"  # "landlock-abi-N" | "none": what confines the commands it starts
     sandbox_notes: list[str] = []  # what the kernel cannot express of the scope
 

@@ -14,8 +14,9 @@ from msgspec import Meta, Struct, field
 from protocol.paths import POD_NAME_RE
 
 FILE_TOOLS = ("read_file", "write_file", "edit_file", "list_dir", "glob", "grep")
+POD_TOOLS = ("spawn_pod", "send_to_pod", "wait_pods", "list_pods", "stop_pod")
 KNOWN_TOOLS = frozenset(
-    (*FILE_TOOLS, "bash", "spawn_pod", "send_to_pod", "list_pods", "stop_pod"),
+    (*FILE_TOOLS, "bash", *POD_TOOLS),
 )
 
 PositiveInt = Annotated[int, Meta(gt=0)]
@@ -154,6 +155,8 @@ class NotifyConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
 class SpawnConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     on_parent_exit: Literal["stop", "detach"] = "stop"
+    max_children: NonNegativeInt = 8  # live children at once
+    max_depth: NonNegativeInt = 3  # levels of the tree below this pod
 
 
 class SandboxConfig(Struct, kw_only=True, forbid_unknown_fields=True):

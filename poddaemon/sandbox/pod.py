@@ -4,6 +4,7 @@ runner (which confines itself before it starts anything) and shown by `status`."
 import contextlib
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from poddaemon.sandbox import NO_SANDBOX, SandboxUnavailable, available, build_policy, describe
@@ -17,6 +18,8 @@ class PodSandbox:
     notes: list[str] = field(default_factory=list)  # what the kernel cannot express
     policy: bytes | None = None  # for the command runner's `apply_policy`
     tmpdir: str | None = None  # the commands' private $TMPDIR
+    # The policy again for another scope (delegation to child pods narrows the pod's own).
+    rebuild: Callable[[Scope], bytes] | None = None
 
     def close(self) -> None:
         if self.tmpdir is not None:
@@ -58,4 +61,13 @@ def pod_sandbox(
     )
     box.policy = policy.encode()
     box.notes = list(policy.notes)
+    tmpdir = box.tmpdir
+
+    def rebuild(live: Scope) -> bytes:
+        again = build_policy(
+            live, pwd=pwd, tmpdir=tmpdir, network=network, mode=mode, protect=protect
+        )
+        return again.encode()
+
+    box.rebuild = rebuild
     return box

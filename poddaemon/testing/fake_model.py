@@ -7,6 +7,8 @@ Real HTTP/1.1 on 127.0.0.1 (stdlib `ThreadingHTTPServer`, keep-alive, chunked SS
 - ``POST /v1/messages``          Anthropic Messages (streaming and not)
 - ``POST /_fake/script`` (``{"replies": [...]}``, appended; with ``"when": marker`` (Python:
   ``script_when``) for requests whose last user text contains the marker), ``GET /_fake/requests``,
+- ``POST /_fake/script`` (``{"replies": [...]}``, appended; with ``"model": M`` they answer only
+  requests for model M, see ``script_model``), ``GET /_fake/requests``,
   ``POST /_fake/gate/<name>``, ``POST /_fake/reset``, ``GET /_fake/health``
 
 Each model request (faulty or not) is recorded as ``{path, body, headers}`` and consumes the next
@@ -143,6 +145,9 @@ class FakeModel:
         self._queue: collections.deque[Reply] = collections.deque()
         # marker -> replies for requests whose last user text contains the marker
         self._keyed: dict[str, collections.deque[Reply]] = {}
+        # Requests naming one of these models take their replies from its own queue (empty:
+        # the echo answer), so pods of a tree can be scripted apart.
+        self._by_model: dict[str, collections.deque[Reply]] = {}
         self._requests: list[dict[str, Any]] = []
         self._opened: set[str] = set()
         self._generation = 0
@@ -230,6 +235,12 @@ class FakeModel:
         with self._cv:
             self._keyed.setdefault(marker, collections.deque()).extend(checked)
 
+    def script_model(self, model: str, *replies: Reply) -> None:
+        """Append replies for requests whose `model` is `model` only (the rest use `script`)."""
+        checked = [validate_reply(r) for r in replies]
+        with self._cv:
+            self._by_model.setdefault(model, collections.deque()).extend(checked)
+
     @property
     def pending(self) -> int:
         """How many scripted replies are still queued."""
@@ -263,6 +274,7 @@ class FakeModel:
         with self._cv:
             self._queue.clear()
             self._keyed.clear()
+            self._by_model.clear()
             self._requests.clear()
             self._opened.clear()
             self._generation += 1
@@ -283,6 +295,9 @@ class FakeModel:
             self._requests.append({"path": path, "body": body, "headers": headers})
             keyed = self._keyed_queue(body)
             queue = self._queue if keyed is None else keyed
+            model = body.get("model") if isinstance(body, dict) else None
+            if keyed is None and isinstance(model, str):
+                queue = self._by_model.get(model, self._queue)
             reply = queue.popleft() if queue else None
             self._serial += 1
             self._cv.notify_all()
@@ -466,8 +481,11 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             payload = _decode(raw) if raw else {}
             when = payload.get("when") if isinstance(payload, dict) else None
+            model = payload.get("model") if isinstance(payload, dict) else None
             if isinstance(when, str) and when:
                 fake.script_when(when, *replies)
+            elif isinstance(model, str):  # {"model": M, "replies": [...]}: for that model only
+                fake.script_model(model, *replies)
             else:
                 fake.script(*replies)
             self._send_json(200, {"queued": fake.pending})

@@ -22,10 +22,25 @@ from poddaemon.tools.base import (
 )
 from poddaemon.tools.bash import Bash
 from poddaemon.tools.files import EditFile, ListDir, ReadFile, WriteFile
+from poddaemon.tools.pods import ListPods, SendToPod, SpawnPod, StopPod, WaitPods
 from poddaemon.tools.search import Glob, Grep
 
 BUILTIN: dict[str, Tool] = {
-    t.name: t for t in (ReadFile(), WriteFile(), EditFile(), ListDir(), Glob(), Grep(), Bash())
+    t.name: t
+    for t in (
+        ReadFile(),
+        WriteFile(),
+        EditFile(),
+        ListDir(),
+        Glob(),
+        Grep(),
+        Bash(),
+        SpawnPod(),
+        SendToPod(),
+        WaitPods(),
+        ListPods(),
+        StopPod(),
+    )
 }
 DEFAULT_TOOLS: tuple[str, ...] = (
     "read_file",

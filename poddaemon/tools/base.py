@@ -3,7 +3,7 @@ output capping and `execute`, the one entry point that turns any failure into a 
 
 import asyncio
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -44,6 +44,21 @@ class ToolOutputLimits:
         return self.per_tool.get(tool, self.default_max_bytes)
 
 
+class PodHost(Protocol):
+    """What the pod tools (spawn_pod, …) act on: the pod's children (poddaemon/spawn.py).
+    Each method raises ToolError with the message the model should see."""
+
+    async def spawn(self, args: dict[str, Any]) -> dict[str, Any]: ...
+
+    async def send(self, pod: str, message: str, mode: str) -> dict[str, Any]: ...
+
+    async def wait(self, pods: list[str] | None, timeout: float) -> dict[str, Any]: ...
+
+    async def list_children(self) -> list[dict[str, Any]]: ...
+
+    async def stop(self, pod: str) -> dict[str, Any]: ...
+
+
 @dataclass
 class ToolContext:
     scope: ScopeLike
@@ -55,14 +70,28 @@ class ToolContext:
     env_passthrough: tuple[str, ...] = ()
     # JSON for `poddaemon.sandbox.apply_policy`, applied by the command runner (issue 13)
     sandbox_policy: bytes | None = None
+    # the pod's children, for the pod tools (None: this pod cannot spawn)
+    host: PodHost | None = None
+    # Rebuilds `sandbox_policy` from the pod's live scope (set by the sandbox wiring): when
+    # delegation to a child changes the scope, later commands lose (or regain) those areas.
+    policy_for_scope: Callable[[], bytes | None] | None = None
     _runner: "CommandRunner | None" = field(default=None, repr=False)
     _runner_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    _runner_stale: bool = field(default=False, repr=False)
+
+    def scope_changed(self) -> None:
+        """The live scope changed: the next command starts in a runner with the new policy
+        (commands run one at a time, so none is cut short)."""
+        if self.policy_for_scope is not None:
+            self.sandbox_policy = self.policy_for_scope()
+            self._runner_stale = True
 
     async def command_runner(self) -> "CommandRunner":
         """The helper process that starts this pod's commands, started at first use (and again
-        if it died)."""
+        if it died, or when the scope it was confined to changed)."""
         async with self._runner_lock:
-            if self._runner is None or not self._runner.alive:
+            if self._runner is None or not self._runner.alive or self._runner_stale:
+                self._runner_stale = False
                 from poddaemon.tools.runner_client import CommandRunner, clean_env
 
                 if self._runner is not None:

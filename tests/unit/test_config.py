@@ -67,7 +67,7 @@ max_tokens = 1000
 temperature = 0.2
 max_turns = 7
 tools = ["read_file", "write_file", "edit_file", "list_dir", "glob", "grep", "bash",
-         "spawn_pod", "send_to_pod", "list_pods", "stop_pod"]
+         "spawn_pod", "send_to_pod", "wait_pods", "list_pods", "stop_pod"]
 [worker.tool_output]
 default_max_bytes = 1024
 per_tool = { bash = 32768, grep = 100 }

@@ -545,8 +545,11 @@ def test_default_tools_and_specs_are_small() -> None:
     for spec in tool_specs(BUILTIN):
         assert len(spec.description) <= 80
         assert spec.parameters["type"] == "object"
-    with pytest.raises(ValueError, match="unknown tool: spawn_pod"):
-        tool_specs(["spawn_pod"])
+    with pytest.raises(ValueError, match="unknown tool: no_such_tool"):
+        tool_specs(["no_such_tool"])
+    # The pod tools go into every request of a pod that lists them: small schemas.
+    pod_tools = ["spawn_pod", "send_to_pod", "wait_pods", "list_pods", "stop_pod"]
+    assert len(msgspec.json.encode(tool_specs(pod_tools))) < 2000
 
 
 # --- issue 9 item 3: absurdly nested arguments are a tool error, never a crash ---------------

@@ -1,0 +1,471 @@
+"""Spawn trees, the spawner's side (SPEC §9): start children, delegate scope, supervise them.
+
+`Children` is the `PodHost` the pod tools act on. A child is `poddaemon run <manifest> --adopt
+--callback <our socket>` in its own process group, started from our fully resolved manifest with
+the tool's fields replaced. `spawn` returns once the child is READY and has acknowledged its task
+as its first run; on any failure the child is stopped (or killed) and the model gets the child's
+own message.
+
+Each live child's process is watched with a pidfd: when it goes, the registry gives its write
+areas back (our tools see them again) and the machine charges its tree's spending; a child that
+went without a final report is reported `errored` (machine.child_ended). A restored spawner
+re-adopts the live children the registry names it parent of.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from poddaemon.entries import SPAWNER_KEY, Entry, SystemItem
+from poddaemon.scope import Access, resolve
+from poddaemon.store.log import new_session_id
+from poddaemon.tools.base import ToolError
+from protocol import paths
+from protocol.aio import AsyncPodClient
+from protocol.errors import RpcError
+
+if TYPE_CHECKING:
+    from poddaemon.config.manifest import Manifest
+    from poddaemon.pod import Pod
+
+log = logging.getLogger("poddaemon.spawn")
+
+READY_PREFIX = b"PODDAEMON-READY\t"
+READY_TIMEOUT = 30.0
+STOP_TIMEOUT = 20.0
+STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
+
+
+@dataclass
+class _Live:
+    """A live child's process as we watch it."""
+
+    name: str
+    pid: int
+    socket: str
+    proc: "asyncio.subprocess.Process | None" = None  # ours to reap when we started it
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    fd: int = -1
+
+
+class Children:
+    def __init__(self, pod: "Pod") -> None:
+        self.pod = pod
+        self.live: dict[str, _Live] = {}
+        self.outstanding: dict[str, set[str]] = {}  # child -> runs we asked for, not reported
+        self.changed = asyncio.Event()  # a report arrived or a child went
+        self._spawning: set[str] = set()
+        self._reported: set[str] = set()  # runs whose run.finished arrived
+
+    # --- start-up: re-adopt --------------------------------------------------------------------
+
+    def adopt(self) -> None:
+        """Watch the live children the registry names us parent of; a child the log knows as
+        live but that is gone ended while we were down."""
+        pod = self.pod
+        mine = {e.name: e for e in pod.s.registry.live() if e.parent == pod.name}
+        for name, entry in mine.items():
+            record = pod.state.children.get(name)
+            if record is None or not record.live:
+                pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope))
+            self._watch(_Live(name, entry.pid, entry.socket))
+        for name, record in list(pod.state.children.items()):
+            if record.live and name not in mine:
+                reason = f"child pod {name!r} ended while its spawner was not running"
+                pod.feed(pod.machine.child_ended(name, reason))
+        if mine or pod.s.entry.delegated:  # (a registry write: only when there is a tree)
+            self._refresh_scope()
+
+    # --- observing committed entries -----------------------------------------------------------
+
+    def observe(self, entry: Entry) -> None:
+        if isinstance(entry, SystemItem) and entry.pod is not None:
+            if entry.event_kind == "run.finished" and entry.run_id is not None:
+                self.outstanding.get(entry.pod, set()).discard(entry.run_id)
+                self._reported.add(entry.run_id)  # may come before the run's ack reached us
+            self.changed.set()
+
+    def heard_from(self, name: str) -> None:
+        """A `pod_event` arrived from `name`. If we do not watch it, it is a child restarted
+        (podctl restart) after we saw it die: take it back if the registry names us parent."""
+        if name not in self.live and name not in self._spawning:
+            asyncio.get_running_loop().call_soon(self._readopt, name)
+
+    def _readopt(self, name: str) -> None:
+        pod = self.pod
+        entry = pod.s.registry.get(name)
+        if name in self.live or entry is None or entry.parent != pod.name:
+            return
+        pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope))
+        self._watch(_Live(name, entry.pid, entry.socket))
+        self._refresh_scope()
+
+    # --- the PodHost methods -------------------------------------------------------------------
+
+    async def spawn(self, args: dict[str, Any]) -> dict[str, Any]:
+        pod = self.pod
+        name = str(args["name"])
+        if not paths.POD_NAME_RE.match(name):
+            raise ToolError(f"invalid pod name {name!r}: use [a-z0-9][a-z0-9_-]{{0,47}}")
+        spawn_cfg = pod.m.spawn
+        if spawn_cfg.max_depth < 1:
+            raise ToolError("cannot spawn: spawn.max_depth reached (no levels left below this pod)")
+        if len(self.live) + len(self._spawning) >= spawn_cfg.max_children:
+            raise ToolError(
+                f"cannot spawn: {len(self.live)} live children (spawn.max_children = "
+                f"{spawn_cfg.max_children})"
+            )
+        if name in self._spawning or name in self.live:
+            raise ToolError(f"cannot spawn: a child named {name!r} exists already")
+        grant = self._grant(args.get("budget_tokens"))
+        manifest = self._child_manifest(name, args, grant)
+        self._spawning.add(name)
+        try:
+            return await self._start(name, manifest, str(args["task"]), grant)
+        finally:
+            self._spawning.discard(name)
+
+    async def send(self, pod_name: str, message: str, mode: str) -> dict[str, Any]:
+        child = self._child(pod_name)
+        key = f"{SPAWNER_KEY}{new_session_id()}"
+        result = await self._call(
+            child.socket, "run", {"input": message, "mode": mode, "client_key": key}
+        )
+        run_id = result.get("run_id")
+        if run_id and result.get("state") != "steered":
+            self._expect(pod_name, str(run_id))
+        return dict(result)
+
+    async def wait(self, pods: list[str] | None, timeout: float) -> dict[str, Any]:
+        known = self.pod.state.children
+        names = list(pods) if pods is not None else [n for n, c in known.items() if c.live]
+        for n in names:
+            if n not in known:
+                raise ToolError(f"no child pod named {n!r}")
+        deadline = time.monotonic() + timeout
+
+        def pending() -> list[str]:
+            return [n for n in names if n in self.live and self.outstanding.get(n)]
+
+        while pending():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self.changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), left)
+        out: dict[str, Any] = {}
+        for n in names:
+            record = known[n]
+            state = await self._state(n) if n in self.live else "stopped"
+            out[n] = {
+                "state": state,
+                "outcome": record.outcome,
+                "text": record.text,
+                "waiting": bool(self.outstanding.get(n)) and n in self.live,
+            }
+        return out
+
+    async def list_children(self) -> list[dict[str, Any]]:
+        out = []
+        for name, record in self.pod.state.children.items():
+            out.append(
+                {
+                    "name": name,
+                    "state": await self._state(name) if name in self.live else "stopped",
+                    "scope": [
+                        {k: r[k] for k in ("target", "permission") if k in r}
+                        | ({"deny": True} if r.get("deny") else {})
+                        for r in record.scope
+                    ],
+                    "spent_tokens": record.spent,
+                }
+            )
+        return out
+
+    async def stop(self, pod_name: str) -> dict[str, Any]:
+        child = self._child(pod_name)
+        await self._stop_child(child)
+        return {"stopped": True}
+
+    # --- status and shutdown -------------------------------------------------------------------
+
+    async def infos(self) -> list[dict[str, Any]]:
+        live = list(self.live.values())
+        states = await asyncio.gather(*(self._state(c.name) for c in live))  # at once: bounded
+        return [
+            {"name": c.name, "pid": c.pid, "state": state, "socket": c.socket}
+            for c, state in zip(live, states, strict=True)
+        ]
+
+    async def on_stop(self) -> None:
+        """The pod stops: with on_parent_exit = "stop", its children stop first (each stops its
+        own before it exits, so the tree goes deepest first)."""
+        if self.pod.m.spawn.on_parent_exit != "stop" or not self.live:
+            return
+        await asyncio.gather(*(self._stop_child(c) for c in list(self.live.values())))
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _child(self, name: str) -> _Live:
+        child = self.live.get(name)
+        if child is None:
+            if name in self.pod.state.children:
+                raise ToolError(f"child pod {name!r} is not running")
+            raise ToolError(f"no child pod named {name!r}")
+        return child
+
+    def _expect(self, name: str, run_id: str) -> None:
+        """`wait_pods` waits for this run's report (unless it is here already)."""
+        if run_id not in self._reported:
+            self.outstanding.setdefault(name, set()).add(run_id)
+
+    def _grant(self, asked: Any) -> int | None:
+        remaining: int | None = self.pod.machine.budget_remaining()
+        if asked is not None:
+            asked = int(asked)
+            assert isinstance(asked, int)
+            if asked <= 0:
+                raise ToolError("budget_tokens must be positive")
+            if remaining is not None and asked > remaining:
+                raise ToolError(
+                    f"cannot grant budget_tokens = {asked}: only {remaining} tokens of this "
+                    "pod's budget remain"
+                )
+            return asked
+        if remaining is None:
+            return None
+        if remaining <= 1:
+            raise ToolError("cannot spawn: this pod's budget is exhausted")
+        return remaining // 2  # no amount given: half of what remains (documented)
+
+    def _child_manifest(self, name: str, args: dict[str, Any], grant: int | None) -> "Manifest":
+        from poddaemon.config.manifest import FieldError, Manifest
+
+        pod = self.pod
+        m = pod.m
+        cwd = m.pod.pwd
+        rules = args["scope"]
+        if not isinstance(rules, list) or not rules:
+            raise ToolError("scope must be a non-empty list of {target, permission, recursive?}")
+        allow: list[dict[str, Any]] = []
+        for i, rule in enumerate(rules):
+            if not isinstance(rule, dict) or not isinstance(rule.get("target"), str):
+                raise ToolError(f"scope[{i}]: needs a target")
+            perm = rule.get("permission", "read")
+            if perm not in ("read", "write"):
+                raise ToolError(f"scope[{i}].permission must be read or write")
+            target = resolve(rule["target"], cwd)
+            want = Access.WRITE if perm == "write" else Access.READ
+            has = pod.scope.access(target)
+            if has < want:
+                why = "delegated to another child" if want is Access.WRITE and has else "outside"
+                raise ToolError(
+                    f"scope[{i}]: {perm} {target} is not inside this pod's scope ({why}: it "
+                    f"has {has.label})"
+                )
+            allow.append(
+                {
+                    "target": target,
+                    "permission": perm,
+                    "recursive": bool(rule.get("recursive", True)),
+                }
+            )
+        tools = args.get("tools")
+        if tools is not None:
+            extra = [t for t in tools if t not in m.worker.tools]
+            if extra:
+                raise ToolError(f"tools: {', '.join(map(str, extra))} not available to this pod")
+        pwd = resolve(str(args.get("pwd") or allow[0]["target"]), cwd)
+        data = m.to_dict()
+        data["pod"] = {"name": name, "pwd": pwd}
+        data["scope"] = {"allow": allow, "deny": data.get("scope", {}).get("deny", [])}
+        worker = data.setdefault("worker", {})
+        if args.get("instruction"):
+            worker["instruction"] = str(args["instruction"])
+            worker.pop("instruction_file", None)
+        elif worker.get("instruction_file") and m.source:
+            base = os.path.dirname(os.path.abspath(m.source))
+            worker["instruction_file"] = os.path.join(base, worker["instruction_file"])
+        if tools is not None:
+            worker["tools"] = list(tools)
+        if args.get("model"):
+            data["provider"]["model"] = str(args["model"])
+        data["budget"] = {"max_total_tokens": grant} if grant is not None else {}
+        data["spawn"] = {**data.get("spawn", {}), "max_depth": m.spawn.max_depth - 1}
+        try:
+            return msgspec.convert(data, Manifest)
+        except (msgspec.ValidationError, FieldError) as exc:
+            raise ToolError(f"invalid child configuration: {exc}") from None
+
+    async def _start(
+        self, name: str, manifest: "Manifest", task: str, grant: int | None
+    ) -> dict[str, Any]:
+        pod = self.pod
+        folder = paths.ensure_dir(paths.data_dir() / "pods")
+        path = folder / f".spawn-{name}-{os.getpid()}.toml"
+        path.write_text(manifest.to_toml())
+        cmd = [
+            sys.executable,
+            "-P",
+            "-m",
+            "poddaemon",
+            "run",
+            str(path),
+            "--adopt",
+            "--callback",
+            pod.s.entry.socket,
+            "--stderr-log",
+        ]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+            try:
+                socket = await self._ready(proc)
+            except BaseException:
+                await _kill(proc)
+                raise
+        finally:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        child = _Live(name, proc.pid, socket, proc)
+        self._watch(child)
+        scope = [dict(r) for r in msgspec.to_builtins(manifest.scope.allow)]
+        pod.feed(pod.machine.child_started(name, socket, grant, scope))
+        self._refresh_scope()
+        try:
+            result = await self._call(
+                socket, "run", {"input": task, "client_key": f"{SPAWNER_KEY}task"}
+            )
+        except BaseException as exc:
+            await self._stop_child(child)
+            if isinstance(exc, ToolError):
+                raise ToolError(f"child pod {name!r} refused its task: {exc}") from None
+            raise
+        self._expect(name, str(result["run_id"]))
+        return {"name": name, "socket": socket}
+
+    async def _ready(self, proc: "asyncio.subprocess.Process") -> str:
+        """Read the child's stderr until READY; its earlier lines are its error otherwise."""
+        assert proc.stderr is not None
+        output = bytearray()
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ToolError(f"child pod did not become ready within {READY_TIMEOUT:g} s")
+            try:
+                line = await asyncio.wait_for(proc.stderr.readline(), left)
+            except TimeoutError:
+                continue
+            if not line:
+                break
+            if line.startswith(READY_PREFIX):
+                parts = line.rstrip(b"\r\n").decode("utf-8", "replace").split("\t")
+                return parts[2] if len(parts) > 2 else ""
+            output += line
+        code = await proc.wait()
+        text = output.decode("utf-8", "replace").strip()
+        lines = [ln.removeprefix("poddaemon: ") for ln in text.splitlines() if ln.strip()]
+        message = "\n".join(lines[-5:]) or f"it exited with status {code}"
+        raise ToolError(f"child pod failed to start: {message}")
+
+    async def _call(self, socket: str, method: str, params: dict[str, Any]) -> Any:
+        try:
+            async with await AsyncPodClient.connect(socket) as client:
+                raw = await client.call_raw(method, params)
+        except RpcError as exc:  # the child's own refusal (-32007 budget, -32004 stopping, …)
+            raise ToolError(str(exc)) from None
+        except Exception as exc:  # no socket, connection lost
+            raise ToolError(f"cannot reach the child pod: {exc}") from None
+        return msgspec.json.decode(raw)
+
+    async def _state(self, name: str) -> str:
+        child = self.live.get(name)
+        if child is None:
+            return "stopped"
+        try:
+            async with await AsyncPodClient.connect(child.socket) as client:
+                raw = await asyncio.wait_for(client.call_raw("status"), STATUS_TIMEOUT)
+            return str(msgspec.json.decode(raw)["state"])
+        except Exception:
+            return "unresponsive"
+
+    async def _stop_child(self, child: _Live) -> None:
+        """`shutdown`, then wait for the process; SIGTERM, then SIGKILL its group if it lingers."""
+        with contextlib.suppress(Exception):
+            async with await AsyncPodClient.connect(child.socket) as client:
+                await asyncio.wait_for(client.call_raw("shutdown"), 5.0)
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.pid, sig)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(child.gone.wait(), STOP_TIMEOUT if sig is None else 5.0)
+                return
+
+    def _watch(self, child: _Live) -> None:
+        """Learn of the child's exit through a pidfd (readable once the process has ended)."""
+        self.live[child.name] = child
+        try:
+            child.fd = os.pidfd_open(child.pid)
+        except ProcessLookupError:
+            asyncio.get_running_loop().call_soon(self._gone, child)
+            return
+        asyncio.get_running_loop().add_reader(child.fd, self._gone, child)
+
+    def _gone(self, child: _Live) -> None:
+        if child.gone.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        if child.fd >= 0:
+            loop.remove_reader(child.fd)
+            os.close(child.fd)
+            child.fd = -1
+        child.gone.set()
+        self.live.pop(child.name, None)
+        self.outstanding.pop(child.name, None)
+        code = child.proc.returncode if child.proc is not None else None
+        how = f" (exit status {code})" if code is not None else ""
+        reason = f"child pod {child.name!r} (pid {child.pid}) died without a final report{how}"
+        self._refresh_scope()
+        self.pod.feed(self.pod.machine.child_ended(child.name, reason))
+        self.changed.set()
+        if child.proc is not None:  # reap it (asyncio's watcher does; keep the task referenced)
+            task = asyncio.ensure_future(child.proc.wait())
+            task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    def _refresh_scope(self) -> None:
+        """Our tools' scope: the granted one minus what live children hold (a registry
+        transaction reclaims a dead child's entry, which hands its areas back)."""
+        pod = self.pod
+        try:
+            entry = pod.s.registry.update(pod.name, pod.s.entry.pid)
+        except Exception as exc:
+            log.warning("cannot refresh the delegated scope: %s", exc)
+            return
+        scope = pod.s.scope.with_delegated(entry.delegated)
+        if scope != pod.scope:
+            pod.scope = scope
+            pod.tool_ctx.scope_changed()  # commands too (when the sandbox confines them)
+
+
+async def _kill(proc: "asyncio.subprocess.Process") -> None:
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(proc.wait(), 5.0)

@@ -1,0 +1,620 @@
+"""Spawn trees (issue 10, SPEC §9): real parent and child pods, the fake model scripting the
+parent's tool calls. Children get their own model names (`spawn_pod {model}`), so the fake model
+scripts each pod apart (`script_model`); an unscripted child answers `ok: <its input>`."""
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from poddaemon.registry import Registry
+from tests.conftest import Env, PodProcess, wait_until
+
+POD_TOOLS = [
+    "read_file",
+    "write_file",
+    "list_dir",
+    "spawn_pod",
+    "send_to_pod",
+    "wait_pods",
+    "list_pods",
+    "stop_pod",
+]
+
+
+@pytest.fixture
+def tree(env: Env) -> Iterator[Env]:
+    """`env`, and at the end every pod of this home killed (children are their own groups)."""
+    try:
+        yield env
+    finally:
+        for entry in Registry(env.home / "run").live():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(entry.pid, signal.SIGKILL)
+        for entry in _stray(env):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(entry, signal.SIGKILL)
+
+
+def _stray(env: Env) -> list[int]:
+    """Pids of `poddaemon run` processes of this home still alive (registered or not)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if stat.rpartition(")")[2].split()[0] in ("Z", "X"):
+            continue
+        if (
+            b"poddaemon" in cmd
+            and b"run" in cmd
+            and f"PODDAEMON_HOME={env.home}".encode() in environ
+        ):
+            found.append(int(pid))
+    return found
+
+
+def spawn_call(name: str, task: str, write: list[str], **extra: Any) -> dict[str, Any]:
+    scope = [{"target": t, "permission": "write"} for t in write]
+    return {
+        "name": "spawn_pod",
+        "arguments": {"name": name, "task": task, "scope": scope, "model": f"m-{name}", **extra},
+    }
+
+
+def tool(name: str, **arguments: Any) -> dict[str, Any]:
+    return {"name": name, "arguments": arguments}
+
+
+def start_parent(env: Env, name: str = "parent", extra: str = "", **kw: Any) -> PodProcess:
+    kw.setdefault("tools", POD_TOOLS)
+    return env.start(name, extra=extra, **kw)
+
+
+def tool_results(pod: PodProcess) -> list[dict[str, Any]]:
+    entries = pod.call("history", limit=10000)["entries"]
+    return [e["item"] for e in entries if e["kind"] == "tool_result"]
+
+
+def reports(pod: PodProcess) -> list[dict[str, Any]]:
+    entries = pod.call("history", limit=10000)["entries"]
+    return [e for e in entries if e["kind"] == "system_item" and e.get("pod")]
+
+
+def model_saw(env: Env, model: str) -> list[str]:
+    """The request bodies (JSON text) the fake model got for `model`."""
+    return [json.dumps(r["body"]) for r in env.model.requests if r["body"].get("model") == model]
+
+
+def quiet_children(env: Env, *names: str) -> None:
+    for n in names:
+        env.model.script_model(f"m-{n}")  # their own (empty) queue: the echo answer
+
+
+def run_and_wait(pod: PodProcess, text: str, timeout: float = 60) -> dict[str, Any]:
+    with pod.client(timeout=timeout) as c:
+        import msgspec
+
+        return dict(msgspec.json.decode(c.call_raw("run", {"input": text, "wait": True})))
+
+
+# --- scope: disjoint delegated write areas ---------------------------------------------------
+
+
+def test_children_get_disjoint_delegated_scopes(tree: Env) -> None:
+    env = tree
+    work = env.work
+    dirs = {n: work / n for n in ("a", "b", "c")}
+    for d in dirs.values():
+        d.mkdir()
+    # Each child tries to write into the next one's area (and, c, into the parent's own file).
+    targets = {"a": dirs["b"] / "x", "b": dirs["c"] / "x", "c": work / "x"}
+    for n, target in targets.items():
+        env.model.script_model(
+            f"m-{n}",
+            {"tool_calls": [tool("write_file", path=str(target), content="no")]},
+            {"text": f"{n} done"},
+        )
+    env.model.script(
+        {
+            "tool_calls": [spawn_call(n, f"task {n}", [str(d)]) for n, d in dirs.items()]
+            + [tool("write_file", path=str(dirs["a"] / "p.txt"), content="parent")]
+        },
+        {"tool_calls": [tool("wait_pods", pods=["a"], timeout_s=30)]},
+        {
+            "tool_calls": [
+                tool("stop_pod", pod="a"),
+                tool("write_file", path=str(dirs["a"] / "p.txt"), content="parent"),
+            ]
+        },
+        {"text": "parent done"},
+    )
+    parent = start_parent(env)
+    result = run_and_wait(parent, "go")
+    assert result["outcome"] == "finished", result
+    results = tool_results(parent)
+    spawned = [json.loads(r["output"]) for r in results if r["name"] == "spawn_pod"]
+    assert [s["name"] for s in spawned] == ["a", "b", "c"], results
+    writes = [r for r in results if r["name"] == "write_file"]
+    assert writes[0]["is_error"] and "outside scope" in writes[0]["output"], writes
+    assert not writes[1]["is_error"], writes  # child a stopped: the area is the parent's again
+    assert (dirs["a"] / "p.txt").read_text() == "parent"
+    # Child a's write outside its delegated area was refused; nothing landed.
+    for n, target in targets.items():
+        assert not target.exists()
+        wait_until(
+            lambda n=n: any("outside scope" in b for b in model_saw(env, f"m-{n}")),  # type: ignore[misc]
+            20,
+            f"child {n}'s refusal",
+        )
+    # The registry knows the tree; b and c still live, with parent = "parent".
+    live = {e.name: e for e in Registry(env.home / "run").live()}
+    assert {live["b"].parent, live["c"].parent} == {"parent"} and "a" not in live
+    st = parent.call("status")
+    assert sorted(c["name"] for c in st["children"]) == ["b", "c"]
+    # Children log to <runtime>/pods/<name>/stderr.log, their config kept for podctl restart.
+    assert "ready on" in (env.home / "run" / "pods" / "b" / "stderr.log").read_text()
+    assert (env.home / "data" / "pods" / "b.toml").exists()
+    assert (env.home / "data" / "pods" / "b.callback").read_text().strip() == parent.socket
+    assert all(c["pid"] > 0 and c["socket"] for c in st["children"])
+
+
+# --- reports ---------------------------------------------------------------------------------
+
+
+def _finished_reports(pod: PodProcess, child: str) -> list[dict[str, Any]]:
+    return [r for r in reports(pod) if r["pod"] == child and r["event_kind"] == "run.finished"]
+
+
+def test_each_report_reaches_the_parent_model_once(tree: Env) -> None:
+    env = tree
+    quiet_children(env, "k1", "k2")
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn_call("k1", "alpha", [str(env.work / "k1")]),
+                spawn_call("k2", "beta", [str(env.work / "k2")]),
+            ]
+        },
+        {"text": "spawned"},
+    )
+    for d in ("k1", "k2"):
+        (env.work / d).mkdir()
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: len(reports(parent)) >= 2, 30, "two child reports")
+    for child, task in (("k1", "alpha"), ("k2", "beta")):
+        got = _finished_reports(parent, child)
+        assert len(got) == 1, got
+        assert got[0]["outcome"] == "finished" and got[0]["detail"] == f"ok: {task}"
+    # The parent's model saw each report exactly once (in the request after they arrived).
+    wait_until(
+        lambda: any("ok: alpha" in b and "ok: beta" in b for b in model_saw(env, "fake-model")),
+        20,
+        "the parent's model to see the reports",
+    )
+    # The first request carrying them has each once; later requests carry the same history item
+    # (and the parent's own echo of it), never a second delivery.
+    for text in ("ok: alpha", "ok: beta"):
+        first = next(b for b in model_saw(env, "fake-model") if text in b)
+        assert first.count(text) == 1
+    entries = parent.call("history", limit=10000)["entries"]
+    delivered = [i for e in entries if e["kind"] == "inputs_delivered" for i in e["ids"]]
+    for r in reports(parent):
+        assert delivered.count(r["id"]) == 1
+
+
+def test_reports_wait_while_the_parent_is_down(tree: Env) -> None:
+    """kill -9 of a parent whose children detach: their reports wait and arrive on restore."""
+    env = tree
+    (env.work / "d1").mkdir()
+    env.model.script_model("m-d1", {"text": "d1 done", "gate": "child"})
+    env.model.script(
+        {"tool_calls": [spawn_call("d1", "work", [str(env.work / "d1")])]}, {"text": "spawned"}
+    )
+    parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    parent.kill9()
+    env.model.open_gate("child")  # the child finishes while its parent is down
+    child = Registry(env.home / "run").get("d1")
+    assert child is not None
+    time.sleep(0.3)  # let it try (and fail) to deliver
+    again = env.restart(parent, "--resume")
+    wait_until(lambda: _finished_reports(again, "d1"), 20, "the waiting report")
+    time.sleep(0.5)
+    got = _finished_reports(again, "d1")
+    assert len(got) == 1 and got[0]["detail"] == "d1 done"
+    st = again.call("status")
+    assert [c["name"] for c in st["children"]] == ["d1"]  # re-adopted
+
+
+def test_child_killed_mid_report_is_redelivered_once(tree: Env) -> None:
+    """A child kill -9ed with a report in its outbox redelivers it after its restore; the
+    parent accepts its event_id once."""
+    env = tree
+    (env.work / "r1").mkdir()
+    env.model.script_model("m-r1")
+    env.model.script(
+        {"tool_calls": [spawn_call("r1", "first", [str(env.work / "r1")])]}, {"text": "spawned"}
+    )
+    parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: _finished_reports(parent, "r1"), 20, "the first report")
+    entry = Registry(env.home / "run").get("r1")
+    assert entry is not None
+    # Simulate a report committed but never acknowledged: the child dies before the ack is
+    # logged. Its log still lists it (no outbox_acked) after we cut the ack off.
+    os.kill(entry.pid, signal.SIGKILL)
+    wait_until(lambda: Registry(env.home / "run").get("r1") is None, 10, "r1 gone")
+    sessions = env.home / "data" / "sessions"
+    log_path = next(p for p in sessions.iterdir() if '"pod":"r1"' in p.read_text()[:4000])
+    lines = log_path.read_text().splitlines(keepends=True)
+    cut = [i for i, line in enumerate(lines) if '"kind":"outbox_acked"' in line]
+    assert cut, "the child logged the ack"
+    log_path.write_text("".join(lines[: cut[0]]))  # as if it died between delivery and ack
+    out = env.podctl("restart", "r1")
+    assert out.returncode == 0, out.stderr
+    wait_until(lambda: _outbox_done(log_path), 20, "the redelivery to be acknowledged")
+    assert len(_finished_reports(parent, "r1")) == 1
+    # and the parent did see the death meanwhile (reported by itself as errored)
+    assert any(r["event_kind"] == "errored" for r in reports(parent) if r["pod"] == "r1")
+    # The restarted child is its child again: watched, listed, its area delegated.
+    wait_until(
+        lambda: [c["name"] for c in parent.call("status")["children"]] == ["r1"],
+        10,
+        "the parent to take the restarted child back",
+    )
+    writable = [r for r in parent.call("status")["scope"] if r.get("deny")]
+    assert any(r["target"] == str(env.work / "r1") for r in writable)
+
+
+def _outbox_done(path: Path) -> bool:
+    return '"kind":"outbox_acked"' in path.read_text()
+
+
+def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
+    env = tree
+    (env.work / "e1").mkdir()
+    env.model.script_model("m-e1", {"text": "never", "gate": "never"})
+    env.model.script(
+        {"tool_calls": [spawn_call("e1", "hang", [str(env.work / "e1")])]}, {"text": "spawned"}
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    entry = Registry(env.home / "run").get("e1")
+    assert entry is not None
+    os.kill(entry.pid, signal.SIGKILL)
+    wait_until(
+        lambda: [r for r in reports(parent) if r["event_kind"] == "errored"],
+        10,
+        "an errored report",
+    )
+    wait_until(
+        lambda: any("[errored]" in b for b in model_saw(env, "fake-model")),
+        10,
+        "the parent's model to see it",
+    )
+    assert parent.call("status")["children"] == []
+
+
+# --- parent exit ------------------------------------------------------------------------------
+
+
+def _tree_of_two(env: Env, policy: str) -> PodProcess:
+    """A parent, two children, and (under s1) a grandchild: four processes."""
+    for d in ("s1", "s2", "s1/g1"):
+        (env.work / d).mkdir()
+    quiet_children(env, "s2", "g1")
+    env.model.script_model(
+        "m-s1",
+        {"tool_calls": [spawn_call("g1", "grandchild", [str(env.work / "s1" / "g1")])]},
+        {"text": "s1 spawned g1"},
+    )
+    env.model.script(
+        {"tool_calls": [spawn_call(n, "hi", [str(env.work / n)]) for n in ("s1", "s2")]},
+        {"text": "spawned"},
+    )
+    parent = start_parent(env, extra=f'[spawn]\non_parent_exit = "{policy}"\n')
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: len(_stray(env)) == 4, 20, "the grandchild")
+    wait_until(lambda: Registry(env.home / "run").get("g1"), 20, "the grandchild's entry")
+    return parent
+
+
+def test_kill9_parent_stops_the_tree(tree: Env) -> None:
+    parent = _tree_of_two(tree, "stop")
+    parent.kill9()
+    wait_until(lambda: not _stray(tree), 5, "every pod of the tree to exit")
+    assert Registry(tree.home / "run").live() == []
+
+
+def test_kill9_parent_detach_children_keep_running(tree: Env) -> None:
+    parent = _tree_of_two(tree, "detach")
+    parent.kill9()
+    time.sleep(1.5)
+    live = {e.name: e for e in Registry(tree.home / "run").live()}
+    assert set(live) == {"s1", "s2", "g1"}
+    child = PodProcess.__new__(PodProcess)
+    child.socket = live["s1"].socket
+    done = run_and_wait(child, "still there?")
+    assert done["outcome"] == "finished" and done["text"] == "ok: still there?"
+
+
+def test_stop_tree_three_levels_deepest_first(tree: Env) -> None:
+    env = tree
+    (env.work / "mid").mkdir()
+    (env.work / "mid" / "leaf").mkdir()
+    # The middle pod spawns a leaf as its task's first tool call.
+    env.model.script_model(
+        "m-mid",
+        {
+            "tool_calls": [
+                {
+                    "name": "spawn_pod",
+                    "arguments": {
+                        "name": "leaf",
+                        "task": "leaf task",
+                        "model": "m-leaf",
+                        "scope": [
+                            {"target": str(env.work / "mid" / "leaf"), "permission": "write"}
+                        ],
+                    },
+                }
+            ]
+        },
+        {"text": "mid done"},
+    )
+    env.model.script_model("m-leaf")
+    env.model.script(
+        {"tool_calls": [spawn_call("mid", "spawn a leaf", [str(env.work / "mid")])]},
+        {"text": "spawned"},
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: Registry(env.home / "run").get("leaf") is not None, 30, "the leaf")
+    ls = env.podctl("ls")
+    assert ls.returncode == 0
+    rows = [line for line in ls.stdout.splitlines()[1:] if line.strip()]
+    names = [r.split()[0] if not r.startswith(" ") else r.strip().split()[0] for r in rows]
+    assert [n.strip("└─├│ ") for n in names][:3] == ["parent", "mid", "leaf"], ls.stdout
+    out = env.podctl("stop", "--tree", "parent")
+    assert out.returncode == 0, out.stderr
+    stopped = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("stopped")]
+    assert stopped == ["leaf", "mid", "parent"], out.stdout
+    assert Registry(env.home / "run").live() == []
+    assert not _stray(env)
+
+
+# --- budget ----------------------------------------------------------------------------------
+
+
+def test_tree_budget_stays_under_the_cap(tree: Env) -> None:
+    env = tree
+    cap = 3000
+    call = {"input": 200, "output": 100}
+    for n in ("b1", "b2"):
+        (env.work / n).mkdir()
+        # Children keep calling the model (a tool call each round) until their grant is spent.
+        env.model.script_model(
+            f"m-{n}", *[{"tool_calls": [tool("list_dir", path=".")], "usage": call}] * 40
+        )
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn_call("b1", "spend", [str(env.work / "b1")], budget_tokens=1000),
+                spawn_call("b2", "spend", [str(env.work / "b2")], budget_tokens=1000),
+            ],
+            "usage": call,
+        },
+        *[{"tool_calls": [tool("list_dir", path=".")], "usage": call}] * 40,
+    )
+    parent = start_parent(env, extra=f"[budget]\nmax_total_tokens = {cap}\n")
+    result = run_and_wait(parent, "go")
+    assert result["outcome"] == "limit_reached", result
+    wait_until(
+        lambda: len([r for r in reports(parent) if r["event_kind"] == "run.finished"]) == 2,
+        30,
+        "both children's reports",
+    )
+    outcomes = {
+        r["pod"]: r["outcome"] for r in reports(parent) if r["event_kind"] == "run.finished"
+    }
+    assert outcomes == {"b1": "limit_reached", "b2": "limit_reached"}
+    total = sum(300 for r in env.model.requests)  # every call cost 300 tokens
+    per_call = 300
+    assert total <= cap + 3 * per_call, (total, cap)
+    st = parent.call("status")
+    assert st["budget"]["limit"] == cap
+    assert st["budget"]["tree_spent"] >= st["budget"]["spent"] + 1000
+    # A new run is refused: -32007.
+    from protocol import PodClient
+    from protocol.errors import RpcError
+
+    with PodClient.connect(parent.socket, timeout=10) as c, pytest.raises(RpcError) as err:
+        c.run("more")
+    assert err.value.code == -32007
+
+
+# --- failures leave nothing behind -------------------------------------------------------------
+
+
+def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
+    env = tree
+    (env.work / "ok").mkdir()
+    (env.work / "sib").mkdir()
+    quiet_children(env, "ok", "sib", "x1", "x2", "x3", "x4", "parent")
+    outside = Path("/tmp")
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn_call("ok", "fine", [str(env.work / "ok")]),
+                spawn_call("parent", "name taken", [str(env.work / "sib")]),
+                spawn_call("x1", "outside", [str(outside)]),
+                spawn_call("x2", "overlaps a sibling", [str(env.work / "ok" / "inner")]),
+                spawn_call("x4", "contains a sibling's area", [str(env.work)]),
+                spawn_call(
+                    "x3",
+                    "dies at start",
+                    [str(env.work / "sib")],
+                    instruction="{{ undefined_function() }}",
+                ),
+            ]
+        },
+        {"text": "done"},
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    results = [r for r in tool_results(parent) if r["name"] == "spawn_pod"]
+    assert not results[0]["is_error"], results[0]
+    errs = [r["output"] for r in results[1:]]
+    assert all(r["is_error"] for r in results[1:]), results
+    assert "already running" in errs[0], errs[0]
+    assert "not inside this pod's scope" in errs[1], errs[1]
+    assert "delegated to another child" in errs[2], errs[2]
+    assert "scope conflict: pod 'ok'" in errs[3], errs[3]  # the child's own message
+    assert "child pod failed to start" in errs[4] and "undefined" in errs[4], errs[4]
+    live = {e.name for e in Registry(env.home / "run").live()}
+    assert live == {"parent", "ok"}
+    assert len(_stray(env)) == 2
+    pods_dir = env.home / "run" / "pods"
+    for n in ("x1", "x2", "x3", "x4"):
+        assert not (pods_dir / n / "sock").exists()
+    assert not list((env.home / "data" / "pods").glob(".spawn-*"))
+
+
+def test_max_children_counts_live_children_and_max_depth_is_enforced(tree: Env) -> None:
+    env = tree
+    for d in ("l1", "l2"):
+        (env.work / d).mkdir()
+    # l1's own spawn attempt: its max_depth is its spawner's (1) minus one.
+    env.model.script_model(
+        "m-l1",
+        {"tool_calls": [spawn_call("deep", "x", [str(env.work / "l1" / "deep")])]},
+        {"text": "l1 done"},
+    )
+    env.model.script_model("m-l2")
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn_call("l1", "try to spawn", [str(env.work / "l1")]),
+                spawn_call("l2", "one too many", [str(env.work / "l2")]),
+            ]
+        },
+        {
+            "tool_calls": [
+                tool("wait_pods", timeout_s=30),
+                tool("stop_pod", pod="l1"),
+                spawn_call("l2", "now there is room", [str(env.work / "l2")]),
+            ]
+        },
+        {"tool_calls": [tool("list_pods")]},
+        {"text": "done"},
+    )
+    parent = start_parent(env, extra="[spawn]\nmax_children = 1\nmax_depth = 1\n")
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    results = tool_results(parent)
+    spawns = [r for r in results if r["name"] == "spawn_pod"]
+    assert not spawns[0]["is_error"]
+    assert spawns[1]["is_error"] and "max_children = 1" in spawns[1]["output"]
+    assert not spawns[2]["is_error"], spawns[2]  # l1 stopped: it no longer counts
+    waited = json.loads(next(r for r in results if r["name"] == "wait_pods")["output"])
+    assert waited["l1"]["outcome"] == "finished" and waited["l1"]["text"] == "l1 done"
+    listed = json.loads(next(r for r in results if r["name"] == "list_pods")["output"])
+    states = {c["name"]: c["state"] for c in listed}
+    assert states["l1"] == "stopped" and states["l2"] in ("running", "idle"), states
+    assert any("max_depth" in b for b in model_saw(env, "m-l1"))
+    assert Registry(env.home / "run").get("deep") is None
+
+
+# --- the spawner's commands lose the delegated area too (when the sandbox confines them) -------
+
+
+def test_delegation_reaches_the_spawners_commands() -> None:
+    import asyncio
+    import tempfile
+
+    from poddaemon.sandbox import available, build_policy
+    from poddaemon.scope import Scope
+    from poddaemon.tools import ToolContext, execute
+
+    if not available():
+        pytest.skip("no Landlock here")
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        base = Path(os.path.realpath(d))
+        (base / "work" / "kid").mkdir(parents=True)
+        (base / "tmp").mkdir()
+        granted = Scope.from_config([("work", "write", True)], cwd=str(base))
+        live = {"scope": granted}
+
+        class Live:
+            def check(self, path: str, want: Any, cwd: str) -> str:
+                return live["scope"].check(path, want, cwd)
+
+            def access(self, path: str) -> Any:
+                return live["scope"].access(path)
+
+        def policy() -> bytes:
+            p = build_policy(live["scope"], pwd=str(base / "work"), tmpdir=str(base / "tmp"))
+            return p.encode()
+
+        ctx = ToolContext(scope=Live(), pwd=str(base / "work"), policy_for_scope=policy)
+        ctx.sandbox_policy = policy()
+        cmd = json.dumps({"command": "echo x > kid/f && echo wrote"})
+
+        async def go() -> list[str]:
+            out = [(await execute("bash", cmd, ctx)).output]
+            live["scope"] = granted.with_delegated([str(base / "work" / "kid")])
+            ctx.scope_changed()  # what Children._refresh_scope does
+            out.append((await execute("bash", cmd, ctx)).output)
+            live["scope"] = granted  # the child's entry went: the area comes back
+            ctx.scope_changed()
+            out.append((await execute("bash", cmd, ctx)).output)
+            await ctx.aclose()
+            return out
+
+        before, during, after = asyncio.run(go())
+    assert "wrote" in before
+    assert "wrote" not in during and "denied" in during.lower(), during
+    assert "wrote" in after
+
+
+def test_stopping_the_parent_stops_its_children_first(tree: Env) -> None:
+    parent = _tree_of_two(tree, "stop")
+    assert parent.stop() == 0  # a requested shutdown: exit 0
+    wait_until(lambda: not _stray(tree), 10, "every pod of the tree to exit")
+    assert Registry(tree.home / "run").live() == []
+
+
+def test_a_real_spawners_bash_loses_the_delegated_area(tree: Env) -> None:
+    """With the sandbox confining commands: the spawner's `bash` cannot write into a live
+    child's area, and can again once the child stopped."""
+    from poddaemon.sandbox import available
+
+    if not available():
+        pytest.skip("no Landlock here")
+    env = tree
+    kid = env.work / "kid"
+    kid.mkdir()
+    env.model.script_model("m-kid")
+    write = tool("bash", command="echo x > kid/f && echo wrote")
+    env.model.script(
+        {"tool_calls": [spawn_call("kid", "hi", [str(kid)]), write]},
+        {"tool_calls": [tool("stop_pod", pod="kid"), write]},
+        {"text": "done"},
+    )
+    parent = start_parent(env, tools=[*POD_TOOLS, "bash"])
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    outputs = [r["output"] for r in tool_results(parent) if r["name"] == "bash"]
+    assert "wrote" not in outputs[0] and "denied" in outputs[0].lower(), outputs
+    assert "wrote" in outputs[1], outputs

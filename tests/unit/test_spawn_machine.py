@@ -1,0 +1,129 @@
+"""The spawn-tree rules of the machine (issue 10), driven through the in-memory executor:
+which runs a child reports, that reports survive a crash until acknowledged, how the spawner
+charges its children against its budget, and `errored` for a child that died silently."""
+
+from poddaemon.entries import SPAWNER_KEY
+from poddaemon.machine import MachineConfig
+from poddaemon.session import fold
+from protocol import errors
+from tests.unit.machine_driver import Driver
+
+
+def child_driver(cap: int | None = None) -> Driver:
+    cfg = MachineConfig(name="kid", model="m", max_turns=4, budget_cap=cap, reports=True)
+    return Driver(cfg=cfg)
+
+
+def outbox(d: Driver) -> list[dict]:
+    return [e for e in d.entries if e["kind"] == "outbox"]
+
+
+def test_only_runs_the_spawner_asked_for_are_reported() -> None:
+    d = child_driver()
+    d.call("run", "from the spawner", client_key=f"{SPAWNER_KEY}task")
+    d.model("did it")
+    d.call("run", "from someone else")
+    d.model("other")
+    d.call("notify", "ping")
+    d.tick()
+    d.model("noted")
+    (report,) = outbox(d)
+    assert report["event_kind"] == "run.finished" and report["text"] == "did it"
+    assert report["outcome"] == "finished" and report["usage"]["input"] == 10
+    assert report["usage"]["tree_spent"] == 11
+
+
+def test_a_paused_run_reports_only_when_it_really_ends() -> None:
+    d = child_driver()
+    d.call("run", "task", client_key=f"{SPAWNER_KEY}task")
+    d.call("pause")
+    d.model("half", calls=1)  # pauses at the tool safe point: the run ends `paused`
+    assert d.machine.pod_state == "paused"
+    assert outbox(d) == []
+    d.call("resume")
+    d.model("whole")
+    assert [r["outcome"] for r in outbox(d)] == ["finished"]
+
+
+def test_unacknowledged_reports_survive_a_restore_and_acks_remove_them() -> None:
+    d = child_driver()
+    d.call("run", "a", client_key=f"{SPAWNER_KEY}1")
+    d.model("one")
+    d.call("run", "b", client_key=f"{SPAWNER_KEY}2")
+    d.model("two")
+    first, second = (r["event_id"] for r in outbox(d))
+    d.feed(d.machine.outbox_acked([first]))
+    d.sync()
+    restored = fold(d.entries)
+    assert list(restored.outbox) == [second]  # what a restored child redelivers
+    assert restored.spawner_runs == set()
+
+
+def test_shutdown_reports_unless_the_spawner_is_gone() -> None:
+    d = child_driver()
+    d.call("run", "x")
+    d.model("y")
+    d.call("shutdown")
+    assert [r["event_kind"] for r in outbox(d)] == ["shutdown"]
+    quiet = child_driver()
+    quiet.call("run", "x")
+    quiet.model("y")
+    quiet.machine.final_report = None
+    quiet.call("shutdown")
+    assert outbox(quiet) == []
+
+
+def test_grants_are_reserved_while_children_live_then_reconciled() -> None:
+    d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=4, budget_cap=1000))
+    d.call("run", "x")
+    d.model("y", usage=99)  # 100 spent
+    d.feed(d.machine.child_started("k", "/s", 600, []))
+    assert d.machine.budget_charged() == 700 and d.machine.budget_remaining() == 300
+    t = d.call("child_report", "k", "run.finished", "e1", "r", "done", "finished", 250)
+    assert d.answer(t).result.accepted
+    assert d.machine.tree_spent() == 350  # known spending; the grant is still reserved
+    d.call("child_report", "k", "shutdown", "e2", None, None, None, 260)
+    d.feed(d.machine.child_ended("k", "gone"))
+    assert d.machine.budget_charged() == 360  # its final report: only what it spent
+    # A child that dies without a final report keeps its whole grant charged.
+    d.feed(d.machine.child_started("j", "/s2", 600, []))
+    d.feed(d.machine.child_ended("j", "child pod 'j' died"))
+    assert d.machine.budget_charged() == 960
+    assert any(e["kind"] == "system_item" and e.get("event_kind") == "errored" for e in d.entries)
+    d.feed(d.machine.child_started("i", "/s3", 100, []))
+    assert d.machine.budget_exhausted()
+    refused = d.answer(d.call("run", "more")).error
+    assert refused is not None and refused.code == errors.BUDGET_EXHAUSTED
+    restored = fold(d.entries)
+    assert {n: (c.live, c.charged()) for n, c in restored.children.items()} == {
+        "k": (False, 260),
+        "j": (False, 600),
+        "i": (True, 100),
+    }
+
+
+def test_a_fork_carries_the_tree_state_on() -> None:
+    d = child_driver()
+    d.call("run", "a", client_key=f"{SPAWNER_KEY}1")
+    d.model("one")
+    d.feed(d.machine.child_started("g", "/s", 5, [{"target": "/w", "permission": "write"}]))
+    d.call("child_report", "g", "run.finished", "ev-9", "r", "t", "finished", 3)
+    before = fold(d.entries)
+    start = d.machine.fork()
+    after = fold([start])
+    assert list(after.outbox) == list(before.outbox)
+    assert after.children == before.children
+    assert "ev-9" in after.report_ids
+
+
+def test_a_run_the_spawner_asked_for_that_a_crash_interrupted_is_reported() -> None:
+    d = child_driver()
+    d.call("run", "long task", client_key=f"{SPAWNER_KEY}task")
+    d.sync()
+    again = Driver(cfg=d.cfg, n=d.n + 1000)
+    again.entries, again.lines, again.prev = list(d.entries), list(d.lines), d.prev
+    again.durable = len(again.lines)
+    again.feed(again.machine.restore(d.entries))
+    (report,) = outbox(again)
+    assert report["event_kind"] == "run.finished" and report["outcome"] == "error"
+    assert "interrupted" in report["text"]
