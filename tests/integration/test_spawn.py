@@ -618,3 +618,45 @@ def test_a_real_spawners_bash_loses_the_delegated_area(tree: Env) -> None:
     outputs = [r["output"] for r in tool_results(parent) if r["name"] == "bash"]
     assert "wrote" not in outputs[0] and "denied" in outputs[0].lower(), outputs
     assert "wrote" in outputs[1], outputs
+
+
+def test_a_childs_bash_is_confined_to_its_delegated_area(tree: Env) -> None:
+    """The escape suite's core through a child pod's own `bash`: its commands run in a domain
+    built from the child's scope (inside the spawner's), so the rest of the spawner's tree, the
+    session logs and the registry are out of reach; its own area works."""
+    from poddaemon.sandbox import available
+
+    if not available():
+        pytest.skip("no Landlock here")
+    env = tree
+    kid = env.work / "kid"
+    kid.mkdir()
+    (env.work / "parents.txt").write_text("the spawner's own file\n")
+    attacks = [
+        f"echo x > {env.work}/escaped.txt",
+        f"cat {env.work}/parents.txt",
+        f"cat {env.home}/data/sessions/*.jsonl",
+        f"echo '{{}}' > {env.home}/run/pods.json",
+    ]
+    calls = [tool("bash", command=f"{c}; echo STATUS=$?") for c in attacks]
+    calls.append(tool("bash", command=f"echo mine > {kid}/ok.txt && cat {kid}/ok.txt"))
+    env.model.script_model("m-kid", {"tool_calls": calls}, {"text": "kid done"})
+    env.model.script(
+        {"tool_calls": [spawn_call("kid", "try", [str(kid)], tools=["bash"])]},
+        {"tool_calls": [tool("wait_pods", pods=["kid"], timeout_s=30)]},
+        {"text": "done"},
+    )
+    # A child gets no tool its spawner lacks.
+    parent = start_parent(env, tools=[*POD_TOOLS, "bash"])
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: (kid / "ok.txt").exists(), 20, "the child's own write")
+    seen = wait_until(
+        lambda: [b for b in model_saw(env, "m-kid") if "kid done" not in b and "STATUS=" in b],
+        20,
+        "the child's bash results",
+    )
+    body = seen[-1]
+    assert body.count("STATUS=0") == 0, body
+    assert "the spawner's own file" not in body and not (env.work / "escaped.txt").exists()
+    assert json.loads((env.home / "run" / "pods.json").read_text()) != {}
+    assert (kid / "ok.txt").read_text() == "mine\n"
