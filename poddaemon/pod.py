@@ -9,8 +9,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,11 +19,7 @@ from poddaemon.config.load import manifest_to_dict
 from poddaemon.config.manifest import Manifest
 from poddaemon.entries import (
     RunEnd,
-    RunStart,
     SessionStart,
-    SystemItem,
-    UserInput,
-    body_of,
     events_of,
 )
 from poddaemon.events import EventBus
@@ -57,12 +51,13 @@ from poddaemon.machine import (
     SwitchSession,
     Sync,
 )
+from poddaemon.podlog import PodLog
 from poddaemon.prompt import Instruction
 from poddaemon.registry import PodEntry, Registry
 from poddaemon.sandbox.pod import PodSandbox
 from poddaemon.scope import Scope
-from poddaemon.store.file import HeadMoved, SessionLog
 from poddaemon.store.log import new_session_id
+from poddaemon.summary import summarize
 from poddaemon.tools.base import ToolContext, ToolOutcome, ToolOutputLimits, execute
 from poddaemon.toolset import Toolset
 from poddaemon.turn import NOT_RUN_CANCELLED
@@ -141,8 +136,12 @@ class Pod:
                 record=self._record_hook,
             )
             self.chain.interceptors.append(self.hooks)
-        self._log: SessionLog | None = None
-        self._input_seq = 0  # the last input written: a model call waits until it is durable
+        self.plog = PodLog(
+            services.sessions_dir,
+            fail=self._fail,
+            moved=self._session_moved,
+            alert=lambda message: self._alert("warning", message),
+        )
         self._tokens = itertools.count(1)
         self._replies: dict[int, asyncio.Future[Any]] = {}
         self._durable = DurableReplies(self._synced, lambda: self.failure, self._fail)
@@ -180,10 +179,10 @@ class Pod:
         for effect in effects:
             match effect:
                 case OpenSession(start):
-                    self._open(start)
+                    self.plog.open(start)
                 case Commit(entry):
                     if not forked and self.failure is None:
-                        forked = self._write(entry)
+                        forked = self.plog.write(entry, self.machine.fork)
                     for type_, data, run_id in events_of(entry):
                         self.bus.publish(type_, data, run_id)
                     for observe in self.observers:
@@ -234,71 +233,9 @@ class Pod:
 
     # --- the log --------------------------------------------------------------------------------
 
-    def _open(self, start: SessionStart) -> None:
-        try:
-            self._log = SessionLog.create(
-                self.s.sessions_dir, start.session_id, body_of(start), ts=start.ts
-            )
-        except OSError as exc:
-            self._fail(f"cannot create session log: {exc}")
-            return
-        self.s.registry.update(self.name, self.s.entry.pid, session=start.session_id)
-
-    def _write(self, entry: Any) -> bool:
-        """Append one entry; True if the log had to fork (another writer moved its head)."""
-        assert self._log is not None
-        try:
-            if isinstance(entry, RunStart) and not self._log.head_is_mine():
-                raise HeadMoved(0, "head moved")
-            written = self._log.append(entry.kind, body_of(entry), ts=entry.ts)
-            if isinstance(entry, UserInput | SystemItem):
-                self._input_seq = written["seq"]
-        except HeadMoved:
-            self._fork()
-            return True
-        except (OSError, ValueError, TypeError) as exc:
-            self._fail(f"session log write failed: {exc}")
-        return False
-
-    def _fork(self) -> None:
-        assert self._log is not None
-        old = self._log
-        start = self.machine.fork()
-        self._log = old.fork(start_body=body_of(start), new_id=start.session_id)
-        self._input_seq = 0  # the new session starts durable: its inputs are in its first entry
-        old.close()
-        self.s.registry.update(self.name, self.s.entry.pid, session=start.session_id)
-        self._alert(
-            "warning",
-            f"session {old.session_id} was written by someone else; continuing in session "
-            f"{start.session_id} (forked_from links them)",
-        )
-
     def _switch(self, start: SessionStart) -> None:
-        """Compaction: the new session is written completely and made durable under its name,
-        then the old one (fsync'd, left intact) is closed. A crash before the rename restores the
-        old session as if the compaction had not started; after it, the new one is complete."""
-        old = self._log
-        try:
-            self._log = SessionLog.create_complete(
-                self.s.sessions_dir,
-                start.session_id,
-                body_of(start),
-                ts=start.ts,
-                written=lambda: _crash_point("first_line"),
-            )
-            _crash_point("complete")
-            if old is not None:
-                old.sync_now()  # replies waiting on the old log see it durable
-        except OSError as exc:
-            self._log = old
-            self._fail(f"cannot write the compacted session: {exc}")
-            return
-        self._input_seq = 0  # the new session is durable: its inputs are in its first entry
-        if old is not None:
-            old.close()
-        self.s.registry.update(self.name, self.s.entry.pid, session=start.session_id)
-        if self.hooks is not None and self.hooks.wants("SessionStart"):
+        """Compaction: continue in the new session (see PodLog.switch)."""
+        if self.plog.switch(start) and self.hooks is not None and self.hooks.wants("SessionStart"):
             # As Claude Code: a session that starts from a compaction has source "compact".
             self.spawn_background(self._session_start_hook("compact"))
 
@@ -311,6 +248,9 @@ class Pod:
             return
         if context and not self.machine.stopped:
             self.feed(self.machine.add_context(context, "hook:SessionStart"))
+
+    def _session_moved(self, session_id: str) -> None:
+        self.s.registry.update(self.name, self.s.entry.pid, session=session_id)
 
     def _fail(self, message: str) -> None:
         """The log cannot be written: nothing more can be acknowledged, so stop (a supervisor
@@ -328,7 +268,8 @@ class Pod:
         future = self._replies.pop(token, None)
         if future is None:
             return
-        if durable and error is None and (self.failure is not None or not self._inputs_durable()):
+        waits = self.failure is not None or not self.plog.inputs_durable()
+        if durable and error is None and waits:
             self._durable.add(future, result)  # after the fsync (or the log's failure)
         else:
             settle(future, error if error is not None else result)
@@ -336,25 +277,19 @@ class Pod:
     async def synced(self) -> None:
         """Everything committed so far is durable."""
         await self._synced()
-    def _inputs_durable(self) -> bool:
-        """Every input written so far is on disk: what an acknowledgement or a model call needs
-        (later entries, a run's end say, need no fsync before a reply)."""
-        return self._log is None or self._log.durable_seq >= self._input_seq
-
     def _policy_for_scope(self) -> bytes | None:
         """The commands' sandbox policy for the live scope (delegation changed it)."""
         rebuild = self.s.sandbox.rebuild
         return rebuild(self.scope) if rebuild is not None else self.s.sandbox.policy
 
     async def _synced(self) -> None:
-        if self._log is not None and self.failure is None:
-            await self._log.sync()
+        await self.plog.synced()
 
     # --- model calls and tools ------------------------------------------------------------------
 
     async def _call_model(self, call: CallModel) -> None:
         try:
-            if not self._inputs_durable():
+            if not self.plog.inputs_durable():
                 await self._synced()  # nothing runs on input that is not yet durable
             request = ModelRequest(
                 system=call.system,
@@ -397,56 +332,14 @@ class Pod:
         raise ProviderError("interrupted", "the model stream ended without a response")
 
     async def _summarize(self, effect: Summarize) -> None:
-        """The compaction's summary call, with the compaction provider; no text is streamed to
-        subscribers (it is not the run's answer)."""
         try:
-            await self._synced()
-            await self.chain.before_compact(effect.reason)
-            request = ModelRequest(
-                system=effect.system,
-                items=effect.items,
-                tools=self.s.tools.specs,  # a history with tool calls needs the tools declared
-                max_tokens=self.m.worker.max_tokens,
-                temperature=self.m.worker.temperature,
-            )
-            client = self.s.compaction_model or self.s.model
-            response = await self._summary(client, request, effect.run_id)
-            effects = self.machine.compaction_returned(
-                response.message.text, response.usage, self._live_children()
-            )
+            effects = await summarize(self, effect)
         except asyncio.CancelledError:
             if self.machine.in_flight != "compact":
                 raise
             effects = self.machine.compaction_failed(None)
-        except ProviderError as exc:
-            self._alert("warning", f"compaction: {exc.message}", source="provider")
-            effects = self.machine.compaction_failed(exc.message)
-        except Exception as exc:
-            log.exception("compaction failed")
-            effects = self.machine.compaction_failed(f"internal error: {exc}")
         self._inflight = None
         self.feed(effects)
-
-    async def _summary(
-        self, client: ModelClient, request: ModelRequest, run_id: str | None
-    ) -> ModelResponse:
-        async with contextlib.aclosing(client.stream(request)) as events:  # type: ignore[type-var]
-            async for event in events:
-                if isinstance(event, RetryScheduled):
-                    data = {"attempt": event.attempt, "delay": event.delay, "error": event.error}
-                    self.bus.publish("llm.retry", data, run_id)
-                elif isinstance(event, ModelResponse):
-                    return event
-        raise ProviderError("interrupted", "the model stream ended without a response")
-
-    def _live_children(self) -> list[str]:
-        """Live child pods, one line each, for the compacted history."""
-        lines = []
-        for c in self.machine.state.children.values():
-            if c.live:
-                rules = ", ".join(f"{r.get('permission')} {r.get('target')}" for r in c.scope)
-                lines.append(f"{c.name} (socket {c.socket}; scope: {rules or '-'})")
-        return lines
 
     def _compaction_cancelled(self) -> list[Effect]:
         return self.machine.compaction_failed(None)
@@ -506,7 +399,7 @@ class Pod:
 
     def _session_ref(self) -> tuple[str, str]:
         """(session id, its log's path) for a hook's stdin."""
-        path = str(self._log.path) if self._log is not None else ""
+        path = self.plog.path
         return self.machine.state.session_id, path
 
     def _record_hook(self, run: HookRun) -> None:
@@ -544,8 +437,7 @@ class Pod:
 
     async def restore(self, session_id: str) -> list[str]:
         """Reopen a session: fold its log, close what a crash left open. Returns warnings."""
-        log_, entries, warnings = SessionLog.open(self.s.sessions_dir, session_id)
-        self._log = log_
+        entries, warnings = self.plog.restore(session_id)
         self.feed(self.machine.restore(entries))
         del entries  # the folded state is all we keep; a long session's entries are large
         await self._synced()
@@ -560,10 +452,7 @@ class Pod:
         if self._background:  # Stop/Notification hooks still running: give them a moment
             await asyncio.wait(self._background, timeout=5)
         await self.tool_ctx.aclose()  # kills commands still running, reaps the runner
-        if self._log is not None:
-            with contextlib.suppress(OSError):
-                await self._log.sync()
-            self._log.close()
+        await self.plog.close()
         with contextlib.suppress(Exception):
             await self.s.model.aclose()
         if self.s.compaction_model is not None:
@@ -577,15 +466,6 @@ class Pod:
         from poddaemon.handlers import handlers
 
         return handlers(self)
-
-
-CRASH_ENV = "PODDAEMON_TEST_CRASH_COMPACTION"
-
-
-def _crash_point(name: str) -> None:
-    """Test hook: `$PODDAEMON_TEST_CRASH_COMPACTION=<name>` kills the pod (-9) right there."""
-    if os.environ.get(CRASH_ENV) == name:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _LiveScope:

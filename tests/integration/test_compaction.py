@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from poddaemon.compaction import SUMMARY_TAG
-from poddaemon.pod import CRASH_ENV
+from poddaemon.podlog import CRASH_ENV
 from poddaemon.store.file import list_sessions, read_session
 from protocol.types import Event
 from tests.conftest import (

@@ -313,7 +313,8 @@ def test_pod_restore_of_a_cut_file(data: st.DataObject) -> None:
         warnings = asyncio.run(go())
         assert bool(warnings) == expected.torn
         state: SessionState = pod.machine.state
-        pod._log.close()
+        assert pod.plog.log is not None
+        pod.plog.log.close()
         on_disk = verify(path.read_bytes())
     assert not on_disk.torn
     k = len(expected.entries)

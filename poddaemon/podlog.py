@@ -1,0 +1,135 @@
+"""The pod's session log as its executor uses it: open, append, fork when another writer moved
+the head, switch to a compacted session, and know whether every input is durable yet.
+
+Failures are reported through `fail` (the pod then stops: nothing more can be acknowledged);
+session changes through `moved` (the registry names the pod's session)."""
+
+import contextlib
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from poddaemon.entries import Entry, RunStart, SessionStart, SystemItem, UserInput, body_of
+from poddaemon.store.file import HeadMoved, SessionLog
+
+
+class PodLog:
+    def __init__(
+        self,
+        sessions_dir: str,
+        fail: Callable[[str], None],
+        moved: Callable[[str], None],
+        alert: Callable[[str], None],
+    ) -> None:
+        self.sessions_dir = sessions_dir
+        self.fail = fail
+        self.moved = moved
+        self.alert = alert
+        self.log: SessionLog | None = None
+        self.failed = False
+        self._input_seq = 0  # the last input written: acks and model calls wait for it
+
+    @property
+    def path(self) -> str:
+        return str(self.log.path) if self.log is not None else ""
+
+    def restore(self, session_id: str) -> tuple[list[dict[str, Any]], list[str]]:
+        self.log, entries, warnings = SessionLog.open(self.sessions_dir, session_id)
+        return entries, warnings
+
+    def open(self, start: SessionStart) -> None:
+        try:
+            self.log = SessionLog.create(
+                self.sessions_dir, start.session_id, body_of(start), ts=start.ts
+            )
+        except OSError as exc:
+            self._failed(f"cannot create session log: {exc}")
+            return
+        self.moved(start.session_id)
+
+    def write(self, entry: Entry, fork: Callable[[], SessionStart]) -> bool:
+        """Append one entry; True if the log had to fork (another writer moved its head): the
+        fork's first entry, from `fork()`, already holds what the rest of the batch says."""
+        if self.failed:
+            return False
+        assert self.log is not None
+        try:
+            if isinstance(entry, RunStart) and not self.log.head_is_mine():
+                raise HeadMoved(0, "head moved")
+            written = self.log.append(entry.kind, body_of(entry), ts=entry.ts)
+            if isinstance(entry, UserInput | SystemItem):
+                self._input_seq = written["seq"]
+        except HeadMoved:
+            self._fork(fork())
+            return True
+        except (OSError, ValueError, TypeError) as exc:
+            self._failed(f"session log write failed: {exc}")
+        return False
+
+    def _fork(self, start: SessionStart) -> None:
+        assert self.log is not None
+        old = self.log
+        self.log = old.fork(start_body=body_of(start), new_id=start.session_id)
+        self._input_seq = 0  # the new session starts durable: its inputs are in its first entry
+        old.close()
+        self.moved(start.session_id)
+        self.alert(
+            f"session {old.session_id} was written by someone else; continuing in session "
+            f"{start.session_id} (forked_from links them)"
+        )
+
+    def switch(self, start: SessionStart) -> bool:
+        """Compaction: the new session is written completely and made durable under its name,
+        then the old one (fsync'd, left intact) is closed. A crash before the rename restores
+        the old session as if the compaction had not started; after it, the new one is
+        complete. False if it could not be written (the pod then stops)."""
+        old = self.log
+        try:
+            self.log = SessionLog.create_complete(
+                self.sessions_dir,
+                start.session_id,
+                body_of(start),
+                ts=start.ts,
+                written=lambda: _crash_point("first_line"),
+            )
+            _crash_point("complete")
+            if old is not None:
+                old.sync_now()  # replies waiting on the old log see it durable
+        except OSError as exc:
+            self.log = old
+            self._failed(f"cannot write the compacted session: {exc}")
+            return False
+        self._input_seq = 0  # the new session is durable: its inputs are in its first entry
+        if old is not None:
+            old.close()
+        self.moved(start.session_id)
+        return True
+
+    def inputs_durable(self) -> bool:
+        """Every input written so far is on disk: what an acknowledgement or a model call needs
+        (later entries, a run's end say, need no fsync before a reply)."""
+        return self.log is None or self.log.durable_seq >= self._input_seq
+
+    async def synced(self) -> None:
+        if self.log is not None and not self.failed:
+            await self.log.sync()
+
+    async def close(self) -> None:
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                await self.log.sync()
+            self.log.close()
+
+    def _failed(self, message: str) -> None:
+        self.failed = True
+        self.fail(message)
+
+
+CRASH_ENV = "PODDAEMON_TEST_CRASH_COMPACTION"
+
+
+def _crash_point(name: str) -> None:
+    """A test seam: `$PODDAEMON_TEST_CRASH_COMPACTION=<name>` kills the pod (-9) right there."""
+    if os.environ.get(CRASH_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,70 @@
+"""The compaction's summary call (the I/O half of compaction; the rules are compaction.py's):
+the compaction provider (default: the pod's own) over the history the machine chose, no text
+streamed to subscribers (it is not the run's answer). Returns the machine's effects."""
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+from poddaemon.llm.types import (
+    ModelClient,
+    ModelRequest,
+    ModelResponse,
+    ProviderError,
+    RetryScheduled,
+)
+from poddaemon.machine import Effect, Summarize
+from poddaemon.session import SessionState
+
+if TYPE_CHECKING:
+    from poddaemon.pod import Pod
+
+log = logging.getLogger("poddaemon.pod")
+
+
+async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
+    machine = pod.machine
+    try:
+        await pod.synced()
+        await pod.chain.before_compact(effect.reason)
+        request = ModelRequest(
+            system=effect.system,
+            items=effect.items,
+            tools=pod.s.tools.specs,  # a history with tool calls needs the tools declared
+            max_tokens=pod.m.worker.max_tokens,
+            temperature=pod.m.worker.temperature,
+        )
+        client = pod.s.compaction_model or pod.s.model
+        response = await _answer(pod, client, request, effect.run_id)
+        return machine.compaction_returned(
+            response.message.text, response.usage, live_children(machine.state)
+        )
+    except ProviderError as exc:
+        pod._alert("warning", f"compaction: {exc.message}", source="provider")
+        return machine.compaction_failed(exc.message)
+    except Exception as exc:  # CancelledError is the caller's
+        log.exception("compaction failed")
+        return machine.compaction_failed(f"internal error: {exc}")
+
+
+async def _answer(
+    pod: "Pod", client: ModelClient, request: ModelRequest, run_id: str | None
+) -> ModelResponse:
+    async with contextlib.aclosing(client.stream(request)) as events:  # type: ignore[type-var]
+        async for event in events:
+            if isinstance(event, RetryScheduled):
+                data = {"attempt": event.attempt, "delay": event.delay, "error": event.error}
+                pod.bus.publish("llm.retry", data, run_id)
+            elif isinstance(event, ModelResponse):
+                return event
+    raise ProviderError("interrupted", "the model stream ended without a response")
+
+
+def live_children(state: SessionState) -> list[str]:
+    """Live child pods, one line each, for the compacted history."""
+    lines = []
+    for c in state.children.values():
+        if c.live:
+            rules = ", ".join(f"{r.get('permission')} {r.get('target')}" for r in c.scope)
+            lines.append(f"{c.name} (socket {c.socket}; scope: {rules or '-'})")
+    return lines
