@@ -14,7 +14,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poddaemon.acks import DurableReplies, settle
 from poddaemon.config.load import manifest_to_dict
@@ -29,7 +29,6 @@ from poddaemon.entries import (
     events_of,
 )
 from poddaemon.events import EventBus
-from poddaemon.hooks import HookRun, Hooks
 from poddaemon.interceptors import Budget, Chain, Interceptor, Refuse
 from poddaemon.llm.types import (
     ModelClient,
@@ -70,6 +69,9 @@ from protocol import errors
 from protocol.errors import RpcError
 
 log = logging.getLogger("poddaemon.pod")
+
+if TYPE_CHECKING:  # imported when the manifest has hooks (~3 ms of start-up otherwise)
+    from poddaemon.hooks import HookRun, Hooks
 
 
 @dataclass
@@ -132,7 +134,9 @@ class Pod:
         )
         self.hooks: Hooks | None = None
         if m.hooks.any():
-            self.hooks = Hooks(
+            from poddaemon import hooks
+
+            self.hooks = hooks.Hooks(
                 m.hooks,
                 pod=self.name,
                 cwd=m.pod.pwd,
@@ -509,7 +513,7 @@ class Pod:
         path = str(self._log.path) if self._log is not None else ""
         return self.machine.state.session_id, path
 
-    def _record_hook(self, run: HookRun) -> None:
+    def _record_hook(self, run: "HookRun") -> None:
         if run.decision == "warning":
             self._alert("warning", f"{run.event} hook `{run.command}`: {run.reason}", "hook")
         effects = self.machine.hook_ran(
