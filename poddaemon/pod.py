@@ -340,6 +340,7 @@ class Pod:
     async def synced(self) -> None:
         """Everything committed so far is durable."""
         await self._synced()
+
     def _inputs_durable(self) -> bool:
         """Every input written so far is on disk: what an acknowledgement or a model call needs
         (later entries, a run's end say, need no fsync before a reply)."""

@@ -1,6 +1,5 @@
 """`poddaemon run`'s argv: the argparse-free fast path gives argparse's answer or steps aside."""
 
-
 import pytest
 
 from poddaemon import daemon
