@@ -218,11 +218,15 @@ class Pod:
 
     async def request(self, command: Callable[[int], list[Effect]]) -> Any:
         """Run a client command through the machine and await its reply."""
+        return await self.request_future(command)
+
+    def request_future(self, command: Callable[[int], list[Effect]]) -> "asyncio.Future[Any]":
+        """`request` without a coroutine: the reply's future (a handler may return it as is)."""
         token = next(self._tokens)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._replies[token] = future
         self.feed(command(token))
-        return await future
+        return future
 
     async def serve(self) -> None:
         """Run until shutdown (or a failure) has settled every run; then persist."""
