@@ -29,6 +29,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("systemd", "14. systemd unit: start, restart after kill -9", "bench.systemd_bench"),
     ("compaction", "16. Compaction: request size, its cost, restore", "bench.compaction_bench"),
     ("tree", "17. Spawn trees: spawn_pod, report latency, PSS", "bench.tree_bench"),
+    ("history", "18. Warm text turn vs history length", "bench.history_bench"),
 ]
 
 

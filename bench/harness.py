@@ -40,6 +40,10 @@ def ratio_le(limit: float) -> Target:
     return Target(f"ratio ≤ {limit:g}", lambda r: r.ratio is not None and r.ratio <= limit)
 
 
+def ratio_ge(limit: float) -> Target:
+    return Target(f"ratio ≥ {limit:g}", lambda r: r.ratio is not None and r.ratio >= limit)
+
+
 def value_le(limit: float, unit: str = "") -> Target:
     return Target(f"≤ {limit:g} {unit}".rstrip(), lambda r: r.value <= limit)
 
@@ -551,6 +555,30 @@ def load(
     # Throughput over the common window: from the agreed start to the last client's finish.
     elapsed = max(r["end"] for r in results) - start_at
     return LoadResult(clients, n, elapsed, lat)
+
+
+@contextlib.contextmanager
+def fsync_server(file: str) -> Iterator[str]:
+    """The durable-ack floor: `bench.fsync_server` (append each line, one inline fsync per
+    loop iteration, then answer the batch)."""
+    path = tempfile.mktemp(prefix="pdfsync", dir="/tmp")
+    proc = subprocess.Popen(
+        [PY, "-m", "bench.fsync_server", path, file],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "READY":
+            raise RuntimeError("fsync server did not start")
+        yield path
+    finally:
+        proc.terminate()
+        proc.wait(5)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 @contextlib.contextmanager

@@ -8,9 +8,11 @@ from bench.harness import (
     Row,
     Section,
     echo_server,
+    fsync_server,
     fsync_us,
     load,
     median,
+    ratio_ge,
     request_line,
 )
 
@@ -72,6 +74,21 @@ def run(sec: Section) -> None:
         fake.wait_requests(1)
         line = request_line("notify", {"message": "CI: build 481 failed", "source": "ci"})
         first = _rows(sec, "notify", line, pod.socket, echo, where)
+        # The floor for 8 clients, measured right after: the same line, appended and fsync'd
+        # once per loop iteration inline by a bare server, then the pod again.
+        with fsync_server(os.path.join(where, "floor.log")) as floor_sock:
+            floor = load(floor_sock, line, clients=CLIENTS, duration=DURATION, warmup=5)
+        pod_again = load(pod.socket, line, clients=CLIENTS, duration=DURATION, warmup=5)
+        sec.add(
+            Row(
+                f"notify acks/s, {CLIENTS} clients, vs a minimal durable server",
+                pod_again.rps,
+                "req/s",
+                floor.rps,
+                "bare server, inline fsync per batch",
+                target=ratio_ge(0.8),
+            )
+        )
         with pod.rpc() as c:
             pending = c.call("status")["queue"]["notifications"]
         again, _ = _measure(pod.socket, line, 1, where)

@@ -1,6 +1,20 @@
-"""6. The pod's RSS after 20 and after 100 runs, with the SDK loaded."""
+"""6. The pod's RSS after 20 and after 100 runs, with the SDK loaded; PSS of one pod after 20
+runs and of ten idle pods after one run each."""
+
+import time
 
 from bench.harness import Home, Row, Section, ratio_le, value_le, vm_rss_mb
+
+PODS = 10
+
+
+def pss_mb(pid: int) -> float:
+    """Proportional set size: shared pages (the interpreter, libraries) split between users."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup")
 
 
 def run(sec: Section) -> None:
@@ -8,17 +22,36 @@ def run(sec: Section) -> None:
         pod = home.start_pod("rss")
         idle = vm_rss_mb(pod.pid)
         rss: dict[int, float] = {}
+        pss20 = 0.0
         with pod.rpc() as c:
             for i in range(1, 101):
                 c.call("run", {"input": f"run number {i}: say something", "wait": True})
                 if i in (1, 20, 100):
                     rss[i] = vm_rss_mb(pod.pid)
+                if i == 20:
+                    pss20 = pss_mb(pod.pid)
+        pod.kill()
+        pods = [home.start_pod(f"many{i}") for i in range(PODS)]
+        for p in pods:
+            with p.rpc() as c:
+                c.call("run", {"input": "say something", "wait": True})
+        time.sleep(0.3)  # idle: the runs' leftovers settle
+        total = sum(pss_mb(p.pid) for p in pods)
     sec.add(Row("VmRSS after 1 run (SDK loaded)", rss[1], "MB", idle, "idle, before any run"))
     sec.add(
         Row("VmRSS after 20 runs", rss[20], "MB", idle, "idle, before any run", value_le(75, "MB"))
     )
     sec.add(Row("VmRSS after 100 runs", rss[100], "MB", rss[20], "after 20 runs", ratio_le(1.10)))
+    sec.add(Row("PSS of one pod after 20 runs", pss20, "MB", target=value_le(45, "MB")))
+    sec.add(
+        Row(
+            f"PSS of {PODS} idle pods after one run each, sum",
+            total,
+            "MB",
+            target=value_le(300, "MB"),
+        )
+    )
     sec.note(
         "text runs (run wait=True) against the fake model answering `ok: <input>`, one "
-        "after another on one connection"
+        f"after another on one connection; then {PODS} pods side by side, one run each"
     )

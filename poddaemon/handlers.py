@@ -56,11 +56,17 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
                 pod.feed(m.add_context(context, "hook:UserPromptSubmit"))
         return await pod.request(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait))
 
-    async def notify(p: NotifyParams, conn: Any) -> Any:
-        result = await pod.request(lambda t: m.notify(t, p.message, p.source, p.client_key))
+    def notify(p: NotifyParams, conn: Any) -> Any:
+        reply = pod.request_future(lambda t: m.notify(t, p.message, p.source, p.client_key))
         if hooks is not None and hooks.wants("Notification"):
-            fields = {"message": p.message, "source": p.source}
-            pod.spawn_background(hooks.run("Notification", fields))
+            return _notify_hook(reply, p)
+        return reply  # the server answers from the future: no task per acknowledgement
+
+    async def _notify_hook(reply: "asyncio.Future[Any]", p: NotifyParams) -> Any:
+        result = await reply
+        assert hooks is not None
+        fields = {"message": p.message, "source": p.source}
+        pod.spawn_background(hooks.run("Notification", fields))
         return result
 
     async def pod_event(p: PodEventParams, conn: Any) -> Any:

@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poddaemon.acks import DurableReplies, settle
 from poddaemon.config.load import manifest_to_dict
@@ -23,7 +23,6 @@ from poddaemon.entries import (
     events_of,
 )
 from poddaemon.events import EventBus
-from poddaemon.hooks import HookRun, Hooks
 from poddaemon.interceptors import Budget, Chain, Interceptor, Refuse
 from poddaemon.llm.types import (
     ModelClient,
@@ -65,6 +64,9 @@ from protocol import errors
 from protocol.errors import RpcError
 
 log = logging.getLogger("poddaemon.pod")
+
+if TYPE_CHECKING:  # imported when the manifest has hooks (~3 ms of start-up otherwise)
+    from poddaemon.hooks import HookRun, Hooks
 
 
 @dataclass
@@ -127,7 +129,9 @@ class Pod:
         )
         self.hooks: Hooks | None = None
         if m.hooks.any():
-            self.hooks = Hooks(
+            from poddaemon import hooks
+
+            self.hooks = hooks.Hooks(
                 m.hooks,
                 pod=self.name,
                 cwd=m.pod.pwd,
@@ -213,11 +217,15 @@ class Pod:
 
     async def request(self, command: Callable[[int], list[Effect]]) -> Any:
         """Run a client command through the machine and await its reply."""
+        return await self.request_future(command)
+
+    def request_future(self, command: Callable[[int], list[Effect]]) -> "asyncio.Future[Any]":
+        """`request` without a coroutine: the reply's future (a handler may return it as is)."""
         token = next(self._tokens)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._replies[token] = future
         self.feed(command(token))
-        return await future
+        return future
 
     async def serve(self) -> None:
         """Run until shutdown (or a failure) has settled every run; then persist."""
@@ -277,6 +285,7 @@ class Pod:
     async def synced(self) -> None:
         """Everything committed so far is durable."""
         await self._synced()
+
     def _policy_for_scope(self) -> bytes | None:
         """The commands' sandbox policy for the live scope (delegation changed it)."""
         rebuild = self.s.sandbox.rebuild
@@ -402,7 +411,7 @@ class Pod:
         path = self.plog.path
         return self.machine.state.session_id, path
 
-    def _record_hook(self, run: HookRun) -> None:
+    def _record_hook(self, run: "HookRun") -> None:
         if run.decision == "warning":
             self._alert("warning", f"{run.event} hook `{run.command}`: {run.reason}", "hook")
         effects = self.machine.hook_ran(

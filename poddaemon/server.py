@@ -8,6 +8,7 @@ gets every reply; memory per connection is bounded (unread replies, partial fram
 """
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
@@ -130,7 +131,7 @@ class Connection(asyncio.Protocol):
         self._eof = False  # the client half-closed: answer what was read, then close
         self._dropped = False
         self._held = 0  # bytes of partial frame counted in server.partial_bytes
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Future[Any]] = set()  # handlers' tasks and bare futures
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -329,7 +330,12 @@ class Connection(asyncio.Protocol):
             log.exception("handler %s failed", req.method)
             answer(_error(rid, errors.INTERNAL_ERROR, f"internal error: {exc}"))
             return
-        if inspect.isawaitable(result):
+        if isinstance(result, asyncio.Future):
+            # A bare future (e.g. a durable ack): answered from its done callback, no Task to
+            # create and step through per request.
+            self._tasks.add(result)
+            result.add_done_callback(functools.partial(self._future_done, rid, answer, req.method))
+        elif inspect.isawaitable(result):
             task = asyncio.ensure_future(self._finish(result, rid, answer, req.method))
             self._tasks.add(task)
             task.add_done_callback(self._task_done)
@@ -352,6 +358,21 @@ class Connection(asyncio.Protocol):
             answer(_error(rid, errors.INTERNAL_ERROR, f"internal error: {exc}"))
         else:
             answer(_reply(rid, result))
+
+    def _future_done(
+        self, rid: Any, answer: Callable[[bytes], None], method: str, fut: "asyncio.Future[Any]"
+    ) -> None:
+        self._tasks.discard(fut)
+        if not fut.cancelled():  # cancelled: the connection went (as a cancelled task answers)
+            exc = fut.exception()
+            if isinstance(exc, RpcError):
+                answer(_error(rid, exc.code, exc.message, exc.data))
+            elif isinstance(exc, Exception):
+                log.error("handler %s failed", method, exc_info=exc)
+                answer(_error(rid, errors.INTERNAL_ERROR, f"internal error: {exc}"))
+            elif exc is None:
+                answer(_reply(rid, fut.result()))
+        self._close_if_done()
 
     def _task_done(self, task: "asyncio.Task[None]") -> None:
         self._tasks.discard(task)

@@ -5,8 +5,9 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
+from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments
+from poddaemon.llm.incremental import IncrementalRender
 from poddaemon.llm.retry import (
     AttemptEvent,
     ProviderSettings,
@@ -35,21 +36,33 @@ def _tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"_raw_arguments": arguments}
 
 
-def render_messages(req: ModelRequest) -> list[dict[str, Any]]:
-    """History as Anthropic messages: strictly alternating roles, tool_result blocks first in a
-    user message, system notes as user text blocks, reasoning never sent back."""
-    messages: list[dict[str, Any]] = []
-    user_blocks: list[dict[str, Any]] = []
+class Fold:
+    """Anthropic messages built one ordered item at a time. Roles must alternate, so items
+    merge into the message before them: `feed` replaces a message it extends rather than change
+    it (a copy of the fold shares the messages), and user blocks wait in `user_blocks` until
+    the next assistant message or `finish`."""
 
-    def flush_user() -> None:
-        if user_blocks:
+    __slots__ = ("messages", "user_blocks")
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.user_blocks: list[dict[str, Any]] = []
+
+    def copy(self) -> "Fold":
+        other = Fold()
+        other.messages = list(self.messages)
+        other.user_blocks = list(self.user_blocks)
+        return other
+
+    def flush_user(self) -> None:
+        if self.user_blocks:
             # tool_result blocks must open the user message that follows the tool_use turn.
-            results = [b for b in user_blocks if b["type"] == "tool_result"]
-            others = [b for b in user_blocks if b["type"] != "tool_result"]
-            messages.append({"role": "user", "content": results + others})
-            user_blocks.clear()
+            results = [b for b in self.user_blocks if b["type"] == "tool_result"]
+            others = [b for b in self.user_blocks if b["type"] != "tool_result"]
+            self.messages.append({"role": "user", "content": results + others})
+            self.user_blocks = []
 
-    for item in order_items(req.items):
+    def feed(self, item: Item) -> None:
         if isinstance(item, AssistantMessage):
             content: list[dict[str, Any]] = []
             if item.text:
@@ -64,10 +77,11 @@ def render_messages(req: ModelRequest) -> list[dict[str, Any]]:
                     }
                 )
             if not content:
-                continue  # an empty assistant turn is rejected; its neighbours simply merge
-            flush_user()
+                return  # an empty assistant turn is rejected; its neighbours simply merge
+            self.flush_user()
+            messages = self.messages
             if messages and messages[-1]["role"] == "assistant":
-                messages[-1]["content"].extend(content)
+                messages[-1] = {"role": "assistant", "content": messages[-1]["content"] + content}
             else:
                 messages.append({"role": "assistant", "content": content})
         elif isinstance(item, ToolResult):
@@ -78,20 +92,40 @@ def render_messages(req: ModelRequest) -> list[dict[str, Any]]:
             }
             if item.is_error:
                 block["is_error"] = True
-            user_blocks.append(block)
+            self.user_blocks.append(block)
         else:  # UserMessage | SystemNote: both in the user role
             if item.text:
-                user_blocks.append({"type": "text", "text": item.text})
-    flush_user()
-    return messages
+                self.user_blocks.append({"type": "text", "text": item.text})
+
+    def finish(self) -> list[dict[str, Any]]:
+        self.flush_user()
+        return self.messages
 
 
-def render_request(req: ModelRequest, model: str) -> dict[str, Any]:
+def render_messages(req: ModelRequest) -> list[dict[str, Any]]:
+    """History as Anthropic messages: strictly alternating roles, tool_result blocks first in a
+    user message, system notes as user text blocks, reasoning never sent back. From scratch:
+    the adapter renders incrementally (`new_renderer`), with the same result."""
+    fold = Fold()
+    for item in order_items(req.items):
+        fold.feed(item)
+    return fold.finish()
+
+
+def new_renderer() -> IncrementalRender[Fold]:
+    return IncrementalRender(Fold, Fold.feed, Fold.copy)
+
+
+def render_request(
+    req: ModelRequest, model: str, renderer: IncrementalRender[Fold] | None = None
+) -> dict[str, Any]:
     """The keyword arguments for ``client.messages.create``."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": req.max_tokens,
-        "messages": render_messages(req),
+        "messages": render_messages(req)
+        if renderer is None
+        else renderer.render(req.items).finish(),
         "stream": True,
     }
     if req.system:
@@ -138,13 +172,12 @@ def normalize_base_url(url: str | None) -> str | None:
     return url
 
 
-
-
 class AnthropicClient(RetryingClient):
     sdk_module = "anthropic"
 
     def __init__(self, cfg: ProviderSettings, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
+        self._renderer = new_renderer()  # only the items added since the last call are rendered
 
     def _build(self, sdk: Any) -> Any:
         name = api_key_env_name(self.cfg)
@@ -159,7 +192,7 @@ class AnthropicClient(RetryingClient):
         )
 
     async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
-        body = render_request(req, self.cfg.model)
+        body = render_request(req, self.cfg.model, self._renderer)
         from anthropic import AsyncStream
         from anthropic.types import Message, RawMessageStreamEvent
 

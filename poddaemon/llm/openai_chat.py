@@ -5,8 +5,16 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
+import msgspec
+
+from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments
+from poddaemon.llm.incremental import (
+    IncrementalRender,
+    encode_body,
+    encoded_renderer,
+    json_encode,
+)
 from poddaemon.llm.retry import (
     AttemptEvent,
     ProviderSettings,
@@ -33,33 +41,60 @@ def tool_output_text(result: ToolResult) -> str:
     return result.output
 
 
+def render_item(messages: list[dict[str, Any]], item: Item) -> None:
+    """Append `item`'s message (one per item; earlier messages are never touched)."""
+    if isinstance(item, AssistantMessage):
+        msg: dict[str, Any] = {"role": "assistant"}
+        if item.tool_calls:
+            msg["content"] = item.text or None
+            msg["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+                for call in item.tool_calls
+            ]
+        else:
+            msg["content"] = item.text
+        messages.append(msg)
+    elif isinstance(item, ToolResult):
+        messages.append(
+            {"role": "tool", "tool_call_id": item.call_id, "content": tool_output_text(item)}
+        )
+    else:  # UserMessage | SystemNote: both in the user role
+        messages.append({"role": "user", "content": item.text})
+
+
+def system_messages(req: ModelRequest) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": req.system}] if req.system else []
+
+
 def render_messages(req: ModelRequest) -> list[dict[str, Any]]:
-    messages: list[dict[str, Any]] = []
-    if req.system:
-        messages.append({"role": "system", "content": req.system})
+    """The whole history rendered from scratch (the adapter renders incrementally, same result)."""
+    messages = system_messages(req)
     for item in order_items(req.items):
-        if isinstance(item, AssistantMessage):
-            msg: dict[str, Any] = {"role": "assistant"}
-            if item.tool_calls:
-                msg["content"] = item.text or None
-                msg["tool_calls"] = [
-                    {
-                        "id": call.id,
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments},
-                    }
-                    for call in item.tool_calls
-                ]
-            else:
-                msg["content"] = item.text
-            messages.append(msg)
-        elif isinstance(item, ToolResult):
-            messages.append(
-                {"role": "tool", "tool_call_id": item.call_id, "content": tool_output_text(item)}
-            )
-        else:  # UserMessage | SystemNote: both in the user role
-            messages.append({"role": "user", "content": item.text})
+        render_item(messages, item)
     return messages
+
+
+def new_renderer() -> IncrementalRender[list[bytes]]:
+    return encoded_renderer(render_item)
+
+
+def encode_request(
+    req: ModelRequest,
+    model: str,
+    renderer: IncrementalRender[list[bytes]],
+    *,
+    max_tokens_field: str = "max_completion_tokens",
+) -> bytes:
+    """`render_request`'s body as JSON, the history rendered and encoded incrementally."""
+    body = render_request(
+        msgspec.structs.replace(req, items=[]), model, max_tokens_field=max_tokens_field
+    )
+    system = [json_encode(m) for m in body["messages"]]
+    return encode_body(body, "messages", system + renderer.render(req.items))
 
 
 def render_request(
@@ -138,12 +173,15 @@ class OpenAIChatClient(RetryingClient):
     def __init__(self, cfg: ProviderSettings, **kwargs: Any) -> None:
         super().__init__(cfg, **kwargs)
         self._max_tokens_field = "max_completion_tokens" if cfg.base_url is None else "max_tokens"
+        self._renderer = new_renderer()  # only the items added since the last call are rendered
 
     def _build(self, sdk: Any) -> Any:
         return build_openai_client(sdk, self.cfg)
 
     async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
-        body = render_request(req, self.cfg.model, max_tokens_field=self._max_tokens_field)
+        body = encode_request(
+            req, self.cfg.model, self._renderer, max_tokens_field=self._max_tokens_field
+        )
         from openai import AsyncStream
         from openai.types.chat import ChatCompletion, ChatCompletionChunk
 

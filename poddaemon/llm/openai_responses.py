@@ -4,10 +4,18 @@
 from collections.abc import AsyncIterator
 from typing import Any
 
-from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
+import msgspec
+
+from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments
+from poddaemon.llm.incremental import IncrementalRender, encode_body, encoded_renderer
 from poddaemon.llm.openai_chat import build_openai_client, tool_output_text
-from poddaemon.llm.retry import AttemptEvent, RetryingClient, classify_error_code
+from poddaemon.llm.retry import (
+    AttemptEvent,
+    ProviderSettings,
+    RetryingClient,
+    classify_error_code,
+)
 from poddaemon.llm.types import (
     ModelRequest,
     ModelResponse,
@@ -21,32 +29,50 @@ from poddaemon.llm.types import (
 # Rendering (pure)
 
 
-def render_input(req: ModelRequest) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
-    for item in order_items(req.items):
-        if isinstance(item, AssistantMessage):
-            if item.text:
-                out.append({"type": "message", "role": "assistant", "content": item.text})
-            for call in item.tool_calls:
-                out.append(
-                    {
-                        "type": "function_call",
-                        "call_id": call.id,
-                        "name": call.name,
-                        "arguments": call.arguments,
-                    }
-                )
-        elif isinstance(item, ToolResult):
+def render_item(out: list[dict[str, Any]], item: Item) -> None:
+    """Append `item`'s input items (earlier ones are never touched)."""
+    if isinstance(item, AssistantMessage):
+        if item.text:
+            out.append({"type": "message", "role": "assistant", "content": item.text})
+        for call in item.tool_calls:
             out.append(
                 {
-                    "type": "function_call_output",
-                    "call_id": item.call_id,
-                    "output": tool_output_text(item),
+                    "type": "function_call",
+                    "call_id": call.id,
+                    "name": call.name,
+                    "arguments": call.arguments,
                 }
             )
-        else:  # UserMessage | SystemNote: both in the user role
-            out.append({"type": "message", "role": "user", "content": item.text})
+    elif isinstance(item, ToolResult):
+        out.append(
+            {
+                "type": "function_call_output",
+                "call_id": item.call_id,
+                "output": tool_output_text(item),
+            }
+        )
+    else:  # UserMessage | SystemNote: both in the user role
+        out.append({"type": "message", "role": "user", "content": item.text})
+
+
+def render_input(req: ModelRequest) -> list[dict[str, Any]]:
+    """The whole history rendered from scratch (the adapter renders incrementally, same result)."""
+    out: list[dict[str, Any]] = []
+    for item in order_items(req.items):
+        render_item(out, item)
     return out
+
+
+def new_renderer() -> IncrementalRender[list[bytes]]:
+    return encoded_renderer(render_item)
+
+
+def encode_request(
+    req: ModelRequest, model: str, renderer: IncrementalRender[list[bytes]]
+) -> bytes:
+    """`render_request`'s body as JSON, the history rendered and encoded incrementally."""
+    body = render_request(msgspec.structs.replace(req, items=[]), model)
+    return encode_body(body, "input", renderer.render(req.items))
 
 
 def render_request(req: ModelRequest, model: str) -> dict[str, Any]:
@@ -116,6 +142,10 @@ class _ToolAcc:
 class OpenAIResponsesClient(RetryingClient):
     sdk_module = "openai"
 
+    def __init__(self, cfg: ProviderSettings, **kwargs: Any) -> None:
+        super().__init__(cfg, **kwargs)
+        self._renderer = new_renderer()  # only the items added since the last call are rendered
+
     def _build(self, sdk: Any) -> Any:
         return build_openai_client(sdk, self.cfg)
 
@@ -127,7 +157,7 @@ class OpenAIResponsesClient(RetryingClient):
         stream = await client.post(
             "/responses",
             cast_to=Response,
-            body=render_request(req, self.cfg.model),
+            body=encode_request(req, self.cfg.model, self._renderer),
             stream=True,
             stream_cls=AsyncStream[ResponseStreamEvent],
         )

@@ -92,7 +92,9 @@ def local_unreachable(
     except ValueError:
         return f"{field} {base_url!r} has an invalid port"
     try:
-        with socket.create_connection((host, port), timeout=timeout):
+        # An ASCII host as bytes: a str one makes getaddrinfo import the idna codec (~1.5 ms).
+        address = (host.encode() if host.isascii() else host, port)
+        with socket.create_connection(address, timeout=timeout):  # type: ignore[arg-type]
             return None
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__

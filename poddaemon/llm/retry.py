@@ -12,7 +12,6 @@ The SDKs run with ``max_retries=0``; this module decides what is retried, when a
 
 import asyncio
 import contextlib
-import email.utils
 import importlib
 import math
 import random
@@ -103,6 +102,8 @@ def retry_after_of(exc: BaseException) -> float | None:
     except ValueError:
         pass
     try:
+        import email.utils  # rarely needed; ~3 ms to import at start
+
         when = email.utils.parsedate_to_datetime(str(value))
     except (TypeError, ValueError):
         return None

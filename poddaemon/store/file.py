@@ -1,8 +1,12 @@
 """Session logs on disk: ``<sessions_dir>/<session-id>.jsonl``, one per session.
 
 Writes go out at once with a single ``os.write`` on an ``O_APPEND`` descriptor; durability is a
-separate step, ``await log.sync()``, which group-commits: one ``fsync`` in a worker thread covers
-every append made before it started, and callers that arrive while it runs share the next one.
+separate step, ``await log.sync()``, which group-commits: one ``fsync``, run inline on the loop
+once per loop pass, covers every append made before it started; callers after it share the next.
+(Inline rather than in a worker thread: a thread costs two hand-offs per commit, and while it
+ran the loop answered and re-armed in small groups; inline, the requests that arrive during an
+fsync wait in the socket buffers and are all committed by the next. 8 durable notify clients:
+0.32x -> ~0.55x of a bare inline-fsync server.)
 
 A ``SessionLog`` belongs to one event loop and one thread. Once an fsync fails (or a failed
 write cannot be cut back off) the log is poisoned: every later ``append``/``sync`` raises
@@ -353,9 +357,10 @@ class SessionLog:
     async def sync(self) -> None:
         """Return once every entry appended before this call is on disk.
 
-        Group commit: at most one fsync runs at a time, in a worker thread; it covers every
-        append made before it started. Callers arriving while it runs wait for the next one and
-        all share it. An fsync error is raised (as ``OSError`` with its errno) to every caller
+        Group commit: one fsync per loop pass at most, inline (on the next pass after the first
+        caller: every append of this pass is covered); it covers every append made before it
+        started. Callers arriving after it started wait for the next one and all share it.
+        An fsync error is raised (as ``OSError`` with its errno) to every caller
         waiting for it, and to every later caller with entries not yet durable (appends fail
         from then on too).
         """
@@ -373,7 +378,7 @@ class SessionLog:
         # starts after this point, so it covers them.
         covered = self._seq
         try:
-            await asyncio.to_thread(os.fsync, self._fd)
+            os.fsync(self._fd)  # inline: see the module's docstring
         except OSError as exc:
             self._failed = exc
             raise OSError(
@@ -414,7 +419,7 @@ class SessionLog:
 
     def close(self) -> None:
         """Close the file. Does not fsync: ``await sync()`` first for durability. If an fsync is
-        still running, the descriptor is closed when it finishes."""
+        still due, the descriptor is closed when it has run."""
         if self._closed:
             return
         self._closed = True

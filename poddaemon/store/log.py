@@ -15,7 +15,7 @@ re-encodes canonically, so any writer that produces the same JSON values verifie
 import gc
 import hashlib
 import os
-import secrets
+import random
 import threading
 import time
 from collections.abc import Mapping
@@ -186,10 +186,17 @@ _RAND_BITS = 74
 _RAND_MAX = (1 << _RAND_BITS) - 1
 
 
+# The random bits come from a PRNG seeded once per process from the OS (a getrandom per id cost
+# a syscall on every acknowledged notification); a forked child reseeds, so parent and child
+# never share a sequence. Ids need to be unique and ordered, not secret.
+_rng = random.Random(os.urandom(32))
+
+
 def _pid_reset() -> None:
     global _last_ms, _last_rand
     _last_ms = 0
     _last_rand = 0
+    _rng.seed(os.urandom(32))
 
 
 if hasattr(os, "register_at_fork"):
@@ -208,11 +215,11 @@ def new_session_id() -> str:
     with _uuid_lock:
         now = time.time_ns() // 1_000_000
         if now > _last_ms:
-            ms, rand = now, secrets.randbits(_RAND_BITS)
+            ms, rand = now, _rng.getrandbits(_RAND_BITS)
         else:
-            ms, rand = _last_ms, _last_rand + 1 + secrets.randbits(32)
+            ms, rand = _last_ms, _last_rand + 1 + _rng.getrandbits(32)
             if rand > _RAND_MAX:  # the random part ran out this millisecond: borrow the next one
-                ms, rand = ms + 1, secrets.randbits(_RAND_BITS)
+                ms, rand = ms + 1, _rng.getrandbits(_RAND_BITS)
         _last_ms, _last_rand = ms, rand
     value = (
         (ms & 0xFFFF_FFFF_FFFF) << 80

@@ -9,10 +9,11 @@ Then what was actually opened is checked again by the kernel's own name for it
 (`/proc/self/fd/N`): an object moved out of scope meanwhile is refused too.
 """
 
-import ctypes
 import errno
 import os
 import platform
+import threading
+from typing import Any
 
 _O_FLAGS_ALWAYS = os.O_CLOEXEC | os.O_NOFOLLOW
 _RESOLVE_NO_MAGICLINKS = 0x02
@@ -20,14 +21,22 @@ _RESOLVE_NO_SYMLINKS = 0x04
 _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "riscv64": 437, "ppc64le": 437, "s390x": 437}
 
 
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
 class _Openat2:
-    """`openat2` through libc's `syscall`, or None where the kernel (or seccomp) lacks it."""
+    """`openat2` through libc's `syscall`, or None where the kernel (or seccomp) lacks it.
+    Built at the first open: ctypes costs ~2 ms of every pod's start otherwise."""
 
     def __init__(self) -> None:
+        import ctypes
+
+        class OpenHow(ctypes.Structure):
+            _fields_ = [
+                ("flags", ctypes.c_uint64),
+                ("mode", ctypes.c_uint64),
+                ("resolve", ctypes.c_uint64),
+            ]
+
+        self.ctypes: Any = ctypes
+        self.how = OpenHow
         self.nr = _SYS_OPENAT2.get(platform.machine())
         self.syscall = ctypes.CDLL(None, use_errno=True).syscall if self.nr else None
         self.works: bool | None = None if self.nr else False
@@ -36,7 +45,8 @@ class _Openat2:
         """The fd, or None when openat2 is unavailable (then the caller walks)."""
         if self.works is False or self.syscall is None or self.nr is None:
             return None
-        how = _OpenHow(flags, mode if flags & os.O_CREAT else 0, _RESOLVE_NO_SYMLINKS)
+        ctypes = self.ctypes
+        how = self.how(flags, mode if flags & os.O_CREAT else 0, _RESOLVE_NO_SYMLINKS)
         fd = int(
             self.syscall(
                 ctypes.c_long(self.nr),
@@ -56,7 +66,17 @@ class _Openat2:
         raise OSError(err, os.strerror(err), path)
 
 
-_openat2 = _Openat2()
+_openat2_made: _Openat2 | None = None
+_openat2_lock = threading.Lock()
+
+
+def _openat2() -> _Openat2:
+    global _openat2_made
+    if _openat2_made is None:
+        with _openat2_lock:  # the file tools run in worker threads
+            if _openat2_made is None:
+                _openat2_made = _Openat2()
+    return _openat2_made
 
 
 def _walk(path: str, flags: int, mode: int) -> int:
@@ -81,7 +101,7 @@ def open_resolved(path: str, flags: int, mode: int = 0o666) -> int:
     if not os.path.isabs(path):
         raise ValueError(f"not an absolute path: {path!r}")
     flags |= _O_FLAGS_ALWAYS
-    fd = _openat2(path, flags, mode)
+    fd = _openat2()(path, flags, mode)
     return fd if fd is not None else _walk(path, flags, mode)
 
 
@@ -91,4 +111,4 @@ def opened_path(fd: int) -> str:
 
 
 def uses_openat2() -> bool:
-    return bool(_openat2.works)
+    return bool(_openat2().works)

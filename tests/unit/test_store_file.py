@@ -7,7 +7,7 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +261,7 @@ class FsyncSpy:
         if not hold_first:
             self.release.set()
         self.error: OSError | None = None
+        self.during_first: Callable[[], None] | None = None  # run inside the first fsync
 
     def __call__(self, fd: int) -> None:
         with self.lock:
@@ -270,6 +271,8 @@ class FsyncSpy:
         if index == 0:
             self.first_started.set()
             self.release.wait(10)
+            if self.during_first is not None:
+                self.during_first()
         if self.error is not None:
             raise self.error
         self.real(fd)
@@ -302,8 +305,23 @@ async def test_group_commit_shares_fsyncs(sessions: Path, monkeypatch: pytest.Mo
 async def test_callers_arriving_during_an_fsync_wait_for_the_next(
     sessions: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The fsync runs inline once per loop pass: the first wave's appends all share it; an
+    append made once it has started (here from inside it, the only way on one loop) is not
+    counted durable by it, and its caller gets the next fsync, shared by the second wave."""
     log = SessionLog.create(sessions, new_session_id(), START)
-    spy = FsyncSpy(log.fileno(), hold_first=True)
+    spy = FsyncSpy(log.fileno())
+    late: list[asyncio.Task[None]] = []
+
+    async def late_writer() -> None:
+        end = os.fstat(log.fileno()).st_size
+        await log.sync()
+        assert spy.covered(end)
+
+    def during_first() -> None:
+        log.append("user_input", {"text": "during"})
+        late.append(asyncio.get_running_loop().create_task(late_writer()))
+
+    spy.during_first = during_first
     monkeypatch.setattr(os, "fsync", spy)
     returned: list[int] = []
 
@@ -315,17 +333,17 @@ async def test_callers_arriving_during_an_fsync_wait_for_the_next(
         returned.append(i)
 
     first = [asyncio.create_task(writer(i)) for i in range(10)]
-    assert await asyncio.to_thread(spy.first_started.wait, 10)
-    second = [asyncio.create_task(writer(i)) for i in range(10, 20)]
-    await asyncio.sleep(0)  # one loop pass: the second wave appends and starts waiting
-    assert returned == [] and len(spy.started) == 1
-    spy.release.set()
-    await asyncio.gather(*first, *second)
-    assert sorted(returned) == list(range(20))
-    # One fsync for the first wave, one shared by the whole second wave.
-    assert len(spy.started) == 2
-    # The second wave was covered only by the second fsync (checked in writer()).
+    await asyncio.gather(*first)
+    await asyncio.gather(*late)
+    # One fsync for the whole first wave; the entry appended during it needed another (its
+    # writer checked that a later-started fsync covered it).
+    assert sorted(returned) == list(range(10)) and len(spy.started) == 2
     assert spy.started[1] > spy.started[0]
+    second = [asyncio.create_task(writer(i)) for i in range(10, 20)]
+    await asyncio.gather(*second)
+    assert sorted(returned) == list(range(20))
+    assert len(spy.started) == 3  # the second wave shares one
+    assert log.durable_seq == log.seq == 22
     log.close()
 
 
@@ -348,7 +366,7 @@ async def test_fsync_error_reaches_every_waiter_and_poisons(
     sessions: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = SessionLog.create(sessions, new_session_id(), START)
-    spy = FsyncSpy(log.fileno(), hold_first=True)
+    spy = FsyncSpy(log.fileno())
     spy.error = OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(os, "fsync", spy)
 
@@ -357,8 +375,6 @@ async def test_fsync_error_reaches_every_waiter_and_poisons(
         await log.sync()
 
     tasks = [asyncio.create_task(writer(i)) for i in range(5)]
-    assert await asyncio.to_thread(spy.first_started.wait, 10)
-    spy.release.set()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert len(results) == 5
     for r in results:
@@ -398,16 +414,17 @@ async def test_a_failed_write_is_cut_back_and_the_log_continues(
     assert not result.torn and [e.get("text") for e in result.entries] == [None, "fine"]
 
 
-async def test_close_while_an_fsync_runs(sessions: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_close_while_an_fsync_is_due(sessions: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     log = SessionLog.create(sessions, new_session_id(), START)
-    spy = FsyncSpy(log.fileno(), hold_first=True)
+    spy = FsyncSpy(log.fileno())
     monkeypatch.setattr(os, "fsync", spy)
     log.append("x", {})
     task = asyncio.create_task(log.sync())
-    assert await asyncio.to_thread(spy.first_started.wait, 10)
+    await asyncio.sleep(0)  # the waiter has scheduled the fsync; it runs on the next pass
+    assert spy.started == []
     log.close()
-    spy.release.set()
     await task
+    assert spy.finished == [True]  # it ran on the still open descriptor, then closed it
     assert log.closed
     with pytest.raises(ValueError, match="closed"):
         log.append("x", {})
@@ -417,15 +434,14 @@ async def test_a_cancelled_waiter_does_not_cancel_the_shared_fsync(
     sessions: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = SessionLog.create(sessions, new_session_id(), START)
-    spy = FsyncSpy(log.fileno(), hold_first=True)
+    spy = FsyncSpy(log.fileno())
     monkeypatch.setattr(os, "fsync", spy)
     log.append("x", {})
     end = os.fstat(log.fileno()).st_size
     impatient = asyncio.create_task(log.sync())
     patient = asyncio.create_task(log.sync())
-    assert await asyncio.to_thread(spy.first_started.wait, 10)
+    await asyncio.sleep(0)  # both wait on the fsync due on the next pass
     impatient.cancel()
-    spy.release.set()
     await patient
     assert impatient.cancelled()
     assert spy.covered(end) and len(spy.started) == 1
