@@ -190,7 +190,7 @@ class OpenAIChatClient(RetryingClient):
         stream = await client.post(
             "/chat/completions",
             cast_to=ChatCompletion,
-            body=body,
+            content=body,
             stream=True,
             stream_cls=AsyncStream[ChatCompletionChunk],
         )

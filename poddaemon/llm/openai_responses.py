@@ -157,7 +157,7 @@ class OpenAIResponsesClient(RetryingClient):
         stream = await client.post(
             "/responses",
             cast_to=Response,
-            body=encode_request(req, self.cfg.model, self._renderer),
+            content=encode_request(req, self.cfg.model, self._renderer),
             stream=True,
             stream_cls=AsyncStream[ResponseStreamEvent],
         )
