@@ -456,6 +456,7 @@ def _serve(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, ending.request)
+        loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: what it awaits
         print(f"{READY_PREFIX}\t{manifest.pod.name}\t{sock_path}", file=sys.stderr, flush=True)
         if args.stderr_log:
             _move_stderr(sock_path.parent / "stderr.log")
@@ -598,6 +599,13 @@ async def _preflight(pod: Any, manifest: Any) -> None:
     for warning in await asyncio.to_thread(preflight, provider.kind, provider.base_url):
         print(f"poddaemon: warning: {warning}", file=sys.stderr, flush=True)
         pod._alert("warning", warning, source="provider")
+
+
+def _dump_tasks() -> None:
+    """Every task's stack and the machine's view, to the pod's log: for a pod that seems stuck."""
+    for task in asyncio.all_tasks():
+        task.print_stack(file=sys.stderr)
+    sys.stderr.flush()
 
 
 def _run_loop(main: Coroutine[Any, Any, int]) -> int:

@@ -12,7 +12,6 @@ crash, `kill -9`) a child whose `on_parent_exit` is "stop" shuts down, reporting
 """
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
@@ -57,8 +56,8 @@ class Outbox:
     async def aclose(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            # Bounded: a stop must never hang on delivery (undelivered reports wait in the log).
+            await asyncio.wait({self._task}, timeout=2.0)
 
     async def flush(self, timeout: float) -> bool:
         """Try to deliver what is left before the pod exits; True if nothing is."""
@@ -66,7 +65,8 @@ class Outbox:
         delay = RETRY_INITIAL
         while self.enabled and self.pod.state.outbox:
             try:
-                await asyncio.wait_for(self._deliver(), max(0.01, deadline - time.monotonic()))
+                async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
+                    await self._deliver()
             except RpcError as exc:
                 if exc.code == errors.SHUTTING_DOWN:
                     return False  # the spawner is going too: the report waits in our log
@@ -90,6 +90,9 @@ class Outbox:
             try:
                 await self._deliver()
                 delay = RETRY_INITIAL
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError  # a cancel some awaited call swallowed
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -115,7 +118,10 @@ class Outbox:
                     value = getattr(item, key)
                     if value is not None:
                         params[key] = value
-                raw = await asyncio.wait_for(client.call_raw("pod_event", params), CALL_TIMEOUT)
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
+                # lands as the call completes, and this task would then never stop.
+                async with asyncio.timeout(CALL_TIMEOUT):
+                    raw = await client.call_raw("pod_event", params)
                 msgspec.json.decode(raw)
                 self.pod.feed(self.pod.machine.outbox_acked([item.event_id]))
 

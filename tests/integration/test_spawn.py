@@ -34,6 +34,9 @@ def tree(env: Env) -> Iterator[Env]:
     try:
         yield env
     finally:
+        # Shown by pytest only when the test failed: what the children said.
+        for log in sorted((env.home / "run" / "pods").glob("*/stderr.log")):
+            print(f"--- {log} ---\n{log.read_text(errors='replace')}")
         for entry in Registry(env.home / "run").live():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(entry.pid, signal.SIGKILL)
