@@ -160,8 +160,9 @@ class Children:
             if left <= 0:
                 break
             self.changed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), left)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self.changed.wait()
         out: dict[str, Any] = {}
         for n in names:
             record = known[n]
@@ -368,7 +369,8 @@ class Children:
             if left <= 0:
                 raise ToolError(f"child pod did not become ready within {READY_TIMEOUT:g} s")
             try:
-                line = await asyncio.wait_for(proc.stderr.readline(), left)
+                async with asyncio.timeout(left):
+                    line = await proc.stderr.readline()
             except TimeoutError:
                 continue
             if not line:
@@ -399,7 +401,8 @@ class Children:
             return "stopped"
         try:
             async with await AsyncPodClient.connect(child.socket) as client:
-                raw = await asyncio.wait_for(client.call_raw("status"), STATUS_TIMEOUT)
+                async with asyncio.timeout(STATUS_TIMEOUT):
+                    raw = await client.call_raw("status")
             return str(msgspec.json.decode(raw)["state"])
         except Exception:
             return "unresponsive"
@@ -408,13 +411,15 @@ class Children:
         """`shutdown`, then wait for the process; SIGTERM, then SIGKILL its group if it lingers."""
         with contextlib.suppress(Exception):
             async with await AsyncPodClient.connect(child.socket) as client:
-                await asyncio.wait_for(client.call_raw("shutdown"), 5.0)
+                async with asyncio.timeout(5.0):
+                    await client.call_raw("shutdown")
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
             if sig is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(child.pid, sig)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(child.gone.wait(), STOP_TIMEOUT if sig is None else 5.0)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(STOP_TIMEOUT if sig is None else 5.0):
+                    await child.gone.wait()
                 return
 
     def _watch(self, child: _Live) -> None:
@@ -468,4 +473,5 @@ async def _kill(proc: "asyncio.subprocess.Process") -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(proc.wait(), 5.0)
+        async with asyncio.timeout(5.0):
+            await proc.wait()
