@@ -558,47 +558,34 @@ def load(
 
 
 @contextlib.contextmanager
-def fsync_server(file: str) -> Iterator[str]:
+def _baseline_server(module: str, *args: str) -> Iterator[str]:
+    """Run `python -m <module> <socket path> <args>` until it prints READY; yield its socket."""
+    path = tempfile.mktemp(prefix="pdbase", dir="/tmp")
+    proc = subprocess.Popen(
+        [PY, "-m", module, path, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline().strip() != "READY":
+            raise RuntimeError(f"{module} did not start")
+        yield path
+    finally:
+        proc.terminate()
+        proc.wait(5)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def fsync_server(file: str) -> contextlib.AbstractContextManager[str]:
     """The durable-ack floor: `bench.fsync_server` (append each line, one inline fsync per
     loop iteration, then answer the batch)."""
-    path = tempfile.mktemp(prefix="pdfsync", dir="/tmp")
-    proc = subprocess.Popen(
-        [PY, "-m", "bench.fsync_server", path, file],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        if proc.stdout.readline().strip() != "READY":
-            raise RuntimeError("fsync server did not start")
-        yield path
-    finally:
-        proc.terminate()
-        proc.wait(5)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    return _baseline_server("bench.fsync_server", file)
 
 
-@contextlib.contextmanager
-def echo_server() -> Iterator[str]:
+def echo_server() -> contextlib.AbstractContextManager[str]:
     """The raw baseline: `bench.echo_server` (asyncio + uvloop Protocol echoing each line)."""
-    path = tempfile.mktemp(prefix="pdecho", dir="/tmp")
-    proc = subprocess.Popen(
-        [PY, "-m", "bench.echo_server", path],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        if proc.stdout.readline().strip() != "READY":
-            raise RuntimeError("echo server did not start")
-        yield path
-    finally:
-        proc.terminate()
-        proc.wait(5)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
+    return _baseline_server("bench.echo_server")

@@ -40,6 +40,7 @@ from poddaemon.entries import (
 from poddaemon.history import AssistantMessage, Item, ToolCall, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError
 from poddaemon.session import MAX_NOTIFICATIONS_PER_REQUEST, SessionState, fold
+from poddaemon.tools.base import args_preview
 from poddaemon.turn import CallModel as _CallStep
 from poddaemon.turn import Finished, Turn, interrupted_results
 from protocol import errors
@@ -958,7 +959,7 @@ class Machine:
             step = turn.next_tool()
             if step is not None:
                 call = step.call
-                data = {"call_id": call.id, "name": call.name, "args": _args_preview(call)}
+                data = {"call_id": call.id, "name": call.name, "args": args_preview(call.arguments)}
                 self._publish("tool.started", data, turn.run_id)
                 self.in_flight = "tool"
                 self._emit(RunTool(turn.run_id, call))
@@ -1104,14 +1105,3 @@ class Machine:
 
 def _final_answer(item: Item | None) -> bool:
     return isinstance(item, AssistantMessage) and not item.tool_calls
-
-
-def _args_preview(call: ToolCall) -> Any:
-    """The arguments as JSON values for `tool.started`, or their text when they are not valid
-    (or too deeply nested to re-encode safely)."""
-    try:
-        value = msgspec.json.decode(call.arguments)
-        msgspec.json.encode(value)
-    except Exception:
-        return call.arguments[:1000]
-    return value
