@@ -1,5 +1,10 @@
 """`podctl spawn`: start `poddaemon run` detached and wait for its READY line (SPEC §7).
 
+The pod is forked by this installation's fork server (poddaemon/forkserver.py, started on first
+use), so pods share the imported code and SDKs; `PODDAEMON_FORKSERVER=0`, or a server that
+cannot be reached, execs `poddaemon run` instead. Either way the pod is the same process: the
+command line in `ps`, the environment, working directory and umask are this podctl's.
+
 The pod runs in its own session (no controlling terminal, immune to the shell's Ctrl-C). Its
 stderr is a pipe to podctl until it prints `PODDAEMON-READY\\t<name>\\t<socket>`; with
 `--stderr-log` the daemon then moves its stderr to `<runtime>/pods/<name>/stderr.log`, so podctl
@@ -8,12 +13,16 @@ start-up fails, and is passed on to the user either way.
 """
 
 import contextlib
+import hashlib
+import json
 import os
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import time
+from typing import Protocol
 
 READY_PREFIX = b"PODDAEMON-READY\t"
 READY_TIMEOUT = 30.0
@@ -55,7 +64,185 @@ def parse_ready(line: bytes) -> tuple[str, str] | None:
     return parts[1], parts[2]
 
 
-def _kill_group(proc: "subprocess.Popen[bytes]", sig: signal.Signals) -> None:
+class Started(Protocol):
+    """A pod process podctl started, exec'd or forked."""
+
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float) -> int | None:
+        """Its exit status; None when it is unknowable (a forked pod whose server went away).
+        Raises subprocess.TimeoutExpired."""
+        ...
+
+
+class Forked:
+    """A pod forked by the fork server, which reports its exit on `conn` while we listen."""
+
+    def __init__(self, conn: socket.socket, pid: int) -> None:
+        self.conn = conn
+        self.pid = pid
+        self.code: int | None = None
+        self.gone = False
+
+    def poll(self) -> int | None:
+        if not self.gone:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.wait(0.0)
+        return self.code
+
+    def wait(self, timeout: float) -> int | None:
+        if self.gone:
+            return self.code
+        self.conn.settimeout(timeout)  # 0.0: only what already arrived
+        try:
+            line = _read_line(self.conn)
+        except (BlockingIOError, TimeoutError):
+            raise subprocess.TimeoutExpired("pod", timeout) from None
+        self.gone = True
+        self.conn.close()
+        with contextlib.suppress(ValueError, TypeError):
+            self.code = int(json.loads(line)["exit"])
+        return self.code
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def _read_line(conn: socket.socket) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def server_socket() -> str:
+    """This installation's fork server socket: one per interpreter, code and PYTHONPATH, so two
+    virtualenvs never fork each other's pods."""
+    from protocol import paths
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    key = "\0".join((sys.executable, root, os.environ.get("PYTHONPATH", "")))
+    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+    return str(paths.ensure_private_dirs()[1] / f"forkserver.{digest}.sock")
+
+
+def _connect(path: str, patience: float = 0.0) -> socket.socket | None:
+    deadline = time.monotonic() + patience
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            return conn
+        except (FileNotFoundError, ConnectionRefusedError):
+            conn.close()
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)  # a racing podctl's server took the lock and is about to listen
+
+
+def _start_server(path: str) -> bool:
+    """Start a fork server for `path` and wait until it listens (or another one does)."""
+    log = os.open(path[: -len(".sock")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        server = subprocess.Popen(
+            [sys.executable, "-P", "-m", "poddaemon.forkserver", path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            start_new_session=True,
+        )
+    finally:
+        os.close(log)
+    assert server.stdout is not None
+    with server.stdout:
+        line = server.stdout.readline()
+    return line.startswith(b"FORKSERVER-")
+
+
+def _fork(cmd: list[str], stdio: tuple[int, int, int]) -> Forked | None:
+    """Have the fork server start `cmd` (a `poddaemon run` command line); None when the server
+    cannot be had, and the caller execs instead."""
+    from poddaemon.forkserver import Request, encode_request
+
+    try:
+        path = server_socket()
+    except OSError:
+        return None
+    if len(path.encode()) > 100:  # sun_path is 108 bytes; leave room
+        return None
+    request = Request(
+        argv=cmd[cmd.index("poddaemon") + 1 :],
+        env=dict(os.environ),
+        cwd=os.getcwd(),
+        umask=_umask(),
+        title=cmd,
+    )
+    frame = encode_request(request)
+    for _ in range(2):  # a stale server steps aside: the second try starts a fresh one
+        conn = _connect(path)
+        if conn is None and _start_server(path):
+            conn = _connect(path, patience=2.0)
+        if conn is None:
+            return None
+        try:
+            conn.settimeout(READY_TIMEOUT)
+            sent = socket.send_fds(conn, [frame], list(stdio))
+            conn.sendall(frame[sent:])
+            reply = json.loads(_read_line(conn) or b"{}")
+        except (OSError, ValueError):
+            conn.close()
+            return None
+        if isinstance(reply.get("pid"), int):
+            return Forked(conn, reply["pid"])
+        conn.close()
+        if not reply.get("stale"):
+            return None
+    return None
+
+
+def _umask() -> int:
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+class Execd:
+    def __init__(self, cmd: list[str], stderr: int) -> None:
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
+        self.pid = self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def wait(self, timeout: float) -> int | None:
+        return self.proc.wait(timeout)
+
+
+def start(cmd: list[str], stderr: int) -> Forked | Execd:
+    """Start the pod with stdin and stdout on /dev/null and stderr on `stderr`."""
+    if os.environ.get("PODDAEMON_FORKSERVER", "1") not in ("0", "off", "no", "false"):
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            forked = _fork(cmd, (null, null, stderr))
+        finally:
+            os.close(null)
+        if forked is not None:
+            return forked
+    return Execd(cmd, stderr)
+
+
+def _kill_group(proc: Started, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -68,15 +255,23 @@ def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str,
     Raises SpawnFailed when the pod exits (or closes stderr) first, or after `timeout` seconds
     (then its whole process group is killed).
     """
-    proc = subprocess.Popen(
-        [*cmd, "--stderr-log"],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    assert proc.stderr is not None
-    fd = proc.stderr.fileno()
+    fd, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        proc = start([*cmd, "--stderr-log"], write_end)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        os.close(write_end)
+    try:
+        return _await_ready(proc, fd, timeout)
+    finally:
+        os.close(fd)
+        if isinstance(proc, Forked):
+            proc.close()
+
+
+def _await_ready(proc: Started, fd: int, timeout: float) -> tuple[str, str, bytes]:
     pending = bytearray()  # the incomplete last line
     output = bytearray()  # complete lines before READY
     deadline = time.monotonic() + timeout
@@ -102,7 +297,6 @@ def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str,
                     del pending[: nl + 1]
                     ready = parse_ready(line)
                     if ready is not None:
-                        proc.stderr.close()
                         return ready[0], ready[1], bytes(output)
                     output += line + b"\n"
     except BaseException:
@@ -116,6 +310,5 @@ def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str,
     except subprocess.TimeoutExpired:
         _kill_group(proc, signal.SIGKILL)
         raise SpawnFailed("pod closed its stderr without becoming ready", bytes(output)) from None
-    finally:
-        proc.stderr.close()
-    raise SpawnFailed(f"pod exited with status {code} before it was ready", bytes(output))
+    status = "" if code is None else f" with status {code}"
+    raise SpawnFailed(f"pod exited{status} before it was ready", bytes(output))

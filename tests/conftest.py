@@ -227,7 +227,18 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for var in ("PODDAEMON_CONFIG_DIR", "PODDAEMON_DATA_DIR", "PODDAEMON_RUNTIME_DIR"):
         monkeypatch.delenv(var, raising=False)
     yield path
+    kill_spawned(path / "run")
     shutil.rmtree(path, ignore_errors=True)
+
+
+def kill_spawned(runtime: Path) -> None:
+    """SIGKILL what `podctl spawn` left in this runtime dir: its pods and the fork server (whose
+    pid is in its lock file); a test that failed half-way leaves them running otherwise."""
+    for path in [*runtime.glob("pods/*/pid"), *runtime.glob("forkserver.*.lock")]:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(path.read_text())
+            if pid > 1:
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

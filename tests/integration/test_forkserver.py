@@ -1,0 +1,221 @@
+"""`podctl spawn` through the fork server: pods forked from one preloaded process, each still the
+same pod an exec would have made (command line, environment, working directory), and a server
+that steps aside when the code changes, dies, idles out, or is turned off."""
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from poddaemon import forkserver
+from tests.conftest import Env, wait_until
+
+
+def ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def server_pid(env: Env) -> int:
+    (lock,) = (env.home / "run").glob("forkserver.*.lock")
+    return int(lock.read_text())
+
+
+def pod_pid(env: Env, name: str) -> int:
+    return int((env.home / "run" / "pods" / name / "pid").read_text())
+
+
+def spawn(env: Env, name: str, **extra_env: str) -> int:
+    """`podctl spawn` a pod with its own directory; its pid."""
+    manifest = env.manifest(name, write=[str(env.work / name)])
+    old = dict(env.env)
+    env.env.update(extra_env)
+    try:
+        done = env.podctl("spawn", str(manifest))
+    finally:
+        env.env = old
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"{name}\t")
+    return pod_pid(env, name)
+
+
+def answers(env: Env, name: str) -> bool:
+    sent = env.podctl("send", name, "hello")
+    return sent.returncode == 0 and sent.stdout == "ok: hello\n"
+
+
+def test_pods_are_forked_by_one_server_yet_look_execd(env: Env) -> None:
+    first = spawn(env, "one")
+    # The second pod's key is only in the second podctl's environment, and its manifest is
+    # named relative to the second podctl's working directory: both must reach the pod.
+    manifest = env.manifest("two", write=[str(env.work / "two")])
+    text = manifest.read_text().replace("FAKE_API_KEY", "SECOND_ONLY_KEY")
+    (env.work / "sub").mkdir()
+    (env.work / "sub" / "two.toml").write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "cli.main", "spawn", "two.toml"],
+        env={**env.env, "SECOND_ONLY_KEY": "k2"},
+        cwd=env.work / "sub",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    second = pod_pid(env, "two")
+
+    server = server_pid(env)
+    assert ppid(first) == ppid(second) == server
+    with open(f"/proc/{second}/cmdline", "rb") as f:
+        argv = f.read().split(b"\0")
+    assert b" ".join(argv).strip().endswith(b"-m poddaemon run two.toml --stderr-log")
+    assert os.readlink(f"/proc/{second}/cwd") == str(env.work / "sub")
+    assert answers(env, "one") and answers(env, "two")
+    assert env.model.requests[-1]["headers"]["authorization"] == "Bearer k2"
+    assert env.podctl("stop", "two").returncode == 0
+    wait_until(lambda: not alive(second), what="pod two reaped by the server")
+    assert alive(first) and alive(server)
+
+
+def test_the_second_pod_shares_the_preloaded_sdk(env: Env) -> None:
+    spawn(env, "one")
+    second = spawn(env, "two")  # the server finishes loading the openai SDK before this fork
+    assert answers(env, "two")
+    with open(f"/proc/{second}/smaps_rollup") as f:
+        fields = {line.split(":")[0]: int(line.split()[1]) for line in f if "kB" in line}
+    # Pages the pod never wrote are still the server's: the imported SDK is not copied.
+    assert fields["Shared_Dirty"] > 15 * 1024, fields
+
+
+def test_failure_before_ready_is_reported_as_before(env: Env) -> None:
+    spawn(env, "one")  # a server is running
+    bad = env.home / "bad.toml"
+    bad.write_text("[pod]\nname = 'bad'\nnonsense = 1\n")
+    done = env.podctl("spawn", str(bad))
+    assert done.returncode == 1
+    assert str(bad) in done.stderr and "nonsense" in done.stderr
+    assert not (env.home / "run" / "pods" / "bad").exists()
+
+
+def test_a_stale_server_is_replaced(env: Env) -> None:
+    spawn(env, "one")
+    old = server_pid(env)
+    import poddaemon.sdnotify  # a module every pod loads
+
+    module = Path(poddaemon.sdnotify.__file__ or "")
+    stat = module.stat()
+    os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # "edited"
+    try:
+        second = spawn(env, "two")
+    finally:
+        os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    new = server_pid(env)
+    assert new != old and ppid(second) == new
+    wait_until(lambda: not alive(old), what="the stale server exits")
+    assert answers(env, "one") and answers(env, "two")
+
+
+def test_a_killed_server_leaves_its_pods_and_is_restarted(env: Env) -> None:
+    first = spawn(env, "one")
+    old = server_pid(env)
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: not alive(old), what="server gone")
+    assert answers(env, "one") and alive(first)
+    second = spawn(env, "two")
+    assert ppid(second) == server_pid(env) != old
+
+
+def test_an_idle_server_exits_and_its_pods_live_on(env: Env) -> None:
+    first = spawn(env, "one", PODDAEMON_FORKSERVER_IDLE="0.5")
+    server = server_pid(env)
+    wait_until(lambda: not alive(server), what="the idle server exits")
+    assert answers(env, "one") and alive(first)
+    assert not list((env.home / "run").glob("forkserver.*.sock"))
+
+
+def test_it_can_be_turned_off(env: Env) -> None:
+    pid = spawn(env, "one", PODDAEMON_FORKSERVER="0")
+    assert not list((env.home / "run").glob("forkserver.*"))
+    assert answers(env, "one") and pid > 0
+
+
+def _raw(path: str, payload: bytes, fds: list[int]) -> dict[str, object]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        socket.send_fds(s, [payload], fds)
+        s.shutdown(socket.SHUT_WR)
+        reply: dict[str, object] = json.loads(s.makefile("rb").readline() or b"{}")
+        return reply
+
+
+@pytest.mark.parametrize(
+    ("payload", "with_fds", "why"),
+    [
+        (b"garbage", True, "bad request"),
+        (struct.pack(">I", 5) + b"nope!", True, "bad request"),
+        (
+            forkserver.encode_request(forkserver.Request(["run"], {}, "/", 0o22, [])),
+            False,
+            "3 file",
+        ),
+        (struct.pack(">I", 3) + b"[1]", True, "bad request"),
+        (struct.pack(">I", 100) + b"{}", True, "truncated"),
+    ],
+)
+def test_bad_requests_get_an_error_and_the_server_serves_on(
+    env: Env, payload: bytes, with_fds: bool, why: str
+) -> None:
+    spawn(env, "one")
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        reply = _raw(str(sock), payload, [null, null, null] if with_fds else [])
+    finally:
+        os.close(null)
+    assert why in str(reply.get("error")), reply
+    assert ppid(spawn(env, "two")) == server_pid(env)
+
+
+def test_another_uid_is_refused_even_with_the_socket_open_to_it(env: Env) -> None:
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as a second uid")
+    spawn(env, "one")
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    # Open the way on purpose (the directories are 0700 and the socket 0600): the server's own
+    # peer-credential check must still turn the stranger away.
+    for d in (env.home, env.home / "run"):
+        os.chmod(d, 0o711)
+    os.chmod(sock, 0o777)
+    stranger = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import os,socket,sys;os.setgid(65534);os.setuid(65534);"
+            "s=socket.socket(socket.AF_UNIX);s.settimeout(5);s.connect(sys.argv[1]);"
+            "r=os.open('/dev/null',os.O_RDWR);"
+            "socket.send_fds(s,[b'\\0\\0\\0\\2{}'],[r,r,r])\n"
+            "try: print(repr(s.recv(100)))\nexcept ConnectionResetError: print(repr(b''))",
+            str(sock),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    for d in (env.home, env.home / "run"):
+        os.chmod(d, 0o700)
+    assert stranger.stdout.strip() == "b''", stranger.stdout + stranger.stderr  # hung up on
+    assert ppid(spawn(env, "two")) == server_pid(env)
