@@ -370,6 +370,16 @@ class Pod:
             self.proc.wait(10)
 
 
+def kill_spawned(runtime: Path) -> None:
+    """SIGKILL what `podctl spawn` left in this runtime dir: its pods and the fork server."""
+    pidfiles = [*runtime.glob("pods/*/pid"), *runtime.glob("forkserver.*.lock")]
+    for path in pidfiles:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(path.read_text())
+            if pid > 1:
+                os.kill(pid, signal.SIGKILL)
+
+
 class Home:
     """A throwaway PODDAEMON_HOME (short path: socket addresses must fit in 108 bytes) with a
     fake model process and the pods started in it. Use as a context manager."""
@@ -391,6 +401,7 @@ class Home:
     def close(self) -> None:
         for pod in self.pods:
             pod.kill()
+        kill_spawned(self.path / "run")
         if self.fake is not None:
             self.fake.stop()
         shutil.rmtree(self.path, ignore_errors=True)

@@ -248,10 +248,11 @@ def test_stop_then_spawn_succeeds_every_time(cleanup: Env) -> None:
         # Stop it right after a run starts (the SDK still importing, or the model request
         # blocked): teardown used to release the registry only after `stop` had returned.
         env.model.script({"gate": f"never-{attempt}", "text": "unused"})
+        before = len(env.model.requests)  # counted first: a warm pod asks at once
         queued = env.podctl("send", "--no-wait", "again", "work")
         assert queued.returncode == 0, queued.stderr
         if attempt % 2:
-            env.model.wait_for_requests(len(env.model.requests) + 1)
+            env.model.wait_for_requests(before + 1)
         stopped = env.podctl("stop", "again")
         assert (stopped.returncode, stopped.stdout) == (0, "stopped again\n"), stopped.stderr
         assert registry.get("again") is None, f"attempt {attempt}: still registered after stop"
