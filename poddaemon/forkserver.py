@@ -51,6 +51,8 @@ BASE = (
     "poddaemon.sandbox.pod",
     "poddaemon.spawn",
     "poddaemon.outbox",
+    "poddaemon.mcp",
+    "poddaemon.llm.preflight",
     "uvloop",
 )
 # Imported while idle, once a pod of that provider kind was asked for: anthropic is ~39 MB of

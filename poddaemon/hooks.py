@@ -18,8 +18,9 @@ import os
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Literal
+
+import msgspec
 
 from poddaemon.config.manifest import HookConfig, HooksSection
 from poddaemon.history import ToolCall
@@ -31,8 +32,7 @@ Decision = Literal["ok", "block", "allow", "warning"]
 OUTPUT_LIMIT = 1 << 20  # bytes kept of a hook's stdout and of its stderr
 
 
-@dataclass(frozen=True)
-class HookRun:
+class HookRun(msgspec.Struct, frozen=True):
     event: str
     command: str
     exit: int | None  # None: killed at its timeout (or could not start)

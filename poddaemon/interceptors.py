@@ -7,22 +7,21 @@ Budget is the first user; compaction and hooks plug in here the same way.
 """
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from poddaemon.history import ToolCall
 from poddaemon.llm.types import ModelRequest
 from poddaemon.tools.base import ToolOutcome
 
 
-@dataclass(frozen=True)
-class Refuse:
+class Refuse(msgspec.Struct, frozen=True):
     """Do not make this model call; the run ends `limit_reached` with `reason`."""
 
     reason: str
 
 
-@dataclass(frozen=True)
-class Deny:
+class Deny(msgspec.Struct, frozen=True):
     """Do not run this tool; the model gets `reason` as the call's error result."""
 
     reason: str

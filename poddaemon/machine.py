@@ -14,7 +14,6 @@ them.
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -73,30 +72,26 @@ PodState = Literal["idle", "running", "paused", "stopping"]
 # --- effects ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class OpenSession:
+class OpenSession(msgspec.Struct, frozen=True):
     """Create a new session log whose first entry is `start` (a fresh session or a fork)."""
 
     start: SessionStart
 
 
-@dataclass(frozen=True)
-class Commit:
+class Commit(msgspec.Struct, frozen=True):
     """Append `entry` to the log (not yet fsync'd); publish the events it stands for."""
 
     entry: Entry
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(msgspec.Struct, frozen=True):
     token: int
     result: Any = None
     error: RpcError | None = None
     durable: bool = False  # send only once everything committed before it is fsync'd
 
 
-@dataclass(frozen=True)
-class Publish:
+class Publish(msgspec.Struct, frozen=True):
     """An event that is not an entry (state changes, tool starts, queue positions)."""
 
     type: str
@@ -104,41 +99,34 @@ class Publish:
     run_id: str | None = None
 
 
-@dataclass(frozen=True)
-class CallModel:
+class CallModel(msgspec.Struct, frozen=True):
     run_id: str
     system: str
     items: list[Item]
 
 
-@dataclass(frozen=True)
-class RunTool:
+class RunTool(msgspec.Struct, frozen=True):
     run_id: str
     call: ToolCall
 
 
-@dataclass(frozen=True)
-class Interrupt:
+class Interrupt(msgspec.Struct, frozen=True):
     """Cancel the model call or tool in flight; its result comes back as cancelled."""
 
 
-@dataclass(frozen=True)
-class SetTimer:
+class SetTimer(msgspec.Struct, frozen=True):
     at: float  # call `tick()` at this clock time
 
 
-@dataclass(frozen=True)
-class Sync:
+class Sync(msgspec.Struct, frozen=True):
     """Make everything committed so far durable (no one waits for it)."""
 
 
-@dataclass(frozen=True)
-class Stopped:
+class Stopped(msgspec.Struct, frozen=True):
     """Nothing is left to do: persist and exit."""
 
 
-@dataclass(frozen=True)
-class Summarize:
+class Summarize(msgspec.Struct, frozen=True):
     """Compaction: ask the compaction model to summarize `items`; feed the text back with
     `compaction_returned` (or `compaction_failed`)."""
 
@@ -148,8 +136,7 @@ class Summarize:
     items: list[Item]
 
 
-@dataclass(frozen=True)
-class SwitchSession:
+class SwitchSession(msgspec.Struct, frozen=True):
     """Compaction: write the session `start` opens completely (durable) before anything else
     is appended, then continue in it; the old log stays as it is."""
 
@@ -172,14 +159,15 @@ Effect = (
 )
 
 
-@dataclass(frozen=True)
-class MachineConfig:
+class MachineConfig(msgspec.Struct, frozen=True):
     name: str
     model: str
     max_turns: int
     max_pending: int = 1000
     budget_cap: int | None = None
-    config: dict[str, Any] = field(default_factory=dict)  # the resolved manifest, for the log
+    config: dict[str, Any] = msgspec.field(
+        default_factory=dict
+    )  # the resolved manifest, for the log
     compact_threshold: int | None = None  # None: never compact automatically
     compact_retained_turns: int = 2
     provider_kind: str = ""
@@ -187,8 +175,7 @@ class MachineConfig:
     reports: bool = False  # started by a spawner: commit reports for it (spawn trees, §9)
 
 
-@dataclass
-class _Compaction:
+class _Compaction(msgspec.Struct):
     """A compaction in flight."""
 
     reason: str

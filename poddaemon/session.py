@@ -8,11 +8,9 @@ Inputs are committed when acknowledged but enter the model's context later: a qu
 which is exactly what must be processed after a crash.
 """
 
-import dataclasses
 import gc
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -41,15 +39,13 @@ from poddaemon.history import Item, SystemNote, ToolCall, Usage, UserMessage, it
 MAX_NOTIFICATIONS_PER_REQUEST = 100
 
 
-@dataclass(frozen=True)
-class PendingRun:
+class PendingRun(msgspec.Struct, frozen=True):
     run_id: str
     text: str
     client_key: str | None = None
 
 
-@dataclass(frozen=True)
-class PendingInput:
+class PendingInput(msgspec.Struct, frozen=True):
     """Steer input or a notification, acknowledged but not yet seen by the model."""
 
     id: str
@@ -60,14 +56,13 @@ class PendingInput:
     context: bool = False  # a hook's context: delivered with the next request, wakes no run
 
 
-@dataclass
-class ChildRecord:
+class ChildRecord(msgspec.Struct):
     """A child this pod spawned, as its log knows it (poddaemon/spawn.py acts on it)."""
 
     name: str
     socket: str
     grant: int | None = None
-    scope: list[dict[str, Any]] = field(default_factory=list)
+    scope: list[dict[str, Any]] = msgspec.field(default_factory=list)
     spent: int = 0  # its tree's spending as last reported (final once it ended)
     live: bool = True
     last_kind: str = ""  # the kind of its last report
@@ -81,34 +76,33 @@ class ChildRecord:
         return self.spent
 
 
-@dataclass
-class SessionState:
+class SessionState(msgspec.Struct):
     session_id: str = ""
-    history: list[Item] = field(default_factory=list)
-    pending_runs: dict[str, PendingRun] = field(default_factory=dict)
-    pending_inputs: dict[str, PendingInput] = field(default_factory=dict)
+    history: list[Item] = msgspec.field(default_factory=list)
+    pending_runs: dict[str, PendingRun] = msgspec.field(default_factory=dict)
+    pending_inputs: dict[str, PendingInput] = msgspec.field(default_factory=dict)
     system_prompt: str = ""
     # client_key -> (input, id), one namespace per method: a run key never matches a notify.
-    run_keys: dict[str, tuple[str, str]] = field(default_factory=dict)
-    notify_keys: dict[str, tuple[str, str]] = field(default_factory=dict)
-    usage_calls: list[dict[str, Any]] = field(default_factory=list)
-    usage: Usage = field(default_factory=Usage)
-    run_usage: Usage = field(default_factory=Usage)  # of the active (or paused) run
+    run_keys: dict[str, tuple[str, str]] = msgspec.field(default_factory=dict)
+    notify_keys: dict[str, tuple[str, str]] = msgspec.field(default_factory=dict)
+    usage_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    usage: Usage = msgspec.field(default_factory=Usage)
+    run_usage: Usage = msgspec.field(default_factory=Usage)  # of the active (or paused) run
     run_calls: int = 0  # model calls of the active (or paused) run
-    report_ids: set[str] = field(default_factory=set)  # child reports accepted (dedup)
+    report_ids: set[str] = msgspec.field(default_factory=set)  # child reports accepted (dedup)
     active_run: str | None = None
     rounds: int = 0  # model rounds of the active (or paused) run
     run_from: int = 0  # index in `history` of the active (or paused) run's first item
     paused_run: str | None = None
-    open_calls: list[ToolCall] = field(default_factory=list)
-    run_outcomes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    open_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    run_outcomes: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
     last_seq: int = 0
     head: str = ""
     # Spawn trees: runs the spawner asked for (reported when they end), reports not yet
     # acknowledged by the spawner, and this pod's own children.
-    spawner_runs: set[str] = field(default_factory=set)
-    outbox: dict[str, OutboxItem] = field(default_factory=dict)
-    children: dict[str, ChildRecord] = field(default_factory=dict)
+    spawner_runs: set[str] = msgspec.field(default_factory=set)
+    outbox: dict[str, OutboxItem] = msgspec.field(default_factory=dict)
+    children: dict[str, ChildRecord] = msgspec.field(default_factory=dict)
     # Kept as counters: `notify` checks max_pending on every request, so this must be O(1).
     pending_notifications: int = 0
     pending_steers: int = 0
@@ -138,8 +132,8 @@ class SessionState:
         """Everything `session_start` needs to continue from this state (a fork)."""
         return {
             "history": [item_to_builtins(i) for i in self.history],
-            "pending_runs": [vars(r) for r in self.pending_runs.values()],
-            "pending_inputs": [vars(p) for p in self.pending_inputs.values()],
+            "pending_runs": [msgspec.structs.asdict(r) for r in self.pending_runs.values()],
+            "pending_inputs": [msgspec.structs.asdict(p) for p in self.pending_inputs.values()],
             "run_keys": {k: list(v) for k, v in self.run_keys.items()},
             "notify_keys": {k: list(v) for k, v in self.notify_keys.items()},
             "usage": msgspec.to_builtins(self.usage),
@@ -161,7 +155,7 @@ class SessionState:
         reports, children, runs still to report, report ids already accepted."""
         return {
             "outbox": [msgspec.to_builtins(o) for o in self.outbox.values()],
-            "children": [dataclasses.asdict(c) for c in self.children.values()],
+            "children": [msgspec.structs.asdict(c) for c in self.children.values()],
             "spawner_runs": sorted(self.spawner_runs),
             "report_ids": sorted(self.report_ids),
         }

@@ -11,9 +11,10 @@ Pause and cancel are requests: they take effect at the next safe point (before a
 before a tool), except that the pod also interrupts whatever is in flight on cancel.
 """
 
-from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
+
+import msgspec
 
 from poddaemon.entries import Assistant, Entry, ToolResultEntry, TurnEnd
 from poddaemon.history import ToolCall, ToolResult, Usage
@@ -31,18 +32,15 @@ INTERRUPTED = (
 )
 
 
-@dataclass(frozen=True)
-class CallModel:
+class CallModel(msgspec.Struct, frozen=True):
     round: int
 
 
-@dataclass(frozen=True)
-class RunTool:
+class RunTool(msgspec.Struct, frozen=True):
     call: ToolCall
 
 
-@dataclass(frozen=True)
-class Finished:
+class Finished(msgspec.Struct, frozen=True):
     outcome: Outcome
     text: str
     error: str | None = None
@@ -59,14 +57,13 @@ class _State(Enum):
     DONE = "done"
 
 
-@dataclass
-class Turn:
+class Turn(msgspec.Struct):
     run_id: str
     max_turns: int
     rounds: int = 0  # model rounds already spent in this run (a resumed run keeps counting)
-    usage: Usage = field(default_factory=Usage)
+    usage: Usage = msgspec.field(default_factory=Usage)
     _state: _State = _State.NEED_MODEL
-    _pending: list[ToolCall] = field(default_factory=list)
+    _pending: list[ToolCall] = msgspec.field(default_factory=list)
     _text: str = ""
     _finished: Finished | None = None
     _pause: bool = False

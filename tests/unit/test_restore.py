@@ -15,11 +15,11 @@ every such history:
 The last test runs the real `Pod.restore` on a file."""
 
 import asyncio
-import dataclasses
 import tempfile
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -153,7 +153,9 @@ def check_fold_matches(d: Driver) -> None:
     if not d.entries:
         return
     on_disk = fold(verify(b"".join(d.lines)).entries)
-    assert dataclasses.replace(on_disk, head="") == dataclasses.replace(d.machine.state, head="")
+    assert msgspec.structs.replace(on_disk, head="") == msgspec.structs.replace(
+        d.machine.state, head=""
+    )
 
 
 def check_pairing(history: list[Item]) -> None:
@@ -319,7 +321,7 @@ def test_pod_restore_of_a_cut_file(data: st.DataObject) -> None:
     assert not on_disk.torn
     k = len(expected.entries)
     assert on_disk.entries[:k] == expected.entries
-    assert dataclasses.replace(fold(on_disk.entries), head="") == dataclasses.replace(
+    assert msgspec.structs.replace(fold(on_disk.entries), head="") == msgspec.structs.replace(
         state, head=""
     )
     for e in on_disk.entries[k:]:
