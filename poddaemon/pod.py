@@ -11,8 +11,9 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from poddaemon.acks import DurableReplies, settle
 from poddaemon.config.load import manifest_to_dict
@@ -69,8 +70,7 @@ if TYPE_CHECKING:  # imported when the manifest has hooks (~3 ms of start-up oth
     from poddaemon.hooks import HookRun, Hooks
 
 
-@dataclass
-class Services:
+class Services(msgspec.Struct):
     """What a pod is built from; the daemon wires it, tests can substitute parts."""
 
     manifest: Manifest
@@ -82,9 +82,9 @@ class Services:
     instruction: Instruction
     tools: Toolset
     model: ModelClient
-    interceptors: list[Interceptor] = field(default_factory=list)
+    interceptors: list[Interceptor] = msgspec.field(default_factory=list)
     callback: str | None = None  # the spawner's socket (a child reports there)
-    sandbox: PodSandbox = field(default_factory=PodSandbox)
+    sandbox: PodSandbox = msgspec.field(default_factory=PodSandbox)
     compaction_model: ModelClient | None = None  # [compaction.provider]; None: `model`
 
 

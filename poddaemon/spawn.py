@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -44,15 +43,14 @@ STOP_TIMEOUT = 20.0
 STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
 
 
-@dataclass
-class _Live:
+class _Live(msgspec.Struct):
     """A live child's process as we watch it."""
 
     name: str
     pid: int
     socket: str
     proc: "asyncio.subprocess.Process | None" = None  # ours to reap when we started it
-    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    gone: asyncio.Event = msgspec.field(default_factory=asyncio.Event)
     fd: int = -1
 
 

@@ -10,7 +10,6 @@ import os
 import re
 import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_args
 
@@ -57,14 +56,13 @@ def manifest_to_toml(m: Manifest) -> str:
     return m.to_toml()
 
 
-@dataclass
-class _Source:
+class _Source(msgspec.Struct):
     """Where values came from, for error messages."""
 
     name: str  # the file as given by the caller
     text: str | None = None  # for finding lines
     note: str = ""  # for values from --set
-    _lines: dict[Key, int] | None = field(default=None, repr=False)
+    _lines: dict[Key, int] | None = None
 
     def line_of(self, key: Key) -> int | None:
         if self.text is None:

@@ -5,17 +5,17 @@ import contextlib
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+
+import msgspec
 
 from poddaemon.sandbox import NO_SANDBOX, SandboxUnavailable, available, build_policy, describe
 from poddaemon.sandbox.policy import Mode
 from poddaemon.scope import Scope
 
 
-@dataclass
-class PodSandbox:
+class PodSandbox(msgspec.Struct):
     status: str = NO_SANDBOX  # what `status.sandbox` says: "landlock-abi-N" | "none"
-    notes: list[str] = field(default_factory=list)  # what the kernel cannot express
+    notes: list[str] = msgspec.field(default_factory=list)  # what the kernel cannot express
     policy: bytes | None = None  # for the command runner's `apply_policy`
     tmpdir: str | None = None  # the commands' private $TMPDIR
     # The policy again for another scope (delegation to child pods narrows the pod's own).

@@ -4,7 +4,6 @@ output capping and `execute`, the one entry point that turns any failure into a 
 import asyncio
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
@@ -35,10 +34,9 @@ class FileStamp(NamedTuple):
         return cls(st.st_mtime_ns, st.st_size)
 
 
-@dataclass
-class ToolOutputLimits:
+class ToolOutputLimits(msgspec.Struct):
     default_max_bytes: int = 16384
-    per_tool: dict[str, int] = field(default_factory=dict)
+    per_tool: dict[str, int] = msgspec.field(default_factory=dict)
 
     def max_bytes(self, tool: str) -> int:
         return self.per_tool.get(tool, self.default_max_bytes)
@@ -59,13 +57,12 @@ class PodHost(Protocol):
     async def stop(self, pod: str) -> dict[str, Any]: ...
 
 
-@dataclass
-class ToolContext:
+class ToolContext(msgspec.Struct):
     scope: ScopeLike
     pwd: str
-    limits: ToolOutputLimits = field(default_factory=ToolOutputLimits)
+    limits: ToolOutputLimits = msgspec.field(default_factory=ToolOutputLimits)
     # resolved absolute path -> stamp at the model's last read or write of it
-    reads: dict[str, FileStamp] = field(default_factory=dict)
+    reads: dict[str, FileStamp] = msgspec.field(default_factory=dict)
     # credential-like variables commands may still see (`[worker] env_passthrough`)
     env_passthrough: tuple[str, ...] = ()
     # JSON for `poddaemon.sandbox.apply_policy`, applied by the command runner (issue 13)
@@ -75,9 +72,9 @@ class ToolContext:
     # Rebuilds `sandbox_policy` from the pod's live scope (set by the sandbox wiring): when
     # delegation to a child changes the scope, later commands lose (or regain) those areas.
     policy_for_scope: Callable[[], bytes | None] | None = None
-    _runner: "CommandRunner | None" = field(default=None, repr=False)
-    _runner_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
-    _runner_stale: bool = field(default=False, repr=False)
+    _runner: "CommandRunner | None" = None
+    _runner_lock: asyncio.Lock = msgspec.field(default_factory=asyncio.Lock)
+    _runner_stale: bool = False
 
     def scope_changed(self) -> None:
         """The live scope changed: the next command starts in a runner with the new policy
