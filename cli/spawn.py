@@ -1,9 +1,11 @@
 """`podctl spawn`: start `poddaemon run` detached and wait for its READY line (SPEC §7).
 
-The pod is forked by this installation's fork server (poddaemon/forkserver.py, started on first
-use), so pods share the imported code and SDKs; `PODDAEMON_FORKSERVER=0`, or a server that
-cannot be reached, execs `poddaemon run` instead. Either way the pod is the same process: the
-command line in `ps`, the environment, working directory and umask are this podctl's.
+From the second live pod on, the pod is forked by this installation's fork server
+(poddaemon/forkserver.py, started then), so pods share the imported code and SDKs. A lone pod,
+`PODDAEMON_FORKSERVER=0`, or a server that cannot be reached, execs `poddaemon run` instead: a
+server costs one pod's worth of memory and pays for itself only when shared. Either way the pod
+is the same process: the command line in `ps`, the environment, working directory and umask
+are this podctl's.
 
 The pod runs in its own session (no controlling terminal, immune to the shell's Ctrl-C). Its
 stderr is a pipe to podctl until it prints `PODDAEMON-READY\\t<name>\\t<socket>`; with
@@ -183,10 +185,13 @@ def _fork(cmd: list[str], stdio: tuple[int, int, int]) -> Forked | None:
         title=cmd,
     )
     frame = encode_request(request)
-    for _ in range(2):  # a stale server steps aside: the second try starts a fresh one
+    for attempt in range(2):  # a stale server steps aside: the second try starts a fresh one
         conn = _connect(path)
-        if conn is None and _start_server(path):
-            conn = _connect(path, patience=2.0)
+        if conn is None:
+            if attempt == 0 and not _pods_alive(os.path.dirname(path)):
+                return None  # a lone pod is exec'd: a server would cost more than it shares
+            if _start_server(path):
+                conn = _connect(path, patience=2.0)
         if conn is None:
             return None
         try:
@@ -203,6 +208,16 @@ def _fork(cmd: list[str], stdio: tuple[int, int, int]) -> Forked | None:
         if not reply.get("stale"):
             return None
     return None
+
+
+def _pods_alive(runtime: str) -> bool:
+    """Does another pod seem to run here (a socket in `pods/`)? A stale one left by a kill -9
+    only starts the server one pod early."""
+    try:
+        names = os.listdir(os.path.join(runtime, "pods"))
+    except OSError:
+        return False
+    return any(os.path.exists(os.path.join(runtime, "pods", n, "sock")) for n in names)
 
 
 def _umask() -> int:

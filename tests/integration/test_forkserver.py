@@ -1,6 +1,7 @@
-"""`podctl spawn` through the fork server: pods forked from one preloaded process, each still the
-same pod an exec would have made (command line, environment, working directory), and a server
-that steps aside when the code changes, dies, idles out, or is turned off."""
+"""`podctl spawn` through the fork server: a lone pod is exec'd; from the second live pod on, pods
+are forked from one preloaded process, each still the same pod an exec would have made (command
+line, environment, working directory), and the server steps aside when the code changes, dies,
+idles out, or is turned off."""
 
 import json
 import os
@@ -58,7 +59,17 @@ def answers(env: Env, name: str) -> bool:
     return sent.returncode == 0 and sent.stdout == "ok: hello\n"
 
 
+def test_a_lone_pod_is_execd_and_the_second_starts_the_server(env: Env) -> None:
+    lone = spawn(env, "lone")
+    assert not list((env.home / "run").glob("forkserver.*"))
+    assert alive(lone) and answers(env, "lone")
+    second = spawn(env, "two")
+    assert ppid(second) == server_pid(env) != ppid(lone)
+    assert answers(env, "two")
+
+
 def test_pods_are_forked_by_one_server_yet_look_execd(env: Env) -> None:
+    spawn(env, "lone")  # with another pod alive, the next ones are forked
     first = spawn(env, "one")
     # The second pod's key is only in the second podctl's environment, and its manifest is
     # named relative to the second podctl's working directory: both must reach the pod.
@@ -91,6 +102,7 @@ def test_pods_are_forked_by_one_server_yet_look_execd(env: Env) -> None:
 
 
 def test_the_second_pod_shares_the_preloaded_sdk(env: Env) -> None:
+    spawn(env, "lone")
     spawn(env, "one")
     second = spawn(env, "two")  # the server finishes loading the openai SDK before this fork
     assert answers(env, "two")
@@ -101,7 +113,8 @@ def test_the_second_pod_shares_the_preloaded_sdk(env: Env) -> None:
 
 
 def test_failure_before_ready_is_reported_as_before(env: Env) -> None:
-    spawn(env, "one")  # a server is running
+    spawn(env, "lone")
+    spawn(env, "one")  # a server runs
     bad = env.home / "bad.toml"
     bad.write_text("[pod]\nname = 'bad'\nnonsense = 1\n")
     done = env.podctl("spawn", str(bad))
@@ -111,6 +124,7 @@ def test_failure_before_ready_is_reported_as_before(env: Env) -> None:
 
 
 def test_a_stale_server_is_replaced(env: Env) -> None:
+    spawn(env, "lone")
     spawn(env, "one")
     old = server_pid(env)
     import poddaemon.sdnotify  # a module every pod loads
@@ -129,6 +143,7 @@ def test_a_stale_server_is_replaced(env: Env) -> None:
 
 
 def test_a_killed_server_leaves_its_pods_and_is_restarted(env: Env) -> None:
+    spawn(env, "lone")
     first = spawn(env, "one")
     old = server_pid(env)
     os.kill(old, signal.SIGKILL)
@@ -139,6 +154,7 @@ def test_a_killed_server_leaves_its_pods_and_is_restarted(env: Env) -> None:
 
 
 def test_an_idle_server_exits_and_its_pods_live_on(env: Env) -> None:
+    spawn(env, "lone")
     first = spawn(env, "one", PODDAEMON_FORKSERVER_IDLE="0.5")
     server = server_pid(env)
     wait_until(lambda: not alive(server), what="the idle server exits")
@@ -147,6 +163,7 @@ def test_an_idle_server_exits_and_its_pods_live_on(env: Env) -> None:
 
 
 def test_it_can_be_turned_off(env: Env) -> None:
+    spawn(env, "lone")
     pid = spawn(env, "one", PODDAEMON_FORKSERVER="0")
     assert not list((env.home / "run").glob("forkserver.*"))
     assert answers(env, "one") and pid > 0
@@ -179,6 +196,7 @@ def _raw(path: str, payload: bytes, fds: list[int]) -> dict[str, object]:
 def test_bad_requests_get_an_error_and_the_server_serves_on(
     env: Env, payload: bytes, with_fds: bool, why: str
 ) -> None:
+    spawn(env, "lone")
     spawn(env, "one")
     (sock,) = (env.home / "run").glob("forkserver.*.sock")
     null = os.open(os.devnull, os.O_RDWR)
@@ -193,6 +211,7 @@ def test_bad_requests_get_an_error_and_the_server_serves_on(
 def test_another_uid_is_refused_even_with_the_socket_open_to_it(env: Env) -> None:
     if os.getuid() != 0:
         pytest.skip("needs root to act as a second uid")
+    spawn(env, "lone")
     spawn(env, "one")
     (sock,) = (env.home / "run").glob("forkserver.*.sock")
     # Open the way on purpose (the directories are 0700 and the socket 0600): the server's own
