@@ -14,7 +14,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     # key, title, module
     ("socket", "1. Socket: status round trip vs raw echo", "bench.socket_bench"),
     ("cli", "2. CLI: podctl wall time vs a do-nothing typer app", "bench.cli_bench"),
-    ("spawn", "3. Spawn: podctl spawn to READY, idle RSS", "bench.spawn_bench"),
+    ("spawn", "3. Spawn: podctl spawn to READY (exec, fork server), idle PSS", "bench.spawn_bench"),
     ("agent", "4. Agent overhead per model call vs the plain SDK", "bench.agent_bench"),
     ("request", "5. First model request size (demo manifest)", "bench.request_bench"),
     ("rss", "6. RSS over many runs (SDK loaded)", "bench.rss_bench"),
