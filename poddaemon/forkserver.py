@@ -351,6 +351,10 @@ class Server:
             self.load(self.preload)
             self.preload = []
             pid = self._fork(req, fds)
+        except OSError as exc:  # EAGAIN, ENOMEM…: the client execs instead
+            self._reply(conn, {"error": f"cannot fork: {exc}"})
+            conn.close()
+            return
         finally:
             for fd in fds:
                 os.close(fd)
@@ -429,7 +433,10 @@ class Server:
 
     def _fork(self, req: Request, fds: list[int]) -> int:
         import gc
+        import threading
 
+        if threading.active_count() != 1:  # a preload started one: a fork could deadlock
+            raise OSError(f"{threading.active_count()} threads in the fork server")
         sys.stdout.flush()
         sys.stderr.flush()
         gc.freeze()  # what exists now stays shared: the collector never writes to it again
@@ -457,6 +464,9 @@ class Server:
             os.umask(req.umask)
             os.environ.clear()
             os.environ.update(req.env)
+            import time
+
+            time.tzset()  # the caller's TZ, for the pod's log timestamps
             from poddaemon.daemon import main
 
             code = main(req.argv)
