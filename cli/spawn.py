@@ -15,16 +15,16 @@ start-up fails, and is passed on to the user either way.
 """
 
 import contextlib
-import hashlib
-import json
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
 from typing import Protocol
+
+from poddaemon import forkclient
+from poddaemon.forkclient import Forked
 
 READY_PREFIX = b"PODDAEMON-READY\t"
 READY_TIMEOUT = 30.0
@@ -79,153 +79,6 @@ class Started(Protocol):
         ...
 
 
-class Forked:
-    """A pod forked by the fork server, which reports its exit on `conn` while we listen."""
-
-    def __init__(self, conn: socket.socket, pid: int) -> None:
-        self.conn = conn
-        self.pid = pid
-        self.code: int | None = None
-        self.gone = False
-
-    def poll(self) -> int | None:
-        if not self.gone:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.wait(0.0)
-        return self.code
-
-    def wait(self, timeout: float) -> int | None:
-        if self.gone:
-            return self.code
-        self.conn.settimeout(timeout)  # 0.0: only what already arrived
-        try:
-            line = _read_line(self.conn)
-        except (BlockingIOError, TimeoutError):
-            raise subprocess.TimeoutExpired("pod", timeout) from None
-        self.gone = True
-        self.conn.close()
-        with contextlib.suppress(ValueError, TypeError):
-            self.code = int(json.loads(line)["exit"])
-        return self.code
-
-    def close(self) -> None:
-        self.conn.close()
-
-
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(4096)
-        if not chunk:
-            break
-        data += chunk
-    return data
-
-
-def server_socket() -> str:
-    """This installation's fork server socket: one per interpreter, code and PYTHONPATH, so two
-    virtualenvs never fork each other's pods."""
-    from protocol import paths
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    key = "\0".join((sys.executable, root, os.environ.get("PYTHONPATH", "")))
-    digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-    return str(paths.ensure_private_dirs()[1] / f"forkserver.{digest}.sock")
-
-
-def _connect(path: str, patience: float = 0.0) -> socket.socket | None:
-    deadline = time.monotonic() + patience
-    while True:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.connect(path)
-            return conn
-        except (FileNotFoundError, ConnectionRefusedError):
-            conn.close()
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.01)  # a racing podctl's server took the lock and is about to listen
-
-
-def _start_server(path: str) -> bool:
-    """Start a fork server for `path` and wait until it listens (or another one does)."""
-    log = os.open(path[: -len(".sock")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        server = subprocess.Popen(
-            [sys.executable, "-P", "-m", "poddaemon.forkserver", path],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            start_new_session=True,
-        )
-    finally:
-        os.close(log)
-    assert server.stdout is not None
-    with server.stdout:
-        line = server.stdout.readline()
-    return line.startswith(b"FORKSERVER-")
-
-
-def _fork(cmd: list[str], stdio: tuple[int, int, int]) -> Forked | None:
-    """Have the fork server start `cmd` (a `poddaemon run` command line); None when the server
-    cannot be had, and the caller execs instead."""
-    from poddaemon.forkserver import Request, encode_request
-
-    try:
-        path = server_socket()
-    except OSError:
-        return None
-    if len(path.encode()) > 100:  # sun_path is 108 bytes; leave room
-        return None
-    request = Request(
-        argv=cmd[cmd.index("poddaemon") + 1 :],
-        env=dict(os.environ),
-        cwd=os.getcwd(),
-        umask=_umask(),
-        title=cmd,
-    )
-    frame = encode_request(request)
-    for attempt in range(2):  # a stale server steps aside: the second try starts a fresh one
-        conn = _connect(path)
-        if conn is None:
-            if attempt == 0 and not _pods_alive(os.path.dirname(path)):
-                return None  # a lone pod is exec'd: a server would cost more than it shares
-            if _start_server(path):
-                conn = _connect(path, patience=2.0)
-        if conn is None:
-            return None
-        try:
-            conn.settimeout(READY_TIMEOUT)
-            sent = socket.send_fds(conn, [frame], list(stdio))
-            conn.sendall(frame[sent:])
-            reply = json.loads(_read_line(conn) or b"{}")
-        except (OSError, ValueError):
-            conn.close()
-            return None
-        if isinstance(reply.get("pid"), int):
-            return Forked(conn, reply["pid"])
-        conn.close()
-        if not reply.get("stale"):
-            return None
-    return None
-
-
-def _pods_alive(runtime: str) -> bool:
-    """Does another pod seem to run here (a socket in `pods/`)? A stale one left by a kill -9
-    only starts the server one pod early."""
-    try:
-        names = os.listdir(os.path.join(runtime, "pods"))
-    except OSError:
-        return False
-    return any(os.path.exists(os.path.join(runtime, "pods", n, "sock")) for n in names)
-
-
-def _umask() -> int:
-    mask = os.umask(0o077)
-    os.umask(mask)
-    return mask
-
-
 class Execd:
     def __init__(self, cmd: list[str], stderr: int) -> None:
         self.proc = subprocess.Popen(
@@ -246,10 +99,10 @@ class Execd:
 
 def start(cmd: list[str], stderr: int) -> Forked | Execd:
     """Start the pod with stdin and stdout on /dev/null and stderr on `stderr`."""
-    if os.environ.get("PODDAEMON_FORKSERVER", "1") not in ("0", "off", "no", "false"):
+    if forkclient.enabled():
         null = os.open(os.devnull, os.O_RDWR)
         try:
-            forked = _fork(cmd, (null, null, stderr))
+            forked = forkclient.fork_pod(cmd, (null, null, stderr))
         finally:
             os.close(null)
         if forked is not None:

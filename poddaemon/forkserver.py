@@ -27,7 +27,8 @@ import socket
 import struct
 import sys
 from collections.abc import Callable
-from typing import NamedTuple
+
+from poddaemon.forkclient import Request, decode_request
 
 READY = b"FORKSERVER-READY\n"
 RUNNING = b"FORKSERVER-RUNNING\n"  # another server holds the lock: use that one
@@ -70,34 +71,6 @@ SDKS: dict[str, tuple[str, ...]] = {
     ),
     "anthropic": ("poddaemon.llm.anthropic", "anthropic", "anthropic.types", *_ANYIO),
 }
-
-
-class Request(NamedTuple):
-    argv: list[str]  # `poddaemon` arguments: ["run", manifest, ...]
-    env: dict[str, str]
-    cwd: str
-    umask: int
-    title: list[str]  # the command line `ps` shows: what the pod would have been exec'd as
-
-
-def encode_request(req: Request) -> bytes:
-    body = json.dumps(req._asdict()).encode()
-    return struct.pack(">I", len(body)) + body
-
-
-def decode_request(body: bytes) -> Request:
-    raw = json.loads(body)
-    if not isinstance(raw, dict):
-        raise ValueError("not a JSON object")
-    argv, env, cwd = raw.get("argv"), raw.get("env"), raw.get("cwd")
-    umask, title = raw.get("umask"), raw.get("title", [])
-    if not (isinstance(argv, list) and argv and all(isinstance(a, str) for a in argv)):
-        raise ValueError("argv: want a non-empty list of strings")
-    if not (isinstance(env, dict) and all(isinstance(v, str) for v in env.values())):
-        raise ValueError("env: want an object of strings")
-    if not isinstance(cwd, str) or not isinstance(umask, int) or not isinstance(title, list):
-        raise ValueError("want cwd: str, umask: int, title: [str]")
-    return Request(argv, env, cwd, umask, [str(t) for t in title])
 
 
 def peek_kind(argv: list[str], cwd: str) -> str | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from poddaemon import forkserver
+from poddaemon import forkclient
 from tests.conftest import Env, wait_until
 
 
@@ -185,7 +185,7 @@ def _raw(path: str, payload: bytes, fds: list[int]) -> dict[str, object]:
         (b"garbage", True, "bad request"),
         (struct.pack(">I", 5) + b"nope!", True, "bad request"),
         (
-            forkserver.encode_request(forkserver.Request(["run"], {}, "/", 0o22, [])),
+            forkclient.encode_request(forkclient.Request(["run"], {}, "/", 0o22, [])),
             False,
             "3 file",
         ),
