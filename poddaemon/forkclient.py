@@ -132,7 +132,8 @@ def _start_server(path: str) -> bool:
         os.close(log)
     assert server.stdout is not None
     with server.stdout:
-        line = server.stdout.readline()
+        line = server.stdout.readline()  # from the server proper: it forked itself off at once
+    server.wait()
     return line.startswith(b"FORKSERVER-")
 
 

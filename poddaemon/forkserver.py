@@ -494,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("usage: python -m poddaemon.forkserver SOCKET\n")
         return 2
     sock_path = args[0]
+    if os.fork():  # whoever started us (podctl, a pod) reaps this parent now, never the server
+        os._exit(0)
     lock_fd = os.open(sock_path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

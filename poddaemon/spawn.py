@@ -17,12 +17,14 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from poddaemon import forkclient
 from poddaemon.entries import SPAWNER_KEY, Entry, SystemItem
 from poddaemon.scope import Access, resolve
 from poddaemon.store.log import new_session_id
@@ -33,6 +35,7 @@ from protocol.errors import RpcError
 
 if TYPE_CHECKING:
     from poddaemon.config.manifest import Manifest
+    from poddaemon.forkclient import Forked
     from poddaemon.pod import Pod
 
 log = logging.getLogger("poddaemon.spawn")
@@ -325,22 +328,18 @@ class Children:
             "--stderr-log",
         ]
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.PIPE,
-                start_new_session=True,
-            )
+            started = await _fork(cmd) or await _exec(cmd)
             try:
-                socket = await self._ready(proc)
+                socket = await self._ready(started)
             except BaseException:
-                await _kill(proc)
+                await started.kill()
                 raise
+            finally:
+                started.close()
         finally:
             with contextlib.suppress(OSError):
                 path.unlink()
-        child = _Live(name, proc.pid, socket, proc)
+        child = _Live(name, started.pid, socket, started.proc)
         self._watch(child)
         scope = [dict(r) for r in msgspec.to_builtins(manifest.scope.allow)]
         pod.feed(pod.machine.child_started(name, socket, grant, scope))
@@ -357,9 +356,8 @@ class Children:
         self._expect(name, str(result["run_id"]))
         return {"name": name, "socket": socket}
 
-    async def _ready(self, proc: "asyncio.subprocess.Process") -> str:
+    async def _ready(self, started: "_Started") -> str:
         """Read the child's stderr until READY; its earlier lines are its error otherwise."""
-        assert proc.stderr is not None
         output = bytearray()
         deadline = time.monotonic() + READY_TIMEOUT
         while True:
@@ -368,7 +366,7 @@ class Children:
                 raise ToolError(f"child pod did not become ready within {READY_TIMEOUT:g} s")
             try:
                 async with asyncio.timeout(left):
-                    line = await proc.stderr.readline()
+                    line = await started.stderr.readline()
             except TimeoutError:
                 continue
             if not line:
@@ -377,7 +375,7 @@ class Children:
                 parts = line.rstrip(b"\r\n").decode("utf-8", "replace").split("\t")
                 return parts[2] if len(parts) > 2 else ""
             output += line
-        code = await proc.wait()
+        code = await started.wait()
         text = output.decode("utf-8", "replace").strip()
         lines = [ln.removeprefix("poddaemon: ") for ln in text.splitlines() if ln.strip()]
         message = "\n".join(lines[-5:]) or f"it exited with status {code}"
@@ -466,10 +464,81 @@ class Children:
             pod.tool_ctx.scope_changed()  # commands too (when the sandbox confines them)
 
 
-async def _kill(proc: "asyncio.subprocess.Process") -> None:
-    if proc.returncode is None:
+class _Started:
+    """A child starting up: exec'd by us (`proc`), or forked by the fork server (`forked`, which
+    reports its exit status while we listen). `stderr` is its stderr until READY."""
+
+    def __init__(
+        self,
+        pid: int,
+        stderr: asyncio.StreamReader,
+        proc: "asyncio.subprocess.Process | None" = None,
+        forked: "Forked | None" = None,
+        transport: asyncio.BaseTransport | None = None,
+    ) -> None:
+        self.pid = pid
+        self.stderr = stderr
+        self.proc = proc
+        self.forked = forked
+        self.transport = transport
+
+    async def wait(self) -> int | None:
+        if self.proc is not None:
+            return await self.proc.wait()
+        assert self.forked is not None
+        try:
+            return await asyncio.to_thread(self.forked.wait, 5.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    async def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(5.0):
-            await proc.wait()
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(5.0):
+                await self.wait()
+
+    def close(self) -> None:
+        """After READY (or failure): we read its stderr no more; asyncio reaps an exec'd one."""
+        if self.transport is not None:
+            self.transport.close()
+        if self.forked is not None:
+            self.forked.close()
+
+
+async def _exec(cmd: list[str]) -> _Started:
+    proc = await asyncio.create_subprocess_exec(
+        *cmd,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    assert proc.stderr is not None
+    return _Started(proc.pid, proc.stderr, proc=proc)
+
+
+async def _fork(cmd: list[str]) -> _Started | None:
+    """The child forked by the fork server, sharing its preloaded modules with us and our
+    siblings; None (then it is exec'd) when the server is off or out of reach, or when this pod
+    runs in a systemd unit: its children belong in the unit's cgroup, stopped with it."""
+    if not forkclient.enabled() or "INVOCATION_ID" in os.environ:
+        return None
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        forked = await asyncio.to_thread(
+            forkclient.fork_pod, cmd, (null, null, write_end), alone_ok=True
+        )
+    finally:
+        os.close(null)
+        os.close(write_end)
+    if forked is None:
+        os.close(read_end)
+        return None
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 20)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", buffering=0)
+    )
+    return _Started(forked.pid, reader, forked=forked, transport=transport)

@@ -52,17 +52,18 @@ def _stray(env: Env) -> list[int]:
         if not pid.isdigit():
             continue
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            # A pod forked by the fork server has its title in one string (setproctitle) and
+            # an empty environ; its children's command lines name the home (their callback).
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
             environ = Path(f"/proc/{pid}/environ").read_bytes()
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
         if stat.rpartition(")")[2].split()[0] in ("Z", "X"):
             continue
-        if (
-            b"poddaemon" in cmd
-            and b"run" in cmd
-            and f"PODDAEMON_HOME={env.home}".encode() in environ
+        home = str(env.home).encode()
+        if b"-m poddaemon run " in cmd and (
+            home + b"/" in cmd or b"PODDAEMON_HOME=" + home + b"\0" in environ
         ):
             found.append(int(pid))
     return found
@@ -663,3 +664,31 @@ def test_a_childs_bash_is_confined_to_its_delegated_area(tree: Env) -> None:
     assert "the spawner's own file" not in body and not (env.work / "escaped.txt").exists()
     assert json.loads((env.home / "run" / "pods.json").read_text()) != {}
     assert (kid / "ok.txt").read_text() == "mine\n"
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_children_are_forked_by_the_fork_server_and_share_it(tree: Env) -> None:
+    """A tree's pods come from one fork server (started by the spawner): the SDK and the pod's
+    modules are one copy for all of them. The grandchild's spawner is a forked pod itself."""
+    _tree_of_two(tree, "stop")
+    (lock,) = (tree.home / "run").glob("forkserver.*.lock")
+    server = int(lock.read_text())
+    registry = Registry(tree.home / "run")
+    for name in ("s1", "s2", "g1"):
+        entry = registry.get(name)
+        assert entry is not None and _ppid(entry.pid) == server, name
+
+
+def test_a_unit_pods_children_are_execd_into_its_cgroup(tree: Env) -> None:
+    """Under systemd (INVOCATION_ID set) children stay the spawner's own processes: they are in
+    its unit's cgroup, and stopping the unit stops them."""
+    tree.env["INVOCATION_ID"] = "0123456789abcdef0123456789abcdef"
+    parent = _tree_of_two(tree, "stop")
+    registry = Registry(tree.home / "run")
+    for name in ("s1", "s2"):
+        entry = registry.get(name)
+        assert entry is not None and _ppid(entry.pid) == parent.proc.pid, name
+    assert not list((tree.home / "run").glob("forkserver.*"))
