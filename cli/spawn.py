@@ -126,6 +126,9 @@ def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str,
     fd, write_end = os.pipe2(os.O_CLOEXEC)
     try:
         proc = start([*cmd, "--stderr-log"], write_end)
+    except forkclient.ServerLost as exc:
+        os.close(fd)
+        raise SpawnFailed(str(exc), b"") from None
     except BaseException:
         os.close(fd)
         raise

@@ -16,6 +16,10 @@ from typing import NamedTuple
 READY_TIMEOUT = 30.0
 
 
+class ServerLost(Exception):
+    """The server took the request and vanished before saying whether it forked."""
+
+
 def enabled() -> bool:
     """`PODDAEMON_FORKSERVER=0` (or off, no, false) execs every pod."""
     return os.environ.get("PODDAEMON_FORKSERVER", "1").lower() not in ("0", "off", "no", "false")
@@ -142,7 +146,8 @@ def fork_pod(
 ) -> Forked | None:
     """Have the fork server start `cmd` (a `poddaemon run` command line) with these stdin,
     stdout and stderr; None when the server cannot be had, and the caller execs instead. With
-    no server running, one is started only if another pod runs (or `alone_ok`)."""
+    no server running, one is started only if another pod runs (or `alone_ok`). Raises
+    ServerLost when it cannot be known whether the pod was started."""
 
     try:
         path = server_socket()
@@ -171,10 +176,16 @@ def fork_pod(
             conn.settimeout(READY_TIMEOUT)
             sent = socket.send_fds(conn, [frame], list(stdio))
             conn.sendall(frame[sent:])
-            reply = json.loads(_read_line(conn) or b"{}")
-        except (OSError, ValueError):
+        except OSError:
             conn.close()
-            return None
+            return None  # it never had the request: exec
+        try:
+            reply = json.loads(_read_line(conn))
+        except (OSError, ValueError):  # it had the request and no answer came: exec'ing could
+            conn.close()  # start the pod twice
+            raise ServerLost(
+                "the fork server went away while starting the pod; see `podctl ls`"
+            ) from None
         if isinstance(reply.get("pid"), int):
             return Forked(conn, reply["pid"])
         conn.close()

@@ -405,15 +405,13 @@ class Server:
     # --- the fork -------------------------------------------------------------------------------
 
     def _fork(self, req: Request, fds: list[int]) -> int:
-        import gc
         import threading
 
         if threading.active_count() != 1:  # a preload started one: a fork could deadlock
             raise OSError(f"{threading.active_count()} threads in the fork server")
         sys.stdout.flush()
         sys.stderr.flush()
-        gc.freeze()  # what exists now stays shared: the collector never writes to it again
-        pid = os.fork()
+        pid = os.fork()  # the preloads were frozen (load()): what a request made stays collectable
         if pid == 0:
             self._child(req, fds)  # never returns
         return pid

@@ -530,6 +530,9 @@ async def _fork(cmd: list[str]) -> _Started | None:
         forked = await asyncio.to_thread(
             forkclient.fork_pod, cmd, (null, null, write_end), alone_ok=True
         )
+    except forkclient.ServerLost as exc:
+        os.close(read_end)
+        raise ToolError(str(exc)) from None
     finally:
         os.close(null)
         os.close(write_end)

@@ -238,3 +238,34 @@ def test_another_uid_is_refused_even_with_the_socket_open_to_it(env: Env) -> Non
         os.chmod(d, 0o700)
     assert stranger.stdout.strip() == "b''", stranger.stdout + stranger.stderr  # hung up on
     assert ppid(spawn(env, "two")) == server_pid(env)
+
+
+def test_a_server_that_vanishes_with_the_request_is_an_error_not_a_second_start(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It may have forked the pod already: exec'ing it as well would start it twice."""
+    import threading
+
+    spawn(env, "lone")
+    monkeypatch.setenv("PYTHONPATH", env.env["PYTHONPATH"])  # podctl's key
+    path = forkclient.server_socket()
+    assert path.startswith(str(env.home))
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def take_and_vanish() -> None:
+        conn, _ = listener.accept()
+        socket.recv_fds(conn, 65536, 3)
+        conn.close()
+
+    taker = threading.Thread(target=take_and_vanish)
+    taker.start()
+    try:
+        done = env.podctl("spawn", str(env.manifest("two", write=[str(env.work / "two")])))
+    finally:
+        taker.join(10)
+        listener.close()
+    assert done.returncode == 1
+    assert "fork server went away" in done.stderr
+    assert not (env.home / "run" / "pods" / "two" / "sock").exists()
