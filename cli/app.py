@@ -39,6 +39,29 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from cli.service import version_text
+
+        sys.stdout.write(version_text())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the podctl and protocol versions.",
+            callback=_version,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """Control poddaemon pods: LLM agents running as supervised processes."""
+
+
 def sub_app(help: str, **kwargs: Any) -> typer.Typer:
     """A command group (`podctl sessions …`) with the same plain settings as the main app."""
     return typer.Typer(help=help, rich_markup_mode=None, pretty_exceptions_enable=False, **kwargs)
@@ -91,6 +114,21 @@ def rpc_errors(target: str) -> Iterator[None]:
         fail(f"pod '{target}' did not answer in time")
     except OSError as exc:
         fail(f"cannot talk to pod '{target}': {exc}")
+
+
+def call(target: str, method: str, params: dict[str, Any] | None = None) -> Any:
+    """One call to `target`, its result as plain JSON data, with podctl's error handling.
+
+    Through `protocol.oneshot` (standard library only): for a one-call command, importing
+    PodClient would cost more than the rest of podctl's own start-up.
+    """
+    from protocol import oneshot, paths
+
+    result: Any = None
+    with rpc_errors(target):
+        paths.check_private_dirs()  # another user must not be able to swap what we talk to
+        result = oneshot.call(target, method, params)
+    return result
 
 
 @contextlib.contextmanager

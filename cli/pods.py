@@ -11,7 +11,7 @@ from cli.app import (
     JsonOpt,
     PodArg,
     app,
-    connect,
+    call,
     fail,
     not_running,
     print_json,
@@ -192,8 +192,7 @@ def status(
     if pod is None:
         ls(as_json)
         return
-    with connect(pod) as client:
-        st = raw_status(client)
+    st = call(pod, "status")
     if as_json:
         print_json(st)
         return
@@ -232,8 +231,8 @@ def _stop(target: str, tree: bool, top: bool) -> None:
     import time
 
     from protocol.client import PodClient
-    from protocol.core import resolve_socket
     from protocol.errors import SHUTTING_DOWN, ConnectionClosed, PodNotRunning, RpcError
+    from protocol.sockets import resolve_socket
 
     name, pid = target, None
     try:
@@ -314,11 +313,7 @@ def rpc(
         if not isinstance(value, dict):
             fail("JSON params must be an object", EXIT_USAGE)
         parsed = value
-    import msgspec
-
-    with connect(pod) as client:
-        result = msgspec.json.decode(client.call_raw(method, parsed))
-    print_json(result)
+    print_json(call(pod, method, parsed))
 
 
 # --- mcp-serve ----------------------------------------------------------------------------------
