@@ -151,12 +151,32 @@ def raw_status(client: "PodClient") -> dict[str, Any]:
     return result
 
 
-def run(commands: tuple[str, ...]) -> None:
-    """Import the command modules (each registers itself on `app`), then run podctl."""
+def _command_name(info: "typer.models.CommandInfo") -> str | None:
+    """A registered command's name as users type it (typer's own rule for unnamed ones)."""
+    if info.name or info.callback is None:
+        return info.name
+    return info.callback.__name__.lower().replace("_", "-")
+
+
+def command_names() -> list[str]:
+    """The top-level commands and groups registered on `app`."""
+    names = [_command_name(c) for c in app.registered_commands]
+    return [n for n in names + [g.name for g in app.registered_groups] if n]
+
+
+def run(commands: tuple[str, ...], only: str | None = None) -> None:
+    """Import the command modules (each registers itself on `app`), then run podctl.
+
+    `only`: the command being run. typer builds every registered command's parameters before it
+    parses anything; the others are dropped first (its help and usage errors are its own).
+    """
     import importlib
 
     for module in commands:
         importlib.import_module(module)
+    if only is not None:
+        app.registered_commands = [c for c in app.registered_commands if _command_name(c) == only]
+        app.registered_groups = [g for g in app.registered_groups if g.name == only]
     try:
         app(prog_name="podctl")
     except PermissionError as exc:  # an unsafe directory, an unreadable lock file: one line

@@ -31,7 +31,8 @@ def modules_for(args: list[str]) -> tuple[str, ...]:
 
 
 def main() -> None:
-    run(modules_for(sys.argv[1:]))
+    modules = modules_for(sys.argv[1:])
+    run(modules, only=sys.argv[1] if len(modules) == 1 else None)
 
 
 if __name__ == "__main__":

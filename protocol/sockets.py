@@ -6,13 +6,12 @@ one-call client of podctl (`protocol.oneshot`) uses this without the rest of the
 
 import _socket
 import os
-import struct
 from pathlib import Path
 
 from protocol import paths
 from protocol.errors import UnsafeSocket
 
-_PEERCRED = struct.Struct("3i")
+_UCRED_SIZE = 12  # struct ucred: pid, uid, gid as C ints
 
 
 def resolve_socket(target: str | os.PathLike[str]) -> Path:
@@ -41,6 +40,6 @@ def check_socket_owner(path: Path) -> None:
 
 def check_peer(sock: _socket.socket, path: Path) -> None:
     """Refuse a connection whose listening process runs as another user (no race with a swap)."""
-    raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _PEERCRED.size)
-    pid, uid, _ = _PEERCRED.unpack(raw)
+    raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED_SIZE)
+    pid, uid, _ = memoryview(raw).cast("i")
     _check_uid(uid, f"the process (pid {pid}) behind socket {path}")

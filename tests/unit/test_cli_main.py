@@ -12,11 +12,9 @@ REPO = Path(__file__).resolve().parents[2]
 # Each module imported alone, in a fresh interpreter: the top-level names it adds to the app.
 PROBE = """
 import importlib, sys
-from cli.app import app
+from cli.app import command_names
 importlib.import_module(sys.argv[1])
-names = [c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands]
-names += [g.name for g in app.registered_groups]
-print(" ".join(names))
+print(" ".join(command_names()))
 """
 
 
