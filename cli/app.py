@@ -1,10 +1,12 @@
-"""What every podctl command group shares: the typer app, exit codes, common options, error
-handling and the client connect helper.
+"""What every podctl command group shares: the typer app (its root `--version` option), exit
+codes, common options, error handling and the client helpers.
 
 Start-up time matters (`podctl status` runs in scripts and prompts), so this module and the
-command modules import only typer and the standard library at the top. `protocol` (msgspec,
-sockets), `poddaemon.*` and `cli.render` are imported inside the commands that use them; podctl
-never imports openai, anthropic or asyncio.
+command modules import only typer and the standard library at the top, and cli/main.py loads only
+the invoked command's module. A command that makes one call uses `call` (`protocol.oneshot`,
+standard library only); one that streams, pages or polls uses `connect` (PodClient: msgspec).
+`poddaemon.*` and `cli.render` are imported inside the commands that use them; podctl never
+imports openai, anthropic or asyncio.
 
 Exit codes (SPEC §6): 0 ok · 1 error (an RPC error prints `podctl: <message> (<code>)`), a run
 that ended in error, was cancelled or paused · 2 usage error only, except `send`'s "limit
@@ -141,14 +143,6 @@ def connect(target: str, timeout: float | None = None) -> Iterator["PodClient"]:
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
         with PodClient.connect(target, timeout=timeout) as client:
             yield client
-
-
-def raw_status(client: "PodClient") -> dict[str, Any]:
-    """The `status` result as plain JSON data (what the renderers and `--json` take)."""
-    import msgspec
-
-    result: dict[str, Any] = msgspec.json.decode(client.call_raw("status"))
-    return result
 
 
 def _command_name(info: "typer.models.CommandInfo") -> str | None:

@@ -15,7 +15,6 @@ from cli.app import (
     fail,
     not_running,
     print_json,
-    raw_status,
     rpc_errors,
 )
 
@@ -105,21 +104,19 @@ def _socket_names() -> set[str]:
 def _query(name: str, registered: bool) -> dict[str, Any] | str | None:
     """A pod's status, or why it is unresponsive (a string), or None when it is not a pod at all
     (a stale socket nobody listens on, and no live registry entry)."""
-    import msgspec
-
-    from protocol.client import PodClient
+    from protocol import oneshot
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     try:
-        with PodClient.connect(name, timeout=LS_TIMEOUT) as client:
-            return raw_status(client)
+        status: dict[str, Any] = oneshot.call(name, "status", timeout=LS_TIMEOUT)
+        return status
     except PodNotRunning:
         return "socket not accepting connections" if registered else None
     except TimeoutError:
         return f"no answer within {LS_TIMEOUT:g} s"
     except RpcError as exc:
         return f"status failed: {exc.message} ({exc.code})"
-    except (ConnectionClosed, OSError, msgspec.DecodeError) as exc:
+    except (ConnectionClosed, OSError) as exc:
         return f"status failed: {exc}"
     except Exception as exc:  # whatever one pod does wrong, ls lists the others
         return f"status failed: {exc!r}"

@@ -43,16 +43,13 @@ def unit_of_pid(pid: int) -> str | None:
 
 def _live_status(target: str) -> dict[str, Any] | None:
     """The pod's status, or None when it is not running."""
-    import msgspec
-
-    from protocol.client import PodClient
+    from protocol import oneshot
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     try:
-        with PodClient.connect(target, timeout=5.0) as client:
-            result: dict[str, Any] = msgspec.json.decode(client.call_raw("status"))
-            return result
-    except (PodNotRunning, ConnectionClosed, RpcError, OSError, msgspec.DecodeError):
+        result: dict[str, Any] = oneshot.call(target, "status", timeout=5.0)
+        return result
+    except (PodNotRunning, ConnectionClosed, RpcError, OSError):
         return None
 
 
