@@ -1,10 +1,12 @@
-"""What every podctl command group shares: the typer app, exit codes, common options, error
-handling and the client connect helper.
+"""What every podctl command group shares: the typer app (its root `--version` option), exit
+codes, common options, error handling and the client helpers.
 
 Start-up time matters (`podctl status` runs in scripts and prompts), so this module and the
-command modules import only typer and the standard library at the top. `protocol` (msgspec,
-sockets), `poddaemon.*` and `cli.render` are imported inside the commands that use them; podctl
-never imports openai, anthropic or asyncio.
+command modules import only typer and the standard library at the top, and cli/main.py loads only
+the invoked command's module. A command that makes one call uses `call` (`protocol.oneshot`,
+standard library only); one that streams, pages or polls uses `connect` (PodClient: msgspec).
+`poddaemon.*` and `cli.render` are imported inside the commands that use them; podctl never
+imports openai, anthropic or asyncio.
 
 Exit codes (SPEC §6): 0 ok · 1 error (an RPC error prints `podctl: <message> (<code>)`), a run
 that ended in error, was cancelled or paused · 2 usage error only, except `send`'s "limit
@@ -37,6 +39,29 @@ app = typer.Typer(
     rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from cli.service import version_text
+
+        sys.stdout.write(version_text())
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            help="Print the podctl and protocol versions.",
+            callback=_version,
+            is_eager=True,
+        ),
+    ] = False,
+) -> None:
+    """Control poddaemon pods: LLM agents running as supervised processes."""
 
 
 def sub_app(help: str, **kwargs: Any) -> typer.Typer:
@@ -93,6 +118,21 @@ def rpc_errors(target: str) -> Iterator[None]:
         fail(f"cannot talk to pod '{target}': {exc}")
 
 
+def call(target: str, method: str, params: dict[str, Any] | None = None) -> Any:
+    """One call to `target`, its result as plain JSON data, with podctl's error handling.
+
+    Through `protocol.oneshot` (standard library only): for a one-call command, importing
+    PodClient would cost more than the rest of podctl's own start-up.
+    """
+    from protocol import oneshot, paths
+
+    result: Any = None
+    with rpc_errors(target):
+        paths.check_private_dirs()  # another user must not be able to swap what we talk to
+        result = oneshot.call(target, method, params)
+    return result
+
+
 @contextlib.contextmanager
 def connect(target: str, timeout: float | None = None) -> Iterator["PodClient"]:
     """A PodClient for `target`, with podctl's error handling around everything in the block."""
@@ -105,20 +145,32 @@ def connect(target: str, timeout: float | None = None) -> Iterator["PodClient"]:
             yield client
 
 
-def raw_status(client: "PodClient") -> dict[str, Any]:
-    """The `status` result as plain JSON data (what the renderers and `--json` take)."""
-    import msgspec
+def _command_name(info: "typer.models.CommandInfo") -> str | None:
+    """A registered command's name as users type it (typer's own rule for unnamed ones)."""
+    if info.name or info.callback is None:
+        return info.name
+    return info.callback.__name__.lower().replace("_", "-")
 
-    result: dict[str, Any] = msgspec.json.decode(client.call_raw("status"))
-    return result
+
+def command_names() -> list[str]:
+    """The top-level commands and groups registered on `app`."""
+    names = [_command_name(c) for c in app.registered_commands]
+    return [n for n in names + [g.name for g in app.registered_groups] if n]
 
 
-def run(commands: tuple[str, ...]) -> None:
-    """Import the command modules (each registers itself on `app`), then run podctl."""
+def run(commands: tuple[str, ...], only: str | None = None) -> None:
+    """Import the command modules (each registers itself on `app`), then run podctl.
+
+    `only`: the command being run. typer builds every registered command's parameters before it
+    parses anything; the others are dropped first (its help and usage errors are its own).
+    """
     import importlib
 
     for module in commands:
         importlib.import_module(module)
+    if only is not None:
+        app.registered_commands = [c for c in app.registered_commands if _command_name(c) == only]
+        app.registered_groups = [g for g in app.registered_groups if g.name == only]
     try:
         app(prog_name="podctl")
     except PermissionError as exc:  # an unsafe directory, an unreadable lock file: one line

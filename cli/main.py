@@ -4,20 +4,35 @@ The shared parts (the typer app, exit codes, error handling, connect) are in `cl
 command group lives in its own module and registers its commands on `cli.app.app` when imported.
 """
 
+import sys
+
 from cli.app import run
 
-# Command modules, in the order `podctl --help` lists them. A new group is one line here.
-COMMANDS = (
-    "cli.pods",  # spawn, ls, status, stop, rpc
-    "cli.talk",  # send, notify, attach, history, pause, resume, cancel
-    "cli.sessions",  # sessions list | show | verify
-    "cli.dev",  # dev fake-model
-    "cli.service",  # unit install|remove, logs, wait, restart, --version
-)
+# Command modules, in the order `podctl --help` lists them, with the top-level commands each
+# registers (tests/unit/test_cli_main.py checks both). A new group is one line here.
+COMMANDS: dict[str, tuple[str, ...]] = {
+    "cli.pods": ("spawn", "ls", "status", "stop", "rpc", "mcp-serve"),
+    "cli.talk": ("send", "notify", "attach", "history", "pause", "resume", "cancel", "compact"),
+    "cli.sessions": ("sessions",),
+    "cli.dev": ("dev",),
+    "cli.service": ("unit", "logs", "wait", "restart"),
+}
+
+
+def modules_for(args: list[str]) -> tuple[str, ...]:
+    """The command modules to load for `podctl ARGS`: only the one defining the command being
+    run (importing the others and letting typer build all their commands is a quarter of
+    podctl's own start-up), every one for anything else (help, --version, a typo)."""
+    if args:
+        for module, names in COMMANDS.items():
+            if args[0] in names:
+                return (module,)
+    return tuple(COMMANDS)
 
 
 def main() -> None:
-    run(COMMANDS)
+    modules = modules_for(sys.argv[1:])
+    run(modules, only=sys.argv[1] if len(modules) == 1 else None)
 
 
 if __name__ == "__main__":

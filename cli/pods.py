@@ -11,11 +11,10 @@ from cli.app import (
     JsonOpt,
     PodArg,
     app,
-    connect,
+    call,
     fail,
     not_running,
     print_json,
-    raw_status,
     rpc_errors,
 )
 
@@ -105,21 +104,19 @@ def _socket_names() -> set[str]:
 def _query(name: str, registered: bool) -> dict[str, Any] | str | None:
     """A pod's status, or why it is unresponsive (a string), or None when it is not a pod at all
     (a stale socket nobody listens on, and no live registry entry)."""
-    import msgspec
-
-    from protocol.client import PodClient
+    from protocol import oneshot
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     try:
-        with PodClient.connect(name, timeout=LS_TIMEOUT) as client:
-            return raw_status(client)
+        status: dict[str, Any] = oneshot.call(name, "status", timeout=LS_TIMEOUT)
+        return status
     except PodNotRunning:
         return "socket not accepting connections" if registered else None
     except TimeoutError:
         return f"no answer within {LS_TIMEOUT:g} s"
     except RpcError as exc:
         return f"status failed: {exc.message} ({exc.code})"
-    except (ConnectionClosed, OSError, msgspec.DecodeError) as exc:
+    except (ConnectionClosed, OSError) as exc:
         return f"status failed: {exc}"
     except Exception as exc:  # whatever one pod does wrong, ls lists the others
         return f"status failed: {exc!r}"
@@ -192,8 +189,7 @@ def status(
     if pod is None:
         ls(as_json)
         return
-    with connect(pod) as client:
-        st = raw_status(client)
+    st = call(pod, "status")
     if as_json:
         print_json(st)
         return
@@ -232,8 +228,8 @@ def _stop(target: str, tree: bool, top: bool) -> None:
     import time
 
     from protocol.client import PodClient
-    from protocol.core import resolve_socket
     from protocol.errors import SHUTTING_DOWN, ConnectionClosed, PodNotRunning, RpcError
+    from protocol.sockets import resolve_socket
 
     name, pid = target, None
     try:
@@ -314,11 +310,7 @@ def rpc(
         if not isinstance(value, dict):
             fail("JSON params must be an object", EXIT_USAGE)
         parsed = value
-    import msgspec
-
-    with connect(pod) as client:
-        result = msgspec.json.decode(client.call_raw(method, parsed))
-    print_json(result)
+    print_json(call(pod, method, parsed))
 
 
 # --- mcp-serve ----------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""`podctl logs | wait | restart`, `--version`, and how a unit-managed pod is found (SPEC §6, §7).
+"""`podctl logs | wait | restart`, the `--version` text, and how a unit-managed pod is found
+(SPEC §6, §7).
 
 A pod started by its systemd unit is the same pod to every command. What makes it a unit pod is
 where its process lives: its cgroup path ends in `poddaemon-<name>.service` (also true of its
@@ -42,16 +43,13 @@ def unit_of_pid(pid: int) -> str | None:
 
 def _live_status(target: str) -> dict[str, Any] | None:
     """The pod's status, or None when it is not running."""
-    import msgspec
-
-    from protocol.client import PodClient
+    from protocol import oneshot
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     try:
-        with PodClient.connect(target, timeout=5.0) as client:
-            result: dict[str, Any] = msgspec.json.decode(client.call_raw("status"))
-            return result
-    except (PodNotRunning, ConnectionClosed, RpcError, OSError, msgspec.DecodeError):
+        result: dict[str, Any] = oneshot.call(target, "status", timeout=5.0)
+        return result
+    except (PodNotRunning, ConnectionClosed, RpcError, OSError):
         return None
 
 
@@ -311,18 +309,12 @@ def version_text() -> str:
     return f"podctl {__version__} (protocol {proto})\n"
 
 
-def version_callback(value: bool) -> None:
-    if value:
-        sys.stdout.write(version_text())
-        raise typer.Exit(0)
-
-
 __all__ = [
     "logs",
     "restart",
     "stop_unit_pod",
     "unit_of_pid",
-    "version_callback",
+    "version_text",
     "wait",
 ]
 
@@ -336,20 +328,6 @@ def _register() -> None:
     app.add_typer(unit_app, name="unit")
     for command in (logs, wait, restart):
         app.command()(command)
-
-    @app.callback()
-    def _root(
-        version: Annotated[
-            bool,
-            typer.Option(
-                "--version",
-                help="Print the podctl and protocol versions.",
-                callback=version_callback,
-                is_eager=True,
-            ),
-        ] = False,
-    ) -> None:
-        """Control poddaemon pods: LLM agents running as supervised processes."""
 
 
 _register()

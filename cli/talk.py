@@ -13,6 +13,7 @@ from cli.app import (
     JsonOpt,
     PodArg,
     app,
+    call,
     connect,
     fail,
     print_json,
@@ -118,9 +119,10 @@ def notify(
     It reaches the model at its next request; an idle pod wakes for it.
     """
     text = read_message(message)
-    with connect(pod) as client:
-        result = client.notify(text, source=source)
-    sys.stdout.write(result.notification_id + (" (woke the pod)" if result.wakes else "") + "\n")
+    params = {"message": text} if source is None else {"message": text, "source": source}
+    result = call(pod, "notify", params)
+    woke = " (woke the pod)" if result["wakes"] else ""
+    sys.stdout.write(f"{result['notification_id']}{woke}\n")
 
 
 @app.command()
@@ -251,17 +253,13 @@ def _say(text: str) -> None:
 @app.command()
 def pause(pod: PodArg) -> None:
     """Pause the active run at its next safe point."""
-    with connect(pod) as client:
-        result = client.pause()
-    _say("pausing" if result.paused else "nothing to pause")
+    _say("pausing" if call(pod, "pause")["paused"] else "nothing to pause")
 
 
 @app.command()
 def resume(pod: PodArg) -> None:
     """Continue a paused run."""
-    with connect(pod) as client:
-        result = client.resume()
-    _say(f"resumed run {result.run_id}")
+    _say(f"resumed run {call(pod, 'resume')['run_id']}")
 
 
 @app.command()
@@ -272,18 +270,16 @@ def cancel(
     ] = None,
 ) -> None:
     """Cancel the active run (or the given one)."""
-    with connect(pod) as client:
-        result = client.cancel(run_id)
-    _say("cancelled" if result.cancelled else "nothing to cancel")
+    result = call(pod, "cancel", None if run_id is None else {"run_id": run_id})
+    _say("cancelled" if result["cancelled"] else "nothing to cancel")
 
 
 @app.command()
 def compact(pod: PodArg, as_json: JsonOpt = False) -> None:
     """Compact the pod's context now (idle pods only): summarize the history and continue in a
     new session linked by `compacted_from`. Prints the new session's id."""
-    with connect(pod) as client:
-        result = client.compact()
+    session_id = call(pod, "compact")["session_id"]
     if as_json:
-        print_json({"session_id": result.session_id})
+        print_json({"session_id": session_id})
         return
-    _say(f"compacted: session {result.session_id}")
+    _say(f"compacted: session {session_id}")

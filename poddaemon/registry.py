@@ -15,13 +15,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import filelock
 import msgspec
 
 from poddaemon.scope import Rule, Scope, write_overlap
 from protocol import paths
+
+if TYPE_CHECKING:
+    import filelock  # imported when a transaction first locks: readers (podctl ls) skip ~10 ms
 
 __all__ = [
     "LOCK_TIMEOUT",
@@ -210,6 +212,8 @@ class Registry:
                 paths.ensure_dir(self.runtime_dir, "runtime directory")
         except OSError as e:
             raise RegistryError(f"cannot create {self.runtime_dir}: {_reason(e)}") from None
+        import filelock
+
         if self._lock is None:
             self._lock = filelock.FileLock(
                 self.lock_path, timeout=self._lock_timeout, mode=0o600, poll_interval=0.005

@@ -13,18 +13,11 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from protocol.core import (
-    MAX_REPLY_BYTES,
-    AsyncCaller,
-    ClientCore,
-    ClientMethods,
-    check_peer,
-    check_socket_owner,
-    resolve_socket,
-)
+from protocol.core import AsyncCaller, ClientCore, ClientMethods
 from protocol.errors import ConnectionClosed, PodNotRunning
-from protocol.framing import DEFAULT_MAX_FRAME_BYTES
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES, MAX_REPLY_BYTES
 from protocol.methods import Method
+from protocol.sockets import check_peer, check_socket_owner, resolve_socket
 from protocol.types import Event, Params
 
 T = TypeVar("T")

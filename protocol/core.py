@@ -4,27 +4,27 @@ It turns calls into request bytes and received bytes into replies and events, an
 client method once, from the method table: the two clients only move bytes.
 """
 
-import os
-import socket
-import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any, Generic, ParamSpec, TypeVar, overload
 
 import msgspec
 
-from protocol import methods, paths
+from protocol import methods
 from protocol.errors import (
     INTERNAL_ERROR,
     PARSE_ERROR,
     FrameTooLarge,
     RpcError,
-    UnsafeSocket,
     error_for,
 )
-from protocol.framing import DEFAULT_MAX_FRAME_BYTES, LineFramer, Oversize
+from protocol.framing import DEFAULT_MAX_FRAME_BYTES, MAX_REPLY_BYTES, LineFramer, Oversize
 from protocol.methods import Method
+
+# Where they lived before protocol.sockets: kept importable from here.
+from protocol.sockets import check_peer as check_peer
+from protocol.sockets import check_socket_owner as check_socket_owner
+from protocol.sockets import resolve_socket as resolve_socket
 from protocol.types import (
     CancelParams,
     Event,
@@ -43,44 +43,10 @@ PT = TypeVar("PT", bound=Params)
 _encoder = msgspec.json.Encoder()
 _response_decoder = msgspec.json.Decoder(Response)
 _event_decoder = msgspec.json.Decoder(Event)
-_PEERCRED = struct.Struct("3i")
-# Replies may be larger than requests (history): the client reads up to this much per frame.
-MAX_REPLY_BYTES = 64 * 1024 * 1024
-
-
-def resolve_socket(target: str | os.PathLike[str]) -> Path:
-    """A pod name maps to its socket under the runtime dir; anything with a slash is a path."""
-    text = os.fspath(target)
-    if "/" in text:
-        return Path(text)
-    return paths.socket_path(text)
 
 
 def clean_params(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v is not None}
-
-
-def _check_uid(uid: int, what: str) -> None:
-    me = os.getuid()
-    if uid not in (me, 0):
-        raise UnsafeSocket(
-            f"{what} belongs to uid {uid}, not to you (uid {me}): refusing to use it"
-        )
-
-
-def check_socket_owner(path: Path) -> None:
-    """Refuse a socket file another user owns (SPEC §2): it may be an impostor's.
-
-    Raises FileNotFoundError when there is no socket, like connect() would.
-    """
-    _check_uid(os.stat(path).st_uid, f"socket {path}")
-
-
-def check_peer(sock: socket.socket, path: Path) -> None:
-    """Refuse a connection whose listening process runs as another user (no race with a swap)."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    pid, uid, _ = _PEERCRED.unpack(raw)
-    _check_uid(uid, f"the process (pid {pid}) behind socket {path}")
 
 
 class ClientCore:

@@ -1,6 +1,8 @@
 """Newline-delimited JSON framing as a sans-IO buffer: bytes in, complete lines out."""
 
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
+# Replies may be larger than requests (history): a client reads up to this much per frame.
+MAX_REPLY_BYTES = 64 * 1024 * 1024
 HEAD_BYTES = 256  # kept of an oversize line, so the server can still read its id
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from protocol import PodClient, RpcError
+from protocol import PodClient, RpcError, oneshot
 from protocol.aio import AsyncPodClient
 from protocol.errors import Busy, FrameTooLarge, NotPaused, QueueFull, UnsafeSocket
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES
@@ -341,6 +341,16 @@ def impostor() -> Iterator[Path]:
 def test_sync_client_refuses_another_users_socket(impostor: Path) -> None:
     with pytest.raises(UnsafeSocket, match="uid 65534"):
         PodClient.connect(impostor, timeout=5)
+
+
+@needs_root
+def test_one_call_client_makes_both_checks(impostor: Path) -> None:
+    """podctl's standard-library client (protocol.oneshot): the file's owner, then the peer's."""
+    with pytest.raises(UnsafeSocket, match="uid 65534"):
+        oneshot.call(impostor, "status", timeout=5)
+    os.chown(impostor, 0, 0)
+    with pytest.raises(UnsafeSocket, match=r"the process \(pid \d+\) behind socket .* uid 65534"):
+        oneshot.call(impostor, "status", timeout=5)
 
 
 @needs_root

@@ -1,0 +1,45 @@
+"""Finding a pod's socket, and refusing one that another user owns or serves (SPEC §2).
+
+Standard library only, and `_socket` rather than `socket` (whose enum set-up costs ~2 ms): the
+one-call client of podctl (`protocol.oneshot`) uses this without the rest of the package.
+"""
+
+import _socket
+import os
+from pathlib import Path
+
+from protocol import paths
+from protocol.errors import UnsafeSocket
+
+_UCRED_SIZE = 12  # struct ucred: pid, uid, gid as C ints
+
+
+def resolve_socket(target: str | os.PathLike[str]) -> Path:
+    """A pod name maps to its socket under the runtime dir; anything with a slash is a path."""
+    text = os.fspath(target)
+    if "/" in text:
+        return Path(text)
+    return paths.socket_path(text)
+
+
+def _check_uid(uid: int, what: str) -> None:
+    me = os.getuid()
+    if uid not in (me, 0):
+        raise UnsafeSocket(
+            f"{what} belongs to uid {uid}, not to you (uid {me}): refusing to use it"
+        )
+
+
+def check_socket_owner(path: Path) -> None:
+    """Refuse a socket file another user owns (SPEC §2): it may be an impostor's.
+
+    Raises FileNotFoundError when there is no socket, like connect() would.
+    """
+    _check_uid(os.stat(path).st_uid, f"socket {path}")
+
+
+def check_peer(sock: _socket.socket, path: Path) -> None:
+    """Refuse a connection whose listening process runs as another user (no race with a swap)."""
+    raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED_SIZE)
+    pid, uid, _ = memoryview(raw).cast("i")
+    _check_uid(uid, f"the process (pid {pid}) behind socket {path}")
