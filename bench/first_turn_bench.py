@@ -79,7 +79,8 @@ print(json.dumps({"import": imported, "first": once, "posts": posts}))
 """
 
 
-def _manifest(home: Home, name: str, kind: str) -> Path:
+def manifest_for(home: Home, name: str, kind: str) -> Path:
+    """`home.manifest(name)` (no tools) for provider `kind`, pointed at the fake model."""
     assert home.fake is not None
     path = home.manifest(name, tools=[])
     if kind != "openai":
@@ -173,13 +174,13 @@ def run(sec: Section) -> None:
             for kind in KINDS:
                 n += 1
                 name = f"ft{n}"
-                manifest = _manifest(home, name, kind)
+                manifest = manifest_for(home, name, kind)
                 fresh = home.start_pod(name, manifest=manifest)
                 got[kind]["warm"].append(_turns(fresh, wait=True, stop=True))
                 resumed = home.start_pod(name, "--resume", manifest=manifest)
                 got[kind]["resumed"].append(_turns(resumed, wait=True))
                 n += 1
-                ready = home.start_pod(f"ft{n}", manifest=_manifest(home, f"ft{n}", kind))
+                ready = home.start_pod(f"ft{n}", manifest=manifest_for(home, f"ft{n}", kind))
                 got[kind]["ready"].append(_turns(ready, wait=False))
                 sdk[kind].append(_bare_sdk(home, kind))
     model = {k: median([s["connect"] for s in sdk[k]]) for k in KINDS}

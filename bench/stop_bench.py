@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.first_turn_bench import _manifest, wait_warm
+from bench.first_turn_bench import manifest_for, wait_warm
 from bench.harness import PY, ROOT, Home, Pod, Row, Section, median, value_le
 
 STOPS = 5
@@ -48,7 +48,7 @@ def _stop(
 ) -> tuple[float, float]:
     """ms from sending `shutdown` to the registry without `name`, and to the process exit.
     `run_first`: a run has just started; `called`: the pod has answered one run (SDK loaded)."""
-    pod: Pod = home.start_pod(name, manifest=_manifest(home, name, kind))
+    pod: Pod = home.start_pod(name, manifest=manifest_for(home, name, kind))
     registry = home.path / "run" / "pods.json"
     with pod.rpc() as c:
         if run_first:
