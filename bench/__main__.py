@@ -30,6 +30,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("compaction", "16. Compaction: request size, its cost, restore", "bench.compaction_bench"),
     ("tree", "17. Spawn trees: spawn_pod, report latency, PSS", "bench.tree_bench"),
     ("history", "18. Warm text turn vs history length", "bench.history_bench"),
+    ("first", "19. First turn of a fresh pod vs a warm turn", "bench.first_turn_bench"),
 ]
 
 

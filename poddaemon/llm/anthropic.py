@@ -194,17 +194,17 @@ class AnthropicClient(RetryingClient):
     async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
         body = render_request(req, self.cfg.model, self._renderer)
         from anthropic import AsyncStream
-        from anthropic.types import Message, RawMessageStreamEvent
 
         # post() rather than messages.create(): the body is already plain JSON (temperature
         # included, which 2.x dropped from create()'s signature), and create()'s transform
-        # walks it on the event loop (~0.4 ms per history message).
+        # walks it on the event loop (~0.4 ms per history message). Events come as the
+        # decoded JSON (`object`), not pydantic models (see openai_chat).
         stream = await client.post(
             "/v1/messages",
-            cast_to=Message,
+            cast_to=object,
             body=body,
             stream=True,
-            stream_cls=AsyncStream[RawMessageStreamEvent],
+            stream_cls=AsyncStream[object],
         )
         try:
             text: list[str] = []
@@ -217,12 +217,12 @@ class AnthropicClient(RetryingClient):
                 if kind == "content_block_delta":
                     delta = field(event, "delta")
                     dtype = field(delta, "type")
-                    if dtype == "text_delta" and field(delta, "text"):
-                        text.append(delta.text)
-                        yield TextDelta(delta.text)
-                    elif dtype == "thinking_delta" and field(delta, "thinking"):
-                        reasoning.append(delta.thinking)
-                        yield ReasoningDelta(delta.thinking)
+                    if dtype == "text_delta" and (piece := field(delta, "text")):
+                        text.append(piece)
+                        yield TextDelta(piece)
+                    elif dtype == "thinking_delta" and (piece := field(delta, "thinking")):
+                        reasoning.append(piece)
+                        yield ReasoningDelta(piece)
                     elif dtype == "input_json_delta":
                         entry = tools.get(int_field(event, "index"))
                         if entry is not None:
@@ -240,12 +240,12 @@ class AnthropicClient(RetryingClient):
                             [],
                         )
                         yield None
-                    elif btype == "text" and field(block, "text"):
-                        text.append(block.text)
-                        yield TextDelta(block.text)
-                    elif btype == "thinking" and field(block, "thinking"):
-                        reasoning.append(block.thinking)
-                        yield ReasoningDelta(block.thinking)
+                    elif btype == "text" and (piece := field(block, "text")):
+                        text.append(piece)
+                        yield TextDelta(piece)
+                    elif btype == "thinking" and (piece := field(block, "thinking")):
+                        reasoning.append(piece)
+                        yield ReasoningDelta(piece)
                     else:
                         yield None
                 elif kind == "message_start":

@@ -129,6 +129,9 @@ def stop_from(response: Any, has_tool_calls: bool) -> tuple[StopReason, str]:
 # Client
 
 
+_REASONING_DELTAS = ("response.reasoning_summary_text.delta", "response.reasoning_text.delta")
+
+
 class _ToolAcc:
     __slots__ = ("args", "final", "id", "name")
 
@@ -151,15 +154,14 @@ class OpenAIResponsesClient(RetryingClient):
 
     async def _attempt(self, client: Any, req: ModelRequest) -> AsyncIterator[AttemptEvent]:
         from openai import AsyncStream
-        from openai.types.responses import Response, ResponseStreamEvent
 
-        # post() rather than create(): see openai_chat (no per-message transform on the loop).
+        # post() rather than create(), events as decoded JSON: see openai_chat.
         stream = await client.post(
             "/responses",
-            cast_to=Response,
+            cast_to=object,
             content=encode_request(req, self.cfg.model, self._renderer),
             stream=True,
-            stream_cls=AsyncStream[ResponseStreamEvent],
+            stream_cls=AsyncStream[object],
         )
         try:
             text: list[str] = []
@@ -167,15 +169,13 @@ class OpenAIResponsesClient(RetryingClient):
             tools: dict[int, _ToolAcc] = {}  # output_index -> call
             async for event in stream:
                 kind = field(event, "type")
-                if kind == "response.output_text.delta" and field(event, "delta"):
-                    text.append(event.delta)
-                    yield TextDelta(event.delta)
-                elif kind in (
-                    "response.reasoning_summary_text.delta",
-                    "response.reasoning_text.delta",
-                ) and field(event, "delta"):
-                    reasoning.append(event.delta)
-                    yield ReasoningDelta(event.delta)
+                piece = field(event, "delta")
+                if kind == "response.output_text.delta" and piece:
+                    text.append(piece)
+                    yield TextDelta(piece)
+                elif kind in _REASONING_DELTAS and piece:
+                    reasoning.append(piece)
+                    yield ReasoningDelta(piece)
                 elif kind in ("response.output_item.added", "response.output_item.done"):
                     item = field(event, "item")
                     if field(item, "type") == "function_call":

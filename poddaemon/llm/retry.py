@@ -345,6 +345,7 @@ class RetryingClient:
         self._sleep = sleep
         self._sdk: Any = None
         self._client: Any = None
+        self._platform: Any = None  # the SDK's platform for its headers, found at warm-up
         self._lock = asyncio.Lock()
 
     async def warm(self) -> None:
@@ -355,11 +356,26 @@ class RetryingClient:
             async with self._lock:
                 if self._client is None:
                     if self._sdk is None:
-                        self._sdk = await asyncio.to_thread(
-                            importlib.import_module, self.sdk_module
-                        )
-                    self._client = self._build(self._sdk)
+                        self._sdk = await asyncio.to_thread(self._load_sdk)
+                    client = self._build(self._sdk)
+                    if self._platform is not None and getattr(client, "_platform", 0) is None:
+                        client._platform = self._platform  # see _load_sdk
+                    self._client = client
         return self._client
+
+    def _load_sdk(self) -> Any:
+        """Import the SDK (in a worker thread) and do there what its first request would
+        otherwise do lazily: find the platform for its headers (openai's runs `uname -p`, a
+        fork and exec, from a thread it starts for it) and import anyio's asyncio backend
+        (~8 ms, at the first connection). Best effort: a step that fails here is simply done
+        again where the SDK does it."""
+        sdk = importlib.import_module(self.sdk_module)
+        with contextlib.suppress(Exception):
+            base = importlib.import_module(f"{self.sdk_module}._base_client")
+            self._platform = base.get_platform()
+        with contextlib.suppress(Exception):
+            importlib.import_module("anyio._backends._asyncio")
+        return sdk
 
     def _build(self, sdk: Any) -> Any:
         raise NotImplementedError

@@ -1,5 +1,8 @@
 """The real openai/anthropic SDKs, through our adapters, against the local fake model server."""
 
+import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -319,3 +322,57 @@ async def test_consumer_stopping_early_closes_the_stream(fake: FakeModel, kind: 
     # The client stays usable after an abandoned stream.
     events, err = await run(client)
     assert err is None and final(events).message.text == "next"
+
+
+# ---------------------------------------------------------------------------------------------
+# Warm-up
+
+# In a fresh interpreter: warm() the adapter, then stream one request, recording what that first
+# request still imported and which processes it started.
+_FIRST_AFTER_WARM = """
+import asyncio, json, subprocess, sys
+spawned = []
+_init = subprocess.Popen.__init__
+def _record(self, *args, **kwargs):
+    spawned.append(repr(args[0] if args else kwargs.get("args")))
+    _init(self, *args, **kwargs)
+subprocess.Popen.__init__ = _record
+from poddaemon.config.manifest import ProviderConfig
+from poddaemon.history import UserMessage
+from poddaemon.llm import make_client
+from poddaemon.llm.types import ModelRequest, ModelResponse
+
+async def main():
+    client = make_client(ProviderConfig(**json.loads(sys.argv[1])))
+    await client.warm()
+    before = set(sys.modules)
+    spawned.clear()
+    req = ModelRequest(system="s", items=[UserMessage(text="hi")], tools=[], max_tokens=64)
+    events = [e async for e in client.stream(req)]
+    assert isinstance(events[-1], ModelResponse), events
+    await client.aclose()
+    return sorted(set(sys.modules) - before)
+
+print(json.dumps({"imported": asyncio.run(main()), "spawned": spawned}))
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_first_request_after_warm_up_imports_and_spawns_nothing(fake: FakeModel, kind: str) -> None:
+    """warm() (run right after READY) does the SDK's lazy first-use work too: the first run of
+    a pod must not pay for an import (anyio's backend, ~8 ms) or a process (openai's platform
+    header runs `uname -p`)."""
+    settings = {
+        f: getattr(config(fake, kind), f)
+        for f in ("kind", "model", "base_url", "api_key_env", "max_retries")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_AFTER_WARM, json.dumps(settings)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    got = json.loads(out)
+    assert got == {"imported": [], "spawned": []}
+    assert len(fake.requests) == 1
