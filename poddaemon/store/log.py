@@ -29,6 +29,7 @@ __all__ = [
     "LogCorrupt",
     "VerifyResult",
     "encode_entry",
+    "encode_line",
     "new_session_id",
     "verify",
 ]
@@ -87,20 +88,39 @@ def encode_entry(
     ``body`` values may be anything msgspec encodes (Structs included). Raises ``ValueError``
     when a body key is reserved and ``TypeError`` when a value cannot be encoded.
     """
-    clash = RESERVED_KEYS.intersection(body)
-    if clash:
-        raise ValueError(f"entry body uses reserved key(s): {', '.join(sorted(clash))}")
+    canonical, digest = _encode(seq, ts, kind, prev, body)
+    entry: dict[str, Any] = _decoder.decode(canonical)
+    entry["hash"] = digest
+    return _line(canonical, digest), entry
+
+
+def encode_line(
+    seq: int, ts: float, kind: str, prev: str, body: Mapping[str, Any]
+) -> tuple[bytes, str]:
+    """`encode_entry` without reading the entry back: the line and its hash (a writer that
+    needs neither the entry nor its JSON values, as the pod's log, saves a decode)."""
+    canonical, digest = _encode(seq, ts, kind, prev, body)
+    return _line(canonical, digest), digest
+
+
+def _encode(
+    seq: int, ts: float, kind: str, prev: str, body: Mapping[str, Any]
+) -> tuple[bytes, str]:
+    for key in RESERVED_KEYS:
+        if key in body:
+            clash = sorted(RESERVED_KEYS.intersection(body))
+            raise ValueError(f"entry body uses reserved key(s): {', '.join(clash)}")
     obj = dict(body)
     obj["seq"] = seq
     obj["ts"] = ts
     obj["kind"] = kind
     obj["prev"] = prev
     canonical = _canonical.encode(obj)
-    digest = _hash(prev, canonical)
-    line = b"".join((canonical[:-1], b',"hash":"', digest.encode("ascii"), b'"}\n'))
-    entry: dict[str, Any] = _decoder.decode(canonical)
-    entry["hash"] = digest
-    return line, entry
+    return canonical, _hash(prev, canonical)
+
+
+def _line(canonical: bytes, digest: str) -> bytes:
+    return b"".join((canonical[:-1], b',"hash":"', digest.encode("ascii"), b'"}\n'))
 
 
 def _check_entry(obj: Any, expect_seq: int, prev: str) -> str | None:
