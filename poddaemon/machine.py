@@ -15,7 +15,7 @@ them.
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -80,15 +80,15 @@ class OpenSession:
     start: SessionStart
 
 
-@dataclass(frozen=True)
-class Commit:
+# Commit and Reply come once or more per request: NamedTuples, immutable like the frozen
+# dataclasses around them but about 3x cheaper to build (no object.__setattr__ per field).
+class Commit(NamedTuple):
     """Append `entry` to the log (not yet fsync'd); publish the events it stands for."""
 
     entry: Entry
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(NamedTuple):
     token: int
     result: Any = None
     error: RpcError | None = None

@@ -48,9 +48,12 @@ class PendingRun:
     client_key: str | None = None
 
 
-@dataclass(frozen=True)
-class PendingInput:
-    """Steer input or a notification, acknowledged but not yet seen by the model."""
+class PendingInput(msgspec.Struct, frozen=True, gc=False):
+    """Steer input or a notification, acknowledged but not yet seen by the model.
+
+    One is kept per queued notification: a Struct without GC tracking (its fields are strings
+    and numbers, it can hold no cycle), so a long queue adds nothing for the cyclic GC to scan
+    and each notify is not a tracked allocation that triggers its collections."""
 
     id: str
     kind: Literal["steer", "notification"]
@@ -139,7 +142,7 @@ class SessionState:
         return {
             "history": [item_to_builtins(i) for i in self.history],
             "pending_runs": [vars(r) for r in self.pending_runs.values()],
-            "pending_inputs": [vars(p) for p in self.pending_inputs.values()],
+            "pending_inputs": [msgspec.structs.asdict(p) for p in self.pending_inputs.values()],
             "run_keys": {k: list(v) for k, v in self.run_keys.items()},
             "notify_keys": {k: list(v) for k, v in self.notify_keys.items()},
             "usage": msgspec.to_builtins(self.usage),
@@ -168,7 +171,7 @@ class SessionState:
 
     def apply(self, entry: Mapping[str, Any] | Entry) -> None:
         """Fold one entry: a typed one, or a log entry as the store reads it."""
-        if isinstance(entry, Mapping):
+        if not isinstance(entry, Entry):  # a Mapping (a cheaper test than the ABC's)
             self.head = entry.get("hash", self.head)
             typed = from_log(entry if isinstance(entry, dict) else dict(entry))
             if typed is None:  # a kind this version does not know
