@@ -74,9 +74,7 @@ class VerifyResult(msgspec.Struct, kw_only=True):
 
 
 def _hash(prev: str, canonical: bytes) -> str:
-    h = hashlib.sha256(prev.encode("ascii"))
-    h.update(canonical)
-    return h.hexdigest()
+    return hashlib.sha256(prev.encode("ascii") + canonical).hexdigest()
 
 
 def encode_entry(
