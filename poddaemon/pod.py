@@ -181,9 +181,7 @@ class Pod:
     def feed(self, effects: list[Effect]) -> None:
         forked = False  # after a fork, the batch's entries are already in the new session
         for effect in effects:
-            match effect:
-                case OpenSession(start):
-                    self.plog.open(start)
+            match effect:  # the per-request effects first
                 case Commit(entry):
                     if not forked and self.failure is None:
                         forked = self.plog.write(entry, self.machine.fork)
@@ -193,10 +191,12 @@ class Pod:
                         observe(entry)
                     if isinstance(entry, RunEnd) and entry.outcome != "paused":
                         self.spawn_background(self.chain.on_run_end(entry.run_id, entry.outcome))
-                case Publish(type_, data, run_id):
-                    self.bus.publish(type_, data, run_id)
                 case Reply(token, result, error, durable):
                     self._answer(token, result, error, durable)
+                case Publish(type_, data, run_id):
+                    self.bus.publish(type_, data, run_id)
+                case OpenSession(start):
+                    self.plog.open(start)
                 case CallModel():
                     self._start(self._call_model(effect), "model", self._model_cancelled)
                 case Summarize():

@@ -70,6 +70,10 @@ def _error(request_id: Any, code: int, message: str, data: Any = None) -> bytes:
     )
 
 
+def _unanswered(frame: bytes) -> None:
+    pass
+
+
 def _params_message(exc: msgspec.ValidationError) -> str:
     # msgspec says "... - at `$.input`"; users see "params.input".
     text = str(exc)
@@ -300,11 +304,7 @@ class Connection(asyncio.Protocol):
     def _dispatch(self, req: Request, reply: Callable[[bytes], None]) -> None:
         notification = req.is_notification
         rid = None if notification else req.id
-
-        def answer(frame: bytes) -> None:
-            if not notification:
-                reply(frame)
-
+        answer = _unanswered if notification else reply  # a notification is never answered
         handler = self.server.handlers.get(req.method)
         if handler is None:
             answer(_error(rid, errors.METHOD_NOT_FOUND, f"method not found: {req.method}"))
