@@ -201,6 +201,8 @@ _uuid_lock = threading.Lock()
 _last_ms = 0
 _last_rand = 0  # the 74 random bits of the last id
 _RAND_BITS = 74
+_prefix_ms = -1
+_prefix = ""  # "<8 hex>-<4 hex>-7": the id's timestamp and version for _prefix_ms
 _RAND_MAX = (1 << _RAND_BITS) - 1
 
 
@@ -211,9 +213,10 @@ _rng = random.Random(os.urandom(32))
 
 
 def _pid_reset() -> None:
-    global _last_ms, _last_rand
+    global _last_ms, _last_rand, _prefix_ms
     _last_ms = 0
     _last_rand = 0
+    _prefix_ms = -1
     _rng.seed(os.urandom(32))
 
 
@@ -229,7 +232,7 @@ def new_session_id() -> str:
     previous id's random part by a random amount (RFC 9562 §6.2 method 2), so string order is
     creation order.
     """
-    global _last_ms, _last_rand
+    global _last_ms, _last_rand, _prefix_ms, _prefix
     with _uuid_lock:
         now = time.time_ns() // 1_000_000
         if now > _last_ms:
@@ -239,12 +242,9 @@ def new_session_id() -> str:
             if rand > _RAND_MAX:  # the random part ran out this millisecond: borrow the next one
                 ms, rand = ms + 1, _rng.getrandbits(_RAND_BITS)
         _last_ms, _last_rand = ms, rand
-    value = (
-        (ms & 0xFFFF_FFFF_FFFF) << 80
-        | 0x7 << 76
-        | (rand >> 62) << 64
-        | 0b10 << 62
-        | (rand & ((1 << 62) - 1))
-    )
-    h = value.to_bytes(16, "big").hex()
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        if ms != _prefix_ms:  # the timestamp's digits, formatted once per millisecond
+            h = f"{ms & 0xFFFF_FFFF_FFFF:012x}"
+            _prefix_ms, _prefix = ms, f"{h[:8]}-{h[8:]}-7"
+        prefix = _prefix
+    low = 0b10 << 62 | (rand & ((1 << 62) - 1))  # variant, then 62 random bits
+    return f"{prefix}{rand >> 62:03x}-{low >> 48:04x}-{low & 0xFFFF_FFFF_FFFF:012x}"
