@@ -414,8 +414,8 @@ class SessionLog:
         """fsync at once, inline, if anything written is not yet durable: waiters of ``sync``
         see everything written as durable. Raises ``OSError`` (and poisons the log) if it
         fails."""
-        self._usable()
-        if self._durable < self._seq:
+        if self._durable < self._seq:  # like sync(): nothing to do is no error, even closed
+            self._usable()
             self._fsync_covering()
 
     def _fsync_covering(self) -> None:
