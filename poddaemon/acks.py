@@ -1,67 +1,124 @@
 """Replies that may only leave once the log is durable: group commit.
 
-A reply waits here until an fsync that started after it was queued has finished; one fsync
-releases every reply queued before it began, however many clients sent them. If the log fails,
-every waiting reply becomes the error instead (nothing unsynced is ever acknowledged)."""
+A reply waits here until an fsync that started after it was queued has finished. The fsync runs
+inline on the loop, once per loop pass, in a plain callback scheduled by the first reply of the
+pass; it covers every entry written before it, and the replies it releases are sent from that
+same callback, before the loop reads anything else (no task, no thread hand-off, no extra loop
+pass between the fsync and the replies). While it runs, new requests wait in the socket buffers
+and are all committed by the next one. If the log fails, every waiting reply becomes the error
+instead (nothing unsynced is ever acknowledged).
+
+`Pending` is the reply itself: a settle-once slot whose callback runs synchronously, so the
+server can answer a request from the commit callback without an `asyncio.Future` (whose done
+callbacks always cost another loop pass).
+"""
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from protocol import errors
 from protocol.errors import RpcError
 
+Outcome = Any  # a result, or an exception to answer with
+
+
+class Pending:
+    """A reply given later: `settle` hands the outcome to the callback given to `then`, at once
+    (or when `then` is called, if it was settled first). Settles once; `cancel` drops it."""
+
+    __slots__ = ("_callback", "_outcome", "_state")
+
+    def __init__(self) -> None:
+        self._callback: Callable[[Outcome], None] | None = None
+        self._outcome: Outcome = None
+        self._state = 0  # 0 waiting, 1 settled, 2 cancelled
+
+    def done(self) -> bool:
+        return self._state != 0
+
+    def then(self, callback: Callable[[Outcome], None]) -> None:
+        if self._state == 1:
+            callback(self._outcome)
+        elif self._state == 0:
+            self._callback = callback
+
+    def settle(self, outcome: Outcome) -> None:
+        if self._state != 0:
+            return
+        self._state = 1
+        callback, self._callback = self._callback, None
+        if callback is None:
+            self._outcome = outcome
+        else:
+            callback(outcome)
+
+    def cancel(self) -> None:
+        """The asker went away: whatever comes later is dropped."""
+        if self._state == 0:
+            self._state = 2
+            self._callback = None
+
+
+def settle(reply: "asyncio.Future[Any] | Pending", outcome: Outcome) -> None:
+    if isinstance(reply, Pending):
+        reply.settle(outcome)
+        return
+    if reply.done():
+        return
+    if isinstance(outcome, BaseException):
+        reply.set_exception(outcome)
+    else:
+        reply.set_result(outcome)
+
 
 class DurableReplies:
     def __init__(
         self,
-        sync: Callable[[], Awaitable[None]],
+        sync_now: Callable[[], None],
         failure: Callable[[], str | None],
         on_error: Callable[[str], None],
     ) -> None:
-        self._sync = sync  # fsync everything written so far
+        self._sync_now = sync_now  # fsync everything written so far, inline; OSError on failure
         self._failure = failure  # why the log can no longer be trusted, or None
         self._on_error = on_error  # told when an fsync fails
-        self._waiting: list[tuple[asyncio.Future[Any], Any]] = []
-        self._task: asyncio.Task[None] | None = None
+        self._waiting: list[tuple[asyncio.Future[Any] | Pending, Outcome]] = []
+        self._handle: asyncio.Handle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    def add(self, future: asyncio.Future[Any], outcome: Any) -> None:
-        self._waiting.append((future, outcome))
-        self.flush_soon()
+    def add(self, reply: "asyncio.Future[Any] | Pending", outcome: Outcome) -> None:
+        self._waiting.append((reply, outcome))
+        if self._handle is None:
+            self.flush_soon()
 
     def flush_soon(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.ensure_future(self._flush())
+        """Commit (fsync, then answer) in a callback of the next loop pass: every entry this
+        pass writes is covered by it."""
+        if self._handle is None:
+            if self._loop is None:  # cached: get_running_loop() costs a getpid() per call
+                self._loop = asyncio.get_running_loop()
+            self._handle = self._loop.call_soon(self._commit)
 
-    async def drain(self) -> None:
-        if self._task is not None:
-            await asyncio.gather(self._task, return_exceptions=True)
+    def drain(self) -> None:
+        """Commit now what is waiting (at shutdown)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._commit()
 
-    async def _flush(self) -> None:
-        while True:
-            batch, self._waiting = self._waiting, []
-            failure = self._failure()
-            if failure is not None:
-                error = RpcError(errors.INTERNAL_ERROR, f"could not persist: {failure}")
-                for future, _ in batch:
-                    settle(future, error)
-                return
+    def _commit(self) -> None:
+        self._handle = None
+        batch, self._waiting = self._waiting, []
+        failure = self._failure()
+        if failure is None:
             try:
-                await self._sync()
+                self._sync_now()
             except OSError as exc:
                 self._on_error(f"session log fsync failed: {exc}")
-                self._waiting[:0] = batch
-                continue
-            for future, outcome in batch:
-                settle(future, outcome)
-            if not self._waiting:
-                return
-
-
-def settle(future: asyncio.Future[Any], outcome: Any) -> None:
-    if future.done():
-        return
-    if isinstance(outcome, BaseException):
-        future.set_exception(outcome)
-    else:
-        future.set_result(outcome)
+                failure = self._failure() or str(exc)
+        if failure is not None:
+            error = RpcError(errors.INTERNAL_ERROR, f"could not persist: {failure}")
+            for reply, _ in batch:
+                settle(reply, error)
+            return
+        for reply, outcome in batch:
+            settle(reply, outcome)

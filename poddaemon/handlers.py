@@ -47,20 +47,27 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     hooks = pod.hooks
 
-    async def run(p: RunParams, conn: Any) -> Any:
+    def run(p: RunParams, conn: Any) -> Any:
         if hooks is not None and hooks.wants("UserPromptSubmit"):
-            refused, context = await hooks.user_prompt(p.input)
-            if refused is not None:  # nothing is committed
-                raise RpcError(errors.HOOK_REFUSED, refused)
-            if context:
-                pod.feed(m.add_context(context, "hook:UserPromptSubmit"))
+            return _run_hooked(p)
+        # The server answers from the Pending: no task per acknowledgement.
+        return pod.request_pending(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait))
+
+    async def _run_hooked(p: RunParams) -> Any:
+        assert hooks is not None
+        refused, context = await hooks.user_prompt(p.input)
+        if refused is not None:  # nothing is committed
+            raise RpcError(errors.HOOK_REFUSED, refused)
+        if context:
+            pod.feed(m.add_context(context, "hook:UserPromptSubmit"))
         return await pod.request(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait))
 
     def notify(p: NotifyParams, conn: Any) -> Any:
-        reply = pod.request_future(lambda t: m.notify(t, p.message, p.source, p.client_key))
         if hooks is not None and hooks.wants("Notification"):
+            reply = pod.request_future(lambda t: m.notify(t, p.message, p.source, p.client_key))
             return _notify_hook(reply, p)
-        return reply  # the server answers from the future: no task per acknowledgement
+        # The server answers from the Pending: no task per acknowledgement.
+        return pod.request_pending(lambda t: m.notify(t, p.message, p.source, p.client_key))
 
     async def _notify_hook(reply: "asyncio.Future[Any]", p: NotifyParams) -> Any:
         result = await reply

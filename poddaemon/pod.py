@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from poddaemon.acks import DurableReplies, settle
+from poddaemon.acks import DurableReplies, Pending, settle
 from poddaemon.config.load import manifest_to_dict
 from poddaemon.config.manifest import Manifest
 from poddaemon.entries import (
@@ -147,8 +147,8 @@ class Pod:
             alert=lambda message: self._alert("warning", message),
         )
         self._tokens = itertools.count(1)
-        self._replies: dict[int, asyncio.Future[Any]] = {}
-        self._durable = DurableReplies(self._synced, lambda: self.failure, self._fail)
+        self._replies: dict[int, asyncio.Future[Any] | Pending] = {}
+        self._durable = DurableReplies(self.plog.sync_now, lambda: self.failure, self._fail)
         self._inflight: asyncio.Task[None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._stopped = asyncio.Event()
@@ -181,9 +181,7 @@ class Pod:
     def feed(self, effects: list[Effect]) -> None:
         forked = False  # after a fork, the batch's entries are already in the new session
         for effect in effects:
-            match effect:
-                case OpenSession(start):
-                    self.plog.open(start)
+            match effect:  # the per-request effects first
                 case Commit(entry):
                     if not forked and self.failure is None:
                         forked = self.plog.write(entry, self.machine.fork)
@@ -193,10 +191,12 @@ class Pod:
                         observe(entry)
                     if isinstance(entry, RunEnd) and entry.outcome != "paused":
                         self.spawn_background(self.chain.on_run_end(entry.run_id, entry.outcome))
-                case Publish(type_, data, run_id):
-                    self.bus.publish(type_, data, run_id)
                 case Reply(token, result, error, durable):
                     self._answer(token, result, error, durable)
+                case Publish(type_, data, run_id):
+                    self.bus.publish(type_, data, run_id)
+                case OpenSession(start):
+                    self.plog.open(start)
                 case CallModel():
                     self._start(self._call_model(effect), "model", self._model_cancelled)
                 case Summarize():
@@ -220,12 +220,22 @@ class Pod:
         return await self.request_future(command)
 
     def request_future(self, command: Callable[[int], list[Effect]]) -> "asyncio.Future[Any]":
-        """`request` without a coroutine: the reply's future (a handler may return it as is)."""
-        token = next(self._tokens)
+        """`request` without a coroutine: the reply's future."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._replies[token] = future
-        self.feed(command(token))
+        self._request(command, future)
         return future
+
+    def request_pending(self, command: Callable[[int], list[Effect]]) -> Pending:
+        """The reply as a `Pending` a handler returns as is: the server answers from its
+        callback, synchronously from the group commit (no future, no task, no loop pass)."""
+        pending = Pending()
+        self._request(command, pending)
+        return pending
+
+    def _request(self, command: Callable[[int], list[Effect]], reply: Any) -> None:
+        token = next(self._tokens)
+        self._replies[token] = reply
+        self.feed(command(token))
 
     async def serve(self) -> None:
         """Run until shutdown (or a failure) has settled every run; then persist."""
@@ -457,7 +467,7 @@ class Pod:
             self._timer.cancel()
         for future in self._replies.values():
             settle(future, RpcError(errors.SHUTTING_DOWN, "the pod shut down"))
-        await self._durable.drain()
+        self._durable.drain()
         if self._background:  # Stop/Notification hooks still running: give them a moment
             await asyncio.wait(self._background, timeout=5)
         await self.tool_ctx.aclose()  # kills commands still running, reaps the runner

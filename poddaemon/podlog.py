@@ -57,9 +57,9 @@ class PodLog:
         try:
             if isinstance(entry, RunStart) and not self.log.head_is_mine():
                 raise HeadMoved(0, "head moved")
-            written = self.log.append(entry.kind, body_of(entry), ts=entry.ts)
+            seq = self.log.write(entry.kind, body_of(entry), ts=entry.ts)
             if isinstance(entry, UserInput | SystemItem):
-                self._input_seq = written["seq"]
+                self._input_seq = seq
         except HeadMoved:
             self._fork(fork())
             return True
@@ -111,6 +111,14 @@ class PodLog:
         (later entries, a run's end say, need no fsync before a reply)."""
         return self.log is None or self.log.durable_seq >= self._input_seq
 
+    def sync_now(self) -> None:
+        """fsync inline what is not yet durable (the group commit's fsync); OSError if it
+        fails."""
+        if self.log is not None and not self.failed:
+            if _power_cut_at and self.log.durable_seq < self.log.seq:
+                _power_cut_point(self.log)
+            self.log.sync_now()
+
     async def synced(self) -> None:
         if self.log is not None and not self.failed:
             await self.log.sync()
@@ -127,9 +135,28 @@ class PodLog:
 
 
 CRASH_ENV = "PODDAEMON_TEST_CRASH_COMPACTION"
+POWER_CUT_ENV = "PODDAEMON_TEST_POWER_CUT_AT_FSYNC"
+# Read once: the group commit asks on every fsync.
+_power_cut_at = int(os.environ.get(POWER_CUT_ENV) or 0)
+_commits = 0
 
 
 def _crash_point(name: str) -> None:
     """A test seam: `$PODDAEMON_TEST_CRASH_COMPACTION=<name>` kills the pod (-9) right there."""
     if os.environ.get(CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _power_cut_point(log: SessionLog) -> None:
+    """A test seam: `$PODDAEMON_TEST_POWER_CUT_AT_FSYNC=<n>` makes the n-th group commit that
+    has something to sync a power cut between write and fsync: the log loses everything the
+    last finished fsync did not cover (what the disk may lose), then the pod is killed (-9).
+    Whatever had been acknowledged must still be there."""
+    global _commits
+    _commits += 1
+    if _commits != _power_cut_at:
+        return
+    lost = log.seq - log.durable_seq
+    os.truncate(log.path, log.durable_size)
+    os.write(2, f"test power cut: {lost} written entries were not yet fsync'd\n".encode())
+    os.kill(os.getpid(), signal.SIGKILL)

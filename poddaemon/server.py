@@ -21,6 +21,7 @@ from typing import Any, cast
 
 import msgspec
 
+from poddaemon.acks import Pending
 from poddaemon.events import EventBus, Subscription
 from protocol import errors
 from protocol.errors import RpcError
@@ -67,6 +68,10 @@ def _error(request_id: Any, code: int, message: str, data: Any = None) -> bytes:
         _encoder.encode(request_id),
         _encoder.encode(err),
     )
+
+
+def _unanswered(frame: bytes) -> None:
+    pass
 
 
 def _params_message(exc: msgspec.ValidationError) -> str:
@@ -131,7 +136,8 @@ class Connection(asyncio.Protocol):
         self._eof = False  # the client half-closed: answer what was read, then close
         self._dropped = False
         self._held = 0  # bytes of partial frame counted in server.partial_bytes
-        self._tasks: set[asyncio.Future[Any]] = set()  # handlers' tasks and bare futures
+        # Replies still owed: handlers' tasks, bare futures, Pendings.
+        self._tasks: set[asyncio.Future[Any] | Pending] = set()
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -298,11 +304,7 @@ class Connection(asyncio.Protocol):
     def _dispatch(self, req: Request, reply: Callable[[bytes], None]) -> None:
         notification = req.is_notification
         rid = None if notification else req.id
-
-        def answer(frame: bytes) -> None:
-            if not notification:
-                reply(frame)
-
+        answer = _unanswered if notification else reply  # a notification is never answered
         handler = self.server.handlers.get(req.method)
         if handler is None:
             answer(_error(rid, errors.METHOD_NOT_FOUND, f"method not found: {req.method}"))
@@ -330,7 +332,15 @@ class Connection(asyncio.Protocol):
             log.exception("handler %s failed", req.method)
             answer(_error(rid, errors.INTERNAL_ERROR, f"internal error: {exc}"))
             return
-        if isinstance(result, asyncio.Future):
+        if isinstance(result, Pending):
+            # A reply the pod settles later (e.g. from the group commit, right after its fsync):
+            # answered from its callback at once, no future, task or loop pass per request.
+            if result.done():
+                result.then(functools.partial(self._answer_outcome, rid, answer, req.method))
+            else:
+                self._tasks.add(result)
+                result.then(functools.partial(self._pending_done, rid, answer, req.method, result))
+        elif isinstance(result, asyncio.Future):
             # A bare future (e.g. a durable ack): answered from its done callback, no Task to
             # create and step through per request.
             self._tasks.add(result)
@@ -373,6 +383,24 @@ class Connection(asyncio.Protocol):
             elif exc is None:
                 answer(_reply(rid, fut.result()))
         self._close_if_done()
+
+    def _pending_done(
+        self, rid: Any, answer: Callable[[bytes], None], method: str, pending: Pending, outcome: Any
+    ) -> None:
+        self._tasks.discard(pending)
+        self._answer_outcome(rid, answer, method, outcome)
+        self._close_if_done()
+
+    def _answer_outcome(
+        self, rid: Any, answer: Callable[[bytes], None], method: str, outcome: Any
+    ) -> None:
+        if isinstance(outcome, RpcError):
+            answer(_error(rid, outcome.code, outcome.message, outcome.data))
+        elif isinstance(outcome, Exception):
+            log.error("handler %s failed", method, exc_info=outcome)
+            answer(_error(rid, errors.INTERNAL_ERROR, f"internal error: {outcome}"))
+        else:
+            answer(_reply(rid, outcome))
 
     def _task_done(self, task: "asyncio.Task[None]") -> None:
         self._tasks.discard(task)

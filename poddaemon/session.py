@@ -45,8 +45,12 @@ class PendingRun(msgspec.Struct, frozen=True):
     client_key: str | None = None
 
 
-class PendingInput(msgspec.Struct, frozen=True):
-    """Steer input or a notification, acknowledged but not yet seen by the model."""
+class PendingInput(msgspec.Struct, frozen=True, gc=False):
+    """Steer input or a notification, acknowledged but not yet seen by the model.
+
+    One is kept per queued notification: a Struct without GC tracking (its fields are strings
+    and numbers, it can hold no cycle), so a long queue adds nothing for the cyclic GC to scan
+    and each notify is not a tracked allocation that triggers its collections."""
 
     id: str
     kind: Literal["steer", "notification"]
@@ -162,7 +166,7 @@ class SessionState(msgspec.Struct):
 
     def apply(self, entry: Mapping[str, Any] | Entry) -> None:
         """Fold one entry: a typed one, or a log entry as the store reads it."""
-        if isinstance(entry, Mapping):
+        if not isinstance(entry, Entry):  # a Mapping (a cheaper test than the ABC's)
             self.head = entry.get("hash", self.head)
             typed = from_log(entry if isinstance(entry, dict) else dict(entry))
             if typed is None:  # a kind this version does not know

@@ -29,6 +29,7 @@ __all__ = [
     "LogCorrupt",
     "VerifyResult",
     "encode_entry",
+    "encode_line",
     "new_session_id",
     "verify",
 ]
@@ -73,9 +74,7 @@ class VerifyResult(msgspec.Struct, kw_only=True):
 
 
 def _hash(prev: str, canonical: bytes) -> str:
-    h = hashlib.sha256(prev.encode("ascii"))
-    h.update(canonical)
-    return h.hexdigest()
+    return hashlib.sha256(prev.encode("ascii") + canonical).hexdigest()
 
 
 def encode_entry(
@@ -87,20 +86,39 @@ def encode_entry(
     ``body`` values may be anything msgspec encodes (Structs included). Raises ``ValueError``
     when a body key is reserved and ``TypeError`` when a value cannot be encoded.
     """
-    clash = RESERVED_KEYS.intersection(body)
-    if clash:
-        raise ValueError(f"entry body uses reserved key(s): {', '.join(sorted(clash))}")
+    canonical, digest = _encode(seq, ts, kind, prev, body)
+    entry: dict[str, Any] = _decoder.decode(canonical)
+    entry["hash"] = digest
+    return _line(canonical, digest), entry
+
+
+def encode_line(
+    seq: int, ts: float, kind: str, prev: str, body: Mapping[str, Any]
+) -> tuple[bytes, str]:
+    """`encode_entry` without reading the entry back: the line and its hash (a writer that
+    needs neither the entry nor its JSON values, as the pod's log, saves a decode)."""
+    canonical, digest = _encode(seq, ts, kind, prev, body)
+    return _line(canonical, digest), digest
+
+
+def _encode(
+    seq: int, ts: float, kind: str, prev: str, body: Mapping[str, Any]
+) -> tuple[bytes, str]:
+    for key in RESERVED_KEYS:
+        if key in body:
+            clash = sorted(RESERVED_KEYS.intersection(body))
+            raise ValueError(f"entry body uses reserved key(s): {', '.join(clash)}")
     obj = dict(body)
     obj["seq"] = seq
     obj["ts"] = ts
     obj["kind"] = kind
     obj["prev"] = prev
     canonical = _canonical.encode(obj)
-    digest = _hash(prev, canonical)
-    line = b"".join((canonical[:-1], b',"hash":"', digest.encode("ascii"), b'"}\n'))
-    entry: dict[str, Any] = _decoder.decode(canonical)
-    entry["hash"] = digest
-    return line, entry
+    return canonical, _hash(prev, canonical)
+
+
+def _line(canonical: bytes, digest: str) -> bytes:
+    return b"".join((canonical[:-1], b',"hash":"', digest.encode("ascii"), b'"}\n'))
 
 
 def _check_entry(obj: Any, expect_seq: int, prev: str) -> str | None:
@@ -183,6 +201,8 @@ _uuid_lock = threading.Lock()
 _last_ms = 0
 _last_rand = 0  # the 74 random bits of the last id
 _RAND_BITS = 74
+_prefix_ms = -1
+_prefix = ""  # "<8 hex>-<4 hex>-7": the id's timestamp and version for _prefix_ms
 _RAND_MAX = (1 << _RAND_BITS) - 1
 
 
@@ -193,9 +213,10 @@ _rng = random.Random(os.urandom(32))
 
 
 def _pid_reset() -> None:
-    global _last_ms, _last_rand
+    global _last_ms, _last_rand, _prefix_ms
     _last_ms = 0
     _last_rand = 0
+    _prefix_ms = -1
     _rng.seed(os.urandom(32))
 
 
@@ -211,7 +232,7 @@ def new_session_id() -> str:
     previous id's random part by a random amount (RFC 9562 §6.2 method 2), so string order is
     creation order.
     """
-    global _last_ms, _last_rand
+    global _last_ms, _last_rand, _prefix_ms, _prefix
     with _uuid_lock:
         now = time.time_ns() // 1_000_000
         if now > _last_ms:
@@ -221,12 +242,9 @@ def new_session_id() -> str:
             if rand > _RAND_MAX:  # the random part ran out this millisecond: borrow the next one
                 ms, rand = ms + 1, _rng.getrandbits(_RAND_BITS)
         _last_ms, _last_rand = ms, rand
-    value = (
-        (ms & 0xFFFF_FFFF_FFFF) << 80
-        | 0x7 << 76
-        | (rand >> 62) << 64
-        | 0b10 << 62
-        | (rand & ((1 << 62) - 1))
-    )
-    h = f"{value:032x}"
-    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        if ms != _prefix_ms:  # the timestamp's digits, formatted once per millisecond
+            h = f"{ms & 0xFFFF_FFFF_FFFF:012x}"
+            _prefix_ms, _prefix = ms, f"{h[:8]}-{h[8:]}-7"
+        prefix = _prefix
+    low = 0b10 << 62 | (rand & ((1 << 62) - 1))  # variant, then 62 random bits
+    return f"{prefix}{rand >> 62:03x}-{low >> 48:04x}-{low & 0xFFFF_FFFF_FFFF:012x}"

@@ -161,8 +161,16 @@ def test_append_never_reads_the_file(sessions: Path, monkeypatch: pytest.MonkeyP
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("append read the file")
 
-    for name in ("read", "pread", "open", "lseek", "stat"):
+    for name in ("read", "pread", "open", "stat"):
         monkeypatch.setattr(os, name, refuse)
+    real_lseek = os.lseek
+
+    def size_only(fd: int, pos: int, how: int) -> int:  # the size check, not a read
+        if (pos, how) != (0, os.SEEK_END):
+            raise AssertionError("append seeks into the file")
+        return real_lseek(fd, pos, how)
+
+    monkeypatch.setattr(os, "lseek", size_only)
     monkeypatch.setattr("builtins.open", refuse)
     for i in range(50):
         log.append("user_input", {"text": str(i)})
@@ -464,3 +472,40 @@ def test_damaged_complete_last_line_is_refused_not_cut(sessions: Path) -> None:
     with pytest.raises(LogCorrupt):
         read_session(sessions, sid)
     assert log.path.read_bytes() == bytes(data)  # left for a human to look at
+
+
+def test_sync_now_fsyncs_what_is_not_durable_once(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    spy = FsyncSpy(log.fileno())
+    monkeypatch.setattr(os, "fsync", spy)
+    log.sync_now()  # nothing written since create: no fsync
+    assert spy.started == []
+    for i in range(3):
+        assert log.write("user_input", {"text": str(i)}) == i + 2
+    end = os.fstat(log.fileno()).st_size
+    log.sync_now()
+    assert spy.started == [end] and spy.covered(end)
+    assert (log.durable_seq, log.durable_size) == (4, end)
+    log.sync_now()
+    assert len(spy.started) == 1
+    log.close()
+    log.sync_now()  # closed, and nothing to sync: no error
+
+
+def test_sync_now_failure_poisons_the_log(sessions: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = SessionLog.create(sessions, new_session_id(), START)
+    spy = FsyncSpy(log.fileno())
+    spy.error = OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(os, "fsync", spy)
+    log.write("user_input", {"text": "lost"})
+    with pytest.raises(OSError, match="fsync failed"):
+        log.sync_now()
+    assert log.durable_seq == 1
+    spy.error = None
+    with pytest.raises(OSError, match="failed earlier"):  # a later fsync would prove nothing
+        log.sync_now()
+    with pytest.raises(OSError):
+        log.write("user_input", {"text": "after"})
+    log.close()
