@@ -59,6 +59,7 @@ BASE = (
 # Imported while idle, once a pod of that provider kind was asked for: anthropic is ~39 MB of
 # heap, not worth carrying for users who never run it. Then a throwaway client is built, as a
 # pod builds its own: the SDK imports its HTTP stack only then (~8 MB more per pod otherwise).
+# The adapters read streams as plain JSON (`AsyncStream[object]`): no pydantic models to warm.
 # The HTTP stack's async backend is imported only by the first request.
 _ANYIO = ("anyio._backends._asyncio", "anyio._core._sockets", "anyio.streams.stapled")
 SDKS: dict[str, tuple[str, ...]] = {
@@ -93,103 +94,19 @@ def peek_kind(argv: list[str], cwd: str) -> str | None:
 
 
 def _rehearse(kind: str) -> None:
-    """Do what a pod's first call does short of the network: build (and drop) a client, and
-    build stream events from sample data as the SDK does (its models set up lazily on first
-    use, ~3 MB a pod would otherwise write into its own copy). No thread, no connection."""
-    if kind == "anthropic":
-        import anthropic
-        from anthropic import AsyncStream as AnthropicStream
-        from anthropic._models import construct_type as construct_anthropic
-        from anthropic.types import RawMessageStreamEvent
+    """Do what a pod's warm-up does short of the network (poddaemon/llm/retry.py `_load_sdk`):
+    build (and drop) a client, which imports the HTTP stack, and find the platform for the
+    SDK's headers (`uname -p`, cached by the platform module): forked pods inherit all of it.
+    No thread is left, no connection made."""
+    import importlib
 
-        anthropic.AsyncAnthropic(api_key="preload", base_url="http://127.0.0.1:9", max_retries=0)
-        AnthropicStream[RawMessageStreamEvent]
-        for event in _ANTHROPIC_EVENTS:
-            construct_anthropic(type_=RawMessageStreamEvent, value=event)
-        return
-    import openai
-    from openai._models import construct_type
-
-    openai.AsyncOpenAI(api_key="preload", base_url="http://127.0.0.1:9/v1", max_retries=0)
-    if kind == "openai_responses":
-        from openai.types.responses import ResponseStreamEvent
-
-        openai.AsyncStream[ResponseStreamEvent]
-        for event in _RESPONSES_EVENTS:
-            construct_type(type_=ResponseStreamEvent, value=event)
+    sdk = "anthropic" if kind == "anthropic" else "openai"
+    module = importlib.import_module(sdk)
+    if sdk == "anthropic":
+        module.AsyncAnthropic(api_key="preload", base_url="http://127.0.0.1:9", max_retries=0)
     else:
-        from openai.types.chat import ChatCompletionChunk
-
-        openai.AsyncStream[ChatCompletionChunk]
-        construct_type(type_=ChatCompletionChunk, value=_CHAT_CHUNK)
-
-
-_CHAT_CHUNK = {
-    "id": "c",
-    "object": "chat.completion.chunk",
-    "created": 0,
-    "model": "m",
-    "choices": [
-        {
-            "index": 0,
-            "delta": {
-                "role": "assistant",
-                "content": "hi",
-                "tool_calls": [
-                    {
-                        "index": 0,
-                        "id": "t",
-                        "type": "function",
-                        "function": {"name": "f", "arguments": "{}"},
-                    }
-                ],
-            },
-            "finish_reason": "stop",
-        }
-    ],
-    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-}
-_RESPONSES_EVENTS = [
-    {
-        "type": "response.output_text.delta",
-        "item_id": "i",
-        "output_index": 0,
-        "content_index": 0,
-        "delta": "hi",
-        "sequence_number": 1,
-    },
-    {
-        "type": "response.completed",
-        "sequence_number": 2,
-        "response": {
-            "id": "r",
-            "object": "response",
-            "created_at": 0,
-            "model": "m",
-            "output": [],
-            "status": "completed",
-            "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2},
-        },
-    },
-]
-_ANTHROPIC_EVENTS = [
-    {
-        "type": "message_start",
-        "message": {
-            "id": "m",
-            "type": "message",
-            "role": "assistant",
-            "model": "m",
-            "content": [],
-            "stop_reason": None,
-            "usage": {"input_tokens": 1, "output_tokens": 1},
-        },
-    },
-    {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
-    {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 1}},
-    {"type": "message_stop"},
-]
+        module.AsyncOpenAI(api_key="preload", base_url="http://127.0.0.1:9/v1", max_retries=0)
+    importlib.import_module(f"{sdk}._base_client").get_platform()
 
 
 class Server:
