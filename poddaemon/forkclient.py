@@ -175,7 +175,8 @@ def fork_pod(
         try:
             conn.settimeout(READY_TIMEOUT)
             sent = socket.send_fds(conn, [frame], list(stdio))
-            conn.sendall(frame[sent:])
+            if sent < len(frame):  # (an empty send to a server that already answered is EPIPE)
+                conn.sendall(frame[sent:])
         except OSError:
             conn.close()
             return None  # it never had the request: exec

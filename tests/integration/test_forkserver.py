@@ -118,7 +118,7 @@ def test_failure_before_ready_is_reported_as_before(env: Env) -> None:
     bad = env.home / "bad.toml"
     bad.write_text("[pod]\nname = 'bad'\nnonsense = 1\n")
     done = env.podctl("spawn", str(bad))
-    assert done.returncode == 1
+    assert done.returncode == 1, done.stderr
     assert str(bad) in done.stderr and "nonsense" in done.stderr
     assert not (env.home / "run" / "pods" / "bad").exists()
 
@@ -254,9 +254,13 @@ def test_a_server_that_vanishes_with_the_request_is_an_error_not_a_second_start(
     listener.bind(path)
     listener.listen(1)
 
-    def take_and_vanish() -> None:
+    def take_and_vanish() -> None:  # reads the whole request, then dies without a word
         conn, _ = listener.accept()
-        socket.recv_fds(conn, 65536, 3)
+        data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+        while len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+            data += conn.recv(65536)
+        for fd in fds:
+            os.close(fd)
         conn.close()
 
     taker = threading.Thread(target=take_and_vanish)
@@ -266,6 +270,6 @@ def test_a_server_that_vanishes_with_the_request_is_an_error_not_a_second_start(
     finally:
         taker.join(10)
         listener.close()
-    assert done.returncode == 1
+    assert done.returncode == 1, done.stderr
     assert "fork server went away" in done.stderr
     assert not (env.home / "run" / "pods" / "two" / "sock").exists()
