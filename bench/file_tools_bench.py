@@ -101,12 +101,12 @@ async def measure(root: Path) -> dict[str, Any]:
     ]
     for label, calls, n in steps:
         await run(label, calls, n)
-    works = fsopen._openat2.works
-    fsopen._openat2.works = False  # as on a kernel without openat2 (< 5.6) or under seccomp
+    works = fsopen._openat2().works
+    fsopen._openat2().works = False  # as on a kernel without openat2 (< 5.6) or under seccomp
     try:
         await run("read_file, O_NOFOLLOW walk (no openat2)", steps[0][1], 400)
     finally:
-        fsopen._openat2.works = works
+        fsopen._openat2().works = works
     await execute("read_file", '{"path": "notes.txt"}', ctx)
 
     # edit_file: each call flips the word back, so every call finds its text

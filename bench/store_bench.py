@@ -18,11 +18,13 @@ SMALL = 1_000
 LARGE = 100_000
 TIMED_CYCLES = 200  # 1,800 timed appends per log
 BATCHES = 20
+PER_CYCLE = 10  # entries per cycle() below
 TOOL_OUTPUT = ("def handler(request):\n    return respond(request.body)\n" * 20)[:1024]
 
 
 def cycle(n: int) -> Iterator[tuple[str, dict[str, Any]]]:
-    """One run as the pod logs it: input, start, a tool round, a text round, usage, the end."""
+    """One run as the pod logs it (entries.py's typed entries): input, start, a tool round, a
+    text round, usage, the end."""
     rid = f"0192f0c1-7d3a-7c4e-9a1b-{n:012x}"
     call = ToolCall(id=f"call_{n}_0", name="read_file", arguments='{"path": "src/handler.py"}')
     yield (
@@ -30,17 +32,19 @@ def cycle(n: int) -> Iterator[tuple[str, dict[str, Any]]]:
         {"run_id": rid, "text": f"Review src/handler.py, change {n}.", "mode": "queue"},
     )
     yield "run_start", {"run_id": rid, "trigger": "input"}
-    yield "assistant", {"item": item_to_builtins(AssistantMessage(tool_calls=(call,)))}
     yield (
-        "tool_result",
-        {"item": item_to_builtins(ToolResult(call_id=call.id, name=call.name, output=TOOL_OUTPUT))},
+        "assistant",
+        {"run_id": rid, "item": item_to_builtins(AssistantMessage(tool_calls=(call,)))},
     )
+    result = ToolResult(call_id=call.id, name=call.name, output=TOOL_OUTPUT)
+    yield "tool_result", {"run_id": rid, "item": item_to_builtins(result)}
     usage = {"input": 1800 + n % 500, "output": 40, "cache_read": 1024, "cache_write": 0}
     yield "llm_usage", {"run_id": rid, "model": "gpt-4o-mini", **usage}
     text = "The handler echoes the body back unchanged; it should validate it first. " * 3
-    yield "assistant", {"item": item_to_builtins(AssistantMessage(text=text))}
+    yield "turn_end", {"run_id": rid, "round": 1}
+    yield "assistant", {"run_id": rid, "item": item_to_builtins(AssistantMessage(text=text))}
     yield "llm_usage", {"run_id": rid, "model": "gpt-4o-mini", **usage}
-    yield "turn_end", {"run_id": rid}
+    yield "turn_end", {"run_id": rid, "round": 2}
     yield "run_end", {"run_id": rid, "outcome": "finished", "text": text}
 
 
@@ -63,7 +67,7 @@ def timed_appends(
     per_batch: list[list[float]] = [[] for _ in logs]
     for _ in range(BATCHES):
         for log, out in zip(logs, per_batch, strict=True):
-            batch = [next(source) for _ in range(9 * TIMED_CYCLES // BATCHES)]
+            batch = [next(source) for _ in range(PER_CYCLE * TIMED_CYCLES // BATCHES)]
             append = log.append
             t = time.perf_counter()
             for kind, body in batch:
@@ -83,10 +87,11 @@ def child(mode: str, sessions: Path, sid: str) -> dict[str, Any]:
         [PY, "-m", "bench.restore_child", mode, str(sessions), sid],
         cwd=ROOT,
         env=base_env(sessions),
-        check=True,
         capture_output=True,
         text=True,
     )
+    if out.returncode:
+        raise RuntimeError(f"restore_child {mode} failed: {out.stderr.strip()[-1500:]}")
     result: dict[str, Any] = json.loads(out.stdout)
     return result
 
@@ -156,7 +161,7 @@ def run(sec: Section) -> None:
     sec.note(
         f"entries cycle user_input/run_start/assistant(tool call)/tool_result(1 KB)/"
         f"llm_usage/assistant(text)/llm_usage/turn_end/run_end; file {size_mb:.1f} MB; "
-        f"append = SessionLog.append (no fsync), {9 * TIMED_CYCLES} timed appends per "
+        f"append = SessionLog.append (no fsync), {PER_CYCLE * TIMED_CYCLES} timed appends per "
         f"log (median of {BATCHES} batches, the two logs taking turns, after an "
         f"fsync); filling to {LARGE:,} took {fill_s:.1f} s; restore in a fresh process"
     )
