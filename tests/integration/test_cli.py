@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import kill_spawned
+
 REPO = Path(__file__).resolve().parents[2]
 HAVE_DAEMON = importlib.util.find_spec("poddaemon.daemon") is not None
 
@@ -67,6 +69,7 @@ def home() -> Iterator[Path]:
     try:
         yield path
     finally:
+        kill_spawned(path / "run")  # a fork server a spawn started, and pods a test left
         shutil.rmtree(path, ignore_errors=True)
 
 
