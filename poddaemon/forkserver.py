@@ -1,22 +1,24 @@
 """The fork server: one process per user and installation that has imported the pod's code and
-its provider SDKs, and forks each pod `podctl spawn` starts.
+its provider SDKs, and forks the pods `podctl spawn` starts beside another pod, and the children
+pods spawn (its client: poddaemon/forkclient.py).
 
 Why: a pod is one Python process per agent, and each would import its own copy of the pod's
-modules and of the provider SDK (openai alone is ~28 MB of heap). Forked from here, ten pods
-share one copy of those pages (copy-on-write; `gc.freeze()` keeps the collector from touching
-them), and a pod skips the imports on its way to READY. Measured: ten idle pods 451 → ~270 MB
-PSS. Forking is safe because this process never starts a thread.
+modules and of the provider SDK (openai alone is ~28 MB of heap). Forked from here, pods share
+one copy of those pages (copy-on-write; `gc.freeze()` keeps the collector from touching them),
+and a pod skips the imports on its way to READY. Measured: ten idle pods 436 → 250–274 MB PSS,
+this server included. Forking is safe because this process never starts a thread.
 
 The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
 - request: a 4-byte big-endian length and a JSON object `{argv, env, cwd, umask, title}`;
   the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
 - replies, one JSON line each: `{"pid": N}` once forked, then `{"exit": code}` when the pod
-  exits while the client is still connected; or `{"error": why}`, or `{"stale": true}` when a
-  module this server loaded changed on disk (an upgrade, an edit): the server then stops
-  listening and exits, and the client starts a fresh one.
+  exits while the client is still connected; or `{"error": why}` (nothing was forked), or
+  `{"stale": true}` when a module this server loaded changed on disk (an upgrade, an edit): the
+  server then gives up its socket and lock at once, and exits once its waiting clients are
+  answered; the client starts a fresh one.
 
 It exits after `PODDAEMON_FORKSERVER_IDLE` seconds (default 600) without a request; its pods
-live on. This module imports only the standard library at the top: podctl imports it.
+live on.
 """
 
 import contextlib
