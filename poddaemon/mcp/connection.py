@@ -108,11 +108,13 @@ class McpConnection:
         self._usable = asyncio.Event()
         self._holder = holder = asyncio.create_task(self._hold(started), name=f"mcp:{self.name}")
         try:
-            return await asyncio.wait_for(asyncio.shield(started), self.cfg.start_timeout)
+            async with asyncio.timeout(self.cfg.start_timeout):
+                return await asyncio.shield(started)
         except TimeoutError:
             holder.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                await asyncio.wait_for(holder, 5.0)
+                async with asyncio.timeout(5.0):
+                    await holder
             raise StartFailed(
                 self._with_stderr(f"did not start within {self.cfg.start_timeout:g} s")
             ) from None
@@ -285,11 +287,13 @@ class McpConnection:
     async def call(self, remote: str, args: dict[str, Any]) -> ToolOutcome:
         if not self._settled.is_set():  # a restart is under way: wait for its outcome
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._settled.wait(), self.cfg.start_timeout + CALL_MARGIN)
+                async with asyncio.timeout(self.cfg.start_timeout + CALL_MARGIN):
+                    await self._settled.wait()
         if self.state == "ready" and not self._usable.is_set():
             # Listed before READY; the SDK session follows once the SDK is imported.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._usable.wait(), self.cfg.start_timeout + CALL_MARGIN)
+                async with asyncio.timeout(self.cfg.start_timeout + CALL_MARGIN):
+                    await self._usable.wait()
         client = self._client
         if self.state != "ready" or client is None:
             why = self.error or self.state
@@ -341,11 +345,13 @@ class McpConnection:
             if task is None or task.done():
                 continue
             try:
-                await asyncio.wait_for(asyncio.shield(task), 10.0)
+                async with asyncio.timeout(10.0):
+                    await asyncio.shield(task)
             except (TimeoutError, asyncio.CancelledError):
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, TimeoutError, Exception):
-                    await asyncio.wait_for(task, 2.0)
+                    async with asyncio.timeout(2.0):
+                        await task
             except Exception:
                 log.exception("MCP server '%s' failed while stopping", self.name)
         if self._process is not None:  # whatever a holder could not clean up: kill the group

@@ -114,10 +114,12 @@ class StdioProcess:
         if self.proc.stdin is not None and not self.proc.stdin.is_closing():
             self.proc.stdin.close()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.gone.wait(), grace)
+            async with asyncio.timeout(grace):
+                await self.gone.wait()
         self.kill()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.proc.wait(), grace)
+            async with asyncio.timeout(grace):
+                await self.proc.wait()
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
