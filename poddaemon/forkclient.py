@@ -159,7 +159,7 @@ def fork_pod(
         argv=cmd[cmd.index("poddaemon") + 1 :],
         env=dict(os.environ),
         cwd=os.getcwd(),
-        umask=_umask(),
+        umask=current_umask(),
         title=cmd,
     )
     frame = encode_request(request)
@@ -205,7 +205,16 @@ def _pods_alive(runtime: str) -> bool:
     return any(os.path.exists(os.path.join(runtime, "pods", n, "sock")) for n in names)
 
 
-def _umask() -> int:
-    mask = os.umask(0o077)
+def current_umask() -> int:
+    """The process's umask, read without changing it (os.umask would, for a moment, under the
+    feet of other threads: a pod calls this from a worker thread)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask

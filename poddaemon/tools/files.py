@@ -10,6 +10,7 @@ import os
 import stat
 from typing import Any, NamedTuple
 
+from poddaemon.forkclient import current_umask
 from poddaemon.scope import Access
 from poddaemon.tools.base import (
     FileStamp,
@@ -113,18 +114,7 @@ def _require_fresh(ctx: ToolContext, path: str, st: os.stat_result, verb: str) -
         raise ToolError(f"file changed since it was read; read it again: {ctx.display(path)}")
 
 
-@functools.cache
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+_umask = functools.cache(current_umask)  # the pod's umask does not change while it runs
 
 
 def open_parent(ctx: ToolContext, path: str, create: bool) -> int:
