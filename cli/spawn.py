@@ -24,7 +24,6 @@ import time
 from typing import Protocol
 
 from poddaemon import forkclient
-from poddaemon.forkclient import Forked
 
 READY_PREFIX = b"PODDAEMON-READY\t"
 READY_TIMEOUT = 30.0
@@ -78,6 +77,10 @@ class Started(Protocol):
         Raises subprocess.TimeoutExpired."""
         ...
 
+    def close(self) -> None:
+        """We wait for it no more (it runs on, detached)."""
+        ...
+
 
 class Execd:
     def __init__(self, cmd: list[str], stderr: int) -> None:
@@ -96,8 +99,11 @@ class Execd:
     def wait(self, timeout: float) -> int | None:
         return self.proc.wait(timeout)
 
+    def close(self) -> None:
+        pass  # nothing held: a detached pod we never reap (it outlives podctl)
 
-def start(cmd: list[str], stderr: int) -> Forked | Execd:
+
+def start(cmd: list[str], stderr: int) -> Started:
     """Start the pod with stdin and stdout on /dev/null and stderr on `stderr`."""
     if forkclient.enabled():
         null = os.open(os.devnull, os.O_RDWR)
@@ -138,8 +144,7 @@ def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str,
         return _await_ready(proc, fd, timeout)
     finally:
         os.close(fd)
-        if isinstance(proc, Forked):
-            proc.close()
+        proc.close()
 
 
 def _await_ready(proc: Started, fd: int, timeout: float) -> tuple[str, str, bytes]:

@@ -22,13 +22,24 @@ live on.
 """
 
 import contextlib
+import fcntl
 import functools
+import gc
+import importlib
 import json
 import os
+import selectors
+import signal
 import socket
 import struct
 import sys
+import threading
+import time
+import tomllib
+import traceback
 from collections.abc import Callable
+
+import setproctitle
 
 from poddaemon.forkclient import Request, decode_request
 
@@ -86,8 +97,6 @@ def peek_kind(argv: list[str], cwd: str) -> str | None:
     if len(argv) < 2:
         return None
     try:
-        import tomllib
-
         with open(os.path.join(cwd, argv[1]), "rb") as f:
             kind = tomllib.load(f).get("provider", {}).get("kind")
     except (OSError, ValueError):
@@ -100,8 +109,6 @@ def _rehearse(kind: str) -> None:
     build (and drop) a client, which imports the HTTP stack, and find the platform for the
     SDK's headers (`uname -p`, cached by the platform module): forked pods inherit all of it.
     No thread is left, no connection made."""
-    import importlib
-
     sdk = "anthropic" if kind == "anthropic" else "openai"
     module = importlib.import_module(sdk)
     if sdk == "anthropic":
@@ -115,8 +122,6 @@ class Server:
     """The accept loop: single-threaded by design (a fork copies only the calling thread)."""
 
     def __init__(self, sock_path: str, lock_fd: int) -> None:
-        import selectors
-
         self.sock_path = sock_path
         self.lock_fd = lock_fd
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -130,9 +135,6 @@ class Server:
     # --- start-up ------------------------------------------------------------------------------
 
     def listen(self) -> None:
-        import selectors
-        import signal
-
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.sock_path)  # a dead server's: we hold the lock, so nobody serves it
         old = os.umask(0o177)
@@ -156,8 +158,6 @@ class Server:
             except Exception as exc:  # a broken optional SDK: the pod will say so itself
                 sys.stderr.write(f"poddaemon forkserver: preload {step}: {exc}\n")
         self._snapshot()
-        import gc
-
         gc.collect()
         gc.freeze()
 
@@ -187,8 +187,6 @@ class Server:
     # --- the loop -------------------------------------------------------------------------------
 
     def serve(self) -> int:
-        import time
-
         idle = float(os.environ.get("PODDAEMON_FORKSERVER_IDLE") or IDLE_EXIT)
         last = time.monotonic()
         while True:
@@ -252,8 +250,6 @@ class Server:
                 os.close(fd)
         self._reply(conn, {"pid": pid})
         self.waiting[pid] = conn
-        import selectors
-
         self.sel.register(conn, selectors.EVENT_READ)
         kind = peek_kind(req.argv, req.cwd)
         if kind in SDKS and kind not in self.loaded_kinds:
@@ -324,8 +320,6 @@ class Server:
     # --- the fork -------------------------------------------------------------------------------
 
     def _fork(self, req: Request, fds: list[int]) -> int:
-        import threading
-
         if threading.active_count() != 1:  # a preload started one: a fork could deadlock
             raise OSError(f"{threading.active_count()} threads in the fork server")
         sys.stdout.flush()
@@ -338,8 +332,6 @@ class Server:
     def _child(self, req: Request, fds: list[int]) -> None:
         code = 1
         try:
-            import signal
-
             os.setsid()  # its own session and group, like `podctl spawn`'s exec'd pods
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM):
@@ -354,8 +346,6 @@ class Server:
             os.umask(req.umask)
             os.environ.clear()
             os.environ.update(req.env)
-            import time
-
             time.tzset()  # the caller's TZ, for the pod's log timestamps
             from poddaemon.daemon import main
 
@@ -363,8 +353,6 @@ class Server:
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:
-            import traceback
-
             traceback.print_exc()
         finally:
             try:
@@ -387,25 +375,17 @@ class Server:
 
 
 def _importer(module: str) -> Callable[[], object]:
-    import importlib
-
     return functools.partial(importlib.import_module, module)
 
 
 def _set_title(title: str) -> None:
     """`ps` shows the pod as the command line it would have been exec'd with."""
-    try:
-        import setproctitle
-    except ImportError:
-        return
     setproctitle.setproctitle(title)
 
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m poddaemon.forkserver SOCKET`: serve until idle. Prints READY (or RUNNING when
     another server holds this socket's lock) on stdout, then detaches stdout."""
-    import fcntl
-
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         sys.stderr.write("usage: python -m poddaemon.forkserver SOCKET\n")
