@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from poddaemon.testing.cleanup import kill_spawned
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 READY = "PODDAEMON-READY"
@@ -214,6 +216,15 @@ def vm_rss_mb(pid: int, field: str = "VmRSS") -> float:
     raise RuntimeError(f"no {field} for pid {pid}")
 
 
+def pss_mb(pid: int) -> float:
+    """Proportional set size: shared pages (the interpreter, libraries) split between users."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup")
+
+
 def fsync_us(n: int = 200, dir: str = "/tmp") -> list[float]:
     """Latency of append-100-bytes + fsync on a small file, in µs (the durability floor)."""
     fd, path = tempfile.mkstemp(dir=dir)
@@ -368,16 +379,6 @@ class Pod:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
-
-
-def kill_spawned(runtime: Path) -> None:
-    """SIGKILL what `podctl spawn` left in this runtime dir: its pods and the fork server."""
-    pidfiles = [*runtime.glob("pods/*/pid"), *runtime.glob("forkserver.*.lock")]
-    for path in pidfiles:
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(path.read_text())
-            if pid > 1:
-                os.kill(pid, signal.SIGKILL)
 
 
 class Home:

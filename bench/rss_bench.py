@@ -7,18 +7,9 @@ import time
 from pathlib import Path
 
 from bench.cli_bench import PODCTL
-from bench.harness import Home, Row, Rpc, Section, ratio_le, value_le, vm_rss_mb
+from bench.harness import Home, Row, Rpc, Section, pss_mb, ratio_le, value_le, vm_rss_mb
 
 PODS = 10
-
-
-def pss_mb(pid: int) -> float:
-    """Proportional set size: shared pages (the interpreter, libraries) split between users."""
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no Pss in /proc/{pid}/smaps_rollup")
 
 
 def run(sec: Section) -> None:

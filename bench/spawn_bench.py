@@ -7,8 +7,7 @@ import time
 from pathlib import Path
 
 from bench.cli_bench import PODCTL
-from bench.harness import PY, Home, Row, Rpc, Section, median, value_le
-from bench.rss_bench import pss_mb
+from bench.harness import PY, Home, Row, Rpc, Section, median, pss_mb, value_le
 
 SPAWNS = 5
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.cli_bench import PODCTL
-from bench.harness import Home, Row, Rpc, Section, median, pct
+from bench.harness import Home, Row, Rpc, Section, median, pct, pss_mb
 
 SPAWNS = 20
 REPORTS = 20
@@ -38,13 +38,6 @@ def _session_entries(home: Home, pod: str) -> list[dict[str, Any]]:
         if lines and json.loads(lines[0]).get("pod") == pod:
             return [json.loads(line) for line in lines]
     return []
-
-
-def _pss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1])
-    return 0
 
 
 def _spawn_call(name: str, task: str, target: Path) -> dict[str, Any]:
@@ -190,8 +183,8 @@ def run(sec: Section) -> None:
         time.sleep(1.0)
         # The fork server the children were forked from counts with the tree.
         servers = [int(f.read_text()) for f in (home.path / "run").glob("forkserver.*.lock")]
-        tree_pss = sum(_pss_kb(p) for p in tree_pids + servers) / 1024
-        solo_pss = sum(_pss_kb(p.pid) for p in solo_pods) / 1024
+        tree_pss = sum(pss_mb(p) for p in tree_pids + servers)
+        solo_pss = sum(pss_mb(p.pid) for p in solo_pods)
         sec.add(
             Row(
                 "PSS: parent + 8 idle children (+ fork server), sum",

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from poddaemon.testing.cleanup import kill_spawned
 from poddaemon.testing.fake_model import FakeModel
 from protocol import PodClient
 from protocol.types import Event
@@ -219,6 +220,12 @@ def fake_model() -> Iterator[FakeModel]:
         yield model
 
 
+def ppid(pid: int) -> int:
+    """The parent of a live process (from /proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
 @pytest.fixture
 def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     # Short paths: Unix socket addresses must fit in 108 bytes.
@@ -230,15 +237,6 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     kill_spawned(path / "run")
     shutil.rmtree(path, ignore_errors=True)
 
-
-def kill_spawned(runtime: Path) -> None:
-    """SIGKILL what `podctl spawn` left in this runtime dir: its pods and the fork server (whose
-    pid is in its lock file); a test that failed half-way leaves them running otherwise."""
-    for path in [*runtime.glob("pods/*/pid"), *runtime.glob("forkserver.*.lock")]:
-        with contextlib.suppress(OSError, ValueError):
-            pid = int(path.read_text())
-            if pid > 1:
-                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import kill_spawned
+from poddaemon.testing.cleanup import kill_spawned
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_DAEMON = importlib.util.find_spec("poddaemon.daemon") is not None

@@ -15,12 +15,7 @@ from pathlib import Path
 import pytest
 
 from poddaemon import forkclient
-from tests.conftest import Env, wait_until
-
-
-def ppid(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
+from tests.conftest import Env, ppid, wait_until
 
 
 def alive(pid: int) -> bool:
@@ -166,7 +161,7 @@ def test_it_can_be_turned_off(env: Env) -> None:
     spawn(env, "lone")
     pid = spawn(env, "one", PODDAEMON_FORKSERVER="0")
     assert not list((env.home / "run").glob("forkserver.*"))
-    assert answers(env, "one") and pid > 0
+    assert answers(env, "one") and alive(pid)
 
 
 def _raw(path: str, payload: bytes, fds: list[int]) -> dict[str, object]:

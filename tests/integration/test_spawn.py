@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from poddaemon.registry import Registry
-from tests.conftest import Env, PodProcess, wait_until
+from tests.conftest import Env, PodProcess, ppid, wait_until
 
 POD_TOOLS = [
     "read_file",
@@ -666,10 +666,6 @@ def test_a_childs_bash_is_confined_to_its_delegated_area(tree: Env) -> None:
     assert (kid / "ok.txt").read_text() == "mine\n"
 
 
-def _ppid(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def test_children_are_forked_by_the_fork_server_and_share_it(tree: Env) -> None:
     """A tree's pods come from one fork server (started by the spawner): the SDK and the pod's
     modules are one copy for all of them. The grandchild's spawner is a forked pod itself."""
@@ -679,7 +675,7 @@ def test_children_are_forked_by_the_fork_server_and_share_it(tree: Env) -> None:
     registry = Registry(tree.home / "run")
     for name in ("s1", "s2", "g1"):
         entry = registry.get(name)
-        assert entry is not None and _ppid(entry.pid) == server, name
+        assert entry is not None and ppid(entry.pid) == server, name
 
 
 def test_a_unit_pods_children_are_execd_into_its_cgroup(tree: Env) -> None:
@@ -690,5 +686,5 @@ def test_a_unit_pods_children_are_execd_into_its_cgroup(tree: Env) -> None:
     registry = Registry(tree.home / "run")
     for name in ("s1", "s2"):
         entry = registry.get(name)
-        assert entry is not None and _ppid(entry.pid) == parent.proc.pid, name
+        assert entry is not None and ppid(entry.pid) == parent.proc.pid, name
     assert not list((tree.home / "run").glob("forkserver.*"))

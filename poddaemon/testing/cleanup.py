@@ -1,0 +1,16 @@
+"""Tear-down for tests and benchmarks that run `podctl spawn` in a throwaway home."""
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+
+def kill_spawned(runtime: Path) -> None:
+    """SIGKILL what `podctl spawn` left in this runtime dir: its pods (their pid files) and the
+    fork server (its pid is in its lock file); a run that failed half-way leaves them running."""
+    for path in [*runtime.glob("pods/*/pid"), *runtime.glob("forkserver.*.lock")]:
+        with contextlib.suppress(OSError, ValueError):
+            pid = int(path.read_text())
+            if pid > 1:
+                os.kill(pid, signal.SIGKILL)
