@@ -3,9 +3,10 @@ its provider SDKs, and forks the pods `podctl spawn` starts beside another pod, 
 pods spawn (its client: poddaemon/forkclient.py).
 
 Why: a pod is one Python process per agent, and each would import its own copy of the pod's
-modules and of the provider SDK (openai alone is ~28 MB of heap). Forked from here, pods share
-one copy of those pages (copy-on-write; `gc.freeze()` keeps the collector from touching them),
-and a pod skips the imports on its way to READY. Measured: ten idle pods 436 → 250–274 MB PSS,
+modules and of the provider SDK (its client: openai ~12 MB of heap, anthropic ~21 MB, with
+poddaemon/llm/sdkload.py). Forked from here, pods share one copy of those pages
+(copy-on-write; `gc.freeze()` keeps the collector from touching them), and a pod skips the
+imports on its way to READY. Measured: ten idle pods 436 → 250–274 MB PSS,
 this server included. Forking is safe because this process never starts a thread.
 
 The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
@@ -69,21 +70,16 @@ BASE = (
     "poddaemon.llm.preflight",
     "uvloop",
 )
-# Imported while idle, once a pod of that provider kind was asked for: anthropic is ~39 MB of
-# heap, not worth carrying for users who never run it. Then a throwaway client is built, as a
-# pod builds its own: the SDK imports its HTTP stack only then (~8 MB more per pod otherwise).
-# The adapters read streams as plain JSON (`AsyncStream[object]`): no pydantic models to warm.
-# The HTTP stack's async backend is imported only by the first request.
+# Imported while idle, once a pod of that provider kind was asked for, through the same
+# deferred import as a pod's (poddaemon/llm/sdkload.py): the adapter, the SDK's client and what
+# it imports (openai: 38 modules, not 520). Then a throwaway client is built, as a pod builds
+# its own: the SDK imports its HTTP stack only then (~8 MB more per pod otherwise). The HTTP
+# stack's async backend is imported only by the first request.
 _ANYIO = ("anyio._backends._asyncio", "anyio._core._sockets", "anyio.streams.stapled")
 SDKS: dict[str, tuple[str, ...]] = {
-    "openai": ("poddaemon.llm.openai_chat", "openai", "openai.types.chat", *_ANYIO),
-    "openai_responses": (
-        "poddaemon.llm.openai_responses",
-        "openai",
-        "openai.types.responses",
-        *_ANYIO,
-    ),
-    "anthropic": ("poddaemon.llm.anthropic", "anthropic", "anthropic.types", *_ANYIO),
+    "openai": ("poddaemon.llm.openai_chat", *_ANYIO),
+    "openai_responses": ("poddaemon.llm.openai_responses", *_ANYIO),
+    "anthropic": ("poddaemon.llm.anthropic", *_ANYIO),
 }
 
 
@@ -109,8 +105,10 @@ def _rehearse(kind: str) -> None:
     build (and drop) a client, which imports the HTTP stack, and find the platform for the
     SDK's headers (`uname -p`, cached by the platform module): forked pods inherit all of it.
     No thread is left, no connection made."""
+    from poddaemon.llm.sdkload import load_sdk  # with the adapter's preload, not at start
+
     sdk = "anthropic" if kind == "anthropic" else "openai"
-    module = importlib.import_module(sdk)
+    module = load_sdk(sdk)
     if sdk == "anthropic":
         module.AsyncAnthropic(api_key="preload", base_url="http://127.0.0.1:9", max_retries=0)
     else:

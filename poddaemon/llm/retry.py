@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, Protocol
 
+from poddaemon.llm.sdkload import load_sdk
 from poddaemon.llm.types import (
     ModelRequest,
     ModelResponse,
@@ -369,7 +370,7 @@ class RetryingClient:
         fork and exec, from a thread it starts for it) and import anyio's asyncio backend
         (~8 ms, at the first connection). Best effort: a step that fails here is simply done
         again where the SDK does it."""
-        sdk = importlib.import_module(self.sdk_module)
+        sdk = load_sdk(self.sdk_module)
         with contextlib.suppress(Exception):
             base = importlib.import_module(f"{self.sdk_module}._base_client")
             self._platform = base.get_platform()
