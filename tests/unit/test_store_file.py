@@ -509,3 +509,14 @@ def test_sync_now_failure_poisons_the_log(sessions: Path, monkeypatch: pytest.Mo
     with pytest.raises(OSError):
         log.write("user_input", {"text": "after"})
     log.close()
+
+
+def test_an_empty_session_file_is_no_session_of_its_pod(sessions: Path) -> None:
+    """What a crash while a session is created can leave (the file made, its first line not yet
+    written back): `--resume` does not pick it, the pod's newest session with a session_start
+    is taken."""
+    older = SessionLog.create(sessions, new_session_id(), START)
+    older.close()
+    empty = new_session_id()
+    (sessions / f"{empty}.jsonl").write_bytes(b"")
+    assert newest_session_for(sessions, "rev") == older.session_id
