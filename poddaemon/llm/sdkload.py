@@ -16,8 +16,9 @@ pod never uses the models: the adapters send plain JSON and read the stream as d
   what the plain import costs.
 
 What `__init__` does beyond binding names does not happen until then: openai's and anthropic's
-read `OPENAI_LOG` / `ANTHROPIC_LOG` there to set up their loggers, and rename their public
-classes' `__module__` for nicer reprs.
+rename their public classes' `__module__` for nicer reprs, and read `OPENAI_LOG` /
+`ANTHROPIC_LOG` to switch their own logging on; with that variable set the SDK is imported whole,
+as someone debugging it expects.
 
 The deferral covers packages imported after `load_sdk` under the SDK's top-level name only, and
 only packages found on the ordinary path (an SDK installed some other way imports as usual).
@@ -25,6 +26,7 @@ only packages found on the ordinary path (an SDK installed some other way import
 
 import importlib
 import importlib.machinery
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -37,7 +39,10 @@ _lock = threading.Lock()
 
 def load_sdk(package: str) -> ModuleType:
     """`importlib.import_module(package)` with the package's `__init__` files deferred (see the
-    module's docstring). A package already imported stays as it is."""
+    module's docstring). A package already imported stays as it is, and with `<PACKAGE>_LOG` set
+    (the SDK's own debug logging, set up by its `__init__`) the package is imported whole."""
+    if os.environ.get(f"{package.upper()}_LOG"):
+        return importlib.import_module(package)
     with _lock:
         _finder.roots.add(package)
         if _finder not in sys.meta_path:

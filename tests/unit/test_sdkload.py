@@ -205,3 +205,12 @@ def test_the_real_sdks_build_a_client_with_a_fraction_of_their_modules(
     assert isinstance(modules, int) and isinstance(all_modules, int)
     assert modules * 2 < all_modules, (lean, plain)  # openai: 38 of 520; anthropic: 942 of 2,932
 
+
+def test_with_the_sdks_log_variable_set_the_package_is_imported_whole(
+    make_sdk: Callable[[], str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`OPENAI_LOG=debug`: the SDK's `__init__` sets its logging up, so it runs."""
+    name = make_sdk()
+    monkeypatch.setenv(f"{name.upper()}_LOG", "debug")
+    sdk = load_sdk(name)
+    assert not deferred(sdk) and sdk.VERSION == "1.2" and f"{name}.heavy" in sys.modules
