@@ -80,7 +80,8 @@ class _DeferredInit:  # a loader
     def __init__(self, real: importlib.machinery.SourceFileLoader) -> None:
         self.real = real
         self.ran = False
-        self._init_lock = threading.Lock()
+        self._init_lock = threading.RLock()  # RLock: the real __init__'s imports come back here
+        self._hook: Any = None
         self._bindings: dict[str, tuple[str, str]] | None = None
 
     def __getattr__(self, name: str) -> Any:  # get_resource_reader, is_package, ...: the real
@@ -90,7 +91,8 @@ class _DeferredInit:  # a loader
         return None
 
     def exec_module(self, module: ModuleType) -> None:
-        module.__getattr__ = lambda name: self._resolve(module, name)  # type: ignore[method-assign]
+        self._hook = lambda name: self._resolve(module, name)
+        module.__getattr__ = self._hook  # type: ignore[method-assign]
 
     def _resolve(self, module: ModuleType, name: str) -> Any:
         fullname = module.__name__
@@ -102,11 +104,14 @@ class _DeferredInit:  # a loader
                 value = getattr(importlib.import_module(source, fullname), attr)
                 setattr(module, name, value)
                 return value
-        with self._init_lock:  # two threads asking at once: the real __init__ runs once
+        # The real __init__ runs once, with the hook still in place: a thread asking meanwhile
+        # waits here for it to finish (without the hook it would find the names missing).
+        with self._init_lock:
             if not self.ran:
                 self.ran = True
-                del module.__getattr__
                 self.real.exec_module(module)
+                if module.__dict__.get("__getattr__") is self._hook:  # not one __init__ set
+                    del module.__getattr__
         try:
             return module.__dict__[name]
         except KeyError:

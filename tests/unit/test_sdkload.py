@@ -9,6 +9,7 @@ import textwrap
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -131,28 +132,42 @@ def test_an_unknown_name_is_an_attribute_error_after_init(make_sdk: Callable[[],
     assert not deferred(sdk)  # the real __init__ was the last word on it
 
 
-def test_threads_asking_at_once_run_init_once(make_sdk: Callable[[], str]) -> None:
+def test_a_thread_asking_while_init_runs_waits_for_it(make_sdk: Callable[[], str]) -> None:
+    """While one thread runs the real `__init__`, another asking for a name it binds waits and
+    gets it (it must not see the package half made), and `__init__` runs once."""
     name = make_sdk()
+    gate = ModuleType("_sdkload_gate")
+    gate.started, gate.release, gate.runs = threading.Event(), threading.Event(), []  # type: ignore[attr-defined]
+    sys.modules["_sdkload_gate"] = gate
     Path(sys.path[0], name, "__init__.py").write_text(
-        INIT + "import builtins\nbuiltins.__dict__.setdefault('_sdkload_runs', []).append(1)\n"
+        "import _sdkload_gate as g\ng.runs.append(1)\ng.started.set()\ng.release.wait(10)\n" + INIT
     )
     sdk = load_sdk(name)
-    barrier = threading.Barrier(4)
-    seen: list[object] = []
+    got: dict[str, object] = {}
 
-    def ask() -> None:
-        barrier.wait()
-        seen.append(sdk.VERSION)
+    def ask(who: str) -> None:
+        try:
+            got[who] = sdk.VERSION
+        except AttributeError as exc:
+            got[who] = exc
 
-    threads = [threading.Thread(target=ask) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    import builtins
-
-    assert seen == ["1.2"] * 4
-    assert builtins.__dict__.pop("_sdkload_runs") == [1]
+    try:
+        first = threading.Thread(target=ask, args=("first",))
+        first.start()
+        assert gate.started.wait(10)  # type: ignore[attr-defined]
+        second = threading.Thread(target=ask, args=("second",))
+        second.start()
+        second.join(0.2)
+        assert "second" not in got  # waiting for __init__, not failed
+        gate.release.set()  # type: ignore[attr-defined]
+        first.join(10)
+        second.join(10)
+    finally:
+        gate.release.set()  # type: ignore[attr-defined]
+        del sys.modules["_sdkload_gate"]
+    assert got == {"first": "1.2", "second": "1.2"}
+    assert gate.runs == [1]  # type: ignore[attr-defined]
+    assert not deferred(sdk) and "__getattr__" not in vars(sdk)
 
 
 def test_an_already_imported_package_stays_as_it_is(make_sdk: Callable[[], str]) -> None:
