@@ -11,12 +11,11 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from bench.harness import ROOT, Home, Row, Section, all_of, median, ratio_le, value_lt
+from bench.harness import PODCTL, Home, Row, Section, all_of, median, ratio_le, value_lt
 
 RUNS = 21
 RATIO = 1.2  # podctl's own imports and work on top of typer's start: at most a fifth of it
 ABSOLUTE_MS = 70.0
-PODCTL = str(ROOT / ".venv" / "bin" / "podctl")
 NOOP_APP = '''import typer
 
 app = typer.Typer(add_completion=False)

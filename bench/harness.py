@@ -25,6 +25,7 @@ from poddaemon.testing.cleanup import kill_spawned
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+PODCTL = str(ROOT / ".venv" / "bin" / "podctl")
 READY = "PODDAEMON-READY"
 
 # ------------------------------------------------------------------------------------ results
@@ -431,6 +432,20 @@ class Home:
         path = self.path / f"{name}.toml"
         path.write_text("\n".join(lines) + "\n" + extra)
         return path
+
+    def podctl(self, *args: str) -> None:
+        """Run `podctl ARGS` in this home (it fails the bench if podctl fails)."""
+        subprocess.run(
+            [PODCTL, *args],
+            env=self.env,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def pod_pid(self, name: str) -> int:
+        """The pid of a pod `podctl spawn` started (from its pid file)."""
+        return int((self.path / "run" / "pods" / name / "pid").read_text())
 
     def start_pod(self, name: str, *args: str, manifest: Path | None = None, **kw: Any) -> Pod:
         path = manifest or self.manifest(name, **kw)

@@ -2,11 +2,9 @@
 runs and of ten idle pods after one run each: started by `podctl spawn` (forked by the fork
 server, which counts in the sum) and, as the reference, each exec'd on its own."""
 
-import subprocess
 import time
 from pathlib import Path
 
-from bench.cli_bench import PODCTL
 from bench.harness import Home, Row, Rpc, Section, pss_mb, ratio_le, value_le, vm_rss_mb
 
 PODS = 10
@@ -36,7 +34,7 @@ def run(sec: Section) -> None:
             p.kill()
     with Home() as home:  # a clean one: the first pod spawned is alone, hence exec'd
         forked, server = _spawned(home)
-        one = pss_mb(_pid(home, "spawned2"))
+        one = pss_mb(home.pod_pid("spawned2"))
     sec.add(Row("VmRSS after 1 run (SDK loaded)", rss[1], "MB", idle, "idle, before any run"))
     sec.add(
         Row("VmRSS after 20 runs", rss[20], "MB", idle, "idle, before any run", value_le(75, "MB"))
@@ -63,25 +61,14 @@ def run(sec: Section) -> None:
     )
 
 
-def _pid(home: Home, name: str) -> int:
-    return int((home.path / "run" / "pods" / name / "pid").read_text())
-
-
 def _spawned(home: Home) -> tuple[float, float]:
     """PSS sum of PODS pods started by `podctl spawn`, after one run each; and the server's."""
     for i in range(PODS):
-        manifest = home.manifest(f"spawned{i}")
-        subprocess.run(
-            [PODCTL, "spawn", str(manifest)],
-            env=home.env,
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-        )
+        home.podctl("spawn", str(home.manifest(f"spawned{i}")))
     for i in range(PODS):
         with Rpc(str(home.path / "run" / "pods" / f"spawned{i}" / "sock")) as c:
             c.call("run", {"input": "say something", "wait": True})
     time.sleep(0.3)  # idle: the runs' leftovers settle
-    total = sum(pss_mb(_pid(home, f"spawned{i}")) for i in range(PODS))
+    total = sum(pss_mb(home.pod_pid(f"spawned{i}")) for i in range(PODS))
     (lock,) = Path(home.path / "run").glob("forkserver.*.lock")
     return total, pss_mb(int(lock.read_text()))

@@ -6,7 +6,6 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.cli_bench import PODCTL
 from bench.harness import PY, Home, Row, Rpc, Section, median, pss_mb, value_le
 
 SPAWNS = 5
@@ -56,19 +55,12 @@ def _settle_server(home: Home, timeout: float = 30.0) -> None:
 def _spawn(home: Home, manifest: Path) -> tuple[float, float]:
     """`podctl spawn` to READY (ms) and the pod's PSS once idle (MB); then shut it down."""
     t = time.perf_counter()
-    subprocess.run(
-        [PODCTL, "spawn", str(manifest)],
-        env=home.env,
-        check=True,
-        stdout=subprocess.DEVNULL,
-        stdin=subprocess.DEVNULL,
-    )
+    home.podctl("spawn", str(manifest))
     ms = (time.perf_counter() - t) * 1e3
-    folder = home.path / "run" / "pods" / manifest.stem
-    pid = int((folder / "pid").read_text())
+    pid = home.pod_pid(manifest.stem)
     time.sleep(0.3)  # let it settle into idle (its SDK warm-up)
     pss = pss_mb(pid)
-    with Rpc(str(folder / "sock")) as c:
+    with Rpc(str(home.path / "run" / "pods" / manifest.stem / "sock")) as c:
         c.call("shutdown")
     _wait_gone(pid)
     return ms, pss

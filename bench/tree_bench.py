@@ -12,12 +12,10 @@ the memory of a parent with 8 idle children.
 """
 
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.cli_bench import PODCTL
 from bench.harness import Home, Row, Rpc, Section, median, pct, pss_mb
 
 SPAWNS = 20
@@ -202,17 +200,9 @@ def run(sec: Section) -> None:
         podctl_ms: list[float] = []
         for _ in range(SPAWNS):
             t = time.perf_counter()
-            subprocess.run(
-                [PODCTL, "spawn", str(kept)],
-                env=home.env,
-                check=True,
-                stdout=subprocess.DEVNULL,
-                stdin=subprocess.DEVNULL,
-            )
+            home.podctl("spawn", str(kept))
             podctl_ms.append((time.perf_counter() - t) * 1e3)
-            subprocess.run(
-                [PODCTL, "stop", "c0"], env=home.env, check=True, stdout=subprocess.DEVNULL
-            )
+            home.podctl("stop", "c0")
         sec.add(
             Row(
                 "spawn_pod to READY + task acked, p50",
