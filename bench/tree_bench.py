@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.harness import Home, Row, Rpc, Section, median, pct, pss_mb
+from poddaemon.testing.cleanup import alive
 
 SPAWNS = 20
 REPORTS = 20
@@ -194,7 +195,7 @@ def run(sec: Section) -> None:
         )
         with Rpc(parent.socket) as c:
             c.call("shutdown")
-        _wait(lambda: not any(Path(f"/proc/{p}").exists() and _alive(p) for p in tree_pids), 30)
+        _wait(lambda: not any(Path(f"/proc/{p}").exists() and alive(p) for p in tree_pids), 30)
         # The baseline needs the parent's write area free: after the tree is gone.
         kept = home.path / "data" / "pods" / "c0.toml"
         podctl_ms: list[float] = []
@@ -217,14 +218,6 @@ def run(sec: Section) -> None:
         )
 
         sec.note(f"{len(spawn_ms)} spawn_pod calls, {len(report_ms)} reports")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
 
 def _idle(sock: str) -> bool:

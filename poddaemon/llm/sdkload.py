@@ -51,7 +51,7 @@ def load_sdk(package: str) -> ModuleType:
 
 
 def deferred(module: ModuleType) -> bool:
-    """True while `module`'s `__init__` has not run (for tests and the benches)."""
+    """True while `module`'s `__init__` has not run (for the tests)."""
     loader = getattr(module.__spec__, "loader", None)
     return isinstance(loader, _DeferredInit) and not loader.ran
 

@@ -14,3 +14,12 @@ def kill_spawned(runtime: Path) -> None:
             pid = int(path.read_text())
             if pid > 1:
                 os.kill(pid, signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """`pid` runs: it exists and is neither a zombie nor dead (from /proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from poddaemon.testing.cleanup import alive
 from protocol import RpcError
 from tests.conftest import PROVIDER_KINDS, Env, collect_run, wait_until
 
@@ -216,18 +217,9 @@ def test_cancel_kills_a_hanging_bash_group(env: Env) -> None:
         events = collect_run(c, run.run_id)
     assert events[-1].data["outcome"] == "cancelled"
     for pid in map(int, pids):
-        wait_until(lambda pid=pid: not _alive(pid), what=f"process {pid} to be killed")
+        wait_until(lambda pid=pid: not alive(pid), what=f"process {pid} to be killed")
     results = [e for e in pod.call("history")["entries"] if e["kind"] == "tool_result"]
     assert len(results) == 1 and results[0]["item"]["is_error"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_max_turns_reached(env: Env) -> None:

@@ -15,15 +15,8 @@ from pathlib import Path
 import pytest
 
 from poddaemon import forkclient
+from poddaemon.testing.cleanup import alive
 from tests.conftest import Env, ppid, wait_until
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def server_pid(env: Env) -> int:

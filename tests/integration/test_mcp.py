@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Env, StartFailed, wait_until
+from poddaemon.testing.cleanup import alive
+from tests.conftest import Env, StartFailed, ppid, wait_until
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 # Not worth a model request: the tool names every test's server offers.
@@ -191,19 +192,6 @@ def test_a_server_that_dies_is_restarted_once_then_its_calls_fail(env: Env) -> N
 # --- processes die with the pod --------------------------------------------------------------
 
 
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
-
-
 @pytest.mark.parametrize("how", ["shutdown", "sigterm", "kill -9"])
 def test_the_server_and_its_children_die_with_the_pod(env: Env, tmp_path: Path, how: str) -> None:
     """Even a server that ignores EOF on stdin and SIGTERM, with a child that ignores SIGTERM."""
@@ -215,7 +203,7 @@ def test_the_server_and_its_children_die_with_the_pod(env: Env, tmp_path: Path, 
     files = wait_until(lambda: len(list(piddir.iterdir())) == 2 and list(piddir.iterdir()),
                        what="the pid files of the server and its child")  # fmt: skip
     pids = {f.name.split(".")[0]: int(f.name.split(".")[1]) for f in files}
-    guard = parent_of(pids["server"])
+    guard = ppid(pids["server"])
     everyone = [pids["server"], pids["child"], guard]
     assert all(alive(p) for p in everyone), everyone
     if how == "shutdown":

@@ -6,15 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from poddaemon.testing.cleanup import alive
 from tests.conftest import PROVIDER_KINDS, Env, wait_until
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def command_pids(pids_file: Path, n: int) -> list[int]:

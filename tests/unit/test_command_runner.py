@@ -18,6 +18,7 @@ import pytest
 
 from poddaemon.config import ManifestError, load_manifest
 from poddaemon.scope import Scope
+from poddaemon.testing.cleanup import alive
 from poddaemon.tools import ToolContext, ToolOutcome, execute
 from poddaemon.tools.runner_client import CommandRunner, clean_env, is_secret_name
 
@@ -35,14 +36,6 @@ async def ctx(tmp_path: Path) -> AsyncIterator[ToolContext]:
 
 async def bash(ctx: ToolContext, command: str, **args: Any) -> ToolOutcome:
     return await execute("bash", msgspec.json.encode({"command": command, **args}).decode(), ctx)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def wait_dead(pids: list[int], deadline: float = 5.0) -> list[int]:
