@@ -1,12 +1,19 @@
 """Replies that may only leave once the log is durable: group commit.
 
 A reply waits here until an fsync that started after it was queued has finished. The fsync runs
-inline on the loop, once per loop pass, in a plain callback scheduled by the first reply of the
-pass; it covers every entry written before it, and the replies it releases are sent from that
-same callback, before the loop reads anything else (no task, no thread hand-off, no extra loop
-pass between the fsync and the replies). While it runs, new requests wait in the socket buffers
-and are all committed by the next one. If the log fails, every waiting reply becomes the error
-instead (nothing unsynced is ever acknowledged).
+inline on the loop in a plain callback scheduled by the first reply of a batch; it covers every
+entry written before it, and the replies it releases are sent from that same callback, before
+the loop reads anything else (no task, no thread hand-off between the fsync and the replies).
+While it runs, new requests wait in the socket buffers and are all committed by the next one.
+If the log fails, every waiting reply becomes the error instead (nothing unsynced is ever
+acknowledged).
+
+The batch is gathered first: the commit waits one more loop pass (a poll that does not block)
+while the last one brought new replies, up to GATHER_PASSES. Without it, clients that send
+again while a batch is being processed land in the next batch, the clients settle into two
+groups that alternate, and every fsync covers half of them (measured with 8 clients: 4.1
+requests per fsync, 9,000 acks/s; gathered: 8.0 per fsync, 13,300 acks/s). A lone client pays
+one idle pass, a few µs.
 
 `Pending` is the reply itself: a settle-once slot whose callback runs synchronously, so the
 server can answer a request from the commit callback without an `asyncio.Future` (whose done
@@ -21,6 +28,8 @@ from protocol import errors
 from protocol.errors import RpcError
 
 Outcome = Any  # a result, or an exception to answer with
+
+GATHER_PASSES = 4  # loop passes a commit may wait for more replies to join its batch
 
 
 class Pending:
@@ -85,6 +94,8 @@ class DurableReplies:
         self._waiting: list[tuple[asyncio.Future[Any] | Pending, Outcome]] = []
         self._handle: asyncio.Handle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._gathered = 0  # replies waiting when the commit last looked
+        self._passes = 0  # passes this commit has waited
 
     def add(self, reply: "asyncio.Future[Any] | Pending", outcome: Outcome) -> None:
         self._waiting.append((reply, outcome))
@@ -92,12 +103,23 @@ class DurableReplies:
             self.flush_soon()
 
     def flush_soon(self) -> None:
-        """Commit (fsync, then answer) in a callback of the next loop pass: every entry this
-        pass writes is covered by it."""
+        """Commit (fsync, then answer) in a callback of a coming loop pass: every entry written
+        before it is covered."""
         if self._handle is None:
             if self._loop is None:  # cached: get_running_loop() costs a getpid() per call
                 self._loop = asyncio.get_running_loop()
-            self._handle = self._loop.call_soon(self._commit)
+            self._handle = self._loop.call_soon(self._gather)
+
+    def _gather(self) -> None:
+        """Wait a pass more while the last one brought replies (see the module's docstring)."""
+        waiting = len(self._waiting)
+        if waiting > self._gathered and self._passes < GATHER_PASSES:
+            assert self._loop is not None
+            self._gathered = waiting
+            self._passes += 1
+            self._handle = self._loop.call_soon(self._gather)
+            return
+        self._commit()
 
     def drain(self) -> None:
         """Commit now what is waiting (at shutdown)."""
@@ -107,6 +129,7 @@ class DurableReplies:
 
     def _commit(self) -> None:
         self._handle = None
+        self._gathered = self._passes = 0
         batch, self._waiting = self._waiting, []
         failure = self._failure()
         if failure is None:

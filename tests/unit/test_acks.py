@@ -1,11 +1,11 @@
-"""acks: the group commit (one inline fsync per loop pass, then the replies) and Pending."""
+"""acks: the group commit (one inline fsync per gathered batch, then the replies) and Pending."""
 
 import asyncio
 from typing import Any
 
 import pytest
 
-from poddaemon.acks import DurableReplies, Pending, settle
+from poddaemon.acks import GATHER_PASSES, DurableReplies, Pending, settle
 from protocol import errors
 from protocol.errors import RpcError
 
@@ -34,7 +34,12 @@ def replies(log: Log) -> DurableReplies:
     return DurableReplies(log.sync_now, lambda: log.failure, log.fail)
 
 
-def test_replies_leave_after_the_fsync_that_covers_them_one_fsync_per_pass() -> None:
+async def passes(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)  # one loop pass
+
+
+def test_replies_leave_after_the_fsync_that_covers_them_one_fsync_per_batch() -> None:
     async def go() -> None:
         log = Log()
         durable = replies(log)
@@ -45,14 +50,40 @@ def test_replies_leave_after_the_fsync_that_covers_them_one_fsync_per_pass() -> 
             p.then(lambda outcome: seen.append((outcome, log.synced)))
             durable.add(p, i)
         assert seen == [] and log.fsyncs == 0  # nothing leaves in the pass that wrote it
-        await asyncio.sleep(0)
+        await passes(1)
+        assert log.fsyncs == 0  # one pass to see whether more join the batch
+        await passes(1)
         assert log.fsyncs == 1
         assert seen == [(i, 5) for i in range(5)]  # all five, each after the fsync of all five
         log.written += 1
         later = Pending()
         durable.add(later, "next")
-        await asyncio.sleep(0)
+        await passes(2)
         assert log.fsyncs == 2 and later.done()
+
+    asyncio.run(go())
+
+
+def test_replies_of_the_next_passes_join_the_batch_up_to_a_bound() -> None:
+    """Clients that send again while a batch is gathered share its fsync; a steady stream
+    (one more reply every pass) still gets its fsync after GATHER_PASSES passes."""
+
+    async def go() -> None:
+        log = Log()
+        durable = replies(log)
+        done: list[Pending] = []
+        for _ in range(GATHER_PASSES + 3):
+            log.written += 1
+            p = Pending()
+            durable.add(p, "x")
+            done.append(p)
+            if log.fsyncs:
+                break
+            await passes(1)
+        assert log.fsyncs == 1
+        # Every reply added before the fsync left with it, each covered by it.
+        assert sum(p.done() for p in done) == GATHER_PASSES + 1
+        assert log.synced == GATHER_PASSES + 1
 
     asyncio.run(go())
 
@@ -74,7 +105,7 @@ def test_a_failed_fsync_answers_every_waiting_reply_with_the_error() -> None:
                 p = Pending()
                 p.then(got.append)
                 durable.add(p, i)
-        await asyncio.sleep(0)
+        await passes(2)
         assert log.failure is not None and "fsync failed" in log.failure
         assert len(got) == 2 and all(isinstance(e, RpcError) for e in got)
         assert got[0].code == errors.INTERNAL_ERROR and "could not persist" in got[0].message
@@ -85,7 +116,7 @@ def test_a_failed_fsync_answers_every_waiting_reply_with_the_error() -> None:
         p = Pending()
         p.then(got.append)
         durable.add(p, "late")
-        await asyncio.sleep(0)
+        await passes(2)
         assert log.fsyncs == fsyncs and isinstance(got[-1], RpcError)
 
     asyncio.run(go())
@@ -100,7 +131,7 @@ def test_drain_commits_at_once() -> None:
         durable.add(p, "x")
         durable.drain()
         assert log.fsyncs == 1 and p.done()
-        await asyncio.sleep(0)
+        await passes(2)
         assert log.fsyncs == 1  # the scheduled commit was cancelled, not run twice
 
     asyncio.run(go())
