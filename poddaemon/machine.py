@@ -273,7 +273,7 @@ class Machine:
     def notify(
         self, token: int, message: str, source: str = "", client_key: str | None = None
     ) -> list[Effect]:
-        return self._handle(lambda: self._notify(token, message, source, client_key))
+        return self._handle(self._notify, token, message, source, client_key)
 
     def child_report(
         self,
@@ -1031,9 +1031,9 @@ class Machine:
 
     # --- plumbing -------------------------------------------------------------------------------
 
-    def _handle(self, go: Callable[[], None]) -> list[Effect]:
+    def _handle(self, go: Callable[..., None], *args: Any) -> list[Effect]:
         self._out = []
-        go()
+        go(*args)
         self._schedule()
         out, self._out = self._out, []
         return out

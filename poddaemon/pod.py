@@ -181,39 +181,48 @@ class Pod:
     def feed(self, effects: list[Effect]) -> None:
         forked = False  # after a fork, the batch's entries are already in the new session
         for effect in effects:
-            match effect:  # the per-request effects first
-                case Commit(entry):
-                    if not forked and self.failure is None:
-                        forked = self.plog.write(entry, self.machine.fork)
-                    for type_, data, run_id in events_of(entry):
-                        self.bus.publish(type_, data, run_id)
-                    for observe in self.observers:
-                        observe(entry)
-                    if isinstance(entry, RunEnd) and entry.outcome != "paused":
-                        self.spawn_background(self.chain.on_run_end(entry.run_id, entry.outcome))
-                case Reply(token, result, error, durable):
-                    self._answer(token, result, error, durable)
-                case Publish(type_, data, run_id):
+            # The per-request effects first, by exact type: cheaper than class patterns, which
+            # look up __match_args__ and each attribute on every test.
+            kind = type(effect)
+            if kind is Commit:
+                entry = effect.entry  # type: ignore[union-attr]
+                if not forked and self.failure is None:
+                    forked = self.plog.write(entry, self.machine.fork)
+                for type_, data, run_id in events_of(entry):
                     self.bus.publish(type_, data, run_id)
-                case OpenSession(start):
-                    self.plog.open(start)
-                case CallModel():
-                    self._start(self._call_model(effect), "model", self._model_cancelled)
-                case Summarize():
-                    self._start(self._summarize(effect), "compact", self._compaction_cancelled)
-                case SwitchSession(start):
-                    self._switch(start)
-                case RunTool(_, call):
-                    self._start(self._run_tool(effect), "tool", lambda: self._tool_cancelled(call))
-                case Interrupt():
-                    if self._inflight is not None:
-                        self._inflight.cancel()
-                case SetTimer(at):
-                    self._set_timer(at)
-                case Sync():
-                    self._durable.flush_soon()
-                case Stopped():
-                    self._stopped.set()
+                for observe in self.observers:
+                    observe(entry)
+                if type(entry) is RunEnd and entry.outcome != "paused":
+                    self.spawn_background(self.chain.on_run_end(entry.run_id, entry.outcome))
+            elif kind is Reply:
+                self._answer(*effect)  # type: ignore[misc]
+            else:
+                self._effect(effect)
+
+    def _effect(self, effect: Effect) -> None:
+        """The effects that are not per request."""
+        match effect:
+            case Publish(type_, data, run_id):
+                self.bus.publish(type_, data, run_id)
+            case OpenSession(start):
+                self.plog.open(start)
+            case CallModel():
+                self._start(self._call_model(effect), "model", self._model_cancelled)
+            case Summarize():
+                self._start(self._summarize(effect), "compact", self._compaction_cancelled)
+            case SwitchSession(start):
+                self._switch(start)
+            case RunTool(_, call):
+                self._start(self._run_tool(effect), "tool", lambda: self._tool_cancelled(call))
+            case Interrupt():
+                if self._inflight is not None:
+                    self._inflight.cancel()
+            case SetTimer(at):
+                self._set_timer(at)
+            case Sync():
+                self._durable.flush_soon()
+            case Stopped():
+                self._stopped.set()
 
     async def request(self, command: Callable[[int], list[Effect]]) -> Any:
         """Run a client command through the machine and await its reply."""

@@ -10,6 +10,8 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from poddaemon.entries import Entry, RunStart, SessionStart, SystemItem, UserInput, body_of
 from poddaemon.store.file import HeadMoved, SessionLog
 
@@ -57,7 +59,9 @@ class PodLog:
         try:
             if isinstance(entry, RunStart) and not self.log.head_is_mine():
                 raise HeadMoved(0, "head moved")
-            seq = self.log.write(entry.kind, body_of(entry), ts=entry.ts)
+            record = msgspec.to_builtins(entry)  # with its kind (the tag); seq is the log's
+            record["ts"] = entry.ts  # kept even when 0.0 (a default, omitted above)
+            seq = self.log.write_record(record)
             if isinstance(entry, UserInput | SystemItem):
                 self._input_seq = seq
         except HeadMoved:

@@ -388,8 +388,12 @@ class Connection(asyncio.Protocol):
         self, rid: Any, answer: Callable[[bytes], None], method: str, pending: Pending, outcome: Any
     ) -> None:
         self._tasks.discard(pending)
-        self._answer_outcome(rid, answer, method, outcome)
-        self._close_if_done()
+        if isinstance(outcome, Exception):
+            self._answer_outcome(rid, answer, method, outcome)
+        else:  # the common case inline: this runs once per durable ack
+            answer(_reply(rid, outcome))
+        if self._eof:
+            self._close_if_done()
 
     def _answer_outcome(
         self, rid: Any, answer: Callable[[bytes], None], method: str, outcome: Any

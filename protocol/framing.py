@@ -42,9 +42,16 @@ class LineFramer:
         self._head = b""  # the first bytes of the line being skipped
 
     def feed(self, data: bytes) -> list[bytes | Oversize]:
+        n = len(data)
+        if (  # the common case first: one whole line, nothing held
+            not self._buf
+            and not self._discarding
+            and data.find(b"\n") == n - 1
+            and n <= self.max_frame_bytes
+        ):
+            return [data[:-1]] if data[:-1].strip() else []
         out: list[bytes | Oversize] = []
         start = 0
-        n = len(data)
         while start < n:
             nl = data.find(b"\n", start)
             if self._discarding:

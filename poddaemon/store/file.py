@@ -40,6 +40,7 @@ from poddaemon.store.log import (
     VerifyResult,
     encode_entry,
     encode_line,
+    encode_record,
     new_session_id,
     verify,
 )
@@ -357,6 +358,14 @@ class SessionLog:
         self._write_line(line, digest)
         return self._seq
 
+    def write_record(self, record: dict[str, Any]) -> int:
+        """``write`` for a record holding its own ``kind`` and ``ts`` (see ``encode_record``;
+        the record is modified): returns its seq."""
+        self._usable()
+        line, digest = encode_record(self._seq + 1, self._head, record)
+        self._write_line(line, digest)
+        return self._seq
+
     def _write_line(self, line: bytes, digest: str) -> None:
         # The file's size, by seeking to its end: what fstat would say, without building a
         # stat result (appends ignore the offset; reads here use pread).
@@ -477,7 +486,10 @@ def _retrieve(task: "asyncio.Task[None]") -> None:
 
 
 def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
+    n = os.write(fd, data)
+    if n == len(data):  # nearly always: a short write is for a full disk or a signal
+        return
+    view = memoryview(data)[n:]
     while view:
         n = os.write(fd, view)
         view = view[n:]

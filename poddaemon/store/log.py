@@ -30,6 +30,7 @@ __all__ = [
     "VerifyResult",
     "encode_entry",
     "encode_line",
+    "encode_record",
     "new_session_id",
     "verify",
 ]
@@ -98,6 +99,17 @@ def encode_line(
     """`encode_entry` without reading the entry back: the line and its hash (a writer that
     needs neither the entry nor its JSON values, as the pod's log, saves a decode)."""
     canonical, digest = _encode(seq, ts, kind, prev, body)
+    return _line(canonical, digest), digest
+
+
+def encode_record(seq: int, prev: str, record: dict[str, Any]) -> tuple[bytes, str]:
+    """`encode_line` for a record that already holds its own ``kind`` and ``ts`` and no
+    ``prev``/``hash`` (a typed entry as ``msgspec.to_builtins`` gives it): ``seq`` and ``prev``
+    are set in place, without the copy and the key checks a body from outside needs."""
+    record["seq"] = seq
+    record["prev"] = prev
+    canonical = _canonical.encode(record)
+    digest = _hash(prev, canonical)
     return _line(canonical, digest), digest
 
 
@@ -204,6 +216,8 @@ _RAND_BITS = 74
 _prefix_ms = -1
 _prefix = ""  # "<8 hex>-<4 hex>-7": the id's timestamp and version for _prefix_ms
 _RAND_MAX = (1 << _RAND_BITS) - 1
+_LOW62 = (1 << 62) - 1
+_VARIANT = 0b10 << 62
 
 
 # The random bits come from a PRNG seeded once per process from the OS (a getrandom per id cost
@@ -246,5 +260,6 @@ def new_session_id() -> str:
             h = f"{ms & 0xFFFF_FFFF_FFFF:012x}"
             _prefix_ms, _prefix = ms, f"{h[:8]}-{h[8:]}-7"
         prefix = _prefix
-    low = 0b10 << 62 | (rand & ((1 << 62) - 1))  # variant, then 62 random bits
-    return f"{prefix}{rand >> 62:03x}-{low >> 48:04x}-{low & 0xFFFF_FFFF_FFFF:012x}"
+    # The 12 random bits after the version, then the variant and 62 random bits: 19 hex digits.
+    tail = "%019x" % ((rand >> 62) << 64 | _VARIANT | (rand & _LOW62))
+    return f"{prefix}{tail[:3]}-{tail[3:7]}-{tail[7:]}"

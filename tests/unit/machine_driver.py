@@ -6,6 +6,8 @@ what was synced) at will. Tests drive the real `Machine` through it."""
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from poddaemon.entries import SessionStart, SystemItem, UserInput, body_of, events_of
 from poddaemon.history import AssistantMessage, ToolCall, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError, StopReason
@@ -26,7 +28,7 @@ from poddaemon.machine import (
     SwitchSession,
     Sync,
 )
-from poddaemon.store.log import GENESIS, encode_entry
+from poddaemon.store.log import GENESIS, encode_entry, encode_record
 from protocol.errors import RpcError
 
 T0 = 1_700_000_000.0
@@ -119,6 +121,10 @@ class Driver:
     def _write(self, entry: Any) -> None:
         assert entry.seq == len(self.lines) + 1, (entry.seq, len(self.lines))
         line, stored = encode_entry(entry.seq, entry.ts, entry.kind, self.prev, body_of(entry))
+        # The pod writes typed entries without body_of's copy (PodLog.write): the same bytes.
+        record = msgspec.to_builtins(entry)
+        record["ts"] = entry.ts
+        assert encode_record(entry.seq, self.prev, record) == (line, stored["hash"])
         self.prev = stored["hash"]
         self.lines.append(line)
         self.entries.append(stored)

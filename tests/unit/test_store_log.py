@@ -15,8 +15,10 @@ from hypothesis import strategies as st
 from poddaemon.history import AssistantMessage, ToolCall
 from poddaemon.store.log import (
     GENESIS,
+    RESERVED_KEYS,
     LogCorrupt,
     encode_entry,
+    encode_record,
     new_session_id,
     verify,
 )
@@ -87,6 +89,27 @@ def test_key_order_in_the_file_does_not_matter() -> None:
 def test_reserved_body_keys_are_refused(key: str) -> None:
     with pytest.raises(ValueError, match=key):
         encode_entry(1, 1.0, "k", GENESIS, {key: 1})
+
+
+def test_typed_entries_hold_no_key_the_log_sets() -> None:
+    """encode_record skips the reserved-key check for typed entries: none may declare one
+    (kind, seq and ts are the Entry's own, set by the machine; prev and hash are the log's)."""
+    from poddaemon import entries
+    from poddaemon.entries import Entry
+
+    kinds = [t for t in vars(entries).values() if isinstance(t, type) and issubclass(t, Entry)]
+    assert len(kinds) > 10
+    for t in kinds:
+        names = {f.encode_name for f in msgspec.structs.fields(t)}
+        assert not names & (RESERVED_KEYS - {"seq", "ts"}), t
+        assert t is Entry or t.__struct_config__.tag_field == "kind"
+
+
+def test_a_record_encodes_as_the_same_body_would() -> None:
+    body = {"run_id": "r1", "text": "héllo", "mode": "queue"}
+    line, entry = encode_entry(7, 1.5, "user_input", GENESIS, body)
+    record = {**body, "kind": "user_input", "ts": 1.5}
+    assert encode_record(7, GENESIS, record) == (line, entry["hash"])
 
 
 def test_empty_log() -> None:
