@@ -85,7 +85,7 @@ def run(sec: Section) -> None:
                 ours = load(pod.socket, line, clients=CLIENTS, duration=PAIR_S, warmup=5)
                 pairs.append((ours.rps / floor.rps, ours.rps, floor.rps))
         pairs.sort()
-        ratio, ours_rps, floor_rps = pairs[len(pairs) // 2]
+        _, ours_rps, floor_rps = pairs[len(pairs) // 2]
         sec.add(
             Row(
                 f"notify acks/s, {CLIENTS} clients, vs a minimal durable server",
