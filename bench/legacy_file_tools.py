@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from poddaemon.forkclient import current_umask
 from poddaemon.scope import Access
 from poddaemon.tools.base import (
     FileStamp,
@@ -106,18 +107,7 @@ def _require_fresh(ctx: ToolContext, path: str, st: os.stat_result, verb: str) -
         raise ToolError(f"file changed since it was read; read it again: {ctx.display(path)}")
 
 
-@functools.cache
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+_umask = functools.cache(current_umask)  # the legacy tools read it once
 
 
 def atomic_write(path: str, data: bytes) -> os.stat_result:

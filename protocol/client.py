@@ -7,7 +7,7 @@ Its RPC methods (run, notify, status, ...) are declared once for both clients in
 `protocol.core.ClientMethods`, from the method table.
 """
 
-import socket
+import _socket
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -16,19 +16,18 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.core import ClientCore, ClientMethods, SyncCaller
-from protocol.errors import ConnectionClosed, PodNotRunning
+from protocol.errors import ConnectionClosed
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from protocol.methods import Method
-from protocol.sockets import check_peer, check_socket_owner, resolve_socket
+from protocol.sockets import connect
 from protocol.types import Event, Params
 
 T = TypeVar("T")
-_GONE = (FileNotFoundError, ConnectionRefusedError, NotADirectoryError)
 
 
 class PodClient(ClientMethods, SyncCaller):
     def __init__(
-        self, sock: socket.socket, target: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+        self, sock: _socket.socket, target: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     ) -> None:
         self._sock = sock
         self._core = ClientCore(max_frame_bytes)
@@ -45,19 +44,7 @@ class PodClient(ClientMethods, SyncCaller):
 
         Refuses (UnsafeSocket) a socket that another user owns or serves, before sending anything.
         """
-        path = resolve_socket(target)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            check_socket_owner(path)
-            sock.connect(str(path))
-            check_peer(sock, path)
-        except _GONE as exc:
-            sock.close()
-            raise PodNotRunning(str(target), f"no socket at {path}") from exc
-        except BaseException:
-            sock.close()
-            raise
+        sock = connect(target, timeout)
         return cls(sock, str(target), max_frame_bytes)
 
     def close(self) -> None:

@@ -49,7 +49,8 @@ class LineFramer:
             and data.find(b"\n") == n - 1
             and n <= self.max_frame_bytes
         ):
-            return [data[:-1]] if data[:-1].strip() else []
+            line = data[:-1]
+            return [line] if line.strip() else []
         out: list[bytes | Oversize] = []
         start = 0
         while start < n:

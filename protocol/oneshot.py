@@ -18,14 +18,12 @@ from protocol.errors import (
     PARSE_ERROR,
     ConnectionClosed,
     FrameTooLarge,
-    PodNotRunning,
     RpcError,
     error_for,
 )
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES, MAX_REPLY_BYTES, LineFramer, Oversize
-from protocol.sockets import check_peer, check_socket_owner, resolve_socket
+from protocol.sockets import connect
 
-_GONE = (FileNotFoundError, ConnectionRefusedError, NotADirectoryError)
 _ID = 1  # the one request on the connection
 
 
@@ -37,16 +35,8 @@ def call(
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
 ) -> Any:
     """Call `method` on the pod `target` (a name or a socket path); its result as JSON data."""
-    path = resolve_socket(target)
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    sock = connect(target, timeout)
     try:
-        sock.settimeout(timeout)
-        try:
-            check_socket_owner(path)
-            sock.connect(str(path))
-            check_peer(sock, path)
-        except _GONE as exc:
-            raise PodNotRunning(os.fspath(target), f"no socket at {path}") from exc
         sock.sendall(request(method, params, max_frame_bytes))
         return _answer(sock, os.fspath(target))
     finally:

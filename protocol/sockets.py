@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from protocol import paths
-from protocol.errors import UnsafeSocket
+from protocol.errors import PodNotRunning, UnsafeSocket
 
 _UCRED_SIZE = 12  # struct ucred: pid, uid, gid as C ints
 
@@ -43,3 +43,25 @@ def check_peer(sock: _socket.socket, path: Path) -> None:
     raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED_SIZE)
     pid, uid, _ = memoryview(raw).cast("i")
     _check_uid(uid, f"the process (pid {pid}) behind socket {path}")
+
+
+_GONE = (FileNotFoundError, ConnectionRefusedError, NotADirectoryError)
+
+
+def connect(target: str | os.PathLike[str], timeout: float | None) -> _socket.socket:
+    """A connected socket to a pod, after checking that this user owns the socket and the pod
+    serving it. PodNotRunning when nothing listens there; UnsafeSocket for another user's."""
+    path = resolve_socket(target)
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        check_socket_owner(path)
+        sock.connect(str(path))
+        check_peer(sock, path)
+    except _GONE as exc:
+        sock.close()
+        raise PodNotRunning(os.fspath(target), f"no socket at {path}") from exc
+    except BaseException:
+        sock.close()
+        raise
+    return sock
