@@ -13,7 +13,8 @@ provider kind, on pods taking turns:
 - *after the warm-up, resumed*: the same, for a pod restored with `--resume` (its session
   exists: the first input creates no session log and claims no session in the registry).
   The difference to the row above is the first input's durable work: the session file created
-  and fsync'd with its directory, the registry updated (fsync, rename, directory fsync).
+  (its first fsync, and its directory's, by the first commit) and what remains on the turn's
+  path of naming it in the registry (done in a thread, overlapping the model call).
 - *at READY*: the run is sent the moment READY is printed, while the import is still running
   (the worst case). It cannot beat the SDK, so its baseline adds the bare SDK's time from its
   import to its first answer (import, client, first `post()`), in a fresh interpreter in the

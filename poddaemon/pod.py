@@ -166,6 +166,11 @@ class Pod:
             self.observers.append(self.outbox.observe)
         self._background: set[asyncio.Task[Any]] = set()
         self._warming: asyncio.Future[None] | None = None
+        # The session this pod last named in the registry, and the one to name (_session_moved).
+        self._registry_session: str | None = None
+        self._named_session: str | None = None
+        self._naming: asyncio.Future[None] | None = None
+        self._after_naming: list[tuple[asyncio.Future[Any] | Pending, Any]] = []
 
     @property
     def pod_state(self) -> str:
@@ -277,7 +282,31 @@ class Pod:
             self.feed(self.machine.add_context(context, "hook:SessionStart"))
 
     def _session_moved(self, session_id: str) -> None:
-        self.s.registry.update(self.name, self.s.entry.pid, session=session_id)
+        """Name the new session in the registry, in a thread: its fsyncs and rename (~1-3 ms)
+        then overlap the turn's first model call instead of preceding it. Replies that wait
+        for durability wait for this too, so no client hears of a session before the
+        registry says whose it is (a pod asked to restore it is refused)."""
+        self._named_session = session_id
+        if self._naming is None:
+            self._naming = asyncio.ensure_future(self._name_session())
+            self._background.add(self._naming)  # awaited at close, like the hooks
+
+    async def _name_session(self) -> None:
+        try:
+            while (session_id := self._named_session) != self._registry_session:
+                try:
+                    await asyncio.to_thread(
+                        self.s.registry.update, self.name, self.s.entry.pid, session=session_id
+                    )
+                except Exception as exc:  # the claim watcher stops a pod whose entry is gone
+                    log.warning("cannot name session %s in the registry: %s", session_id, exc)
+                self._registry_session = session_id
+        finally:
+            self._background.discard(self._naming)  # type: ignore[arg-type]
+            self._naming = None
+            waiting, self._after_naming = self._after_naming, []
+            for reply, result in waiting:
+                self._answer_durable(reply, result)
 
     def _fail(self, message: str) -> None:
         """The log cannot be written: nothing more can be acknowledged, so stop (a supervisor
@@ -295,11 +324,18 @@ class Pod:
         future = self._replies.pop(token, None)
         if future is None:
             return
-        waits = self.failure is not None or not self.plog.inputs_durable()
-        if durable and error is None and waits:
-            self._durable.add(future, result)  # after the fsync (or the log's failure)
-        else:
+        if not durable or error is not None:
             settle(future, error if error is not None else result)
+        elif self._naming is not None:
+            self._after_naming.append((future, result))  # see _session_moved
+        else:
+            self._answer_durable(future, result)
+
+    def _answer_durable(self, reply: "asyncio.Future[Any] | Pending", result: Any) -> None:
+        if self.failure is not None or not self.plog.inputs_durable():
+            self._durable.add(reply, result)  # after the fsync (or the log's failure)
+        else:
+            settle(reply, result)
 
     async def synced(self) -> None:
         """Everything committed so far is durable."""

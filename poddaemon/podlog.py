@@ -42,8 +42,9 @@ class PodLog:
 
     def open(self, start: SessionStart) -> None:
         try:
+            # Not fsync'd here: the first input comes right after, and its commit covers both.
             self.log = SessionLog.create(
-                self.sessions_dir, start.session_id, body_of(start), ts=start.ts
+                self.sessions_dir, start.session_id, body_of(start), ts=start.ts, durable=False
             )
         except OSError as exc:
             self._failed(f"cannot create session log: {exc}")
@@ -125,6 +126,8 @@ class PodLog:
 
     async def synced(self) -> None:
         if self.log is not None and not self.failed:
+            if _power_cut_at and self.log.durable_seq < self.log.seq:
+                _power_cut_point(self.log)
             await self.log.sync()
 
     async def close(self) -> None:

@@ -165,6 +165,7 @@ class SessionLog:
         self._failed: OSError | None = None
         self._fsync_task: asyncio.Task[None] | None = None
         self._closed = False
+        self._dir_unsynced = False  # created without fsync: the first one covers its name too
 
     # --- construction -------------------------------------------------------------------------
 
@@ -175,9 +176,16 @@ class SessionLog:
         session_id: str,
         start_body: Mapping[str, Any],
         ts: float | None = None,
+        *,
+        durable: bool = True,
     ) -> "SessionLog":
         """Start a new session: write its ``session_start`` entry and make it durable (file and
-        directory fsync'd). Raises ``FileExistsError`` if the session already exists."""
+        directory fsync'd). Raises ``FileExistsError`` if the session already exists.
+
+        With ``durable=False`` both fsyncs are left to the log's first ``sync``: a pod creates
+        its session with its first input, and one commit then covers the two (a new file's
+        first fsync is the dearest of all). Until then a power cut may leave no file, or an
+        empty one: a session nobody was told about, which listings skip."""
         path = session_path(sessions_dir, session_id)
         _ensure_dir(path.parent)
         line, entry = encode_entry(
@@ -187,14 +195,18 @@ class SessionLog:
         fd = os.open(path, flags, 0o600)
         try:
             _write_all(fd, line)
-            os.fsync(fd)
-            _fsync_dir(path.parent)
+            if durable:
+                os.fsync(fd)
+                _fsync_dir(path.parent)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
                 path.unlink()
             raise
-        return cls(path, session_id, fd, 1, entry["hash"], len(line), line)
+        log = cls(path, session_id, fd, 1, entry["hash"], len(line), line)
+        if not durable:
+            log._durable, log._durable_size, log._dir_unsynced = 0, 0, True
+        return log
 
     @classmethod
     def create_complete(
@@ -433,6 +445,9 @@ class SessionLog:
         covered, size = self._seq, self._size
         try:
             os.fsync(self._fd)  # inline: see the module's docstring
+            if self._dir_unsynced:
+                _fsync_dir(self.path.parent)
+                self._dir_unsynced = False
         except OSError as exc:
             self._failed = exc
             raise OSError(
@@ -532,8 +547,10 @@ def _first_line(path: Path) -> bytes:
 def list_sessions(sessions_dir: StrPath) -> list[SessionInfo]:
     """Every session log in ``sessions_dir``, newest first (UUIDv7 ids sort by creation time).
 
-    Reads only each file's first line; files that vanish meanwhile are skipped, and a first
-    line that cannot be decoded leaves ``pod`` (and the link fields) None.
+    Reads only each file's first line; files that vanish meanwhile are skipped, and so are
+    empty ones (a session created without fsync whose first commit a power cut prevented:
+    nothing in it was ever acknowledged). A first line that cannot be decoded leaves ``pod``
+    (and the link fields) None.
     """
     root = Path(sessions_dir)
     try:
@@ -550,7 +567,7 @@ def list_sessions(sessions_dir: StrPath) -> list[SessionInfo]:
         path = root / name
         try:
             st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode):
+            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
                 continue
             first = _first_line(path)
         except FileNotFoundError:

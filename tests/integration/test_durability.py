@@ -20,6 +20,7 @@ from poddaemon.podlog import POWER_CUT_ENV
 from poddaemon.store.file import SessionLog, read_session
 from poddaemon.store.log import GENESIS, encode_entry, new_session_id
 from poddaemon.turn import INTERRUPTED
+from protocol.errors import ConnectionClosed
 from tests.conftest import Env, PodProcess, StartFailed, collect_run, wait_until
 
 REPS = range(3)
@@ -333,6 +334,30 @@ def test_power_cut_between_write_and_fsync_loses_no_acknowledged_entry(env: Env,
     }
     missing = [(m, nid) for m, nid in every if committed.get(m) != nid]
     assert not missing, f"{len(missing)} of {len(every)} acknowledged notifications lost"
+    verify_ok(env, sid)
+
+
+def test_power_cut_before_the_first_commit_leaves_no_session(env: Env) -> None:
+    """The first input creates the session, and one commit makes both durable (the file, then
+    its directory). A power cut before that commit leaves an empty file at most: the run was
+    never acknowledged, listings skip the file, and `--resume` starts a new session."""
+    env.env[POWER_CUT_ENV] = "1"
+    pod = env.start("firstcut")
+    del env.env[POWER_CUT_ENV]
+    with pod.client() as c, pytest.raises(ConnectionClosed):
+        c.run("never acknowledged")
+    assert pod.proc.wait(10) == -signal.SIGKILL
+    assert any(line.startswith("test power cut: ") for line in pod.stderr), pod.text()
+    [left] = list(sessions_dir(env).iterdir())
+    assert left.stat().st_size == 0
+    assert left.stem not in env.podctl("sessions", "list").stdout
+    again = env.restart(pod, "--resume")
+    assert again.call("status")["session_id"] is None
+    again.call("run", input="again")  # acknowledged: durable, and named in the registry
+    sid = again.call("status")["session_id"]
+    assert sid and sid != left.stem
+    assert _registry(env)["firstcut"]["session"] == sid
+    wait_until(lambda: settled(again), what="the run to finish")
     verify_ok(env, sid)
 
 

@@ -251,6 +251,44 @@ def test_list_sessions_reads_only_the_first_line(sessions: Path) -> None:
     assert info.pod == "rev"
 
 
+def test_a_session_created_without_fsync_is_made_durable_by_its_first_commit(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`durable=False`: nothing is fsync'd at creation; the first commit fsyncs the file and then
+    its directory (the new name), once; later commits fsync the file only."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    log = SessionLog.create(sessions, new_session_id(), START, durable=False)
+    assert synced == [] and (log.seq, log.durable_seq, log.durable_size) == (1, 0, 0)
+    log.append("user_input", {"text": "first"})
+    log.sync_now()
+    assert synced == ["file", "dir"]
+    assert (log.durable_seq, log.durable_size) == (2, log.path.stat().st_size)
+    log.append("user_input", {"text": "second"})
+    log.sync_now()
+    assert synced == ["file", "dir", "file"] and log.durable_seq == 3
+    log.close()
+    durable = SessionLog.create(sessions, new_session_id(), START)  # the default
+    assert synced[3:] == ["file", "dir"] and durable.durable_seq == 1
+    durable.close()
+
+
+def test_an_empty_session_file_is_no_session(sessions: Path) -> None:
+    """What a power cut before a session's first commit leaves: listings skip it, so
+    `--resume` starts afresh (or takes the pod's previous session)."""
+    older = new_session_id()
+    SessionLog.create(sessions, older, START).close()
+    (sessions / f"{new_session_id()}.jsonl").write_bytes(b"")
+    assert [i.id for i in list_sessions(sessions)] == [older]
+    assert newest_session_for(sessions, "rev") == older
+
+
 # --- group commit ------------------------------------------------------------------------------
 
 
