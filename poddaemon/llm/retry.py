@@ -356,13 +356,19 @@ class RetryingClient:
         if self._client is None:
             async with self._lock:
                 if self._client is None:
-                    if self._sdk is None:
-                        self._sdk = await asyncio.to_thread(self._load_sdk)
-                    client = self._build(self._sdk)
-                    if self._platform is not None and getattr(client, "_platform", 0) is None:
-                        client._platform = self._platform  # see _load_sdk
-                    self._client = client
+                    # Built in the thread too: the build still imports (the SDK's client module,
+                    # which load_sdk defers), and an import stuck there must not stop this
+                    # loop (the pod's stop waits for it to close the client).
+                    self._client = await asyncio.to_thread(self._load_and_build)
         return self._client
+
+    def _load_and_build(self) -> Any:
+        if self._sdk is None:
+            self._sdk = self._load_sdk()
+        client = self._build(self._sdk)
+        if self._platform is not None and getattr(client, "_platform", 0) is None:
+            client._platform = self._platform  # see _load_sdk
+        return client
 
     def _load_sdk(self) -> Any:
         """Import the SDK (in a worker thread) and do there what its first request would

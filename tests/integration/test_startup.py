@@ -190,8 +190,10 @@ def test_stop_frees_the_name_without_waiting_for_a_stuck_sdk_import(env: Env) ->
     shim = env.home / "shim"
     (shim / "openai").mkdir(parents=True)
     gate = env.home / "gate"
+    entered = env.home / "entered"
     (shim / "openai" / "__init__.py").write_text(
         "import os, time\n"
+        f"open({str(entered)!r}, 'w').close()\n"
         f"while not os.path.exists({str(gate)!r}):\n"
         "    time.sleep(0.01)\n"
         "raise ImportError('stand-in openai released')\n"
@@ -202,6 +204,9 @@ def test_stop_frees_the_name_without_waiting_for_a_stuck_sdk_import(env: Env) ->
         with pod.client() as c:
             c.run("hello")
             wait_until(lambda: c.status().state == "running", what="the run to start")
+            # The package's own code is running: the import is stuck wherever it happens (it
+            # once happened on the model thread's loop, which the stop then waited for).
+            wait_until(entered.exists, what="the SDK import to get stuck")
             c.shutdown()
         wait_until(lambda: "stuck" not in registry_entries(env), what="the registry entry to go")
         assert not os.path.exists(pod.socket)
