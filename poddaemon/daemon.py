@@ -603,10 +603,42 @@ async def _preflight(pod: Any, manifest: Any) -> None:
 
 
 def _dump_tasks() -> None:
-    """Every task's stack and the machine's view, to the pod's log: for a pod that seems stuck."""
+    """Every task and where it waits, to the pod's log: for a pod that seems stuck. The whole
+    chain of awaits (`Task.print_stack` shows only the task's outermost coroutine)."""
     for task in asyncio.all_tasks():
-        task.print_stack(file=sys.stderr)
+        print(f"{task!r} waits in:", file=sys.stderr)
+        for where in await_chain(task.get_coro()):
+            print(f"  {where}", file=sys.stderr)
+    import threading
+    import traceback
+
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():  # the model thread, an SDK import...
+        if ident != threading.get_ident():
+            print(f"thread {names.get(ident, ident)}:", file=sys.stderr)
+            traceback.print_stack(frame, file=sys.stderr)
     sys.stderr.flush()
+
+
+def await_chain(coro: Any) -> list[str]:
+    """`file:line in function` of each coroutine (or async generator) `coro` awaits, outermost
+    first."""
+    import gc
+    import inspect
+
+    out = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            out.append(f"{code.co_filename}:{frame.f_lineno} in {code.co_name}")
+        awaited = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None)
+        if awaited is not None and type(awaited).__name__ == "async_generator_asend":
+            # `async for`: the generator behind its step is only reachable through the
+            # collector's view of it.
+            awaited = next((r for r in gc.get_referents(awaited) if inspect.isasyncgen(r)), None)
+        coro = awaited
+    return out
 
 
 def _run_loop(main: Coroutine[Any, Any, int]) -> int:
