@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -169,7 +169,7 @@ class Pod:
         # The session this pod last named in the registry, and the one to name (_session_moved).
         self._registry_session: str | None = None
         self._named_session: str | None = None
-        self._naming: asyncio.Future[None] | None = None
+        self._naming: asyncio.Task[None] | None = None
         self._after_naming: list[tuple[asyncio.Future[Any] | Pending, Any]] = []
 
     @property
@@ -288,8 +288,7 @@ class Pod:
         registry says whose it is (a pod asked to restore it is refused)."""
         self._named_session = session_id
         if self._naming is None:
-            self._naming = asyncio.ensure_future(self._name_session())
-            self._background.add(self._naming)  # awaited at close, like the hooks
+            self._naming = self.spawn_background(self._name_session())  # awaited at close
 
     async def _name_session(self) -> None:
         try:
@@ -302,7 +301,6 @@ class Pod:
                     log.warning("cannot name session %s in the registry: %s", session_id, exc)
                 self._registry_session = session_id
         finally:
-            self._background.discard(self._naming)  # type: ignore[arg-type]
             self._naming = None
             waiting, self._after_naming = self._after_naming, []
             for reply, result in waiting:
@@ -484,11 +482,13 @@ class Pod:
 
         self._warming = asyncio.ensure_future(warm())  # not awaited at stop: stop stays fast
 
-    def spawn_background(self, coro: Any) -> None:
-        """Run a hook that decides nothing (Notification, SubagentStop, Stop) off the path."""
+    def spawn_background(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
+        """Run work nothing waits on off the path (a hook that decides nothing: Notification,
+        SubagentStop, Stop; naming a session); the stop gives it a moment to finish."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     def _alert(self, level: str, message: str, source: str = "session") -> None:
         log.log(logging.ERROR if level == "error" else logging.WARNING, "%s", message)
