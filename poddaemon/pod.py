@@ -166,9 +166,9 @@ class Pod:
             self.observers.append(self.outbox.observe)
         self._background: set[asyncio.Task[Any]] = set()
         self._warming: asyncio.Future[None] | None = None
-        # The session this pod last named in the registry, and the one to name (_session_moved).
-        self._registry_session: str | None = None
-        self._named_session: str | None = None
+        # The session the registry names (as far as this pod told it), and the one it should.
+        self._session_named: str | None = None
+        self._session_to_name: str | None = None
         self._naming: asyncio.Task[None] | None = None
         self._after_naming: list[tuple[asyncio.Future[Any] | Pending, Any]] = []
 
@@ -286,20 +286,20 @@ class Pod:
         then overlap the turn's first model call instead of preceding it. Replies that wait
         for durability wait for this too, so no client hears of a session before the
         registry says whose it is (a pod asked to restore it is refused)."""
-        self._named_session = session_id
+        self._session_to_name = session_id
         if self._naming is None:
             self._naming = self.spawn_background(self._name_session())  # awaited at close
 
     async def _name_session(self) -> None:
         try:
-            while (session_id := self._named_session) != self._registry_session:
+            while (session_id := self._session_to_name) != self._session_named:
                 try:
                     await asyncio.to_thread(
                         self.s.registry.update, self.name, self.s.entry.pid, session=session_id
                     )
                 except Exception as exc:  # the claim watcher stops a pod whose entry is gone
                     log.warning("cannot name session %s in the registry: %s", session_id, exc)
-                self._registry_session = session_id
+                self._session_named = session_id
         finally:
             self._naming = None
             waiting, self._after_naming = self._after_naming, []

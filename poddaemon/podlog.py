@@ -120,13 +120,13 @@ class PodLog:
         """fsync inline what is not yet durable (the group commit's fsync); OSError if it
         fails."""
         if self.log is not None and not self.failed:
-            if _power_cut_at and self.log.durable_seq < self.log.seq:
+            if _power_cut_at:
                 _power_cut_point(self.log)
             self.log.sync_now()
 
     async def synced(self) -> None:
         if self.log is not None and not self.failed:
-            if _power_cut_at and self.log.durable_seq < self.log.seq:
+            if _power_cut_at:
                 _power_cut_point(self.log)
             await self.log.sync()
 
@@ -160,6 +160,8 @@ def _power_cut_point(log: SessionLog) -> None:
     last finished fsync did not cover (what the disk may lose), then the pod is killed (-9).
     Whatever had been acknowledged must still be there."""
     global _commits
+    if log.durable_seq == log.seq:
+        return  # nothing to sync: not a commit
     _commits += 1
     if _commits != _power_cut_at:
         return

@@ -238,7 +238,6 @@ def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-
 @pytest.fixture
 def env(home: Path, fake_model: FakeModel) -> Iterator[Env]:
     e = Env(home, fake_model)

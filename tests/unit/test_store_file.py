@@ -279,16 +279,6 @@ def test_a_session_created_without_fsync_is_made_durable_by_its_first_commit(
     durable.close()
 
 
-def test_an_empty_session_file_is_no_session(sessions: Path) -> None:
-    """What a power cut before a session's first commit leaves: listings skip it, so
-    `--resume` starts afresh (or takes the pod's previous session)."""
-    older = new_session_id()
-    SessionLog.create(sessions, older, START).close()
-    (sessions / f"{new_session_id()}.jsonl").write_bytes(b"")
-    assert [i.id for i in list_sessions(sessions)] == [older]
-    assert newest_session_for(sessions, "rev") == older
-
-
 # --- group commit ------------------------------------------------------------------------------
 
 
@@ -549,12 +539,13 @@ def test_sync_now_failure_poisons_the_log(sessions: Path, monkeypatch: pytest.Mo
     log.close()
 
 
-def test_an_empty_session_file_is_no_session_of_its_pod(sessions: Path) -> None:
-    """What a crash while a session is created can leave (the file made, its first line not yet
-    written back): `--resume` does not pick it, the pod's newest session with a session_start
-    is taken."""
+def test_an_empty_session_file_is_no_session(sessions: Path) -> None:
+    """What a crash or a power cut while a session is created can leave (the file made, its
+    first line not yet on disk; nothing in it was acknowledged): listings skip it, and
+    `--resume` takes the pod's newest session with a session_start."""
     older = SessionLog.create(sessions, new_session_id(), START)
     older.close()
     empty = new_session_id()
     (sessions / f"{empty}.jsonl").write_bytes(b"")
+    assert [i.id for i in list_sessions(sessions)] == [older.session_id]
     assert newest_session_for(sessions, "rev") == older.session_id
