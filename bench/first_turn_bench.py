@@ -1,6 +1,7 @@
 """19. First turn of a fresh pod: its first `run` (wait=True) against a warm turn of the same pod.
 
-The pod imports its provider SDK in the background right after READY (`Pod.warm_model`). Per
+Right after READY the pod imports its provider SDK in the background and, with no session yet,
+makes its first session's file (empty, fsync'd with its directory: `Pod.warm_up`). Per
 provider kind, on pods taking turns:
 
 - *after the warm-up*: the run is sent once the import and the client's construction are done
@@ -17,8 +18,8 @@ provider kind, on pods taking turns:
   pause too; that ratio is printed as well, without a target.
 - *after the warm-up, resumed*: the same, for a pod restored with `--resume` (its session
   exists: the first input creates no session log and claims no session in the registry).
-  The difference to the row above is the first input's durable work: the session file created
-  (its first fsync, and its directory's, by the first commit) and what remains on the turn's
+  The difference to the row above is the first input's durable work: the session's first line
+  written into the file made ahead (its first fsync with data) and what remains on the turn's
   path of naming it in the registry (done in a thread, overlapping the model call).
 - *at READY*: the run is sent the moment READY is printed, while the import is still running
   (the worst case). It cannot beat the SDK, so its baseline adds the bare SDK's time from its

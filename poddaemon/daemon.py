@@ -465,7 +465,7 @@ def _serve(
         log.info("ready on %s (session %s)", sock_path, pod.state.session_id or "not yet started")
         supervisor = asyncio.create_task(sdnotify.supervise(pod))
         tree = _follow_spawner(pod, claim, manifest, ending)
-        pod.warm_model()
+        pod.warm_up()
 
         def lost(reason: str) -> None:
             claim.lost = True

@@ -194,10 +194,14 @@ class Machine:
         clock: Callable[[], float],
         new_id: Callable[[], str],
         system_prompt: str = "",
+        first_session_id: Callable[[], str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
         self.new_id = new_id
+        # The id of a session started by an input (not a fork's or a compaction's): the pod's
+        # log may have made its file ahead (PodLog.reserve).
+        self.first_session_id = first_session_id or new_id
         self.system_prompt = system_prompt
         self.state = SessionState()
         self.turn: Turn | None = None
@@ -1055,7 +1059,7 @@ class Machine:
 
     def _open_session(self) -> None:
         start = SessionStart(
-            session_id=self.new_id(),
+            session_id=self.first_session_id(),
             pod=self.cfg.name,
             system_prompt=self.system_prompt,
             config=self.cfg.config,

@@ -113,7 +113,13 @@ class Pod:
         prompt = services.instruction.render(
             pwd=m.pod.pwd, scope=self.scope, tools=list(m.worker.tools)
         )
-        self.machine = Machine(cfg, clock=time.time, new_id=new_session_id, system_prompt=prompt)
+        self.machine = Machine(
+            cfg,
+            clock=time.time,
+            new_id=new_session_id,
+            system_prompt=prompt,
+            first_session_id=lambda: self.plog.first_session_id(),
+        )
         budget = Budget(lambda: self.machine.budget_message() if self._spent() else None)
         self.chain = Chain([budget, *services.interceptors])
         self.tool_ctx = ToolContext(
@@ -472,15 +478,31 @@ class Pod:
         )
         self.feed(effects)
 
-    def warm_model(self) -> None:
-        """Import the provider's SDK now, in the model thread, so the first run does not pay
-        for it (~0.4-1 s). Failures are left for the first real call to report."""
+    def warm_up(self) -> None:
+        """Right after READY, what the first run would otherwise pay for: import the provider's
+        SDK in the model thread (~0.4-1 s), and, for a pod with no session yet, make its
+        session's file (~1 ms of fsyncs, see PodLog.reserve). Failures are left for the first
+        real call to report."""
 
         async def warm() -> None:
             with contextlib.suppress(Exception):
                 await self.s.model.warm()
 
         self._warming = asyncio.ensure_future(warm())  # not awaited at stop: stop stays fast
+        if self.plog.log is None and self.failure is None:
+            self.spawn_background(self._reserve_session())
+
+    async def _reserve_session(self) -> None:
+        try:
+            reservation = await asyncio.to_thread(self.plog.reserve)
+        except OSError as exc:  # the first input creates its file as it would have anyway
+            log.debug("cannot make the first session's file ahead: %s", exc)
+            return
+        if self.plog.offer(reservation):
+            log.debug("the first session's file is made: %s", reservation.path)
+        else:  # the first input came first, or the pod stops
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(reservation.discard)
 
     def spawn_background(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
         """Run work nothing waits on off the path (a hook that decides nothing: Notification,

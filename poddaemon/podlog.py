@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 
 from poddaemon.entries import Entry, RunStart, SessionStart, SystemItem, UserInput, body_of
-from poddaemon.store.file import HeadMoved, SessionLog
+from poddaemon.store.file import HeadMoved, Reservation, SessionLog
+from poddaemon.store.log import new_session_id
 
 
 class PodLog:
@@ -31,6 +32,8 @@ class PodLog:
         self.log: SessionLog | None = None
         self.failed = False
         self._input_seq = 0  # the last input written: acks and model calls wait for it
+        self._reserved: Reservation | None = None  # the first session's file, made ahead
+        self._closed = False
 
     @property
     def path(self) -> str:
@@ -40,11 +43,37 @@ class PodLog:
         self.log, entries, warnings = SessionLog.open(self.sessions_dir, session_id)
         return entries, warnings
 
+    def reserve(self) -> Reservation:
+        """Make the first session's file ahead of it (blocking: call it in a thread, while the
+        pod waits for its first input); hand it over with `offer`."""
+        return Reservation(self.sessions_dir, new_session_id())
+
+    def offer(self, reservation: Reservation) -> bool:
+        """Keep `reservation` for the first session; False (the caller discards it) once a
+        session is open, or the log closed, or one is kept already."""
+        if self.log is not None or self._closed or self._reserved is not None:
+            return False
+        self._reserved = reservation
+        return True
+
+    def first_session_id(self) -> str:
+        """The id the first session should take: the reserved file's, if one is ready."""
+        return self._reserved.session_id if self._reserved is not None else new_session_id()
+
     def open(self, start: SessionStart) -> None:
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None and reserved.session_id != start.session_id:
+            reserved.discard()  # not the session it was made for
+            reserved = None
         try:
             # Not fsync'd here: the first input comes right after, and its commit covers both.
             self.log = SessionLog.create(
-                self.sessions_dir, start.session_id, body_of(start), ts=start.ts, durable=False
+                self.sessions_dir,
+                start.session_id,
+                body_of(start),
+                ts=start.ts,
+                durable=False,
+                reserved=reserved,
             )
         except OSError as exc:
             self._failed(f"cannot create session log: {exc}")
@@ -131,6 +160,11 @@ class PodLog:
             await self.log.sync()
 
     async def close(self) -> None:
+        self._closed = True
+        if self._reserved is not None:
+            with contextlib.suppress(OSError):
+                self._reserved.discard()
+            self._reserved = None
         if self.log is not None:
             with contextlib.suppress(OSError):
                 await self.log.sync()

@@ -48,6 +48,7 @@ from protocol import paths
 
 __all__ = [
     "HeadMoved",
+    "Reservation",
     "SessionInfo",
     "SessionLog",
     "SessionNotFound",
@@ -128,6 +129,44 @@ def _read_all(fd: int) -> bytes:
         offset += len(chunk)
 
 
+class Reservation:
+    """An empty file under a session's name, made durable (file and directory fsync'd) before
+    the session starts: the session's first commit then fsyncs its file only. A new name costs
+    a directory fsync, and a new file's first fsync is the dearest: paid here, while the pod is
+    idle, instead of on its first turn. Empty, the file is no session (listings skip it); a pod
+    that never starts the session removes it with ``discard``."""
+
+    def __init__(self, sessions_dir: StrPath, session_id: str) -> None:
+        path = session_path(sessions_dir, session_id)
+        _ensure_dir(path.parent)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)
+        try:
+            os.fsync(fd)
+            _fsync_dir(path.parent)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise
+        self.path = path
+        self.session_id = session_id
+        self.fd: int | None = fd  # None once taken by a log or discarded
+
+    def take(self) -> int:
+        fd, self.fd = self.fd, None
+        if fd is None:
+            raise ValueError(f"reservation {self.session_id} already used")
+        return fd
+
+    def discard(self) -> None:
+        """Remove the file, unless a log took it."""
+        if self.fd is not None:
+            os.close(self.take())
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+
 class SessionNotFound(FileNotFoundError):
     """No log file for this session id. `str()` is one plain line (no errno, no repr)."""
 
@@ -178,6 +217,7 @@ class SessionLog:
         ts: float | None = None,
         *,
         durable: bool = True,
+        reserved: Reservation | None = None,
     ) -> "SessionLog":
         """Start a new session: write its ``session_start`` entry and make it durable (file and
         directory fsync'd). Raises ``FileExistsError`` if the session already exists.
@@ -185,19 +225,27 @@ class SessionLog:
         With ``durable=False`` both fsyncs are left to the log's first ``sync``: a pod creates
         its session with its first input, and one commit then covers the two (a new file's
         first fsync is the dearest of all). Until then a power cut may leave no file, or an
-        empty one: a session nobody was told about, which listings skip."""
+        empty one: a session nobody was told about, which listings skip. With a ``reserved``
+        file (this session's, still empty) the log is written there: its name is durable
+        already, so only the file needs an fsync."""
         path = session_path(sessions_dir, session_id)
-        _ensure_dir(path.parent)
         line, entry = encode_entry(
             1, time.time() if ts is None else ts, "session_start", GENESIS, start_body
         )
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
+        if reserved is not None:
+            if reserved.path != path:
+                raise ValueError(f"reservation {reserved.session_id} is not for {session_id}")
+            fd = reserved.take()
+        else:
+            _ensure_dir(path.parent)
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+            fd = os.open(path, flags, 0o600)
         try:
             _write_all(fd, line)
             if durable:
                 os.fsync(fd)
-                _fsync_dir(path.parent)
+                if reserved is None:
+                    _fsync_dir(path.parent)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -205,7 +253,8 @@ class SessionLog:
             raise
         log = cls(path, session_id, fd, 1, entry["hash"], len(line), line)
         if not durable:
-            log._durable, log._durable_size, log._dir_unsynced = 0, 0, True
+            log._durable, log._durable_size = 0, 0
+            log._dir_unsynced = reserved is None
         return log
 
     @classmethod

@@ -339,8 +339,8 @@ def test_power_cut_between_write_and_fsync_loses_no_acknowledged_entry(env: Env,
 
 def test_power_cut_before_the_first_commit_leaves_no_session(env: Env) -> None:
     """The first input creates the session, and one commit makes both durable (the file, then
-    its directory). A power cut before that commit leaves an empty file at most: the run was
-    never acknowledged, listings skip the file, and `--resume` starts a new session."""
+    its directory). A power cut before that commit leaves empty files at most: the run was
+    never acknowledged, listings skip them, and `--resume` starts a new session."""
     env.env[POWER_CUT_ENV] = "1"
     pod = env.start("firstcut")
     del env.env[POWER_CUT_ENV]
@@ -348,17 +348,63 @@ def test_power_cut_before_the_first_commit_leaves_no_session(env: Env) -> None:
         c.run("never acknowledged")
     assert pod.proc.wait(10) == -signal.SIGKILL
     assert any(line.startswith("test power cut: ") for line in pod.stderr), pod.text()
-    [left] = list(sessions_dir(env).iterdir())
-    assert left.stat().st_size == 0
-    assert left.stem not in env.podctl("sessions", "list").stdout
+    # The session's file, and the one made ahead for it if the run came first: both empty.
+    left = list(sessions_dir(env).iterdir())
+    assert left and all(p.stat().st_size == 0 for p in left)
+    listed = env.podctl("sessions", "list").stdout
+    assert not any(p.stem in listed for p in left)
     again = env.restart(pod, "--resume")
     assert again.call("status")["session_id"] is None
     again.call("run", input="again")  # acknowledged: durable, and named in the registry
     sid = again.call("status")["session_id"]
-    assert sid and sid != left.stem
+    assert sid and sid not in {p.stem for p in left}
     assert _registry(env)["firstcut"]["session"] == sid
     wait_until(lambda: settled(again), what="the run to finish")
     verify_ok(env, sid)
+
+
+def _made_ahead(pod: PodProcess) -> Path:
+    """The first session's file the pod made after READY (PODDAEMON_LOG_LEVEL=DEBUG says)."""
+    mark = "the first session's file is made: "
+    line = wait_until(
+        lambda: next((x for x in pod.stderr if mark in x), None), what="the file made ahead"
+    )
+    return Path(line.split(mark, 1)[1].strip())
+
+
+def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env: Env) -> None:
+    """Right after READY a pod with no session makes its first session's file, empty and
+    durable, so the first input's commit fsyncs one file (not a new name's directory too).
+    Empty, it is no session: status says none, listings skip it. The first run's session is
+    written there; a pod stopped before any input removes it; one killed leaves it empty, and
+    `--resume` passes over it."""
+    env.env["PODDAEMON_LOG_LEVEL"] = "DEBUG"
+    pod = env.start("ahead")
+    made = _made_ahead(pod)
+    assert made.parent == sessions_dir(env) and made.stat().st_size == 0
+    assert pod.call("status")["session_id"] is None
+    assert made.stem not in env.podctl("sessions", "list").stdout
+    pod.call("run", input="first", wait=True)
+    assert pod.call("status")["session_id"] == made.stem
+    assert _registry(env)["ahead"]["session"] == made.stem
+    verify_ok(env, made.stem)
+    assert pod.stop() == 0
+
+    idle = env.start("idle")
+    unused = _made_ahead(idle)
+    assert idle.stop() == 0
+    assert not unused.exists()
+
+    killed = env.start("killed")
+    left = _made_ahead(killed)
+    killed.kill9()
+    assert left.exists() and left.stat().st_size == 0
+    again = env.restart(killed, "--resume")
+    assert again.call("status")["session_id"] is None
+    again.call("run", input="after the kill", wait=True)
+    sid = again.call("status")["session_id"]
+    assert sid and sid != left.stem
+    assert {p.stem for p in sessions_dir(env).iterdir() if p.stat().st_size} == {made.stem, sid}
 
 
 @pytest.mark.parametrize("rep", REPS)

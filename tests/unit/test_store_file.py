@@ -15,6 +15,7 @@ import pytest
 
 from poddaemon.store.file import (
     HeadMoved,
+    Reservation,
     SessionLog,
     list_sessions,
     newest_session_for,
@@ -277,6 +278,51 @@ def test_a_session_created_without_fsync_is_made_durable_by_its_first_commit(
     durable = SessionLog.create(sessions, new_session_id(), START)  # the default
     assert synced[3:] == ["file", "dir"] and durable.durable_seq == 1
     durable.close()
+
+
+def test_a_reserved_file_makes_its_session_need_one_fsync_at_its_first_commit(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reservation is an empty file made durable ahead (file, then directory): the session
+    written into it later fsyncs its file only, its name being durable already. Until then the
+    file is no session; a reservation is used once, and only for its own session."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    reserved = Reservation(sessions, new_session_id())
+    assert synced == ["file", "dir"]
+    assert reserved.path.stat().st_size == 0 and list_sessions(sessions) == []
+    with pytest.raises(ValueError, match="is not for"):
+        SessionLog.create(sessions, new_session_id(), START, durable=False, reserved=reserved)
+    log = SessionLog.create(sessions, reserved.session_id, START, durable=False, reserved=reserved)
+    assert log.path == reserved.path and synced == ["file", "dir"]
+    log.append("user_input", {"text": "first"})
+    log.sync_now()
+    assert synced == ["file", "dir", "file"] and log.durable_seq == 2
+    log.close()
+    assert [i.id for i in list_sessions(sessions)] == [reserved.session_id]
+    assert [e["kind"] for e in verify(log.path.read_bytes()).entries] == [
+        "session_start",
+        "user_input",
+    ]
+    with pytest.raises(ValueError, match="already used"):
+        SessionLog.create(sessions, reserved.session_id, START, reserved=reserved)
+    reserved.discard()  # taken by the log: the session stays
+    assert log.path.exists()
+
+
+def test_a_discarded_reservation_leaves_nothing(sessions: Path) -> None:
+    reserved = Reservation(sessions, new_session_id())
+    with pytest.raises(FileExistsError):
+        Reservation(sessions, reserved.session_id)
+    reserved.discard()
+    reserved.discard()  # twice is harmless
+    assert list(sessions.iterdir()) == []
 
 
 # --- group commit ------------------------------------------------------------------------------
