@@ -293,7 +293,7 @@ class Pod:
         for durability wait for this too, so no client hears of a session before the
         registry says whose it is (a pod asked to restore it is refused)."""
         self._session_to_name = session_id
-        if self._naming is None:
+        if self._naming is None and session_id != self._session_named:
             self._naming = self.spawn_background(self._name_session())  # awaited at close
 
     async def _name_session(self) -> None:
@@ -481,8 +481,8 @@ class Pod:
     def warm_up(self) -> None:
         """Right after READY, what the first run would otherwise pay for: import the provider's
         SDK in the model thread (~0.4-1 s), and, for a pod with no session yet, make its
-        session's file (~1 ms of fsyncs, see PodLog.reserve). Failures are left for the first
-        real call to report."""
+        session's file and name it in the registry (~1-3 ms of fsyncs, see PodLog.reserve).
+        Failures are left for the first real call to report."""
 
         async def warm() -> None:
             with contextlib.suppress(Exception):
@@ -500,6 +500,9 @@ class Pod:
             return
         if self.plog.offer(reservation):
             log.debug("the first session's file is made: %s", reservation.path)
+            # Named in the registry now too, so the first input waits for neither: a pod asked
+            # to restore this session is refused from here on, as for any session a pod holds.
+            self._session_moved(reservation.session_id)
         else:  # the first input came first, or the pod stops
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(reservation.discard)

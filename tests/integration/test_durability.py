@@ -374,8 +374,9 @@ def _made_ahead(pod: PodProcess) -> Path:
 
 def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env: Env) -> None:
     """Right after READY a pod with no session makes its first session's file, empty and
-    durable, so the first input's commit fsyncs one file (not a new name's directory too).
-    Empty, it is no session: status says none, listings skip it. The first run's session is
+    durable, and names it in the registry, so the first input's commit fsyncs one file (not a
+    new name's directory too) and waits for no registry update. Empty, it is no session:
+    status says none, listings skip it. The first run's session is
     written there; a pod stopped before any input removes it; one killed leaves it empty, and
     `--resume` passes over it."""
     env.env["PODDAEMON_LOG_LEVEL"] = "DEBUG"
@@ -384,6 +385,11 @@ def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env
     assert made.parent == sessions_dir(env) and made.stat().st_size == 0
     assert pod.call("status")["session_id"] is None
     assert made.stem not in env.podctl("sessions", "list").stdout
+    # Named in the registry ahead as well: no other pod may take it, and the first input
+    # names nothing.
+    wait_until(
+        lambda: _registry(env)["ahead"]["session"] == made.stem, what="the registry naming it"
+    )
     pod.call("run", input="first", wait=True)
     assert pod.call("status")["session_id"] == made.stem
     assert _registry(env)["ahead"]["session"] == made.stem
