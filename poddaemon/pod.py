@@ -288,10 +288,11 @@ class Pod:
             self.feed(self.machine.add_context(context, "hook:SessionStart"))
 
     def _session_moved(self, session_id: str) -> None:
-        """Name the new session in the registry, in a thread: its fsyncs and rename (~1-3 ms)
-        then overlap the turn's first model call instead of preceding it. Replies that wait
-        for durability wait for this too, so no client hears of a session before the
-        registry says whose it is (a pod asked to restore it is refused)."""
+        """Name the new session in the registry (unless it is named already: the first one is,
+        when its file was made ahead), in a thread: its fsyncs and rename (~1-3 ms) then
+        overlap the turn's model call instead of preceding it. Replies that wait for
+        durability wait for this too, so no client hears of a session before the registry
+        says whose it is (a pod asked to restore it is refused)."""
         self._session_to_name = session_id
         if self._naming is None and session_id != self._session_named:
             self._naming = self.spawn_background(self._name_session())  # awaited at close
