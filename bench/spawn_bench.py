@@ -1,7 +1,6 @@
 """3. Spawn: `podctl spawn manifest` until READY (through the fork server), `poddaemon run` until
 READY (exec'd, as systemd starts a pod), and the idle forked pod's PSS."""
 
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -30,10 +29,13 @@ def _python_pass(env: dict[str, str]) -> tuple[float, float]:
 
 def _wait_gone(pid: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
-    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                return
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except (FileNotFoundError, ProcessLookupError):  # reaped, between any two reads
+            return
         time.sleep(0.005)
 
 
