@@ -376,9 +376,9 @@ def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env
     """Right after READY a pod with no session makes its first session's file, empty and
     durable, and names it in the registry, so the first input's commit fsyncs one file (not a
     new name's directory too) and waits for no registry update. Empty, it is no session:
-    status says none, listings skip it. The first run's session is
-    written there; a pod stopped before any input removes it; one killed leaves it empty, and
-    `--resume` passes over it."""
+    status says none, listings skip it. The first run's session is written there; a pod
+    stopped before any input removes it; one killed leaves it empty, and the next pod to start
+    removes it with the dead pod's registry entry."""
     env.env["PODDAEMON_LOG_LEVEL"] = "DEBUG"
     pod = env.start("ahead")
     made = _made_ahead(pod)
@@ -403,9 +403,11 @@ def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env
 
     killed = env.start("killed")
     left = _made_ahead(killed)
+    wait_until(lambda: _registry(env)["killed"]["session"] == left.stem, what="the naming")
     killed.kill9()
     assert left.exists() and left.stat().st_size == 0
-    again = env.restart(killed, "--resume")
+    again = env.restart(killed, "--resume")  # reclaims the dead entry, and its empty file
+    assert not left.exists()
     assert again.call("status")["session_id"] is None
     again.call("run", input="after the kill", wait=True)
     sid = again.call("status")["session_id"]
