@@ -385,11 +385,9 @@ def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env
     assert made.parent == sessions_dir(env) and made.stat().st_size == 0
     assert pod.call("status")["session_id"] is None
     assert made.stem not in env.podctl("sessions", "list").stdout
-    # Named in the registry ahead as well: no other pod may take it, and the first input
-    # names nothing.
-    wait_until(
-        lambda: _registry(env)["ahead"]["session"] == made.stem, what="the registry naming it"
-    )
+    # Named in the registry ahead as well (before the file is made): no other pod may take
+    # it, and the first input names nothing.
+    assert _registry(env)["ahead"]["session"] == made.stem
     pod.call("run", input="first", wait=True)
     assert pod.call("status")["session_id"] == made.stem
     assert _registry(env)["ahead"]["session"] == made.stem
@@ -403,7 +401,7 @@ def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env
 
     killed = env.start("killed")
     left = _made_ahead(killed)
-    wait_until(lambda: _registry(env)["killed"]["session"] == left.stem, what="the naming")
+    assert _registry(env)["killed"]["session"] == left.stem
     killed.kill9()
     assert left.exists() and left.stat().st_size == 0
     again = env.restart(killed, "--resume")  # reclaims the dead entry, and its empty file
