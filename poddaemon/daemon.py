@@ -220,7 +220,7 @@ def run_pod(args: "argparse.Namespace") -> int:
     problem = paths.socket_path_problem(sock_path)
     if problem:
         raise StartupError(problem)
-    registry = Registry(runtime, sessions_dir=paths.sessions_dir())
+    registry = Registry(runtime)
     session_id = _session_to_restore(args, name)
     parent = _spawner(args, registry)
     # The session is claimed with the name, in one locked transaction: no two pods restore it.

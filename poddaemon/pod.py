@@ -494,23 +494,16 @@ class Pod:
             self.spawn_background(self._reserve_session())
 
     async def _reserve_session(self) -> None:
-        # Named in the registry first, so the first input waits for neither; a pod asked to
-        # restore the session is refused from here on, as for any session a pod holds. And in
-        # this order a pod killed at any point leaves no litter: before the file exists there
-        # is none; after, the reclaim of its entry removes the file it names while it is empty.
-        session_id = new_session_id()
-        self._session_moved(session_id)
-        if self._naming is not None:
-            await asyncio.shield(self._naming)  # the first input may name another meanwhile
-        if self.plog.log is not None or self.failure is not None:
-            return
         try:
-            reservation = await asyncio.to_thread(self.plog.reserve, session_id)
+            reservation = await asyncio.to_thread(self.plog.reserve)
         except OSError as exc:  # the first input creates its file as it would have anyway
             log.debug("cannot make the first session's file ahead: %s", exc)
             return
         if self.plog.offer(reservation):
             log.debug("the first session's file is made: %s", reservation.path)
+            # Named in the registry now too, so the first input waits for neither: a pod asked
+            # to restore this session is refused from here on, as for any session a pod holds.
+            self._session_moved(reservation.session_id)
         else:  # the first input came first, or the pod stops
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(reservation.discard)

@@ -43,10 +43,10 @@ class PodLog:
         self.log, entries, warnings = SessionLog.open(self.sessions_dir, session_id)
         return entries, warnings
 
-    def reserve(self, session_id: str) -> Reservation:
+    def reserve(self) -> Reservation:
         """Make the first session's file ahead of it (blocking: call it in a thread, while the
         pod waits for its first input); hand it over with `offer`."""
-        return Reservation(self.sessions_dir, session_id)
+        return Reservation(self.sessions_dir, new_session_id())
 
     def offer(self, reservation: Reservation) -> bool:
         """Keep `reservation` for the first session; False (the caller discards it) once a

@@ -153,16 +153,8 @@ def _overlap_message(other: PodEntry, path: str) -> str:
 
 
 class Registry:
-    def __init__(
-        self,
-        runtime_dir: Path | str,
-        *,
-        lock_timeout: float = LOCK_TIMEOUT,
-        sessions_dir: Path | str | None = None,
-    ) -> None:
+    def __init__(self, runtime_dir: Path | str, *, lock_timeout: float = LOCK_TIMEOUT) -> None:
         self.runtime_dir = Path(runtime_dir)
-        # Where a dead pod's unused session file may be left (see _remove_stale_files).
-        self.sessions_dir = Path(sessions_dir) if sessions_dir is not None else None
         self.path = self.runtime_dir / "pods.json"
         self.lock_path = self.runtime_dir / "pods.json.lock"
         self._lock_timeout = lock_timeout
@@ -265,7 +257,7 @@ class Registry:
         dead = [e for e in pods.values() if not is_alive(e)]
         for entry in dead:
             self._drop(pods, entry)
-            self._remove_stale_files(entry)
+            self._remove_stale_files(entry.name)
         return bool(dead)
 
     def _drop(self, pods: dict[str, PodEntry], entry: PodEntry) -> None:
@@ -278,21 +270,12 @@ class Registry:
             if kept != parent.delegated:
                 pods[parent.name] = msgspec.structs.replace(parent, delegated=kept)
 
-    def _remove_stale_files(self, entry: PodEntry) -> None:
+    def _remove_stale_files(self, name: str) -> None:
         # Best effort: nobody live holds this name (claim before bind), so these are leftovers.
-        pod_dir = self.runtime_dir / "pods" / entry.name
+        pod_dir = self.runtime_dir / "pods" / name
         for leftover in ("sock", "pid"):
             with contextlib.suppress(OSError):
                 (pod_dir / leftover).unlink()
-        # Its session, if still empty: the file a pod makes ahead for its first session and
-        # names here, never written (the pod died before any input). No session, only litter;
-        # only its owner, dead now, would have written it.
-        session = entry.session
-        if self.sessions_dir is not None and session and "/" not in session:
-            path = self.sessions_dir / f"{session}.jsonl"
-            with contextlib.suppress(OSError):
-                if path.stat().st_size == 0:
-                    path.unlink()
 
     def _write(self, pods: dict[str, PodEntry]) -> None:
         try:

@@ -141,32 +141,6 @@ def test_reclaims_dead_process(reg: Registry, runtime: Path) -> None:
     assert (runtime / "pods" / "ghost" / "stderr.log").read_text() == "kept"
 
 
-def test_reclaim_removes_a_dead_pods_session_file_only_while_empty(runtime: Path) -> None:
-    """A pod names its first session here when it makes the file ahead; dead before any input,
-    it leaves that file empty: no session, removed with its other leftovers. A session with
-    anything in it stays."""
-    sessions = runtime.parent / "sessions"
-    sessions.mkdir(parents=True)
-    reg = Registry(runtime, sessions_dir=sessions)
-    pid, start = _dead_pid()
-    ghosts = {}
-    for name, content in (("unused", b""), ("used", b"{}\n")):
-        ghosts[name] = PodEntry(
-            name=name,
-            pid=pid,
-            start_time=start,
-            socket="/x",
-            scope=scope(f"/w/{name}").to_dicts(),
-            started_at=0.0,
-            session=f"s-{name}",
-        )
-        (sessions / f"s-{name}.jsonl").write_bytes(content)
-    runtime.mkdir(parents=True, exist_ok=True)
-    (runtime / "pods.json").write_bytes(msgspec.json.encode({"version": 1, "pods": ghosts}))
-    reg.register(entry("heir", scope("/w/heir")))
-    assert sorted(p.name for p in sessions.iterdir()) == ["s-used.jsonl"]
-
-
 def test_reclaims_reused_pid(reg: Registry, runtime: Path) -> None:
     me = entry("old", scope("/w/proj"))
     impostor = msgspec.structs.replace(me, start_time=me.start_time - 1)  # same pid, other process
