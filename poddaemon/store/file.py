@@ -117,6 +117,16 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _still_named(path: Path, fd: int) -> bool:
+    """`path` still names the open file `fd`."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
 def _read_all(fd: int) -> bytes:
     size = os.fstat(fd).st_size
     parts: list[bytes] = []
@@ -232,11 +242,17 @@ class SessionLog:
         line, entry = encode_entry(
             1, time.time() if ts is None else ts, "session_start", GENESIS, start_body
         )
+        fd = -1
         if reserved is not None:
             if reserved.path != path:
                 raise ValueError(f"reservation {reserved.session_id} is not for {session_id}")
             fd = reserved.take()
-        else:
+            if not _still_named(path, fd):
+                # Removed (or replaced) since it was made: what went into it would be written
+                # to a file no name reaches, so make the file anew, as without a reservation.
+                os.close(fd)
+                fd, reserved = -1, None
+        if fd < 0:
             _ensure_dir(path.parent)
             flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
             fd = os.open(path, flags, 0o600)

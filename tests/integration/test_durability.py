@@ -413,6 +413,20 @@ def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env
     assert {p.stem for p in sessions_dir(env).iterdir() if p.stat().st_size} == {made.stem, sid}
 
 
+def test_a_file_made_ahead_and_removed_is_made_anew(env: Env) -> None:
+    """Someone clears the empty file before the first input: the session is created anew under
+    the same name rather than written into the unnamed file (where an acknowledged input
+    would be lost with the pod)."""
+    env.env["PODDAEMON_LOG_LEVEL"] = "DEBUG"
+    pod = env.start("cleared")
+    made = _made_ahead(pod)
+    made.unlink()
+    pod.call("run", input="first", wait=True)
+    assert pod.call("status")["session_id"] == made.stem
+    assert made.stat().st_size > 0
+    verify_ok(env, made.stem)
+
+
 @pytest.mark.parametrize("rep", REPS)
 def test_kill_between_two_queued_runs(env: Env, rep: int) -> None:
     env.model.script({"text": "first never finishes", "gate": "first"})

@@ -316,6 +316,31 @@ def test_a_reserved_file_makes_its_session_need_one_fsync_at_its_first_commit(
     assert log.path.exists()
 
 
+def test_a_reserved_file_removed_before_its_session_is_made_anew(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone removes the empty file (clearing "empty" files, say) before the first input:
+    the session must not go into the unnamed file, where an acknowledged input would be lost;
+    it is created anew under its name, and its first commit fsyncs the directory too."""
+    reserved = Reservation(sessions, new_session_id())
+    reserved.path.unlink()
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    log = SessionLog.create(sessions, reserved.session_id, START, durable=False, reserved=reserved)
+    log.append("user_input", {"text": "first"})
+    log.sync_now()
+    assert synced == ["file", "dir"]
+    assert [i.id for i in list_sessions(sessions)] == [reserved.session_id]
+    assert log.path.stat().st_size == log.durable_size
+    log.close()
+
+
 def test_a_discarded_reservation_leaves_nothing(sessions: Path) -> None:
     reserved = Reservation(sessions, new_session_id())
     with pytest.raises(FileExistsError):
