@@ -109,6 +109,13 @@ def _ensure_dir(path: Path) -> None:
         paths.ensure_dir(path, "sessions directory")  # 0700, parents too, whatever the umask
 
 
+def _new_file(path: Path) -> int:
+    """Create a session's file (and its directory, if need be); FileExistsError if it exists."""
+    _ensure_dir(path.parent)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+    return os.open(path, flags, 0o600)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -148,9 +155,7 @@ class Reservation:
 
     def __init__(self, sessions_dir: StrPath, session_id: str) -> None:
         path = session_path(sessions_dir, session_id)
-        _ensure_dir(path.parent)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-        fd = os.open(path, flags, 0o600)
+        fd = _new_file(path)
         try:
             os.fsync(fd)
             _fsync_dir(path.parent)
@@ -253,9 +258,7 @@ class SessionLog:
                 os.close(fd)
                 fd, reserved = -1, None
         if fd < 0:
-            _ensure_dir(path.parent)
-            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-            fd = os.open(path, flags, 0o600)
+            fd = _new_file(path)
         try:
             _write_all(fd, line)
             if durable:

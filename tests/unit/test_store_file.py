@@ -36,6 +36,20 @@ def sessions() -> Iterator[Path]:
 START = {"pod": "rev", "system_prompt": "sys", "config": {"x": 1}, "history": []}
 
 
+@pytest.fixture
+def synced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """What each os.fsync call synced, in order: "file" or "dir"."""
+    calls: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        calls.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return calls
+
+
 def test_create_append_reopen(sessions: Path) -> None:
     sid = new_session_id()
     log = SessionLog.create(sessions, sid, START)
@@ -253,18 +267,10 @@ def test_list_sessions_reads_only_the_first_line(sessions: Path) -> None:
 
 
 def test_a_session_created_without_fsync_is_made_durable_by_its_first_commit(
-    sessions: Path, monkeypatch: pytest.MonkeyPatch
+    sessions: Path, synced: list[str]
 ) -> None:
     """`durable=False`: nothing is fsync'd at creation; the first commit fsyncs the file and then
     its directory (the new name), once; later commits fsync the file only."""
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def spy(fd: int) -> None:
-        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", spy)
     log = SessionLog.create(sessions, new_session_id(), START, durable=False)
     assert synced == [] and (log.seq, log.durable_seq, log.durable_size) == (1, 0, 0)
     log.append("user_input", {"text": "first"})
@@ -281,19 +287,11 @@ def test_a_session_created_without_fsync_is_made_durable_by_its_first_commit(
 
 
 def test_a_reserved_file_makes_its_session_need_one_fsync_at_its_first_commit(
-    sessions: Path, monkeypatch: pytest.MonkeyPatch
+    sessions: Path, synced: list[str]
 ) -> None:
     """A reservation is an empty file made durable ahead (file, then directory): the session
     written into it later fsyncs its file only, its name being durable already. Until then the
     file is no session; a reservation is used once, and only for its own session."""
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def spy(fd: int) -> None:
-        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", spy)
     reserved = Reservation(sessions, new_session_id())
     assert synced == ["file", "dir"]
     assert reserved.path.stat().st_size == 0 and list_sessions(sessions) == []
@@ -317,25 +315,17 @@ def test_a_reserved_file_makes_its_session_need_one_fsync_at_its_first_commit(
 
 
 def test_a_reserved_file_removed_before_its_session_is_made_anew(
-    sessions: Path, monkeypatch: pytest.MonkeyPatch
+    sessions: Path, synced: list[str]
 ) -> None:
     """Someone removes the empty file (clearing "empty" files, say) before the first input:
     the session must not go into the unnamed file, where an acknowledged input would be lost;
     it is created anew under its name, and its first commit fsyncs the directory too."""
     reserved = Reservation(sessions, new_session_id())
     reserved.path.unlink()
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def spy(fd: int) -> None:
-        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", spy)
     log = SessionLog.create(sessions, reserved.session_id, START, durable=False, reserved=reserved)
     log.append("user_input", {"text": "first"})
     log.sync_now()
-    assert synced == ["file", "dir"]
+    assert synced == ["file", "dir", "file", "dir"]  # the reservation's, then the new file's
     assert [i.id for i in list_sessions(sessions)] == [reserved.session_id]
     assert log.path.stat().st_size == log.durable_size
     log.close()
