@@ -337,20 +337,26 @@ def test_power_cut_between_write_and_fsync_loses_no_acknowledged_entry(env: Env,
     verify_ok(env, sid)
 
 
-def test_power_cut_before_the_first_commit_leaves_no_session(env: Env) -> None:
-    """The first input creates the session, and one commit makes both durable (the file, then
-    its directory). A power cut before that commit leaves empty files at most: the run was
-    never acknowledged, listings skip them, and `--resume` starts a new session."""
+@pytest.mark.parametrize("ahead", [True, False], ids=["file-made-ahead", "run-sent-at-ready"])
+def test_power_cut_before_the_first_commit_leaves_no_session(env: Env, ahead: bool) -> None:
+    """The first input starts the session, and one commit makes it durable: its file only when
+    the pod made the file ahead (sent once it is made), else the new file then its directory
+    (sent at READY, the run may come first). A power cut before that commit leaves empty files
+    at most: the run was never acknowledged, listings skip them, and `--resume` starts a new
+    session."""
     env.env[POWER_CUT_ENV] = "1"
+    env.env["PODDAEMON_LOG_LEVEL"] = "DEBUG"
     pod = env.start("firstcut")
     del env.env[POWER_CUT_ENV]
+    made = _made_ahead(pod) if ahead else None
     with pod.client() as c, pytest.raises(ConnectionClosed):
         c.run("never acknowledged")
     assert pod.proc.wait(10) == -signal.SIGKILL
     assert any(line.startswith("test power cut: ") for line in pod.stderr), pod.text()
-    # The session's file, and the one made ahead for it if the run came first: both empty.
+    # The session's file, and (sent at READY) the one made ahead for it if the run came first.
     left = list(sessions_dir(env).iterdir())
-    assert left and all(p.stat().st_size == 0 for p in left)
+    assert left == [made] if made else left
+    assert all(p.stat().st_size == 0 for p in left)
     listed = env.podctl("sessions", "list").stdout
     assert not any(p.stem in listed for p in left)
     again = env.restart(pod, "--resume")
