@@ -1,14 +1,16 @@
 """Session logs on disk: ``<sessions_dir>/<session-id>.jsonl``, one per session.
 
-Writes go out at once with a single ``os.write`` on an ``O_APPEND`` descriptor; durability is a
-separate step: ``sync_now()`` fsyncs inline (the pod's group commit, ``acks.DurableReplies``,
-calls it once per loop pass and then answers), and ``await log.sync()`` group-commits for
-awaiting callers: one ``fsync``, run inline on the loop once per loop pass, covers every append
-made before it started; callers after it share the next. Either skips the fsync when everything
-written is already durable. (Inline rather than in a worker thread: a thread costs two
-hand-offs per commit, and with the GIL the fsync thread waits for the busy loop to let go;
-inline, the requests that arrive during an fsync wait in the socket buffers and are all
-committed by the next.)
+Writes go out at once with a single ``os.write`` on an ``O_APPEND`` descriptor, or are staged
+(``stage_record``) and go out together, one ``os.write`` at the next ``flush`` or sync (the pod
+stages what a loop pass commits: an ext4 append costs a journal handle for the mtime whatever
+its size); durability is a separate step: ``sync_now()`` fsyncs inline (the pod's group commit,
+``acks.DurableReplies``, calls it once per loop pass and then answers), and ``await log.sync()``
+group-commits for awaiting callers: one ``fsync``, run inline on the loop once per loop pass,
+covers every append made before it started; callers after it share the next. Either skips the
+fsync when everything written is already durable. (Inline rather than in a worker thread: a
+thread costs two hand-offs per commit, and with the GIL the fsync thread waits for the busy loop
+to let go; inline, the requests that arrive during an fsync wait in the socket buffers and are
+all committed by the next.)
 
 ``fsync``, not ``fdatasync``: every write here is an append, so the size changes each time and
 ``fdatasync`` must write the inode all the same (the size is needed to read the data back);
@@ -214,6 +216,7 @@ class SessionLog:
         self._head = head  # hash of the last entry written
         self._size = size  # file size after our last write
         self._last = last  # our last line, as written
+        self._staged: list[bytes] = []  # lines encoded (seq and head count them), not yet written
         self._durable = seq  # highest seq covered by a finished fsync
         self._durable_size = size  # the file's size as far as a finished fsync covered it
         self._failed: OSError | None = None
@@ -376,7 +379,7 @@ class SessionLog:
 
     @property
     def seq(self) -> int:
-        """Seq of the last entry written (durable or not)."""
+        """Seq of the last entry written or staged (durable or not)."""
         return self._seq
 
     @property
@@ -446,7 +449,42 @@ class SessionLog:
         self._write_line(line, digest)
         return self._seq
 
+    def stage_record(self, record: dict[str, Any]) -> int:
+        """``write_record`` without the write: the line waits for ``flush`` (or the next sync,
+        write or close), so that entries staged together cost one ``os.write``. Returns its
+        seq (counted by ``seq`` and ``head`` at once; not by the file until flushed)."""
+        self._usable()
+        line, digest = encode_record(self._seq + 1, self._head, record)
+        self._staged.append(line)
+        self._seq += 1
+        self._head = digest
+        return self._seq
+
+    def flush(self) -> None:
+        """Write the staged lines, in one ``os.write``. Raises as a write does (``HeadMoved``,
+        ``OSError``); the staged lines are then gone and the log is poisoned: its seq and head
+        count lines the file will never hold."""
+        if not self._staged:
+            return
+        self._usable()
+        lines, self._staged = self._staged, []
+        data = lines[0] if len(lines) == 1 else b"".join(lines)
+        try:
+            self._append(data)
+        except OSError as exc:
+            self._failed = exc
+            raise
+        self._last = lines[-1]
+
     def _write_line(self, line: bytes, digest: str) -> None:
+        if self._staged:
+            self.flush()  # in order
+        self._append(line)
+        self._seq += 1
+        self._head = digest
+        self._last = line
+
+    def _append(self, data: bytes) -> None:
         # The file's size, by seeking to its end: what fstat would say, without building a
         # stat result (appends ignore the offset; reads here use pread).
         size = os.lseek(self._fd, 0, os.SEEK_END)
@@ -457,7 +495,7 @@ class SessionLog:
                 f" (size {size}, expected {self._size})",
             )
         try:
-            _write_all(self._fd, line)
+            _write_all(self._fd, data)
         except OSError:
             # Cut any partial line back off so the next append continues a clean chain; if even
             # that fails the file is in an unknown state and the log is poisoned.
@@ -466,10 +504,7 @@ class SessionLog:
             except OSError as cut_exc:
                 self._failed = cut_exc
             raise
-        self._seq += 1
-        self._head = digest
-        self._size += len(line)
-        self._last = line
+        self._size += len(data)
 
     async def sync(self) -> None:
         """Return once every entry appended before this call is on disk.
@@ -508,8 +543,9 @@ class SessionLog:
             self._fsync_covering()
 
     def _fsync_covering(self) -> None:
-        # Everything appended up to now is already written (appends are synchronous); the fsync
-        # starts after this point, so it covers them.
+        # Everything appended up to now is written once the staged lines are; the fsync starts
+        # after this point, so it covers them.
+        self.flush()
         covered, size = self._seq, self._size
         try:
             os.fsync(self._fd)  # inline: see the module's docstring
@@ -543,13 +579,18 @@ class SessionLog:
             return False
 
     def close(self) -> None:
-        """Close the file. Does not fsync: ``await sync()`` first for durability. If an fsync is
-        still due, the descriptor is closed when it has run."""
+        """Close the file, after writing what is staged (``OSError`` if that fails). Does not
+        fsync: ``await sync()`` first for durability. If an fsync is still due, the descriptor
+        is closed when it has run."""
         if self._closed:
             return
-        self._closed = True
-        if self._fsync_task is None:
-            os.close(self._fd)
+        try:
+            if self._failed is None:
+                self.flush()
+        finally:
+            self._closed = True
+            if self._fsync_task is None:
+                os.close(self._fd)
 
     def __enter__(self) -> "SessionLog":
         return self

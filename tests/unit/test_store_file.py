@@ -610,3 +610,71 @@ def test_an_empty_session_file_is_no_session(sessions: Path) -> None:
     (sessions / f"{empty}.jsonl").write_bytes(b"")
     assert [i.id for i in list_sessions(sessions)] == [older.session_id]
     assert newest_session_for(sessions, "rev") == older.session_id
+
+
+# --- staged lines: entries of one loop pass, one os.write ----------------------------------------
+
+
+def _record(text: str) -> dict[str, Any]:
+    return {"kind": "system_item", "ts": 1.0, "text": text}
+
+
+def test_staged_lines_count_at_once_and_are_written_by_one_flush(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    size = log.path.stat().st_size
+    seqs = [log.stage_record(_record(f"n{i}")) for i in range(5)]
+    assert seqs == [2, 3, 4, 5, 6] and log.seq == 6
+    assert log.path.stat().st_size == size  # nothing written yet
+    writes: list[int] = []
+    real_write = os.write
+
+    def count(fd: int, data: Any) -> int:
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", count)
+    log.flush()
+    log.flush()  # nothing more staged: no write
+    monkeypatch.undo()
+    assert len(writes) == 1
+    entries = read_session(sessions, sid).entries
+    assert [e.get("text") for e in entries] == [None, "n0", "n1", "n2", "n3", "n4"]
+    assert entries[-1]["hash"] == log.head
+    log.close()
+
+
+def test_a_write_a_sync_or_close_writes_the_staged_lines_first(
+    sessions: Path, synced: list[str]
+) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    log.stage_record(_record("a"))
+    log.write("user_input", {"text": "b"})  # after "a", in the chain and in the file
+    log.stage_record(_record("c"))
+    log.sync_now()  # durable covers the staged line: it was written before the fsync
+    assert log.durable_seq == 4 and log.durable_size == log.path.stat().st_size
+    log.stage_record(_record("d"))
+    log.close()
+    texts = [e.get("text") for e in read_session(sessions, sid).entries]
+    assert texts == [None, "a", "b", "c", "d"]
+
+
+def test_a_flush_after_another_writer_moved_the_head_writes_nothing_and_poisons(
+    sessions: Path,
+) -> None:
+    sid = new_session_id()
+    log = SessionLog.create(sessions, sid, START)
+    log.stage_record(_record("ours"))
+    other, _, _ = SessionLog.open(sessions, sid)
+    other.append("user_input", {"text": "from elsewhere"})
+    other.close()
+    with pytest.raises(HeadMoved):
+        log.flush()
+    with pytest.raises(OSError):  # its seq and head count a line the file will never hold
+        log.stage_record(_record("later"))
+    log.close()  # closes without writing
+    texts = [e.get("text") for e in read_session(sessions, sid).entries]
+    assert texts == [None, "from elsewhere"]
