@@ -449,7 +449,7 @@ def _serve(
         ending = Ending(pod.request_shutdown, lambda: pod.pod_state == "stopping")
         handlers = pod.handlers()
         handlers["shutdown"] = ending.wrap_shutdown(handlers["shutdown"])
-        server = RpcServer(handlers, bus)
+        server = RpcServer(handlers, bus, before_send=pod.plog.flush)
         try:
             await server.listen(sock_path)
         except OSError as exc:

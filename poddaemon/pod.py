@@ -151,6 +151,7 @@ class Pod:
             fail=self._fail,
             moved=self._session_moved,
             alert=lambda message: self._alert("warning", message),
+            fork=lambda: self.machine.fork(),
         )
         self._tokens = itertools.count(1)
         self._replies: dict[int, asyncio.Future[Any] | Pending] = {}
@@ -190,15 +191,15 @@ class Pod:
     # --- the loop: effects out, commands in -----------------------------------------------------
 
     def feed(self, effects: list[Effect]) -> None:
-        forked = False  # after a fork, the batch's entries are already in the new session
+        forks = self.plog.forks  # after a fork, the batch's entries are already in the new session
         for effect in effects:
             # The per-request effects first, by exact type: cheaper than class patterns, which
             # look up __match_args__ and each attribute on every test.
             kind = type(effect)
             if kind is Commit:
                 entry = effect.entry  # type: ignore[union-attr]
-                if not forked and self.failure is None:
-                    forked = self.plog.write(entry, self.machine.fork)
+                if self.plog.forks == forks and self.failure is None:
+                    self.plog.write(entry)
                 for type_, data, run_id in events_of(entry):
                     self.bus.publish(type_, data, run_id)
                 for observe in self.observers:

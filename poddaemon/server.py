@@ -250,6 +250,7 @@ class Connection(asyncio.Protocol):
         if unread > self.server.max_unread_bytes:
             self._drop(f"{unread} bytes of replies unread (limit {self.server.max_unread_bytes})")
             return
+        self.server.before_send()
         self.transport.write(frame + b"\n")
 
     def _handle_line(self, line: bytes) -> None:
@@ -423,6 +424,7 @@ class Connection(asyncio.Protocol):
 
     def _write_event(self, frame: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
+            self.server.before_send()
             self.transport.write(frame)
 
     def _congested(self) -> bool:
@@ -437,6 +439,7 @@ class RpcServer:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         max_unread_bytes: int = MAX_UNREAD_BYTES,
         max_partial_bytes: int | None = None,
+        before_send: Callable[[], None] = lambda: None,
     ) -> None:
         missing = sorted(METHODS.keys() - handlers.keys())
         unknown = sorted(handlers.keys() - METHODS.keys())
@@ -447,6 +450,9 @@ class RpcServer:
             )
         self.handlers = handlers
         self.bus = bus
+        # Runs before any reply or event is written: the pod writes its staged log entries
+        # there, so nothing a client hears of is missing from the session file.
+        self.before_send = before_send
         self.max_frame_bytes = max_frame_bytes
         self.max_unread_bytes = max_unread_bytes
         # At least two maximal frames in flight at once, whatever the limit.

@@ -1,0 +1,108 @@
+"""The pod stages the entries of a loop pass and writes them with one `os.write`: before the
+group commit's fsync, at the end of the pass, and before any reply or event leaves the pod, so
+that nothing a client hears of is missing from the session file (checked at every write to a
+client, with a real pod, its server and its log)."""
+
+import asyncio
+import os
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from poddaemon.server import Connection, RpcServer
+from poddaemon.store.log import verify
+from tests.unit.test_restore import make_pod
+
+
+def _line(method: str, params: dict[str, Any], rid: int) -> bytes:
+    return msgspec.json.encode({"jsonrpc": "2.0", "id": rid, "method": method, "params": params})
+
+
+class Blocked:
+    """A model whose call never ends: the pod stays busy and notifications only commit."""
+
+    async def stream(self, request: Any) -> AsyncIterator[Any]:
+        await asyncio.get_running_loop().create_future()
+        yield None
+
+
+class Client:
+    """A connection's transport that checks, at every write, that the session file holds every
+    entry the log has counted."""
+
+    def __init__(self, pod: Any) -> None:
+        self.pod = pod
+        self.frames: list[bytes] = []
+
+    def write(self, frame: bytes) -> None:
+        log = self.pod.plog.log
+        if log is not None:
+            entries = verify(Path(log.path).read_bytes()).entries
+            assert entries[-1]["seq"] == log.seq, "a client heard before the file held it"
+        self.frames.append(frame)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        pass
+
+
+async def _passes(n: int) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_a_pass_of_notifications_is_one_write_and_no_client_hears_before_the_file() -> None:
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        pod = make_pod(tmp)
+        pod.s.model = Blocked()
+        pod.s.registry = type("Registry", (), {"update": lambda *a, **k: None})()
+        pod.s.entry = type("Entry", (), {"pid": os.getpid()})()
+        server = RpcServer(pod.handlers(), pod.bus, before_send=pod.plog.flush)
+        watcher, sender = Connection(server), Connection(server)
+        for conn in (watcher, sender):
+            conn.transport = Client(pod)  # type: ignore[assignment]
+        sender.data_received(_line("run", {"input": "work"}, 1) + b"\n")
+        await _passes(5)
+        assert pod.pod_state == "running"
+
+        writes: list[int] = []
+        real_write = os.write
+
+        def counting(fd: int, data: Any) -> int:
+            if fd == pod.plog.log.fileno():
+                writes.append(len(data))
+            return real_write(fd, data)
+
+        def notify(first: int) -> bytes:
+            ids = range(first, first + 8)
+            return b"".join(_line("notify", {"message": f"n{i}"}, i) + b"\n" for i in ids)
+
+        os.write = counting  # type: ignore[assignment]
+        try:
+            sender.data_received(notify(10))  # one pass: 8 entries staged, then one commit
+            await _passes(8)
+            assert len(writes) == 1  # nobody watching: the 8 lines in one write
+            watcher.start_events(pod.bus.seq)
+            sender.data_received(notify(20))  # each event makes the pod write what it speaks of
+            await _passes(8)
+        finally:
+            os.write = real_write  # type: ignore[assignment]
+        replies = [msgspec.json.decode(f) for f in sender.transport.frames]  # type: ignore[attr-defined]
+        acked = [r["id"] for r in replies if "notification_id" in r.get("result", {})]
+        assert acked == [*range(10, 18), *range(20, 28)]
+        events = [msgspec.json.decode(f) for f in watcher.transport.frames]  # type: ignore[attr-defined]
+        heard = [e["params"]["data"]["message"] for e in events]
+        assert heard == [f"n{i}" for i in range(20, 28)]
+        assert pod.plog.log.durable_seq == pod.plog.log.seq
+        assert pod._inflight is not None
+        pod._inflight.cancel()
+        await _passes(3)
+        await pod.plog.close()
