@@ -260,6 +260,7 @@ def new_session_id() -> str:
             h = f"{ms & 0xFFFF_FFFF_FFFF:012x}"
             _prefix_ms, _prefix = ms, f"{h[:8]}-{h[8:]}-7"
         prefix = _prefix
-    # The 12 random bits after the version, then the variant and 62 random bits: 19 hex digits.
-    tail = "%019x" % ((rand >> 62) << 64 | _VARIANT | (rand & _LOW62))
-    return f"{prefix}{tail[:3]}-{tail[3:7]}-{tail[7:]}"
+    # The 12 random bits after the version, then the variant and 62 random bits: 19 hex digits
+    # after a leading 0 (bytes.hex() is twice as fast as "%x" here, on every notification).
+    tail = ((rand >> 62) << 64 | _VARIANT | (rand & _LOW62)).to_bytes(10, "big").hex()
+    return f"{prefix}{tail[1:4]}-{tail[4:8]}-{tail[8:]}"
