@@ -1,7 +1,6 @@
 """The pod's event stream: numbered events, a bounded replay buffer, and non-blocking fan-out.
 
-Each event is encoded once into its wire frame, when a subscriber first needs it, and shared
-by every subscriber (a pod nobody watches encodes none). A subscriber whose
+Each event is encoded once into its wire frame and shared by every subscriber. A subscriber whose
 connection cannot take more is simply left behind (its cursor stops); when it drains it catches
 up from the buffer, or is told `gap` if the buffer no longer holds what it missed. Publishing
 never waits for anyone.
@@ -38,22 +37,18 @@ class Subscription:
 class EventBus:
     def __init__(self, capacity: int = 10_000) -> None:
         self.seq = 0
-        # Each event as its frame, or as itself while nobody has needed the frame.
-        self._held: deque[tuple[int, Event | bytes]] = deque(maxlen=capacity)
+        self._held: deque[tuple[int, bytes]] = deque(maxlen=capacity)
         self._subs: set[Subscription] = set()
 
     def publish(self, type: str, data: dict[str, Any], run_id: str | None = None) -> Event:
         self.seq += 1
         event = Event(seq=self.seq, ts=time.time(), type=type, data=data, run_id=run_id)
-        if not self._subs:
-            self._held.append((self.seq, event))
-        else:
-            frame = event_frame(event)
-            self._held.append((self.seq, frame))
-            for sub in self._subs:
-                if sub.cursor == self.seq - 1 and not sub.congested():
-                    sub.write(frame)
-                    sub.cursor = self.seq
+        frame = event_frame(event)
+        self._held.append((self.seq, frame))
+        for sub in self._subs:
+            if sub.cursor == self.seq - 1 and not sub.congested():
+                sub.write(frame)
+                sub.cursor = self.seq
         return event
 
     def subscribe(self, sub: Subscription) -> None:
@@ -79,6 +74,6 @@ class EventBus:
         for i in range(start, len(self._held)):
             if sub.congested():
                 return
-            seq, held = self._held[i]
-            sub.write(held if type(held) is bytes else event_frame(held))  # type: ignore[arg-type]
+            seq, frame = self._held[i]
+            sub.write(frame)
             sub.cursor = seq

@@ -1,11 +1,9 @@
 """The event bus: numbered events, replay from a cursor, `gap` when the buffer lost what was
 asked for, and congested subscribers left behind without blocking anyone, then caught up."""
 
-import time
 from dataclasses import dataclass, field
 
 import msgspec
-import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -262,18 +260,3 @@ def test_random_congestion_never_loses_reorders_or_duplicates(
         assert set(held) <= set(conn.seqs)
         if not conn.gaps:
             assert conn.seqs == list(range(start[i] + 1, bus.seq + 1))
-
-
-def test_an_event_published_unwatched_replays_as_the_frame_a_watcher_got(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Nobody watching: the bus keeps the event and encodes it only when a replay needs it.
-    monkeypatch.setattr(time, "time", lambda: 1234.5)
-    unwatched, watched = EventBus(), EventBus()
-    live: list[bytes] = []
-    watched.subscribe(Subscription(live.append, lambda: False, 0))
-    for bus in (unwatched, watched):
-        bus.publish("notification.committed", {"notification_id": "n1", "message": "hi"}, "r1")
-    replayed: list[bytes] = []
-    unwatched.subscribe(Subscription(replayed.append, lambda: False, 0))
-    assert replayed == live and len(live) == 1
