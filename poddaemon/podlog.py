@@ -4,9 +4,9 @@ the head, switch to a compacted session, and know whether every input is durable
 Entries are staged and written together, one `os.write` per loop pass: at the end of the pass
 that made them, before the group commit's fsync, and before anything that speaks of them leaves
 the pod (the pod calls `flush` before an event or a reply goes out). Under load that is one
-write for a whole batch of notifications instead of one each (an ext4 append also starts a
-journal handle for the mtime). A crash can take a staged entry nobody has heard of, as a power
-cut can take a written one that is not yet fsync'd: an acknowledgement always waits for both.
+write (and one size check) for a whole batch of notifications instead of one each. A crash can
+take a staged entry nobody has heard of, as a power cut can take a written one that is not yet
+fsync'd: an acknowledgement always waits for both.
 
 Failures are reported through `fail` (the pod then stops: nothing more can be acknowledged);
 session changes through `moved` (the registry names the pod's session)."""

@@ -2,8 +2,8 @@
 
 Writes go out at once with a single ``os.write`` on an ``O_APPEND`` descriptor, or are staged
 (``stage_record``) and go out together, one ``os.write`` at the next ``flush`` or sync (the pod
-stages what a loop pass commits: an ext4 append costs a journal handle for the mtime whatever
-its size); durability is a separate step: ``sync_now()`` fsyncs inline (the pod's group commit,
+stages what a loop pass commits: one write and one size check for a batch, not one per entry);
+durability is a separate step: ``sync_now()`` fsyncs inline (the pod's group commit,
 ``acks.DurableReplies``, calls it once per loop pass and then answers), and ``await log.sync()``
 group-commits for awaiting callers: one ``fsync``, run inline on the loop once per loop pass,
 covers every append made before it started; callers after it share the next. Either skips the
