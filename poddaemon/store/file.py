@@ -126,6 +126,13 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _close_and_remove(fd: int, path: Path) -> None:
+    """Undo a file being made: close it and remove its name (if nothing removed it yet)."""
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
 def _still_named(path: Path, fd: int) -> bool:
     """`path` still names the open file `fd`."""
     try:
@@ -162,9 +169,7 @@ class Reservation:
             os.fsync(fd)
             _fsync_dir(path.parent)
         except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                path.unlink()
+            _close_and_remove(fd, path)
             raise
         self.path = path
         self.session_id = session_id
@@ -179,9 +184,7 @@ class Reservation:
     def discard(self) -> None:
         """Remove the file, unless a log took it."""
         if self.fd is not None:
-            os.close(self.take())
-            with contextlib.suppress(OSError):
-                self.path.unlink()
+            _close_and_remove(self.take(), self.path)
 
 
 class SessionNotFound(FileNotFoundError):
@@ -269,9 +272,7 @@ class SessionLog:
                 if reserved is None:
                     _fsync_dir(path.parent)
         except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                path.unlink()
+            _close_and_remove(fd, path)
             raise
         log = cls(path, session_id, fd, 1, entry["hash"], len(line), line)
         if not durable:
@@ -311,9 +312,7 @@ class SessionLog:
             os.rename(tmp, path)
             _fsync_dir(path.parent)
         except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            _close_and_remove(fd, tmp)
             raise
         return cls(path, session_id, fd, 1, entry["hash"], len(line), line)
 
@@ -441,18 +440,11 @@ class SessionLog:
         self._write_line(line, digest)
         return self._seq
 
-    def write_record(self, record: dict[str, Any]) -> int:
-        """``write`` for a record holding its own ``kind`` and ``ts`` (see ``encode_record``;
-        the record is modified): returns its seq."""
-        self._usable()
-        line, digest = encode_record(self._seq + 1, self._head, record)
-        self._write_line(line, digest)
-        return self._seq
-
     def stage_record(self, record: dict[str, Any]) -> int:
-        """``write_record`` without the write: the line waits for ``flush`` (or the next sync,
-        write or close), so that entries staged together cost one ``os.write``. Returns its
-        seq (counted by ``seq`` and ``head`` at once; not by the file until flushed)."""
+        """Encode a record holding its own ``kind`` and ``ts`` (see ``encode_record``; the
+        record is modified) and keep its line for ``flush`` (or the next sync, write or close),
+        so that entries staged together cost one ``os.write``. Returns its seq (counted by
+        ``seq`` and ``head`` at once; not by the file until flushed)."""
         self._usable()
         line, digest = encode_record(self._seq + 1, self._head, record)
         self._staged.append(line)
@@ -468,7 +460,7 @@ class SessionLog:
             return
         self._usable()
         lines, self._staged = self._staged, []
-        data = lines[0] if len(lines) == 1 else b"".join(lines)
+        data = b"".join(lines)  # (one line is joined without a copy)
         try:
             self._append(data)
         except OSError as exc:
