@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 
 from poddaemon.server import Connection, RpcServer
 from poddaemon.store.log import verify
@@ -54,12 +55,23 @@ class Client:
         pass
 
 
-async def _passes(n: int) -> None:
-    for _ in range(n):
+async def _until(done: Any, passes: int = 50) -> None:
+    """Let the loop run until `done()` holds (a bounded number of passes: no timing)."""
+    for _ in range(passes):
+        if done():
+            return
         await asyncio.sleep(0)
+    raise AssertionError("the pod did not get there")
 
 
-async def test_a_pass_of_notifications_is_one_write_and_no_client_hears_before_the_file() -> None:
+def _acked(conn: Connection) -> list[int]:
+    replies = [msgspec.json.decode(f) for f in conn.transport.frames]  # type: ignore[attr-defined]
+    return [r["id"] for r in replies if "notification_id" in r.get("result", {})]
+
+
+async def test_a_pass_of_notifications_is_one_write_and_no_client_hears_before_the_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         pod = make_pod(tmp)
         pod.s.model = Blocked()
@@ -70,8 +82,7 @@ async def test_a_pass_of_notifications_is_one_write_and_no_client_hears_before_t
         for conn in (watcher, sender):
             conn.transport = Client(pod)  # type: ignore[assignment]
         sender.data_received(_line("run", {"input": "work"}, 1) + b"\n")
-        await _passes(5)
-        assert pod.pod_state == "running"
+        await _until(lambda: pod.pod_state == "running" and pod._inflight is not None)
 
         writes: list[int] = []
         real_write = os.write
@@ -85,24 +96,19 @@ async def test_a_pass_of_notifications_is_one_write_and_no_client_hears_before_t
             ids = range(first, first + 8)
             return b"".join(_line("notify", {"message": f"n{i}"}, i) + b"\n" for i in ids)
 
-        os.write = counting  # type: ignore[assignment]
-        try:
-            sender.data_received(notify(10))  # one pass: 8 entries staged, then one commit
-            await _passes(8)
-            assert len(writes) == 1  # nobody watching: the 8 lines in one write
-            watcher.start_events(pod.bus.seq)
-            sender.data_received(notify(20))  # each event makes the pod write what it speaks of
-            await _passes(8)
-        finally:
-            os.write = real_write  # type: ignore[assignment]
-        replies = [msgspec.json.decode(f) for f in sender.transport.frames]  # type: ignore[attr-defined]
-        acked = [r["id"] for r in replies if "notification_id" in r.get("result", {})]
-        assert acked == [*range(10, 18), *range(20, 28)]
+        monkeypatch.setattr(os, "write", counting)
+        sender.data_received(notify(10))  # one pass: 8 entries staged, then one commit
+        await _until(lambda: len(_acked(sender)) == 8)
+        assert len(writes) == 1  # nobody watching: the 8 lines in one write
+        watcher.start_events(pod.bus.seq)
+        sender.data_received(notify(20))  # each event makes the pod write what it speaks of
+        await _until(lambda: len(_acked(sender)) == 16)
+        monkeypatch.undo()
+        assert _acked(sender) == [*range(10, 18), *range(20, 28)]
         events = [msgspec.json.decode(f) for f in watcher.transport.frames]  # type: ignore[attr-defined]
         heard = [e["params"]["data"]["message"] for e in events]
         assert heard == [f"n{i}" for i in range(20, 28)]
         assert pod.plog.log.durable_seq == pod.plog.log.seq
-        assert pod._inflight is not None
         pod._inflight.cancel()
-        await _passes(3)
+        await _until(lambda: pod._inflight is None)
         await pod.plog.close()
