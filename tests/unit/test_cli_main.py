@@ -1,6 +1,7 @@
 """cli/main.py loads only the invoked command's module: its table must match what each module
 registers, or a command would be missing (or another module's shadowed) when it runs."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,3 +41,69 @@ def test_a_known_command_loads_its_module_only() -> None:
 def test_anything_else_loads_every_module_in_help_order() -> None:
     for args in ([], ["--help"], ["-h", "status"], ["--version"], ["statu"], ["x", "status"]):
         assert modules_for(args) == tuple(COMMANDS)
+
+
+# podctl ends with os._exit (cli.app.exit_now): what it printed must still arrive, and its exit
+# status must be the one `sys.exit` would have given. Each case runs in its own interpreter.
+EXIT_PROBE = """
+import sys
+from cli.app import exit_now
+sys.stdout.write("printed before exit")
+exit_now({code})
+"""
+
+
+def _probe(code: str, stdout: int | None = subprocess.PIPE) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", EXIT_PROBE.format(code=code)],
+        cwd=REPO,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        check=False,
+        # Block-buffered, as podctl's stdout is into a pipe: the flush at exit is what writes.
+        env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+    )
+
+
+def test_exit_now_flushes_stdout_and_keeps_the_status() -> None:
+    for code in (0, 1, 3):
+        done = _probe(str(code))
+        assert (done.returncode, done.stdout, done.stderr) == (code, "printed before exit", "")
+
+
+def test_exit_now_into_a_closed_pipe_is_a_quiet_failure() -> None:
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader went away (`podctl history p | head`)
+    try:
+        done = _probe("0", stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1
+    assert done.stderr == ""  # no "Exception ignored ... BrokenPipeError"
+
+
+def test_podctl_statuses_are_the_ones_sys_exit_gives() -> None:
+    """Through the real entry point: typer's usage error (2), a command's own status (3), a
+    success with its output; then each kind of SystemExit, a message meaning status 1."""
+    cases = [
+        (["statu"], 2),
+        (["status", "no-such-pod-here"], 3),
+        (["--version"], 0),
+    ]
+    for args, code in cases:
+        done = subprocess.run(
+            [sys.executable, "-m", "cli.main", *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, "XDG_RUNTIME_DIR": "/nonexistent-podctl-test"},
+        )
+        assert done.returncode == code, (args, done.stderr)
+    assert done.stdout.startswith("podctl ")
+    from cli.app import _status
+
+    assert _status(SystemExit(None)) == 0
+    assert _status(SystemExit(4)) == 4
+    assert _status(SystemExit("podctl: gone")) == 1
