@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol import PodClient, PodNotRunning
-from tests.conftest import Env, StartFailed
+from tests.conftest import Env, StartFailed, wait_until
 
 
 def registry(env: Env) -> dict:
@@ -36,6 +37,21 @@ def test_start_status_stop(env: Env) -> None:
     assert registry(env) == {}
     with pytest.raises(PodNotRunning):
         PodClient.connect(pod.socket)
+
+
+def test_the_collector_is_back_on_after_ready(env: Env) -> None:
+    """`python -m poddaemon` starts with the garbage collector off (for start-up time): a pod
+    that stayed that way would grow with every cycle it makes. `kill -USR1` reports it."""
+    pod = env.start("gamma")
+    pod.proc.send_signal(signal.SIGUSR1)
+    line = wait_until(
+        lambda: next((x for x in pod.stderr if x.startswith("collector ")), None),
+        what="the collector line of the USR1 dump",
+    )
+    match = re.fullmatch(r"collector (on|OFF), (\d+) objects frozen\n", line)
+    assert match is not None, line
+    assert match[1] == "on"
+    assert int(match[2]) > 10_000  # start-up's objects: no collection walks them again
 
 
 def test_sigterm_is_a_graceful_shutdown(env: Env) -> None:
