@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from poddaemon.forkclient import current_umask
 from poddaemon.scope import Access
 from poddaemon.tools.base import (
     FileStamp,
@@ -22,6 +21,7 @@ from poddaemon.tools.base import (
     ToolOutcome,
     schema,
 )
+from poddaemon.umask import current_umask
 
 BINARY_SNIFF_BYTES = 8192
 DEFAULT_READ_LIMIT = 2000

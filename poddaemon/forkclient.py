@@ -13,6 +13,8 @@ import sys
 import time
 from typing import NamedTuple
 
+from poddaemon.umask import current_umask
+
 READY_TIMEOUT = 30.0
 
 
@@ -203,18 +205,3 @@ def _pods_alive(runtime: str) -> bool:
     except OSError:
         return False
     return any(os.path.exists(os.path.join(runtime, "pods", n, "sock")) for n in names)
-
-
-def current_umask() -> int:
-    """The process's umask, read without changing it (os.umask would, for a moment, under the
-    feet of other threads: a pod calls this from a worker thread)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask

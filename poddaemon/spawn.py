@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from poddaemon import forkclient
 from poddaemon.entries import SPAWNER_KEY, Entry, SystemItem
 from poddaemon.scope import Access, resolve
 from poddaemon.store.log import new_session_id
@@ -522,6 +521,8 @@ async def _fork(cmd: list[str]) -> _Started | None:
     """The child forked by the fork server, sharing its preloaded modules with us and our
     siblings; None (then it is exec'd) when the server is off or out of reach, or when this pod
     runs in a systemd unit: its children belong in the unit's cgroup, stopped with it."""
+    from poddaemon import forkclient  # (json, hashlib: not on the way to READY)
+
     if not forkclient.enabled() or "INVOCATION_ID" in os.environ:
         return None
     read_end, write_end = os.pipe2(os.O_CLOEXEC)

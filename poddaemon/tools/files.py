@@ -10,7 +10,6 @@ import os
 import stat
 from typing import Any, NamedTuple
 
-from poddaemon.forkclient import current_umask
 from poddaemon.scope import Access
 from poddaemon.tools.base import (
     FileStamp,
@@ -20,6 +19,7 @@ from poddaemon.tools.base import (
     schema,
 )
 from poddaemon.tools.fsopen import open_resolved
+from poddaemon.umask import current_umask
 
 BINARY_SNIFF_BYTES = 8192
 DEFAULT_READ_LIMIT = 2000
