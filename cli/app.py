@@ -22,6 +22,7 @@ import typer
 
 if TYPE_CHECKING:
     from protocol.client import PodClient
+    from protocol.errors import PodNotRunning
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -79,8 +80,9 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     raise typer.Exit(code)
 
 
-def not_running(target: str) -> NoReturn:
-    fail(f"pod '{target}' is not running", EXIT_NOT_RUNNING)
+def not_running(exc: "PodNotRunning") -> NoReturn:
+    """`pod 'x' is not running: no socket at …`: where podctl looked is half the answer."""
+    fail(str(exc), EXIT_NOT_RUNNING)
 
 
 def print_json(value: Any) -> None:
@@ -104,8 +106,8 @@ def rpc_errors(target: str) -> Iterator[None]:
 
     try:
         yield
-    except PodNotRunning:
-        not_running(target)
+    except PodNotRunning as exc:
+        not_running(exc)
     except RpcError as exc:
         fail(f"{exc.message} ({exc.code})")
     except ConnectionClosed:

@@ -254,9 +254,9 @@ def _stop(target: str, tree: bool, top: bool) -> None:
             except RpcError as exc:
                 if exc.code != SHUTTING_DOWN:
                     raise
-    except PodNotRunning:
+    except PodNotRunning as exc:
         if top:
-            not_running(target)
+            not_running(exc)
         return  # a child that already went
     except typer.Exit:
         if top:

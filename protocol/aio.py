@@ -14,10 +14,10 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.core import AsyncCaller, ClientCore, ClientMethods
-from protocol.errors import ConnectionClosed, PodNotRunning
+from protocol.errors import ConnectionClosed
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES, MAX_REPLY_BYTES
 from protocol.methods import Method
-from protocol.sockets import check_peer, check_socket_owner, resolve_socket
+from protocol.sockets import GONE, check_peer, check_socket_owner, not_running, resolve_socket
 from protocol.types import Event, Params
 
 T = TypeVar("T")
@@ -49,8 +49,8 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
         try:
             check_socket_owner(path)
             reader, writer = await asyncio.open_unix_connection(str(path), limit=MAX_REPLY_BYTES)
-        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError) as exc:
-            raise PodNotRunning(str(target), f"no socket at {path}") from exc
+        except GONE as exc:
+            raise not_running(target, path, exc) from exc
         try:
             check_peer(writer.get_extra_info("socket"), path)
         except BaseException:

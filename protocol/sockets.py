@@ -45,7 +45,15 @@ def check_peer(sock: _socket.socket, path: Path) -> None:
     _check_uid(uid, f"the process (pid {pid}) behind socket {path}")
 
 
-_GONE = (FileNotFoundError, ConnectionRefusedError, NotADirectoryError)
+GONE = (FileNotFoundError, ConnectionRefusedError, NotADirectoryError)
+
+
+def not_running(target: str | os.PathLike[str], path: Path, exc: OSError) -> PodNotRunning:
+    """What `connect` raises when nothing serves `path`, saying where it looked: a user whose
+    environment points elsewhere (XDG_RUNTIME_DIR, PODDAEMON_HOME) sees it at once."""
+    if isinstance(exc, ConnectionRefusedError):  # a dead pod's socket file, not yet reclaimed
+        return PodNotRunning(os.fspath(target), f"nothing listens on {path}")
+    return PodNotRunning(os.fspath(target), f"no socket at {path}")
 
 
 def connect(target: str | os.PathLike[str], timeout: float | None) -> _socket.socket:
@@ -58,9 +66,9 @@ def connect(target: str | os.PathLike[str], timeout: float | None) -> _socket.so
         check_socket_owner(path)
         sock.connect(str(path))
         check_peer(sock, path)
-    except _GONE as exc:
+    except GONE as exc:
         sock.close()
-        raise PodNotRunning(os.fspath(target), f"no socket at {path}") from exc
+        raise not_running(target, path, exc) from exc
     except BaseException:
         sock.close()
         raise

@@ -120,7 +120,10 @@ def test_console_script_runs() -> None:
 def test_missing_pod_exits_3_with_one_line(home: Path, command: list[str]) -> None:
     proc = podctl(home, *command)
     assert proc.returncode == 3, proc.stderr
-    assert proc.stderr == "podctl: pod 'ghost' is not running\n"
+    # One line, saying where podctl looked (an XDG_RUNTIME_DIR or PODDAEMON_HOME that differs
+    # from the pod's is then plain to see).
+    sock = home / "run" / "pods" / "ghost" / "sock"
+    assert proc.stderr == f"podctl: pod 'ghost' is not running: no socket at {sock}\n"
     assert proc.stdout == ""
 
 
@@ -133,7 +136,8 @@ def test_stale_socket_counts_as_not_running(home: Path) -> None:
     sock.bind(str(pod_dir / "sock"))
     sock.close()  # the file stays, nobody listens
     proc = podctl(home, "status", "stale")
-    assert (proc.returncode, proc.stderr) == (3, "podctl: pod 'stale' is not running\n")
+    message = f"podctl: pod 'stale' is not running: nothing listens on {pod_dir / 'sock'}\n"
+    assert (proc.returncode, proc.stderr) == (3, message)
     ls = podctl(home, "ls", "--json")
     assert ls.returncode == 0 and json.loads(ls.stdout) == []
 
