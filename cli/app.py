@@ -181,12 +181,18 @@ def invoke() -> int:
         app(prog_name="podctl")
     except SystemExit as exc:
         return _status(exc)
-    except PermissionError as exc:  # an unsafe directory, an unreadable lock file: one line
-        sys.stderr.write(f"podctl: {exc}\n")
-        return EXIT_ERROR
     except BrokenPipeError:
         return _reader_gone()
+    except OSError as exc:  # an unsafe directory, a full disk under our stdout: one line
+        sys.stderr.write(f"podctl: {_os_message(exc)}\n")
+        return EXIT_ERROR
     return 0
+
+
+def _os_message(exc: OSError) -> str:
+    if exc.strerror is None:
+        return str(exc)  # our own words (an unsafe directory)
+    return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
 
 
 def _status(exc: SystemExit) -> int:
@@ -217,8 +223,12 @@ def exit_now(code: int) -> NoReturn:
         sys.stdout.flush()
     except BrokenPipeError:
         code = code or _reader_gone()
-    except (OSError, ValueError):
-        code = code or EXIT_ERROR
+    except OSError as exc:
+        if not code:  # the command went well, its output did not get out: say so once
+            sys.stderr.write(f"podctl: cannot write the output: {exc.strerror}\n")
+            code = EXIT_ERROR
+    except ValueError:  # stdout closed by the command itself
+        pass
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
     os._exit(code)

@@ -83,6 +83,27 @@ def test_exit_now_into_a_closed_pipe_is_a_quiet_failure() -> None:
     assert done.stderr == ""  # no "Exception ignored ... BrokenPipeError"
 
 
+def test_a_full_disk_under_stdout_is_one_line_and_status_1() -> None:
+    """Output that cannot be written, whether at the final flush or while the command runs:
+    one line saying why, status 1, no traceback."""
+    with open("/dev/full", "w") as full:
+        at_exit = _probe("0", stdout=full.fileno())
+        during = subprocess.run(
+            [sys.executable, "-m", "cli.main", "--version"],
+            cwd=REPO,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            check=False,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},  # the write itself fails
+        )
+    assert (at_exit.returncode, at_exit.stderr) == (
+        1,
+        "podctl: cannot write the output: No space left on device\n",
+    )
+    assert (during.returncode, during.stderr) == (1, "podctl: No space left on device\n")
+
+
 def test_podctl_statuses_are_the_ones_sys_exit_gives() -> None:
     """Through the real entry point: typer's usage error (2), a command's own status (3), a
     success with its output; then each kind of SystemExit, a message meaning status 1."""
