@@ -5,6 +5,7 @@ command group lives in its own module and registers its commands on `cli.app.app
 """
 
 import gc
+import os
 import sys
 
 # Command modules, in the order `podctl --help` lists them, with the top-level commands each
@@ -29,7 +30,21 @@ def modules_for(args: list[str]) -> tuple[str, ...]:
     return tuple(COMMANDS)
 
 
+def _closed_stdio_on_devnull() -> None:
+    """A standard stream closed by the caller (`podctl ls >&-`, a bare cron or exec) becomes
+    /dev/null, as git does: output is dropped, where Python would leave `sys.stdout` None and
+    every command would end in a traceback."""
+    for fd, name, mode in ((0, "stdin", "r"), (1, "stdout", "w"), (2, "stderr", "w")):
+        if getattr(sys, name) is None:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            setattr(sys, name, open(fd, mode, closefd=False))  # noqa: SIM115 (kept open)
+
+
 def main() -> None:
+    _closed_stdio_on_devnull()
     # Importing typer and a command module allocates tens of thousands of objects that live as
     # long as podctl: the collector would walk them ~50 times for nothing (~4 ms). It runs again
     # once they are loaded and frozen, for the commands that stream for hours.

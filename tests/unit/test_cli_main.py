@@ -1,6 +1,7 @@
 """cli/main.py loads only the invoked command's module: its table must match what each module
 registers, or a command would be missing (or another module's shadowed) when it runs."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -102,6 +103,24 @@ def test_a_full_disk_under_stdout_is_one_line_and_status_1() -> None:
         "podctl: cannot write the output: No space left on device\n",
     )
     assert (during.returncode, during.stderr) == (1, "podctl: No space left on device\n")
+
+
+def test_closed_standard_streams_are_dev_null_not_a_traceback() -> None:
+    """`podctl --version >&-` (a caller that closed stdout, stdin or stderr): the output is
+    dropped and the status is the command's own."""
+    for closed in (0, 1, 2):
+        done = subprocess.run(
+            [sys.executable, "-m", "cli.main", "--version"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+            pass_fds=(),
+            preexec_fn=functools.partial(os.close, closed),
+        )
+        assert (done.returncode, "Traceback" in done.stderr) == (0, False), (closed, done.stderr)
+        if closed != 1:
+            assert done.stdout.startswith("podctl ")
 
 
 def test_podctl_statuses_are_the_ones_sys_exit_gives() -> None:
