@@ -1,14 +1,12 @@
 """`python -m poddaemon` and the `poddaemon` command (pyproject.toml's script points here)."""
 
-import gc
 import sys
 
 
 def main() -> int:
-    # Start-up allocates some 40,000 objects (modules, classes, the manifest) that live as long
-    # as the pod: the collector would walk them ~50 times before READY for nothing (~4 ms). It
-    # is turned back on at READY, with all of them frozen (daemon.collect_from_now_on).
-    gc.disable()
+    from poddaemon import collector
+
+    collector.pause()  # until READY: start-up builds what the pod keeps (poddaemon/collector.py)
     from poddaemon.daemon import main as run
 
     return run()

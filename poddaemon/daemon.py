@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from poddaemon import sdnotify
+from poddaemon import collector, sdnotify
 from protocol import paths
 
 if TYPE_CHECKING:
@@ -162,18 +162,6 @@ def _exit_at_once(code: int) -> None:
         with contextlib.suppress(OSError, ValueError):  # closed, or a reader that went away
             stream.flush()
     os._exit(code)
-
-
-def collect_from_now_on() -> None:
-    """Turn the collector back on after a start-up run without it (poddaemon/__main__.py).
-
-    What start-up built is frozen first, so no collection walks it again: otherwise the first
-    one after READY would walk all of it at once. The few hundred unreachable objects start-up
-    left are frozen with it (~100 KB): cheaper than the 16 ms a full collection takes here.
-    """
-    if not gc.isenabled():
-        gc.freeze()
-        gc.enable()
 
 
 def run_pod(args: "argparse.Namespace") -> int:
@@ -475,7 +463,7 @@ def _serve(
         if args.stderr_log:
             _move_stderr(sock_path.parent / "stderr.log")
         sdnotify.notify("READY=1")
-        collect_from_now_on()
+        collector.resume()  # paused since the process started (poddaemon/__main__.py)
         log.info("ready on %s (session %s)", sock_path, pod.state.session_id or "not yet started")
         supervisor = asyncio.create_task(sdnotify.supervise(pod))
         tree = _follow_spawner(pod, claim, manifest, ending)
@@ -632,8 +620,8 @@ def _dump_tasks() -> None:
         if ident != threading.get_ident():
             print(f"thread {names.get(ident, ident)}:", file=sys.stderr)
             traceback.print_stack(frame, file=sys.stderr)
-    collector = "on" if gc.isenabled() else "OFF"
-    print(f"collector {collector}, {gc.get_freeze_count()} objects frozen", file=sys.stderr)
+    state = "on" if gc.isenabled() else "OFF"
+    print(f"collector {state}, {gc.get_freeze_count()} objects frozen", file=sys.stderr)
     sys.stderr.flush()
 
 

@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 import setproctitle
 
+from poddaemon import collector
 from poddaemon.forkclient import Request, decode_request
 
 READY = b"FORKSERVER-READY\n"
@@ -150,14 +151,14 @@ class Server:
     def load(self, steps: list[Callable[[], object]]) -> None:
         if not steps:
             return
-        for step in steps:
-            try:
-                step()
-            except Exception as exc:  # a broken optional SDK: the pod will say so itself
-                sys.stderr.write(f"poddaemon forkserver: preload {step}: {exc}\n")
-        self._snapshot()
-        gc.collect()
-        gc.freeze()
+        with collector.paused():  # what it imports is kept and frozen (poddaemon/collector.py)
+            for step in steps:
+                try:
+                    step()
+                except Exception as exc:  # a broken optional SDK: the pod will say so itself
+                    sys.stderr.write(f"poddaemon forkserver: preload {step}: {exc}\n")
+            self._snapshot()
+            gc.collect()  # once, here: its garbage would otherwise be frozen into every pod
 
     def _snapshot(self) -> None:
         """Note the files to check before each fork: every module of ours (edited in place in a

@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, Protocol
 
+from poddaemon import collector
 from poddaemon.llm.sdkload import load_sdk
 from poddaemon.llm.types import (
     ModelRequest,
@@ -363,9 +364,10 @@ class RetryingClient:
         return self._client
 
     def _load_and_build(self) -> Any:
-        if self._sdk is None:
-            self._sdk = self._load_sdk()
-        client = self._build(self._sdk)
+        with collector.paused():  # the SDK's modules live as long as the pod (see collector)
+            if self._sdk is None:
+                self._sdk = self._load_sdk()
+            client = self._build(self._sdk)
         if self._platform is not None and getattr(client, "_platform", 0) is None:
             client._platform = self._platform  # see _load_sdk
         return client

@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Mapping
 
+from poddaemon import collector
 from poddaemon.config.manifest import Manifest
 from poddaemon.mcp.connection import Alert, McpConnection, McpServerStatus, StartFailed
 from poddaemon.mcp.env import EnvError, server_env
@@ -38,7 +39,8 @@ class McpManager:
 
 
 def _import_sdk() -> None:
-    importlib.import_module("mcp")
+    with collector.paused():  # its modules live as long as the pod (see poddaemon/collector.py)
+        importlib.import_module("mcp")
     # The SDK logs every request at INFO; the pod's log keeps its warnings.
     logging.getLogger("mcp").setLevel(logging.WARNING)
 

@@ -40,9 +40,12 @@ def test_start_status_stop(env: Env) -> None:
 
 
 def test_the_collector_is_back_on_after_ready(env: Env) -> None:
-    """`python -m poddaemon` starts with the garbage collector off (for start-up time): a pod
-    that stayed that way would grow with every cycle it makes. `kill -USR1` reports it."""
+    """`python -m poddaemon` starts with the garbage collector paused (for start-up time), and
+    the SDK's import after READY pauses it again: a pod that stayed that way would grow with
+    every cycle it makes. Once a run has used the SDK, `kill -USR1` must report it on."""
     pod = env.start("gamma")
+    with pod.client() as c:
+        assert c.run_wait("hello").outcome == "finished"
     pod.proc.send_signal(signal.SIGUSR1)
     line = wait_until(
         lambda: next((x for x in pod.stderr if x.startswith("collector ")), None),
