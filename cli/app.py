@@ -184,15 +184,11 @@ def invoke() -> int:
     except BrokenPipeError:
         return _reader_gone()
     except OSError as exc:  # an unsafe directory, a full disk under our stdout: one line
-        sys.stderr.write(f"podctl: {_os_message(exc)}\n")
+        from protocol.errors import os_error_line
+
+        sys.stderr.write(f"podctl: {os_error_line(exc)}\n")
         return EXIT_ERROR
     return 0
-
-
-def _os_message(exc: OSError) -> str:
-    if exc.strerror is None:
-        return str(exc)  # our own words (an unsafe directory)
-    return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
 
 
 def _status(exc: SystemExit) -> int:
@@ -225,7 +221,9 @@ def exit_now(code: int) -> NoReturn:
         code = code or _reader_gone()
     except OSError as exc:
         if not code:  # the command went well, its output did not get out: say so once
-            sys.stderr.write(f"podctl: cannot write the output: {exc.strerror}\n")
+            from protocol.errors import os_error_line
+
+            sys.stderr.write(f"podctl: cannot write the output: {os_error_line(exc)}\n")
             code = EXIT_ERROR
     except ValueError:  # stdout closed by the command itself
         pass

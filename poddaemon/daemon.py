@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from poddaemon import collector, sdnotify
 from protocol import paths
+from protocol.errors import os_error_line
 
 if TYPE_CHECKING:
     import argparse
@@ -133,17 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"poddaemon: {exc}", file=sys.stderr, flush=True)
         code = EXIT_FAILURE
     except OSError as exc:  # e.g. a permission problem nobody foresaw: one line, no traceback
-        print(f"poddaemon: {_os_error(exc)}", file=sys.stderr, flush=True)
+        print(f"poddaemon: {os_error_line(exc)}", file=sys.stderr, flush=True)
         code = EXIT_FAILURE
     _exit_at_once(code)
     return code
-
-
-def _os_error(exc: OSError) -> str:
-    """One line for an OSError: its own message when it has one, else `<file>: <reason>`."""
-    if exc.filename is not None and exc.strerror:
-        return f"{exc.filename}: {exc.strerror}"
-    return str(exc)
 
 
 def _exit_at_once(code: int) -> None:
@@ -215,7 +209,7 @@ def run_pod(args: "argparse.Namespace") -> int:
     try:
         _, runtime = paths.ensure_private_dirs()
     except OSError as exc:
-        raise StartupError(_os_error(exc)) from None
+        raise StartupError(os_error_line(exc)) from None
     pod_dir = paths.pod_dir(name)
     sock_path = pod_dir / "sock"
     problem = paths.socket_path_problem(sock_path)
@@ -237,7 +231,7 @@ def run_pod(args: "argparse.Namespace") -> int:
             (pod_dir / "pid").write_text(f"{os.getpid()}\n")
             _keep_config(manifest, args.callback if args.adopt else None)
         except OSError as exc:
-            raise StartupError(_os_error(exc)) from None
+            raise StartupError(os_error_line(exc)) from None
         return _serve(args, manifest, scope, claim, instruction, session_id, box)
     finally:
         claim.release()  # once only: on the normal path _serve gave it up already
@@ -393,7 +387,7 @@ def _serve(
     try:
         sessions_dir = paths.ensure_dir(paths.sessions_dir(), "sessions directory")
     except OSError as exc:
-        raise StartupError(_os_error(exc)) from None
+        raise StartupError(os_error_line(exc)) from None
     bus = EventBus()
     services = Services(
         manifest=manifest,
@@ -454,7 +448,7 @@ def _serve(
         try:
             await server.listen(sock_path)
         except OSError as exc:
-            raise StartupError(f"cannot listen on {sock_path}: {_os_error(exc)}") from None
+            raise StartupError(f"cannot listen on {sock_path}: {os_error_line(exc)}") from None
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, ending.request)

@@ -17,7 +17,7 @@ from protocol.core import AsyncCaller, ClientCore, ClientMethods
 from protocol.errors import ConnectionClosed
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES, MAX_REPLY_BYTES
 from protocol.methods import Method
-from protocol.sockets import GONE, check_peer, check_socket_owner, not_running, resolve_socket
+from protocol.sockets import GONE, check_peer, check_socket_owner, not_running_error, resolve_socket
 from protocol.types import Event, Params
 
 T = TypeVar("T")
@@ -50,7 +50,7 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
             check_socket_owner(path)
             reader, writer = await asyncio.open_unix_connection(str(path), limit=MAX_REPLY_BYTES)
         except GONE as exc:
-            raise not_running(target, path, exc) from exc
+            raise not_running_error(target, path, exc) from exc
         try:
             check_peer(writer.get_extra_info("socket"), path)
         except BaseException:

@@ -115,3 +115,11 @@ class ConnectionClosed(Exception):
 
 class UnsafeSocket(PermissionError):
     """The socket (or the process behind it) belongs to another user: nothing was sent to it."""
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for an OSError, for the pod's and podctl's messages: its own words when it was
+    raised with them (an unsafe directory), else its reason, after its file when it has one."""
+    if exc.strerror is None:
+        return str(exc)
+    return f"{exc.filename}: {exc.strerror}" if exc.filename is not None else exc.strerror

@@ -48,7 +48,7 @@ def check_peer(sock: _socket.socket, path: Path) -> None:
 GONE = (FileNotFoundError, ConnectionRefusedError, NotADirectoryError)
 
 
-def not_running(target: str | os.PathLike[str], path: Path, exc: OSError) -> PodNotRunning:
+def not_running_error(target: str | os.PathLike[str], path: Path, exc: OSError) -> PodNotRunning:
     """What `connect` raises when nothing serves `path`, saying where it looked: a user whose
     environment points elsewhere (XDG_RUNTIME_DIR, PODDAEMON_HOME) sees it at once."""
     if isinstance(exc, ConnectionRefusedError):  # a dead pod's socket file, not yet reclaimed
@@ -68,7 +68,7 @@ def connect(target: str | os.PathLike[str], timeout: float | None) -> _socket.so
         check_peer(sock, path)
     except GONE as exc:
         sock.close()
-        raise not_running(target, path, exc) from exc
+        raise not_running_error(target, path, exc) from exc
     except BaseException:
         sock.close()
         raise

@@ -115,7 +115,6 @@ def test_closed_standard_streams_are_dev_null_not_a_traceback() -> None:
             capture_output=True,
             text=True,
             check=False,
-            pass_fds=(),
             preexec_fn=functools.partial(os.close, closed),
         )
         assert (done.returncode, "Traceback" in done.stderr) == (0, False), (closed, done.stderr)
