@@ -75,9 +75,9 @@ def run(sec: Section) -> None:
         for _ in range(RUNS):  # interleaved, so drift hits every command alike; in a new order
             shuffle(order)  # each round, so no command always runs right after another
             for key in order:
-                w, c = measure(cmds[key], env)
-                times[key].append(w)
-                cpu[key].append(c)
+                took, used = measure(cmds[key], env)
+                times[key].append(took)
+                cpu[key].append(used)
         base = median(times["noop"])
         sec.add(
             Row(

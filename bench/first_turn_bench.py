@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.harness import PY, ROOT, Home, Pod, Row, Section, median, ratio_le
+from bench.harness import PY, ROOT, Home, Pod, Row, Section, cpu_times, median, ratio_le
 
 REPEATS = 5
 WARM = 5  # warm turns after the first, per pod
@@ -98,12 +98,6 @@ def manifest_for(home: Home, name: str, kind: str) -> Path:
     return path
 
 
-def _cpu_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
 def _sdk_mapped(pid: int) -> bool:
     with open(f"/proc/{pid}/maps") as f:
         return SDK_MARK in f.read()
@@ -121,12 +115,12 @@ def wait_warm(pod: Pod, timeout: float = 20.0) -> None:
 
 def wait_idle(pod: Pod, deadline: float) -> None:
     """Until the pod has used no CPU time for IDLE_FOR seconds."""
-    ticks, since = _cpu_ticks(pod.pid), time.monotonic()
+    used, since = sum(cpu_times(pod.pid)), time.monotonic()
     while time.monotonic() - since < IDLE_FOR:
         time.sleep(0.01)
-        now = _cpu_ticks(pod.pid)
-        if now != ticks:
-            ticks, since = now, time.monotonic()
+        now = sum(cpu_times(pod.pid))
+        if now != used:
+            used, since = now, time.monotonic()
         if time.monotonic() > deadline:
             raise RuntimeError(f"pod {pod.name} never went idle")
 

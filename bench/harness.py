@@ -217,6 +217,22 @@ def vm_rss_mb(pid: int, field: str = "VmRSS") -> float:
     raise RuntimeError(f"no {field} for pid {pid}")
 
 
+def cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds a process has used so far (/proc/PID/stat, clock ticks)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name in () may hold spaces
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def peer_pid(path: str) -> int:
+    """The pid of the process listening on a Unix socket (SO_PEERCRED of a connection)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+    return int.from_bytes(creds[:4], sys.byteorder)
+
+
 def pss_mb(pid: int) -> float:
     """Proportional set size: shared pages (the interpreter, libraries) split between users."""
     with open(f"/proc/{pid}/smaps_rollup") as f:

@@ -7,11 +7,13 @@ from bench.harness import (
     LoadResult,
     Row,
     Section,
+    cpu_times,
     echo_server,
     fsync_server,
     fsync_us,
     load,
     median,
+    peer_pid,
     ratio_ge,
     request_line,
 )
@@ -42,6 +44,18 @@ def _rows(sec: Section, what: str, line: bytes, sock: str, echo: float, where: s
         sec.add(Row(f"{what} acks/s, {tag}", res.rps, "req/s", 1e6 / floor, "1 / (echo + fsync)"))
         results.append(res)
     return results[0]
+
+
+def _load_counting(cpu: list[float], pid: int, sock: str, line: bytes) -> LoadResult:
+    """One load of the floor row's pairs; adds the server's user and system CPU seconds and
+    its acks to `cpu`."""
+    user, system = cpu_times(pid)
+    result = load(sock, line, clients=CLIENTS, duration=PAIR_S, warmup=5)
+    user_after, system_after = cpu_times(pid)
+    cpu[0] += user_after - user
+    cpu[1] += system_after - system
+    cpu[2] += result.count
+    return result
 
 
 def run(sec: Section) -> None:
@@ -78,12 +92,17 @@ def run(sec: Section) -> None:
         # The floor for 8 clients: the same line, appended and fsync'd once per loop iteration
         # inline by a bare server. The disk's speed drifts by ±20% within seconds here, so the
         # two are measured in alternated pairs and the row is the pair with the median ratio.
+        # Each side's CPU over its loads says where the gap is: the kernel's share (socket,
+        # fsync) is the same work on both sides; user time is what the pod adds.
         pairs = []
+        cpu = {"pod": [0.0, 0.0, 0], "floor": [0.0, 0.0, 0]}  # user s, sys s, acks
         with fsync_server(os.path.join(where, "floor.log")) as floor_sock:
+            pids = {"pod": pod.pid, "floor": peer_pid(floor_sock)}
             for _ in range(PAIRS):
-                floor = load(floor_sock, line, clients=CLIENTS, duration=PAIR_S, warmup=5)
-                ours = load(pod.socket, line, clients=CLIENTS, duration=PAIR_S, warmup=5)
+                floor = _load_counting(cpu["floor"], pids["floor"], floor_sock, line)
+                ours = _load_counting(cpu["pod"], pids["pod"], pod.socket, line)
                 pairs.append((ours.rps / floor.rps, ours.rps, floor.rps))
+        per_ack = {k: (u / n * 1e6, s / n * 1e6) for k, (u, s, n) in cpu.items()}
         pairs.sort()
         _, ours_rps, floor_rps = pairs[len(pairs) // 2]
         sec.add(
@@ -94,6 +113,15 @@ def run(sec: Section) -> None:
                 floor_rps,
                 f"bare server, inline fsync per batch (median of {PAIRS} pairs)",
                 target=ratio_ge(0.8),
+            )
+        )
+        sec.add(
+            Row(
+                f"CPU per notify ack, {CLIENTS} clients (user + sys)",
+                sum(per_ack["pod"]),
+                "µs",
+                sum(per_ack["floor"]),
+                "the bare server, same pairs",
             )
         )
         spread = f"{pairs[0][0]:.2f}-{pairs[-1][0]:.2f}"
@@ -127,7 +155,9 @@ def run(sec: Section) -> None:
         f"(afterwards: {status['queue']['runs']} runs still queued); notify: a pod kept busy "
         f"by a run whose model call waits on a gate never opened, [notify] max_pending = "
         f"1000000 ({pending:,} pending at the end); the floor row's pairs ranged "
-        f"{spread}x; clients: separate processes, own "
+        f"{spread}x; CPU per ack: pod user {per_ack['pod'][0]:.1f} + sys "
+        f"{per_ack['pod'][1]:.1f} µs, bare server user {per_ack['floor'][0]:.1f} + sys "
+        f"{per_ack['floor'][1]:.1f} µs; clients: separate processes, own "
         f"connection each, NOT pipelined, {DURATION} s per measurement; fsync baseline "
         f"re-measured around each load; 1/(echo+fsync) is one client without group commit"
     )
