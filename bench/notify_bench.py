@@ -1,6 +1,7 @@
 """8. Acknowledged `run` and `notify`: latency and throughput, 1 and 8 clients."""
 
 import os
+from dataclasses import dataclass
 
 from bench.harness import (
     Home,
@@ -46,16 +47,27 @@ def _rows(sec: Section, what: str, line: bytes, sock: str, echo: float, where: s
     return results[0]
 
 
-def _load_counting(cpu: list[float], pid: int, sock: str, line: bytes) -> LoadResult:
-    """One load of the floor row's pairs; adds the server's user and system CPU seconds and
-    its acks to `cpu`."""
-    user, system = cpu_times(pid)
-    result = load(sock, line, clients=CLIENTS, duration=PAIR_S, warmup=5)
-    user_after, system_after = cpu_times(pid)
-    cpu[0] += user_after - user
-    cpu[1] += system_after - system
-    cpu[2] += result.count
-    return result
+@dataclass
+class ServerCpu:
+    """A server's CPU over some loads, to be divided by the acks they got."""
+
+    pid: int
+    user: float = 0.0  # seconds
+    system: float = 0.0
+    acks: int = 0
+
+    def load(self, sock: str, line: bytes) -> LoadResult:
+        """One load of the floor row's pairs, counted."""
+        user, system = cpu_times(self.pid)
+        result = load(sock, line, clients=CLIENTS, duration=PAIR_S, warmup=5)
+        user_after, system_after = cpu_times(self.pid)
+        self.user += user_after - user
+        self.system += system_after - system
+        self.acks += result.count
+        return result
+
+    def per_ack_us(self) -> tuple[float, float]:
+        return self.user / self.acks * 1e6, self.system / self.acks * 1e6
 
 
 def run(sec: Section) -> None:
@@ -95,14 +107,14 @@ def run(sec: Section) -> None:
         # Each side's CPU over its loads says where the gap is: the kernel's share (socket,
         # fsync) is the same work on both sides; user time is what the pod adds.
         pairs = []
-        cpu = {"pod": [0.0, 0.0, 0], "floor": [0.0, 0.0, 0]}  # user s, sys s, acks
         with fsync_server(os.path.join(where, "floor.log")) as floor_sock:
-            pids = {"pod": pod.pid, "floor": peer_pid(floor_sock)}
+            floor_cpu, pod_cpu = ServerCpu(peer_pid(floor_sock)), ServerCpu(pod.pid)
             for _ in range(PAIRS):
-                floor = _load_counting(cpu["floor"], pids["floor"], floor_sock, line)
-                ours = _load_counting(cpu["pod"], pids["pod"], pod.socket, line)
+                floor = floor_cpu.load(floor_sock, line)
+                ours = pod_cpu.load(pod.socket, line)
                 pairs.append((ours.rps / floor.rps, ours.rps, floor.rps))
-        per_ack = {k: (u / n * 1e6, s / n * 1e6) for k, (u, s, n) in cpu.items()}
+        pod_user, pod_sys = pod_cpu.per_ack_us()
+        floor_user, floor_sys = floor_cpu.per_ack_us()
         pairs.sort()
         _, ours_rps, floor_rps = pairs[len(pairs) // 2]
         sec.add(
@@ -118,9 +130,9 @@ def run(sec: Section) -> None:
         sec.add(
             Row(
                 f"CPU per notify ack, {CLIENTS} clients (user + sys)",
-                sum(per_ack["pod"]),
+                pod_user + pod_sys,
                 "µs",
-                sum(per_ack["floor"]),
+                floor_user + floor_sys,
                 "the bare server, same pairs",
             )
         )
@@ -155,9 +167,8 @@ def run(sec: Section) -> None:
         f"(afterwards: {status['queue']['runs']} runs still queued); notify: a pod kept busy "
         f"by a run whose model call waits on a gate never opened, [notify] max_pending = "
         f"1000000 ({pending:,} pending at the end); the floor row's pairs ranged "
-        f"{spread}x; CPU per ack: pod user {per_ack['pod'][0]:.1f} + sys "
-        f"{per_ack['pod'][1]:.1f} µs, bare server user {per_ack['floor'][0]:.1f} + sys "
-        f"{per_ack['floor'][1]:.1f} µs; clients: separate processes, own "
+        f"{spread}x; CPU per ack: pod user {pod_user:.1f} + sys {pod_sys:.1f} µs, bare "
+        f"server user {floor_user:.1f} + sys {floor_sys:.1f} µs; clients: separate processes, own "
         f"connection each, NOT pipelined, {DURATION} s per measurement; fsync baseline "
         f"re-measured around each load; 1/(echo+fsync) is one client without group commit"
     )

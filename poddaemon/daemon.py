@@ -622,7 +622,6 @@ def _dump_tasks() -> None:
 def await_chain(coro: Any) -> list[str]:
     """`file:line in function` of each coroutine (or async generator) `coro` awaits, outermost
     first."""
-    import gc
     import inspect
 
     out = []
