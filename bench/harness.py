@@ -208,6 +208,12 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+def median_pair(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Of alternated (ours, baseline) measurements, the pair whose ratio is the median."""
+    ranked = sorted(pairs, key=lambda p: p[0] / p[1])
+    return ranked[len(ranked) // 2]
+
+
 def vm_rss_mb(pid: int, field: str = "VmRSS") -> float:
     """A memory line of /proc/PID/status in MB (VmHWM: the peak RSS)."""
     with open(f"/proc/{pid}/status") as f:

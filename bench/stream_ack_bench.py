@@ -4,7 +4,16 @@ The model's stream is parsed by the SDK on the pod's model thread (llm/threaded.
 should not queue behind stream parsing. Target: `notify` and `run` ack p50/p99 while streaming
 ≤ 1.5× the same ack on an idle pod, measured in the same run."""
 
-from bench.harness import Home, LoadResult, Row, Section, load, ratio_le, request_line
+from bench.harness import (
+    Home,
+    LoadResult,
+    Row,
+    Section,
+    load,
+    median_pair,
+    ratio_le,
+    request_line,
+)
 
 DURATION = 1.0
 FLAT_OUT = "the quick brown fox jumps over the lazy dog. " * 60_000  # ~2.7 MB in 20-char chunks
@@ -21,12 +30,6 @@ PAIRS = 3
 
 def _ack(sock: str, line: bytes) -> LoadResult:
     return load(sock, line, clients=1, duration=DURATION, warmup=20)
-
-
-def _median_pair(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    """The (busy, idle) pair whose ratio is the median."""
-    ranked = sorted(pairs, key=lambda p: p[0] / p[1])
-    return ranked[len(ranked) // 2]
 
 
 def run(sec: Section) -> None:
@@ -71,7 +74,7 @@ def run(sec: Section) -> None:
                 tag = " (stream ended during the load!)" if ended else ""
                 for q in ("p50", "p99"):
                     pairs = [(getattr(b, q), getattr(d, q)) for b, d in results]
-                    busy_q, idle_q = _median_pair(pairs)
+                    busy_q, idle_q = median_pair(pairs)
                     metric = f"{method} ack {q} while streaming {what}{tag}"
                     target = ratio_le(1.5) if paced else None
                     sec.add(Row(metric, busy_q, "µs", idle_q, "idle pod", target=target))
