@@ -38,14 +38,15 @@ from protocol.types import (
 
 if TYPE_CHECKING:
     from poddaemon.pod import Pod
+    from poddaemon.scope import Scope
 
 Handler = Callable[[Any, Any], Any]
 
 
 def handlers(pod: "Pod") -> dict[str, Handler]:
     m = pod.machine
-
     hooks = pod.hooks
+    scope_entries = ScopeEntries()
 
     def run(p: RunParams, conn: Any) -> Any:
         if hooks is not None and hooks.wants("UserPromptSubmit"):
@@ -145,7 +146,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         "resume": resume,
         "cancel": cancel,
         "shutdown": shutdown,
-        "status": lambda p, conn: status_with_children(pod),
+        "status": lambda p, conn: status_reply(pod, scope_entries),
         "history": history,
         "usage": lambda p, conn: usage(pod),
         "subscribe": subscribe,
@@ -153,13 +154,36 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
     }
 
 
-async def status_with_children(pod: "Pod") -> StatusResult:
-    result = status(pod)
+class ScopeEntries:
+    """The scope as `status` reports it, converted once per `Scope`: a frozen value the pod
+    replaces when its delegations change (converting it costs more than the rest of status)."""
+
+    def __init__(self) -> None:
+        self._scope: object = None
+        self._entries: list[ScopeEntry] = []
+
+    def __call__(self, scope: "Scope") -> list[ScopeEntry]:
+        if scope is not self._scope:
+            self._entries = [msgspec.convert(e, ScopeEntry) for e in scope.summary()]
+            self._scope = scope
+        return list(self._entries)
+
+
+def status_reply(pod: "Pod", scope_entries: ScopeEntries) -> Any:
+    """Inline when the pod has no live children (the common case: no task, no loop pass);
+    otherwise a coroutine that asks each child for its state."""
+    result = status(pod, scope_entries(pod.scope))
+    if not pod.children.live:
+        return result
+    return _with_children(pod, result)
+
+
+async def _with_children(pod: "Pod", result: StatusResult) -> StatusResult:
     result.children = [msgspec.convert(c, ChildInfo) for c in await pod.children.infos()]
     return result
 
 
-def status(pod: "Pod") -> StatusResult:
+def status(pod: "Pod", scope: list[ScopeEntry]) -> StatusResult:
     st = pod.machine.state
     return StatusResult(
         name=pod.name,
@@ -170,7 +194,7 @@ def status(pod: "Pod") -> StatusResult:
         provider=pod.m.provider.kind,
         model=pod.m.provider.model,
         pwd=pod.m.pod.pwd,
-        scope=[msgspec.convert(e, ScopeEntry) for e in pod.scope.summary()],
+        scope=scope,
         queue=QueueInfo(runs=len(st.pending_runs), notifications=st.pending_notifications),
         usage=totals(pod),
         parent=pod.s.entry.parent,
