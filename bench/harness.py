@@ -214,6 +214,12 @@ def median_pair(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
     return ranked[len(ranked) // 2]
 
 
+def ratio_spread(pairs: Sequence[tuple[float, float]]) -> str:
+    """The range of the pairs' ratios, as "0.70-0.94" (a note next to `median_pair`'s row)."""
+    ratios = sorted(ours / base for ours, base in pairs)
+    return f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+
+
 def vm_rss_mb(pid: int, field: str = "VmRSS") -> float:
     """A memory line of /proc/PID/status in MB (VmHWM: the peak RSS)."""
     with open(f"/proc/{pid}/status") as f:

@@ -17,6 +17,7 @@ from bench.harness import (
     median_pair,
     peer_pid,
     ratio_ge,
+    ratio_spread,
     request_line,
 )
 
@@ -136,8 +137,7 @@ def run(sec: Section) -> None:
                 "the bare server, same pairs",
             )
         )
-        ratios = sorted(ours / floor for ours, floor in pairs)
-        spread = f"{ratios[0]:.2f}-{ratios[-1]:.2f}"
+        spread = ratio_spread(pairs)
         with pod.rpc() as c:
             pending = c.call("status")["queue"]["notifications"]
         again, _ = _measure(pod.socket, line, 1, where)

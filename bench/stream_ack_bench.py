@@ -12,6 +12,7 @@ from bench.harness import (
     load,
     median_pair,
     ratio_le,
+    ratio_spread,
     request_line,
 )
 
@@ -79,8 +80,7 @@ def run(sec: Section) -> None:
                     target = ratio_le(1.5) if paced else None
                     sec.add(Row(metric, busy_q, "µs", idle_q, "idle pod", target=target))
                     if paced:
-                        ratios = sorted(b / d for b, d in pairs)
-                        spreads.append(f"{method} {q} {ratios[0]:.2f}-{ratios[-1]:.2f}x")
+                        spreads.append(f"{method} {q} {ratio_spread(pairs)}x")
             idle.kill()
     sec.note(
         "one client, own connection, not pipelined, 1 s per measurement; busy: the fake model "
