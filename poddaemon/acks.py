@@ -15,6 +15,12 @@ groups that alternate, and every fsync covers half of them (measured with 8 clie
 requests per fsync, 9,000 acks/s; gathered: 8.0 per fsync, 13,300 acks/s). A lone client pays
 one idle pass, a few µs.
 
+Not pipelined: an fsync that runs elsewhere while the loop goes on was tried in the kernel
+(Linux AIO `IOCB_CMD_FSYNC`, completion on an eventfd: no thread, no GIL). It lost 10-20% of
+acks/s here with 8 clients on 2 cores: the batch committing during an fsync splits the clients
+into the same two alternating groups, so there are twice the fsyncs, and their kernel work
+competes with the clients for the CPUs.
+
 `Pending` is the reply itself: a settle-once slot whose callback runs synchronously, so the
 server can answer a request from the commit callback without an `asyncio.Future` (whose done
 callbacks always cost another loop pass).
