@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
@@ -47,6 +48,10 @@ MAX_UNREAD_BYTES = 16 * 1024 * 1024
 # Incomplete request lines held for all connections together: 40 clients each sending most of
 # an 8 MiB frame must not cost 320 MB.
 MAX_PARTIAL_BYTES = 64 * 1024 * 1024
+# Requests of one connection being handled at once. Its further requests wait, unread in its
+# socket, until one is answered: a client that writes 20,000 `history` requests at once gets
+# them all answered, 128 at a time, instead of 20,000 coroutines and threads' work at once.
+MAX_IN_FLIGHT = 128
 # What msgspec raises for bytes that are not JSON: a nesting deeper than its limit is a
 # RecursionError, invalid UTF-8 inside a string a UnicodeDecodeError.
 _UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
@@ -138,6 +143,10 @@ class Connection(asyncio.Protocol):
         self._held = 0  # bytes of partial frame counted in server.partial_bytes
         # Replies still owed: handlers' tasks, bare futures, Pendings.
         self._tasks: set[asyncio.Future[Any] | Pending] = set()
+        # Requests read but not yet handled (MAX_IN_FLIGHT reached); reading waits meanwhile.
+        self._backlog: deque[Callable[[], None]] = deque()
+        self._draining = False  # a drain of the backlog is scheduled
+        self._reading_paused = False
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -158,6 +167,7 @@ class Connection(asyncio.Protocol):
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._backlog.clear()
         self.server.connections.discard(self)
         self.server.partial_bytes -= self._held
         self._held = 0
@@ -188,24 +198,57 @@ class Connection(asyncio.Protocol):
         return True  # keep our half open
 
     def _lines(self, lines: list[bytes | Oversize]) -> None:
+        backlog = self._backlog
         for line in lines:
-            if self._dropped:
-                return
-            try:
-                if isinstance(line, Oversize):
-                    self._send(
-                        _error(
-                            id_from_head(line.head),
-                            errors.INVALID_REQUEST,
-                            f"frame of {line.size} bytes exceeds max_frame_bytes "
-                            f"({self.server.max_frame_bytes}); discarded",
-                        )
+            if backlog or len(self._tasks) >= MAX_IN_FLIGHT:
+                backlog.append(functools.partial(self._line, line))
+            else:
+                self._line(line)
+        if backlog:
+            self._hold()
+
+    def _hold(self) -> None:
+        """Stop reading this client until its backlog is handled (see _drain)."""
+        if not self._reading_paused and self.transport is not None:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _answered(self) -> None:
+        """A reply owed was given: requests waiting for room are handled in a coming pass."""
+        if self._backlog and not self._draining:
+            self._draining = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._draining = False
+        backlog = self._backlog
+        while backlog and len(self._tasks) < MAX_IN_FLIGHT:
+            backlog.popleft()()
+        if backlog or self.transport is None or self.transport.is_closing():
+            return
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        self._close_if_done()
+
+    def _line(self, line: bytes | Oversize) -> None:
+        if self._dropped:
+            return
+        try:
+            if isinstance(line, Oversize):
+                self._send(
+                    _error(
+                        id_from_head(line.head),
+                        errors.INVALID_REQUEST,
+                        f"frame of {line.size} bytes exceeds max_frame_bytes "
+                        f"({self.server.max_frame_bytes}); discarded",
                     )
-                else:
-                    self._handle_line(line)
-            except Exception as exc:  # a bug for one line must not cost the client its connection
-                log.exception("request line failed")
-                self._send(_error(None, errors.INTERNAL_ERROR, f"internal error: {exc}"))
+                )
+            else:
+                self._handle_line(line)
+        except Exception as exc:  # a bug for one line must not cost the client its connection
+            log.exception("request line failed")
+            self._send(_error(None, errors.INTERNAL_ERROR, f"internal error: {exc}"))
 
     def _count_partial(self) -> None:
         held = self.framer.held
@@ -221,6 +264,7 @@ class Connection(asyncio.Protocol):
         if (
             self._eof
             and not self._tasks
+            and not self._backlog
             and self.subscription is None
             and self.transport is not None
             and not self.transport.is_closing()
@@ -232,6 +276,7 @@ class Connection(asyncio.Protocol):
         if self._dropped or self.transport is None:
             return
         self._dropped = True
+        self._backlog.clear()
         message = f"disconnected client (pid {self.peer_pid}): {reason}"
         log.warning("%s", message)
         self.transport.abort()  # frees its buffers now
@@ -289,18 +334,26 @@ class Connection(asyncio.Protocol):
                 if frames:
                     self._send(b"[" + b",".join(frames) + b"]")
 
-        for i, raw in enumerate(items):
+        def handle(i: int, raw: msgspec.Raw) -> None:
             try:
                 req = _request_decoder.decode(raw)
             except (msgspec.ValidationError, *_UNREADABLE) as exc:
                 message = f"invalid request: {exc}"
                 collect(i)(_error(_guess_id(raw), errors.INVALID_REQUEST, message))
-                continue
+                return
             if req.is_notification:
                 self._dispatch(req, lambda _frame: None)
                 done()
             else:
                 self._dispatch(req, collect(i))
+
+        for i, raw in enumerate(items):
+            if len(self._tasks) >= MAX_IN_FLIGHT:  # the rest waits as lines do, before them
+                rest = [functools.partial(handle, j, r) for j, r in enumerate(items[i:], i)]
+                self._backlog.extendleft(reversed(rest))
+                self._hold()
+                return
+            handle(i, raw)
 
     def _dispatch(self, req: Request, reply: Callable[[bytes], None]) -> None:
         notification = req.is_notification
@@ -374,6 +427,7 @@ class Connection(asyncio.Protocol):
         self, rid: Any, answer: Callable[[bytes], None], method: str, fut: "asyncio.Future[Any]"
     ) -> None:
         self._tasks.discard(fut)
+        self._answered()
         if not fut.cancelled():  # cancelled: the connection went (as a cancelled task answers)
             exc = fut.exception()
             if isinstance(exc, RpcError):
@@ -389,6 +443,8 @@ class Connection(asyncio.Protocol):
         self, rid: Any, answer: Callable[[bytes], None], method: str, pending: Pending, outcome: Any
     ) -> None:
         self._tasks.discard(pending)
+        if self._backlog:
+            self._answered()
         if isinstance(outcome, Exception):
             self._answer_outcome(rid, answer, method, outcome)
         else:  # the common case inline: this runs once per durable ack
@@ -409,6 +465,7 @@ class Connection(asyncio.Protocol):
 
     def _task_done(self, task: "asyncio.Task[None]") -> None:
         self._tasks.discard(task)
+        self._answered()
         self._close_if_done()
 
     # --- events ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -271,6 +272,42 @@ def test_client_that_never_reads_is_disconnected_with_an_alert(env: Env) -> None
         assert alert.data["source"] == "server" and alert.data["level"] == "warning"
         assert "unread" in alert.data["message"]
         assert watcher.status().state == "idle"  # everyone else is unaffected
+
+
+def test_a_client_pipelining_thousands_of_history_requests_gets_every_reply(env: Env) -> None:
+    # `history` is handled off the loop, one session read per request. Read and dispatched all
+    # at once, 20,000 of them took the pod's memory from ~45 to ~500 MB and starved everyone;
+    # now at most server.MAX_IN_FLIGHT run at once (tests/unit/test_server_backlog.py) and the
+    # pod stops reading the client meanwhile: here, on a real socket, it reads on again and
+    # every request is answered.
+    env.model.script({"text": "one turn of history"})
+    pod = env.start()
+    with pod.client() as c:
+        c.run_wait("hello")
+    count = 5000
+    line = b'{"jsonrpc":"2.0","id":%d,"method":"history","params":{"limit":1}}\n'
+    flood = raw(pod)
+    got: list[dict[str, Any]] = []
+
+    def read_all() -> None:
+        buf = b""
+        while len(got) < count:
+            chunk = flood.recv(1 << 20)
+            assert chunk, "the pod closed the connection"
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            got.extend(json.loads(x) for x in lines)
+
+    reader = threading.Thread(target=read_all)
+    reader.start()
+    flood.sendall(b"".join(line % i for i in range(count)))
+    with pod.client() as other:  # answered while the flood is being worked through
+        assert other.status().name == pod.name
+    reader.join(120)
+    flood.close()
+    assert not reader.is_alive()
+    assert sorted(r["id"] for r in got) == list(range(count))
+    assert all(r["result"]["entries"][0]["seq"] == 1 for r in got)
 
 
 def test_partial_frames_are_bounded_across_connections(env: Env) -> None:

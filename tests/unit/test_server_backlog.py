@@ -1,0 +1,131 @@
+"""A connection handles at most MAX_IN_FLIGHT requests at once: the rest wait, unread, and are
+all answered in order as room frees up (a client flooding slow requests cannot make the pod hold
+thousands of them at once)."""
+
+import asyncio
+from typing import Any
+
+import msgspec
+
+from poddaemon.events import EventBus
+from poddaemon.server import MAX_IN_FLIGHT, Connection, RpcServer
+from protocol.methods import METHODS
+
+
+class Transport:
+    """What the connection uses of an asyncio transport; records replies and reading state."""
+
+    def __init__(self) -> None:
+        self.frames: list[Any] = []
+        self.reading = True
+        self.pauses = 0
+
+    def write(self, data: bytes) -> None:
+        self.frames.extend(msgspec.json.decode(line) for line in data.splitlines())
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    def pause_reading(self) -> None:
+        assert self.reading, "paused twice"
+        self.reading = False
+        self.pauses += 1
+
+    def resume_reading(self) -> None:
+        assert not self.reading, "resumed while reading"
+        self.reading = True
+
+
+class SlowHistory:
+    """A `history` handler that answers only when released, counting how many wait at once."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.waiting = 0
+        self.most = 0
+
+    async def __call__(self, params: Any, conn: Any) -> Any:
+        self.waiting += 1
+        self.most = max(self.most, self.waiting)
+        await self.release.wait()
+        self.waiting -= 1
+        return {"entries": [], "next": 0}
+
+
+def _server(history: SlowHistory) -> RpcServer:
+    handlers: dict[str, Any] = {name: (lambda p, conn: {}) for name in METHODS}
+    handlers["history"] = history
+    handlers["status"] = lambda p, conn: {"state": "idle"}
+    return RpcServer(handlers, EventBus())
+
+
+def _request(rid: int, method: str = "history") -> bytes:
+    return b'{"jsonrpc":"2.0","id":%d,"method":"%s"}\n' % (rid, method.encode())
+
+
+async def _passes(n: int = 20) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_a_flood_of_slow_requests_is_handled_in_bounded_batches_and_all_answered() -> None:
+    history = SlowHistory()
+    conn = Connection(_server(history))
+    transport = Transport()
+    conn.transport = transport  # type: ignore[assignment]
+    total = 3 * MAX_IN_FLIGHT + 5
+    conn.data_received(b"".join(_request(i) for i in range(total)) + _request(total, "status"))
+    await _passes()
+    assert history.waiting == MAX_IN_FLIGHT  # the rest wait, unparsed
+    assert not transport.reading  # and the client's further bytes stay in its socket
+    assert transport.frames == []  # even `status`, which waits its turn behind them
+
+    history.release.set()
+    for _ in range(200):
+        await _passes(1)
+        if len(transport.frames) == total + 1:
+            break
+    assert sorted(f["id"] for f in transport.frames) == list(range(total + 1))
+    assert all("result" in f for f in transport.frames)
+    assert history.most == MAX_IN_FLIGHT
+    assert transport.reading and transport.pauses == 1
+
+
+async def test_a_batch_counts_its_items_and_the_lines_after_it_wait_their_turn() -> None:
+    history = SlowHistory()
+    conn = Connection(_server(history))
+    transport = Transport()
+    conn.transport = transport  # type: ignore[assignment]
+    items = [{"jsonrpc": "2.0", "id": i, "method": "history"} for i in range(MAX_IN_FLIGHT + 10)]
+    conn.data_received(msgspec.json.encode(items) + b"\n" + _request(999, "status"))
+    await _passes()
+    assert history.waiting == MAX_IN_FLIGHT
+    assert not transport.reading and transport.frames == []
+
+    history.release.set()
+    for _ in range(200):
+        await _passes(1)
+        if len(transport.frames) == 2:
+            break
+    (batch,) = [f for f in transport.frames if isinstance(f, list)]
+    (status,) = [f for f in transport.frames if isinstance(f, dict)]
+    assert sorted(r["id"] for r in batch) == list(range(MAX_IN_FLIGHT + 10))
+    assert status == {"jsonrpc": "2.0", "id": 999, "result": {"state": "idle"}}
+    assert history.most == MAX_IN_FLIGHT and transport.reading
+
+
+async def test_requests_under_the_limit_are_answered_at_once_and_reading_goes_on() -> None:
+    history = SlowHistory()
+    conn = Connection(_server(history))
+    transport = Transport()
+    conn.transport = transport  # type: ignore[assignment]
+    conn.data_received(_request(1) + _request(2, "status"))
+    await _passes()
+    assert transport.frames == [{"jsonrpc": "2.0", "id": 2, "result": {"state": "idle"}}]
+    assert transport.reading and transport.pauses == 0
+    history.release.set()
+    await _passes()
+    assert [f["id"] for f in transport.frames] == [2, 1]
