@@ -52,9 +52,13 @@ class EventBus:
         return event
 
     def subscribe(self, sub: Subscription) -> None:
-        # A cursor past the head (e.g. from before the pod restarted) would otherwise receive
-        # nothing until the numbering caught up with it; start it at the head instead.
-        sub.cursor = min(sub.cursor, self.seq)
+        if sub.cursor > self.seq:
+            # A cursor past the head is from before the pod restarted (each process numbers
+            # from 1): what it missed is not held, and the numbers it will see are lower than
+            # its own. Say so, as for any loss (SPEC §5), then go on from the head.
+            gap = Event(seq=self.seq, ts=time.time(), type="gap", data={"since": sub.cursor})
+            sub.write(event_frame(gap))
+            sub.cursor = self.seq
         self._subs.add(sub)
         self.catch_up(sub)
 

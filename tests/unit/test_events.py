@@ -191,13 +191,16 @@ def test_unsubscribed_connection_gets_nothing_more() -> None:
     bus.unsubscribe(sub)  # twice is harmless
 
 
-def test_cursor_ahead_of_the_stream_still_receives_new_events() -> None:
+def test_cursor_ahead_of_the_stream_gets_a_gap_then_new_events() -> None:
     """A client that asks for events after a seq this pod never reached (a cursor from before a
-    restart) must not silently miss what follows."""
+    restart) is told `gap` first: what it missed is not held, and the numbers it sees next are
+    below its cursor (a client dropping seqs it has seen would otherwise drop them silently)."""
     bus = EventBus()
     publish_n(bus, 3)
     conn = Conn()
     bus.subscribe(conn.sub(100))
+    [gap] = conn.gaps
+    assert conn.events == [gap] and gap.data == {"since": 100} and gap.seq == 3
     publish_n(bus, 2)
     assert conn.seqs == [4, 5]
 
