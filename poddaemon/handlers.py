@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 Handler = Callable[[Any, Any], Any]
 
+MAX_HISTORY_PAGE = 10_000  # entries per `history` reply, whatever `limit` asks; `next` pages on
+
 
 def handlers(pod: "Pod") -> dict[str, Handler]:
     m = pod.machine
@@ -112,7 +114,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         sid = p.session_id or m.state.session_id
         if not sid:
             return HistoryResult(entries=[], next=p.since)
-        limit = max(1, min(p.limit, 10_000))
+        limit = min(p.limit, MAX_HISTORY_PAGE)
         try:
             result = await asyncio.to_thread(read_session, pod.s.sessions_dir, sid)
         except (OSError, ValueError) as exc:  # no such session, a bad id, a damaged log

@@ -5,7 +5,7 @@ it instead of a silently ignored option. Which method takes which params and ans
 is `protocol.methods.METHODS`.
 """
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Raw, Struct, UnsetType
@@ -75,14 +75,20 @@ class CancelParams(Params):
     run_id: str | None = None
 
 
+# A seq to start after, and a page size: -32602 for a negative one or an empty page, as for any
+# wrong param (a page larger than the pod's cap is cut to it; `next` goes on from there).
+Seq = Annotated[int, msgspec.Meta(ge=0)]
+PageSize = Annotated[int, msgspec.Meta(ge=1)]
+
+
 class HistoryParams(Params):
-    since: int = 0
-    limit: int = DEFAULT_HISTORY_LIMIT
+    since: Seq = 0
+    limit: PageSize = DEFAULT_HISTORY_LIMIT
     session_id: str | None = None  # an earlier session of this pod (walk back a chain)
 
 
 class SubscribeParams(Params):
-    since: int | None = None
+    since: Seq | None = None
 
 
 class PodEventParams(Params):

@@ -252,6 +252,30 @@ def test_malformed_line_is_an_error_and_the_connection_stays(
     sock.close()
 
 
+@pytest.mark.parametrize(
+    ("method", "params", "field"),
+    [
+        ("history", '{"limit":0}', "params.limit"),
+        ("history", '{"limit":-1}', "params.limit"),
+        ("history", '{"since":-10}', "params.since"),
+        ("subscribe", '{"since":-1}', "params.since"),
+    ],
+)
+def test_a_negative_seq_or_an_empty_page_is_invalid_params(
+    env: Env, method: str, params: str, field: str
+) -> None:
+    # SPEC §5: wrong params are -32602 naming the field (they were cut to 1 or 0 silently).
+    pod = env.start()
+    sock = raw(pod)
+    line = b'{"jsonrpc":"2.0","id":3,"method":"%s","params":%s}\n'
+    reply = rpc(sock, line % (method.encode(), params.encode()))
+    assert reply["error"]["code"] == -32602, reply
+    assert field in reply["error"]["message"]
+    page = rpc(sock, b'{"jsonrpc":"2.0","id":4,"method":"history","params":{"limit":20000}}\n')
+    assert page["result"]["next"] == 0  # a page over the cap is cut, not refused
+    sock.close()
+
+
 # --- item 4: memory per connection is bounded --------------------------------------------------
 
 
