@@ -53,7 +53,7 @@ class SessionStart(Entry, tag="session_start"):
     pending_inputs: list[PendingInputSnap] = []
     client_keys: dict[str, list[str]] = {}  # before keys were per method: one namespace
     run_keys: dict[str, list[str]] = {}
-    notify_keys: dict[str, list[str]] = {}
+    notify_keys: dict[str, list[str | bool]] = {}  # [text, id, wakes] ([text, id] before 0.3)
     usage: Usage | None = None
     usage_calls: list[dict[str, Any]] = []
     active_run: str | None = None
@@ -85,6 +85,7 @@ class SystemItem(Entry, tag="system_item"):
     text: str
     source: str
     client_key: str | None = None
+    wakes: bool = False  # a `notify` that woke the idle pod: a retry of it answers the same
     # Child reports (`pod_event`): what the spawner's subscribers see as `child.event`.
     pod: str | None = None
     event_kind: str | None = None

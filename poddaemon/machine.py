@@ -13,7 +13,7 @@ the next decision already sees them; the executor writes them in the same order.
 them.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -832,14 +832,16 @@ class Machine:
         if original == "":
             return  # a conflicting key: answered
         if original is not None:
-            self._reply(token, NotifyResult(notification_id=original, wakes=False), durable=True)
+            assert key is not None
+            woke = self.state.notify_keys[key][2]
+            self._reply(token, NotifyResult(notification_id=original, wakes=woke), durable=True)
             return
         if self._queue_full(token):
             return
         nid = self.new_id()
         self._note_arrived()
-        self._commit(SystemItem(id=nid, text=message, source=source, client_key=key))
         wakes = self.pod_state == "idle" and not self.budget_exhausted()
+        self._commit(SystemItem(id=nid, text=message, source=source, client_key=key, wakes=wakes))
         self._reply(token, NotifyResult(notification_id=nid, wakes=wakes), durable=True)
 
     def _queue_full(self, token: int) -> bool:
@@ -854,13 +856,14 @@ class Machine:
         return True
 
     def _replayed(
-        self, token: int, keys: dict[str, tuple[str, str]], key: str | None, text: str
+        self, token: int, keys: Mapping[str, tuple[Any, ...]], key: str | None, text: str
     ) -> str | None:
         """The id an earlier request with this key got (an idempotent retry), or None. Same key
-        with a different text is -32006 (replied here; then '' is returned)."""
+        with a different text is -32006 (replied here; then '' is returned). `keys` maps a key
+        to (text, id, ...)."""
         if key is None or key not in keys:
             return None
-        original, input_id = keys[key]
+        original, input_id = keys[key][:2]
         if original != text:
             self._error(
                 token,
@@ -868,7 +871,7 @@ class Machine:
                 f"client_key {key!r} was used for a different input",
             )
             return ""
-        return input_id
+        return str(input_id)
 
     def _wait_for(self, token: int, run_id: str) -> None:
         done = self.state.run_outcomes.get(run_id)

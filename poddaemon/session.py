@@ -88,7 +88,7 @@ class SessionState(msgspec.Struct):
     system_prompt: str = ""
     # client_key -> (input, id), one namespace per method: a run key never matches a notify.
     run_keys: dict[str, tuple[str, str]] = msgspec.field(default_factory=dict)
-    notify_keys: dict[str, tuple[str, str]] = msgspec.field(default_factory=dict)
+    notify_keys: dict[str, tuple[str, str, bool]] = msgspec.field(default_factory=dict)
     usage_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
     usage: Usage = msgspec.field(default_factory=Usage)
     run_usage: Usage = msgspec.field(default_factory=Usage)  # of the active (or paused) run
@@ -228,7 +228,7 @@ def _apply(s: SessionState, e: Entry) -> None:
         case SystemItem():
             s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts, e.context))
             if e.client_key:
-                s.notify_keys[e.client_key] = (e.text, e.id)
+                s.notify_keys[e.client_key] = (e.text, e.id, e.wakes)
             if e.event_id is not None:
                 s.report_ids.add(e.event_id)
             child = s.children.get(e.pod) if e.pod is not None else None
@@ -336,7 +336,10 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     # Before 0.2 keys shared one namespace; such a fork's keys count for both methods.
     legacy = {k: (v[0], v[1]) for k, v in e.client_keys.items()}
     s.run_keys = {**legacy, **{k: (v[0], v[1]) for k, v in e.run_keys.items()}}
-    s.notify_keys = {**legacy, **{k: (v[0], v[1]) for k, v in e.notify_keys.items()}}
+    s.notify_keys = {k: (text, input_id, False) for k, (text, input_id) in legacy.items()}
+    s.notify_keys.update(
+        (k, (str(v[0]), str(v[1]), len(v) > 2 and v[2] is True)) for k, v in e.notify_keys.items()
+    )
     if e.usage is not None:
         s.usage = Usage(**msgspec.structs.asdict(e.usage))
     s.usage_calls = list(e.usage_calls)

@@ -256,6 +256,29 @@ def test_client_keys_are_per_method_and_replay_the_original() -> None:
     assert sum(1 for e in d.entries if e["kind"] == "user_input") == 1
 
 
+def test_a_notify_retry_gets_the_original_result_wakes_included_even_after_a_restore() -> None:
+    # SPEC §5: same client_key + same input => the original result. A retry used to say
+    # wakes=false because it woke no one itself.
+    d = Driver()
+    first = d.answer(d.call("notify", "build failed", "ci", client_key="k")).result
+    assert first.wakes
+    (item,) = [e for e in d.entries if e["kind"] == "system_item"]
+    assert item["wakes"] is True  # in the log, so a restarted pod answers the same
+    again = d.answer(d.call("notify", "build failed", "ci", client_key="k")).result
+    assert (again.notification_id, again.wakes) == (first.notification_id, True)
+    d.call("run", "busy")
+    asleep = d.answer(d.call("notify", "later", "ci", client_key="k2")).result
+    assert not asleep.wakes  # the pod is running: this one wakes no one
+
+    d.sync()
+    restored = Driver()
+    restored.lines, restored.entries, restored.prev = list(d.lines), list(d.entries), d.prev
+    restored.feed(restored.machine.restore(d.entries))
+    for key, text, want in (("k", "build failed", first), ("k2", "later", asleep)):
+        retry = restored.answer(restored.call("notify", text, "ci", client_key=key)).result
+        assert (retry.notification_id, retry.wakes) == (want.notification_id, want.wakes)
+
+
 def test_notify_past_max_pending_is_queue_full() -> None:
     d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=2, max_pending=2))
     d.call("run", "busy")

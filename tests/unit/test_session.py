@@ -350,11 +350,13 @@ def test_client_keys_for_runs_steers_and_notifications() -> None:
     log.add("user_input", run_id="r1", text="a", mode="queue", client_key="k1")
     log.add("user_input", id="s1", run_id="r1", text="b", mode="steer", client_key="k2")
     log.add("system_item", id="n1", source="ci", text="c", client_key="k3")
+    log.add("system_item", id="n2", source="ci", text="e", client_key="k4", wakes=True)
     log.add("user_input", run_id="r2", text="d", mode="queue")
     s = state_of(log)
-    # Keys are per method: a run key (queue or steer) never matches a notify key.
+    # Keys are per method: a run key (queue or steer) never matches a notify key. A notify key
+    # keeps whether it woke the pod: its retry answers the same.
     assert s.run_keys == {"k1": ("a", "r1"), "k2": ("b", "s1")}
-    assert s.notify_keys == {"k3": ("c", "n1")}
+    assert s.notify_keys == {"k3": ("c", "n1", False), "k4": ("e", "n2", True)}
 
 
 def test_session_start_carries_pending_work_and_a_paused_run() -> None:
