@@ -6,16 +6,16 @@ Real HTTP/1.1 on 127.0.0.1 (stdlib `ThreadingHTTPServer`, keep-alive, chunked SS
 - ``POST /v1/responses``         OpenAI Responses (streaming and not)
 - ``POST /v1/messages``          Anthropic Messages (streaming and not)
 - ``POST /_fake/script`` (``{"replies": [...]}``, appended; with ``"when": marker`` (Python:
-  ``script_when``) for requests whose last user text contains the marker), ``GET /_fake/requests``,
-- ``POST /_fake/script`` (``{"replies": [...]}``, appended; with ``"model": M`` they answer only
-  requests for model M, see ``script_model``), ``GET /_fake/requests``,
+  ``script_when``) they answer only requests whose last user text contains the marker, with
+  ``"model": M`` only requests for model M, see ``script_model``), ``GET /_fake/requests``,
   ``POST /_fake/gate/<name>``, ``POST /_fake/reset``, ``GET /_fake/health``
 
 Each model request (faulty or not) is recorded as ``{path, body, headers}`` and consumes the next
 scripted reply; with an empty script the answer is ``ok: <last user text, 200 chars>``. A reply:
 
 - ``text``, ``reasoning`` (chat: ``delta.reasoning_content``; responses: a reasoning item with a
-  summary; anthropic: a ``thinking`` block with a signature), streamed in ``chunk_size`` pieces.
+  summary; anthropic: a ``thinking`` block with a signature), streamed in pieces of the
+  server's chunk size (``--chunk-size``; not a reply field).
 - ``tool_calls: [{name, arguments: object | raw JSON str, id?}]``; ids default to
   ``call_<serial>_<i>`` (OpenAI) / ``toolu_<serial>_<i>`` (Anthropic).
 - ``stop: "end" | "max_tokens" | "content_filter"`` -> chat ``stop``/``tool_calls``, ``length``,
