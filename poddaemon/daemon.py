@@ -201,9 +201,20 @@ def run_pod(args: "argparse.Namespace") -> int:
         raise StartupError(f"{manifest.source}: pod.pwd: {pwd} is not a directory")
     scope = Scope.from_config(manifest.scope.allow, manifest.scope.deny, cwd=manifest.pod.pwd)
     if scope.access(pwd) < Access.READ:
+        targets = ", ".join(f"{r.target} ({r.access.name.lower()})" for r in scope.allow)
         raise StartupError(
-            f"{manifest.source}: pod.pwd: {pwd} is not readable under the pod's scope"
+            f"{manifest.source}: pod.pwd: {pwd} is not readable under the pod's scope "
+            f"(scope.allow resolves to {targets or 'nothing'}; relative targets are relative "
+            f"to pod.pwd)"
         )
+    for i, rule in enumerate(scope.allow):  # a typo, most likely: say so, it may appear later
+        if not os.path.exists(rule.target):
+            print(
+                f"poddaemon: warning: {manifest.source}: scope.allow[{i}].target: "
+                f"{rule.target} does not exist",
+                file=sys.stderr,
+                flush=True,
+            )
 
     box = _sandbox(manifest, scope, pwd)
     try:

@@ -106,12 +106,22 @@ def test_start_up_errors_name_the_problem(env: Env) -> None:
     proc = env.popen(str(outside))
     _, err = proc.communicate(timeout=20)
     assert proc.returncode != 0 and "pod.pwd: / is not readable under the pod's scope" in err
+    # The error shows what the allow rules resolved to: a relative target is under pod.pwd.
+    assert f"scope.allow resolves to {env.work} (write)" in err
     env.env.pop("FAKE_API_KEY")
     nokey = env.manifest("nokey")
     proc = env.popen(str(nokey))
     _, err = proc.communicate(timeout=20)
     assert proc.returncode != 0 and "FAKE_API_KEY" in err
     assert registry(env) == {}
+
+
+def test_an_allow_target_that_does_not_exist_is_named_at_start(env: Env) -> None:
+    missing = env.home / "typo" / "dir"
+    pod = env.start("typo", read=[str(missing)])
+    warning = next(line for line in pod.stderr if "does not exist" in line)
+    assert f"scope.allow[1].target: {missing} does not exist" in warning
+    assert pod.call("status")["state"] == "idle"  # a warning: it may be made later
 
 
 def test_ready_is_sent_to_notify_socket(env: Env, tmp_path_factory: pytest.TempPathFactory) -> None:
