@@ -130,6 +130,17 @@ def id_from_head(head: bytes) -> int | str | None:
     return None
 
 
+def _give_back_memory() -> None:
+    """Return freed heap pages to the system (glibc's malloc_trim): after a client is dropped
+    with 16 MiB of replies, the pod would otherwise keep the pages (ten such clients: 243 MB
+    resident after they were gone, 96 MB with this). Nothing where libc has no malloc_trim."""
+    import ctypes  # loaded by the sandbox already
+
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 class Connection(asyncio.Protocol):
     def __init__(self, server: "RpcServer") -> None:
         self.server = server
@@ -175,6 +186,8 @@ class Connection(asyncio.Protocol):
             self.server.bus.unsubscribe(self.subscription)
         for task in self._tasks:
             task.cancel()
+        if self._dropped:
+            _give_back_memory()  # its replies, up to max_unread_bytes of them, are freed now
 
     def pause_writing(self) -> None:
         self._paused = True
