@@ -209,12 +209,7 @@ def run_pod(args: "argparse.Namespace") -> int:
         )
     for i, rule in enumerate(scope.allow):  # a typo, most likely: say so, it may appear later
         if not os.path.exists(rule.target):
-            print(
-                f"poddaemon: warning: {manifest.source}: scope.allow[{i}].target: "
-                f"{rule.target} does not exist",
-                file=sys.stderr,
-                flush=True,
-            )
+            _warn(f"{manifest.source}: scope.allow[{i}].target: {rule.target} does not exist")
 
     box = _sandbox(manifest, scope, pwd)
     try:
@@ -605,8 +600,13 @@ async def _preflight(pod: Any, manifest: Any) -> None:
 
     provider = manifest.provider
     for warning in await asyncio.to_thread(preflight, provider.kind, provider.base_url):
-        print(f"poddaemon: warning: {warning}", file=sys.stderr, flush=True)
+        _warn(warning)
         pod._alert("warning", warning, source="provider")
+
+
+def _warn(message: str) -> None:
+    """A start-up warning on stderr, where `podctl spawn` shows it to the user."""
+    print(f"poddaemon: warning: {message}", file=sys.stderr, flush=True)
 
 
 def _dump_tasks() -> None:

@@ -56,9 +56,7 @@ class EventBus:
             # A cursor past the head is from before the pod restarted (each process numbers
             # from 1): what it missed is not held, and the numbers it will see are lower than
             # its own. Say so, as for any loss (SPEC §5), then go on from the head.
-            gap = Event(seq=self.seq, ts=time.time(), type="gap", data={"since": sub.cursor})
-            sub.write(event_frame(gap))
-            sub.cursor = self.seq
+            _tell_gap(sub, self.seq)
         self._subs.add(sub)
         self.catch_up(sub)
 
@@ -71,9 +69,7 @@ class EventBus:
             return
         oldest = self._held[0][0] if self._held else self.seq + 1
         if sub.cursor < oldest - 1:
-            gap = Event(seq=oldest - 1, ts=time.time(), type="gap", data={"since": sub.cursor})
-            sub.write(event_frame(gap))
-            sub.cursor = oldest - 1
+            _tell_gap(sub, oldest - 1)
         start = sub.cursor - oldest + 1
         for i in range(start, len(self._held)):
             if sub.congested():
@@ -81,3 +77,10 @@ class EventBus:
             seq, frame = self._held[i]
             sub.write(frame)
             sub.cursor = seq
+
+
+def _tell_gap(sub: Subscription, seq: int) -> None:
+    """`gap {since}`: what `sub` asked for after its cursor is not held; it goes on from `seq`."""
+    gap = Event(seq=seq, ts=time.time(), type="gap", data={"since": sub.cursor})
+    sub.write(event_frame(gap))
+    sub.cursor = seq
