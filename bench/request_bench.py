@@ -14,7 +14,8 @@ def run(sec: Section) -> None:
         fake = home.fake
         assert fake is not None
         demo = home.path / "demo"
-        shutil.copytree(DEMO, demo)
+        # The checkout's workspace/ is made by `make demo` or the quick start: start clean.
+        shutil.copytree(DEMO, demo, ignore=shutil.ignore_patterns("workspace"))
         (demo / "workspace").mkdir()
         (demo / "workspace" / "TODO.md").write_text("# TODO\n- [ ] review the README\n")
         pod = home.start_pod(
