@@ -313,8 +313,11 @@ def _keep_config(manifest: object, callback: str | None = None) -> None:
 
 def _spawner(args: "argparse.Namespace", registry: Any) -> str | None:
     """`--adopt --callback SOCKET`: the name of the live pod serving SOCKET (our parent). A
-    spawner that is not running (a child restarted while it is down) leaves us parentless
-    for now; our reports wait in our log until it is back."""
+    spawner that is not running (a child restarted while it is down) is still named by its
+    socket path, `<runtime>/pods/<name>/sock`: our entry keeps it as parent, so the spawner
+    takes us back (and our area stays delegated) when it is restored; our reports wait in our
+    log until then. Without that name the restored spawner's write scope would clash with
+    ours and it could not start at all."""
     if not args.callback:
         return None
     if not args.adopt:
@@ -323,6 +326,9 @@ def _spawner(args: "argparse.Namespace", registry: Any) -> str | None:
     for entry in registry.live():
         if os.path.abspath(entry.socket) == callback:
             return str(entry.name)
+    name = os.path.basename(os.path.dirname(callback))
+    if paths.POD_NAME_RE.match(name) and os.path.abspath(paths.socket_path(name)) == callback:
+        return str(name)
     return None
 
 

@@ -283,6 +283,30 @@ def test_child_killed_mid_report_is_redelivered_once(tree: Env) -> None:
     assert any(r["target"] == str(env.work / "r1") for r in writable)
 
 
+def test_child_restarted_while_its_spawner_is_down_is_taken_back(tree: Env) -> None:
+    """`podctl restart CHILD` while its (detached-from) spawner is down: the child keeps the
+    spawner as parent, so the restored spawner starts (no scope clash with its own child) and
+    re-adopts it, its area delegated."""
+    env = tree
+    (env.work / "d1").mkdir()
+    env.model.script_model("m-d1")
+    env.model.script(
+        {"tool_calls": [spawn_call("d1", "work", [str(env.work / "d1")])]}, {"text": "spawned"}
+    )
+    parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: _finished_reports(parent, "d1"), 20, "the report")
+    parent.kill9()
+    out = env.podctl("restart", "d1")
+    assert out.returncode == 0, out.stderr
+    entry = Registry(env.home / "run").get("d1")
+    assert entry is not None and entry.parent == "parent"
+    again = env.restart(parent, "--resume")  # failed: scope conflict with its own child
+    st = again.call("status")
+    assert [c["name"] for c in st["children"]] == ["d1"]
+    assert any(r["target"] == str(env.work / "d1") for r in st["scope"] if r.get("deny"))
+
+
 def _outbox_done(path: Path) -> bool:
     return '"kind":"outbox_acked"' in path.read_text()
 
