@@ -119,12 +119,15 @@ class OutboxAcked(Entry, tag="outbox_acked"):
 
 
 class ChildStarted(Entry, tag="child_started"):
-    """The spawner started (or re-adopted) a child; `grant` is reserved from its budget."""
+    """The spawner started (or re-adopted) a child; `grant` is reserved from its budget.
+    `resumed`: the same child again (restarted, re-adopted), its reports counting its spending
+    from its first start; otherwise a new child, which may reuse an ended child's name."""
 
     name: str
     socket: str
     grant: int | None = None
     scope: list[dict[str, Any]] = []
+    resumed: bool = False
 
 
 class ChildEnded(Entry, tag="child_ended"):

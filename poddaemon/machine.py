@@ -240,7 +240,7 @@ class Machine:
     def tree_spent(self) -> int:
         """Tokens this pod and its descendants spent, as far as their reports tell."""
         s = self.state
-        return s.usage.total + sum(c.spent for c in s.children.values())
+        return s.usage.total + sum(c.earlier + c.spent for c in s.children.values())
 
     def budget_charged(self) -> int:
         """What counts against the cap: own spending, children's grants while they live (so
@@ -333,10 +333,17 @@ class Machine:
         return self._handle(go)
 
     def child_started(
-        self, name: str, socket: str, grant: int | None, scope: list[dict[str, Any]]
+        self,
+        name: str,
+        socket: str,
+        grant: int | None,
+        scope: list[dict[str, Any]],
+        resumed: bool = False,
     ) -> list[Effect]:
         def go() -> None:
-            self._commit(ChildStarted(name=name, socket=socket, grant=grant, scope=scope))
+            self._commit(
+                ChildStarted(name=name, socket=socket, grant=grant, scope=scope, resumed=resumed)
+            )
             self._emit(Sync())
 
         return self._handle(go)

@@ -68,6 +68,7 @@ class ChildRecord(msgspec.Struct):
     grant: int | None = None
     scope: list[dict[str, Any]] = msgspec.field(default_factory=list)
     spent: int = 0  # its tree's spending as last reported (final once it ended)
+    earlier: int = 0  # spent by ended children that had this name before it
     live: bool = True
     last_kind: str = ""  # the kind of its last report
     outcome: str | None = None  # of its last reported run
@@ -76,8 +77,8 @@ class ChildRecord(msgspec.Struct):
     def charged(self) -> int:
         """What the spawner's budget counts for it: the grant is reserved while it lives."""
         if self.live and self.grant is not None:
-            return max(self.grant, self.spent)
-        return self.spent
+            return self.earlier + max(self.grant, self.spent)
+        return self.earlier + self.spent
 
 
 class SessionState(msgspec.Struct):
@@ -307,8 +308,15 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.outbox.pop(event_id, None)
         case ChildStarted():
             old = s.children.get(e.name)
-            spent = old.spent if old is not None and old.live else 0
-            s.children[e.name] = ChildRecord(e.name, e.socket, e.grant, list(e.scope), spent)
+            if old is not None and e.resumed:
+                old.socket, old.scope, old.live = e.socket, list(e.scope), True
+            else:
+                # A name reused after its child ended: that child's spending stays counted.
+                spent = old.spent if old is not None and old.live else 0
+                earlier = 0 if old is None else old.earlier + (0 if old.live else old.spent)
+                s.children[e.name] = ChildRecord(
+                    e.name, e.socket, e.grant, list(e.scope), spent, earlier=earlier
+                )
         case ChildEnded():
             child = s.children.get(e.name)
             if child is not None:

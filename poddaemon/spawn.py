@@ -75,7 +75,7 @@ class Children:
         for name, entry in mine.items():
             record = pod.state.children.get(name)
             if record is None or not record.live:
-                pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope))
+                pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope, True))
             self._watch(_Live(name, entry.pid, entry.socket))
         for name, record in list(pod.state.children.items()):
             if record.live and name not in mine:
@@ -104,7 +104,7 @@ class Children:
         entry = pod.s.registry.get(name)
         if name in self.live or entry is None or entry.parent != pod.name:
             return
-        pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope))
+        pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope, True))
         self._watch(_Live(name, entry.pid, entry.socket))
         self._refresh_scope()
 

@@ -102,6 +102,28 @@ def test_grants_are_reserved_while_children_live_then_reconciled() -> None:
     }
 
 
+def test_a_reused_child_name_keeps_the_ended_childs_spending_charged() -> None:
+    """spawn_pod may reuse the name of an ended child: its spending stays counted (it was
+    dropped with the old record, so a tree could spend its cap again and again)."""
+    d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=4, budget_cap=1000))
+    d.feed(d.machine.child_started("w", "/s", 400, []))
+    d.call("child_report", "w", "shutdown", "e1", None, None, None, 400)
+    d.feed(d.machine.child_ended("w", "gone"))
+    d.feed(d.machine.child_started("w", "/s", 400, []))
+    assert d.machine.budget_charged() == 800 and d.machine.tree_spent() == 400
+    d.call("child_report", "w", "shutdown", "e2", None, None, None, 300)
+    d.feed(d.machine.child_ended("w", "gone"))
+    assert d.machine.budget_charged() == 700 == d.machine.tree_spent()
+    # The same child restarted and re-adopted: its grant is reserved again, and its reports
+    # count its spending from its first start.
+    d.feed(d.machine.child_started("w", "/s", None, [], resumed=True))
+    assert d.machine.budget_charged() == 800
+    d.call("child_report", "w", "shutdown", "e3", None, None, None, 350)
+    d.feed(d.machine.child_ended("w", "gone"))
+    assert d.machine.budget_charged() == 750
+    assert fold(d.entries).children["w"].charged() == 750
+
+
 def test_a_fork_carries_the_tree_state_on() -> None:
     d = child_driver()
     d.call("run", "a", client_key=f"{SPAWNER_KEY}1")
