@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from poddaemon.config.manifest import Manifest
     from poddaemon.forkclient import Forked
     from poddaemon.pod import Pod
+    from poddaemon.registry import PodEntry
 
 log = logging.getLogger("poddaemon.spawn")
 
@@ -193,7 +194,11 @@ class Children:
         return out
 
     async def stop(self, pod_name: str) -> dict[str, Any]:
+        """The child and its own subtree, deepest first: under on_parent_exit = "detach" a
+        stopping child leaves its children running, but stop_pod means the whole subtree."""
         child = self._child(pod_name)
+        for entry in self._descendants(pod_name):
+            await self._stop_child(_Live(entry.name, entry.pid, entry.socket), watch=True)
         await self._stop_child(child)
         return {"stopped": True}
 
@@ -402,8 +407,27 @@ class Children:
         except Exception:
             return "unresponsive"
 
-    async def _stop_child(self, child: _Live) -> None:
-        """`shutdown`, then wait for the process; SIGTERM, then SIGKILL its group if it lingers."""
+    def _descendants(self, name: str) -> "list[PodEntry]":
+        """The live pods below `name` in the registry, deepest first."""
+        live = self.pod.s.registry.live()
+        out: list[PodEntry] = []
+        seen = {name}
+
+        def below(parent: str) -> None:
+            for e in live:
+                if e.parent == parent and e.name not in seen:
+                    seen.add(e.name)
+                    below(e.name)
+                    out.append(e)
+
+        below(name)
+        return out
+
+    async def _stop_child(self, child: _Live, watch: bool = False) -> None:
+        """`shutdown`, then wait for the process; SIGTERM, then SIGKILL its group if it lingers.
+        `watch`: a descendant that is not our child, whose exit we learn of here."""
+        if watch:
+            _exited(child)
         with contextlib.suppress(Exception):
             async with await AsyncPodClient.connect(child.socket) as client:
                 async with asyncio.timeout(5.0):
@@ -461,6 +485,23 @@ class Children:
         if scope != pod.scope:
             pod.scope = scope
             pod.tool_ctx.scope_changed()  # commands too (when the sandbox confines them)
+
+
+def _exited(child: _Live) -> None:
+    """Set `child.gone` when its process ends (a pidfd, closed then)."""
+    try:
+        fd = os.pidfd_open(child.pid)
+    except ProcessLookupError:
+        child.gone.set()
+        return
+    loop = asyncio.get_running_loop()
+
+    def readable() -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+        child.gone.set()
+
+    loop.add_reader(fd, readable)
 
 
 class _Started:

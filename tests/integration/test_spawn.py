@@ -424,6 +424,31 @@ def test_stop_tree_three_levels_deepest_first(tree: Env) -> None:
     assert not _stray(env)
 
 
+def test_stop_pod_stops_the_childs_subtree_under_detach(tree: Env) -> None:
+    """`stop_pod` stops the child's own subtree too (SPEC §9), even where on_parent_exit =
+    "detach" lets a stopping pod's children run on."""
+    env = tree
+    (env.work / "mid" / "leaf").mkdir(parents=True)
+    env.model.script_model(
+        "m-mid",
+        {"tool_calls": [spawn_call("leaf", "leaf task", [str(env.work / "mid" / "leaf")])]},
+        {"text": "mid done"},
+    )
+    env.model.script_model("m-leaf")
+    env.model.script(
+        {"tool_calls": [spawn_call("mid", "spawn a leaf", [str(env.work / "mid")])]},
+        {"tool_calls": [tool("wait_pods", pods=["mid"], timeout_s=30)]},
+        {"tool_calls": [tool("stop_pod", pod="mid")]},
+        {"text": "stopped"},
+    )
+    parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    stopped = [r for r in tool_results(parent) if r["name"] == "stop_pod"]
+    assert stopped and not stopped[0]["is_error"], stopped
+    assert {e.name for e in Registry(env.home / "run").live()} == {"parent"}
+    assert len(_stray(env)) == 1
+
+
 # --- budget ----------------------------------------------------------------------------------
 
 
