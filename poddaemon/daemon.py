@@ -480,7 +480,7 @@ def _serve(
             bus.publish("alert", {"level": "error", "source": "registry", "message": reason})
             ending.fail(reason)
 
-        watch = asyncio.create_task(watch_claim(claim, lost))
+        watch = asyncio.create_task(watch_claim(claim, lost, pod.children.registry_changed))
         try:
             await pod.serve()
             if pod.failure is not None:
@@ -568,9 +568,12 @@ class Ending:
         return self.failure or "the pod stopped without being asked to (see the error above)"
 
 
-async def watch_claim(claim: Claim, lost: Callable[[str], None]) -> None:
+async def watch_claim(
+    claim: Claim, lost: Callable[[str], None], changed: Callable[[], None] | None = None
+) -> None:
     """Stop the pod if its registry entry goes (pods.json edited or removed, the entry taken
-    over): it could no longer promise that its name and scope are its own."""
+    over): it could no longer promise that its name and scope are its own. `changed` is called
+    when pods.json changed and the entry is still ours."""
     path = claim.registry.path
     seen: tuple[int, int, int] | bool | None = False  # False: not looked yet (None: no file)
     while True:
@@ -598,6 +601,8 @@ async def watch_claim(claim: Claim, lost: Callable[[str], None]) -> None:
                 f"{path} is gone or belongs to another process"
             )
             return
+        if changed is not None:
+            changed()
 
 
 async def _preflight(pod: Any, manifest: Any) -> None:

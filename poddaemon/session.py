@@ -309,7 +309,7 @@ def _apply(s: SessionState, e: Entry) -> None:
         case ChildStarted():
             old = s.children.get(e.name)
             if old is not None and e.resumed:
-                old.socket, old.scope, old.live = e.socket, list(e.scope), True
+                old.socket, old.scope, old.live, old.last_kind = e.socket, list(e.scope), True, ""
             else:
                 # A name reused after its child ended: that child's spending stays counted.
                 spent = old.spent if old is not None and old.live else 0

@@ -100,6 +100,21 @@ class Children:
         if name not in self.live and name not in self._spawning:
             asyncio.get_running_loop().call_soon(self._readopt, name)
 
+    def registry_changed(self) -> None:
+        """pods.json changed: a child restarted (podctl restart) while we live names us parent
+        and holds its area again; take it back at once, or our tools would keep writing there
+        (it need not report to us soon)."""
+        if not self.pod.state.children:
+            return
+        try:
+            entries = self.pod.s.registry.live()
+        except Exception as exc:
+            log.warning("cannot read the registry: %s", exc)
+            return
+        for entry in entries:
+            if entry.parent == self.pod.name:
+                self.heard_from(entry.name)
+
     def _readopt(self, name: str) -> None:
         pod = self.pod
         entry = pod.s.registry.get(name)

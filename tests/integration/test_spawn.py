@@ -307,6 +307,38 @@ def test_child_restarted_while_its_spawner_is_down_is_taken_back(tree: Env) -> N
     assert any(r["target"] == str(env.work / "d1") for r in st["scope"] if r.get("deny"))
 
 
+def test_child_restarted_while_its_spawner_lives_is_taken_back_at_once(tree: Env) -> None:
+    """`podctl restart CHILD` of an idle child with nothing to report: its spawner takes it back
+    (it loses write on the child's area again, it watches it) without waiting for a report."""
+    env = tree
+    kid = env.work / "kid"
+    kid.mkdir()
+    env.model.script_model("m-kid")
+    env.model.script({"tool_calls": [spawn_call("kid", "work", [str(kid)])]}, {"text": "spawned"})
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: _finished_reports(parent, "kid"), 20, "the report")
+    out = env.podctl("restart", "kid")
+    assert out.returncode == 0, out.stderr
+    wait_until(
+        lambda: [c["name"] for c in parent.call("status")["children"]] == ["kid"],
+        10,
+        "the spawner to take the restarted child back",
+    )
+    env.model.script(
+        {"tool_calls": [tool("write_file", path=str(kid / "p.txt"), content="parent")]},
+        {"text": "tried"},
+    )
+    assert run_and_wait(parent, "write")["outcome"] == "finished"
+    write = [r for r in tool_results(parent) if r["name"] == "write_file"]
+    assert write[0]["is_error"] and "outside scope" in write[0]["output"], write
+    assert not (kid / "p.txt").exists()
+    entry = Registry(env.home / "run").get("kid")
+    assert entry is not None
+    os.kill(entry.pid, signal.SIGKILL)  # its death is reported, not hidden by its old shutdown
+    wait_until(lambda: [r for r in reports(parent) if r["event_kind"] == "errored"], 10, "errored")
+
+
 def _outbox_done(path: Path) -> bool:
     return '"kind":"outbox_acked"' in path.read_text()
 
