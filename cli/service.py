@@ -21,7 +21,9 @@ from cli.app import EXIT_NOT_RUNNING, EXIT_USAGE, PodArg, app, fail, print_json
 EXIT_TIMEOUT = 4
 WAIT_POLL = 0.05
 FOLLOW_POLL = 0.2
-_UNIT_IN_CGROUP = re.compile(r"/(poddaemon-[a-z0-9][a-z0-9_-]{0,47}\.service)(?:/|$)")
+# `poddaemon-<name>.service` (podctl unit install) or `poddaemon@<name>.service` (the template
+# shipped in systemd/).
+_UNIT_IN_CGROUP = re.compile(r"/(poddaemon[-@][a-z0-9][a-z0-9_-]{0,47}\.service)(?:/|$)")
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 
 
@@ -29,7 +31,8 @@ _AGE = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 
 
 def unit_of_pid(pid: int) -> str | None:
-    """`poddaemon-<name>.service` when the process runs in that unit's cgroup, else None."""
+    """`poddaemon-<name>.service` (or `poddaemon@<name>.service`) when the process runs in that
+    unit's cgroup, else None."""
     try:
         text = Path(f"/proc/{pid}/cgroup").read_text()
     except OSError:
@@ -56,10 +59,11 @@ def _live_status(target: str) -> dict[str, Any] | None:
 def _own_unit(status: dict[str, Any]) -> str | None:
     """The pod's own unit. A child of a unit pod lives in its parent's cgroup, but it is not
     that unit: stopping it must not stop its parent."""
-    from cli.unit import unit_name
+    from cli.unit import template_unit_name, unit_name
 
+    name = str(status["name"])
     unit = unit_of_pid(int(status["pid"]))
-    return unit if unit == unit_name(str(status["name"])) else None
+    return unit if unit in (unit_name(name), template_unit_name(name)) else None
 
 
 def pod_unit(target: str, status: dict[str, Any] | None) -> str | None:

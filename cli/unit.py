@@ -47,6 +47,11 @@ def unit_name(pod: str) -> str:
     return f"{UNIT_PREFIX}{pod}.service"
 
 
+def template_unit_name(pod: str) -> str:
+    """The instance of the template unit shipped in systemd/poddaemon@.service."""
+    return f"poddaemon@{pod}.service"
+
+
 def unit_dir() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
     return Path(base) / "systemd" / "user"

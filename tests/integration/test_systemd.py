@@ -367,3 +367,40 @@ def test_example_timer_and_path_units_notify_the_pod(sd: Sd) -> None:
     wait_until(lambda: notified("inbox"), 20, "the path unit's notification")
     texts = "\n".join(str(e) for e in history("reviewer"))
     assert f"Files changed in {sd.m.home}/inbox" in texts
+
+
+def test_a_pod_of_the_shipped_template_unit_is_restarted_and_stopped_through_systemd(
+    sd: Sd,
+) -> None:
+    """systemd/poddaemon@.service, used as its comment says: `podctl restart` must restart the
+    unit (not stop it and start the pod outside systemd), `stop` stops it, `logs` reads the
+    journal."""
+    manifest_dir = sd.m.home / ".config" / "poddaemon" / "pods"
+    manifest_dir.mkdir(parents=True)
+    (manifest_dir / "tmpl.toml").write_text(sd.env.manifest("tmpl").read_text())
+    poddaemon = str(Path(sys.executable).parent / "poddaemon")
+    text = (ROOT / "systemd" / "poddaemon@.service").read_text()
+    target = units_dir(sd)
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "poddaemon@.service").write_text(
+        text.replace("%h/.local/bin/poddaemon", poddaemon)
+    )
+    home = f"PODDAEMON_HOME={sd.env.home}"
+    assert sd.m.systemctl("set-environment", home, "FAKE_API_KEY=test-key").returncode == 0
+    assert sd.m.systemctl("daemon-reload").returncode == 0
+    started = sd.m.systemctl("start", "poddaemon@tmpl.service")
+    assert started.returncode == 0, started.stderr
+    first = int(sd.m.prop("poddaemon@tmpl.service", "MainPID"))
+
+    again = sd.podctl("restart", "tmpl")
+    assert again.returncode == 0, again.stderr
+    assert "unit poddaemon@tmpl.service" in again.stdout
+    assert sd.m.prop("poddaemon@tmpl.service", "ActiveState") == "active"
+    pid = int(sd.m.prop("poddaemon@tmpl.service", "MainPID"))
+    assert pid != first
+    with sd.client("tmpl") as c:
+        assert c.status().pid == pid  # the pod is the unit's, not one started outside it
+    assert "PODDAEMON-READY" in sd.podctl("logs", "tmpl").stdout
+    stopped = sd.podctl("stop", "tmpl")
+    assert stopped.returncode == 0 and "unit poddaemon@tmpl.service" in stopped.stdout
+    assert sd.m.prop("poddaemon@tmpl.service", "ActiveState") == "inactive"
