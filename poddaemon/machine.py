@@ -770,6 +770,10 @@ class Machine:
             self._commit_all(turn.model_failed(None))
             self._advance()
             return
+        if turn.pause_requested:  # the safe point is now, before the next model call
+            turn.call_withdrawn()
+            self._advance()
+            return
         self._call_model(turn)
 
     def _compacted_start(self, history: list[Item], run_from: int | None) -> SessionStart:

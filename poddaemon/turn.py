@@ -162,6 +162,12 @@ class Turn(msgspec.Struct):
             self._finish("error", error.message)
         return []
 
+    def call_withdrawn(self) -> None:
+        """The model call asked for was never made (a compaction ran first and a pause came in
+        meanwhile): ask `next_step` again, which honours the pause."""
+        self._expect(_State.AWAIT_MODEL)
+        self._state = _State.NEED_MODEL
+
     def model_refused(self, reason: str) -> list[Entry]:
         """An interceptor refused the call before it was made (the budget is spent)."""
         self._expect(_State.AWAIT_MODEL)

@@ -415,3 +415,26 @@ def test_the_precompact_point_runs_every_interceptor_in_order() -> None:
 
     asyncio.run(Chain([Hook("a"), Interceptor(), Hook("b")]).before_compact("manual"))
     assert seen == ["a:manual", "b:manual"]
+
+
+def test_a_pause_asked_for_during_a_compaction_holds_before_the_next_model_call() -> None:
+    """The end of a compaction is a safe point: no model call is made for a run paused meanwhile
+    (it would be paid for, and its tool calls closed as 'not run')."""
+    d = driver(threshold=300)
+    token = d.call("run", "the task")
+    run_id = d.answer(token).result.run_id
+    tool_round(d, usage=50)
+    tool_round(d, usage=400)
+    assert isinstance(d.inflight, Summarize)
+    assert d.answer(d.call("pause")).result.paused
+    d.summarize("SUMMARY")
+    assert d.inflight is None
+    assert d.entries[0]["compacted_from"]  # the compaction itself stands
+    assert [data["outcome"] for data in events(d, "run.finished")] == ["paused"]
+    assert d.machine.state.paused_run == run_id
+    assert d.answer(d.call("resume")).result.run_id == run_id
+    call = d.inflight
+    assert isinstance(call, CallModel) and call.run_id == run_id
+    assert "SUMMARY" in call.items[0].text  # type: ignore[union-attr]
+    d.model("done")
+    assert [data["outcome"] for data in events(d, "run.finished")] == ["paused", "finished"]
