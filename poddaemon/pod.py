@@ -60,7 +60,7 @@ from poddaemon.store.log import new_session_id
 from poddaemon.summary import summarize
 from poddaemon.tools.base import ToolContext, ToolOutcome, ToolOutputLimits, execute
 from poddaemon.toolset import Toolset
-from poddaemon.turn import NOT_RUN_CANCELLED
+from poddaemon.turn import CANCELLED_WHILE_RUNNING, NOT_RUN_CANCELLED
 from protocol import errors
 from protocol.errors import RpcError
 
@@ -429,7 +429,7 @@ class Pod:
             if self.machine.in_flight != "tool":
                 raise
             outcome = ToolOutcome(
-                output=NOT_RUN_CANCELLED + " while it ran", is_error=True, summary="cancelled"
+                output=CANCELLED_WHILE_RUNNING, is_error=True, summary="cancelled"
             )
         except Exception as exc:
             log.exception("tool %s failed", call.name)

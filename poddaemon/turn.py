@@ -26,6 +26,11 @@ NOT_RUN_PAUSED = "not run: the run was paused before this tool started"
 NOT_RUN_CANCELLED = "not run: the run was cancelled"
 NOT_RUN_CUT_OFF = "not run: the response hit the output limit before this call was complete"
 NOT_RUN_STOPPED = "not run: the model's response was stopped ({reason})"
+CANCELLED_WHILE_RUNNING = (
+    "interrupted: the run was cancelled (or the pod shut down) while this call ran; a command "
+    "and every process it started were killed. It did not finish: check its effects before "
+    "running it again."
+)
 INTERRUPTED = (
     "interrupted: the pod stopped while this call ran; a command and every process it started "
     "were killed with the pod. It did not finish: check its effects before running it again."

@@ -16,7 +16,7 @@ from poddaemon.machine import (
     Stopped,
 )
 from poddaemon.session import MAX_NOTIFICATIONS_PER_REQUEST
-from poddaemon.turn import NOT_RUN_CANCELLED, NOT_RUN_PAUSED
+from poddaemon.turn import CANCELLED_WHILE_RUNNING, NOT_RUN_CANCELLED, NOT_RUN_PAUSED
 from protocol import errors
 from tests.unit.machine_driver import Driver
 
@@ -203,9 +203,9 @@ def test_cancel_during_a_tool_closes_the_rest_of_the_batch() -> None:
     d.call("run", "work")
     d.model(calls=3)
     d.call("cancel")
-    d.tool(NOT_RUN_CANCELLED + " while it ran", is_error=True)
+    d.tool(CANCELLED_WHILE_RUNNING, is_error=True)
     outputs = [e["item"]["output"] for e in d.entries if e["kind"] == "tool_result"]
-    assert outputs == [NOT_RUN_CANCELLED + " while it ran", NOT_RUN_CANCELLED, NOT_RUN_CANCELLED]
+    assert outputs == [CANCELLED_WHILE_RUNNING, NOT_RUN_CANCELLED, NOT_RUN_CANCELLED]
     assert d.kinds()[-2:] == ["turn_end", "run_end"]
 
 

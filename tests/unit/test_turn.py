@@ -16,6 +16,7 @@ from poddaemon.entries import Assistant, Entry, TurnEnd
 from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError, StopReason
 from poddaemon.turn import (
+    CANCELLED_WHILE_RUNNING,
     INTERRUPTED,
     NOT_RUN_CANCELLED,
     NOT_RUN_CUT_OFF,
@@ -565,7 +566,7 @@ def test_random_scripts_keep_the_invariants(
             ran.append(tool.call)
             tick()  # while the tool runs
             if interrupt:
-                out, err = NOT_RUN_CANCELLED + " while it ran", True
+                out, err = CANCELLED_WHILE_RUNNING, True
             else:
                 out, err = tool_output(tool.call), False
             records += turn.tool_returned(tool.call.id, out, err)
@@ -591,7 +592,7 @@ def test_random_scripts_keep_the_invariants(
     ran_ids = {c.id for c in ran}
     for res in results_of(records):
         if res.call_id in ran_ids:
-            assert res.output in (tool_output_for(res.call_id), NOT_RUN_CANCELLED + " while it ran")
+            assert res.output in (tool_output_for(res.call_id), CANCELLED_WHILE_RUNNING)
         else:
             assert res.is_error and res.output.startswith("not run:")
 
