@@ -1033,6 +1033,8 @@ class Machine:
                 outcome=outcome,
                 usage=run_usage_dict,
             )
+        if interrupted:  # as after a crash (see restore): the next start picks the work up
+            self._commit(SystemItem(id=f"restart-{run_id}", text=RESTART_NOTE, source="poddaemon"))
         self._emit(Sync())
 
     def _stop(self) -> None:

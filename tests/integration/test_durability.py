@@ -188,6 +188,23 @@ def test_kill_mid_stream(env: Env, rep: int) -> None:
     assert not [e for e in entries if e["kind"] == "assistant" and e["run_id"] == run.run_id]
 
 
+def test_a_graceful_stop_mid_run_is_picked_up_like_a_crash(env: Env) -> None:
+    """`systemctl restart` / `podctl restart` stop the pod cleanly: the run it cut short was
+    acknowledged, so the next start tells the model and goes on, as after kill -9."""
+    env.model.script({"text": "never delivered", "gate": "hold"})
+    pod = env.start("stopped")
+    text = "work cut short by a stop"
+    with pod.client() as c:
+        run = c.run(text)
+        env.model.wait_for_requests(1)
+        sid = c.status().session_id
+    assert sid and pod.stop() == 0
+    before = len(env.model.requests)
+    again = restart(env, pod, "resume", sid)
+    check_restored(env, again, sid, runs={run.run_id: text}, interrupted=run.run_id, before=before)
+    assert text in requests_since(env, before)
+
+
 @pytest.mark.parametrize("rep", REPS)
 def test_kill_mid_tool(env: Env, rep: int) -> None:
     pidfile = env.work / "tool.pid"

@@ -382,9 +382,7 @@ def test_a_pod_of_the_shipped_template_unit_is_restarted_and_stopped_through_sys
     text = (ROOT / "systemd" / "poddaemon@.service").read_text()
     target = units_dir(sd)
     target.mkdir(parents=True, exist_ok=True)
-    (target / "poddaemon@.service").write_text(
-        text.replace("%h/.local/bin/poddaemon", poddaemon)
-    )
+    (target / "poddaemon@.service").write_text(text.replace("%h/.local/bin/poddaemon", poddaemon))
     home = f"PODDAEMON_HOME={sd.env.home}"
     assert sd.m.systemctl("set-environment", home, "FAKE_API_KEY=test-key").returncode == 0
     assert sd.m.systemctl("daemon-reload").returncode == 0

@@ -307,8 +307,27 @@ def test_shutdown_mid_run_interrupts_and_ends_the_run_as_interrupted() -> None:
     d.model_fails(None)
     result = d.answer(waiter).result
     assert result.outcome == "error" and "shut down" in result.error
-    assert d.entries[-1]["interrupted"] is True
+    assert [e for e in d.entries if e["kind"] == "run_end"][-1]["interrupted"] is True
     assert any(isinstance(e, Stopped) for e in d.effects)
+
+
+def test_a_run_a_shutdown_interrupted_is_picked_up_at_the_next_start() -> None:
+    """A graceful stop or restart (systemctl restart, podctl restart) must not abandon the work
+    the run was acknowledged for: the same note as after a crash waits in the log."""
+    d = Driver()
+    d.call("run", "work")
+    d.model(calls=1)
+    d.call("shutdown")
+    d.tool()  # the cancelled call comes back
+    kinds = [e["kind"] for e in d.entries]
+    assert kinds[-2:] == ["run_end", "system_item"] and d.entries[-2]["interrupted"] is True
+    assert not any(isinstance(e, CallModel) for e in d.effects)  # no turn while stopping
+    again = Driver()
+    again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
+    again.feed(again.machine.restore(d.entries))
+    again.tick(NOTIFY_MAX_DELAY)
+    assert isinstance(again.inflight, CallModel)
+    assert "restarted" in again.inflight.items[-1].text  # type: ignore[union-attr]
 
 
 def test_a_provider_error_ends_the_run_with_its_message() -> None:
