@@ -32,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 SOCKET_FD = 3
@@ -127,6 +128,9 @@ class Runner:
         self.by_pid: dict[int, tuple[int, subprocess.Popen[bytes]]] = {}
         self.running = True
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # Run in each command before exec: puts it in a layer below this process's, so it
+        # cannot signal (kill, stop) the runner that will kill its escapees.
+        self.preexec: Callable[[], None] | None = None
 
     # --- I/O ---------------------------------------------------------------------------------
 
@@ -182,6 +186,7 @@ class Runner:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,  # its own process group: killed as one
+                preexec_fn=self.preexec,
             )
         except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: a NUL byte
             self.send(op="failed", id=cid, error=f"{type(e).__name__}: {e}")
@@ -288,20 +293,24 @@ class Runner:
         self.kill_everything()
 
 
-def apply_policy(policy: str) -> str:
-    """Confine this process (and so every command) by the pod's sandbox policy."""
+def apply_policy(policy: str) -> tuple[str, Callable[[], None] | None]:
+    """Confine this process (and so every command) by the pod's sandbox policy. Also returns,
+    where the kernel scopes signals (Landlock ABI >= 6), what each command must run before
+    exec so that it cannot signal this runner."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.append(root)  # -I left the package off the path; add it only now, last
     from poddaemon.sandbox import apply_policy as apply  # type: ignore[import-not-found,unused-ignore]
+    from poddaemon.sandbox import landlock  # type: ignore[import-not-found,unused-ignore]
 
     effective = str(apply(policy.encode()))
+    scoped = effective != "none" and landlock.abi_version() >= 6
     # Commands inherit this environment: their private temp dir, and what confines them.
     tmpdir = json.loads(policy).get("tmpdir")
     if tmpdir:
         os.environ["TMPDIR"] = tmpdir
     os.environ["PODDAEMON_SANDBOX"] = effective
-    return effective
+    return effective, (landlock.restrict_scope if scoped else None)
 
 
 def main() -> int:
@@ -318,7 +327,9 @@ def main() -> int:
         if not first or first[0].get("op") != "init":
             return 1
         policy = first[0].get("policy")
-        sandbox = apply_policy(policy) if policy is not None else "none"
+        sandbox = "none"
+        if policy is not None:
+            sandbox, runner.preexec = apply_policy(policy)
     except Exception as e:  # the pod must hear why, whatever it was
         runner.send(op="fatal", error=f"{type(e).__name__}: {e}")
         return 1

@@ -22,6 +22,7 @@ __all__ = [
     "abi_version",
     "fs_access_for_abi",
     "restrict",
+    "restrict_scope",
 ]
 
 # Syscall numbers: x86_64 and every architecture using the generic table (arm64, riscv, ...)
@@ -192,6 +193,18 @@ def restrict(
     finally:
         os.close(ruleset)
     return missing
+
+
+def restrict_scope() -> None:
+    """One more layer that only scopes signals and abstract unix sockets (ABI >= 6): what the
+    calling thread starts afterwards can no longer signal the processes left in the layers
+    below, its starter among them. Filesystem and network rights stay what they were."""
+    attr = _RulesetAttr(0, 0, SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL)
+    ruleset = _syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), ctypes.c_size_t(24), 0)
+    try:
+        _syscall(_SYS_RESTRICT_SELF, ruleset, 0)
+    finally:
+        os.close(ruleset)
 
 
 # Capabilities that let root step around a Landlock domain: CAP_SYS_PTRACE lets a confined

@@ -94,3 +94,23 @@ def test_bash_commands_do_not_see_the_provider_key(env: Env) -> None:
     followup = str(env.model.requests[1]["body"])
     assert "END-OF-ENV" in followup and "PODDAEMON_HOME=" in followup
     assert "FAKE_API_KEY" not in followup and "test-key" not in followup
+
+
+def test_a_command_cannot_kill_the_runner_to_outlive_the_pod(env: Env) -> None:
+    # The runner is what kills a command's escapees; a command killing it (same uid, same
+    # Landlock domain) would orphan a `setsid` escapee to init, past the pod's end.
+    pids_file = env.work / "pids"
+    command = (
+        f"(setsid sh -c 'echo $$ >> {pids_file}; exec sleep 1000' &); "
+        f"until [ -s {pids_file} ]; do sleep 0.05; done; kill -9 $PPID && echo KILLED-$((6*7))"
+    )
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]}, {"text": "ok"}
+    )
+    pod = env.start("runner-guard", tools=["bash"])
+    with pod.client() as c:
+        assert c.run_wait("kill your runner").outcome == "finished"
+    (escapee,) = command_pids(pids_file, 1)
+    assert "KILLED-42" not in str(env.model.requests[1]["body"])
+    assert pod.stop() == 0
+    wait_until(lambda: not alive(escapee), timeout=10, what="the escapee gone with the pod")
