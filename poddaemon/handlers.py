@@ -61,9 +61,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         refused, context = await hooks.user_prompt(p.input)
         if refused is not None:  # nothing is committed
             raise RpcError(errors.HOOK_REFUSED, refused)
-        if context:
-            pod.feed(m.add_context(context, "hook:UserPromptSubmit"))
-        return await pod.request(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait))
+        return await pod.request(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait, context))
 
     def notify(p: NotifyParams, conn: Any) -> Any:
         if hooks is not None and hooks.wants("Notification"):

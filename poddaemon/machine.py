@@ -271,8 +271,11 @@ class Machine:
         mode: str = "queue",
         client_key: str | None = None,
         wait: bool = False,
+        context: str = "",
     ) -> list[Effect]:
-        return self._handle(lambda: self._run(token, text, mode, client_key, wait))
+        """`context`: what UserPromptSubmit hooks added, committed just before the input, and
+        only when the input is (not for a replayed key, a conflict or a refusal)."""
+        return self._handle(lambda: self._run(token, text, mode, client_key, wait, context))
 
     def notify(
         self, token: int, message: str, source: str = "", client_key: str | None = None
@@ -795,7 +798,9 @@ class Machine:
 
     # --- the rules ------------------------------------------------------------------------------
 
-    def _run(self, token: int, text: str, mode: str, key: str | None, wait: bool) -> None:
+    def _run(
+        self, token: int, text: str, mode: str, key: str | None, wait: bool, context: str = ""
+    ) -> None:
         if self._refuse_if_stopping(token):
             return
         s = self.state
@@ -814,6 +819,11 @@ class Machine:
             self._error(token, errors.BUDGET_EXHAUSTED, self.budget_message())
             return
         active = s.active_run
+        if context:
+            item = SystemItem(
+                id=self.new_id(), text=context, source="hook:UserPromptSubmit", context=True
+            )
+            self._commit(item)
         if mode == "steer" and active is not None:
             steer_id = self.new_id()
             self._commit(

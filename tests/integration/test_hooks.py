@@ -152,3 +152,18 @@ def test_hooks_run_inside_the_sandbox(env: Env) -> None:
     text = out.read_text()
     assert "not for hooks" not in text and "Permission denied" in text
     assert Path(outside).read_text() == "not for hooks\n"
+
+
+def test_prompt_context_is_committed_only_with_an_accepted_prompt(env: Env) -> None:
+    # An idempotent retry (same client_key and input) and a conflicting key (-32006) commit
+    # nothing: the hook's context must not pile up in the history either.
+    env.model.script({"text": "fine"})
+    pod = env.start("retried", extra=hooks_toml("UserPromptSubmit", "echo CONTEXT-MARK"))
+    first = pod.call("run", input="deploy", client_key="k1", wait=True)
+    again = pod.call("run", input="deploy", client_key="k1", wait=True)
+    assert again["run_id"] == first["run_id"]
+    with pytest.raises(RpcError) as err:
+        pod.call("run", input="something else", client_key="k1")
+    assert err.value.code == -32006
+    contexts = [e for e in entries(pod) if e["kind"] == "system_item" and e.get("context")]
+    assert [e["text"] for e in contexts] == ["CONTEXT-MARK"]
