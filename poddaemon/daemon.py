@@ -211,7 +211,7 @@ def run_pod(args: "argparse.Namespace") -> int:
         if not os.path.exists(rule.target):
             _warn(f"{manifest.source}: scope.allow[{i}].target: {rule.target} does not exist")
 
-    box = _sandbox(manifest, scope, pwd)
+    box = _sandbox(manifest, scope, pwd, _hook_scripts(manifest))
     try:
         _, runtime = paths.ensure_private_dirs()
     except OSError as exc:
@@ -332,8 +332,28 @@ def _spawner(args: "argparse.Namespace", registry: Any) -> str | None:
     return None
 
 
-def _sandbox(manifest: Any, scope: Any, pwd: str) -> Any:
-    """The pod's sandbox (SPEC §3 [sandbox]): `enforce` without Landlock is a start-up error."""
+def _hook_scripts(manifest: Any) -> list[str]:
+    """The script files hook commands start with. One that is missing or not executable would
+    fail every run (exit 127 or 126: a warning, and the guard lets everything through): a
+    start-up error instead."""
+    scripts = []
+    for event in manifest.hooks.__struct_fields__:
+        for i, hook in enumerate(getattr(manifest.hooks, event)):
+            script = hook.script()
+            if script is None:
+                continue
+            where = f"{manifest.source}: hooks.{event}[{i}].command"
+            if not os.path.isfile(script):
+                raise StartupError(f"{where}: {script} does not exist (or is not a file)")
+            if not os.access(script, os.X_OK):
+                raise StartupError(f"{where}: {script} is not executable (chmod +x)")
+            scripts.append(script)
+    return scripts
+
+
+def _sandbox(manifest: Any, scope: Any, pwd: str, scripts: list[str]) -> Any:
+    """The pod's sandbox (SPEC §3 [sandbox]): `enforce` without Landlock is a start-up error.
+    `scripts`: hook scripts its commands may read and run wherever they are."""
     from poddaemon.sandbox import SandboxUnavailable
     from poddaemon.sandbox.pod import pod_sandbox
 
@@ -348,6 +368,7 @@ def _sandbox(manifest: Any, scope: Any, pwd: str) -> Any:
             # Commands never touch this user's session logs, registry and sockets' directories.
             protect=[str(paths.data_dir()), str(paths.runtime_dir()), str(paths.log_dir())],
             commands="bash" in tools or manifest.hooks.any(),
+            scripts=scripts,
         )
     except SandboxUnavailable as exc:
         raise StartupError(f"{manifest.source}: {exc}") from None

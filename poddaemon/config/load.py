@@ -8,6 +8,7 @@ dotted (`scope.allow[0].permission`). Values set with `--set` name the override 
 import copy
 import os
 import re
+import shlex
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from protocol import paths
 
 from .manifest import (
     FieldError,
+    HookConfig,
+    HooksSection,
     Manifest,
     ProviderConfig,
     SandboxConfig,
@@ -408,6 +411,19 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
     def rules(rs: list[ScopeRule]) -> list[ScopeRule]:
         return [msgspec.structs.replace(r, target=under(pwd, r.target)) for r in rs]
 
+    def hook(h: HookConfig) -> HookConfig:
+        # A script named by path runs from anywhere: a child pod (another pwd) runs it too,
+        # and the sandbox grants that one file (SPEC §10: a child keeps its spawner's hooks).
+        script = h.script()
+        if script is None or script.startswith("/"):
+            return h
+        head, tail = h.command.split(script, 1)
+        return msgspec.structs.replace(h, command=head + shlex.quote(under(pwd, script)) + tail)
+
+    events = HooksSection.__struct_fields__
+    hooks = msgspec.structs.replace(
+        m.hooks, **{e: [hook(h) for h in getattr(m.hooks, e)] for e in events}
+    )
     worker = m.worker
     if worker.instruction_file is not None:
         worker = msgspec.structs.replace(
@@ -417,6 +433,7 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
         m,
         pod=msgspec.structs.replace(m.pod, pwd=pwd),
         worker=worker,
+        hooks=hooks,
         scope=msgspec.structs.replace(
             m.scope, allow=rules(m.scope.allow), deny=rules(m.scope.deny)
         ),

@@ -164,12 +164,23 @@ class SandboxConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     network: bool = True  # False: commands the pod starts get no network
 
 
+# A command's first word when it names a file by path (`./hooks/guard.sh --strict`): no quotes,
+# expansions or operators in it, so it can be made absolute and granted as one file.
+_WORD = r"[^\s'\"\\$`;&|<>(){}*?\[\]#]"  # a character that needs no quoting in sh
+_SCRIPT_RE = re.compile(rf"\s*(~?(?:(?![~=]){_WORD})*/{_WORD}*)(?=\s|$)")
+
+
 class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     """One `[[hooks.<Event>]]` entry (SPEC §10, Claude Code's contract)."""
 
     command: str  # run with `sh -c`, cwd = pwd, inside the sandbox, JSON on stdin
     matcher: str | None = None  # a regex on the tool name (PreToolUse / PostToolUse)
     timeout: PositiveFloat = 60.0  # seconds; then the hook's process group is killed
+
+    def script(self) -> str | None:
+        """The file the command starts with, when its first word is a path (else None)."""
+        found = _SCRIPT_RE.match(self.command)
+        return found.group(1) if found else None
 
     def __post_init__(self) -> None:
         if not self.command.strip():

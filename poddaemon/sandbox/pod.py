@@ -4,12 +4,13 @@ runner (which confines itself before it starts anything) and shown by `status`."
 import contextlib
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
 from poddaemon.sandbox import NO_SANDBOX, SandboxUnavailable, available, build_policy, describe
-from poddaemon.sandbox.policy import Mode
+from poddaemon.sandbox.landlock import FS
+from poddaemon.sandbox.policy import Grant, Mode, system_grants
 from poddaemon.scope import Scope
 
 
@@ -36,6 +37,7 @@ def pod_sandbox(
     pwd: str,
     protect: list[str],
     commands: bool,
+    scripts: Sequence[str] = (),
 ) -> PodSandbox:
     """Decide the pod's sandbox. `enforce` without Landlock raises `SandboxUnavailable` (a
     start-up error); `best_effort` then runs unconfined and says so (`warnings`, for an alert).
@@ -56,16 +58,20 @@ def pod_sandbox(
     if not commands:
         return box
     box.tmpdir = tempfile.mkdtemp(prefix=f"poddaemon-{name}-")
+    # Hook scripts run wherever they are (outside the scope, in a denied directory, in the
+    # spawner's tree for a child): that one file is readable and executable, nothing around it.
+    extra = system_grants() + [Grant(p, FS.READ_FILE | FS.EXECUTE, exempt=True) for p in scripts]
     policy = build_policy(
-        scope, pwd=pwd, tmpdir=box.tmpdir, network=network, mode=mode, protect=protect
+        scope, pwd=pwd, tmpdir=box.tmpdir, network=network, mode=mode, protect=protect, extra=extra
     )
     box.policy = policy.encode()
     box.notes = list(policy.notes)
+    box.notes += [f"{p}: a hook script: commands may read and run it" for p in scripts]
     tmpdir = box.tmpdir
 
     def rebuild(live: Scope) -> bytes:
         again = build_policy(
-            live, pwd=pwd, tmpdir=tmpdir, network=network, mode=mode, protect=protect
+            live, pwd=pwd, tmpdir=tmpdir, network=network, mode=mode, protect=protect, extra=extra
         )
         return again.encode()
 

@@ -167,3 +167,45 @@ def test_prompt_context_is_committed_only_with_an_accepted_prompt(env: Env) -> N
     assert err.value.code == -32006
     contexts = [e for e in entries(pod) if e["kind"] == "system_item" and e.get("context")]
     assert [e["text"] for e in contexts] == ["CONTEXT-MARK"]
+
+
+SH_GUARD = """#!/bin/sh
+cat > /dev/null
+echo "guarded: no writes here" >&2
+exit 2
+"""
+
+
+def test_a_guard_script_outside_the_scope_still_guards(env: Env) -> None:
+    # Kept out of the scope so the model cannot rewrite its own guard: the sandbox lets
+    # commands read and run that one file, so the hook runs (it failed open with exit 126).
+    hooks = env.home / "hooks"
+    hooks.mkdir()
+    (hooks / "guard.sh").write_text(SH_GUARD)
+    (hooks / "guard.sh").chmod(0o755)
+    env.model.script(
+        {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]},
+        {"text": "done"},
+    )
+    extra = hooks_toml("PreToolUse", str(hooks / "guard.sh"), matcher="write_file")
+    pod = env.start("outguard", tools=["write_file", "bash"], extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("write").outcome == "finished"
+    assert not (env.work / "x.txt").exists()
+    (result,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert result["is_error"] and "guarded: no writes here" in result["output"]
+    assert any("a hook script" in n for n in pod.call("status")["sandbox_notes"])
+
+
+@pytest.mark.parametrize(
+    ("command", "problem"),
+    [("./missing.sh", "does not exist"), ("./plain.sh --x", "is not executable")],
+)
+def test_a_hook_script_that_cannot_run_is_a_startup_error(
+    env: Env, command: str, problem: str
+) -> None:
+    (env.work / "plain.sh").write_text(SH_GUARD)
+    path = env.manifest("broken", extra=hooks_toml("PreToolUse", command))
+    started = env.podctl("spawn", str(path))
+    assert started.returncode != 0
+    assert "hooks.PreToolUse[0].command" in started.stderr and problem in started.stderr

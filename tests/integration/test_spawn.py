@@ -769,3 +769,29 @@ def test_a_unit_pods_children_are_execd_into_its_cgroup(tree: Env) -> None:
         entry = registry.get(name)
         assert entry is not None and ppid(entry.pid) == parent.proc.pid, name
     assert not list((tree.home / "run").glob("forkserver.*"))
+
+
+def test_a_child_runs_its_spawners_guard_hook(tree: Env) -> None:
+    """SPEC §10: a child cannot drop a hook its spawner has. The spawner's guard is named
+    relative to its pwd and lies outside the child's scope: the child runs it all the same."""
+    env = tree
+    (env.work / "kid").mkdir()
+    guard = env.work / "guard.sh"
+    guard.write_text('#!/bin/sh\ncat >/dev/null\necho "the guard says no" >&2\nexit 2\n')
+    guard.chmod(0o755)
+    hook = '[[hooks.PreToolUse]]\ncommand = "./guard.sh"\nmatcher = "write_file"\n'
+    env.model.script_model(
+        "m-kid",
+        {"tool_calls": [tool("write_file", path="x.txt", content="no")]},
+        {"text": "kid done"},
+    )
+    env.model.script(
+        {"tool_calls": [spawn_call("kid", "write x.txt", [str(env.work / "kid")])]},
+        {"tool_calls": [tool("wait_pods", pods=["kid"], timeout_s=30)]},
+        {"text": "parent done"},
+    )
+    parent = start_parent(env, extra=hook)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    assert not (env.work / "kid" / "x.txt").exists()
+    kid = json.dumps(model_saw(env, "m-kid"))
+    assert "the guard says no" in kid

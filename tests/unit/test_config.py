@@ -640,3 +640,40 @@ def test_to_toml_round_trips(tmp_path: Path, m: Manifest) -> None:
     path = tmp_path / "rt.toml"
     path.write_text(manifest_to_toml(m), encoding="utf-8")
     assert same(load_manifest(path, defaults_path=tmp_path / "none.toml"), m)
+
+
+@pytest.mark.parametrize(
+    ("command", "script"),
+    [
+        ("./hooks/guard.sh", "./hooks/guard.sh"),
+        ("  ./hooks/guard.sh --strict x", "./hooks/guard.sh"),
+        ("/opt/hooks/g.sh", "/opt/hooks/g.sh"),
+        ("~/hooks/g.sh", "~/hooks/g.sh"),
+        ("echo hi", None),  # not a path
+        ("python3 hooks/g.py", None),  # the first word is no path
+        ("FOO=1 ./g.sh", None),  # an assignment first
+        ('"./a b.sh"', None),  # quoted: left to the shell
+        ("./g.sh;rm x", None),  # an operator inside the word
+        ("hooks/g.sh|cat", None),
+    ],
+)
+def test_a_hook_script_is_the_first_word_when_it_is_a_plain_path(
+    command: str, script: str | None
+) -> None:
+    from poddaemon.config.manifest import HookConfig
+
+    assert HookConfig(command=command).script() == script
+
+
+def test_hook_scripts_are_made_absolute_against_pwd(tmp_path: Path) -> None:
+    hooks = (
+        '[[hooks.PreToolUse]]\ncommand = "./hooks/guard.sh --strict"\n'
+        '[[hooks.Stop]]\ncommand = "echo ./not/a/script"\n'
+        '[[hooks.Stop]]\ncommand = "/abs/stop.sh"\n'
+    )
+    m = load_manifest(write(MINIMAL.replace("[pod]\n", '[pod]\npwd = "ws"\n', 1) + hooks))
+    assert m.hooks.PreToolUse[0].command == f"{tmp_path}/ws/hooks/guard.sh --strict"
+    assert [h.command for h in m.hooks.Stop] == ["echo ./not/a/script", "/abs/stop.sh"]
+    # The kept (resolved) configuration loads to the same commands: a child gets them so.
+    again = load_manifest(write(manifest_to_toml(m), "kept/m.toml"))
+    assert again.hooks == m.hooks
