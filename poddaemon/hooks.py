@@ -30,6 +30,9 @@ from poddaemon.tools.runner_client import CommandRunner
 
 Decision = Literal["ok", "block", "allow", "warning"]
 OUTPUT_LIMIT = 1 << 20  # bytes kept of a hook's stdout and of its stderr
+# Characters of a hook's context or reason that reach the model (as Claude Code's 10,000): a
+# context is sent again with every later request, a reason is a tool result or an RPC error.
+TEXT_LIMIT = 10_000
 
 
 class HookRun(msgspec.Struct, frozen=True):
@@ -50,8 +53,19 @@ def matches(hook: HookConfig, tool: str | None) -> bool:
     return re.fullmatch(hook.matcher, tool) is not None
 
 
+def capped(text: str) -> str:
+    if len(text) <= TEXT_LIMIT:
+        return text
+    return f"{text[:TEXT_LIMIT]}\n[hook output cut: {len(text) - TEXT_LIMIT} more characters]"
+
+
 def judge(event: str, code: int | None, stdout: str, stderr: str) -> tuple[Decision, str, str]:
-    """(decision, reason, context) from a finished hook; pure."""
+    """(decision, reason, context) from a finished hook, each text at most TEXT_LIMIT; pure."""
+    decision, reason, context = _judge(event, code, stdout, stderr)
+    return decision, capped(reason), capped(context)
+
+
+def _judge(event: str, code: int | None, stdout: str, stderr: str) -> tuple[Decision, str, str]:
     if code is None:
         return "warning", "timed out: killed with its process group", ""
     if code == 2:
