@@ -463,6 +463,8 @@ def _serve(
         if manifest.sandbox.mode == "best_effort" and box.status == "none":
             pod._alert("warning", "; ".join(box.notes), source="sandbox")
         if pod.hooks is not None and pod.hooks.wants("SessionStart"):
+            if session_id is None:  # the hook is told the session the first input will start
+                await pod.reserve_session()
             context = await pod.hooks.session_start("resume" if session_id else "startup")
             if context:
                 pod.feed(pod.machine.add_context(context, "hook:SessionStart"))

@@ -468,9 +468,12 @@ class Pod:
         self.feed(self.machine.tick())
 
     def _session_ref(self) -> tuple[str, str]:
-        """(session id, its log's path) for a hook's stdin."""
-        path = self.plog.path
-        return self.machine.state.session_id, path
+        """(session id, its log's path) for a hook's stdin: before the first input (a
+        SessionStart hook at start-up), the session that input will start."""
+        reserved = self.plog.reserved
+        if self.machine.state.session_id or reserved is None:
+            return self.machine.state.session_id, self.plog.path
+        return reserved.session_id, str(reserved.path)
 
     def _record_hook(self, run: "HookRun") -> None:
         if run.decision == "warning":
@@ -491,10 +494,10 @@ class Pod:
                 await self.s.model.warm()
 
         self._warming = asyncio.ensure_future(warm())  # not awaited at stop: stop stays fast
-        if self.plog.log is None and self.failure is None:
-            self.spawn_background(self._reserve_session())
+        if self.plog.log is None and self.plog.reserved is None and self.failure is None:
+            self.spawn_background(self.reserve_session())
 
-    async def _reserve_session(self) -> None:
+    async def reserve_session(self) -> None:
         try:
             reservation = await asyncio.to_thread(self.plog.reserve)
         except OSError as exc:  # the first input creates its file as it would have anyway

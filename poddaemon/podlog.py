@@ -71,6 +71,11 @@ class PodLog:
         self._reserved = reservation
         return True
 
+    @property
+    def reserved(self) -> "Reservation | None":
+        """The first session's file, when it is made and not yet taken."""
+        return self._reserved
+
     def first_session_id(self) -> str:
         """The id the first session should take: the reserved file's, if one is ready."""
         return self._reserved.session_id if self._reserved is not None else new_session_id()

@@ -209,3 +209,19 @@ def test_a_hook_script_that_cannot_run_is_a_startup_error(
     started = env.podctl("spawn", str(path))
     assert started.returncode != 0
     assert "hooks.PreToolUse[0].command" in started.stderr and problem in started.stderr
+
+
+def test_session_start_at_first_start_gets_the_session_its_first_input_starts(env: Env) -> None:
+    seen = env.work / "session-start.json"
+    env.model.script({"text": "ok"})
+    pod = env.start("fresh", extra=hooks_toml("SessionStart", f"cat > {seen}"))
+    wait_until(seen.exists, what="the SessionStart hook")
+    with pod.client() as c:
+        assert c.status().session_id is None
+        assert c.run_wait("first input").outcome == "finished"
+        sid = c.status().session_id
+    event = json.loads(seen.read_text())
+    assert (event["hook_event_name"], event["source"]) == ("SessionStart", "startup")
+    assert event["session_id"] == sid
+    assert Path(event["transcript_path"]).name.startswith(sid)
+    assert Path(event["transcript_path"]).exists()
