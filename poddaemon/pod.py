@@ -573,3 +573,7 @@ class _LiveScope:
 
     def access(self, path: str) -> Any:
         return self._pod.scope.access(path)
+
+    @property
+    def deny(self) -> Any:
+        return self._pod.scope.deny

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import msgspec
 
-from poddaemon.scope import Access, ScopeDenied
+from poddaemon.scope import Access, Rule, ScopeDenied
+from poddaemon.tools.denied import DeniedObjects
 from poddaemon.tools.fsopen import open_resolved, opened_path
 
 if TYPE_CHECKING:
@@ -21,6 +22,9 @@ class ScopeLike(Protocol):
     def check(self, path: str, want: Access, cwd: str) -> str: ...
 
     def access(self, path: str) -> Access: ...
+
+    @property
+    def deny(self) -> tuple[Rule, ...]: ...
 
 
 class FileStamp(NamedTuple):
@@ -72,13 +76,19 @@ class ToolContext(msgspec.Struct):
     # Rebuilds `sandbox_policy` from the pod's live scope (set by the sandbox wiring): when
     # delegation to a child changes the scope, later commands lose (or regain) those areas.
     policy_for_scope: Callable[[], bytes | None] | None = None
+    # the deny targets by identity: moved or hard-linked elsewhere, still denied (denied.py)
+    denied: DeniedObjects = msgspec.field(default_factory=DeniedObjects)
     _runner: "CommandRunner | None" = None
     _runner_lock: asyncio.Lock = msgspec.field(default_factory=asyncio.Lock)
     _runner_stale: bool = False
 
+    def __post_init__(self) -> None:
+        self.denied.note(getattr(self.scope, "deny", ()))  # (test doubles may have none)
+
     def scope_changed(self) -> None:
         """The live scope changed: the next command starts in a runner with the new policy
         (commands run one at a time, so none is cut short)."""
+        self.denied.note(getattr(self.scope, "deny", ()))
         if self.policy_for_scope is not None:
             self.sandbox_policy = self.policy_for_scope()
             self._runner_stale = True
@@ -122,12 +132,13 @@ class ToolContext(msgspec.Struct):
     def check_opened(self, fd: int, want: Access, name: str = "") -> None:
         """ScopeDenied unless the object behind `fd` (or its entry `name`, for a directory fd)
         is, where it is now, within scope."""
-        actual = opened_path(fd)
-        if name:
-            actual = os.path.join(actual, name)
+        where = opened_path(fd)
+        actual = os.path.join(where, name) if name else where
         has = self.scope.access(actual)
         if has < want:
             raise ScopeDenied(actual, want, has)
+        if self.denied:
+            self.denied.check(fd, name, where, want)
 
     def display(self, resolved: str) -> str:
         """A path as the model should see it: relative to pwd when inside it."""

@@ -158,3 +158,28 @@ def test_enforce_without_landlock_fails_start_up_and_best_effort_warns(env: Env)
         alert = next(e for e in c.events() if e.type == "alert")
     assert alert.data["source"] == "sandbox" and "no Landlock" in alert.data["message"]
     assert os.path.exists(path)
+
+
+def test_a_denied_dir_renamed_by_bash_is_still_denied_to_the_file_tools(
+    env: Env, layout: dict[str, Path]
+) -> None:
+    # Landlock cannot stop a command renaming one entry of a directory it may write: the
+    # contents must stay denied under the new name (SPEC §3), for the file tools as for bash.
+    secrets = layout["secrets"]
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": "mv secrets public"}}]},
+        {"tool_calls": [{"name": "bash", "arguments": {"command": "cat public/key.txt"}}]},
+        {"tool_calls": [{"name": "read_file", "arguments": {"path": "public/key.txt"}}]},
+        {"text": "done"},
+    )
+    pod = env.start(
+        "mover", tools=["bash", "read_file"], extra=DENY.format(target=secrets), pwd=str(env.work)
+    )
+    with pod.client() as c:
+        assert c.run_wait("move it").outcome == "finished"
+        entries = c.history(since=0, limit=10_000).entries
+    moved, cat, read = [e["item"] for e in entries if e["kind"] == "tool_result"]
+    assert not moved["is_error"] and (env.work / "public" / "key.txt").exists()  # the control
+    assert "denied secret" not in cat["output"] and "Permission denied" in cat["output"]
+    assert read["is_error"] and "denied secret" not in read["output"]
+    assert "a denied entry moved or linked there" in read["output"]

@@ -381,6 +381,43 @@ async def test_grep_respects_deny_rules(root: Path) -> None:
     assert out.is_error and out.output.startswith("outside scope:")
 
 
+async def test_a_denied_entry_moved_or_linked_to_an_allowed_name_stays_denied(root: Path) -> None:
+    # What a command can do in a directory it may write (SPEC §3: a deny is enforced for
+    # contents): rename the denied directory, hard-link a denied file under another name.
+    (root / "secrets").mkdir()
+    (root / "secrets/key").write_text("password=1\n")
+    (root / ".env").write_text("TOKEN=2\n")
+    (root / ".git").mkdir()
+    (root / ".git/config").write_text("[core]\n")
+    scope = Scope.from_config(
+        [(str(root), "write", True)],
+        [
+            (str(root / "secrets"), "read", True),
+            (str(root / ".env"), "read", True),
+            (str(root / ".git"), "write", True),
+        ],
+    )
+    ctx = ToolContext(scope=scope, pwd=str(root))
+    (root / "secrets").rename(root / "public")
+    os.link(root / ".env", root / "env.txt")
+    (root / ".git").rename(root / "git")
+    for path in ("public/key", "env.txt"):
+        out = await call(ctx, "read_file", path=path)
+        assert out.is_error and "a denied entry moved or linked there" in out.output, out.output
+    out = await call(ctx, "write_file", path="public/new.txt", content="x")
+    assert out.is_error and not (root / "public/new.txt").exists()
+    assert (await call(ctx, "grep", pattern="password|TOKEN")).output == "no matches"
+    # A deny on write still lets it be read, never changed, under its new name.
+    assert (await read(ctx, "git/config")).output == "     1\t[core]"
+    out = await call(ctx, "edit_file", path="git/config", old="[core]", new="[x]")
+    assert out.is_error and (root / "git/config").read_text() == "[core]\n"
+    # Other files keep their rights; a rule that goes takes its identity with it.
+    assert not (await call(ctx, "write_file", path="notes.txt", content="y")).is_error
+    ctx.scope = Scope.from_config([(str(root), "write", True)])
+    ctx.scope_changed()
+    assert (await read(ctx, "public/key")).output == "     1\tpassword=1"
+
+
 async def test_grep_caps_matches(
     ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
