@@ -65,6 +65,9 @@ class Children:
         self.changed = asyncio.Event()  # a report arrived or a child went
         self._spawning: set[str] = set()
         self._reported: set[str] = set()  # runs whose run.finished arrived
+        # Children taken back after our restart: which runs we gave them died with our memory,
+        # so `wait_pods` waits for them while they are running.
+        self._taken_back: set[str] = set()
 
     # --- start-up: re-adopt --------------------------------------------------------------------
 
@@ -78,6 +81,7 @@ class Children:
             if record is None or not record.live:
                 pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope, True))
             self._watch(_Live(name, entry.pid, entry.socket))
+            self._taken_back.add(name)
         for name, record in list(pod.state.children.items()):
             if record.live and name not in mine:
                 reason = f"child pod {name!r} ended while its spawner was not running"
@@ -122,6 +126,7 @@ class Children:
             return
         pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope, True))
         self._watch(_Live(name, entry.pid, entry.socket))
+        self._taken_back.add(name)
         self._refresh_scope()
 
     # --- the PodHost methods -------------------------------------------------------------------
@@ -168,14 +173,23 @@ class Children:
                 raise ToolError(f"no child pod named {n!r}")
         deadline = time.monotonic() + timeout
 
-        def pending() -> list[str]:
-            return [n for n in names if n in self.live and self.outstanding.get(n)]
+        async def waiting_for(n: str) -> bool:
+            if n not in self.live:
+                return False
+            if self.outstanding.get(n):
+                return True
+            return n in self._taken_back and await self._state(n) == "running"
 
-        while pending():
+        async def pending() -> bool:
+            return any([await waiting_for(n) for n in names])
+
+        while True:
+            self.changed.clear()  # before looking: a report that comes meanwhile wakes us
+            if not await pending():
+                break
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            self.changed.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(left):
                     await self.changed.wait()
@@ -183,11 +197,12 @@ class Children:
         for n in names:
             record = known[n]
             state = await self._state(n) if n in self.live else "stopped"
+            busy = bool(self.outstanding.get(n)) or (n in self._taken_back and state == "running")
             out[n] = {
                 "state": state,
                 "outcome": record.outcome,
                 "text": record.text,
-                "waiting": bool(self.outstanding.get(n)) and n in self.live,
+                "waiting": n in self.live and busy,
             }
         return out
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from poddaemon.registry import Registry
-from tests.conftest import Env, PodProcess, ppid, wait_until
+from tests.conftest import Env, PodProcess, collect_run, ppid, wait_until
 
 POD_TOOLS = [
     "read_file",
@@ -241,6 +241,35 @@ def test_reports_wait_while_the_parent_is_down(tree: Env) -> None:
     assert len(got) == 1 and got[0]["detail"] == "d1 done"
     st = again.call("status")
     assert [c["name"] for c in st["children"]] == ["d1"]  # re-adopted
+
+
+def test_wait_pods_after_a_restore_waits_for_a_child_still_at_work(tree: Env) -> None:
+    """The runs a spawner gave its children die with its memory at kill -9: after the restore,
+    wait_pods waits for a taken-back child while it is running, not returning at once."""
+    env = tree
+    (env.work / "d1").mkdir()
+    env.model.script_model("m-d1", {"text": "d1 done", "gate": "child"})
+    env.model.script(
+        {"tool_calls": [spawn_call("d1", "work", [str(env.work / "d1")])]}, {"text": "spawned"}
+    )
+    parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    parent.kill9()
+    again = env.restart(parent, "--resume")
+    env.model.script(
+        {"tool_calls": [tool("wait_pods", pods=["d1"], timeout_s=30)]}, {"text": "waited"}
+    )
+    with again.client(timeout=60) as c:
+        c.subscribe()
+        run = c.run("wait for d1")
+        for event in c.events():
+            if event.type == "tool.started" and event.data["name"] == "wait_pods":
+                break
+        env.model.open_gate("child")  # only now: wait_pods must still be waiting
+        assert collect_run(c, run.run_id)[-1].data["outcome"] == "finished"
+    (waited,) = [r for r in tool_results(again) if r["name"] == "wait_pods"]
+    d1 = json.loads(waited["output"])["d1"]
+    assert (d1["outcome"], d1["text"], d1["waiting"]) == ("finished", "d1 done", False), d1
 
 
 def test_child_killed_mid_report_is_redelivered_once(tree: Env) -> None:
