@@ -27,6 +27,7 @@ log = logging.getLogger("poddaemon.mcp")
 Alert = Callable[[str, str, str], None]  # (level, source, message), as the pod's alerts
 MAX_PAGES = 100  # tools/list pages followed; a paginator that never ends cannot hang start-up
 CALL_MARGIN = 5.0  # seconds past `timeout` after which a call is abandoned even if the SDK hangs
+PING_TIMEOUT = 2.0  # after a call timed out: a server that cannot answer a ping in this is hung
 
 
 class StartFailed(Exception):
@@ -306,10 +307,10 @@ class McpConnection:
             async with asyncio.timeout(timeout + CALL_MARGIN):
                 result = await client.call_tool(remote, args, read_timeout_seconds=timeout)
         except TimeoutError:
-            return self._timed_out(remote)
+            return await self._timed_out(remote, client)
         except MCPError as exc:
             if exc.code == REQUEST_TIMEOUT:
-                return self._timed_out(remote)
+                return await self._timed_out(remote, client)
             if exc.code == CONNECTION_CLOSED:
                 return self._call_lost(remote, exc.message, client)
             return error(f"MCP server '{self.name}' refused {remote}: {exc.message} ({exc.code})")
@@ -319,11 +320,17 @@ class McpConnection:
             return error(f"MCP server '{self.name}' failed on {remote}: {_describe(exc)}")
         return outcome(result)
 
-    def _timed_out(self, remote: str) -> ToolOutcome:
-        return error(
-            f"{remote} timed out after {self.cfg.timeout:g} s (MCP server '{self.name}', "
-            "[[mcp.servers]] timeout)"
-        )
+    async def _timed_out(self, remote: str, client: Any) -> ToolOutcome:
+        """A slow tool, or a hung server? A server that cannot answer a ping either is taken
+        for lost (restarted once, as if it died): otherwise every later call would wait out
+        its timeout too while its status still said ready."""
+        late = f"{remote} timed out after {self.cfg.timeout:g} s"
+        try:
+            async with asyncio.timeout(PING_TIMEOUT):
+                await client.send_ping()
+        except Exception:
+            return self._call_lost(remote, f"{late}, and a ping got no answer", client)
+        return error(f"{late} (MCP server '{self.name}', [[mcp.servers]] timeout)")
 
     def _call_lost(self, remote: str, why: str, client: Any) -> ToolOutcome:
         # Only the connection this call used: a restart may already have replaced it.

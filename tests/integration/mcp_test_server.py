@@ -39,6 +39,13 @@ async def slow(seconds: float) -> str:
 
 
 @server.tool()
+async def hang(seconds: float) -> str:
+    """Block the whole server (its event loop too: no ping is answered), then answer."""
+    time.sleep(seconds)
+    return f"hung {seconds}"
+
+
+@server.tool()
 def env(name: str) -> str:
     """The value of an environment variable of the server, or <unset>."""
     return os.environ.get(name, "<unset>")

@@ -21,7 +21,7 @@ from tests.conftest import Env, StartFailed, ppid, wait_until
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 # Not worth a model request: the tool names every test's server offers.
-ALL_TOOLS = {"add", "fail", "slow", "env", "big", "pid", "crash"}
+ALL_TOOLS = {"add", "fail", "slow", "hang", "env", "big", "pid", "crash"}
 
 
 def server_toml(name: str = "t", *, url: str | None = None, args: tuple[str, ...] = (),
@@ -187,6 +187,23 @@ def test_a_server_that_dies_is_restarted_once_then_its_calls_fail(env: Env) -> N
     messages = alerts(pod)
     assert any("restarting it" in m for m in messages)
     assert any("died again" in m for m in messages)
+
+
+def test_a_hung_server_is_taken_for_lost_and_restarted(env: Env) -> None:
+    # A slow tool on a live server only times out (the `slow` case above); a server that does
+    # not answer a ping either is hung: restarted, so the next call works at once.
+    env.model.script(
+        {"tool_calls": [{"name": "t__hang", "arguments": {"seconds": 60}}]},
+        {"tool_calls": [{"name": "t__add", "arguments": {"a": 1, "b": 2}}]},
+        {"text": "recovered"},
+    )
+    pod = env.start("stuck", extra=server_toml(timeout=1))
+    with pod.client(timeout=60) as c:
+        assert c.run_wait("hang it").outcome == "finished"
+    hang, add = tool_results(pod)
+    assert hang["is_error"] and "timed out after 1 s, and a ping got no answer" in hang["output"]
+    assert (add["output"], add["is_error"]) == ("3", False)  # the restarted server answered
+    assert any("restarting it" in m for m in alerts(pod))
 
 
 # --- processes die with the pod --------------------------------------------------------------
