@@ -231,8 +231,8 @@ class Machine:
     def pod_state(self) -> PodState:
         if self.stopping:
             return "stopping"
-        if self.state.active_run is not None:
-            return "running"
+        if self.state.active_run is not None or self._compacting is not None:
+            return "running"  # (a manual compaction works without a run)
         if self.state.paused_run is not None:
             return "paused"
         return "idle"
@@ -739,6 +739,8 @@ class Machine:
         estimate = compaction.estimate_tokens(self.system_prompt, self.state.history)
         self._compacting = _Compaction(reason, run_id, token, before, estimate)
         self.in_flight = "compact"
+        if run_id is None:  # a manual one: the idle pod is at work until it ends
+            self._publish("state.changed", {"state": self.pod_state})
         self._publish("compaction.started", {"reason": reason, "input_tokens": before}, run_id)
         items = compaction.summary_request_items(list(self.state.history))
         self._emit(Summarize(run_id, reason, self.system_prompt, items))
@@ -749,6 +751,8 @@ class Machine:
             raise RuntimeError("a compaction result with no compaction in flight")
         self._compacting = None
         self.in_flight = None
+        if c.run_id is None:
+            self._publish("state.changed", {"state": self.pod_state})
         return c
 
     def _compaction_failed(self, c: _Compaction, error: str) -> None:
@@ -832,7 +836,7 @@ class Machine:
             self._reply(token, RunResult(run_id=active, state="steered"), durable=True)
             return
         run_id = self.new_id()
-        busy = active is not None or s.pending_runs
+        busy = active is not None or s.pending_runs or self._compacting is not None
         position = len(s.pending_runs) + 1 if busy else 0
         self._commit(UserInput(text=text, mode="queue", run_id=run_id, client_key=key))
         if position:

@@ -192,7 +192,12 @@ def test_compact_is_refused_busy_while_a_run_is_active_and_answers_the_new_sessi
     token = d.call("compact")
     again = d.call("compact")  # while the first is in flight
     assert d.answer(again).error is not None and d.answer(again).error.code == errors.BUSY
+    # Busy meanwhile, as a client sees it: running, a run is queued, a notification wakes no one.
+    assert d.machine.pod_state == "running"
+    assert [e["state"] for e in events(d, "state.changed")][-1] == "running"
     queued = d.call("run", "waits for the compaction")
+    assert d.answer(queued).result.state == "queued" and d.answer(queued).result.position == 1
+    assert d.answer(d.call("notify", "meanwhile", "ci")).result.wakes is False
     assert isinstance(d.inflight, Summarize)
     d.summarize("idle summary")
     new_id = d.answer(token).result.session_id
@@ -200,8 +205,8 @@ def test_compact_is_refused_busy_while_a_run_is_active_and_answers_the_new_sessi
     call = d.inflight
     assert isinstance(call, CallModel)  # the queued run started in the new session
     assert "idle summary" in call.items[0].text  # type: ignore[union-attr]
-    assert call.items[-1] == UserMessage(text="waits for the compaction")
-    assert d.answer(queued).error is None
+    assert call.items[-2] == UserMessage(text="waits for the compaction")
+    assert "meanwhile" in call.items[-1].text  # type: ignore[union-attr]
 
 
 def test_cancel_during_a_compaction_ends_the_run_cancelled_in_the_old_session() -> None:
