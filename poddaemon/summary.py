@@ -21,6 +21,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("poddaemon.pod")
 
+CUT_OFF_NOTE = "\n\n[This summary was cut off at the output limit: it may be incomplete.]"
+CUT_OFF_ALERT = (
+    "the compaction summary hit the output limit (worker.max_tokens = {}) and was kept cut off"
+)
+
 
 async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
     machine = pod.machine
@@ -36,9 +41,12 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
         )
         client = pod.s.compaction_model or pod.s.model
         response = await _answer(pod, client, request, effect.run_id)
-        return machine.compaction_returned(
-            response.message.text, response.usage, live_children(machine.state)
-        )
+        summary = response.message.text
+        if response.stop == "max_tokens" and summary.strip():
+            # Still better than the context it replaces, but the model must know it is partial.
+            pod._alert("warning", CUT_OFF_ALERT.format(pod.m.worker.max_tokens), "compaction")
+            summary += CUT_OFF_NOTE
+        return machine.compaction_returned(summary, response.usage, live_children(machine.state))
     except ProviderError as exc:
         pod._alert("warning", f"compaction: {exc.message}", source="provider")
         return machine.compaction_failed(exc.message)

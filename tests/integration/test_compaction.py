@@ -416,3 +416,27 @@ def test_after_a_useless_compaction_a_rejected_request_ends_the_run_context_full
     assert result.error.startswith("context full: ") and too_long in result.error
     bodies = [r["body"] for r in env.model.requests]
     assert sum(is_summary_request("openai", b) for b in bodies) == 1  # not tried again
+
+
+def test_a_summary_cut_off_at_the_output_limit_is_kept_marked_partial(env: Env) -> None:
+    pod = env.start()
+    env.model.script({"text": "first"})
+    with pod.client() as c:
+        c.run_wait("hello")
+    env.model.script_when(MARKER, {"text": "the work so far: half of it", "stop": "max_tokens"})
+    assert env.podctl("compact", "pod").returncode == 0
+    env.model.script({"text": "next"})
+    with pod.client() as c:
+        c.run_wait("go on")
+    texts = " ".join(user_texts("openai", env.model.requests[-1]["body"]))
+    assert "the work so far: half of it" in texts and "cut off at the output limit" in texts
+    with pod.client(timeout=10) as c:
+        c.subscribe(since=0)
+        last = c.run("(an event after the alert, to know when to stop)")
+        alerts = []
+        for event in c.events():
+            if event.type == "alert":
+                alerts.append(event.data["message"])
+            if event.type == "run.finished" and event.run_id == last.run_id:
+                break
+    assert any("hit the output limit" in a for a in alerts), alerts
