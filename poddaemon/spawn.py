@@ -364,7 +364,7 @@ class Children:
         try:
             started = await _fork(cmd) or await _exec(cmd)
             try:
-                socket = await self._ready(started)
+                socket = await self._ready(started, str(path))
             except BaseException:
                 await started.kill()
                 raise
@@ -390,8 +390,9 @@ class Children:
         self._expect(name, str(result["run_id"]))
         return {"name": name, "socket": socket}
 
-    async def _ready(self, started: "_Started") -> str:
-        """Read the child's stderr until READY; its earlier lines are its error otherwise."""
+    async def _ready(self, started: "_Started", manifest: str) -> str:
+        """Read the child's stderr until READY; its earlier lines are its error otherwise (less
+        the name of its `manifest`, a file gone by the time the model reads the error)."""
         output = bytearray()
         deadline = time.monotonic() + READY_TIMEOUT
         while True:
@@ -410,7 +411,7 @@ class Children:
                 return parts[2] if len(parts) > 2 else ""
             output += line
         code = await started.wait()
-        text = output.decode("utf-8", "replace").strip()
+        text = output.decode("utf-8", "replace").replace(f"{manifest}: ", "").strip()
         lines = [ln.removeprefix("poddaemon: ") for ln in text.splitlines() if ln.strip()]
         message = "\n".join(lines[-5:]) or f"it exited with status {code}"
         raise ToolError(f"child pod failed to start: {message}")

@@ -598,6 +598,7 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     assert "delegated to another child" in errs[2], errs[2]
     assert "scope conflict: pod 'ok'" in errs[3], errs[3]  # the child's own message
     assert "child pod failed to start" in errs[4] and "undefined" in errs[4], errs[4]
+    assert ".spawn-" not in errs[4]  # no name of the child's manifest: gone when it is read
     live = {e.name for e in Registry(env.home / "run").live()}
     assert live == {"parent", "ok"}
     assert len(_stray(env)) == 2
