@@ -6,6 +6,8 @@ would hand the file tools, which judge `public/key` by its new name, what the de
 for. Each deny target's `(st_dev, st_ino)` is recorded when the rule is first seen, and an
 opened object that is, or lies below, a recorded one keeps at most that rule's cap, wherever it
 is now. Rules that go (a child's delegated area handed back) take their identities with them.
+Each recorded target is held open (`O_PATH`), as a Landlock rule holds its inode: deleted, its
+inode number cannot be reused by an unrelated file while it is recorded.
 """
 
 import contextlib
@@ -19,7 +21,7 @@ Identity = tuple[int, int]
 
 class DeniedObjects:
     def __init__(self) -> None:
-        self._by_target: dict[str, tuple[Identity, Access]] = {}
+        self._by_target: dict[str, tuple[int, Identity, Access]] = {}  # target -> (fd, id, cap)
         self._caps: dict[Identity, Access] = {}
 
     def __bool__(self) -> bool:
@@ -29,20 +31,28 @@ class DeniedObjects:
         """The live deny rules: record the targets not seen before (as they are now), forget
         those no rule names any more. A target that does not exist yet is looked at again at
         the next call."""
-        kept: dict[str, tuple[Identity, Access]] = {}
+        kept: dict[str, tuple[int, Identity, Access]] = {}
         for rule in denies:
-            known = self._by_target.get(rule.target)
+            known = kept.get(rule.target) or self._by_target.pop(rule.target, None)
             if known is None:
                 try:
-                    st = os.stat(rule.target)
+                    fd = os.open(rule.target, os.O_PATH | os.O_CLOEXEC)
                 except OSError:
                     continue
-                known = ((st.st_dev, st.st_ino), rule.deny_cap)
-            kept[rule.target] = known
+                st = os.fstat(fd)
+                known = (fd, (st.st_dev, st.st_ino), rule.deny_cap)
+            kept[rule.target] = (known[0], known[1], min(known[2], rule.deny_cap))
+        self.close()  # the rules that went
         self._by_target = kept
         self._caps = {}
-        for identity, cap in kept.values():
+        for _, identity, cap in kept.values():
             self._caps[identity] = min(cap, self._caps.get(identity, Access.WRITE))
+
+    def close(self) -> None:
+        for fd, _, _ in self._by_target.values():
+            os.close(fd)
+        self._by_target = {}
+        self._caps = {}
 
     def check(self, fd: int, name: str, path: str, want: Access) -> None:
         """ScopeDenied if the object behind `fd` (or its entry `name`), or a directory above

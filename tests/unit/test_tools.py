@@ -696,3 +696,22 @@ async def test_edit_after_a_swap_never_touches_the_outside(
     out = await call(ctx, "edit_file", path="d/f.txt", old_string="E", new_string="X")
     assert (outside / "f.txt").read_text() == "OUTSIDE\n"
     assert out.is_error or "INSIDX" in (root / "link" / "f.txt").read_text()
+
+
+def test_deny_targets_are_held_open_while_recorded_and_let_go_with_their_rule(root: Path) -> None:
+    # Held, a deleted target's inode number cannot be reused by an unrelated file that the
+    # tools would then refuse as "moved there"; a rule that goes closes its hold.
+    from poddaemon.tools.denied import DeniedObjects
+
+    (root / ".env").write_text("TOKEN=1\n")
+    rules = Scope.from_config([(str(root), "write", True)], [(str(root / ".env"), "read", True)])
+    before = len(os.listdir("/proc/self/fd"))
+    denied = DeniedObjects()
+    denied.note(rules.deny)
+    denied.note(rules.deny)  # seen again: the same hold
+    assert len(os.listdir("/proc/self/fd")) == before + 1
+    (root / ".env").unlink()
+    (root / "new.txt").write_text("fresh\n")
+    assert os.stat(root / "new.txt").st_ino not in {i for _, i in denied._caps}
+    denied.note(())
+    assert len(os.listdir("/proc/self/fd")) == before and not denied
