@@ -219,16 +219,23 @@ def test_each_report_reaches_the_parent_model_once(tree: Env) -> None:
         assert delivered.count(r["id"]) == 1
 
 
-def test_reports_wait_while_the_parent_is_down(tree: Env) -> None:
-    """kill -9 of a parent whose children detach: their reports wait and arrive on restore."""
-    env = tree
-    (env.work / "d1").mkdir()
-    env.model.script_model("m-d1", {"text": "d1 done", "gate": "child"})
+def _detached_parent_of(env: Env, child: str, *replies: dict[str, Any]) -> PodProcess:
+    """A parent (on_parent_exit = detach) that spawned `child` on work/<child>, the child's
+    model scripted with `replies` (none: it echoes its task at once)."""
+    (env.work / child).mkdir()
+    env.model.script_model(f"m-{child}", *replies)
     env.model.script(
-        {"tool_calls": [spawn_call("d1", "work", [str(env.work / "d1")])]}, {"text": "spawned"}
+        {"tool_calls": [spawn_call(child, "work", [str(env.work / child)])]}, {"text": "spawned"}
     )
     parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
     assert run_and_wait(parent, "go")["outcome"] == "finished"
+    return parent
+
+
+def test_reports_wait_while_the_parent_is_down(tree: Env) -> None:
+    """kill -9 of a parent whose children detach: their reports wait and arrive on restore."""
+    env = tree
+    parent = _detached_parent_of(env, "d1", {"text": "d1 done", "gate": "child"})
     parent.kill9()
     env.model.open_gate("child")  # the child finishes while its parent is down
     child = Registry(env.home / "run").get("d1")
@@ -247,13 +254,7 @@ def test_wait_pods_after_a_restore_waits_for_a_child_still_at_work(tree: Env) ->
     """The runs a spawner gave its children die with its memory at kill -9: after the restore,
     wait_pods waits for a taken-back child while it is running, not returning at once."""
     env = tree
-    (env.work / "d1").mkdir()
-    env.model.script_model("m-d1", {"text": "d1 done", "gate": "child"})
-    env.model.script(
-        {"tool_calls": [spawn_call("d1", "work", [str(env.work / "d1")])]}, {"text": "spawned"}
-    )
-    parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
-    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    parent = _detached_parent_of(env, "d1", {"text": "d1 done", "gate": "child"})
     parent.kill9()
     again = env.restart(parent, "--resume")
     env.model.script(
@@ -276,13 +277,7 @@ def test_child_killed_mid_report_is_redelivered_once(tree: Env) -> None:
     """A child kill -9ed with a report in its outbox redelivers it after its restore; the
     parent accepts its event_id once."""
     env = tree
-    (env.work / "r1").mkdir()
-    env.model.script_model("m-r1")
-    env.model.script(
-        {"tool_calls": [spawn_call("r1", "first", [str(env.work / "r1")])]}, {"text": "spawned"}
-    )
-    parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
-    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    parent = _detached_parent_of(env, "r1")
     wait_until(lambda: _finished_reports(parent, "r1"), 20, "the first report")
     entry = Registry(env.home / "run").get("r1")
     assert entry is not None
@@ -317,13 +312,7 @@ def test_child_restarted_while_its_spawner_is_down_is_taken_back(tree: Env) -> N
     spawner as parent, so the restored spawner starts (no scope clash with its own child) and
     re-adopts it, its area delegated."""
     env = tree
-    (env.work / "d1").mkdir()
-    env.model.script_model("m-d1")
-    env.model.script(
-        {"tool_calls": [spawn_call("d1", "work", [str(env.work / "d1")])]}, {"text": "spawned"}
-    )
-    parent = start_parent(env, extra='[spawn]\non_parent_exit = "detach"\n')
-    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    parent = _detached_parent_of(env, "d1")
     wait_until(lambda: _finished_reports(parent, "d1"), 20, "the report")
     parent.kill9()
     out = env.podctl("restart", "d1")
