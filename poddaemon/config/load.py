@@ -414,11 +414,12 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
     def hook(h: HookConfig) -> HookConfig:
         # A script named by path runs from anywhere: a child pod (another pwd) runs it too,
         # and the sandbox grants that one file (SPEC §10: a child keeps its spawner's hooks).
-        script = h.script()
-        if script is None or script.startswith("/"):
+        found = h.script_span()
+        if found is None or found[2].startswith("/"):
             return h
-        head, tail = h.command.split(script, 1)
-        return msgspec.structs.replace(h, command=head + shlex.quote(under(pwd, script)) + tail)
+        start, end, script = found
+        word = shlex.quote(under(pwd, script))
+        return msgspec.structs.replace(h, command=h.command[:start] + word + h.command[end:])
 
     events = HooksSection.__struct_fields__
     hooks = msgspec.structs.replace(

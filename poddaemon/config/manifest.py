@@ -168,6 +168,8 @@ class SandboxConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 # expansions or operators in it, so it can be made absolute and granted as one file.
 _WORD = r"[^\s'\"\\$`;&|<>(){}*?\[\]#]"  # a character that needs no quoting in sh
 _SCRIPT_RE = re.compile(rf"\s*(~?(?:(?![~=]){_WORD})*/{_WORD}*)(?=\s|$)")
+# ... or single-quoted, as `shlex.quote` writes a path with a space (the resolved manifest does)
+_QUOTED_SCRIPT_RE = re.compile(r"\s*'((?!~)[^']*/[^']*)'(?=\s|$)")
 
 
 class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -179,8 +181,16 @@ class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
     def script(self) -> str | None:
         """The file the command starts with, when its first word is a path (else None)."""
-        found = _SCRIPT_RE.match(self.command)
-        return found.group(1) if found else None
+        found = self.script_span()
+        return found[2] if found else None
+
+    def script_span(self) -> tuple[int, int, str] | None:
+        """Where in `command` the script's word is (quotes included), and the file it names."""
+        if found := _SCRIPT_RE.match(self.command):
+            return found.start(1), found.end(1), found.group(1)
+        if found := _QUOTED_SCRIPT_RE.match(self.command):
+            return found.start(1) - 1, found.end(1) + 1, found.group(1)
+        return None
 
     def __post_init__(self) -> None:
         if not self.command.strip():

@@ -652,7 +652,10 @@ def test_to_toml_round_trips(tmp_path: Path, m: Manifest) -> None:
         ("echo hi", None),  # not a path
         ("python3 hooks/g.py", None),  # the first word is no path
         ("FOO=1 ./g.sh", None),  # an assignment first
-        ('"./a b.sh"', None),  # quoted: left to the shell
+        ('"./a b.sh"', None),  # double-quoted: left to the shell
+        ("'/my proj/g.sh' --x", "/my proj/g.sh"),  # as a resolved manifest writes it
+        ("'./a b.sh'", "./a b.sh"),
+        ("'~/g.sh'", None),  # no tilde expansion inside quotes: a file named ~
         ("./g.sh;rm x", None),  # an operator inside the word
         ("hooks/g.sh|cat", None),
     ],
@@ -677,3 +680,18 @@ def test_hook_scripts_are_made_absolute_against_pwd(tmp_path: Path) -> None:
     # The kept (resolved) configuration loads to the same commands: a child gets them so.
     again = load_manifest(write(manifest_to_toml(m), "kept/m.toml"))
     assert again.hooks == m.hooks
+
+
+def test_a_hook_script_under_a_pwd_with_a_space_stays_a_script(tmp_path: Path) -> None:
+    # The resolved command quotes the path; it must still be seen as the script (the pod
+    # checks it at start-up and the sandbox grants it), in the kept configuration too.
+    hooks = '[[hooks.PreToolUse]]\ncommand = "./hooks/guard.sh --strict"\n'
+    m = load_manifest(write(MINIMAL.replace("[pod]\n", '[pod]\npwd = "my ws"\n', 1) + hooks))
+    (hook,) = m.hooks.PreToolUse
+    assert hook.command == f"'{tmp_path}/my ws/hooks/guard.sh' --strict"
+    assert hook.script() == f"{tmp_path}/my ws/hooks/guard.sh"
+    again = load_manifest(write(manifest_to_toml(m), "kept/m.toml"))
+    assert again.hooks == m.hooks and again.hooks.PreToolUse[0].script() == hook.script()
+    quoted = "[[hooks.Stop]]\ncommand = \"'./my hooks/s.sh' x\"\n"
+    m = load_manifest(write(MINIMAL + quoted))
+    assert m.hooks.Stop[0].command == f"'{tmp_path}/my hooks/s.sh' x"
