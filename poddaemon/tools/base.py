@@ -95,7 +95,10 @@ class ToolContext(msgspec.Struct):
 
     async def command_runner(self) -> "CommandRunner":
         """The helper process that starts this pod's commands, started at first use (and again
-        if it died, or when the scope it was confined to changed)."""
+        if it died, or when the scope it was confined to changed). Called for every command
+        (bash, hooks): what the deny targets are just before one runs is recorded, so a target
+        made or replaced since, renamed by the command, stays denied to the file tools."""
+        self.denied.note(getattr(self.scope, "deny", ()))
         async with self._runner_lock:
             if self._runner is None or not self._runner.alive or self._runner_stale:
                 self._runner_stale = False
@@ -137,8 +140,11 @@ class ToolContext(msgspec.Struct):
         has = self.scope.access(actual)
         if has < want:
             raise ScopeDenied(actual, want, has)
-        if self.denied:
-            self.denied.check(fd, name, where, want)
+        denies = getattr(self.scope, "deny", ())
+        if denies:
+            self.denied.note(denies)  # a target made or replaced since: recorded too
+            if self.denied:
+                self.denied.check(fd, name, where, want)
 
     def display(self, resolved: str) -> str:
         """A path as the model should see it: relative to pwd when inside it."""

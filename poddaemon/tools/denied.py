@@ -5,13 +5,16 @@ cannot refuse renaming one child of a directory and allow the others), so `mv se
 would hand the file tools, which judge `public/key` by its new name, what the deny rule was
 for. Each deny target's `(st_dev, st_ino)` is recorded when the rule is first seen, and an
 opened object that is, or lies below, a recorded one keeps at most that rule's cap, wherever it
-is now. Rules that go (a child's delegated area handed back) take their identities with them.
+is now. A target made or replaced after start is recorded at the next check (its earlier
+object stays recorded while it is anywhere). Rules that go (a child's delegated area handed
+back) take their identities with them.
 Each recorded target is held open (`O_PATH`), as a Landlock rule holds its inode: deleted, its
 inode number cannot be reused by an unrelated file while it is recorded.
 """
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterable
 
 from poddaemon.scope import Access, Rule, ScopeDenied
@@ -21,36 +24,57 @@ Identity = tuple[int, int]
 
 class DeniedObjects:
     def __init__(self) -> None:
-        self._by_target: dict[str, tuple[int, Identity, Access]] = {}  # target -> (fd, id, cap)
+        # target -> what was found there, oldest first: (fd, identity, cap) per object
+        self._by_target: dict[str, list[tuple[int, Identity, Access]]] = {}
         self._caps: dict[Identity, Access] = {}
+        # note() runs from the event loop (scope changes) and from tools' worker threads
+        self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
         return bool(self._caps)
 
     def note(self, denies: Iterable[Rule]) -> None:
-        """The live deny rules: record the targets not seen before (as they are now), forget
-        those no rule names any more. A target that does not exist yet is looked at again at
-        the next call."""
-        kept: dict[str, tuple[int, Identity, Access]] = {}
+        """The live deny rules: record what each target is now (one made or replaced since
+        the last call too: an earlier object moved away stays recorded), forget the targets no
+        rule names any more and objects removed from every directory (nothing can open them
+        again, so their inode numbers may go to new files). Called before every check."""
+        with self._lock:
+            self._note(denies)
+
+    def _note(self, denies: Iterable[Rule]) -> None:
+        old = self._by_target
+        kept: dict[str, list[tuple[int, Identity, Access]]] = {}
         for rule in denies:
-            known = kept.get(rule.target) or self._by_target.pop(rule.target, None)
-            if known is None:
-                try:
-                    fd = os.open(rule.target, os.O_PATH | os.O_CLOEXEC)
-                except OSError:
-                    continue
-                st = os.fstat(fd)
-                known = (fd, (st.st_dev, st.st_ino), rule.deny_cap)
-            kept[rule.target] = (known[0], known[1], min(known[2], rule.deny_cap))
-        self.close()  # the rules that went
+            records = kept.get(rule.target)
+            if records is None:
+                records = []
+                for fd, identity, cap in old.pop(rule.target, []):
+                    if os.fstat(fd).st_nlink == 0:
+                        os.close(fd)
+                    else:
+                        records.append((fd, identity, cap))
+                with contextlib.suppress(OSError):
+                    st = os.stat(rule.target)
+                    if all(i != (st.st_dev, st.st_ino) for _, i, _ in records):
+                        fd = os.open(rule.target, os.O_PATH | os.O_CLOEXEC)
+                        st = os.fstat(fd)
+                        records.append((fd, (st.st_dev, st.st_ino), rule.deny_cap))
+            kept[rule.target] = [(fd, i, min(cap, rule.deny_cap)) for fd, i, cap in records]
+        self._close()  # the rules that went
         self._by_target = kept
         self._caps = {}
-        for _, identity, cap in kept.values():
-            self._caps[identity] = min(cap, self._caps.get(identity, Access.WRITE))
+        for records in kept.values():
+            for _, identity, cap in records:
+                self._caps[identity] = min(cap, self._caps.get(identity, Access.WRITE))
 
     def close(self) -> None:
-        for fd, _, _ in self._by_target.values():
-            os.close(fd)
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        for records in self._by_target.values():
+            for fd, _, _ in records:
+                os.close(fd)
         self._by_target = {}
         self._caps = {}
 

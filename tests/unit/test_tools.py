@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import shutil
 import stat
 from pathlib import Path
 from typing import Any
@@ -416,6 +417,33 @@ async def test_a_denied_entry_moved_or_linked_to_an_allowed_name_stays_denied(ro
     ctx.scope = Scope.from_config([(str(root), "write", True)])
     ctx.scope_changed()
     assert (await read(ctx, "public/key")).output == "     1\tpassword=1"
+
+
+async def test_a_deny_target_made_or_replaced_after_start_stays_denied_when_moved(
+    root: Path,
+) -> None:
+    # The rule names a path: what is there when a command starts or a tool looks (made after
+    # start, or replaced by a new directory) is recorded, so renaming it hands nothing over.
+    scope = Scope.from_config([(str(root), "write", True)], [(str(root / "secrets"), "read", True)])
+    ctx = ToolContext(scope=scope, pwd=str(root))
+    try:
+        (root / "secrets").mkdir()  # made after start (by the user)
+        (root / "secrets/key").write_text("password=1\n")
+        out = await call(ctx, "bash", command="mv secrets public")
+        assert not out.is_error, out.output
+        out = await call(ctx, "read_file", path="public/key")
+        assert out.is_error and "a denied entry moved or linked there" in out.output, out.output
+        # Replaced: the new one is denied where it goes; the old one, still about, stays so.
+        (root / "secrets").mkdir()
+        (root / "secrets/key2").write_text("password=2\n")
+        assert not (await call(ctx, "bash", command="mv secrets public2")).is_error
+        assert (await call(ctx, "grep", pattern="password")).output == "no matches"
+        # One removed from every directory is let go: no later file is refused for it.
+        shutil.rmtree(root / "public2")
+        assert not (await call(ctx, "write_file", path="later.txt", content="x")).is_error
+        assert (await read(ctx, "later.txt")).output == "     1\tx"
+    finally:
+        await ctx.aclose()
 
 
 async def test_grep_caps_matches(
