@@ -221,6 +221,7 @@ class Machine:
         self._compact_failures = 0  # in a row
         self._auto_compact_off = False  # the breaker tripped
         self._no_compact_run: str | None = None  # the thrash guard holds for this run
+        self._cancelled_run: str | None = None  # a run `cancel` asked to end: not picked up
         # The report committed when the pod stops: "shutdown", "errored" (it failed), or None
         # (its spawner is gone and it stops with it: it reports to nobody).
         self.final_report: str | None = "shutdown"
@@ -427,6 +428,7 @@ class Machine:
                 self._reply(token, CancelResult(cancelled=False))
                 return
             self.turn.request_cancel()
+            self._cancelled_run = self.turn.run_id
             if self.in_flight is not None:
                 self._emit(Interrupt())
             self._reply(token, CancelResult(cancelled=True))
@@ -1011,7 +1013,9 @@ class Machine:
         self._commit(InputsDelivered(ids=ids, more=left))
 
     def _finish_run(self, run_id: str, end: Finished, started: bool = True) -> None:
-        interrupted = self.stopping and end.outcome == "cancelled" and started
+        # Cut short by the stop, not by a `cancel` that came first: picked up at the next start.
+        cancelled = run_id == self._cancelled_run
+        interrupted = self.stopping and end.outcome == "cancelled" and started and not cancelled
         outcome, error = end.outcome, end.error
         if interrupted:
             outcome, error = "error", "interrupted: the pod shut down"

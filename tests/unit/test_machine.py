@@ -330,6 +330,21 @@ def test_a_run_a_shutdown_interrupted_is_picked_up_at_the_next_start() -> None:
     assert "restarted" in again.inflight.items[-1].text  # type: ignore[union-attr]
 
 
+def test_a_run_cancelled_before_a_shutdown_ends_it_is_not_picked_up_again() -> None:
+    """`podctl cancel` then `podctl stop` before the cancelled call came back: the user ended
+    that work; the next start must not wake the model to continue it."""
+    d = Driver()
+    t = d.call("run", "work", wait=True)
+    d.model(calls=1)
+    d.call("cancel")
+    d.call("shutdown")
+    d.tool()  # the cancelled call comes back
+    (end,) = [e for e in d.entries if e["kind"] == "run_end"]
+    assert end["outcome"] == "cancelled" and not end.get("interrupted")
+    assert d.answer(t).result.outcome == "cancelled"
+    assert not any(e["kind"] == "system_item" for e in d.entries)
+
+
 def test_a_provider_error_ends_the_run_with_its_message() -> None:
     d = Driver()
     t = d.call("run", "x", wait=True)
