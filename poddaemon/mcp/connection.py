@@ -323,11 +323,18 @@ class McpConnection:
     async def _timed_out(self, remote: str, client: Any) -> ToolOutcome:
         """A slow tool, or a hung server? A server that cannot answer a ping either is taken
         for lost (restarted once, as if it died): otherwise every later call would wait out
-        its timeout too while its status still said ready."""
+        its timeout too while its status still said ready. An error reply to the ping is an
+        answer: a server without `ping` (-32601, as hand-written ones say) is alive."""
+        from mcp import MCPError
+        from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+
         late = f"{remote} timed out after {self.cfg.timeout:g} s"
         try:
             async with asyncio.timeout(PING_TIMEOUT):
                 await client.send_ping()
+        except MCPError as exc:
+            if exc.code in (REQUEST_TIMEOUT, CONNECTION_CLOSED):
+                return self._call_lost(remote, f"{late}, and a ping got no answer", client)
         except Exception:
             return self._call_lost(remote, f"{late}, and a ping got no answer", client)
         return error(f"{late} (MCP server '{self.name}', [[mcp.servers]] timeout)")

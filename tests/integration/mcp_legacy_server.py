@@ -4,6 +4,7 @@ pods talk to servers that predate the SDK's newer protocol revisions."""
 
 import json
 import sys
+import time
 
 TOOLS = [
     {
@@ -14,7 +15,12 @@ TOOLS = [
             "properties": {"text": {"type": "string"}},
             "required": ["text"],
         },
-    }
+    },
+    {
+        "name": "nap",
+        "description": "Sleep, then answer (one request at a time, as this server reads them).",
+        "inputSchema": {"type": "object", "properties": {"seconds": {"type": "number"}}},
+    },
 ]
 
 
@@ -48,5 +54,8 @@ for line in sys.stdin:
     elif method == "tools/call" and params.get("name") == "shout":
         text = str(params.get("arguments", {}).get("text", ""))
         reply(msg["id"], {"content": [{"type": "text", "text": text.upper()}], "isError": False})
-    else:
+    elif method == "tools/call" and params.get("name") == "nap":
+        time.sleep(float(params.get("arguments", {}).get("seconds", 0)))
+        reply(msg["id"], {"content": [{"type": "text", "text": "rested"}], "isError": False})
+    else:  # `ping` too: a server of that era need not know it
         reply(msg["id"], error={"code": -32601, "message": f"method not found: {method}"})

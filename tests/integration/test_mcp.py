@@ -357,6 +357,30 @@ def test_a_hand_written_2025_era_server_works_too(env: Env, refuse: bool) -> Non
     assert (shout["output"], shout["is_error"]) == ("QUIET PLEASE", False)
 
 
+def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
+    # The ping after a timeout is answered -32601 (method not found): an answer, so the
+    # server is alive, not hung; it keeps its state and later calls go to it as before.
+    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
+    env.model.script(
+        {"tool_calls": [{"name": "old__nap", "arguments": {"seconds": 2}}]},
+        {"tool_calls": [{"name": "old__nap", "arguments": {"seconds": 2}}]},
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "still here"}}]},
+        {"text": "done"},
+    )
+    extra = server_toml("old", timeout=1).replace(
+        json.dumps([sys.executable, SERVER]), json.dumps([sys.executable, legacy])
+    )
+    pod = env.start("napper", extra=extra)
+    with pod.client(timeout=60) as c:
+        assert c.run_wait("nap").outcome == "finished"
+    nap1, nap2, shout = tool_results(pod)
+    for nap in (nap1, nap2):
+        assert nap["is_error"] and "timed out after 1 s (MCP server 'old'" in nap["output"], nap
+    assert (shout["output"], shout["is_error"]) == ("STILL HERE", False)
+    (server,) = pod.call("status")["mcp"]
+    assert (server["state"], server["restarts"]) == ("ready", 0)
+
+
 def test_a_hook_matcher_on_the_prefixed_name_blocks_an_mcp_tool(env: Env) -> None:
     env.model.script(
         {
