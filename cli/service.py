@@ -128,6 +128,10 @@ def restart(pod: PodArg) -> None:
         if status is None:
             fail(f"pod '{name}' is not running and has no kept configuration", EXIT_NOT_RUNNING)
         fail(f"pod '{name}' has no kept configuration ({config}); stop it and spawn it again")
+    problem = _cannot_start(config)
+    if problem is not None:  # found before the stop: a restart that cannot start keeps the pod
+        left = " (it is left running)" if status is not None else ""
+        fail(f"cannot restart pod '{name}'{left}: {problem}")
     if status is not None:
         from cli.pods import _stop
 
@@ -145,6 +149,24 @@ def restart(pod: PodArg) -> None:
         fail(exc.message)
     sys.stderr.buffer.write(early)
     sys.stdout.write(f"{started}\t{socket}\n")
+
+
+def _cannot_start(config: Path) -> str | None:
+    """Why the kept configuration could not start a pod from this shell (its provider's API key
+    variable unset here, a configuration that no longer loads), or None. A pod restarted by
+    `podctl` gets this shell's environment, not the one it was spawned with."""
+    from poddaemon.config.load import ManifestError, load_manifest
+    from poddaemon.llm import CredentialsError, check_manifest_credentials
+    from protocol import paths
+
+    try:
+        manifest = load_manifest(str(config), (), paths.defaults_path())
+        check_manifest_credentials(manifest)
+    except ManifestError as exc:
+        return str(exc)
+    except CredentialsError as exc:
+        return f"{config}: {exc} in this shell (a restarted pod gets this environment)"
+    return None
 
 
 # --- wait -----------------------------------------------------------------------------------

@@ -160,7 +160,7 @@ def _exit_at_once(code: int) -> None:
 
 def run_pod(args: "argparse.Namespace") -> int:
     from poddaemon.config.load import ManifestError, load_manifest
-    from poddaemon.llm import CredentialsError, check_credentials
+    from poddaemon.llm import CredentialsError, check_manifest_credentials
     from poddaemon.prompt import PromptError, load_instruction
     from poddaemon.registry import Registry, RegistryConflict, RegistryError, make_entry
     from poddaemon.scope import Access, Scope, resolve
@@ -175,13 +175,7 @@ def run_pod(args: "argparse.Namespace") -> int:
     preload_sdk(manifest)  # the SDK import overlaps the rest of start-up
     name = manifest.pod.name
     try:
-        check_credentials(manifest.provider)
-        if manifest.compaction is not None and manifest.compaction.provider is not None:
-            try:
-                check_credentials(manifest.compaction.provider)
-            except CredentialsError as exc:
-                message = str(exc).replace("provider.", "compaction.provider.", 1)
-                raise CredentialsError(message) from None
+        check_manifest_credentials(manifest)
         instruction = load_instruction(
             manifest.worker.instruction, manifest.worker.instruction_file, manifest.source
         )

@@ -6,7 +6,7 @@ first use or in ``warm()``). The pure helpers here are shared by the three rende
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from poddaemon.history import AssistantMessage, Item, ToolResult
 from poddaemon.llm.retry import ProviderSettings, api_key_env_name
@@ -23,6 +23,9 @@ from poddaemon.llm.types import (
     ToolSpec,
 )
 
+if TYPE_CHECKING:
+    from poddaemon.config.manifest import Manifest
+
 __all__ = [
     "CredentialsError",
     "ModelClient",
@@ -37,6 +40,7 @@ __all__ = [
     "TextDelta",
     "ToolSpec",
     "check_credentials",
+    "check_manifest_credentials",
     "make_client",
     "map_stop",
     "order_items",
@@ -53,6 +57,21 @@ def check_credentials(cfg: ProviderSettings, environ: Mapping[str, str] | None =
     name = api_key_env_name(cfg)
     if not env.get(name):
         raise CredentialsError(f"provider.api_key_env: environment variable {name} is not set")
+
+
+def check_manifest_credentials(
+    manifest: "Manifest", environ: Mapping[str, str] | None = None
+) -> None:
+    """`check_credentials` for the pod's provider and its compaction provider, if it has one
+    (the message then names `compaction.provider.api_key_env`)."""
+    check_credentials(manifest.provider, environ)
+    compaction = manifest.compaction
+    if compaction is not None and compaction.provider is not None:
+        try:
+            check_credentials(compaction.provider, environ)
+        except CredentialsError as exc:
+            message = str(exc).replace("provider.", "compaction.provider.", 1)
+            raise CredentialsError(message) from None
 
 
 def make_client(cfg: ProviderSettings) -> ModelClient:

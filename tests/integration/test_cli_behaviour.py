@@ -297,3 +297,28 @@ def test_spawn_warns_about_a_base_url_that_cannot_be_right(cleanup: Env) -> None
         alert = next(e for e in client.events() if e.type == "alert")
     assert alert.data["level"] == "warning" and "/v1" in alert.data["message"]
     assert env.podctl("stop", "root").returncode == 0
+
+
+# --- restart: a pod that could not start again is not stopped -------------------------------
+
+
+def test_restart_without_the_api_key_leaves_the_pod_running(env: Env) -> None:
+    """`podctl restart` starts the pod with its own shell's environment. When the provider's key
+    variable is missing there (the quick start sets it only for `spawn`), it used to stop the pod
+    and then fail to start it: the restart must refuse before stopping anything."""
+    pod = env.start("keep")
+    without_key = {k: v for k, v in env.env.items() if k != "FAKE_API_KEY"}
+    out = subprocess.run(
+        [sys.executable, "-m", "cli.main", "restart", "keep"],
+        env=without_key,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "FAKE_API_KEY" in out.stderr and "left running" in out.stderr
+    assert out.stderr.count("\n") == 1  # one line
+    assert pod.proc.poll() is None and pod.call("status")["pid"] == pod.proc.pid
+    again = env.podctl("restart", "keep")  # with the key: stopped and started again
+    assert again.returncode == 0, again.stderr
+    assert pod.proc.wait(20) == 0
