@@ -64,7 +64,9 @@ def main() -> int:
         events = home / "attach.log"
         with events.open("w") as out:
             attach = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", "attach", "demo"], stdout=out
+                # --since 0: every event since the start, none missed while attach connects
+                [sys.executable, "-m", "cli.main", "attach", "demo", "--since", "0"],
+                stdout=out,
             )
             podctl("send", "demo", "Tick off the README review in TODO.md.")
             _wait_for_text(events, "finished: finished")
