@@ -13,7 +13,7 @@ the next decision already sees them; the executor writes them in the same order.
 them.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -61,6 +61,7 @@ from protocol.types import (
 # notification has arrived for NOTIFY_QUIET seconds (but never later than NOTIFY_MAX_DELAY).
 NOTIFY_QUIET = 0.05
 NOTIFY_MAX_DELAY = 1.0
+MAX_EARLY_HOOK_RUNS = 100  # hook runs held for the first session (prompts refused before it)
 RESTART_NOTE = (
     "The pod restarted while your previous run was in progress; it was interrupted. "
     "Check the state of your work and continue where you left off."
@@ -222,6 +223,7 @@ class Machine:
         self._auto_compact_off = False  # the breaker tripped
         self._no_compact_run: str | None = None  # the thrash guard holds for this run
         self._cancelled_run: str | None = None  # a run `cancel` asked to end: not picked up
+        self._early_hook_runs: list[HookRunEntry] = []  # before the first session (hook_ran)
         # The report committed when the pod stops: "shutdown", "errored" (it failed), or None
         # (its spawner is gone and it stops with it: it reports to nobody).
         self.final_report: str | None = "shutdown"
@@ -479,8 +481,16 @@ class Machine:
             decision=decision,
             reason=reason,
         )
-        # Recorded in the session the pod already has; a hook before any input opens none.
-        return self._handle(lambda: self._commit(entry) if self.state.session_id else None)
+
+        # Recorded in the session the pod already has; a hook before any input opens none: it
+        # is held, and recorded first when the first input opens the session.
+        def go() -> None:
+            if self.state.session_id:
+                self._commit(entry)
+            elif len(self._early_hook_runs) < MAX_EARLY_HOOK_RUNS:
+                self._early_hook_runs.append(entry)
+
+        return self._handle(go)
 
     # --- results from the executor --------------------------------------------------------------
 
@@ -1087,7 +1097,7 @@ class Machine:
         self.state.apply(entry)
         self._emit(Commit(entry))
 
-    def _commit_all(self, entries: list[Entry]) -> None:
+    def _commit_all(self, entries: Sequence[Entry]) -> None:
         for entry in entries:
             self._commit(entry)
 
@@ -1102,6 +1112,8 @@ class Machine:
         )
         self.state.apply(start)
         self._emit(OpenSession(start))
+        held, self._early_hook_runs = self._early_hook_runs, []
+        self._commit_all(held)
 
     def _publish(self, type: str, data: dict[str, Any], run_id: str | None = None) -> None:
         self._emit(Publish(type, data, run_id))

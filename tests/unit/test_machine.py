@@ -384,3 +384,18 @@ def test_a_later_notification_moves_the_burst_deadline_at_the_next_tick() -> Non
     assert second.at == first.at + NOTIFY_QUIET / 2 and d.inflight is None
     d.tick(second.at - d.now)
     assert isinstance(d.inflight, CallModel)
+
+
+def test_hook_runs_before_the_first_session_are_recorded_when_it_opens() -> None:
+    # A SessionStart hook at start-up, a UserPromptSubmit hook that refused the first prompt:
+    # there is no session yet; they are its first entries once an input opens it.
+    d = Driver()
+    d.feed(d.machine.hook_ran("SessionStart", "echo hi", 0, 0.01, "ok", ""))
+    d.feed(d.machine.hook_ran("UserPromptSubmit", "./guard.sh", 2, 0.02, "block", "no"))
+    assert d.entries == []
+    d.call("run", "accepted")
+    kinds = [e["kind"] for e in d.entries]
+    assert kinds[:4] == ["session_start", "hook_run", "hook_run", "user_input"], kinds
+    assert [e["event"] for e in d.entries[1:3]] == ["SessionStart", "UserPromptSubmit"]
+    d.feed(d.machine.hook_ran("Stop", "true", 0, 0.01, "ok", ""))
+    assert d.entries[-1]["kind"] == "hook_run" and d.entries[-1]["event"] == "Stop"
