@@ -628,8 +628,8 @@ async def _preflight(pod: Any, manifest: Any) -> None:
 
     provider = manifest.provider
     for warning in await asyncio.to_thread(preflight, provider.kind, provider.base_url):
-        _warn(warning)
-        pod._alert("warning", warning, source="provider")
+        _warn(warning)  # stderr once (an alert would log it a second time): subscribers too
+        pod.bus.publish("alert", {"level": "warning", "source": "provider", "message": warning})
 
 
 def _warn(message: str) -> None:

@@ -290,6 +290,7 @@ def test_spawn_warns_about_a_base_url_that_cannot_be_right(cleanup: Env) -> None
     spawned = env.podctl("spawn", str(manifest))
     assert spawned.returncode == 0, spawned.stderr  # a warning, not a failure
     assert f"use '{env.model.openai_base_url}'" in spawned.stderr
+    assert spawned.stderr.count(f"use '{env.model.openai_base_url}'") == 1  # said once
     from protocol import PodClient
 
     with PodClient.connect("root", timeout=10) as client:  # the same warning as an alert
