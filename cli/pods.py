@@ -159,7 +159,8 @@ def live_statuses() -> list[dict[str, Any]]:
 def ls(as_json: JsonOpt = False) -> None:
     """Table of live pods, children indented under their parent.
 
-    Columns: name, pid, state, model, write scope, parent, queue (runs/notifications), tokens.
+    Columns: name, pid, state, model, write scope, parent, queue (runs/notifications), tokens,
+    sandbox (landlock-abi-N or none).
     A pod that errs or does not answer within 2 s is listed with state `unresponsive`.
     """
     from protocol import paths
