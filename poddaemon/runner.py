@@ -128,9 +128,6 @@ class Runner:
         self.by_pid: dict[int, tuple[int, subprocess.Popen[bytes]]] = {}
         self.running = True
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        # Run in each command before exec: puts it in a layer below this process's, so it
-        # cannot signal (kill, stop) the runner that will kill its escapees.
-        self.preexec: Callable[[], None] | None = None
 
     # --- I/O ---------------------------------------------------------------------------------
 
@@ -186,7 +183,6 @@ class Runner:
                 stdout=out,
                 stderr=err,
                 start_new_session=True,  # its own process group: killed as one
-                preexec_fn=self.preexec,
             )
         except (OSError, ValueError, subprocess.SubprocessError) as e:  # ValueError: a NUL byte
             self.send(op="failed", id=cid, error=f"{type(e).__name__}: {e}")
@@ -295,8 +291,8 @@ class Runner:
 
 def apply_policy(policy: str) -> tuple[str, Callable[[], None] | None]:
     """Confine this process (and so every command) by the pod's sandbox policy. Also returns,
-    where the kernel scopes signals (Landlock ABI >= 6), what each command must run before
-    exec so that it cannot signal this runner."""
+    where the kernel scopes signals (Landlock ABI >= 6), what puts a process one layer below
+    (see `guard`)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.append(root)  # -I left the package off the path; add it only now, last
@@ -313,6 +309,47 @@ def apply_policy(policy: str) -> tuple[str, Callable[[], None] | None]:
     return effective, (landlock.restrict_scope if scoped else None)
 
 
+def guard(scope_below: Callable[[], None], sock: socket.socket) -> int | None:
+    """Fork. The child goes on as the runner, one Landlock layer down with signals scoped, and
+    so do its commands: none can signal (kill, stop) this process, which stays behind as the
+    guard of last resort. None in the child; in the guard, the exit code once the runner has
+    ended and every descendant left behind is dead. A command may kill or stop the runner
+    (same layer) to orphan its escapees: they are re-parented here (a subreaper) and killed.
+
+    Not per command (a `preexec_fn` costs every command a full fork instead of a vfork,
+    +1.2-1.9 ms measured): one fork per runner."""
+    pid = os.fork()
+    if pid == 0:
+        scope_below()
+        set_child_subreaper()  # not inherited: the runner collects its commands' orphans
+        return None
+    sock.close()  # the pod must see EOF when the runner ends, whatever ends it
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # asked to stop: the runner cleans up
+        signal.signal(sig, lambda signum, _frame: os.kill(pid, signum))
+    while True:
+        try:
+            _, status = os.waitpid(pid, os.WUNTRACED)
+        except InterruptedError:
+            continue
+        if not os.WIFSTOPPED(status):
+            break
+        os.kill(pid, signal.SIGKILL)  # stopped by a command: it could not clean up any more
+    kill_below_me()
+    return os.waitstatus_to_exitcode(status) if not os.WIFSTOPPED(status) else 1
+
+
+def kill_below_me() -> None:
+    """Kill and reap every descendant, until none is left."""
+    while True:
+        left = [p for p in descendants(os.getpid()) if not is_zombie(p)]
+        kill_all(left)
+        with contextlib.suppress(ChildProcessError):
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
+        if not left:
+            return
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal's Ctrl-C is for the pod
     # A mask inherited from the spawning thread must not hide SIGCHLD (or reach commands).
@@ -327,9 +364,13 @@ def main() -> int:
         if not first or first[0].get("op") != "init":
             return 1
         policy = first[0].get("policy")
-        sandbox = "none"
+        sandbox, scope_below = "none", None
         if policy is not None:
-            sandbox, runner.preexec = apply_policy(policy)
+            sandbox, scope_below = apply_policy(policy)
+        if scope_below is not None:
+            code = guard(scope_below, runner.sock)
+            if code is not None:
+                return code
     except Exception as e:  # the pod must hear why, whatever it was
         runner.send(op="fatal", error=f"{type(e).__name__}: {e}")
         return 1

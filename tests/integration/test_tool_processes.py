@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from poddaemon.sandbox import landlock
 from poddaemon.testing.cleanup import alive
 from tests.conftest import PROVIDER_KINDS, Env, wait_until
 
@@ -96,21 +97,49 @@ def test_bash_commands_do_not_see_the_provider_key(env: Env) -> None:
     assert "FAKE_API_KEY" not in followup and "test-key" not in followup
 
 
-def test_a_command_cannot_kill_the_runner_to_outlive_the_pod(env: Env) -> None:
-    # The runner is what kills a command's escapees; a command killing it (same uid, same
-    # Landlock domain) would orphan a `setsid` escapee to init, past the pod's end.
+@pytest.mark.parametrize("signal_name", ["KILL", "STOP"])
+def test_a_command_that_kills_or_stops_the_runner_leaves_no_escapee(
+    env: Env, signal_name: str
+) -> None:
+    # The runner is what kills a command's escapees; a command killing (or freezing) it would
+    # orphan a `setsid` escapee to init, past the pod's end. The guard above the runner, out
+    # of the commands' reach (Landlock scoped signals), kills them at once instead.
+    if landlock.abi_version() < 6:
+        pytest.skip("signals are scoped from Landlock ABI 6")
     pids_file = env.work / "pids"
     command = (
         f"(setsid sh -c 'echo $$ >> {pids_file}; exec sleep 1000' &); "
-        f"until [ -s {pids_file} ]; do sleep 0.05; done; kill -9 $PPID && echo KILLED-$((6*7))"
+        f"until [ -s {pids_file} ]; do sleep 0.05; done; kill -{signal_name} $PPID; sleep 1000"
     )
     env.model.script(
-        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]}, {"text": "ok"}
+        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]},
+        {"tool_calls": [{"name": "bash", "arguments": {"command": "echo runner-$((6*7))"}}]},
+        {"text": "ok"},
     )
     pod = env.start("runner-guard", tools=["bash"])
     with pod.client() as c:
         assert c.run_wait("kill your runner").outcome == "finished"
     (escapee,) = command_pids(pids_file, 1)
-    assert "KILLED-42" not in str(env.model.requests[1]["body"])
+    wait_until(lambda: not alive(escapee), timeout=10, what="the escapee killed by the guard")
+    outputs = [
+        e["item"]["output"] for e in pod.call("history")["entries"] if e["kind"] == "tool_result"
+    ]
+    assert "runner-42" in outputs[1]  # the next command gets a new runner
     assert pod.stop() == 0
-    wait_until(lambda: not alive(escapee), timeout=10, what="the escapee gone with the pod")
+
+
+def test_the_guard_above_the_runner_is_out_of_the_commands_reach(env: Env) -> None:
+    if landlock.abi_version() < 6:
+        pytest.skip("signals are scoped from Landlock ABI 6")
+    command = "guard=$(cut -d' ' -f4 /proc/$PPID/stat); kill -9 $guard; echo status=$?"
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]}, {"text": "ok"}
+    )
+    pod = env.start("guarded-runner", tools=["bash"])
+    with pod.client() as c:
+        assert c.run_wait("kill the guard").outcome == "finished"
+    (output,) = [
+        e["item"]["output"] for e in pod.call("history")["entries"] if e["kind"] == "tool_result"
+    ]
+    assert "status=1" in output and "not permitted" in output, output
+    assert pod.stop() == 0
