@@ -29,6 +29,8 @@ class PendingRunSnap(msgspec.Struct, kw_only=True, omit_defaults=True):
     run_id: str
     text: str
     client_key: str | None = None
+    context: str = ""
+    ts: float = 0.0
 
 
 class PendingInputSnap(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -76,6 +78,7 @@ class UserInput(Entry, tag="user_input"):
     run_id: str | None = None
     id: str | None = None  # steer inputs: the pending input's id
     client_key: str | None = None
+    context: str = ""  # queued: what UserPromptSubmit hooks added, shown when its run starts
 
 
 class SystemItem(Entry, tag="system_item"):

@@ -38,7 +38,7 @@ from poddaemon.entries import (
 )
 from poddaemon.history import AssistantMessage, Item, ToolCall, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError
-from poddaemon.session import MAX_NOTIFICATIONS_PER_REQUEST, SessionState, fold
+from poddaemon.session import CONTEXT_SOURCE, MAX_NOTIFICATIONS_PER_REQUEST, SessionState, fold
 from poddaemon.tools.base import args_preview
 from poddaemon.turn import CallModel as _CallStep
 from poddaemon.turn import Finished, Turn, interrupted_results
@@ -835,12 +835,12 @@ class Machine:
             self._error(token, errors.BUDGET_EXHAUSTED, self.budget_message())
             return
         active = s.active_run
-        if context:
-            item = SystemItem(
-                id=self.new_id(), text=context, source="hook:UserPromptSubmit", context=True
-            )
-            self._commit(item)
         if mode == "steer" and active is not None:
+            if context:  # for the active run's next request, with the steered input
+                item = SystemItem(
+                    id=self.new_id(), text=context, source=CONTEXT_SOURCE, context=True
+                )
+                self._commit(item)
             steer_id = self.new_id()
             self._commit(
                 UserInput(text=text, mode="steer", run_id=active, id=steer_id, client_key=key)
@@ -850,7 +850,10 @@ class Machine:
         run_id = self.new_id()
         busy = active is not None or s.pending_runs or self._compacting is not None
         position = len(s.pending_runs) + 1 if busy else 0
-        self._commit(UserInput(text=text, mode="queue", run_id=run_id, client_key=key))
+        # The hook's context goes with the input: a queued run's must not reach the active run.
+        self._commit(
+            UserInput(text=text, mode="queue", run_id=run_id, client_key=key, context=context)
+        )
         if position:
             self._publish("run.queued", {"position": position}, run_id)
         if wait:

@@ -37,12 +37,15 @@ from poddaemon.history import Item, SystemNote, ToolCall, Usage, UserMessage, it
 
 # How many notifications one model request shows in full; the rest follow in later rounds.
 MAX_NOTIFICATIONS_PER_REQUEST = 100
+CONTEXT_SOURCE = "hook:UserPromptSubmit"  # where a prompt's hook context is shown as from
 
 
 class PendingRun(msgspec.Struct, frozen=True):
     run_id: str
     text: str
     client_key: str | None = None
+    context: str = ""  # a UserPromptSubmit hook's, for this run only
+    ts: float = 0.0  # when it was queued
 
 
 class PendingInput(msgspec.Struct, frozen=True, gc=False):
@@ -223,7 +226,7 @@ def _apply(s: SessionState, e: Entry) -> None:
             run_id = e.run_id or ""
             if e.client_key and e.client_key.startswith(SPAWNER_KEY):
                 s.spawner_runs.add(run_id)
-            s.pending_runs[run_id] = PendingRun(run_id, e.text, e.client_key)
+            s.pending_runs[run_id] = PendingRun(run_id, e.text, e.client_key, e.context, e.ts)
             if e.client_key:
                 s.run_keys[e.client_key] = (e.text, run_id)
         case SystemItem():
@@ -246,6 +249,9 @@ def _apply(s: SessionState, e: Entry) -> None:
             run = s.pending_runs.pop(run_id, None)
             if run is not None:
                 s.history.append(UserMessage(text=run.text))
+                if run.context:
+                    hook = PendingInput("", "notification", run.context, CONTEXT_SOURCE, run.ts)
+                    s.history.append(SystemNote(text=render_notifications([hook], 0)))
         case InputsDelivered():
             delivered = [p for p in map(s.take_pending, e.ids) if p is not None]
             for p in delivered:
@@ -338,7 +344,7 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     s.system_prompt = e.system_prompt
     s.history = list(e.history)
     for r in e.pending_runs:
-        s.pending_runs[r.run_id] = PendingRun(r.run_id, r.text, r.client_key)
+        s.pending_runs[r.run_id] = PendingRun(r.run_id, r.text, r.client_key, r.context, r.ts)
     for p in e.pending_inputs:
         s.add_pending(PendingInput(p.id, p.kind, p.text, p.source, p.ts, p.context))
     # Before 0.2 keys shared one namespace; such a fork's keys count for both methods.

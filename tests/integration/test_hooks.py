@@ -165,8 +165,13 @@ def test_prompt_context_is_committed_only_with_an_accepted_prompt(env: Env) -> N
     with pytest.raises(RpcError) as err:
         pod.call("run", input="something else", client_key="k1")
     assert err.value.code == -32006
-    contexts = [e for e in entries(pod) if e["kind"] == "system_item" and e.get("context")]
-    assert [e["text"] for e in contexts] == ["CONTEXT-MARK"]
+    # Committed with its input (user_input.context), or as a context item for a steer.
+    contexts = [
+        e["context"] if e["kind"] == "user_input" else e["text"]
+        for e in entries(pod)
+        if e.get("context") and e["kind"] in ("user_input", "system_item")
+    ]
+    assert contexts == ["CONTEXT-MARK"]
 
 
 SH_GUARD = """#!/bin/sh

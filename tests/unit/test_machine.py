@@ -1,5 +1,6 @@
 """The pod machine alone, no I/O: scripted command sequences, asserting the exact effects."""
 
+from poddaemon.history import SystemNote, UserMessage
 from poddaemon.llm.types import ProviderError
 from poddaemon.machine import (
     NOTIFY_MAX_DELAY,
@@ -399,3 +400,28 @@ def test_hook_runs_before_the_first_session_are_recorded_when_it_opens() -> None
     assert [e["event"] for e in d.entries[1:3]] == ["SessionStart", "UserPromptSubmit"]
     d.feed(d.machine.hook_ran("Stop", "true", 0, 0.01, "ok", ""))
     assert d.entries[-1]["kind"] == "hook_run" and d.entries[-1]["event"] == "Stop"
+
+
+def test_a_queued_prompts_hook_context_waits_for_its_own_run() -> None:
+    # UserPromptSubmit context belongs to its prompt: a queued prompt's must not reach the
+    # run that is active meanwhile, and must survive a restore (it is in the input's entry).
+    d = Driver()
+    d.call("run", "first")
+    d.call("run", "second", context="CTX-FOR-SECOND")
+    d.model(calls=1)
+    d.tool()
+    assert isinstance(d.inflight, CallModel)
+    assert "CTX-FOR-SECOND" not in str(d.inflight.items)  # the first run's next request
+    d.sync()
+    again = Driver()
+    again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
+    again.feed(again.machine.restore(d.entries))  # a crash here: the first run is cut short
+    d.model("first done")
+    for driver in (d, again):
+        assert isinstance(driver.inflight, CallModel)
+        items = list(driver.inflight.items)
+        at = items.index(UserMessage(text="second"))
+        note = items[at + 1]
+        assert isinstance(note, SystemNote) and "CTX-FOR-SECOND" in note.text
+        assert "from hook:UserPromptSubmit" in note.text
+        assert sum("CTX-FOR-SECOND" in str(i) for i in items) == 1
