@@ -276,8 +276,9 @@ class Machine:
         wait: bool = False,
         context: str = "",
     ) -> list[Effect]:
-        """`context`: what UserPromptSubmit hooks added, committed just before the input, and
-        only when the input is (not for a replayed key, a conflict or a refusal)."""
+        """`context`: what UserPromptSubmit hooks added, committed only with the input (not for
+        a replayed key, a conflict or a refusal): in its user_input entry, shown when its run
+        starts; for a steer, as a context item for the active run's next request."""
         return self._handle(lambda: self._run(token, text, mode, client_key, wait, context))
 
     def notify(

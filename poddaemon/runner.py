@@ -335,7 +335,7 @@ def guard(scope_below: Callable[[], None], sock: socket.socket) -> int | None:
             break
         os.kill(pid, signal.SIGKILL)  # stopped by a command: it could not clean up any more
     kill_below_me()
-    return os.waitstatus_to_exitcode(status) if not os.WIFSTOPPED(status) else 1
+    return os.waitstatus_to_exitcode(status)
 
 
 def kill_below_me() -> None:

@@ -332,11 +332,9 @@ class McpConnection:
         try:
             async with asyncio.timeout(PING_TIMEOUT):
                 await client.send_ping()
-        except MCPError as exc:
-            if exc.code in (REQUEST_TIMEOUT, CONNECTION_CLOSED):
+        except Exception as exc:  # an error reply is an answer, unless it says none came
+            if not isinstance(exc, MCPError) or exc.code in (REQUEST_TIMEOUT, CONNECTION_CLOSED):
                 return self._call_lost(remote, f"{late}, and a ping got no answer", client)
-        except Exception:
-            return self._call_lost(remote, f"{late}, and a ping got no answer", client)
         return error(f"{late} (MCP server '{self.name}', [[mcp.servers]] timeout)")
 
     def _call_lost(self, remote: str, why: str, client: Any) -> ToolOutcome:

@@ -83,12 +83,19 @@ class ToolContext(msgspec.Struct):
     _runner_stale: bool = False
 
     def __post_init__(self) -> None:
-        self.denied.note(getattr(self.scope, "deny", ()))  # (test doubles may have none)
+        self._note_denies()
+
+    def _note_denies(self) -> bool:
+        """Record what the deny targets are now (see denied.py); whether there are any."""
+        denies = getattr(self.scope, "deny", ())  # (test doubles may have none)
+        if denies or self.denied:
+            self.denied.note(denies)
+        return bool(self.denied)
 
     def scope_changed(self) -> None:
         """The live scope changed: the next command starts in a runner with the new policy
         (commands run one at a time, so none is cut short)."""
-        self.denied.note(getattr(self.scope, "deny", ()))
+        self._note_denies()
         if self.policy_for_scope is not None:
             self.sandbox_policy = self.policy_for_scope()
             self._runner_stale = True
@@ -98,7 +105,7 @@ class ToolContext(msgspec.Struct):
         if it died, or when the scope it was confined to changed). Called for every command
         (bash, hooks): what the deny targets are just before one runs is recorded, so a target
         made or replaced since, renamed by the command, stays denied to the file tools."""
-        self.denied.note(getattr(self.scope, "deny", ()))
+        self._note_denies()
         async with self._runner_lock:
             if self._runner is None or not self._runner.alive or self._runner_stale:
                 self._runner_stale = False
@@ -140,11 +147,8 @@ class ToolContext(msgspec.Struct):
         has = self.scope.access(actual)
         if has < want:
             raise ScopeDenied(actual, want, has)
-        denies = getattr(self.scope, "deny", ())
-        if denies:
-            self.denied.note(denies)  # a target made or replaced since: recorded too
-            if self.denied:
-                self.denied.check(fd, name, where, want)
+        if self._note_denies():  # a target made or replaced since: recorded too
+            self.denied.check(fd, name, where, want)
 
     def display(self, resolved: str) -> str:
         """A path as the model should see it: relative to pwd when inside it."""
