@@ -417,6 +417,7 @@ class Pod:
     async def _run_tool(self, effect: RunTool) -> None:
         call = effect.call
         try:
+            self.children.before_tool()  # a child restarted just now holds its area again
             denied = await self.chain.before_tool(effect.run_id, call)
             if denied is not None:
                 outcome = ToolOutcome(output=denied.reason, is_error=True, summary="denied")

@@ -68,6 +68,7 @@ class Children:
         # Children taken back after our restart: which runs we gave them died with our memory,
         # so `wait_pods` waits for them while they are running.
         self._taken_back: set[str] = set()
+        self._registry_seen: tuple[int, int, int] | None = None  # pods.json as we last read it
 
     # --- start-up: re-adopt --------------------------------------------------------------------
 
@@ -116,8 +117,23 @@ class Children:
             log.warning("cannot read the registry: %s", exc)
             return
         for entry in entries:
-            if entry.parent == self.pod.name:
-                self.heard_from(entry.name)
+            if entry.parent == self.pod.name and entry.name not in self._spawning:
+                self._readopt(entry.name)
+
+    def before_tool(self) -> None:
+        """Before each tool call: if pods.json changed since we last looked, a restarted child
+        may hold its area again; take it back now rather than at the next registry poll, so no
+        tool call starting after the child registered writes there. One stat when unchanged."""
+        if not self.pod.state.children:
+            return
+        try:
+            st = os.stat(self.pod.s.registry.path)
+        except OSError:
+            return
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)  # replaced whole: a new inode each write
+        if seen != self._registry_seen:
+            self._registry_seen = seen
+            self.registry_changed()
 
     def _readopt(self, name: str) -> None:
         pod = self.pod

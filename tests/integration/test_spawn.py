@@ -357,6 +357,37 @@ def test_child_restarted_while_its_spawner_lives_is_taken_back_at_once(tree: Env
     wait_until(lambda: [r for r in reports(parent) if r["event_kind"] == "errored"], 10, "errored")
 
 
+def test_tool_call_right_after_a_child_restart_does_not_write_in_its_area(tree: Env) -> None:
+    """The spawner's model asks for a write into a child's area the moment `podctl restart
+    CHILD` has returned (the child registered, its area delegated again): the tool call looks
+    at pods.json first and is refused, rather than writing until the next registry poll."""
+    env = tree
+    kid = env.work / "kid"
+    kid.mkdir()
+    env.model.script_model("m-kid")
+    env.model.script({"tool_calls": [spawn_call("kid", "work", [str(kid)])]}, {"text": "spawned"})
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: _finished_reports(parent, "kid"), 20, "the report")
+    env.model.script(
+        {
+            "tool_calls": [tool("write_file", path=str(kid / "p.txt"), content="parent")],
+            "gate": "write",
+        },
+        {"text": "tried"},
+    )
+    with parent.client(timeout=60) as c:
+        c.subscribe()
+        run = c.run("write")
+        out = env.podctl("restart", "kid")
+        assert out.returncode == 0, out.stderr
+        env.model.open_gate("write")  # the write comes within milliseconds, not after a poll
+        assert collect_run(c, run.run_id)[-1].data["outcome"] == "finished"
+    write = [r for r in tool_results(parent) if r["name"] == "write_file"]
+    assert write[0]["is_error"] and "outside scope" in write[0]["output"], write
+    assert not (kid / "p.txt").exists()
+
+
 def _outbox_done(path: Path) -> bool:
     return '"kind":"outbox_acked"' in path.read_text()
 
