@@ -118,6 +118,9 @@ class OutboxItem(Entry, tag="outbox"):
 
 
 class OutboxAcked(Entry, tag="outbox_acked"):
+    """Reports not to deliver again: the spawner acknowledged them, or (at a restore) they
+    said this pod stopped, which its new life makes untrue."""
+
     ids: list[str]
 
 

@@ -67,6 +67,9 @@ RESTART_NOTE = (
     "Check the state of your work and continue where you left off."
 )
 
+# The reports a child makes as it stops (`final_report`): stale once it starts again.
+FINAL_REPORTS = ("shutdown", "errored")
+
 PodState = Literal["idle", "running", "paused", "stopping"]
 
 
@@ -363,7 +366,7 @@ class Machine:
             child = self.state.children.get(name)
             if child is None or not child.live:
                 return
-            final = child.last_kind in ("shutdown", "errored")
+            final = child.last_kind in FINAL_REPORTS
             spent = child.spent if final or child.grant is None else max(child.grant, child.spent)
             if not final and not self.stopping:
                 event_id = f"died-{name}-{self.new_id()}"
@@ -572,6 +575,9 @@ class Machine:
         def go() -> None:
             self.state = fold(entries)
             self.system_prompt = self.state.system_prompt
+            stale = [i for i, o in self.state.outbox.items() if o.event_kind in FINAL_REPORTS]
+            if stale:  # "this pod stopped", from an earlier life: not true now it runs again
+                self._commit(OutboxAcked(ids=stale))
             run_id = self.state.active_run
             if run_id is not None:
                 self._commit_all(interrupted_results(self.state.open_calls, run_id))

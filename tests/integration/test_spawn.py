@@ -325,6 +325,41 @@ def test_child_restarted_while_its_spawner_is_down_is_taken_back(tree: Env) -> N
     assert any(r["target"] == str(env.work / "d1") for r in st["scope"] if r.get("deny"))
 
 
+def test_child_restarted_while_its_spawner_is_down_drops_its_stale_shutdown_report(
+    tree: Env,
+) -> None:
+    """`podctl restart CHILD` while its spawner is down: the stop commits a `shutdown` report
+    the spawner cannot take. The child runs again, so that report is no longer true: the
+    restarted child drops it rather than deliver it to the restored spawner, which would then
+    take the running child for shut down and stay silent when it later dies."""
+    env = tree
+    parent = _detached_parent_of(env, "d1")
+    wait_until(lambda: _finished_reports(parent, "d1"), 20, "the report")
+    parent.kill9()
+    out = env.podctl("restart", "d1")
+    assert out.returncode == 0, out.stderr
+    again = env.restart(parent, "--resume")
+    log_path = _session_log_of(env, "d1")
+    wait_until(lambda: not _undelivered(log_path), 20, "the child's outbox to drain")
+    assert [r["event_kind"] for r in reports(again) if r["pod"] == "d1"] == ["run.finished"]
+    entry = Registry(env.home / "run").get("d1")
+    assert entry is not None
+    os.kill(entry.pid, signal.SIGKILL)
+    wait_until(lambda: [r for r in reports(again) if r["event_kind"] == "errored"], 10, "errored")
+
+
+def _session_log_of(env: Env, pod: str) -> Path:
+    sessions = env.home / "data" / "sessions"
+    return next(p for p in sessions.iterdir() if f'"pod":"{pod}"' in p.read_text()[:4000])
+
+
+def _undelivered(log_path: Path) -> set[str]:
+    """The ids of the reports in a child's log its spawner has not acknowledged."""
+    entries = [json.loads(line) for line in log_path.read_text().splitlines() if line]
+    sent = {e["event_id"] for e in entries if e["kind"] == "outbox"}
+    return sent - {i for e in entries if e["kind"] == "outbox_acked" for i in e["ids"]}
+
+
 def test_child_restarted_while_its_spawner_lives_is_taken_back_at_once(tree: Env) -> None:
     """`podctl restart CHILD` of an idle child with nothing to report: its spawner takes it back
     (it loses write on the child's area again, it watches it) without waiting for a report."""

@@ -73,6 +73,21 @@ def test_shutdown_reports_unless_the_spawner_is_gone() -> None:
     assert outbox(quiet) == []
 
 
+def test_a_restored_child_drops_its_undelivered_stop_report_and_keeps_its_results() -> None:
+    d = child_driver()
+    d.call("run", "task", client_key=f"{SPAWNER_KEY}task")
+    d.model("done")
+    d.call("shutdown")  # the spawner is down: neither report is acknowledged
+    result, stop = outbox(d)
+    assert stop["event_kind"] == "shutdown"
+    again = child_driver()
+    again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
+    again.feed(again.machine.restore(d.entries))
+    last = again.entries[-1]
+    assert (last["kind"], last["ids"]) == ("outbox_acked", [stop["event_id"]])
+    assert list(fold(again.entries).outbox) == [result["event_id"]]  # still delivered
+
+
 def test_grants_are_reserved_while_children_live_then_reconciled() -> None:
     d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=4, budget_cap=1000))
     d.call("run", "x")
