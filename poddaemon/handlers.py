@@ -45,12 +45,20 @@ Handler = Callable[[Any, Any], Any]
 MAX_HISTORY_PAGE = 10_000  # entries per `history` reply, whatever `limit` asks; `next` pages on
 
 
+def _not_blank(text: str, field: str) -> None:
+    """Nothing for the model to read would still cost a turn, and fail it with providers
+    that refuse blank text (Anthropic): refused here, as `podctl send` refuses it."""
+    if not text.strip():
+        raise RpcError(errors.INVALID_PARAMS, f"invalid params.{field}: empty or only whitespace")
+
+
 def handlers(pod: "Pod") -> dict[str, Handler]:
     m = pod.machine
     hooks = pod.hooks
     scope_entries = ScopeEntries()
 
     def run(p: RunParams, conn: Any) -> Any:
+        _not_blank(p.input, "input")
         if hooks is not None and hooks.wants("UserPromptSubmit"):
             return _run_hooked(p)
         # The server answers from the Pending: no task per acknowledgement.
@@ -64,6 +72,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         return await pod.request(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait, context))
 
     def notify(p: NotifyParams, conn: Any) -> Any:
+        _not_blank(p.message, "message")
         if hooks is not None and hooks.wants("Notification"):
             reply = pod.request_future(lambda t: m.notify(t, p.message, p.source, p.client_key))
             return _notify_hook(reply, p)

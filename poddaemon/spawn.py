@@ -162,6 +162,8 @@ class Children:
             )
         if name in self._spawning or name in self.live:
             raise ToolError(f"cannot spawn: a child named {name!r} exists already")
+        if not str(args["task"]).strip():
+            raise ToolError("cannot spawn: the task is empty; say what the child should do")
         grant = self._grant(args.get("budget_tokens"))
         manifest = self._child_manifest(name, args, grant)
         self._spawning.add(name)

@@ -638,6 +638,7 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
                     [str(env.work / "sib")],
                     instruction="{{ undefined_function() }}",
                 ),
+                spawn_call("x5", " \n", [str(env.work / "sib")]),
             ]
         },
         {"text": "done"},
@@ -654,11 +655,12 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     assert "scope conflict: pod 'ok'" in errs[3], errs[3]  # the child's own message
     assert "child pod failed to start" in errs[4] and "undefined" in errs[4], errs[4]
     assert ".spawn-" not in errs[4]  # no name of the child's manifest: gone when it is read
+    assert "the task is empty" in errs[5], errs[5]
     live = {e.name for e in Registry(env.home / "run").live()}
     assert live == {"parent", "ok"}
     assert len(_stray(env)) == 2
     pods_dir = env.home / "run" / "pods"
-    for n in ("x1", "x2", "x3", "x4"):
+    for n in ("x1", "x2", "x3", "x4", "x5"):
         assert not (pods_dir / n / "sock").exists()
     assert not list((env.home / "data" / "pods").glob(".spawn-*"))
 

@@ -276,6 +276,30 @@ def test_a_negative_seq_or_an_empty_page_is_invalid_params(
     sock.close()
 
 
+@pytest.mark.parametrize(
+    ("method", "params", "field"),
+    [
+        ("run", '{"input":""}', "params.input"),
+        ("run", '{"input":" \\n\\t","wait":true}', "params.input"),
+        ("notify", '{"message":""}', "params.message"),
+        ("notify", '{"message":"  ","source":"ci"}', "params.message"),
+    ],
+)
+def test_blank_input_or_message_is_invalid_params_and_commits_nothing(
+    env: Env, method: str, params: str, field: str
+) -> None:
+    # It cost a model turn (refused by Anthropic's API as blank text); `podctl send` refused it.
+    pod = env.start()
+    sock = raw(pod)
+    line = b'{"jsonrpc":"2.0","id":1,"method":"%s","params":%s}\n'
+    reply = rpc(sock, line % (method.encode(), params.encode()))
+    assert reply["error"]["code"] == -32602, reply
+    assert field in reply["error"]["message"]
+    assert pod.call("history")["entries"] == []
+    assert pod.call("status")["state"] == "idle"
+    sock.close()
+
+
 # --- item 4: memory per connection is bounded --------------------------------------------------
 
 
