@@ -42,13 +42,16 @@ class EventBus:
 
     def publish(self, type: str, data: dict[str, Any], run_id: str | None = None) -> Event:
         self.seq += 1
-        event = Event(seq=self.seq, ts=time.time(), type=type, data=data, run_id=run_id)
+        seq = self.seq
+        event = Event(seq=seq, ts=time.time(), type=type, data=data, run_id=run_id)
         frame = event_frame(event)
-        self._held.append((self.seq, frame))
+        self._held.append((seq, frame))
         for sub in self._subs:
-            if sub.cursor == self.seq - 1 and not sub.congested():
+            if sub.cursor == seq - 1 and not sub.congested():
                 sub.write(frame)
-                sub.cursor = self.seq
+                sub.cursor = seq
+                if self.seq != seq:  # writing it published more (a failed log's alert)
+                    self.catch_up(sub)
         return event
 
     def subscribe(self, sub: Subscription) -> None:
@@ -64,17 +67,16 @@ class EventBus:
         self._subs.discard(sub)
 
     def catch_up(self, sub: Subscription) -> None:
-        """Give `sub` what it missed, as far as its connection takes it."""
-        if sub.cursor >= self.seq:
-            return
-        oldest = self._held[0][0] if self._held else self.seq + 1
-        if sub.cursor < oldest - 1:
-            _tell_gap(sub, oldest - 1)
-        start = sub.cursor - oldest + 1
-        for i in range(start, len(self._held)):
+        """Give `sub` what it missed, as far as its connection takes it. (A write may publish,
+        or forget: each step looks at the buffer afresh.)"""
+        while sub.cursor < self.seq:
+            oldest = self._held[0][0] if self._held else self.seq + 1
+            if sub.cursor < oldest - 1:
+                _tell_gap(sub, oldest - 1)
+                continue
             if sub.congested():
                 return
-            seq, frame = self._held[i]
+            seq, frame = self._held[sub.cursor - oldest + 1]
             sub.write(frame)
             sub.cursor = seq
 

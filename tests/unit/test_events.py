@@ -263,3 +263,44 @@ def test_random_congestion_never_loses_reorders_or_duplicates(
         assert set(held) <= set(conn.seqs)
         if not conn.gaps:
             assert conn.seqs == list(range(start[i] + 1, bus.seq + 1))
+
+
+def test_an_event_published_while_a_frame_is_written_reaches_the_subscriber_after_it() -> None:
+    """Writing a frame may publish (the pod flushes its log before each send; a failed write
+    publishes an alert): the subscriber gets both, in order, and stays in step."""
+    bus = EventBus()
+    conn = Conn()
+    nested = []
+
+    def write(frame: bytes) -> None:
+        if not nested:
+            nested.append(bus.publish("alert", {"level": "error", "message": "log failed"}))
+        conn.write(frame)
+
+    bus.subscribe(Subscription(write, conn.is_congested, 0))
+    bus.publish("run.finished", {"outcome": "finished"})
+    bus.publish("state.changed", {"state": "stopping"})
+    assert [(e.seq, e.type) for e in conn.events] == [
+        (1, "run.finished"),
+        (2, "alert"),
+        (3, "state.changed"),
+    ]
+
+
+def test_an_event_published_during_a_catch_up_is_caught_up_too() -> None:
+    bus = EventBus()
+    conn = Conn(congested=True)
+    nested = []
+
+    def write(frame: bytes) -> None:
+        if not nested:
+            nested.append(bus.publish("alert", {"level": "error", "message": "log failed"}))
+        conn.write(frame)
+
+    sub = Subscription(write, conn.is_congested, 0)
+    bus.subscribe(sub)
+    publish_n(bus, 2)  # held: the connection is congested
+    conn.congested = False
+    bus.catch_up(sub)  # it drained
+    publish_n(bus, 1)
+    assert conn.seqs == [1, 2, 3, 4] and not conn.gaps
