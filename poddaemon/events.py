@@ -54,6 +54,15 @@ class EventBus:
                     self.catch_up(sub)
         return event
 
+    @property
+    def listened(self) -> bool:
+        """Someone subscribed: what is published now may go out at once."""
+        return bool(self._subs)
+
+    def forget(self) -> None:
+        """Hold nothing published so far: a subscriber that asks for it is told `gap`."""
+        self._held.clear()
+
     def subscribe(self, sub: Subscription) -> None:
         if sub.cursor > self.seq:
             # A cursor past the head is from before the pod restarted (each process numbers

@@ -200,6 +200,10 @@ class Pod:
                 entry = effect.entry  # type: ignore[union-attr]
                 if self.plog.forks == forks and self.failure is None:
                     self.plog.write(entry)
+                    if self.bus.listened:
+                        self.plog.flush()  # in the file before anything more is said
+                if self.failure is not None:
+                    continue  # the log does not hold it (it failed): nobody hears of it
                 for type_, data, run_id in events_of(entry):
                     self.bus.publish(type_, data, run_id)
                 for observe in self.observers:
@@ -319,6 +323,7 @@ class Pod:
         restarts the pod from what is on disk) and say why."""
         if self.failure is None:
             self.failure = message
+            self.bus.forget()  # events held for replay may speak of entries the log lost
             if self.machine.final_report is not None:
                 self.machine.final_report = "errored"
             self._alert("error", f"{message}; the pod stops")
@@ -338,6 +343,8 @@ class Pod:
             self._answer_durable(future, result)
 
     def _answer_durable(self, reply: "asyncio.Future[Any] | Pending", result: Any) -> None:
+        if self.failure is None and self.plog.inputs_durable():
+            self.plog.flush()  # it goes out now: what it speaks of (a run's end) is written first
         if self.failure is not None or not self.plog.inputs_durable():
             self._durable.add(reply, result)  # after the fsync (or the log's failure)
         else:

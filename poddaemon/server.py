@@ -496,6 +496,8 @@ class Connection(asyncio.Protocol):
             return  # closed meanwhile: a subscription now would never be removed
         if self.subscription is not None:
             self.server.bus.unsubscribe(self.subscription)
+        # What is staged is written (or, the log failing, forgotten) before any is replayed.
+        self.server.before_send()
         self.subscription = Subscription(self._write_event, self._congested, cursor)
         self.server.bus.subscribe(self.subscription)
 

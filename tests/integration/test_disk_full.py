@@ -2,12 +2,14 @@
 
 import os
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from protocol import RpcError
+from protocol.errors import ConnectionClosed
 from tests.conftest import Env
 
 
@@ -66,3 +68,49 @@ def test_disk_full_is_reported_and_nothing_acknowledged_is_lost(
     entries = again.call("history")["entries"]
     assert any(e["kind"] == "run_end" and e["run_id"] == first.run_id for e in entries)
     assert not any(e.get("text", "").startswith("xxxx") for e in entries)  # never acknowledged
+
+
+@pytest.mark.parametrize("watched", [True, False], ids=["subscribed", "alone"])
+def test_a_run_whose_end_cannot_be_written_is_never_reported_finished(
+    env: Env, small_data_dir: Path, watched: bool
+) -> None:
+    """What a client hears of is in the log first: when the run's last entries cannot be
+    written, no subscriber hears `run.finished` and `run` with `wait` gets an error, so the run
+    ends once, when the restored pod closes it as interrupted."""
+    pod = env.start("full")
+    env.model.script({"text": "z" * 64 * 1024, "gate": "answer"})  # new pages: cannot fit
+    waited: list[object] = []
+
+    def run_and_wait() -> None:
+        with pod.client() as c:
+            try:
+                waited.append(c.run_wait("go"))
+            except RpcError as exc:
+                waited.append(exc)
+
+    heard = []
+    with pod.client() as watcher:
+        if watched:
+            watcher.subscribe()
+        runner = threading.Thread(target=run_and_wait)
+        runner.start()
+        env.model.wait_for_requests(1)  # the input is durable, the model is answering
+        filler = fill(small_data_dir)
+        env.model.open_gate("answer")
+        if watched:
+            with pytest.raises(ConnectionClosed):
+                for event in watcher.events():  # until the pod, stopping, closes the connection
+                    heard.append(event)
+        runner.join(20)
+    assert [e for e in heard if e.type == "run.finished"] == []
+    if watched:
+        alerts = [e.data["message"] for e in heard if e.type == "alert"]
+        assert any("No space left" in m for m in alerts), [e.type for e in heard]
+    (result,) = waited
+    assert isinstance(result, RpcError) and "could not persist" in result.message, result
+    assert pod.proc.wait(20) == 1
+    filler.unlink()
+    entries = env.restart(pod, "--resume").call("history")["entries"]
+    (run_id,) = [e["run_id"] for e in entries if e["kind"] == "user_input" and e["text"] == "go"]
+    ends = [e for e in entries if e["kind"] == "run_end" and e["run_id"] == run_id]
+    assert [(e["outcome"], e["interrupted"]) for e in ends] == [("error", True)], ends
