@@ -291,18 +291,26 @@ def _keep_config(manifest: object, callback: str | None = None) -> None:
 
     assert isinstance(manifest, Manifest)
     folder = paths.ensure_dir(paths.data_dir() / "pods")
-    target = folder / f"{manifest.pod.name}.toml"
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(manifest.to_toml())
-    os.replace(tmp, target)
+    _replace_file(folder / f"{manifest.pod.name}.toml", manifest.to_toml())
     sidecar = folder / f"{manifest.pod.name}.callback"
     if callback is None:
         with contextlib.suppress(FileNotFoundError):
             sidecar.unlink()
     else:
-        tmp = sidecar.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(callback + "\n")
-        os.replace(tmp, sidecar)
+        _replace_file(sidecar, callback + "\n")
+
+
+def _replace_file(target: Path, text: str) -> None:
+    """Write `target` whole, through a temporary file renamed over it. A failure (a full
+    disk) names `target` and leaves no temporary file behind."""
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, target)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise OSError(exc.errno, exc.strerror, str(target)) from None
 
 
 def _spawner(args: "argparse.Namespace", registry: Any) -> str | None:

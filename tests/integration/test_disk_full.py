@@ -10,7 +10,7 @@ import pytest
 
 from protocol import RpcError
 from protocol.errors import ConnectionClosed
-from tests.conftest import Env
+from tests.conftest import Env, StartFailed
 
 
 @pytest.fixture
@@ -114,3 +114,20 @@ def test_a_run_whose_end_cannot_be_written_is_never_reported_finished(
     (run_id,) = [e["run_id"] for e in entries if e["kind"] == "user_input" and e["text"] == "go"]
     ends = [e for e in entries if e["kind"] == "run_end" and e["run_id"] == run_id]
     assert [(e["outcome"], e["interrupted"]) for e in ends] == [("error", True)], ends
+
+
+def test_a_pod_that_cannot_keep_its_config_says_which_file_and_leaves_no_debris(
+    env: Env, small_data_dir: Path
+) -> None:
+    pod = env.start("full")
+    assert pod.stop() == 0
+    filler = fill(small_data_dir)
+    kept = small_data_dir / "pods"
+    for _ in range(2):  # as a supervisor restarting it would
+        with pytest.raises(StartFailed) as failed:
+            env.restart(pod, "--resume")
+        assert failed.value.code == 1
+        assert f"{kept / 'full.toml'}: No space left on device" in failed.value.stderr
+    assert sorted(p.name for p in kept.iterdir()) == ["full.toml"]
+    filler.unlink()
+    assert env.restart(pod, "--resume").stop() == 0
