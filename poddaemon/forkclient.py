@@ -147,9 +147,10 @@ def fork_pod(
     cmd: list[str], stdio: tuple[int, int, int], *, alone_ok: bool = False
 ) -> Forked | None:
     """Have the fork server start `cmd` (a `poddaemon run` command line) with these stdin,
-    stdout and stderr; None when the server cannot be had, and the caller execs instead. With
-    no server running, one is started only if another pod runs (or `alone_ok`). Raises
-    ServerLost when it cannot be known whether the pod was started."""
+    stdout and stderr; None when the server cannot be had (or is stopped, or does not answer
+    in time), and the caller execs instead. With no server running, one is started only if
+    another pod runs (or `alone_ok`). Raises ServerLost when it cannot be known whether the
+    pod was started."""
 
     try:
         path = server_socket()
@@ -174,6 +175,9 @@ def fork_pod(
                 conn = _connect(path, patience=2.0)
         if conn is None:
             return None
+        if _stopped(conn):  # SIGSTOP, a debugger: it would not answer before the timeout
+            conn.close()
+            return None
         try:
             conn.settimeout(READY_TIMEOUT)
             sent = socket.send_fds(conn, [frame], list(stdio))
@@ -184,6 +188,9 @@ def fork_pod(
             return None  # it never had the request: exec
         try:
             reply = json.loads(_read_line(conn))
+        except TimeoutError:  # hung: hang up, and it will not fork the request if it gets to it
+            conn.close()
+            return None
         except (OSError, ValueError):  # it had the request and no answer came: exec'ing could
             conn.close()  # start the pod twice
             raise ServerLost(
@@ -195,6 +202,18 @@ def fork_pod(
         if not reply.get("stale"):
             return None
     return None
+
+
+def _stopped(conn: socket.socket) -> bool:
+    """The server at the other end (it called listen: SO_PEERCRED names it) is stopped."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid = struct.unpack("3i", creds)[0]
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[:1]
+    except OSError:
+        return False
+    return state in ([b"T"], [b"t"])
 
 
 def _pods_alive(runtime: str) -> bool:

@@ -17,6 +17,9 @@ The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
   `{"stale": true}` when a module this server loaded changed on disk (an upgrade, an edit): the
   server then gives up its socket and lock at once, and exits once its waiting clients are
   answered; the client starts a fresh one.
+- a client that finds the server stopped execs the pod itself, and so does one that waited
+  `READY_TIMEOUT` for the reply in vain, after hanging up: the server forks no request whose
+  client has hung up.
 
 It exits after `PODDAEMON_FORKSERVER_IDLE` seconds (default 600) without a request; its pods
 live on.
@@ -29,6 +32,7 @@ import gc
 import importlib
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -239,6 +243,9 @@ class Server:
             # wait (~0.3 s) happens once, to the pod spawned right after the first of its kind.
             self.load(self.preload)
             self.preload = []
+            if _hung_up(conn):  # it gave up waiting (a server that seemed hung): it execs
+                conn.close()
+                return
             pid = self._fork(req, fds)
         except OSError as exc:  # EAGAIN, ENOMEM…: the client execs instead
             self._reply(conn, {"error": f"cannot fork: {exc}"})
@@ -371,6 +378,13 @@ class Server:
             os.unlink(self.sock_path)
         self.listener.close()
         os.close(self.lock_fd)
+
+
+def _hung_up(conn: socket.socket) -> bool:
+    """The client closed the connection (not merely its writing side)."""
+    poller = select.poll()
+    poller.register(conn, select.POLLHUP)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))
 
 
 def _importer(module: str) -> Callable[[], object]:

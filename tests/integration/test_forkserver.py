@@ -10,6 +10,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,84 @@ def test_a_server_that_vanishes_with_the_request_is_an_error_not_a_second_start(
     assert done.returncode == 1, done.stderr
     assert "fork server went away" in done.stderr
     assert not (env.home / "run" / "pods" / "two" / "sock").exists()
+
+
+def test_a_stopped_server_is_passed_over_at_once(env: Env) -> None:
+    """A server that cannot answer (SIGSTOP, a debugger) would hold every spawn for the whole
+    reply timeout: the pod is exec'd instead, and the server serves again once continued."""
+    spawn(env, "lone")
+    spawn(env, "one")
+    server = server_pid(env)
+    os.kill(server, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        two = spawn(env, "two")
+        assert time.monotonic() - started < forkclient.READY_TIMEOUT / 2
+    finally:
+        os.kill(server, signal.SIGCONT)
+    assert ppid(two) != server and answers(env, "two")
+    assert ppid(spawn(env, "three")) == server
+
+
+def test_a_request_whose_client_gave_up_is_not_forked(env: Env) -> None:
+    """A client that hung up before the server read its request starts the pod itself (see
+    forkclient): forking it too would start it twice."""
+    spawn(env, "lone")
+    spawn(env, "one")
+    server = server_pid(env)
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    read_end, write_end = os.pipe()
+    request = forkclient.Request(
+        ["run", str(env.home / "ghost.toml")], dict(env.env), str(env.home), 0o22, []
+    )
+    os.kill(server, signal.SIGSTOP)  # it reads the request only once the client is gone
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(str(sock))
+            socket.send_fds(s, [forkclient.encode_request(request)], [write_end] * 3)
+    finally:
+        os.close(write_end)
+        os.kill(server, signal.SIGCONT)
+    # End of file once every holder of the write end closed it: the server, and a pod it
+    # forked (which would first say that ghost.toml does not exist).
+    with os.fdopen(read_end, "rb") as stderr:
+        assert stderr.read() == b""
+    assert ppid(spawn(env, "two")) == server
+
+
+def test_a_server_that_does_not_answer_in_time_is_given_up_for_exec(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the reply timeout the client hangs up (so that the server, should it come to the
+    request, does not fork it) and the caller execs the pod."""
+    import threading
+
+    monkeypatch.setenv("PYTHONPATH", env.env["PYTHONPATH"])  # podctl's key
+    monkeypatch.setattr(forkclient, "READY_TIMEOUT", 0.5)
+    path = forkclient.server_socket()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    heard: list[bytes] = []
+
+    def take_and_say_nothing() -> None:
+        conn, _ = listener.accept()
+        data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+        for fd in fds:
+            os.close(fd)
+        conn.settimeout(10)
+        while data := conn.recv(65536):  # the request, then the client's hang-up
+            heard.append(data)
+        conn.close()
+
+    taker = threading.Thread(target=take_and_say_nothing)
+    taker.start()
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        forked = forkclient.fork_pod(["poddaemon", "run", "x.toml"], (null, null, null))
+    finally:
+        os.close(null)
+        taker.join(10)
+        listener.close()
+    assert forked is None  # exec it
+    assert not taker.is_alive()  # it saw the hang-up
