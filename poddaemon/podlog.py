@@ -155,7 +155,14 @@ class PodLog:
         start = self.fork()
         assert self.log is not None
         old = self.log
-        self.log = old.fork(start_body=body_of(start), new_id=start.session_id)
+        try:
+            self.log = old.fork(start_body=body_of(start), new_id=start.session_id)
+        except OSError as exc:  # a full disk, say: the pod stops (the old log is not ours)
+            self._failed(
+                f"session {old.session_id} was written by someone else and cannot be "
+                f"continued in a new session: {exc}"
+            )
+            return
         self.forks += 1
         self._input_seq = 0  # the new session starts durable: its inputs are in its first entry
         old.close()

@@ -131,3 +131,23 @@ def test_a_pod_that_cannot_keep_its_config_says_which_file_and_leaves_no_debris(
     assert sorted(p.name for p in kept.iterdir()) == ["full.toml"]
     filler.unlink()
     assert env.restart(pod, "--resume").stop() == 0
+
+
+def test_a_session_that_cannot_be_forked_on_a_full_disk_is_reported_as_such(
+    env: Env, small_data_dir: Path
+) -> None:
+    """Another writer moved the session's head, so the pod must continue in a new session,
+    and the disk is full: the caller hears why, the pod stops, no traceback."""
+    pod = env.start("full")
+    with pod.client() as c:
+        c.run_wait("before")
+        session = c.status().session_id
+    with (small_data_dir / "sessions" / f"{session}.jsonl").open("a") as f:
+        f.write('{"someone": "else"}\n')
+    fill(small_data_dir)
+    with pod.client() as c, pytest.raises(RpcError) as err:
+        c.notify("after")
+    assert "could not persist" in err.value.message
+    assert "No space left on device" in err.value.message, err.value.message
+    assert pod.proc.wait(20) == 1
+    assert "Traceback" not in pod.text(), pod.text()
