@@ -151,7 +151,7 @@ class PodLog:
         except OSError as exc:
             self._failed(f"session log write failed: {exc}")
 
-    def _fork(self) -> None:
+    def _fork(self, why: str = "was written by someone else") -> None:
         start = self.fork()
         assert self.log is not None
         old = self.log
@@ -159,8 +159,8 @@ class PodLog:
             self.log = old.fork(start_body=body_of(start), new_id=start.session_id)
         except OSError as exc:  # a full disk, say: the pod stops (the old log is not ours)
             self._failed(
-                f"session {old.session_id} was written by someone else and cannot be "
-                f"continued in a new session: {exc}"
+                f"session {old.session_id} {why} and cannot be continued in a new session:"
+                f" {exc}"
             )
             return
         self.forks += 1
@@ -168,8 +168,8 @@ class PodLog:
         old.close()
         self.moved(start.session_id)
         self.alert(
-            f"session {old.session_id} was written by someone else; continuing in session "
-            f"{start.session_id} (forked_from links them)"
+            f"session {old.session_id} {why}; continuing in session {start.session_id}"
+            " (forked_from links them)"
         )
 
     def switch(self, start: SessionStart) -> bool:
@@ -210,6 +210,8 @@ class PodLog:
         fails."""
         if self.log is not None and not self.failed:
             self.flush()
+            if not self.failed and not self.log.named():  # what it makes durable, none could find
+                self._fork("was removed or replaced on disk")
             if self.failed:
                 raise OSError(errno.EIO, "the session log could not be written")
             if _power_cut_at:

@@ -552,6 +552,14 @@ class SessionLog:
         if covered > self._durable:
             self._durable, self._durable_size = covered, size
 
+    def named(self) -> bool:
+        """The file at this log's path is still the one this writer holds (not removed or
+        replaced): what it makes durable can be found by its session id."""
+        try:
+            return not self._closed and _still_named(self.path, self._fd)
+        except OSError:
+            return False
+
     def head_is_mine(self) -> bool:
         """True if the file at this log's path is still the one this writer holds, with the
         size and last line it left there. False once another writer appended, truncated or

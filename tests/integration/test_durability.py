@@ -666,6 +666,30 @@ def test_fork_in_the_middle_of_a_run_keeps_the_run(env: Env) -> None:
         )
 
 
+def test_a_session_file_removed_under_the_pod_takes_no_acknowledgement_with_it(
+    env: Env,
+) -> None:
+    """Someone removes the live session's file (a clean-up gone wrong). What the pod
+    acknowledges afterwards must not go to a file that no name reaches: it continues in a new
+    session first (forked from the lost one), so a crash loses nothing it acknowledged."""
+    env.model.script({"text": "slow answer", "gate": "g"})
+    pod = env.start("removed")
+    with pod.client() as c:
+        run = c.run("a run in flight")
+        env.model.wait_for_requests(1)
+        old = c.status().session_id
+        (sessions_dir(env) / f"{old}.jsonl").unlink()
+        text = "acknowledged after the file was removed"
+        c.notify(text, source="ci")
+        new = c.status().session_id
+        pod.kill9()
+    assert new != old
+    before = len(env.model.requests)
+    again = env.restart(pod, "--resume")
+    check_restored(env, again, new, runs={}, interrupted=run.run_id, before=before)
+    assert text in requests_since(env, before)
+
+
 def test_fork_keeps_client_keys(env: Env) -> None:
     pod = env.start("keyfork")
     with pod.client() as c:
