@@ -21,7 +21,8 @@ The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
   `READY_TIMEOUT` for the reply in vain, after hanging up: the server forks no request whose
   client has hung up.
 
-It exits after `PODDAEMON_FORKSERVER_IDLE` seconds (default 600) without a request; its pods
+It exits after `PODDAEMON_FORKSERVER_IDLE` seconds (default 600) without a request, and steps
+aside (as when stale) once its socket file is removed (no client could reach it); its pods
 live on.
 """
 
@@ -53,6 +54,7 @@ READY = b"FORKSERVER-READY\n"
 RUNNING = b"FORKSERVER-RUNNING\n"  # another server holds the lock: use that one
 MAX_REQUEST = 1 << 20
 IDLE_EXIT = 600.0
+CHECK_INTERVAL = 1.0  # seconds between looks at our socket file while listening
 OWN = frozenset({"poddaemon", "cli", "protocol"})
 
 # Imported before the first fork: what every pod imports on its way to READY.
@@ -133,6 +135,7 @@ class Server:
         self.preload: list[Callable[[], object]] = []  # done one at a time while idle
         self.loaded_kinds: set[str] = set()
         self.mtimes: dict[str, int] = {}
+        self.sock_ino = 0  # of the socket file we bound
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
 
     # --- start-up ------------------------------------------------------------------------------
@@ -145,6 +148,7 @@ class Server:
             self.listener.bind(self.sock_path)
         finally:
             os.umask(old)
+        self.sock_ino = os.stat(self.sock_path).st_ino
         self.listener.listen(64)
         self.sel.register(self.listener, selectors.EVENT_READ)
         self.sel.register(self.wake_r, selectors.EVENT_READ)
@@ -202,14 +206,19 @@ class Server:
                 timeout = max(0.0, last + idle - time.monotonic())
             else:
                 return 0  # stale, and nobody waits any more
+            if listening:  # look at our socket file now and then
+                timeout = CHECK_INTERVAL if timeout is None else min(timeout, CHECK_INTERVAL)
             events = self.sel.select(timeout)
+            if listening and not self._reachable():
+                self.stop_listening()  # its file was removed: a new server may take over
+                continue
             if self.waiting:
                 last = time.monotonic()
             if not events:
                 if self.preload:
                     self.load([self.preload.pop(0)])  # a request waits at most for one step
                     continue
-                if not self.waiting:
+                if not self.waiting and time.monotonic() >= last + idle:
                     return 0  # idle long enough; the pods live on without us
             for key, _ in events:
                 if key.fileobj is self.listener:
@@ -220,6 +229,13 @@ class Server:
                 else:  # a waiting client hung up: its pod lives on regardless
                     assert isinstance(key.fileobj, socket.socket)
                     self._forget(key.fileobj)
+
+    def _reachable(self) -> bool:
+        """Our socket file is still where clients look for it."""
+        try:
+            return os.stat(self.sock_path).st_ino == self.sock_ino
+        except OSError:
+            return False
 
     def _accept(self) -> None:
         """Serve one request: fork its pod, or say this server is stale and stop listening."""

@@ -142,6 +142,21 @@ def test_a_killed_server_leaves_its_pods_and_is_restarted(env: Env) -> None:
     assert ppid(second) == server_pid(env) != old
 
 
+def test_a_server_whose_socket_was_removed_steps_aside(env: Env) -> None:
+    """No client can reach a server whose socket file is gone, and its lock keeps a new one
+    from starting (each spawn would start one in vain, wait for it, and exec): it gives up
+    its lock and leaves, and the next spawn starts a fresh server."""
+    spawn(env, "lone")
+    first = spawn(env, "one")
+    old = server_pid(env)
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    sock.unlink()
+    wait_until(lambda: not alive(old), what="the unreachable server to leave")
+    second = spawn(env, "two")
+    assert ppid(second) == server_pid(env) != old
+    assert alive(first) and answers(env, "one")
+
+
 def test_an_idle_server_exits_and_its_pods_live_on(env: Env) -> None:
     spawn(env, "lone")
     first = spawn(env, "one", PODDAEMON_FORKSERVER_IDLE="0.5")
