@@ -50,6 +50,9 @@ def send(
     """
     import msgspec
 
+    from cli.render import one_line
+    from protocol.errors import ConnectionClosed
+
     text = read_message(message)
     with connect(pod) as client:
         if steer or no_wait:
@@ -67,10 +70,13 @@ def send(
             sys.stderr.write(f"podctl: run {run_id} queued{position}\n")
         wrote, ends_nl = False, True
         finished: dict[str, Any] | None = None
+        trouble = ""  # the last error alert: why the pod stopped, should it close on us
         try:
             for event in client.events():
                 if event.type == "gap":
                     sys.stderr.write("podctl: some events were missed; output may be incomplete\n")
+                if event.type == "alert" and event.data.get("level") == "error":
+                    trouble = one_line(str(event.data.get("message", "")), 1000)
                 if event.run_id != run_id:
                     continue
                 if event.type == "text.delta" and not as_json:
@@ -86,6 +92,11 @@ def send(
             if wrote and not ends_nl:
                 sys.stdout.write("\n")
             fail(f"stopped waiting; run {run_id} goes on (podctl cancel {pod})", EXIT_INTERRUPTED)
+        except ConnectionClosed:
+            if wrote and not ends_nl:
+                sys.stdout.write("\n")
+            why = f": {trouble}" if trouble else ""
+            fail(f"pod {pod!r} stopped before run {run_id} ended{why}")
     assert finished is not None
     if wrote and not ends_nl:
         sys.stdout.write("\n")

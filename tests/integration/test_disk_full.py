@@ -2,6 +2,7 @@
 
 import os
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -151,3 +152,25 @@ def test_a_session_that_cannot_be_forked_on_a_full_disk_is_reported_as_such(
     assert "No space left on device" in err.value.message, err.value.message
     assert pod.proc.wait(20) == 1
     assert "Traceback" not in pod.text(), pod.text()
+
+
+def test_podctl_send_says_why_the_pod_stopped_before_the_run_ended(
+    env: Env, small_data_dir: Path
+) -> None:
+    pod = env.start("full")
+    env.model.script({"text": "z" * 64 * 1024, "gate": "answer"})
+    send = subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "send", "full", "go"],
+        env=env.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    env.model.wait_for_requests(1)
+    fill(small_data_dir)
+    env.model.open_gate("answer")
+    _, err = send.communicate(timeout=60)
+    assert send.returncode == 1
+    assert err.startswith("podctl: pod 'full' stopped before run "), err
+    assert "No space left on device" in err and len(err.splitlines()) == 1, err
+    assert pod.proc.wait(20) == 1
