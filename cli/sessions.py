@@ -56,6 +56,7 @@ def sessions_list(as_json: JsonOpt = False) -> None:
 def _read_session(session_id: str) -> Any:
     from poddaemon.store.file import read_session
     from poddaemon.store.log import LogCorrupt
+    from protocol.errors import os_error_line
 
     try:
         return read_session(_sessions_dir(), session_id)
@@ -63,7 +64,9 @@ def _read_session(session_id: str) -> Any:
         fail(str(exc))
     except FileNotFoundError as exc:
         fail(exc.strerror or str(exc))
-    except (ValueError, OSError) as exc:
+    except OSError as exc:
+        fail(os_error_line(exc))
+    except ValueError as exc:
         fail(str(exc))
 
 

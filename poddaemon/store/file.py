@@ -626,10 +626,16 @@ def read_session(sessions_dir: StrPath, session_id: str) -> VerifyResult:
     """Verify a session log read-only (never modifies the file). A torn last line is reported
     with ``torn=True``; other damage raises ``LogCorrupt`` naming the file and line."""
     path = session_path(sessions_dir, session_id)
-    try:
-        data = path.read_bytes()
+    try:  # non-blocking: opening a fifo for reading would wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise _missing(path, session_id) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        data = _read_all(fd)
+    finally:
+        os.close(fd)
     try:
         result = verify(data)
     except LogCorrupt as exc:

@@ -231,6 +231,18 @@ def test_sessions_verify_and_show(home: Path) -> None:
     assert missing.returncode == 1 and "nope" in missing.stderr
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_sessions_on_what_is_not_a_file_is_one_line_and_never_hangs(home: Path, kind: str) -> None:
+    sessions = home / "data" / "sessions"
+    sessions.mkdir(parents=True)
+    odd = sessions / "odd.jsonl"
+    os.mkdir(odd) if kind == "directory" else os.mkfifo(odd)  # a fifo: a read would wait
+    for command in ("verify", "show"):
+        done = podctl(home, "sessions", command, "odd", timeout=20)
+        assert done.returncode == 1, done.stderr
+        assert done.stderr == f"podctl: {odd}: not a regular file\n", done.stderr
+
+
 # --- end to end with a real pod -----------------------------------------------------------------
 
 
