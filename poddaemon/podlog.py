@@ -159,8 +159,7 @@ class PodLog:
             self.log = old.fork(start_body=body_of(start), new_id=start.session_id)
         except OSError as exc:  # a full disk, say: the pod stops (the old log is not ours)
             self._failed(
-                f"session {old.session_id} {why} and cannot be continued in a new session:"
-                f" {exc}"
+                f"session {old.session_id} {why} and cannot be continued in a new session: {exc}"
             )
             return
         self.forks += 1
