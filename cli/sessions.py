@@ -1,6 +1,7 @@
 """`podctl sessions`: browse and check session logs on disk (no pod needed)."""
 
 import sys
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -53,21 +54,29 @@ def sessions_list(as_json: JsonOpt = False) -> None:
         sys.stdout.write("\n")
 
 
-def _read_session(session_id: str) -> Any:
-    from poddaemon.store.file import read_session
+def _scan(session_id: str) -> Any:
+    from poddaemon.store.file import SessionScan
+
+    try:
+        return SessionScan(_sessions_dir(), session_id)
+    except ValueError as exc:  # not a session id
+        fail(str(exc))
+
+
+def _entries(scan: Any) -> Iterator[dict[str, Any]]:
+    """The entries of a `_scan`, one at a time; a damaged or unreadable log ends podctl with
+    one line (after the entries before the damage)."""
     from poddaemon.store.log import LogCorrupt
     from protocol.errors import os_error_line
 
     try:
-        return read_session(_sessions_dir(), session_id)
+        yield from scan
     except LogCorrupt as exc:
         fail(str(exc))
     except FileNotFoundError as exc:
         fail(exc.strerror or str(exc))
     except OSError as exc:
         fail(os_error_line(exc))
-    except ValueError as exc:
-        fail(str(exc))
 
 
 @sessions_app.command("show")
@@ -90,20 +99,21 @@ def sessions_show(
 
     ids = _chain(session_id) if chain else [session_id]
     for sid in ids:
-        result = _read_session(sid)
-        if chain and not as_json:
-            start = result.entries[0]
-            link = start.get("compacted_from") or start.get("forked_from")
-            how = "compacted" if start.get("compacted_from") else "forked"
-            sys.stdout.write(f"== session {sid}" + (f" ({how} from {link})" if link else "") + "\n")
-        for entry in result.entries:
+        scan = _scan(sid)
+        for entry in _entries(scan):
+            if chain and not as_json and entry["seq"] == 1:
+                link = entry.get("compacted_from") or entry.get("forked_from")
+                how = "compacted" if entry.get("compacted_from") else "forked"
+                sys.stdout.write(
+                    f"== session {sid}" + (f" ({how} from {link})" if link else "") + "\n"
+                )
             if as_json:
                 sys.stdout.write(json.dumps(entry, ensure_ascii=False) + "\n")
             else:
                 sys.stdout.write(entry_line(entry) + "\n")
-        if result.torn:
+        if scan.torn:
             sys.stderr.write(
-                f"podctl: {sid}: torn last line after byte {result.end_offset} (not shown)\n"
+                f"podctl: {sid}: torn last line after byte {scan.end_offset} (not shown)\n"
             )
 
 
@@ -126,10 +136,12 @@ def sessions_verify(
 
     Prints `ok: N entries, head H`, or the first bad line and exits 1.
     """
-    result = _read_session(session_id)
-    sys.stdout.write(f"ok: {len(result.entries)} entries, head {result.head[:12]}\n")
-    if result.torn:
+    scan = _scan(session_id)
+    for _ in _entries(scan):
+        pass
+    sys.stdout.write(f"ok: {scan.count} entries, head {scan.head[:12]}\n")
+    if scan.torn:
         sys.stderr.write(
-            f"podctl: warning: torn last line after byte {result.end_offset}; "
+            f"podctl: warning: torn last line after byte {scan.end_offset}; "
             "restoring the session cuts it off\n"
         )

@@ -30,9 +30,9 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
@@ -45,6 +45,7 @@ from poddaemon.store.log import (
     encode_record,
     new_session_id,
     verify,
+    verify_line,
 )
 from protocol import paths
 
@@ -54,6 +55,7 @@ __all__ = [
     "SessionInfo",
     "SessionLog",
     "SessionNotFound",
+    "SessionScan",
     "list_sessions",
     "newest_session_for",
     "read_session",
@@ -626,22 +628,62 @@ def read_session(sessions_dir: StrPath, session_id: str) -> VerifyResult:
     """Verify a session log read-only (never modifies the file). A torn last line is reported
     with ``torn=True``; other damage raises ``LogCorrupt`` naming the file and line."""
     path = session_path(sessions_dir, session_id)
-    try:  # non-blocking: opening a fifo for reading would wait for a writer
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise _missing(path, session_id) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        data = _read_all(fd)
-    finally:
-        os.close(fd)
+    with _open_log(path, session_id) as f:
+        data = f.read()
     try:
         result = verify(data)
     except LogCorrupt as exc:
         raise LogCorrupt(exc.line, exc.reason, str(path)) from None
     _check_start(result, path)
     return result
+
+
+def _open_log(path: Path, session_id: str) -> BinaryIO:
+    """A session's file, opened to read; a fifo or a directory there is an OSError (opened
+    without blocking: a fifo would wait for a writer)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise _missing(path, session_id) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return os.fdopen(fd, "rb")
+
+
+class SessionScan:
+    """A session log verified read-only one line at a time, in little memory whatever its
+    size (``read_session`` holds all of it). Iterate it for the entries (``LogCorrupt`` naming
+    the file and line for damage); then ``count``, ``head``, ``torn`` and ``end_offset`` say
+    what ``read_session``'s result would."""
+
+    def __init__(self, sessions_dir: StrPath, session_id: str) -> None:
+        self.path = session_path(sessions_dir, session_id)
+        self.session_id = session_id
+        self.count = 0
+        self.head = GENESIS
+        self.torn = False
+        self.end_offset = 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        with _open_log(self.path, self.session_id) as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    self.torn = True  # an append cut short (see verify)
+                    break
+                try:
+                    entry = verify_line(line[:-1], self.count + 1, self.head)
+                    kind = entry["kind"]
+                    if self.count == 0 and kind != "session_start":
+                        raise LogCorrupt(1, f"first entry is {kind!r}, not 'session_start'")
+                except LogCorrupt as exc:
+                    raise LogCorrupt(exc.line, exc.reason, str(self.path)) from None
+                self.count += 1
+                self.head = entry["hash"]
+                self.end_offset += len(line)
+                yield entry
+        if self.count == 0:
+            raise LogCorrupt(1, "no complete entry: the session never started", str(self.path))
 
 
 def _first_line(path: Path) -> bytes:

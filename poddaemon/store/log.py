@@ -33,6 +33,7 @@ __all__ = [
     "encode_record",
     "new_session_id",
     "verify",
+    "verify_line",
 ]
 
 GENESIS = "0" * 64
@@ -187,24 +188,31 @@ def _verify(data: bytes) -> VerifyResult:
         if nl < 0:
             # No newline: an append cut short, even if what is there happens to parse.
             return VerifyResult(entries=entries, end_offset=offset, torn=True, head=prev)
-        line = data[offset:nl]
-        try:
-            obj = _decoder.decode(line)
-        except msgspec.DecodeError as exc:
-            # A complete line was written whole (one write, then acknowledged): if it does not
-            # parse, the disk or someone damaged it. That is corruption even on the last line.
-            raise LogCorrupt(lineno, f"not valid JSON ({exc})") from None
-        problem = _check_entry(obj, lineno, prev)
-        if problem is not None:
-            raise LogCorrupt(lineno, problem)
-        digest = obj.pop("hash")
-        if _hash(prev, _canonical.encode(obj)) != digest:
-            raise LogCorrupt(lineno, "hash mismatch (entry altered)")
-        obj["hash"] = digest
+        obj = verify_line(data[offset:nl], lineno, prev)
         entries.append(obj)
-        prev = digest
+        prev = obj["hash"]
         offset = nl + 1
     return VerifyResult(entries=entries, end_offset=offset, torn=False, head=prev)
+
+
+def verify_line(line: bytes, lineno: int, prev: str) -> dict[str, Any]:
+    """A complete line (without its ``\\n``) as entry number ``lineno``, whose predecessor's
+    hash is ``prev``; ``LogCorrupt`` naming the line if it is not."""
+    try:
+        obj = _decoder.decode(line)
+    except msgspec.DecodeError as exc:
+        # A complete line was written whole (one write, then acknowledged): if it does not
+        # parse, the disk or someone damaged it. That is corruption even on the last line.
+        raise LogCorrupt(lineno, f"not valid JSON ({exc})") from None
+    problem = _check_entry(obj, lineno, prev)
+    if problem is not None:
+        raise LogCorrupt(lineno, problem)
+    digest = obj.pop("hash")
+    if _hash(prev, _canonical.encode(obj)) != digest:
+        raise LogCorrupt(lineno, "hash mismatch (entry altered)")
+    obj["hash"] = digest
+    result: dict[str, Any] = obj
+    return result
 
 
 # --- session ids ------------------------------------------------------------------------------

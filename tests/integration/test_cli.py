@@ -243,6 +243,35 @@ def test_sessions_on_what_is_not_a_file_is_one_line_and_never_hangs(home: Path, 
         assert done.stderr == f"podctl: {odd}: not a regular file\n", done.stderr
 
 
+def test_sessions_verify_and_show_read_an_enormous_log_in_little_memory(home: Path) -> None:
+    from poddaemon.store.file import SessionLog
+
+    log = SessionLog.create(home / "data" / "sessions", "big", {"pod": "p", "system_prompt": ""})
+    for i in range(1600):  # ~100 MB
+        log.append("user_input", {"run_id": f"r{i}", "text": "x" * 65536, "mode": "queue"})
+    log.close()
+    size = log.path.stat().st_size
+    measure = (  # the peak memory of the podctl it runs
+        "import resource, subprocess, sys; done = subprocess.run(sys.argv[1:], stdout=-3);"
+        "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)"
+    )
+    for command in ("verify", "show"):
+        run = [sys.executable, "-m", "cli.main", "sessions", command, "big"]
+        done = subprocess.run(
+            [sys.executable, "-c", measure, *run],
+            cwd=REPO,
+            env=env_for(home),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        code, peak = map(int, done.stdout.split())
+        assert code == 0, done.stderr
+        assert peak < size / 2, (
+            f"podctl sessions {command}: {peak >> 20} MiB for a {size >> 20} MiB log"
+        )
+
+
 # --- end to end with a real pod -----------------------------------------------------------------
 
 
