@@ -227,8 +227,9 @@ class Machine:
         self._no_compact_run: str | None = None  # the thrash guard holds for this run
         self._cancelled_run: str | None = None  # a run `cancel` asked to end: not picked up
         self._early_hook_runs: list[HookRunEntry] = []  # before the first session (hook_ran)
-        # The report committed when the pod stops: "shutdown", "errored" (it failed), or None
-        # (its spawner is gone and it stops with it: it reports to nobody).
+        # The report committed when the pod stops: "shutdown", or None (its spawner is gone and
+        # it stops with it: it reports to nobody). A pod whose log failed reports nothing more:
+        # its spawner reports it `errored` when it sees it die.
         self.final_report: str | None = "shutdown"
 
     # --- queries --------------------------------------------------------------------------------

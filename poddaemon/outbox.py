@@ -63,7 +63,7 @@ class Outbox:
         """Try to deliver what is left before the pod exits; True if nothing is."""
         deadline = time.monotonic() + timeout
         delay = RETRY_INITIAL
-        while self.enabled and self.pod.state.outbox:
+        while self.enabled and self.pod.failure is None and self.pod.state.outbox:
             try:
                 async with asyncio.timeout(max(0.01, deadline - time.monotonic())):
                     await self._deliver()
@@ -103,6 +103,8 @@ class Outbox:
 
     async def _deliver(self) -> None:
         await self.pod.synced()  # a report leaves only once it is durable in our own log
+        if self.pod.failure is not None:
+            return  # the log failed: it may not hold them (a restored pod delivers what it does)
         items = list(self.pod.state.outbox.values())
         if not items:
             return

@@ -324,8 +324,6 @@ class Pod:
         if self.failure is None:
             self.failure = message
             self.bus.forget()  # events held for replay may speak of entries the log lost
-            if self.machine.final_report is not None:
-                self.machine.final_report = "errored"
             self._alert("error", f"{message}; the pod stops")
             asyncio.get_running_loop().call_soon(self.request_shutdown)
 

@@ -1,0 +1,53 @@
+"""A child's reports leave only once its own log holds them: a child whose log failed delivers
+none (its spawner reports it `errored` when it dies; a restored child redelivers what its log
+holds)."""
+
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from poddaemon.entries import OutboxItem
+from poddaemon.outbox import Outbox
+
+
+class Spawner:
+    """A socket that answers every `pod_event`, recording what it was told."""
+
+    def __init__(self) -> None:
+        self.heard: list[bytes] = []
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while line := await reader.readline():
+            self.heard.append(line)
+            reply = {"jsonrpc": "2.0", "id": json.loads(line)["id"], "result": {"accepted": True}}
+            writer.write(json.dumps(reply).encode() + b"\n")
+        writer.close()
+
+
+async def test_a_child_whose_log_failed_delivers_no_report() -> None:
+    report = OutboxItem(event_id="e1", event_kind="run.finished", run_id="r1", outcome="finished")
+
+    async def synced() -> None:  # as PodLog.synced once the log has failed: nothing to wait for
+        return None
+
+    pod: Any = SimpleNamespace(
+        failure="session log write failed: [Errno 28] No space left on device",
+        synced=synced,
+        state=SimpleNamespace(outbox={"e1": report}),  # committed, never written
+        feed=lambda effects: None,
+        machine=SimpleNamespace(outbox_acked=lambda ids: []),
+    )
+    spawner = Spawner()
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        path = str(Path(d) / "sock")
+        server = await asyncio.start_unix_server(spawner.handle, path)
+        try:
+            outbox = Outbox(pod, path, "child")
+            assert await outbox.flush(1.0) is False  # undelivered: it waits in the log
+        finally:
+            server.close()
+            await server.wait_closed()
+    assert spawner.heard == []
