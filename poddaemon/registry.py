@@ -32,6 +32,7 @@ __all__ = [
     "RegistryConflict",
     "RegistryError",
     "is_alive",
+    "lock_holder",
     "make_entry",
     "process_start_time",
 ]
@@ -108,6 +109,25 @@ def process_start_time(pid: int) -> int | None:
         return int(fields[19])
     except ValueError:
         return None
+
+
+def lock_holder(path: Path) -> str | None:
+    """`pid N (its command line)` of the process holding the flock on `path`, from
+    /proc/locks; None when it cannot be told."""
+    try:
+        st = os.stat(path)
+        where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        with open("/proc/locks") as f:
+            pid = next(
+                int(fields[4])
+                for fields in map(str.split, f)
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == where
+            )
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except (OSError, ValueError, StopIteration):
+        return None
+    return f"pid {pid} ({command})" if command else f"pid {pid}"
 
 
 def is_alive(entry: PodEntry) -> bool:
@@ -223,7 +243,7 @@ class Registry:
         except filelock.Timeout:
             raise RegistryError(
                 f"timed out after {self._lock_timeout:g}s waiting for the registry lock "
-                f"{self.lock_path}; another process holds it"
+                f"{self.lock_path}; {lock_holder(self.lock_path) or 'another process'} holds it"
             ) from None
         except OSError as e:  # e.g. a lock file another user made, that we may not open
             raise RegistryError(

@@ -214,6 +214,30 @@ def test_lock_timeout_is_a_clear_error(runtime: Path) -> None:
         reg.register(entry("t", scope("/w")))
 
 
+def test_lock_timeout_names_the_process_holding_the_lock(runtime: Path) -> None:
+    """A transaction takes milliseconds: a lock held for long is a stuck (stopped, hung)
+    process, and the error says which."""
+    runtime.mkdir(mode=0o700)
+    hold = (
+        "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT);"
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(runtime / "pods.json.lock")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        reg = Registry(runtime, lock_timeout=0.05)
+        with pytest.raises(RegistryError) as failed:
+            reg.register(entry("t", scope("/w")))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert f"pid {holder.pid} ({sys.executable} -c import fcntl" in str(failed.value)
+
+
 def test_start_time_with_odd_command_name() -> None:
     # comm may hold spaces and parens; the parser must split at the last ')'.
     code = (
