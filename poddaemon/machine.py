@@ -67,7 +67,8 @@ RESTART_NOTE = (
     "Check the state of your work and continue where you left off."
 )
 
-# The reports a child makes as it stops (`final_report`): stale once it starts again.
+# The reports a child made as it stopped (`final_report`; `errored` in older logs): stale
+# once it starts again.
 FINAL_REPORTS = ("shutdown", "errored")
 
 PodState = Literal["idle", "running", "paused", "stopping"]
