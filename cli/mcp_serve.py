@@ -87,7 +87,11 @@ async def _client(pod: str) -> AsyncIterator["AsyncPodClient"]:
 
     from protocol.aio import AsyncPodClient
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+    from protocol.paths import POD_NAME_RE
 
+    # A name, never a path: the client's model must not point us at any socket of this user's.
+    if not POD_NAME_RE.match(pod):
+        raise ToolError(f"{pod!r} is not a pod name (list_pods names the pods)")
     try:
         client = await AsyncPodClient.connect(pod)
     except PodNotRunning as exc:

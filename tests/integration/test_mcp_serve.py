@@ -19,15 +19,21 @@ def result_data(result: Any) -> Any:
     return json.loads(result.content[0].text)
 
 
+def serve(env: Env) -> Any:
+    """`podctl mcp-serve` as an MCP client starts it: a stdio server in this test's home."""
+    from mcp import StdioServerParameters
+
+    return StdioServerParameters(
+        command=sys.executable, args=["-m", "cli.main", "mcp-serve"], env=env.env, cwd=str(ROOT)
+    )
+
+
 async def test_an_mcp_client_drives_pods_through_mcp_serve(env: Env) -> None:
-    from mcp import Client, StdioServerParameters
+    from mcp import Client
 
     env.model.script({"text": "the answer is 42"})
     pod = env.start("worker")
-    params = StdioServerParameters(
-        command=sys.executable, args=["-m", "cli.main", "mcp-serve"], env=env.env, cwd=str(ROOT)
-    )
-    async with Client(params) as client:
+    async with Client(serve(env)) as client:
         listed = await client.list_tools()
         assert {t.name for t in listed.tools} == TOOLS
         send = next(t for t in listed.tools if t.name == "send_to_pod")
@@ -87,3 +93,22 @@ def test_podctl_start_up_does_not_import_the_mcp_sdk(env: Env) -> None:
     }
     assert "typer" in imported
     assert not {m for m in imported if m.split(".")[0] in ("mcp", "mcp_types", "pydantic")}
+
+
+async def test_a_pod_is_named_never_given_as_a_socket_path(env: Env) -> None:
+    """The client's model picks `pod`: a path would let it make mcp-serve write to any socket
+    of this user's (another home's pod, an agent, a fork server)."""
+    from mcp import Client
+
+    pod = env.start("worker")
+    async with Client(serve(env)) as client:
+        for target in (pod.socket, "../worker", "worker/"):
+            for tool, args in (
+                ("send_to_pod", {"message": "through a path", "wait": False}),
+                ("notify_pod", {"message": "through a path"}),
+                ("pod_status", {}),
+            ):
+                result = await client.call_tool(tool, {"pod": target, **args})
+                assert result.is_error, (tool, target)
+                assert f"{target!r} is not a pod name" in result.content[0].text
+    assert "through a path" not in json.dumps(pod.call("history")["entries"])
