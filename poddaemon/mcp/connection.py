@@ -19,7 +19,14 @@ import msgspec
 from poddaemon.config.manifest import McpServerConfig
 from poddaemon.mcp.handshake import Handshake, HandshakeError, handshake
 from poddaemon.mcp.stdio import StdioProcess, transport
-from poddaemon.mcp.tool import McpTool, error, input_schema, offered_name, outcome
+from poddaemon.mcp.tool import (
+    McpTool,
+    error,
+    input_schema,
+    offered_name,
+    outcome,
+    schema_problem,
+)
 from poddaemon.tools.base import ToolOutcome
 
 log = logging.getLogger("poddaemon.mcp")
@@ -226,12 +233,17 @@ class McpConnection:
             if wanted is not None and remote not in wanted:
                 continue
             name = offered_name(self.name, remote)
-            if name is None or name in out:
+            why = (
+                "its name is too long, or clashes once made safe"
+                if name is None or name in out
+                else schema_problem(schema)
+            )
+            if why is not None or name is None:
                 self._alert(
                     "warning",
                     "mcp",
                     f"MCP server '{self.name}': tool {remote!r} cannot be offered to the model "
-                    "(its name is too long, or clashes once made safe)",
+                    f"({why})",
                 )
                 continue
             out[name] = McpTool(
@@ -305,7 +317,7 @@ class McpConnection:
         timeout = self.cfg.timeout
         try:
             async with asyncio.timeout(timeout + CALL_MARGIN):
-                result = await client.call_tool(remote, args, read_timeout_seconds=timeout)
+                result = await _call_tool(client, remote, args, timeout)
         except TimeoutError:
             return await self._timed_out(remote, client)
         except MCPError as exc:
@@ -374,6 +386,21 @@ class McpConnection:
         process = self._process
         tail = process.stderr_tail() if process is not None else ""
         return f"{reason}; stderr: {tail}" if tail else reason
+
+
+async def _call_tool(client: Any, remote: str, args: dict[str, Any], timeout: float) -> Any:
+    """`tools/call` on either kind of client. The session the handshake opened is sent the
+    request as is: its `call_tool` would first list the tools again (for their output schemas)
+    and parse the whole list strictly, so one tool with a bad schema (never offered, see
+    `schema_problem`) would fail the calls of every other tool of the server."""
+    from mcp import ClientSession
+
+    if not isinstance(client, ClientSession):
+        return await client.call_tool(remote, args, read_timeout_seconds=timeout)
+    from mcp_types import CallToolRequest, CallToolRequestParams, CallToolResult
+
+    request = CallToolRequest(params=CallToolRequestParams(name=remote, arguments=args))
+    return await client.send_request(request, CallToolResult, request_read_timeout_seconds=timeout)
 
 
 async def _list_tools(client: Any) -> list[Any]:

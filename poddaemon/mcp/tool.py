@@ -47,6 +47,60 @@ class McpTool:
         return f"McpTool({self.name!r})"
 
 
+_JSON_TYPES = frozenset(("object", "array", "string", "number", "integer", "boolean", "null"))
+
+
+def schema_problem(schema: Any) -> str | None:
+    """Why a provider would refuse `schema` as a tool's parameters, or None. Such a tool must
+    not be offered: the provider refuses the whole request, so every run of the pod would fail.
+    Not the whole metaschema: the shapes servers get wrong (absent is fine: no parameters)."""
+    if schema is None:
+        return None
+    if not isinstance(schema, dict):
+        return f"its inputSchema is not an object but {type(schema).__name__} {schema!r:.40}"
+    if schema.get("type", "object") != "object":
+        return f"its inputSchema has type {schema['type']!r:.40}, not 'object'"
+    return _subschema_problem(schema, "inputSchema")
+
+
+def _is_type(name: Any) -> bool:
+    return isinstance(name, str) and name in _JSON_TYPES
+
+
+def _subschema_problem(schema: Any, where: str) -> str | None:
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"{where} is not a schema: {schema!r:.40}"
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if kind is not None and not (kinds and all(_is_type(k) for k in kinds)):
+        return f"{where}.type {kind!r:.40} is not a JSON type"
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        return f"{where}.required is not a list of names"
+    subs: list[tuple[str, Any]] = []
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if not isinstance(value := schema.get(key, {}), dict):
+            return f"{where}.{key} is not an object"
+        subs += [(f"{where}.{key}.{name}", sub) for name, sub in value.items()]
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if not isinstance(value := schema.get(key, []), list):
+            return f"{where}.{key} is not a list"
+        subs += [(f"{where}.{key}[{i}]", sub) for i, sub in enumerate(value)]
+    if isinstance(items := schema.get("items"), list):  # the older tuple form
+        subs += [(f"{where}.items[{i}]", sub) for i, sub in enumerate(items)]
+    elif items is not None:
+        subs.append((f"{where}.items", items))
+    for key in ("additionalProperties", "not"):
+        if key in schema:
+            subs.append((f"{where}.{key}", schema[key]))
+    for path, sub in subs:
+        if problem := _subschema_problem(sub, path):
+            return problem
+    return None
+
+
 def input_schema(schema: Any) -> dict[str, Any]:
     """The tool's input schema as the providers want it: always an object schema."""
     out = dict(schema) if isinstance(schema, dict) else {}

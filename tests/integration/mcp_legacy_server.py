@@ -24,6 +24,16 @@ TOOLS = [
 ]
 
 
+# `--bad-schemas`: tools whose input schemas a provider refuses (and the SDK's strict parse
+# of a tools/list with them fails), as servers in the wild list them.
+if "--bad-schemas" in sys.argv[1:]:
+    TOOLS += [
+        {"name": "listy", "inputSchema": {"type": "array", "items": {"type": "string"}}},
+        {"name": "typo", "inputSchema": {"type": "object", "properties": {"n": {"type": "int"}}}},
+        {"name": "loose", "inputSchema": {"type": "object", "properties": ["text"]}},
+    ]
+
+
 def reply(id_: object, result: object = None, error: object = None) -> None:
     msg = {"jsonrpc": "2.0", "id": id_}
     msg.update({"error": error} if error is not None else {"result": result})

@@ -357,6 +357,34 @@ def test_a_hand_written_2025_era_server_works_too(env: Env, refuse: bool) -> Non
     assert (shout["output"], shout["is_error"]) == ("QUIET PLEASE", False)
 
 
+def test_tools_with_schemas_a_provider_refuses_are_left_out_and_the_others_work(
+    env: Env,
+) -> None:
+    """Offered, such a tool would make the provider refuse every request of the pod; and the
+    server's other tools must still answer (the SDK re-lists strictly on a first call)."""
+    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
+    env.model.script(
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "still usable"}}]},
+        {"text": "done"},
+    )
+    extra = server_toml("old").replace(
+        json.dumps([sys.executable, SERVER]), json.dumps([sys.executable, legacy, "--bad-schemas"])
+    )
+    pod = env.start("picky", extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("shout").outcome == "finished"
+    offered = set(advertised_tools(env.model.requests[0]["body"]))
+    assert {"old__shout", "old__nap"} <= offered
+    assert not {"old__listy", "old__typo", "old__loose"} & offered
+    [shout] = tool_results(pod)
+    assert (shout["output"], shout["is_error"]) == ("STILL USABLE", False)
+    warned = [a for a in alerts(pod) if "cannot be offered" in a]
+    assert len(warned) == 3
+    assert "'listy' cannot be offered to the model (its inputSchema has type 'array'" in warned[0]
+    assert "inputSchema.properties.n.type 'int' is not a JSON type" in warned[1]
+    assert "inputSchema.properties is not an object" in warned[2]
+
+
 def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
     # The ping after a timeout is answered -32601 (method not found): an answer, so the
     # server is alive, not hung; it keeps its state and later calls go to it as before.

@@ -14,7 +14,7 @@ import pytest
 
 from poddaemon.config import ManifestError, load_manifest
 from poddaemon.mcp.env import EnvError, server_env
-from poddaemon.mcp.tool import McpTool, input_schema, offered_name, outcome
+from poddaemon.mcp.tool import McpTool, input_schema, offered_name, outcome, schema_problem
 from poddaemon.tools.base import ToolContext, ToolOutcome, execute
 
 BASE = """\
@@ -145,6 +145,32 @@ def test_input_schema_is_always_an_object_schema() -> None:
         "properties": {"q": {"anyOf": [{"type": "integer"}, {"type": "null"}]}},
     }
     assert input_schema(nested) == nested
+
+
+def test_schemas_a_provider_would_refuse_are_named() -> None:
+    fine = [
+        None,  # no parameters
+        {},
+        {"type": "object", "properties": {"q": {"anyOf": [{"type": "integer"}, True]}}},
+        {"properties": {"tags": {"type": ["array", "null"], "items": [{"type": "string"}]}}},
+        {"type": "object", "$defs": {"p": {"type": "string"}}, "additionalProperties": False},
+    ]
+    assert [schema_problem(s) for s in fine] == [None] * len(fine)
+    refused = {
+        "its inputSchema has type 'array', not 'object'": {"type": "array"},
+        "its inputSchema is not an object but str 'text'": "text",
+        "inputSchema.properties is not an object": {"properties": ["a"]},
+        "inputSchema.properties.a.type 'int' is not a JSON type": {
+            "properties": {"a": {"type": "int"}}
+        },
+        "inputSchema.properties.a.type [] is not a JSON type": {"properties": {"a": {"type": []}}},
+        "inputSchema.required is not a list of names": {"required": "a"},
+        "inputSchema.anyOf[1] is not a schema: 3": {"anyOf": [{}, 3]},
+        "inputSchema.properties.a.items.type {'x': 1} is not a JSON type": {
+            "properties": {"a": {"items": {"type": {"x": 1}}}}
+        },
+    }
+    assert {schema_problem(s): s for s in refused.values()} == refused
 
 
 async def test_execute_passes_mcp_arguments_unchecked_and_caps_by_prefixed_name() -> None:
