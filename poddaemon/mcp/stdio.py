@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,11 @@ log = logging.getLogger("poddaemon.mcp")
 GUARD = str(Path(__file__).with_name("guard.py"))
 MAX_LINE = 64 * 1024 * 1024  # one JSON-RPC message from the server
 STDERR_TAIL = 20  # lines kept for error messages
+# A server's stderr goes to the pod's log at up to LOG_BURST bytes at once, then LOG_RATE bytes a
+# second: one that floods it must not fill the disk the pod's session log is on.
+LOG_BURST = 256 * 1024
+LOG_RATE = 4096
+LOG_LINE = 4096  # characters of one line logged
 STOP_GRACE = 2.0  # seconds a server gets to exit after EOF on stdin (the SDK's own grace)
 
 
@@ -39,6 +45,9 @@ class StdioProcess:
         self.name = name
         self.proc = proc
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
+        self._allowance = float(LOG_BURST)  # bytes that may be logged now
+        self._refilled = time.monotonic()
+        self._dropped = 0  # lines not logged since the last one that was
         # Set when stderr reaches EOF: the guard has exited, so has the server's whole group.
         self.gone = asyncio.Event()
         self._stderr_transport = stderr_transport
@@ -100,10 +109,25 @@ class StdioProcess:
             self.gone.set()
 
     def _line(self, raw: bytes) -> None:
-        text = raw.decode("utf-8", "replace").rstrip()
-        if text:
-            self.tail.append(text)
-            log.info("mcp[%s] %s", self.name, text)
+        text = raw.decode("utf-8", "replace").rstrip()[:LOG_LINE]
+        if not text:
+            return
+        self.tail.append(text)
+        now = time.monotonic()
+        self._allowance = min(LOG_BURST, self._allowance + (now - self._refilled) * LOG_RATE)
+        self._refilled = now
+        if self._allowance < len(text):
+            if not self._dropped:
+                log.warning(
+                    "mcp[%s] writes to stderr faster than it is logged: lines dropped", self.name
+                )
+            self._dropped += 1
+            return
+        if self._dropped:
+            log.warning("mcp[%s] %d lines of stderr were not logged", self.name, self._dropped)
+            self._dropped = 0
+        self._allowance -= len(text)
+        log.info("mcp[%s] %s", self.name, text)
 
     def stderr_tail(self, lines: int = 3, limit: int = 400) -> str:
         text = " | ".join(list(self.tail)[-lines:])

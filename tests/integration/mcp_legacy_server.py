@@ -34,6 +34,14 @@ if "--bad-schemas" in sys.argv[1:]:
     ]
 
 
+# `--stderr-flood MB`: that many megabytes of 1 KiB lines on stderr before anything else.
+if "--stderr-flood" in sys.argv[1:]:
+    megabytes = int(sys.argv[sys.argv.index("--stderr-flood") + 1])
+    for _ in range(megabytes * 1024):
+        sys.stderr.write("chatter " * 127 + "\n")
+    sys.stderr.flush()
+
+
 def reply(id_: object, result: object = None, error: object = None) -> None:
     msg = {"jsonrpc": "2.0", "id": id_}
     msg.update({"error": error} if error is not None else {"result": result})

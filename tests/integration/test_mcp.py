@@ -385,6 +385,25 @@ def test_tools_with_schemas_a_provider_refuses_are_left_out_and_the_others_work(
     assert "inputSchema.properties is not an object" in warned[2]
 
 
+def test_a_server_flooding_its_stderr_does_not_flood_the_pods_log(env: Env) -> None:
+    """Its lines are logged up to a rate: a chatty server must not fill the disk the pod's
+    session log is on. The pod and the server's tools carry on."""
+    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
+    env.model.script(
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "heard"}}]},
+        {"text": "done"},
+    )
+    command = [sys.executable, legacy, "--stderr-flood", "8"]
+    extra = server_toml("old").replace(json.dumps([sys.executable, SERVER]), json.dumps(command))
+    pod = env.start("flooded", extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("shout").outcome == "finished"
+    [shout] = tool_results(pod)
+    assert (shout["output"], shout["is_error"]) == ("HEARD", False)
+    assert "mcp[old] writes to stderr faster than it is logged: lines dropped" in pod.text()
+    assert len(pod.text()) < 1024 * 1024
+
+
 def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
     # The ping after a timeout is answered -32601 (method not found): an answer, so the
     # server is alive, not hung; it keeps its state and later calls go to it as before.
