@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from protocol.aio import AsyncPodClient
 
 STATUS_TIMEOUT = 2.0  # a pod that does not answer `status` in time is listed as unresponsive
+CALL_TIMEOUT = 30.0  # default: a pod that does not answer another call in time is reported stuck
 
 INSTRUCTIONS = """\
 Pods are long-lived LLM agents run by poddaemon, each confined to its own files (scope) and
@@ -27,7 +28,9 @@ starting a task (it sees it at its next step, or wakes up for it), pod_status an
 follow one."""
 
 
-def build_server() -> "MCPServer":
+def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
+    """`timeout`: seconds a pod has to answer any call but a waited run (a stopped or stuck
+    pod must not hang the MCP client's tool call)."""
     from mcp.server.mcpserver import MCPServer
 
     server = MCPServer("poddaemon", instructions=INSTRUCTIONS, log_level="WARNING")
@@ -50,7 +53,7 @@ def build_server() -> "MCPServer":
         return at once: run_id and whether it started or was queued. mode="steer" delivers the
         message into the pod's active run instead of queueing it. A client_key makes a retry
         idempotent (same key and message: the original result)."""
-        async with _client(pod) as c:
+        async with _client(pod, None if wait else timeout, sends=True) as c:
             if wait:
                 return _plain(await c.run_wait(message, mode=mode, client_key=client_key))
             return _plain(await c.run(message, mode=mode, client_key=client_key))
@@ -61,28 +64,34 @@ def build_server() -> "MCPServer":
     ) -> dict[str, Any]:
         """Tell a pod something without starting a task: the message is committed to its
         history and reaches its model at the next request; an idle pod wakes up for it."""
-        async with _client(pod) as c:
+        async with _client(pod, timeout, sends=True) as c:
             return _plain(await c.notify(message, source=source, client_key=client_key))
 
     @server.tool()
     async def pod_status(pod: str) -> dict[str, Any]:
         """One pod's status: state, active run, queue, scope, usage, budget, children."""
-        async with _client(pod) as c:
+        async with _client(pod, timeout) as c:
             return _plain(await c.status())
 
     @server.tool()
     async def pod_history(pod: str, since: int = 0, limit: int = 50) -> dict[str, Any]:
         """A pod's session log entries after sequence number `since` (at most `limit`); `next`
         is the `since` for the following page."""
-        async with _client(pod) as c:
+        async with _client(pod, timeout) as c:
             return _plain(await c.history(since=since, limit=max(1, min(limit, 1000))))
 
     return server
 
 
 @contextlib.asynccontextmanager
-async def _client(pod: str) -> AsyncIterator["AsyncPodClient"]:
-    """A connection to `pod`; every failure becomes a tool error the MCP client's model reads."""
+async def _client(
+    pod: str, timeout: float | None, sends: bool = False
+) -> AsyncIterator["AsyncPodClient"]:
+    """A connection to `pod`, for a block that must end within `timeout` seconds (None: no
+    limit); every failure becomes a tool error the MCP client's model reads. `sends`: the block
+    gives the pod a message, which a stuck pod may still take when it resumes."""
+    import asyncio
+
     from mcp.server.mcpserver.exceptions import ToolError
 
     from protocol.aio import AsyncPodClient
@@ -93,19 +102,29 @@ async def _client(pod: str) -> AsyncIterator["AsyncPodClient"]:
     if not POD_NAME_RE.match(pod):
         raise ToolError(f"{pod!r} is not a pod name (list_pods names the pods)")
     try:
-        client = await AsyncPodClient.connect(pod)
-    except PodNotRunning as exc:
-        raise ToolError(str(exc)) from None
-    except OSError as exc:
-        raise ToolError(f"cannot reach pod {pod!r}: {exc.strerror or exc}") from None
-    try:
-        yield client
+        async with asyncio.timeout(timeout):
+            try:
+                client = await AsyncPodClient.connect(pod)
+            except PodNotRunning as exc:
+                raise ToolError(str(exc)) from None
+            except OSError as exc:
+                raise ToolError(f"cannot reach pod {pod!r}: {exc.strerror or exc}") from None
+            try:
+                yield client
+            finally:
+                await client.close()
+    except TimeoutError:
+        if timeout is None:  # not ours: an OSError of that kind from the socket
+            raise
+        late = "; the message may still reach it when it resumes" if sends else ""
+        raise ToolError(
+            f"pod {pod!r} did not answer within {timeout:g} s: it is stopped or stuck "
+            f"(podctl logs {pod}){late}"
+        ) from None
     except RpcError as exc:
         raise ToolError(f"pod {pod!r}: {exc.message} ({exc.code})") from None
     except ConnectionClosed as exc:
-        raise ToolError(f"pod {pod!r} closed the connection: {exc}") from None
-    finally:
-        await client.close()
+        raise ToolError(f"{exc} before answering: it stopped, or crashed") from None
 
 
 async def _list_pods() -> list[dict[str, Any]]:
@@ -156,6 +175,6 @@ def _plain(value: Any) -> dict[str, Any]:
     return out
 
 
-def main() -> int:
-    build_server().run("stdio")
+def main(timeout: float = CALL_TIMEOUT) -> int:
+    build_server(timeout).run("stdio")
     return 0

@@ -318,9 +318,20 @@ def rpc(
 
 
 @app.command("mcp-serve")
-def mcp_serve() -> None:
+def mcp_serve(
+    timeout: Annotated[
+        float,
+        typer.Option(
+            "--timeout",
+            metavar="S",
+            min=0.1,
+            help="Seconds a pod has to answer a tool call, except send_to_pod with wait=true "
+            "(which lasts as long as the run).",
+        ),
+    ] = 30.0,
+) -> None:
     """Serve this user's pods to an MCP client over stdio (list_pods, send_to_pod, notify_pod,
     pod_status, pod_history): `claude mcp add pods -- podctl mcp-serve`."""
     from cli.mcp_serve import main as serve
 
-    raise typer.Exit(serve())
+    raise typer.Exit(serve(timeout))

@@ -1,7 +1,10 @@
 """`podctl mcp-serve` driven by the `mcp` SDK's own client, as Claude Code or any MCP client
 would: list its tools, send work to a real pod and get the answer, notify it, read it."""
 
+import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 from typing import Any
@@ -19,12 +22,15 @@ def result_data(result: Any) -> Any:
     return json.loads(result.content[0].text)
 
 
-def serve(env: Env) -> Any:
+def serve(env: Env, *args: str) -> Any:
     """`podctl mcp-serve` as an MCP client starts it: a stdio server in this test's home."""
     from mcp import StdioServerParameters
 
     return StdioServerParameters(
-        command=sys.executable, args=["-m", "cli.main", "mcp-serve"], env=env.env, cwd=str(ROOT)
+        command=sys.executable,
+        args=["-m", "cli.main", "mcp-serve", *args],
+        env=env.env,
+        cwd=str(ROOT),
     )
 
 
@@ -112,3 +118,47 @@ async def test_a_pod_is_named_never_given_as_a_socket_path(env: Env) -> None:
                 assert result.is_error, (tool, target)
                 assert f"{target!r} is not a pod name" in result.content[0].text
     assert "through a path" not in json.dumps(pod.call("history")["entries"])
+
+
+async def test_a_stopped_pod_is_a_tool_error_after_the_timeout_not_a_hang(env: Env) -> None:
+    from mcp import Client
+
+    pod = env.start("frozen")
+    os.kill(pod.proc.pid, signal.SIGSTOP)
+    try:
+        async with asyncio.timeout(30), Client(serve(env, "--timeout", "1")) as client:
+            for tool, args in (
+                ("pod_status", {}),
+                ("pod_history", {}),
+                ("notify_pod", {"message": "anyone there?"}),
+                ("send_to_pod", {"message": "anyone there?", "wait": False}),
+            ):
+                result = await client.call_tool(tool, {"pod": "frozen", **args})
+                assert result.is_error, tool
+                text = result.content[0].text
+                assert "pod 'frozen' did not answer within 1 s: it is stopped or stuck" in text
+                assert ("may still reach it when it resumes" in text) == ("message" in args)
+            listed = result_data(await client.call_tool("list_pods", {}))
+            assert listed == [{"name": "frozen", "state": "unresponsive"}]
+    finally:
+        os.kill(pod.proc.pid, signal.SIGCONT)
+
+
+async def test_a_pod_that_dies_during_send_to_pod_is_a_tool_error(env: Env) -> None:
+    from mcp import Client
+
+    env.model.script({"text": "never sent", "gate": "never"})
+    pod = env.start("doomed")
+    async with Client(serve(env)) as client:
+        call = asyncio.ensure_future(
+            client.call_tool("send_to_pod", {"pod": "doomed", "message": "work"})
+        )
+        await asyncio.to_thread(env.model.wait_for_requests, 1)  # the run is under way
+        pod.kill9()
+        result = await asyncio.wait_for(call, 30)
+        assert result.is_error
+        assert result.content[0].text.endswith(
+            "pod 'doomed' closed the connection before answering: it stopped, or crashed"
+        )
+        gone = await client.call_tool("pod_status", {"pod": "doomed"})
+        assert gone.is_error and "pod 'doomed' is not running" in gone.content[0].text
