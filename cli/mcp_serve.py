@@ -94,16 +94,17 @@ async def _client(
 
     from mcp.server.mcpserver.exceptions import ToolError
 
+    from protocol import paths
     from protocol.aio import AsyncPodClient
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
-    from protocol.paths import POD_NAME_RE
 
     # A name, never a path: the client's model must not point us at any socket of this user's.
-    if not POD_NAME_RE.match(pod):
+    if not paths.POD_NAME_RE.match(pod):
         raise ToolError(f"{pod!r} is not a pod name (list_pods names the pods)")
     try:
         async with asyncio.timeout(timeout):
             try:
+                paths.check_private_dirs()  # as podctl: nobody else may swap what we talk to
                 client = await AsyncPodClient.connect(pod)
             except PodNotRunning as exc:
                 raise ToolError(str(exc)) from None
@@ -130,8 +131,14 @@ async def _client(
 async def _list_pods() -> list[dict[str, Any]]:
     import asyncio
 
+    from mcp.server.mcpserver.exceptions import ToolError
+
     from protocol import paths
 
+    try:
+        paths.check_private_dirs()  # as podctl: nobody else may swap what we talk to
+    except OSError as exc:
+        raise ToolError(str(exc)) from None
     pods = paths.runtime_dir() / "pods"
     try:
         names = sorted(entry.name for entry in pods.iterdir() if (entry / "sock").exists())

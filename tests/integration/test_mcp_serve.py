@@ -162,3 +162,20 @@ async def test_a_pod_that_dies_during_send_to_pod_is_a_tool_error(env: Env) -> N
         )
         gone = await client.call_tool("pod_status", {"pod": "doomed"})
         assert gone.is_error and "pod 'doomed' is not running" in gone.content[0].text
+
+
+async def test_a_home_others_can_write_in_is_refused_as_podctl_refuses_it(env: Env) -> None:
+    from mcp import Client
+
+    env.start("worker")
+    os.chmod(env.home, 0o777)
+    try:
+        async with Client(serve(env)) as client:
+            for tool, args in (("list_pods", {}), ("pod_status", {"pod": "worker"})):
+                result = await client.call_tool(tool, args)
+                assert result.is_error, tool
+                assert f"home directory {env.home} is writable by group or others" in (
+                    result.content[0].text
+                )
+    finally:
+        os.chmod(env.home, 0o700)
