@@ -11,7 +11,9 @@ The pod runs in its own session (no controlling terminal, immune to the shell's 
 stderr is a pipe to podctl until it prints `PODDAEMON-READY\\t<name>\\t<socket>`; with
 `--stderr-log` the daemon then moves its stderr to `<runtime>/pods/<name>/stderr.log`, so podctl
 can close the pipe and exit. Anything the pod printed before READY is its own error message when
-start-up fails, and is passed on to the user either way.
+start-up fails, and is passed on to the user either way, except `PODDAEMON-STARTING\t<seconds>`:
+the pod may take that much longer (its MCP servers' start_timeout, SessionStart hooks), and podctl
+waits for it that much longer.
 """
 
 import contextlib
@@ -26,6 +28,7 @@ from typing import Protocol
 from poddaemon import forkclient
 
 READY_PREFIX = b"PODDAEMON-READY\t"
+STARTING_PREFIX = b"PODDAEMON-STARTING\t"  # `<seconds>`: the pod may take that much longer
 READY_TIMEOUT = 30.0
 EXIT_WAIT = 5.0
 
@@ -53,6 +56,16 @@ def daemon_command(manifest: str, sets: list[str], session: str | None, resume: 
     if resume:
         cmd.append("--resume")
     return cmd
+
+
+def parse_starting(line: bytes) -> float | None:
+    """The seconds a `PODDAEMON-STARTING` line announces, or None for any other line."""
+    if not line.startswith(STARTING_PREFIX):
+        return None
+    try:
+        return max(0.0, float(line[len(STARTING_PREFIX) :]))
+    except ValueError:
+        return None
 
 
 def parse_ready(line: bytes) -> tuple[str, str] | None:
@@ -126,8 +139,8 @@ def _kill_group(proc: Started, sig: signal.Signals) -> None:
 def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str, str, bytes]:
     """Start the pod and wait for READY: `(name, socket, stderr before READY)`.
 
-    Raises SpawnFailed when the pod exits (or closes stderr) first, or after `timeout` seconds
-    (then its whole process group is killed).
+    Raises SpawnFailed when the pod exits (or closes stderr) first, or after `timeout` seconds,
+    plus those a `PODDAEMON-STARTING` line asks for (then its whole process group is killed).
     """
     fd, write_end = os.pipe2(os.O_CLOEXEC)
     try:
@@ -150,7 +163,8 @@ def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str,
 def _await_ready(proc: Started, fd: int, timeout: float) -> tuple[str, str, bytes]:
     pending = bytearray()  # the incomplete last line
     output = bytearray()  # complete lines before READY
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     try:
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
@@ -159,7 +173,7 @@ def _await_ready(proc: Started, fd: int, timeout: float) -> tuple[str, str, byte
                 if remaining <= 0:
                     _kill_group(proc, signal.SIGKILL)
                     raise SpawnFailed(
-                        f"pod did not become ready within {timeout:g} s (killed it)",
+                        f"pod did not become ready within {deadline - started:.0f} s (killed it)",
                         bytes(output + pending),
                     )
                 if not sel.select(remaining):
@@ -174,6 +188,10 @@ def _await_ready(proc: Started, fd: int, timeout: float) -> tuple[str, str, byte
                     ready = parse_ready(line)
                     if ready is not None:
                         return ready[0], ready[1], bytes(output)
+                    longer = parse_starting(line)
+                    if longer is not None:  # its MCP servers or hooks may take this much
+                        deadline = max(deadline, time.monotonic() + longer + timeout)
+                        continue
                     output += line + b"\n"
     except BaseException:
         if proc.poll() is None and not isinstance(sys.exc_info()[1], SpawnFailed):

@@ -34,9 +34,14 @@ from protocol.errors import os_error_line
 if TYPE_CHECKING:
     import argparse
 
+    from poddaemon.config.manifest import Manifest
+
 log = logging.getLogger("poddaemon")
 
 READY_PREFIX = "PODDAEMON-READY"
+# `PODDAEMON-STARTING\t<seconds>`: start-up may take that much longer than usual (MCP servers'
+# start_timeout, SessionStart hooks), so whoever waits for READY waits that much more.
+STARTING_PREFIX = "PODDAEMON-STARTING"
 EXIT_OK = 0
 EXIT_FAILURE = 1
 CLAIM_CHECK_INTERVAL = 0.5  # seconds between looks at pods.json (a stat; a read when it changed)
@@ -451,6 +456,8 @@ def _serve(
             log.warning("%s", message)
             bus.publish("alert", {"level": level, "source": source, "message": message})
 
+        if allowance := _startup_allowance(manifest):
+            print(f"{STARTING_PREFIX}\t{allowance:g}", file=sys.stderr, flush=True)
         # Servers start while the pod restores and binds; READY waits for them.
         mcp_start = asyncio.ensure_future(start_mcp(manifest, alert))
         pod = Pod(services)
@@ -628,6 +635,15 @@ async def watch_claim(
             return
         if changed is not None:
             changed()
+
+
+def _startup_allowance(manifest: "Manifest") -> float:
+    """Seconds start-up may take on top of the usual: what the slowest MCP server may take to
+    start or be given up on, or the SessionStart hooks' timeouts (they run meanwhile)."""
+    from poddaemon.mcp.connection import GIVE_UP
+
+    starts = [s.start_timeout + GIVE_UP for s in manifest.mcp.servers]
+    return max(max(starts, default=0.0), sum(h.timeout for h in manifest.hooks.SessionStart))
 
 
 async def _preflight(pod: Any, manifest: Any) -> None:

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("poddaemon.spawn")
 
 READY_PREFIX = b"PODDAEMON-READY\t"
+STARTING_PREFIX = b"PODDAEMON-STARTING\t"  # `<seconds>`: the child may take that much longer
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
 STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
@@ -382,7 +383,7 @@ class Children:
         try:
             started = await _fork(cmd) or await _exec(cmd)
             try:
-                socket = await self._ready(started, str(path))
+                socket = await _await_ready(started, str(path))
             except BaseException:
                 await started.kill()
                 raise
@@ -407,32 +408,6 @@ class Children:
             raise
         self._expect(name, str(result["run_id"]))
         return {"name": name, "socket": socket}
-
-    async def _ready(self, started: "_Started", manifest: str) -> str:
-        """Read the child's stderr until READY; its earlier lines are its error otherwise (less
-        the name of its `manifest`, a file gone by the time the model reads the error)."""
-        output = bytearray()
-        deadline = time.monotonic() + READY_TIMEOUT
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ToolError(f"child pod did not become ready within {READY_TIMEOUT:g} s")
-            try:
-                async with asyncio.timeout(left):
-                    line = await started.stderr.readline()
-            except TimeoutError:
-                continue
-            if not line:
-                break
-            if line.startswith(READY_PREFIX):
-                parts = line.rstrip(b"\r\n").decode("utf-8", "replace").split("\t")
-                return parts[2] if len(parts) > 2 else ""
-            output += line
-        code = await started.wait()
-        text = output.decode("utf-8", "replace").replace(f"{manifest}: ", "").strip()
-        lines = [ln.removeprefix("poddaemon: ") for ln in text.splitlines() if ln.strip()]
-        message = "\n".join(lines[-5:]) or f"it exited with status {code}"
-        raise ToolError(f"child pod failed to start: {message}")
 
     async def _call(self, socket: str, method: str, params: dict[str, Any]) -> Any:
         try:
@@ -593,6 +568,40 @@ class _Started:
             self.transport.close()
         if self.forked is not None:
             self.forked.close()
+
+
+async def _await_ready(started: "_Started", manifest: str) -> str:
+    """Read the child's stderr until READY; its earlier lines are its error otherwise (less
+    the name of its `manifest`, a file gone by the time the model reads the error)."""
+    output = bytearray()
+    started_at = time.monotonic()
+    deadline = started_at + READY_TIMEOUT
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            waited = deadline - started_at
+            raise ToolError(f"child pod did not become ready within {waited:.0f} s")
+        try:
+            async with asyncio.timeout(left):
+                line = await started.stderr.readline()
+        except TimeoutError:
+            continue
+        if not line:
+            break
+        if line.startswith(READY_PREFIX):
+            parts = line.rstrip(b"\r\n").decode("utf-8", "replace").split("\t")
+            return parts[2] if len(parts) > 2 else ""
+        if line.startswith(STARTING_PREFIX):  # its MCP servers or hooks may take this much
+            with contextlib.suppress(ValueError):
+                longer = float(line[len(STARTING_PREFIX) :])
+                deadline = max(deadline, time.monotonic() + longer + READY_TIMEOUT)
+            continue
+        output += line
+    code = await started.wait()
+    text = output.decode("utf-8", "replace").replace(f"{manifest}: ", "").strip()
+    lines = [ln.removeprefix("poddaemon: ") for ln in text.splitlines() if ln.strip()]
+    message = "\n".join(lines[-5:]) or f"it exited with status {code}"
+    raise ToolError(f"child pod failed to start: {message}")
 
 
 async def _exec(cmd: list[str]) -> _Started:

@@ -35,6 +35,7 @@ Alert = Callable[[str, str, str], None]  # (level, source, message), as the pod'
 MAX_PAGES = 100  # tools/list pages followed; a paginator that never ends cannot hang start-up
 CALL_MARGIN = 5.0  # seconds past `timeout` after which a call is abandoned even if the SDK hangs
 PING_TIMEOUT = 2.0  # after a call timed out: a server that cannot answer a ping in this is hung
+GIVE_UP = 5.0  # seconds past `start_timeout` a server that did not start gets to be stopped
 
 
 class StartFailed(Exception):
@@ -121,7 +122,7 @@ class McpConnection:
         except TimeoutError:
             holder.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                async with asyncio.timeout(5.0):
+                async with asyncio.timeout(GIVE_UP):
                     await holder
             raise StartFailed(
                 self._with_stderr(f"did not start within {self.cfg.start_timeout:g} s")

@@ -404,6 +404,53 @@ def test_a_server_flooding_its_stderr_does_not_flood_the_pods_log(env: Env) -> N
     assert len(pod.text()) < 1024 * 1024
 
 
+def mute_server_manifest(env: Env, name: str) -> Path:
+    """A pod whose one MCP server never answers `initialize`: READY waits its start_timeout
+    (2 s), then the pod starts without it."""
+    mute = [sys.executable, "-c", "import time; time.sleep(600)"]
+    extra = server_toml("mute", start_timeout=2).replace(
+        json.dumps([sys.executable, SERVER]), json.dumps(mute)
+    )
+    return env.manifest(name, extra=extra)
+
+
+def test_podctl_spawn_waits_as_long_as_the_pods_mcp_servers_may_take(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """podctl gives a pod 30 s to be READY, and start_timeout is 30 s by default: it killed a
+    pod whose server never answered, which would have started without it. Here 1 s and 2 s."""
+    from cli.spawn import daemon_command, spawn_detached
+    from protocol import PodClient
+
+    monkeypatch.setenv("FAKE_API_KEY", "test-key")
+    monkeypatch.setenv("PODDAEMON_FORKSERVER", "0")
+    cmd = daemon_command(str(mute_server_manifest(env, "patient")), [], None, False)
+    name, socket, early = spawn_detached(cmd, timeout=1)
+    assert name == "patient"
+    assert b"MCP server 'mute' failed to start: did not start within 2 s" in early
+    assert b"PODDAEMON-STARTING" not in early  # podctl's own business, not a warning
+    with PodClient.connect(socket, timeout=10) as c:
+        assert c.status().state == "idle"
+        c.shutdown()
+
+
+async def test_a_spawner_waits_as_long_as_its_childs_mcp_servers_may_take(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same for a child of spawn_pod (it inherits its spawner's servers)."""
+    from poddaemon import spawn
+
+    monkeypatch.setattr(spawn, "READY_TIMEOUT", 1.0)
+    monkeypatch.setenv("FAKE_API_KEY", "test-key")
+    manifest = str(mute_server_manifest(env, "kid"))
+    started = await spawn._exec([*env.popen_args(), manifest])
+    try:
+        socket = await spawn._await_ready(started, manifest)
+    finally:
+        await started.kill()
+    assert socket.endswith("/pods/kid/sock")
+
+
 def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
     # The ping after a timeout is answered -32601 (method not found): an answer, so the
     # server is alive, not hung; it keeps its state and later calls go to it as before.
