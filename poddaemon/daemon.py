@@ -42,6 +42,7 @@ READY_PREFIX = "PODDAEMON-READY"
 # `PODDAEMON-STARTING\t<seconds>`: start-up may take that much longer than usual (MCP servers'
 # start_timeout, SessionStart hooks), so whoever waits for READY waits that much more.
 STARTING_PREFIX = "PODDAEMON-STARTING"
+USUAL_START = 30.0  # seconds start-up takes at most without them (podctl waits as much)
 EXIT_OK = 0
 EXIT_FAILURE = 1
 CLAIM_CHECK_INTERVAL = 0.5  # seconds between looks at pods.json (a stat; a read when it changed)
@@ -458,6 +459,8 @@ def _serve(
 
         if allowance := _startup_allowance(manifest):
             print(f"{STARTING_PREFIX}\t{allowance:g}", file=sys.stderr, flush=True)
+            # systemd's TimeoutStartSec (90 s by default) is extended likewise.
+            sdnotify.notify(f"EXTEND_TIMEOUT_USEC={int((allowance + USUAL_START) * 1e6)}")
         # Servers start while the pod restores and binds; READY waits for them.
         mcp_start = asyncio.ensure_future(start_mcp(manifest, alert))
         pod = Pod(services)

@@ -162,6 +162,29 @@ def test_install_now_refuses_a_pod_running_outside_its_unit(sd: Sd) -> None:
         assert sd.podctl("stop", "twice").returncode == 0
 
 
+def test_a_start_that_waits_for_an_mcp_server_outlasts_timeout_start_sec(sd: Sd) -> None:
+    """READY waits for MCP servers (start_timeout, 30 s by default), which may be longer than
+    TimeoutStartSec (90 s by default; 2 s here): the pod extends it, or systemd kills it."""
+    import json
+
+    from tests.integration.test_mcp import SERVER, server_toml
+
+    mute = [sys.executable, "-c", "import time; time.sleep(600)"]  # never answers initialize
+    extra = server_toml("mute", start_timeout=3).replace(
+        json.dumps([sys.executable, SERVER]), json.dumps(mute)
+    )
+    path = sd.env.manifest("patient", extra=extra)
+    assert sd.podctl("unit", "install", str(path)).returncode == 0
+    dropin = units_dir(sd) / "poddaemon-patient.service.d"
+    dropin.mkdir()
+    (dropin / "short.conf").write_text("[Service]\nTimeoutStartSec=2\n")
+    assert sd.m.systemctl("daemon-reload").returncode == 0
+    out = sd.m.systemctl("start", "poddaemon-patient.service")
+    assert out.returncode == 0, out.stderr + sd.journal("patient")
+    assert (sd.prop("patient", "ActiveState"), sd.prop("patient", "NRestarts")) == ("active", "0")
+    assert "MCP server 'mute' failed to start: did not start within 3 s" in sd.journal("patient")
+
+
 def test_kill9_restarts_and_resumes_every_acknowledged_input(sd: Sd) -> None:
     sd.env.model.script({"text": "never delivered", "gate": "hold"})
     sd.install("crashy")
