@@ -52,7 +52,8 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
         (finished, limit_reached, cancelled, error, paused) and final text. With wait=false
         return at once: run_id and whether it started or was queued. mode="steer" delivers the
         message into the pod's active run instead of queueing it. A client_key makes a retry
-        idempotent (same key and message: the original result)."""
+        idempotent (same key and message: the original result). Cancelling this call stops
+        the wait, not the run: the pod has the message and works on."""
         async with _client(pod, None if wait else timeout, sends=True) as c:
             if wait:
                 return _plain(await c.run_wait(message, mode=mode, client_key=client_key))
