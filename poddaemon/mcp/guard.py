@@ -21,6 +21,7 @@ import sys
 # poll() reports these on a pipe's write end once it has no reader left.
 _GONE = select.POLLERR | select.POLLHUP | select.POLLNVAL
 _POLL_FALLBACK_MS = 100
+_MAX_FD = 1 << 20  # os.closerange uses close_range(2): the bound costs nothing
 
 
 def _say(text: str) -> None:
@@ -70,6 +71,10 @@ def main(argv: list[str]) -> int:
         _say("usage: guard.py -- COMMAND [ARG...]")
         return 2
     command = argv[1:]
+    # Only the three pipes pass to the server. uvloop's spawn leaks copies of a child's stdio
+    # pipes under their first numbers: one of stdout kept in here and in the server would hide
+    # from the pod that the server closed it (and no answer can come any more).
+    os.closerange(3, _MAX_FD)
     try:
         pid = os.posix_spawnp(command[0], command, os.environ)
     except OSError as exc:

@@ -3,6 +3,7 @@
 pods talk to servers that predate the SDK's newer protocol revisions."""
 
 import json
+import os
 import sys
 import time
 
@@ -20,6 +21,11 @@ TOOLS = [
         "name": "nap",
         "description": "Sleep, then answer (one request at a time, as this server reads them).",
         "inputSchema": {"type": "object", "properties": {"seconds": {"type": "number"}}},
+    },
+    {
+        "name": "hangup",
+        "description": "Close stdout and live on: no answer ever comes.",
+        "inputSchema": {"type": "object"},
     },
 ]
 
@@ -72,6 +78,9 @@ for line in sys.stdin:
     elif method == "tools/call" and params.get("name") == "shout":
         text = str(params.get("arguments", {}).get("text", ""))
         reply(msg["id"], {"content": [{"type": "text", "text": text.upper()}], "isError": False})
+    elif method == "tools/call" and params.get("name") == "hangup":
+        os.close(1)  # no answer can come any more, though the server lives on
+        time.sleep(600)
     elif method == "tools/call" and params.get("name") == "nap":
         time.sleep(float(params.get("arguments", {}).get("seconds", 0)))
         reply(msg["id"], {"content": [{"type": "text", "text": "rested"}], "isError": False})

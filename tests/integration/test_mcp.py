@@ -451,6 +451,28 @@ async def test_a_spawner_waits_as_long_as_its_childs_mcp_servers_may_take(
     assert socket.endswith("/pods/kid/sock")
 
 
+def test_a_server_that_closes_its_output_is_lost_at_once_not_at_the_timeout(env: Env) -> None:
+    """Alive, but no answer can come: the call fails now (not after `timeout`, 60 s by
+    default, as while the server and its guard kept leaked copies of their stdout) and the
+    server is restarted."""
+    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
+    env.model.script(
+        {"tool_calls": [{"name": "old__hangup", "arguments": {}}]},
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "back"}}]},
+        {"text": "done"},
+    )
+    extra = server_toml("old", timeout=20).replace(
+        json.dumps([sys.executable, SERVER]), json.dumps([sys.executable, legacy])
+    )
+    pod = env.start("hungup", extra=extra)
+    with pod.client(timeout=60) as c:
+        assert c.run_wait("hang up").outcome == "finished"
+    hangup, shout = tool_results(pod)
+    assert hangup["is_error"] and "lost the connection during hangup" in hangup["output"]
+    assert "timed out" not in hangup["output"]
+    assert (shout["output"], shout["is_error"]) == ("BACK", False)  # restarted
+
+
 def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
     # The ping after a timeout is answered -32601 (method not found): an answer, so the
     # server is alive, not hung; it keeps its state and later calls go to it as before.

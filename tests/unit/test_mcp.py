@@ -214,6 +214,31 @@ def _guarded(*command: str) -> tuple["subprocess.Popen[bytes]", int]:
     return proc, read_fd
 
 
+def test_guard_passes_the_server_only_its_three_pipes() -> None:
+    """Not a stray copy of one (uvloop's spawn leaks them): the pod must see the server's
+    stdout end when the server closes it."""
+    from poddaemon.mcp.stdio import GUARD
+
+    stray = os.open(os.devnull, os.O_RDONLY)
+    os.set_inheritable(stray, True)
+    try:
+        read_fd, write_fd = os.pipe()
+        proc = subprocess.Popen(
+            [sys.executable, "-I", GUARD, "--", "ls", "/proc/self/fd"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=write_fd,
+            pass_fds=(stray,),
+            start_new_session=True,
+        )
+        os.close(write_fd)
+        out, _ = proc.communicate(timeout=30)
+        os.close(read_fd)
+    finally:
+        os.close(stray)
+    assert sorted(int(fd) for fd in out.split()) == [0, 1, 2, 3]  # 3: the directory ls reads
+
+
 def test_guard_kills_the_server_group_when_its_reader_goes() -> None:
     # A server that ignores SIGTERM and EOF: only the group kill ends it.
     proc, read_fd = _guarded(sys.executable, "-c", SLEEPER)
