@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.core import AsyncCaller, ClientCore, ClientMethods
-from protocol.errors import ConnectionClosed
+from protocol.errors import LOST, ConnectionClosed
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES, MAX_REPLY_BYTES
 from protocol.methods import Method
 from protocol.sockets import GONE, check_peer, check_socket_owner, not_running_error, resolve_socket
@@ -83,13 +83,19 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
                         fut.set_result(None)
                 if self._core.events:
                     self._event_ready.set()
-            self._closed = ConnectionClosed(f"pod {self.target!r} closed the connection")
+            self._closed = self._lost()
+        except LOST as exc:  # it went with our request unread (ECONNRESET)
+            self._closed = self._lost()
+            self._closed.__cause__ = exc
         except Exception as exc:  # surfaced to every waiting caller below
             self._closed = exc
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(self._closed)
         self._event_ready.set()
+
+    def _lost(self) -> ConnectionClosed:
+        return ConnectionClosed(f"pod {self.target!r} closed the connection")
 
     async def _roundtrip(
         self, method: str, params: Params | dict[str, Any] | None, rtype: type[T]
@@ -119,8 +125,13 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
         return await self.call(method, params, msgspec.Raw)
 
     async def send_notification(self, method: str, params: dict[str, Any] | None = None) -> None:
+        if self._closed:
+            raise self._closed
         self._writer.write(self._core.notification(method, params))
-        await self._writer.drain()
+        try:
+            await self._writer.drain()
+        except LOST as exc:
+            raise self._lost() from exc
 
     async def events(self) -> AsyncIterator[Event]:
         while True:

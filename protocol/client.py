@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from protocol.core import ClientCore, ClientMethods, SyncCaller
-from protocol.errors import ConnectionClosed
+from protocol.errors import LOST, ConnectionClosed
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES
 from protocol.methods import Method
 from protocol.sockets import connect
@@ -60,16 +60,28 @@ class PodClient(ClientMethods, SyncCaller):
 
     # --- transport -----------------------------------------------------------------------------
 
+    def _closed(self) -> ConnectionClosed:
+        return ConnectionClosed(f"pod {self.target!r} closed the connection")
+
+    def _send(self, data: bytes) -> None:
+        try:
+            self._sock.sendall(data)
+        except LOST as exc:  # the pod went: the same error as when it goes while we read
+            raise self._closed() from exc
+
     def _receive(self) -> None:
-        data = self._sock.recv(1 << 16)
+        try:
+            data = self._sock.recv(1 << 16)
+        except LOST as exc:  # it went with our request unread (ECONNRESET)
+            raise self._closed() from exc
         if not data:
-            raise ConnectionClosed(f"pod {self.target!r} closed the connection")
+            raise self._closed()
         self._core.feed(data)
 
     def _roundtrip(self, method: str, params: Params | dict[str, Any] | None, rtype: type[T]) -> T:
         request_id, data = self._core.request(method, params)
         try:
-            self._sock.sendall(data)
+            self._send(data)
             while not self._core.has_reply(request_id):
                 self._receive()
         except BaseException:
@@ -89,7 +101,7 @@ class PodClient(ClientMethods, SyncCaller):
 
     def send_notification(self, method: str, params: dict[str, Any] | None = None) -> None:
         """A JSON-RPC notification: executed by the pod, never answered."""
-        self._sock.sendall(self._core.notification(method, params))
+        self._send(self._core.notification(method, params))
 
     def events(self) -> Iterator[Event]:
         """Events on this connection, after `subscribe`; blocks until each arrives."""

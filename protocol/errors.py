@@ -110,7 +110,12 @@ class PodNotRunning(Exception):
 
 
 class ConnectionClosed(Exception):
-    """The pod closed the connection before answering."""
+    """The pod closed the connection before answering (it went, or dropped this client)."""
+
+
+# What the socket raises when the pod's end is gone: the clients raise ConnectionClosed for it,
+# so a caller never mistakes it for a broken pipe of its own (stdout into `head`).
+LOST = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
 
 class UnsafeSocket(PermissionError):

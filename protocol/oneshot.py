@@ -15,6 +15,7 @@ from typing import Any
 
 from protocol.errors import (
     INTERNAL_ERROR,
+    LOST,
     PARSE_ERROR,
     ConnectionClosed,
     FrameTooLarge,
@@ -39,6 +40,8 @@ def call(
     try:
         sock.sendall(request(method, params, max_frame_bytes))
         return _answer(sock, os.fspath(target))
+    except LOST as exc:  # the pod went mid-call: as when it closes without answering
+        raise ConnectionClosed(f"pod {os.fspath(target)!r} closed the connection") from exc
     finally:
         sock.close()
 
