@@ -85,6 +85,25 @@ def not_running(exc: "PodNotRunning") -> NoReturn:
     fail(str(exc), EXIT_NOT_RUNNING)
 
 
+def connection_lost(target: str, when: str = "") -> NoReturn:
+    """The pod closed our connection. When its socket no longer answers it went away (killed,
+    crashed, stopped): exit 3 like any pod that is not running. Otherwise it dropped just this
+    client: an error."""
+    from protocol import oneshot
+    from protocol.errors import ConnectionClosed, PodNotRunning
+
+    try:
+        oneshot.call(target, "status", timeout=2.0)
+    except (PodNotRunning, ConnectionClosed):  # (a dying pod may still accept, then drop us)
+        fail(
+            f"pod '{target}' is not running: it went away {when or 'while podctl was connected'}",
+            EXIT_NOT_RUNNING,
+        )
+    except Exception:  # it is there, in no state to answer: all we know is that it closed
+        pass
+    fail(f"pod '{target}' closed the connection")
+
+
 def print_json(value: Any) -> None:
     import json
 
@@ -111,7 +130,7 @@ def rpc_errors(target: str) -> Iterator[None]:
     except RpcError as exc:
         fail(f"{exc.message} ({exc.code})")
     except ConnectionClosed:
-        fail(f"pod '{target}' closed the connection")
+        connection_lost(target)
     except BrokenPipeError:
         raise  # our stdout went away (e.g. `| head`): main() handles it
     except TimeoutError:

@@ -15,6 +15,7 @@ from cli.app import (
     app,
     call,
     connect,
+    connection_lost,
     fail,
     print_json,
     read_message,
@@ -46,7 +47,8 @@ def send(
     """Start a run and stream its reply.
 
     Exit status: 0 finished; 1 error, cancelled or paused; 2 limit reached (max_turns or the
-    budget; otherwise 2 means a usage error, e.g. an empty message); 3 the pod is not running.
+    budget; otherwise 2 means a usage error, e.g. an empty message); 3 the pod is not running,
+    or went away before the run finished (a restart reports that run interrupted).
     """
     import msgspec
 
@@ -95,8 +97,8 @@ def send(
         except ConnectionClosed:
             if wrote and not ends_nl:
                 sys.stdout.write("\n")
-            why = f": {trouble}" if trouble else ""
-            fail(f"pod {pod!r} stopped before run {run_id} ended{why}")
+            why = f": {trouble}" if trouble else ""  # the pod's own last word, if it said one
+            connection_lost(pod, f"before run {run_id} finished{why}")
     assert finished is not None
     if wrote and not ends_nl:
         sys.stdout.write("\n")

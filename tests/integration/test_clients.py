@@ -4,12 +4,50 @@ or stops answering: real pods, stopped and killed for real."""
 import asyncio
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from protocol.aio import AsyncPodClient
 from protocol.errors import ConnectionClosed
-from tests.conftest import Env, PodProcess
+from tests.conftest import Env, PodProcess, wait_until
+
+
+def podctl_popen(env: Env, *args: str) -> "subprocess.Popen[str]":
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli.main", *args],
+        env=env.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def connected(pid: int) -> bool:
+    """Whether process `pid` holds a connected Unix socket (its connect() is done)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    lines = Path(f"/proc/{pid}/net/unix").read_text().splitlines()[1:]
+    # Num RefCount Protocol Flags Type St Inode [Path]; St 03 is SS_CONNECTED
+    return any(f[5] == "03" and f[6] in inodes for f in (line.split() for line in lines))
+
+
+def finish(proc: "subprocess.Popen[str]") -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out, err
 
 
 def stopped_with_a_request_unread(pod: PodProcess) -> None:
@@ -66,3 +104,50 @@ def test_async_client_raises_connection_closed_when_the_pod_dies_with_our_reques
                 await client.status()
 
     asyncio.run(go())
+
+
+# --- podctl: a pod that goes away under a command is "not running" (exit 3), said in one line ---
+
+
+def test_send_whose_pod_is_killed_mid_run_exits_3_naming_the_run(env: Env) -> None:
+    pod = env.start()
+    env.model.script({"gate": "never", "text": "too late"})
+    send = podctl_popen(env, "send", "pod", "hold on")
+    try:
+        env.model.wait_for_requests(1)  # send's run is acknowledged and under way
+        run_id = pod.call("status")["run_id"]
+        pod.kill9()
+    finally:
+        code, out, err = finish(send)
+    assert code == 3, (out, err)
+    assert err == f"podctl: pod 'pod' is not running: it went away before run {run_id} finished\n"
+
+
+@pytest.mark.parametrize("command", [["wait"], ["attach"]])
+def test_a_command_following_a_pod_that_is_killed_exits_3(env: Env, command: list[str]) -> None:
+    pod = env.start()
+    env.model.script({"gate": "never", "text": "too late"})
+    pod.call("run", input="keep busy")  # `wait` polls a running pod
+    follow = podctl_popen(env, *command, "pod")
+    try:
+        wait_until(lambda: connected(follow.pid), what=f"podctl {command[0]} to connect")
+        pod.kill9()
+    finally:
+        code, out, err = finish(follow)
+    assert code == 3, (out, err)
+    assert err.endswith(
+        "podctl: pod 'pod' is not running: it went away while podctl was connected\n"
+    )
+
+
+def test_status_of_a_pod_killed_before_it_answers_exits_3(env: Env) -> None:
+    pod = env.start()
+    stopped_with_a_request_unread(pod)
+    status = podctl_popen(env, "status", "pod")
+    try:
+        wait_until(lambda: connected(status.pid), what="podctl status to connect")
+        pod.kill9()
+    finally:
+        code, out, err = finish(status)
+    assert code == 3, (out, err)
+    assert "is not running" in err and len(err.splitlines()) == 1, err

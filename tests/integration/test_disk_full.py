@@ -170,7 +170,7 @@ def test_podctl_send_says_why_the_pod_stopped_before_the_run_ended(
     fill(small_data_dir)
     env.model.open_gate("answer")
     _, err = send.communicate(timeout=60)
-    assert send.returncode == 1
-    assert err.startswith("podctl: pod 'full' stopped before run "), err
+    assert send.returncode == 3  # not running (SPEC §6)
+    assert err.startswith("podctl: pod 'full' is not running: it went away before run "), err
     assert "No space left on device" in err and len(err.splitlines()) == 1, err
     assert pod.proc.wait(20) == 1
