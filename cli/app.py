@@ -119,7 +119,7 @@ def read_message(message: str) -> str:
 
 
 @contextlib.contextmanager
-def rpc_errors(target: str) -> Iterator[None]:
+def rpc_errors(target: str, timeout: float | None = None) -> Iterator[None]:
     """Map the client's exceptions to podctl's one-line messages and exit codes."""
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
@@ -134,13 +134,18 @@ def rpc_errors(target: str) -> Iterator[None]:
     except BrokenPipeError:
         raise  # our stdout went away (e.g. `| head`): main() handles it
     except TimeoutError:
-        fail(f"pod '{target}' did not answer in time")
+        fail(
+            f"pod '{target}' did not answer " + (f"within {timeout:g} s" if timeout else "in time")
+        )
     except OSError as exc:
         fail(f"cannot talk to pod '{target}': {exc}")
 
 
-def call(target: str, method: str, params: dict[str, Any] | None = None) -> Any:
-    """One call to `target`, its result as plain JSON data, with podctl's error handling.
+def call(
+    target: str, method: str, params: dict[str, Any] | None = None, timeout: float | None = None
+) -> Any:
+    """One call to `target`, its result as plain JSON data, with podctl's error handling
+    (`timeout`: a pod that does not answer within it is an error).
 
     Through `protocol.oneshot` (standard library only): for a one-call command, importing
     PodClient would cost more than the rest of podctl's own start-up.
@@ -148,9 +153,9 @@ def call(target: str, method: str, params: dict[str, Any] | None = None) -> Any:
     from protocol import oneshot, paths
 
     result: Any = None
-    with rpc_errors(target):
+    with rpc_errors(target, timeout):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
-        result = oneshot.call(target, method, params)
+        result = oneshot.call(target, method, params, timeout=timeout)
     return result
 
 
@@ -160,7 +165,7 @@ def connect(target: str, timeout: float | None = None) -> Iterator["PodClient"]:
     from protocol import paths
     from protocol.client import PodClient
 
-    with rpc_errors(target):
+    with rpc_errors(target, timeout):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
         with PodClient.connect(target, timeout=timeout) as client:
             yield client

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 LS_TIMEOUT = 2.0  # a pod slower than this to answer `status` is listed as unresponsive
+STATUS_TIMEOUT = 10.0  # `podctl status POD`: a pod that does not answer is an error, not a hang
 STOP_TIMEOUT = 10.0
 POLL = 0.02
 
@@ -186,11 +187,14 @@ def status(
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """One pod's status (or, without POD, the table of live pods)."""
+    """One pod's status (or, without POD, the table of live pods).
+
+    A pod that does not answer within 10 s (stopped, wedged) is an error (exit 1).
+    """
     if pod is None:
         ls(as_json)
         return
-    st = call(pod, "status")
+    st = call(pod, "status", timeout=STATUS_TIMEOUT)
     if as_json:
         print_json(st)
         return

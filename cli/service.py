@@ -20,6 +20,8 @@ from cli.app import EXIT_NOT_RUNNING, EXIT_USAGE, PodArg, app, fail, print_json
 
 EXIT_TIMEOUT = 4
 WAIT_POLL = 0.05
+WAIT_CALL_TIMEOUT = 30.0  # `wait` without --timeout: a pod silent this long is an error
+WAIT_CALL_MIN = 0.5  # the least a status call is given, however little of --timeout is left
 FOLLOW_POLL = 0.2
 # `poddaemon-<name>.service` (podctl unit install) or `poddaemon@<name>.service` (the template
 # shipped in systemd/).
@@ -189,34 +191,46 @@ def wait(
 
     Exit 0 when it is, 4 on timeout, 3 when the pod is not running.
     """
-    import msgspec
-
-    from cli.app import connect
+    from cli.app import rpc_errors
+    from protocol import oneshot, paths
 
     if until != "idle":
         fail(f"--until: only 'idle' is supported, not {until!r}", EXIT_USAGE)
     deadline = None if timeout is None else time.monotonic() + timeout
-    with connect(pod, timeout=30.0) as client:
+    status: dict[str, Any] | None = None
+    with rpc_errors(pod, WAIT_CALL_TIMEOUT):
+        paths.check_private_dirs()
         while True:
-            status: dict[str, Any] = msgspec.json.decode(client.call_raw("status"))
-            queue = status.get("queue") or {}
-            if (
-                status.get("state") == "idle"
-                and not queue.get("runs")
-                and not queue.get("notifications")
-            ):
+            # Each call within what is left of --timeout (give or take WAIT_CALL_MIN): a pod
+            # that does not answer (SIGSTOP, a wedged loop) is just not idle yet.
+            left = WAIT_CALL_TIMEOUT if deadline is None else deadline - time.monotonic()
+            try:
+                status = oneshot.call(
+                    pod, "status", timeout=min(max(left, WAIT_CALL_MIN), WAIT_CALL_TIMEOUT)
+                )
+            except TimeoutError:
+                if deadline is None:
+                    raise
+                status = None
+            if status is not None and _idle(status):
                 break
             if deadline is not None and time.monotonic() >= deadline:
                 if as_json:
                     print_json({"idle": False, "status": status})
-                sys.stderr.write(
-                    f"podctl: pod '{status.get('name', pod)}' still {status.get('state')} "
-                    f"after {timeout:g} s\n"
-                )
+                name = status.get("name", pod) if status else pod
+                doing = f"still {status.get('state')}" if status else "not answering"
+                sys.stderr.write(f"podctl: pod '{name}' {doing} after {timeout:g} s\n")
                 raise typer.Exit(EXIT_TIMEOUT)
             time.sleep(WAIT_POLL)  # polling a condition: status is cheap and always answered
     if as_json:
         print_json({"idle": True, "status": status})
+
+
+def _idle(status: dict[str, Any]) -> bool:
+    queue = status.get("queue") or {}
+    return (
+        status.get("state") == "idle" and not queue.get("runs") and not queue.get("notifications")
+    )
 
 
 # --- logs -----------------------------------------------------------------------------------

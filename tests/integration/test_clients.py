@@ -2,10 +2,12 @@
 or stops answering: real pods, stopped and killed for real."""
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -135,9 +137,7 @@ def test_a_command_following_a_pod_that_is_killed_exits_3(env: Env, command: lis
     finally:
         code, out, err = finish(follow)
     assert code == 3, (out, err)
-    assert err.endswith(
-        "podctl: pod 'pod' is not running: it went away while podctl was connected\n"
-    )
+    assert err.startswith("podctl: pod 'pod' is not running: ") and err.count("\n") == 1, err
 
 
 def test_status_of_a_pod_killed_before_it_answers_exits_3(env: Env) -> None:
@@ -151,3 +151,26 @@ def test_status_of_a_pod_killed_before_it_answers_exits_3(env: Env) -> None:
         code, out, err = finish(status)
     assert code == 3, (out, err)
     assert "is not running" in err and len(err.splitlines()) == 1, err
+
+
+# --- podctl never hangs on a pod that does not answer --------------------------------------------
+
+
+def test_wait_with_a_timeout_gives_up_on_a_stopped_pod_in_time(env: Env) -> None:
+    pod = env.start()
+    os.kill(pod.proc.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    waited = env.podctl("wait", "pod", "--timeout", "1", "--json", timeout=60)
+    took = time.monotonic() - started
+    assert waited.returncode == 4, waited.stderr
+    assert json.loads(waited.stdout) == {"idle": False, "status": None}
+    assert waited.stderr == "podctl: pod 'pod' not answering after 1 s\n"
+    assert took < 15, took  # the status call's own 30 s did not outlast --timeout
+
+
+def test_status_of_a_stopped_pod_is_an_error_not_a_hang(env: Env) -> None:
+    pod = env.start()
+    os.kill(pod.proc.pid, signal.SIGSTOP)
+    status = env.podctl("status", "pod", timeout=60)
+    assert status.returncode == 1, status.stderr
+    assert status.stderr == "podctl: pod 'pod' did not answer within 10 s\n"
