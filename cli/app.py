@@ -111,11 +111,36 @@ def print_json(value: Any) -> None:
 
 
 def read_message(message: str) -> str:
-    """MESSAGE as given, or stdin for `-` (without its trailing newlines). Empty: usage error."""
-    text = sys.stdin.read().rstrip("\n") if message == "-" else message
+    """MESSAGE as given, or stdin for `-` (without its trailing newlines). Empty, or not UTF-8
+    (the wire is UTF-8 JSON, and the pod gets nothing altered): a usage error."""
+    if message == "-":
+        raw = sys.stdin.buffer.read()
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError as exc:
+            fail(
+                f"stdin is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})",
+                EXIT_USAGE,
+            )
+        text = text.rstrip("\n")
+    else:
+        text = message
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            not_utf8(exc, "MESSAGE")
     if not text.strip():
         fail("empty message", EXIT_USAGE)
     return text
+
+
+def not_utf8(exc: UnicodeEncodeError, what: str = "an argument") -> NoReturn:
+    """Text that cannot go on the UTF-8 wire (nothing was sent): bytes from the shell that are
+    not UTF-8 (Python holds byte B as the lone surrogate U+DC00+B), or a lone surrogate of
+    its own (`\ud83d` in rpc's JSON)."""
+    code = ord(exc.object[exc.start])
+    bad = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:X}"
+    fail(f"{what} is not UTF-8 text ({bad})", EXIT_USAGE)
 
 
 @contextlib.contextmanager
@@ -133,6 +158,8 @@ def rpc_errors(target: str, timeout: float | None = None) -> Iterator[None]:
         connection_lost(target)
     except BrokenPipeError:
         raise  # our stdout went away (e.g. `| head`): main() handles it
+    except UnicodeEncodeError as exc:  # encoding the request: nothing was sent
+        not_utf8(exc)
     except TimeoutError:
         fail(
             f"pod '{target}' did not answer " + (f"within {timeout:g} s" if timeout else "in time")

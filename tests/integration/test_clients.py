@@ -174,3 +174,38 @@ def test_status_of_a_stopped_pod_is_an_error_not_a_hang(env: Env) -> None:
     status = env.podctl("status", "pod", timeout=60)
     assert status.returncode == 1, status.stderr
     assert status.stderr == "podctl: pod 'pod' did not answer within 10 s\n"
+
+
+# --- podctl: input that is not UTF-8 is a usage error, never a traceback -------------------------
+
+NOT_UTF8 = "caf\udce9"  # what Python makes of the shell's Latin-1 b"caf\xe9" (surrogateescape)
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "said"),
+    [
+        (["send", "pod", NOT_UTF8], None, "MESSAGE is not UTF-8 text (byte 0xe9)"),
+        (["notify", "pod", NOT_UTF8], None, "MESSAGE is not UTF-8 text (byte 0xe9)"),
+        (["send", "pod", "-"], b"caf\xe9\n", "stdin is not UTF-8 text (byte 0xe9 at offset 3)"),
+        (["notify", "pod", "hi", "--source", NOT_UTF8], None, "an argument is not UTF-8 text"),
+        (["rpc", "pod", "notify", f'{{"message": "{NOT_UTF8}"}}'], None, "an argument is not"),
+        (["rpc", "pod", "notify", '{"message": "\\ud83d"}'], None, "an argument is not UTF-8"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else None,
+)
+def test_input_that_is_not_utf8_is_a_usage_error(
+    env: Env, args: list[str], stdin: bytes | None, said: str
+) -> None:
+    pod = env.start()
+    before = pod.call("history")["entries"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        env={**env.env, "LANG": "C.UTF-8"},
+        input=stdin,
+        capture_output=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.decode().startswith(f"podctl: {said}"), proc.stderr
+    assert proc.stderr.count(b"\n") == 1, proc.stderr
+    assert pod.call("history")["entries"] == before  # nothing was sent
