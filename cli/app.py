@@ -104,6 +104,18 @@ def connection_lost(target: str, when: str = "") -> NoReturn:
     fail(f"pod '{target}' closed the connection")
 
 
+def check_stdout() -> None:
+    """BrokenPipeError when our stdout is a pipe whose reader went (`podctl attach x | head`).
+    A follower with nothing to write asks now and then: it would otherwise only learn it at its
+    next write, which a quiet pod may never cause."""
+    import select
+
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), 0)  # errors are always reported: POLLERR, no reader
+    if poller.poll(0):
+        raise BrokenPipeError("podctl's stdout has no reader")
+
+
 def print_json(value: Any) -> None:
     import json
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.app import EXIT_NOT_RUNNING, EXIT_USAGE, PodArg, app, fail, print_json
+from cli.app import EXIT_NOT_RUNNING, EXIT_USAGE, PodArg, app, check_stdout, fail, print_json
 
 EXIT_TIMEOUT = 4
 WAIT_POLL = 0.05
@@ -326,6 +326,7 @@ def _stderr_log(name: str, follow: bool, after: float | None) -> None:
                     if not follow:
                         return
                     sys.stdout.flush()
+                    check_stdout()  # `logs -f | head`: ends once head has its lines
                     time.sleep(FOLLOW_POLL)  # tail -f: wait for the pod to write more
                     continue
                 if not showing:

@@ -1,7 +1,7 @@
 """Talking to a pod: send, notify, attach, history, pause, resume, cancel."""
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -14,6 +14,7 @@ from cli.app import (
     PodArg,
     app,
     call,
+    check_stdout,
     connect,
     connection_lost,
     fail,
@@ -23,9 +24,22 @@ from cli.app import (
 
 if TYPE_CHECKING:
     from protocol.client import PodClient
+    from protocol.types import Event
 
+FOLLOW_CHECK = 1.0  # seconds a follower waits for an event before it checks its stdout
 HISTORY_TAIL = 50  # entries `podctl history` shows without --all/--since/--limit
 HISTORY_PAGE = 10_000  # entries asked for per `history` call (the pod caps a page there)
+
+
+def follow(client: "PodClient") -> Iterator["Event"]:
+    """`client.events()`, ended (BrokenPipeError) when our stdout's reader goes, even while the
+    pod is quiet: `podctl attach x | head -3` returns once `head` has its lines."""
+    while True:
+        event = client.next_event(FOLLOW_CHECK)
+        if event is None:
+            check_stdout()
+        else:
+            yield event
 
 
 @app.command()
@@ -74,7 +88,7 @@ def send(
         finished: dict[str, Any] | None = None
         trouble = ""  # the last error alert: why the pod stopped, should it close on us
         try:
-            for event in client.events():
+            for event in follow(client):
                 if event.type == "gap":
                     sys.stderr.write("podctl: some events were missed; output may be incomplete\n")
                 if event.type == "alert" and event.data.get("level") == "error":
@@ -158,7 +172,7 @@ def attach(
     with connect(pod) as client:
         client.subscribe(since)
         try:
-            for event in client.events():
+            for event in follow(client):
                 seen_shutdown = seen_shutdown or event.type == "shutdown"
                 if as_json:
                     out.write(msgspec.json.encode(event).decode() + "\n")

@@ -8,6 +8,8 @@ Its RPC methods (run, notify, status, ...) are declared once for both clients in
 """
 
 import _socket
+import select
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -109,3 +111,16 @@ class PodClient(ClientMethods, SyncCaller):
             while self._core.events:
                 yield self._core.events.popleft()
             self._receive()
+
+    def next_event(self, timeout: float | None = None) -> Event | None:
+        """The next event on this connection (after `subscribe`), or None when none arrives
+        within `timeout` seconds (None: as `events()`, no limit but the connection's own), so
+        a follower can look up from the stream now and then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._core.events:
+            if deadline is not None:
+                left = max(0.0, deadline - time.monotonic())
+                if not select.select([self._sock], [], [], left)[0]:
+                    return None
+            self._receive()
+        return self._core.events.popleft()

@@ -209,3 +209,40 @@ def test_input_that_is_not_utf8_is_a_usage_error(
     assert proc.stderr.decode().startswith(f"podctl: {said}"), proc.stderr
     assert proc.stderr.count(b"\n") == 1, proc.stderr
     assert pod.call("history")["entries"] == before  # nothing was sent
+
+
+# --- followers end when their reader does, even while the pod is quiet ---------------------------
+
+
+def test_next_event_returns_none_when_the_pod_is_quiet_then_the_next_event(env: Env) -> None:
+    pod = env.start()
+    with pod.client() as client:
+        client.subscribe()
+        assert client.next_event(timeout=0.2) is None
+        pod.call("notify", message="wake up")
+        event = client.next_event(timeout=30)
+        assert event is not None and event.seq >= 1
+
+
+def test_attach_piped_into_a_reader_that_goes_ends_while_the_pod_is_quiet(env: Env) -> None:
+    env.start()
+    attach = podctl_popen(env, "attach", "pod")
+    assert attach.stdout is not None
+    wait_until(lambda: connected(attach.pid), what="podctl attach to connect")
+    attach.stdout.close()  # `podctl attach pod | head -0`: the reader is gone; no event comes
+    code, _, err = finish(attach)
+    assert (code, err) == (1, "")  # quietly, as any podctl whose output has no reader
+
+
+def test_logs_follow_piped_into_a_reader_that_goes_ends_while_nothing_is_written(
+    env: Env,
+) -> None:
+    log = env.home / "run" / "pods" / "quiet" / "stderr.log"
+    log.parent.mkdir(parents=True)
+    log.write_text("2026-01-01 00:00:00.000 poddaemon[1] INFO ready\n")
+    logs = podctl_popen(env, "logs", "quiet", "-f")
+    assert logs.stdout is not None
+    assert "INFO ready" in logs.stdout.readline()
+    logs.stdout.close()  # `podctl logs quiet -f | head -1`
+    code, _, err = finish(logs)
+    assert (code, err) == (1, "")
