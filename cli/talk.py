@@ -156,7 +156,7 @@ def notify(
 def attach(
     pod: PodArg,
     since: Annotated[
-        int | None, typer.Option("--since", metavar="N", help="Replay events after seq N.")
+        int | None, typer.Option("--since", metavar="N", min=0, help="Replay events after seq N.")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per event.")] = False,
 ) -> None:
@@ -227,7 +227,7 @@ def history(
     pod: PodArg,
     all_: Annotated[bool, typer.Option("--all", help="Every entry of the session.")] = False,
     since: Annotated[
-        int | None, typer.Option("--since", metavar="SEQ", help="Every entry after seq SEQ.")
+        int | None, typer.Option("--since", metavar="SEQ", min=0, help="Every entry after seq SEQ.")
     ] = None,
     limit: Annotated[
         int | None,

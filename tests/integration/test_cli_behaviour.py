@@ -155,6 +155,8 @@ def test_ls_lists_unresponsive_pods_and_children_under_their_parent(env: Env) ->
         ["notify", "ghost", ""],
         ["send", "--no-such-option", "ghost", "hi"],
         ["history", "ghost", "--limit", "0"],
+        ["history", "ghost", "--since", "-1"],
+        ["attach", "ghost", "--since", "-1"],
         ["send"],
     ],
     ids=" ".join,
