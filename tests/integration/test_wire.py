@@ -473,3 +473,44 @@ def test_own_socket_is_accepted(env: Env) -> None:
     pod = env.start()
     with PodClient.connect(pod.socket, timeout=5) as c:
         assert msgspec.to_builtins(c.status())["state"] == "idle"
+
+
+def readme_shell_recipe() -> tuple[str, list[str]]:
+    """The README's "From a shell" paragraph and its commands (the code spans with socat)."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = text.index("From a shell")
+    paragraph = text[start : text.index("\n- ", start)]
+    return paragraph, [span for span in paragraph.split("`")[1::2] if "socat" in span]
+
+
+@pytest.mark.skipif(shutil.which("socat") is None, reason="socat is not installed")
+def test_readme_shell_recipes_work_as_printed(env: Env) -> None:
+    paragraph, (status_line, wait_tail) = readme_shell_recipe()
+    assert "`sock`" in paragraph and "podctl spawn" in paragraph  # says where $sock comes from
+    spawned = env.podctl("spawn", str(env.manifest("shell")))
+    assert spawned.returncode == 0, spawned.stderr
+    try:
+        shell_env = {**env.env, "sock": spawned.stdout.split("\t")[1].strip()}
+        status = subprocess.run(
+            ["bash", "-uc", status_line], env=shell_env, capture_output=True, timeout=30
+        )
+        [reply] = replies(status.stdout)
+        assert reply["result"]["name"] == "shell", (status.stdout, status.stderr)
+
+        # A run that outlasts socat's default half second after EOF: `-t 600` gets its answer.
+        env.model.script({"text": "done", "gate": "slow"})
+        run = '{"jsonrpc":"2.0","id":1,"method":"run","params":{"input":"go","wait":true}}'
+        waiting = subprocess.Popen(
+            ["bash", "-uc", f"printf '%s\\n' '{run}' | {wait_tail}"],
+            env=shell_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        env.model.wait_for_requests(1)
+        time.sleep(1)  # past socat's default -t 0.5: only the README's -t keeps it listening
+        env.model.open_gate("slow")
+        out, err = waiting.communicate(timeout=30)
+        [reply] = replies(out)
+        assert reply["result"]["outcome"] == "finished", (out, err)
+    finally:
+        env.podctl("stop", "shell")
