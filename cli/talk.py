@@ -63,6 +63,9 @@ def send(
     Exit status: 0 finished; 1 error, cancelled or paused; 2 limit reached (max_turns or the
     budget; otherwise 2 means a usage error, e.g. an empty message); 3 the pod is not running,
     or went away before the run finished (a restart reports that run interrupted).
+
+    Ctrl-C stops only the waiting (exit 130): the run was acknowledged and goes on;
+    `podctl cancel POD` ends it, `podctl attach POD` follows it again.
     """
     import msgspec
 
@@ -160,7 +163,11 @@ def attach(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per event.")] = False,
 ) -> None:
-    """Follow the pod's event stream (Ctrl-C to stop)."""
+    """Follow the pod's event stream (Ctrl-C to stop).
+
+    It ends with the pod: exit 0 after its `shutdown` event (a stop or restart), 3 when it went
+    away without one (killed, crashed).
+    """
     import msgspec
 
     from cli.render import EventRenderer

@@ -246,3 +246,21 @@ def test_logs_follow_piped_into_a_reader_that_goes_ends_while_nothing_is_written
     logs.stdout.close()  # `podctl logs quiet -f | head -1`
     code, _, err = finish(logs)
     assert (code, err) == (1, "")
+
+
+def test_ctrl_c_during_send_stops_waiting_and_the_run_goes_on_as_its_help_says(env: Env) -> None:
+    pod = env.start()
+    assert "Ctrl-C" in env.podctl("send", "--help").stdout
+    env.model.script({"gate": "later", "text": "finished anyway"})
+    send = podctl_popen(env, "send", "pod", "take your time")
+    env.model.wait_for_requests(1)
+    run_id = pod.call("status")["run_id"]
+    send.send_signal(signal.SIGINT)
+    code, out, err = finish(send)
+    assert code == 130, (out, err)
+    assert err == f"podctl: stopped waiting; run {run_id} goes on (podctl cancel pod)\n"
+    env.model.open_gate("later")
+    waited = env.podctl("wait", "pod", "--timeout", "30")
+    assert waited.returncode == 0, waited.stderr
+    ends = [e for e in pod.call("history")["entries"] if e["kind"] == "run_end"]
+    assert [(e["run_id"], e["outcome"]) for e in ends] == [(run_id, "finished")]
