@@ -134,6 +134,8 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
             raise self._lost() from exc
 
     async def events(self) -> AsyncIterator[Event]:
+        """Events on this connection, after `subscribe` (else RuntimeError: none would come)."""
+        self._core.check_subscribed()
         while True:
             while self._core.events:
                 yield self._core.events.popleft()

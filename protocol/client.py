@@ -106,7 +106,10 @@ class PodClient(ClientMethods, SyncCaller):
         self._send(self._core.notification(method, params))
 
     def events(self) -> Iterator[Event]:
-        """Events on this connection, after `subscribe`; blocks until each arrives."""
+        """Events on this connection, after `subscribe`; blocks until each arrives.
+
+        RuntimeError when this connection never subscribed: nothing would ever arrive."""
+        self._core.check_subscribed()
         while True:
             while self._core.events:
                 yield self._core.events.popleft()
@@ -115,7 +118,8 @@ class PodClient(ClientMethods, SyncCaller):
     def next_event(self, timeout: float | None = None) -> Event | None:
         """The next event on this connection (after `subscribe`), or None when none arrives
         within `timeout` seconds (None: as `events()`, no limit but the connection's own), so
-        a follower can look up from the stream now and then."""
+        a follower can look up from the stream now and then. RuntimeError as for `events()`."""
+        self._core.check_subscribed()
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._core.events:
             if deadline is not None:

@@ -57,6 +57,8 @@ class ClientCore:
         self._inflight: dict[int, None] = {}  # sent and not yet answered, oldest first
         self.replies: dict[int | str | None, Response] = {}
         self.events: deque[Event] = deque()
+        self._subscribes: set[int] = set()  # ids of subscribe requests not yet answered
+        self.subscribed = False  # a subscribe succeeded: events will come
 
     def _frame(self, head: bytes, params: Params | dict[str, Any] | None) -> bytes:
         body = _encoder.encode(params) if params is not None else b"{}"
@@ -73,6 +75,8 @@ class ClientCore:
         )
         self._next_id = rid
         self._inflight[rid] = None
+        if method == "subscribe":
+            self._subscribes.add(rid)
         return rid, frame
 
     def notification(self, method: str, params: Params | dict[str, Any] | None) -> bytes:
@@ -104,15 +108,28 @@ class ClientCore:
         """The caller gave up on `request_id` (timeout, cancel): a late reply is dropped."""
         self._inflight.pop(request_id, None)
         self.replies.pop(request_id, None)
+        if request_id in self._subscribes:  # it may have reached the pod: events may come
+            self._subscribes.discard(request_id)
+            self.subscribed = True
 
     def take(self, request_id: int, result_type: type[T]) -> T:
         self._inflight.pop(request_id, None)
         reply = self.replies.pop(request_id)
         if not isinstance(reply.error, msgspec.UnsetType):
+            self._subscribes.discard(request_id)
             raise error_for(reply.error.code, reply.error.message, reply.error.data)
         if isinstance(reply.result, msgspec.UnsetType):
             raise RpcError(INTERNAL_ERROR, "reply has neither result nor error")
-        return msgspec.json.decode(reply.result, type=result_type)
+        result = msgspec.json.decode(reply.result, type=result_type)
+        if request_id in self._subscribes:
+            self._subscribes.discard(request_id)
+            self.subscribed = True
+        return result
+
+    def check_subscribed(self) -> None:
+        """Waiting for events on a connection that never subscribed would wait for ever."""
+        if not self.subscribed and not self.events:
+            raise RuntimeError("no events will come: call subscribe() on this connection first")
 
 
 # --- client methods, declared once for both clients --------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from protocol.aio import AsyncPodClient
-from protocol.errors import ConnectionClosed
+from protocol.errors import ConnectionClosed, RpcError
 from tests.conftest import Env, PodProcess, wait_until
 
 
@@ -264,3 +264,27 @@ def test_ctrl_c_during_send_stops_waiting_and_the_run_goes_on_as_its_help_says(e
     assert waited.returncode == 0, waited.stderr
     ends = [e for e in pod.call("history")["entries"] if e["kind"] == "run_end"]
     assert [(e["run_id"], e["outcome"]) for e in ends] == [(run_id, "finished")]
+
+
+# --- the library never waits for events that cannot come -----------------------------------------
+
+
+def test_waiting_for_events_without_a_subscription_is_an_error_not_a_hang(env: Env) -> None:
+    pod = env.start()
+    with pod.client(timeout=5) as client:
+        with pytest.raises(RuntimeError, match="subscribe"):
+            next(client.events())
+        with pytest.raises(RpcError):
+            client.subscribe(-1)  # refused (-32602): still not subscribed
+        with pytest.raises(RuntimeError, match="subscribe"):
+            client.next_event(timeout=1)
+        client.call_raw("subscribe")
+        pod.call("notify", message="now there is one")
+        assert client.next_event(timeout=30) is not None
+
+    async def go() -> None:
+        async with await AsyncPodClient.connect(pod.socket) as client:
+            with pytest.raises(RuntimeError, match="subscribe"):
+                await asyncio.wait_for(anext(aiter(client.events())), 5)
+
+    asyncio.run(go())
