@@ -43,6 +43,20 @@ if TYPE_CHECKING:
 Handler = Callable[[Any, Any], Any]
 
 MAX_HISTORY_PAGE = 10_000  # entries per `history` reply, whatever `limit` asks; `next` pages on
+# Bytes of entries per `history` reply (but always one entry): far below what a client reads in
+# one frame (protocol.framing.MAX_REPLY_BYTES), however large the entries of a session are.
+MAX_HISTORY_PAGE_BYTES = 16 * 1024 * 1024
+_encoder = msgspec.json.Encoder()
+
+
+def _fitting(entries: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
+    """The first entries whose JSON fits in `budget` bytes; at least the first one."""
+    size = 0
+    for i, entry in enumerate(entries):
+        size += len(_encoder.encode(entry)) + 1
+        if size > budget and i:
+            return entries[:i]
+    return entries
 
 
 def _not_blank(text: str, field: str) -> None:
@@ -130,6 +144,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         if start.get("pod") != pod.name:
             raise RpcError(errors.INVALID_PARAMS, f"session_id: {sid} is not a session of this pod")
         entries = [e for e in result.entries if e["seq"] > p.since][:limit]
+        entries = _fitting(entries, MAX_HISTORY_PAGE_BYTES)
         return HistoryResult(
             entries=entries,
             next=entries[-1]["seq"] if entries else p.since,

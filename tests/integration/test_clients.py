@@ -288,3 +288,22 @@ def test_waiting_for_events_without_a_subscription_is_an_error_not_a_hang(env: E
                 await asyncio.wait_for(anext(aiter(client.events())), 5)
 
     asyncio.run(go())
+
+
+# --- replies a client can read, however large the session ---------------------------------------
+
+
+def test_history_larger_than_a_client_reads_at_once_comes_in_pages(env: Env) -> None:
+    pod = env.start()
+    env.model.script({"gate": "never", "text": "held"})
+    big = "x" * (7 << 20)  # one input, under the 8 MiB frame limit
+    with pod.client() as client:
+        client.run("first")
+        env.model.wait_for_requests(1)
+        for _ in range(10):  # 70 MiB of queued inputs in the log: more than one reply may hold
+            client.run(big)
+        page = client.history(limit=10_000)
+        assert 0 < len(page.entries) < 13 and page.next == page.entries[-1]["seq"]
+    shown = env.podctl("history", "pod", "--all", timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert sum(" user_input " in line for line in shown.stdout.splitlines()) == 11
