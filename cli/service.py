@@ -291,7 +291,7 @@ def logs(
     unit = pod_unit(pod, status)
     if unit is not None:
         _journal(unit, follow, after)
-    _stderr_log(name, follow, after)
+    _stderr_log(name, follow, after, running=status is not None)
 
 
 def _journal(unit: str, follow: bool, after: float | None) -> None:
@@ -309,13 +309,18 @@ def _journal(unit: str, follow: bool, after: float | None) -> None:
     os.execv(exe, cmd)
 
 
-def _stderr_log(name: str, follow: bool, after: float | None) -> None:
+def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> None:
     from protocol import paths
 
     path = paths.pod_dir(name) / "stderr.log"
     try:
         f = path.open("r", errors="replace")
     except FileNotFoundError:
+        if running:  # started some other way (`poddaemon run`, spawn --foreground): exit 3 lies
+            fail(
+                f"pod '{name}' keeps no log file ({path}): its stderr goes where its starter "
+                "sent it (podctl spawn without --foreground keeps one)"
+            )
         fail(f"no log for pod '{name}' ({path})", EXIT_NOT_RUNNING)
     with f:
         showing = after is None

@@ -307,3 +307,11 @@ def test_history_larger_than_a_client_reads_at_once_comes_in_pages(env: Env) -> 
     shown = env.podctl("history", "pod", "--all", timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert sum(" user_input " in line for line in shown.stdout.splitlines()) == 11
+
+
+def test_logs_of_a_running_pod_without_a_log_file_is_an_error_not_not_running(env: Env) -> None:
+    env.start()  # `poddaemon run` in the foreground: its stderr is ours, no stderr.log
+    logs = env.podctl("logs", "pod")
+    assert logs.returncode == 1, logs.stderr
+    assert logs.stderr.startswith("podctl: pod 'pod' keeps no log file")
+    assert env.podctl("logs", "ghost").returncode == 3
