@@ -360,10 +360,9 @@ def _undelivered(log_path: Path) -> set[str]:
     return sent - {i for e in entries if e["kind"] == "outbox_acked" for i in e["ids"]}
 
 
-def test_child_restarted_while_its_spawner_lives_is_taken_back_at_once(tree: Env) -> None:
-    """`podctl restart CHILD` of an idle child with nothing to report: its spawner takes it back
-    (it loses write on the child's area again, it watches it) without waiting for a report."""
-    env = tree
+def _parent_of_an_idle_kid(env: Env) -> tuple[PodProcess, Path]:
+    """A parent whose child `kid`, on work/kid, has done its task and reported it; and that
+    area."""
     kid = env.work / "kid"
     kid.mkdir()
     env.model.script_model("m-kid")
@@ -371,6 +370,14 @@ def test_child_restarted_while_its_spawner_lives_is_taken_back_at_once(tree: Env
     parent = start_parent(env)
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     wait_until(lambda: _finished_reports(parent, "kid"), 20, "the report")
+    return parent, kid
+
+
+def test_child_restarted_while_its_spawner_lives_is_taken_back_at_once(tree: Env) -> None:
+    """`podctl restart CHILD` of an idle child with nothing to report: its spawner takes it back
+    (it loses write on the child's area again, it watches it) without waiting for a report."""
+    env = tree
+    parent, kid = _parent_of_an_idle_kid(env)
     out = env.podctl("restart", "kid")
     assert out.returncode == 0, out.stderr
     wait_until(
@@ -397,13 +404,7 @@ def test_tool_call_right_after_a_child_restart_does_not_write_in_its_area(tree: 
     CHILD` has returned (the child registered, its area delegated again): the tool call looks
     at pods.json first and is refused, rather than writing until the next registry poll."""
     env = tree
-    kid = env.work / "kid"
-    kid.mkdir()
-    env.model.script_model("m-kid")
-    env.model.script({"tool_calls": [spawn_call("kid", "work", [str(kid)])]}, {"text": "spawned"})
-    parent = start_parent(env)
-    assert run_and_wait(parent, "go")["outcome"] == "finished"
-    wait_until(lambda: _finished_reports(parent, "kid"), 20, "the report")
+    parent, kid = _parent_of_an_idle_kid(env)
     env.model.script(
         {
             "tool_calls": [tool("write_file", path=str(kid / "p.txt"), content="parent")],
