@@ -20,15 +20,16 @@ from poddaemon.testing.cleanup import alive
 from tests.conftest import Env, StartFailed, ppid, wait_until
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
+LEGACY = str(Path(__file__).with_name("mcp_legacy_server.py"))  # hand-written, 2025-era
 # Not worth a model request: the tool names every test's server offers.
 ALL_TOOLS = {"add", "fail", "slow", "hang", "env", "big", "pid", "crash"}
 
 
 def server_toml(name: str = "t", *, url: str | None = None, args: tuple[str, ...] = (),
-                **keys: Any) -> str:  # fmt: skip
+                script: str = SERVER, **keys: Any) -> str:  # fmt: skip
     lines = ["", "[[mcp.servers]]", f'name = "{name}"']
     if url is None:
-        lines.append(f"command = {json.dumps([sys.executable, SERVER, *args])}")
+        lines.append(f"command = {json.dumps([sys.executable, script, *args])}")
     else:
         lines.append(f'url = "{url}"')
     for key, value in keys.items():
@@ -343,13 +344,12 @@ def test_cancelling_a_run_interrupts_an_mcp_call_and_the_server_stays_usable(env
 @pytest.mark.parametrize("refuse", [False, True], ids=["plain", "refuses-first-initialize"])
 def test_a_hand_written_2025_era_server_works_too(env: Env, refuse: bool) -> None:
     """Also one that refuses the pod's own `initialize`: the SDK negotiates on the same pipes."""
-    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
     env.model.script(
         {"tool_calls": [{"name": "old__shout", "arguments": {"text": "quiet please"}}]},
         {"text": "heard"},
     )
-    command = [sys.executable, legacy] + (["--refuse-first-initialize"] if refuse else [])
-    extra = server_toml("old").replace(json.dumps([sys.executable, SERVER]), json.dumps(command))
+    args = ("--refuse-first-initialize",) if refuse else ()
+    extra = server_toml("old", script=LEGACY, args=args)
     pod = env.start("legacyuser", extra=extra)
     with pod.client() as c:
         assert c.run_wait("shout").text == "heard"
@@ -362,14 +362,11 @@ def test_tools_with_schemas_a_provider_refuses_are_left_out_and_the_others_work(
 ) -> None:
     """Offered, such a tool would make the provider refuse every request of the pod; and the
     server's other tools must still answer (the SDK re-lists strictly on a first call)."""
-    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
     env.model.script(
         {"tool_calls": [{"name": "old__shout", "arguments": {"text": "still usable"}}]},
         {"text": "done"},
     )
-    extra = server_toml("old").replace(
-        json.dumps([sys.executable, SERVER]), json.dumps([sys.executable, legacy, "--bad-schemas"])
-    )
+    extra = server_toml("old", script=LEGACY, args=("--bad-schemas",))
     pod = env.start("picky", extra=extra)
     with pod.client() as c:
         assert c.run_wait("shout").outcome == "finished"
@@ -388,13 +385,11 @@ def test_tools_with_schemas_a_provider_refuses_are_left_out_and_the_others_work(
 def test_a_server_flooding_its_stderr_does_not_flood_the_pods_log(env: Env) -> None:
     """Its lines are logged up to a rate: a chatty server must not fill the disk the pod's
     session log is on. The pod and the server's tools carry on."""
-    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
     env.model.script(
         {"tool_calls": [{"name": "old__shout", "arguments": {"text": "heard"}}]},
         {"text": "done"},
     )
-    command = [sys.executable, legacy, "--stderr-flood", "8"]
-    extra = server_toml("old").replace(json.dumps([sys.executable, SERVER]), json.dumps(command))
+    extra = server_toml("old", script=LEGACY, args=("--stderr-flood", "8"))
     pod = env.start("flooded", extra=extra)
     with pod.client() as c:
         assert c.run_wait("shout").outcome == "finished"
@@ -455,15 +450,12 @@ def test_a_server_that_closes_its_output_is_lost_at_once_not_at_the_timeout(env:
     """Alive, but no answer can come: the call fails now (not after `timeout`, 60 s by
     default, as while the server and its guard kept leaked copies of their stdout) and the
     server is restarted."""
-    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
     env.model.script(
         {"tool_calls": [{"name": "old__hangup", "arguments": {}}]},
         {"tool_calls": [{"name": "old__shout", "arguments": {"text": "back"}}]},
         {"text": "done"},
     )
-    extra = server_toml("old", timeout=20).replace(
-        json.dumps([sys.executable, SERVER]), json.dumps([sys.executable, legacy])
-    )
+    extra = server_toml("old", script=LEGACY, timeout=20)
     pod = env.start("hungup", extra=extra)
     with pod.client(timeout=60) as c:
         assert c.run_wait("hang up").outcome == "finished"
@@ -476,16 +468,13 @@ def test_a_server_that_closes_its_output_is_lost_at_once_not_at_the_timeout(env:
 def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
     # The ping after a timeout is answered -32601 (method not found): an answer, so the
     # server is alive, not hung; it keeps its state and later calls go to it as before.
-    legacy = str(Path(__file__).with_name("mcp_legacy_server.py"))
     env.model.script(
         {"tool_calls": [{"name": "old__nap", "arguments": {"seconds": 2}}]},
         {"tool_calls": [{"name": "old__nap", "arguments": {"seconds": 2}}]},
         {"tool_calls": [{"name": "old__shout", "arguments": {"text": "still here"}}]},
         {"text": "done"},
     )
-    extra = server_toml("old", timeout=1).replace(
-        json.dumps([sys.executable, SERVER]), json.dumps([sys.executable, legacy])
-    )
+    extra = server_toml("old", script=LEGACY, timeout=1)
     pod = env.start("napper", extra=extra)
     with pod.client(timeout=60) as c:
         assert c.run_wait("nap").outcome == "finished"
