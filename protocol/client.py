@@ -121,10 +121,14 @@ class PodClient(ClientMethods, SyncCaller):
         a follower can look up from the stream now and then. RuntimeError as for `events()`."""
         self._core.check_subscribed()
         deadline = None if timeout is None else time.monotonic() + timeout
+        poller = None
         while not self._core.events:
             if deadline is not None:
-                left = max(0.0, deadline - time.monotonic())
-                if not select.select([self._sock], [], [], left)[0]:
+                if poller is None:  # poll, not select: a descriptor past 1023 is fine
+                    poller = select.poll()
+                    poller.register(self._sock, select.POLLIN)
+                left_ms = max(0.0, deadline - time.monotonic()) * 1000
+                if not poller.poll(left_ms):
                     return None
             self._receive()
         return self._core.events.popleft()

@@ -224,6 +224,31 @@ def test_next_event_returns_none_when_the_pod_is_quiet_then_the_next_event(env: 
         assert event is not None and event.seq >= 1
 
 
+def test_next_event_works_on_a_socket_numbered_past_1023(env: Env) -> None:
+    """A program that holds many descriptors (a server embedding PodClient) gets its socket
+    numbered past select()'s FD_SETSIZE: next_event must still wait on it."""
+    import resource
+
+    pod = env.start()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is too low")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with pod.client() as client:
+            assert client._sock.fileno() >= 1024
+            client.subscribe()
+            assert client.next_event(timeout=0.2) is None
+            pod.call("notify", message="wake up")
+            event = client.next_event(timeout=30)
+            assert event is not None and event.seq >= 1
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_attach_piped_into_a_reader_that_goes_ends_while_the_pod_is_quiet(env: Env) -> None:
     env.start()
     attach = podctl_popen(env, "attach", "pod")
