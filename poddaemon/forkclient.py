@@ -110,9 +110,13 @@ def server_socket() -> str:
 
 
 def _connect(path: str, patience: float = 0.0) -> socket.socket | None:
+    """A connection to the server at `path`; None when none listens there. BlockingIOError
+    when its backlog is full: it accepts nobody (stopped, hung), and every client that gave
+    up on it left its connection queued. (Blocking, that connect() would wait for ever.)"""
     deadline = time.monotonic() + patience
     while True:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(READY_TIMEOUT)  # a full backlog: EAGAIN at once, not a wait
         try:
             conn.connect(path)
             return conn
@@ -121,6 +125,9 @@ def _connect(path: str, patience: float = 0.0) -> socket.socket | None:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.01)  # a racing podctl's server took the lock and is about to listen
+        except BaseException:
+            conn.close()
+            raise
 
 
 def _start_server(path: str) -> bool:
@@ -167,12 +174,15 @@ def fork_pod(
     )
     frame = encode_request(request)
     for attempt in range(2):  # a stale server steps aside: the second try starts a fresh one
-        conn = _connect(path)
-        if conn is None:
-            if attempt == 0 and not alone_ok and not _pods_alive(os.path.dirname(path)):
-                return None  # a lone pod is exec'd: a server would cost more than it shares
-            if _start_server(path):
-                conn = _connect(path, patience=2.0)
+        try:
+            conn = _connect(path)
+            if conn is None:
+                if attempt == 0 and not alone_ok and not _pods_alive(os.path.dirname(path)):
+                    return None  # a lone pod is exec'd: a server would cost more than it shares
+                if _start_server(path):
+                    conn = _connect(path, patience=2.0)
+        except BlockingIOError:  # its backlog is full: it never had our request, exec
+            return None
         if conn is None:
             return None
         if _stopped(conn):  # SIGSTOP, a debugger: it would not answer before the timeout

@@ -358,3 +358,33 @@ def test_a_server_that_does_not_answer_in_time_is_given_up_for_exec(
         listener.close()
     assert forked is None  # exec it
     assert not taker.is_alive()  # it saw the hang-up
+
+
+def test_a_server_whose_backlog_is_full_is_passed_over_not_waited_for(env: Env) -> None:
+    """Every client that gave up on a stopped or hung server left its connection queued on the
+    listener; once its backlog is full a connect() would block for good: the next spawn must
+    exec the pod instead of hanging."""
+    spawn(env, "lone")
+    spawn(env, "one")
+    server = server_pid(env)
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    queued: list[socket.socket] = []
+    os.kill(server, signal.SIGSTOP)
+    try:
+        while True:  # fill the backlog, as 65 given-up spawns would
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.setblocking(False)
+            try:
+                conn.connect(str(sock))
+            except BlockingIOError:
+                conn.close()
+                break
+            queued.append(conn)
+        manifest = env.manifest("two", write=[str(env.work / "two")])
+        done = env.podctl("spawn", str(manifest), timeout=45)
+    finally:
+        os.kill(server, signal.SIGCONT)
+        for conn in queued:
+            conn.close()
+    assert done.returncode == 0, done.stderr
+    assert ppid(pod_pid(env, "two")) != server and answers(env, "two")
