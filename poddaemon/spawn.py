@@ -118,7 +118,9 @@ class Children:
             log.warning("cannot read the registry: %s", exc)
             return
         for entry in entries:
-            if entry.parent == self.pod.name and entry.name not in self._spawning:
+            if entry.parent != self.pod.name or entry.name in self._spawning:
+                continue
+            if entry.name not in self.live:  # (one we watch: no second read of the registry)
                 self._readopt(entry.name)
 
     def before_tool(self) -> None:
