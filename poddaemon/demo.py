@@ -4,13 +4,16 @@ Spawns the example pod, follows its event stream, sends it a task that needs two
 shows status and history, and stops it. Everything lives in a throwaway PODDAEMON_HOME.
 """
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from cli.render import bold
 from poddaemon.testing.fake_model import FakeModel
@@ -47,6 +50,27 @@ def main() -> int:
     (demo / "workspace").mkdir()
     shutil.copy(EXAMPLE / "TODO.md", demo / "workspace" / "TODO.md")
     replies = msgspec.json.decode((EXAMPLE / "script.json").read_bytes())["replies"]
+    status = 0
+    try:
+        _session(home, demo, replies)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        status = 130
+    except subprocess.CalledProcessError as exc:
+        failed = " ".join(exc.cmd[3:])
+        print(f"\nthe demo failed: podctl {failed} exited {exc.returncode}", file=sys.stderr)
+        status = 1
+    except BrokenPipeError:  # `make demo | head`: the reader went; say no more there
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        status = 1
+    finally:
+        # Ctrl-C or a failed step must not leave the pod running in a home nobody knows of.
+        _stop_leftover(home)
+    print(f"\nSession logs stay in {home / 'data' / 'sessions'}; `rm -rf {home}` when done.")
+    return status
+
+
+def _session(home: Path, demo: Path, replies: list[dict[str, Any]]) -> None:
     with FakeModel().start() as model:
         model.script(*replies)
         print(
@@ -68,10 +92,12 @@ def main() -> int:
                 [sys.executable, "-m", "cli.main", "attach", "demo", "--since", "0"],
                 stdout=out,
             )
-            podctl("send", "demo", "Tick off the README review in TODO.md.")
-            _wait_for_text(events, "finished: finished")
-            attach.terminate()
-            attach.wait()
+            try:
+                podctl("send", "demo", "Tick off the README review in TODO.md.")
+                _wait_for_text(events, "finished: finished")
+            finally:
+                attach.terminate()
+                attach.wait()
         step("what podctl attach showed meanwhile")
         print(events.read_text())
         step("the file it edited")
@@ -81,8 +107,19 @@ def main() -> int:
         podctl("history", "demo")
         step("stop")
         podctl("stop", "demo")
-    print(f"\nSession logs stay in {home / 'data' / 'sessions'}; `rm -rf {home}` when done.")
-    return 0
+
+
+def _stop_leftover(home: Path) -> None:
+    """Stop the demo pod if it still runs (the demo was interrupted or a step failed)."""
+    pid_file = home / "run" / "pods" / "demo" / "pid"
+    if not pid_file.exists():
+        return  # never started, or stopped: a stopped pod removes its pid file
+    stopped = subprocess.run(
+        [sys.executable, "-m", "cli.main", "stop", "demo"], stdin=subprocess.DEVNULL
+    )
+    if stopped.returncode not in (0, 3):  # it does not answer: end it the hard way
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import pytest
 
 from poddaemon.registry import Registry, make_entry
 from poddaemon.scope import Scope
-from tests.conftest import ROOT, Env
+from tests.conftest import ROOT, Env, wait_until
 
 
 def kill_leftover_pods(home: Path) -> None:
@@ -282,6 +282,58 @@ def test_demo_prints_no_escape_codes_into_a_pipe(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "== spawn the pod" in proc.stdout and "[x] review the README" in proc.stdout
     assert "\x1b" not in proc.stdout + proc.stderr
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie waiting for its reaper does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_an_interrupted_demo_stops_its_pod(tmp_path: Path) -> None:
+    """Ctrl-C in `make demo` once its pod runs: the pod is stopped, not left running in a
+    throwaway home the user was never told of (it was, with a traceback)."""
+    from poddaemon.registry import Registry
+
+    clean_env = {k: v for k, v in os.environ.items() if not k.startswith("PODDAEMON_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "poddaemon.demo"],
+        cwd=ROOT,
+        env=clean_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group: SIGINT to it is a terminal's Ctrl-C
+    )
+    home: Path | None = None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            found = re.match(r"\$ podctl spawn (/\S+)/demo/pod\.toml", line)
+            if found:
+                home = Path(found.group(1))
+            if line.startswith("$ podctl ls"):  # the spawn returned: the pod is running
+                break
+        assert home is not None
+        pod_pid = int((home / "run" / "pods" / "demo" / "pid").read_text())
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert Registry(home / "run").live() == [], out + err  # its claim released: stopped
+        assert not (home / "run" / "pods" / "demo" / "sock").exists()
+        wait_until(lambda: not alive(pod_pid), 10, "the pod process to end")
+        assert proc.returncode == 130, out + err
+        assert "Traceback" not in err, err
+        assert f"`rm -rf {home}`" in out  # where its files are, as after a whole run
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if home is not None:
+            kill_leftover_pods(home)
+            shutil.rmtree(home, ignore_errors=True)
 
 
 def test_spawn_warns_about_a_base_url_that_cannot_be_right(cleanup: Env) -> None:
