@@ -10,7 +10,8 @@ imports openai, anthropic or asyncio.
 
 Exit codes (SPEC §6): 0 ok · 1 error (an RPC error prints `podctl: <message> (<code>)`), a run
 that ended in error, was cancelled or paused · 2 usage error only, except `send`'s "limit
-reached" · 3 the pod is not running (`podctl: pod 'x' is not running`).
+reached" · 3 the pod is not running (`podctl: pod 'x' is not running`). A pod that does not
+answer (ANSWER_TIMEOUT) is an error: podctl never hangs on one.
 """
 
 import contextlib
@@ -29,6 +30,11 @@ EXIT_USAGE = 2
 EXIT_NOT_RUNNING = 3
 EXIT_LIMIT = 2  # `send` only, documented in its --help (SPEC §6)
 EXIT_INTERRUPTED = 130
+# A pod that has not answered a request within this many seconds (SIGSTOPped, its loop wedged)
+# is an error, not a hang: `podctl notify` in cron or CI must end. Only the answer is timed:
+# `send` waits for its run as long as it lasts, and `compact` and `rpc` (a summary, `run` with
+# `wait`) as long as the pod takes.
+ANSWER_TIMEOUT = 30.0
 
 app = typer.Typer(
     name="podctl",
@@ -181,10 +187,13 @@ def rpc_errors(target: str, timeout: float | None = None) -> Iterator[None]:
 
 
 def call(
-    target: str, method: str, params: dict[str, Any] | None = None, timeout: float | None = None
+    target: str,
+    method: str,
+    params: dict[str, Any] | None = None,
+    timeout: float | None = ANSWER_TIMEOUT,
 ) -> Any:
     """One call to `target`, its result as plain JSON data, with podctl's error handling
-    (`timeout`: a pod that does not answer within it is an error).
+    (`timeout`: a pod that does not answer within it is an error; None waits for ever).
 
     Through `protocol.oneshot` (standard library only): for a one-call command, importing
     PodClient would cost more than the rest of podctl's own start-up.
@@ -199,8 +208,9 @@ def call(
 
 
 @contextlib.contextmanager
-def connect(target: str, timeout: float | None = None) -> Iterator["PodClient"]:
-    """A PodClient for `target`, with podctl's error handling around everything in the block."""
+def connect(target: str, timeout: float | None = ANSWER_TIMEOUT) -> Iterator["PodClient"]:
+    """A PodClient for `target`, with podctl's error handling around everything in the block.
+    `timeout` bounds each call's answer (and each read: follow events with `next_event`)."""
     from protocol import paths
     from protocol.client import PodClient
 

@@ -238,7 +238,10 @@ def _stop(target: str, tree: bool, top: bool) -> None:
 
     name, pid = target, None
     try:
-        with rpc_errors(target), PodClient.connect(target, timeout=STOP_TIMEOUT) as client:
+        with (
+            rpc_errors(target, STOP_TIMEOUT),
+            PodClient.connect(target, timeout=STOP_TIMEOUT) as client,
+        ):
             children: list[str] = []
             try:
                 st = client.status()
@@ -303,7 +306,10 @@ def rpc(
         str | None, typer.Argument(metavar="[JSON]", help="Params: a JSON object.")
     ] = None,
 ) -> None:
-    """Raw JSON-RPC call; prints the JSON result."""
+    """Raw JSON-RPC call; prints the JSON result.
+
+    Waits as long as the pod takes to answer (`run` with `"wait": true` lasts the whole run).
+    """
     import json
 
     parsed: dict[str, Any] | None = None
@@ -315,7 +321,7 @@ def rpc(
         if not isinstance(value, dict):
             fail("JSON params must be an object", EXIT_USAGE)
         parsed = value
-    print_json(call(pod, method, parsed))
+    print_json(call(pod, method, parsed, timeout=None))  # `run` with `wait` lasts its run
 
 
 # --- mcp-serve ----------------------------------------------------------------------------------

@@ -65,7 +65,9 @@ def send(
     or went away before the run finished (a restart reports that run interrupted).
 
     Ctrl-C stops only the waiting (exit 130): the run was acknowledged and goes on;
-    `podctl cancel POD` ends it, `podctl attach POD` follows it again.
+    `podctl cancel POD` ends it, `podctl attach POD` follows it again. A pod that does not
+    acknowledge the message within 30 s (stopped, wedged) is an error (exit 1); it may still
+    take the message when it runs again.
     """
     import msgspec
 
@@ -146,7 +148,9 @@ def notify(
 ) -> None:
     """Send the pod a notification.
 
-    It reaches the model at its next request; an idle pod wakes for it.
+    It reaches the model at its next request; an idle pod wakes for it. A pod that does not
+    acknowledge it within 30 s (stopped, wedged) is an error (exit 1); it may still take the
+    notification when it runs again.
     """
     text = read_message(message)
     params = {"message": text} if source is None else {"message": text, "source": source}
@@ -311,8 +315,9 @@ def cancel(
 @app.command()
 def compact(pod: PodArg, as_json: JsonOpt = False) -> None:
     """Compact the pod's context now (idle pods only): summarize the history and continue in a
-    new session linked by `compacted_from`. Prints the new session's id."""
-    session_id = call(pod, "compact")["session_id"]
+    new session linked by `compacted_from`. Prints the new session's id. Waits for the summary
+    however long the model takes."""
+    session_id = call(pod, "compact", timeout=None)["session_id"]  # a model call: no limit
     if as_json:
         print_json({"session_id": session_id})
         return

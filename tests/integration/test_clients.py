@@ -340,3 +340,47 @@ def test_logs_of_a_running_pod_without_a_log_file_is_an_error_not_not_running(en
     assert logs.returncode == 1, logs.stderr
     assert logs.stderr.startswith("podctl: pod 'pod' keeps no log file")
     assert env.podctl("logs", "ghost").returncode == 3
+
+
+ANSWER_TIMEOUT = 30.0  # what a pod has to answer podctl (cli.app.ANSWER_TIMEOUT)
+# Every command that asks a pod something: none may wait for ever for the answer.
+ASKING = [
+    ["notify", "pod", "build failed"],
+    ["send", "pod", "hi"],
+    ["send", "pod", "hi", "--no-wait"],
+    ["pause", "pod"],
+    ["resume", "pod"],
+    ["cancel", "pod"],
+    ["history", "pod"],
+    ["attach", "pod"],
+]
+
+
+def test_no_command_hangs_on_a_stopped_pod(env: Env) -> None:
+    """notify, send, pause, … waited for ever on a SIGSTOPped pod (status and wait did not):
+    `podctl notify` in a cron job or CI step never ended. Each now gives up after 30 s."""
+    pod = env.start()
+    os.kill(pod.proc.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    procs = [podctl_popen(env, *args) for args in ASKING]  # at once: ANSWER_TIMEOUT once
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=ANSWER_TIMEOUT + 30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        results.append((proc.returncode, out, err))
+    took = time.monotonic() - started
+    for args, result in zip(ASKING, results, strict=True):
+        assert result == (1, "", "podctl: pod 'pod' did not answer within 30 s\n"), args
+    assert took < ANSWER_TIMEOUT + 20, took
+    # Nothing was lost, only the answers: the pod reads it all once it runs again.
+    os.kill(pod.proc.pid, signal.SIGCONT)
+
+    def notified() -> bool:
+        with pod.client() as client:
+            return any(e.get("text") == "build failed" for e in client.history().entries)
+
+    wait_until(notified, 20, "the notification, read late")
