@@ -187,8 +187,10 @@ def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | 
     )
 
 
-def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> str:
-    """Write and load the unit; with `now`, enable and start it. Returns the pod's name."""
+def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple[str, bool]:
+    """Write and load the unit; with `now`, enable and start it. Returns the pod's name and
+    whether its unit was running already (then nothing was started: the pod keeps the unit
+    and manifest it started with until its next start)."""
     from poddaemon.config.load import ManifestError, load_manifest
     from protocol import paths
 
@@ -206,6 +208,7 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> str:
     problem = key_problem(m.provider.api_key_var, config / "env", manager_env)
     if problem:
         raise UnitError(problem)
+    running = now and _unit_running(unit_name(pod))
     environment = {k: os.environ[k] for k in DIR_VARS if os.environ.get(k)}
     text = render_unit(pod, path, executable, config, environment, watchdog_sec)
     target = unit_path(pod)
@@ -217,7 +220,13 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> str:
     if now:
         # Type=notify: this returns once the pod has sent READY=1 (or failed to).
         systemctl("enable", "--now", unit_name(pod))
-    return pod
+    return pod, running
+
+
+def _unit_running(unit: str) -> bool:
+    """Whether the unit runs or is starting: `enable --now` would then start nothing."""
+    state = systemctl("is-active", unit, check=False).stdout.strip()
+    return state in ("active", "activating", "reloading")
 
 
 def _refuse_if_running_elsewhere(pod: str) -> None:
@@ -259,13 +268,19 @@ def install_cmd(
     """Write ~/.config/systemd/user/poddaemon-NAME.service for a pod and load it.
 
     The unit runs `poddaemon run MANIFEST --resume` (Type=notify, Restart=on-failure,
-    WatchdogSec=, KillMode=mixed). API keys: NAME=value lines in <config>/env.
+    WatchdogSec=, KillMode=mixed). API keys: NAME=value lines in <config>/env. A unit that
+    is running already is not restarted by --now: `podctl restart NAME` applies the new one.
     """
     try:
-        pod = install(manifest, now, watchdog)
+        pod, running = install(manifest, now, watchdog)
     except UnitError as exc:
         _fail(str(exc))
-    if now:
+    if running:  # systemd starts nothing for a running unit: say so, not "started"
+        sys.stdout.write(
+            f"{unit_path(pod)} (enabled; it was already running and keeps its old unit and "
+            f"manifest until it restarts: podctl restart {pod})\n"
+        )
+    elif now:
         sys.stdout.write(f"{unit_path(pod)} (enabled and started)\n")
     else:
         sys.stdout.write(

@@ -162,6 +162,28 @@ def test_install_now_refuses_a_pod_running_outside_its_unit(sd: Sd) -> None:
         assert sd.podctl("stop", "twice").returncode == 0
 
 
+def test_install_now_of_a_running_unit_says_it_was_not_restarted(sd: Sd) -> None:
+    """`enable --now` starts nothing for a unit that runs: the pod keeps its old unit (here its
+    watchdog) and manifest. install --now said "(enabled and started)" all the same."""
+    path = sd.install("again")
+    pid = sd.main_pid("again")
+    assert sd.prop("again", "WatchdogUSec") == "30s"
+    out = sd.podctl("unit", "install", str(path), "--now", "--watchdog", "0")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (
+        f"{units_dir(sd) / 'poddaemon-again.service'} (enabled; it was already running and keeps "
+        "its old unit and manifest until it restarts: podctl restart again)\n"
+    )
+    assert sd.main_pid("again") == pid and sd.prop("again", "WatchdogUSec") == "30s"
+    restarted = sd.podctl("restart", "again")
+    assert restarted.returncode == 0, restarted.stderr
+    assert sd.main_pid("again") != pid and sd.prop("again", "WatchdogUSec") == "0"
+    sd.podctl("stop", "again")
+    again = sd.podctl("unit", "install", str(path), "--now")  # stopped: started, and says so
+    assert again.stdout.endswith(" (enabled and started)\n"), again.stdout + again.stderr
+    assert sd.prop("again", "ActiveState") == "active"
+
+
 def test_a_start_that_waits_for_an_mcp_server_outlasts_timeout_start_sec(sd: Sd) -> None:
     """READY waits for MCP servers (start_timeout, 30 s by default), which may be longer than
     TimeoutStartSec (90 s by default; 2 s here): the pod extends it, or systemd kills it."""
