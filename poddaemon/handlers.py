@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 import poddaemon
-from poddaemon.store.file import read_session
+from poddaemon.store.file import continued_sessions, read_session
 from poddaemon.store.log import new_session_id
 from protocol import errors
 from protocol.errors import RpcError
@@ -131,6 +131,14 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
     async def shutdown(p: NoParams, conn: Any) -> Any:
         return await pod.request(m.shutdown)
 
+    async def _continued(sid: str) -> bool:
+        """The pod's own session, or one it continues, though another pod started it: a pod
+        restored (`--session`) from another pod's session writes on in that session."""
+        current = m.state.session_id
+        if not current or sid == current:
+            return sid == current
+        return sid in await asyncio.to_thread(continued_sessions, pod.s.sessions_dir, current)
+
     async def history(p: HistoryParams, conn: Any) -> HistoryResult:
         sid = p.session_id or m.state.session_id
         if not sid:
@@ -141,7 +149,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         except (OSError, ValueError) as exc:  # no such session, a bad id, a damaged log
             raise RpcError(errors.INVALID_PARAMS, f"session_id: {exc}") from None
         start = result.entries[0]
-        if start.get("pod") != pod.name:
+        if start.get("pod") != pod.name and not await _continued(sid):
             raise RpcError(errors.INVALID_PARAMS, f"session_id: {sid} is not a session of this pod")
         entries = [e for e in result.entries if e["seq"] > p.since][:limit]
         entries = _fitting(entries, MAX_HISTORY_PAGE_BYTES)

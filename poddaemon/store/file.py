@@ -751,6 +751,24 @@ def list_sessions(sessions_dir: StrPath) -> list[SessionInfo]:
     return infos
 
 
+def continued_sessions(sessions_dir: StrPath, session_id: str) -> list[str]:
+    """The sessions ``session_id`` continues, newest first: the one it was compacted or forked
+    from, that one's, and so on. Reads one first line per session; stops at one it cannot
+    read or has seen."""
+    found: list[str] = []
+    sid = session_id
+    while True:
+        try:
+            head = _head_decoder.decode(_first_line(session_path(sessions_dir, sid)))
+        except (OSError, ValueError, msgspec.DecodeError):
+            return found
+        link = head.compacted_from or head.forked_from
+        if not link or link == session_id or link in found:
+            return found
+        found.append(link)
+        sid = link
+
+
 def newest_session_for(sessions_dir: StrPath, pod_name: str) -> str | None:
     """The id of the newest session whose ``session_start`` names ``pod_name``, if any."""
     for info in list_sessions(sessions_dir):

@@ -774,6 +774,37 @@ def test_a_session_held_by_a_live_pod_cannot_be_opened(env: Env) -> None:
     verify_ok(env, sid)
 
 
+def test_a_pod_restored_from_another_pods_session_shows_its_history(env: Env) -> None:
+    """`podctl spawn b.toml --session <a's session>`: b writes on in a's session, and its own
+    `podctl history` failed ("is not a session of this pod"); so did `--session` for that
+    session once b had compacted into a session of its own (the command podctl suggests)."""
+    first = env.start("first")
+    with first.client() as c:
+        c.run_wait("remember 42")
+        sid = c.status().session_id
+    assert first.stop() == 0
+    unrelated = env.start("unrelated", write=[str(env.home / "u")])
+    with unrelated.client() as c:
+        c.run_wait("not yours")
+        unrelated_sid = c.status().session_id
+    env.start("second", "--session", sid, write=[str(env.home / "s")])
+    shown = env.podctl("history", "second", "--all", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert "remember 42" in [e.get("text") for e in json.loads(shown.stdout)["entries"]]
+
+    compacted = env.podctl("compact", "second", "--json")
+    assert compacted.returncode == 0, compacted.stderr
+    shown = env.podctl("history", "second", "--all", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["previous"] == sid
+    back = env.podctl("history", "second", "--session", sid, "--json")
+    assert back.returncode == 0, back.stderr
+    assert "remember 42" in [e.get("text") for e in json.loads(back.stdout)["entries"]]
+    refused = env.podctl("history", "second", "--session", unrelated_sid)
+    assert refused.returncode == 1
+    assert f"{unrelated_sid} is not a session of this pod" in refused.stderr
+
+
 # --- history, usage, sessions over the socket and podctl ----------------------------------------
 
 
