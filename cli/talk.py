@@ -321,4 +321,6 @@ def compact(pod: PodArg, as_json: JsonOpt = False) -> None:
     if as_json:
         print_json({"session_id": session_id})
         return
-    _say(f"compacted: session {session_id}")
+    # A pod with no history yet has nothing to summarize: the pod answers its session as is
+    # (none: "").
+    _say(f"compacted: session {session_id}" if session_id else "nothing to compact yet")

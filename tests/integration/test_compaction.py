@@ -302,6 +302,14 @@ def test_a_useless_summary_is_not_repeated_in_that_run(env: Env) -> None:
     assert sum(is_summary_request("openai", b) for b in bodies) == 1
 
 
+def test_compact_of_a_pod_with_no_history_says_there_is_nothing_to_compact(env: Env) -> None:
+    """It printed "compacted: session " (an empty id) for a pod that had not started one."""
+    env.start()
+    out = env.podctl("compact", "pod")
+    assert (out.returncode, out.stdout, out.stderr) == (0, "nothing to compact yet\n", "")
+    assert env.model.requests == []  # no summary was asked for
+
+
 def test_compact_is_busy_during_a_run_and_resume_picks_the_newest_of_the_chain(
     env: Env,
 ) -> None:
