@@ -52,10 +52,20 @@ def send(
         bool, typer.Option("--no-wait", help="Only submit: print `run_id state`.")
     ] = False,
     steer: Annotated[
-        bool, typer.Option("--steer", help="Deliver into the active run instead of queueing.")
+        bool,
+        typer.Option(
+            "--steer",
+            help="Deliver into the active run instead of queueing (an idle pod starts a run "
+            "for it); only submits, as --no-wait does.",
+        ),
     ] = False,
     as_json: Annotated[
-        bool, typer.Option("--json", help="Print the final run.finished data as JSON.")
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the final run.finished data as JSON (with --no-wait or --steer: "
+            "the run's run_id, state and position).",
+        ),
     ] = False,
 ) -> None:
     """Start a run and stream its reply.
