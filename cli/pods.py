@@ -229,6 +229,14 @@ def _released(name: str, pid: int | None, sock: "Path", deadline: float) -> bool
         time.sleep(POLL)
 
 
+def _stop_descendants(name: str, children: list[str]) -> None:
+    """`stop --tree`: the pod's children, each with its own subtree, deepest first. The
+    registry too: a child the pod lost track of is still its descendant."""
+    known = {e.name for e in _registry_entries().values() if e.parent == name}
+    for child in sorted(known | set(children)):
+        _stop(child, tree=True, top=False)
+
+
 def _stop(target: str, tree: bool, top: bool) -> None:
     import time
 
@@ -251,10 +259,7 @@ def _stop(target: str, tree: bool, top: bool) -> None:
                 if tree:
                     raise
             if tree:
-                # The registry too: a child the pod lost track of is still its descendant.
-                known = {e.name for e in _registry_entries().values() if e.parent == name}
-                for child in sorted(known | set(children)):
-                    _stop(child, tree=True, top=False)
+                _stop_descendants(name, children)
             try:
                 client.shutdown()
             except ConnectionClosed:
@@ -290,7 +295,9 @@ def stop(
     """
     from cli.service import stop_unit_pod
 
-    if stop_unit_pod(pod):
+    # A unit pod's descendants first, as for any pod: systemd would SIGKILL what its stop
+    # leaves in the unit's cgroup, and detached children are not the pod's to stop.
+    if stop_unit_pod(pod, _stop_descendants if tree else None):
         return
     _stop(pod, tree, top=True)
 

@@ -11,6 +11,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -79,14 +80,17 @@ def pod_unit(target: str, status: dict[str, Any] | None) -> str | None:
     return None
 
 
-def stop_unit_pod(target: str) -> bool:
-    """`podctl stop` of a unit-managed pod: stop its unit. False when it is not one."""
+def stop_unit_pod(target: str, before: Callable[[str, list[str]], None] | None = None) -> bool:
+    """`podctl stop` of a unit-managed pod: stop its unit (after `before(name, children)`,
+    for `--tree`). False when it is not one."""
     status = _live_status(target)
     if status is None:
         return False
     unit = _own_unit(status)
     if unit is None:
         return False
+    if before is not None:
+        before(str(status["name"]), [str(c["name"]) for c in status.get("children") or []])
     _systemctl_or_fail("stop", unit)
     sys.stdout.write(f"stopped {status['name']} (unit {unit})\n")
     return True

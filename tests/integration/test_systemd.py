@@ -294,6 +294,39 @@ def test_podctl_stop_stops_the_unit_and_logs_show_the_journal(sd: Sd) -> None:
     assert sd.podctl("status", "stopme").returncode == 3
 
 
+SPAWN_TOOLS = ["read_file", "spawn_pod", "send_to_pod", "wait_pods", "list_pods", "stop_pod"]
+
+
+def spawn_child(sd: Sd, name: str, child: str) -> None:
+    """Have the unit pod `name` spawn `child` on a directory of its own."""
+    (sd.env.work / child).mkdir()
+    call = {
+        "name": "spawn_pod",
+        "arguments": {
+            "name": child,
+            "task": "wait here",
+            "scope": [{"target": str(sd.env.work / child), "permission": "write"}],
+        },
+    }
+    sd.env.model.script({"tool_calls": [call]}, {"text": "spawned"})
+    sent = sd.podctl("send", name, "spawn a child")
+    assert sent.returncode == 0, sent.stderr
+    with sd.client(name) as c:
+        assert [k.name for k in c.status().children] == [child]
+
+
+def test_stop_tree_of_a_unit_pod_stops_its_children_first(sd: Sd) -> None:
+    """`podctl stop --tree` of a unit pod stopped only the unit: systemd then SIGKILLed the
+    children it left in the unit's cgroup (on_parent_exit = "detach" leaves them running)."""
+    sd.install("boss", tools=SPAWN_TOOLS, extra='[spawn]\non_parent_exit = "detach"\n')
+    spawn_child(sd, "boss", "kid")
+    stopped = sd.podctl("stop", "--tree", "boss")
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout == "stopped kid\nstopped boss (unit poddaemon-boss.service)\n"
+    assert "Killing process" not in sd.m.run(["journalctl", "--no-pager"]).stdout
+    assert sd.podctl("status", "kid").returncode == 3
+
+
 def test_log_write_failure_exits_non_zero_and_is_restarted(sd: Sd) -> None:
     data = sd.env.home / "data"
     data.mkdir(mode=0o700)
