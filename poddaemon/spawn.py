@@ -383,6 +383,8 @@ class Children:
             "--stderr-log",
         ]
         try:
+            if self.pod.m.spawn.on_parent_exit == "detach":
+                cmd = _own_scope(name) + cmd
             started = await _fork(cmd) or await _exec(cmd)
             try:
                 socket = await _await_ready(started, str(path))
@@ -604,6 +606,32 @@ async def _await_ready(started: "_Started", manifest: str) -> str:
     lines = [ln.removeprefix("poddaemon: ") for ln in text.splitlines() if ln.strip()]
     message = "\n".join(lines[-5:]) or f"it exited with status {code}"
     raise ToolError(f"child pod failed to start: {message}")
+
+
+def _own_scope(name: str) -> list[str]:
+    """What to run a detached child under when this pod runs in a systemd unit: a transient
+    scope of the child's own (`systemd-run --scope` execs it in place, same pid and fds).
+    Left in the unit's cgroup, the child would be SIGKILLed whenever the unit stops or
+    restarts (KillMode=mixed), though "detach" means it runs on and is adopted again.
+    [] outside a unit, or without systemd-run (then it goes with the unit)."""
+    import shutil
+
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if "INVOCATION_ID" not in os.environ or not os.path.exists(f"{runtime}/systemd/private"):
+        return []  # not run by a (reachable) user manager
+    exe = shutil.which("systemd-run")
+    if exe is None:
+        return []
+    unit = f"poddaemon-child-{name}-{os.getpid()}-{time.monotonic_ns() % 1_000_000}"
+    return [
+        exe,
+        "--user",
+        "--scope",
+        "--quiet",
+        "--collect",
+        f"--unit={unit}",
+        f"--description=poddaemon child pod {name} (on_parent_exit = detach)",
+    ]
 
 
 async def _exec(cmd: list[str]) -> _Started:

@@ -327,6 +327,31 @@ def test_stop_tree_of_a_unit_pod_stops_its_children_first(sd: Sd) -> None:
     assert sd.podctl("status", "kid").returncode == 3
 
 
+def test_detached_children_of_a_unit_pod_outlive_its_restart_and_stop(sd: Sd) -> None:
+    """SPEC §9, on_parent_exit = "detach": children run on and a restored spawner adopts them
+    again. Under a unit they were SIGKILLed by every restart or stop of the unit (they were
+    in its cgroup); they now get a transient scope of their own."""
+    sd.install("boss", tools=SPAWN_TOOLS, extra='[spawn]\non_parent_exit = "detach"\n')
+    spawn_child(sd, "boss", "kid")
+    with sd.client("kid") as c:
+        kid = c.status().pid
+    restarted = sd.podctl("restart", "boss")
+    assert restarted.returncode == 0, restarted.stderr
+    with sd.client("kid") as c:
+        assert c.status().pid == kid
+
+    def adopted() -> bool:
+        with sd.client("boss") as c:
+            return [k.pid for k in c.status().children] == [kid]
+
+    wait_until(adopted, 20, "the restarted spawner to adopt its child")
+    assert sd.podctl("stop", "boss").returncode == 0
+    with sd.client("kid") as c:
+        assert c.status().pid == kid
+    assert "Killing process" not in sd.m.run(["journalctl", "--no-pager"]).stdout
+    assert sd.podctl("stop", "kid").returncode == 0
+
+
 def test_log_write_failure_exits_non_zero_and_is_restarted(sd: Sd) -> None:
     data = sd.env.home / "data"
     data.mkdir(mode=0o700)
