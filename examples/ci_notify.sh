@@ -5,7 +5,8 @@
 #
 # The notification is durable once this exits 0 (the pod fsyncs it before it answers) and
 # reaches the model at its next request; an idle pod wakes up for it. Prints the notification id.
-# Exit 3 if the pod is not running. PODCTL overrides the podctl to use.
+# Exit 3 if the pod is not running; 1 if it does not answer within 30 s (stopped, wedged: it
+# may still take the message when it runs again). PODCTL overrides the podctl to use.
 #
 # Without podctl, any shell with socat can do the same over the pod's socket
 # (<runtime>/pods/POD/sock; runtime = $PODDAEMON_RUNTIME_DIR, else $PODDAEMON_HOME/run, else
