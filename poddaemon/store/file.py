@@ -201,9 +201,13 @@ def _missing(path: Path, session_id: str) -> SessionNotFound:
 
 
 def _check_start(result: VerifyResult, path: Path) -> None:
-    if not result.entries:
+    _check_first(result.entries[0]["kind"] if result.entries else None, path)
+
+
+def _check_first(kind: str | None, path: Path) -> None:
+    """A session's first entry (None: it has none) must be its `session_start`."""
+    if kind is None:
         raise LogCorrupt(1, "no complete entry: the session never started", str(path))
-    kind = result.entries[0]["kind"]
     if kind != "session_start":
         raise LogCorrupt(1, f"first entry is {kind!r}, not 'session_start'", str(path))
 
@@ -673,17 +677,16 @@ class SessionScan:
                     break
                 try:
                     entry = verify_line(line[:-1], self.count + 1, self.head)
-                    kind = entry["kind"]
-                    if self.count == 0 and kind != "session_start":
-                        raise LogCorrupt(1, f"first entry is {kind!r}, not 'session_start'")
                 except LogCorrupt as exc:
                     raise LogCorrupt(exc.line, exc.reason, str(self.path)) from None
+                if self.count == 0:
+                    _check_first(entry["kind"], self.path)
                 self.count += 1
                 self.head = entry["hash"]
                 self.end_offset += len(line)
                 yield entry
         if self.count == 0:
-            raise LogCorrupt(1, "no complete entry: the session never started", str(self.path))
+            _check_first(None, self.path)
 
 
 def _first_line(path: Path) -> bytes:
