@@ -26,9 +26,8 @@ import time
 from typing import Protocol
 
 from poddaemon import forkclient
+from poddaemon.readyline import parse_ready, parse_starting
 
-READY_PREFIX = b"PODDAEMON-READY\t"
-STARTING_PREFIX = b"PODDAEMON-STARTING\t"  # `<seconds>`: the pod may take that much longer
 READY_TIMEOUT = 30.0
 EXIT_WAIT = 5.0
 
@@ -56,26 +55,6 @@ def daemon_command(manifest: str, sets: list[str], session: str | None, resume: 
     if resume:
         cmd.append("--resume")
     return cmd
-
-
-def parse_starting(line: bytes) -> float | None:
-    """The seconds a `PODDAEMON-STARTING` line announces, or None for any other line."""
-    if not line.startswith(STARTING_PREFIX):
-        return None
-    try:
-        return max(0.0, float(line[len(STARTING_PREFIX) :]))
-    except ValueError:
-        return None
-
-
-def parse_ready(line: bytes) -> tuple[str, str] | None:
-    """`(name, socket)` from a READY line, or None when the line is something else."""
-    if not line.startswith(READY_PREFIX):
-        return None
-    parts = line.rstrip(b"\r").decode("utf-8", "replace").split("\t")
-    if len(parts) < 3 or not parts[1]:
-        return None
-    return parts[1], parts[2]
 
 
 class Started(Protocol):

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from poddaemon import collector, sdnotify
+from poddaemon import collector, readyline, sdnotify
 from protocol import paths
 from protocol.errors import os_error_line
 
@@ -38,10 +38,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("poddaemon")
 
-READY_PREFIX = "PODDAEMON-READY"
-# `PODDAEMON-STARTING\t<seconds>`: start-up may take that much longer than usual (MCP servers'
-# start_timeout, SessionStart hooks), so whoever waits for READY waits that much more.
-STARTING_PREFIX = "PODDAEMON-STARTING"
 USUAL_START = 30.0  # seconds start-up takes at most without them (podctl waits as much)
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -458,7 +454,7 @@ def _serve(
             bus.publish("alert", {"level": level, "source": source, "message": message})
 
         if allowance := _startup_allowance(manifest):
-            print(f"{STARTING_PREFIX}\t{allowance:g}", file=sys.stderr, flush=True)
+            print(f"{readyline.STARTING}\t{allowance:g}", file=sys.stderr, flush=True)
             # systemd's TimeoutStartSec (90 s by default) is extended likewise.
             sdnotify.notify(f"EXTEND_TIMEOUT_USEC={int((allowance + USUAL_START) * 1e6)}")
         # Servers start while the pod restores and binds; READY waits for them.
@@ -500,7 +496,7 @@ def _serve(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, ending.request)
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: what it awaits
-        print(f"{READY_PREFIX}\t{manifest.pod.name}\t{sock_path}", file=sys.stderr, flush=True)
+        print(f"{readyline.READY}\t{manifest.pod.name}\t{sock_path}", file=sys.stderr, flush=True)
         if args.stderr_log:
             _move_stderr(sock_path.parent / "stderr.log")
         sdnotify.notify("READY=1")

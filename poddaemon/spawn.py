@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from poddaemon.entries import SPAWNER_KEY, Entry, SystemItem
+from poddaemon.readyline import parse_ready, parse_starting
 from poddaemon.scope import Access, resolve
 from poddaemon.store.log import new_session_id
 from poddaemon.tools.base import ToolError
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("poddaemon.spawn")
 
-READY_PREFIX = b"PODDAEMON-READY\t"
-STARTING_PREFIX = b"PODDAEMON-STARTING\t"  # `<seconds>`: the child may take that much longer
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
 STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
@@ -592,13 +591,10 @@ async def _await_ready(started: "_Started", manifest: str) -> str:
             continue
         if not line:
             break
-        if line.startswith(READY_PREFIX):
-            parts = line.rstrip(b"\r\n").decode("utf-8", "replace").split("\t")
-            return parts[2] if len(parts) > 2 else ""
-        if line.startswith(STARTING_PREFIX):  # its MCP servers or hooks may take this much
-            with contextlib.suppress(ValueError):
-                longer = float(line[len(STARTING_PREFIX) :])
-                deadline = max(deadline, time.monotonic() + longer + READY_TIMEOUT)
+        if (ready := parse_ready(line)) is not None:
+            return ready[1]
+        if (longer := parse_starting(line)) is not None:  # its MCP servers or hooks may take it
+            deadline = max(deadline, time.monotonic() + longer + READY_TIMEOUT)
             continue
         output += line
     code = await started.wait()
