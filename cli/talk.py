@@ -2,7 +2,7 @@
 
 import sys
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -87,14 +87,14 @@ def send(
     text = read_message(message)
     with connect(pod) as client:
         if steer or no_wait:
-            result = client.run(text, mode="steer" if steer else "queue")
+            result = _submit(client, text, "steer" if steer else "queue")
             if as_json:
                 print_json(msgspec.to_builtins(result))
             else:
                 sys.stdout.write(f"{result.run_id} {result.state}\n")
             return
         client.subscribe()
-        result = client.run(text)
+        result = _submit(client, text)
         run_id = result.run_id
         if result.state == "queued" and sys.stderr.isatty():
             position = f" (position {result.position})" if result.position is not None else ""
@@ -144,6 +144,16 @@ def send(
         error = finished.get("error")
         sys.stderr.write(f"podctl: run {run_id} {outcome}" + (f": {error}" if error else "") + "\n")
     raise typer.Exit(EXIT_ERROR)
+
+
+def _submit(client: "PodClient", text: str, mode: Literal["queue", "steer"] = "queue") -> Any:
+    """`run`; a pod out of budget refuses it (-32007): exit 2, as a run that reaches its limit."""
+    from protocol.errors import BudgetExhausted
+
+    try:
+        return client.run(text, mode=mode)
+    except BudgetExhausted as exc:
+        fail(f"{exc.message} ({exc.code})", EXIT_LIMIT)
 
 
 @app.command()

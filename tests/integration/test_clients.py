@@ -291,6 +291,17 @@ def test_ctrl_c_during_send_stops_waiting_and_the_run_goes_on_as_its_help_says(e
     assert [(e["run_id"], e["outcome"]) for e in ends] == [(run_id, "finished")]
 
 
+def test_send_out_of_budget_exits_2_as_a_run_that_reaches_its_limit(env: Env) -> None:
+    env.model.script({"text": "spent", "usage": {"input": 100, "output": 10}})
+    env.start("broke", extra="[budget]\nmax_total_tokens = 50\n")
+    spent = env.podctl("send", "broke", "spend it")
+    assert spent.returncode == 0, spent.stderr
+    for args in (["send"], ["send", "--no-wait"], ["send", "--steer"]):
+        refused = env.podctl(*args, "broke", "and more")
+        assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
+        assert refused.stderr.startswith("podctl: ") and "(-32007)" in refused.stderr
+
+
 # --- the library never waits for events that cannot come -----------------------------------------
 
 
