@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 FOLLOW_CHECK = 1.0  # seconds a follower waits for an event before it checks its stdout
 HISTORY_TAIL = 50  # entries `podctl history` shows without --all/--since/--limit
 HISTORY_PAGE = 10_000  # entries asked for per `history` call (the pod caps a page there)
+USAGE_KEYS = ("input", "output", "cache_read", "cache_write")
 
 
 def follow(client: "PodClient") -> Iterator["Event"]:
@@ -106,6 +107,9 @@ def send(
             for event in follow(client):
                 if event.type == "gap":
                     sys.stderr.write("podctl: some events were missed; output may be incomplete\n")
+                    finished = run_end_in_log(client, run_id)  # its run.finished may be one
+                    if finished is not None:
+                        break
                 if event.type == "alert" and event.data.get("level") == "error":
                     trouble = one_line(str(event.data.get("message", "")), 1000)
                 if event.run_id != run_id:
@@ -154,6 +158,28 @@ def _submit(client: "PodClient", text: str, mode: Literal["queue", "steer"] = "q
         return client.run(text, mode=mode)
     except BudgetExhausted as exc:
         fail(f"{exc.message} ({exc.code})", EXIT_LIMIT)
+
+
+def run_end_in_log(client: "PodClient", run_id: str) -> dict[str, Any] | None:
+    """The `run.finished` data of run `run_id` as its session log holds it, or None while it has
+    not ended: for a follower told `gap`, whose missed events may have held it. The pod's session
+    first, then the ones it continues (a compaction may have come after the run ended)."""
+    session: str | None = None
+    searched: set[str] = set()
+    while True:
+        links: list[str] = []
+        for page in history_pages(client, 0, session, links):
+            for entry in page:
+                if entry.get("kind") == "run_end" and entry.get("run_id") == run_id:
+                    data = {"outcome": entry.get("outcome"), "text": entry.get("text", "")}
+                    if entry.get("error") is not None:
+                        data["error"] = entry["error"]
+                    data["usage"] = entry.get("usage") or dict.fromkeys(USAGE_KEYS, 0)
+                    return data
+        session = next((s for s in links if s not in searched), None)
+        if session is None:
+            return None
+        searched.add(session)
 
 
 @app.command()

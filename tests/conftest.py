@@ -98,6 +98,34 @@ class PodProcess:
         self.proc.wait(10)
 
 
+def drained(pod: PodProcess, timeout: float = 30.0) -> None:
+    """Wait until the pod is idle with no run and no notification pending (then nothing starts)."""
+
+    def check() -> bool:
+        s = pod.call("status")
+        return bool(
+            s["state"] == "idle" and s["queue"]["notifications"] == 0 and s["queue"]["runs"] == 0
+        )
+
+    wait_until(check, timeout, "the pod to be idle with nothing pending")
+
+
+def flood(pod: PodProcess, n: int) -> None:
+    """`n` notifications sent as JSON-RPC notifications (no replies), waited for as `n`
+    `notification.committed` events: more than the 10,000 events a pod holds for replay.
+    (Text deltas no longer do: the pod coalesces the deltas of one read into one event.)"""
+    with pod.client() as watcher:
+        watcher.subscribe()
+        with pod.client() as sender:
+            for i in range(n):
+                sender.send_notification("notify", {"message": f"flood {i}", "source": "flood"})
+        seen = 0
+        for event in watcher.events():
+            seen += event.type == "notification.committed"
+            if seen == n:
+                return
+
+
 class StartFailed(AssertionError):
     def __init__(self, code: int, stderr: str) -> None:
         super().__init__(f"pod exited {code}: {stderr}")

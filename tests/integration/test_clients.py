@@ -14,7 +14,7 @@ import pytest
 
 from protocol.aio import AsyncPodClient
 from protocol.errors import ConnectionClosed, RpcError
-from tests.conftest import Env, PodProcess, wait_until
+from tests.conftest import Env, PodProcess, drained, flood, wait_until
 
 
 def podctl_popen(env: Env, *args: str) -> "subprocess.Popen[str]":
@@ -300,6 +300,28 @@ def test_send_out_of_budget_exits_2_as_a_run_that_reaches_its_limit(env: Env) ->
         refused = env.podctl(*args, "broke", "and more")
         assert refused.returncode == 2, (args, refused.stdout, refused.stderr)
         assert refused.stderr.startswith("podctl: ") and "(-32007)" in refused.stderr
+
+
+def test_send_told_gap_takes_its_outcome_from_the_log_instead_of_waiting_for_ever(env: Env) -> None:
+    # Nobody reads send's stdout while its 2 MB reply streams: send blocks writing it and stops
+    # reading its socket, so the pod leaves it behind (congested) before its run ends. Then
+    # 10,100 notifications publish more events than the 10,000 the pod holds: send is told
+    # `gap`, and its run.finished was among the events it missed.
+    env.model.chunk_size = 8192
+    reply = "".join(f"{i:019d}." for i in range(100_000))
+    env.model.script({"text": reply})
+    pod = env.start(extra="[notify]\nmax_pending = 100000\n")
+    send = podctl_popen(env, "send", "pod", "a long one")
+    try:
+        env.model.wait_for_requests(1)
+        wait_until(lambda: pod.call("status")["state"] == "idle", 30, "the run to end")
+        flood(pod, 10_100)
+        drained(pod)
+    finally:
+        code, out, err = finish(send)
+    assert "some events were missed" in err
+    assert code == 0, (out[-200:], err)
+    assert out.endswith("\n") and reply.startswith(out[:-1]) and len(out) < len(reply)
 
 
 # --- the library never waits for events that cannot come -----------------------------------------

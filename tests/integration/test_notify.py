@@ -22,7 +22,7 @@ import pytest
 from protocol import PodClient, RpcError
 from protocol.aio import AsyncPodClient
 from protocol.types import Event
-from tests.conftest import ROOT, Env, PodProcess, collect_run, wait_until
+from tests.conftest import ROOT, Env, PodProcess, collect_run, drained, flood
 
 NOTE_LINE = re.compile(r"^- \[[^\]]*\] from (\S+): (.*)$", re.M)
 GATED_TOOL_CALL = {"tool_calls": [{"name": "list_dir", "arguments": {}}]}
@@ -75,18 +75,6 @@ def all_history(client: PodClient, page: int = 500) -> list[dict[str, Any]]:
 
 def system_items(client: PodClient) -> list[dict[str, Any]]:
     return [e for e in all_history(client) if e["kind"] == "system_item"]
-
-
-def drained(pod: PodProcess, timeout: float = 30.0) -> None:
-    """Wait until the pod is idle with no run and no notification pending (then nothing starts)."""
-
-    def check() -> bool:
-        s = pod.call("status")
-        return bool(
-            s["state"] == "idle" and s["queue"]["notifications"] == 0 and s["queue"]["runs"] == 0
-        )
-
-    wait_until(check, timeout, "the pod to be idle with nothing pending")
 
 
 def bodies(env: Env) -> list[dict[str, Any]]:
@@ -534,22 +522,6 @@ def test_resubscribe_with_since_misses_and_repeats_nothing(env: Env) -> None:
     committed = [e.data["notification_id"] for e in rest if e.type == "notification.committed"]
     assert committed == [a.notification_id for a in acks]
     assert rest[-1].data == {"state": "idle"}
-
-
-def flood(pod: PodProcess, n: int) -> None:
-    """`n` notifications sent as JSON-RPC notifications (no replies), waited for as `n`
-    `notification.committed` events: more than the 10,000 events a pod holds for replay.
-    (Text deltas no longer do: the pod coalesces the deltas of one read into one event.)"""
-    with pod.client() as watcher:
-        watcher.subscribe()
-        with pod.client() as sender:
-            for i in range(n):
-                sender.send_notification("notify", {"message": f"flood {i}", "source": "flood"})
-        seen = 0
-        for event in watcher.events():
-            seen += event.type == "notification.committed"
-            if seen == n:
-                return
 
 
 FLOODABLE = "[notify]\nmax_pending = 100000\n"
