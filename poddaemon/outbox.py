@@ -102,10 +102,14 @@ class Outbox:
                 self._wake.set()
 
     async def _deliver(self) -> None:
-        await self.pod.synced()  # a report leaves only once it is durable in our own log
+        # A report leaves only once it is durable in our own log: the reports committed before
+        # this fsync began. One committed meanwhile waits for the next (woken by its commit).
+        items = list(self.pod.state.outbox.values())
+        await self.pod.synced()
         if self.pod.failure is not None:
             return  # the log failed: it may not hold them (a restored pod delivers what it does)
-        items = list(self.pod.state.outbox.values())
+        outbox = self.pod.state.outbox
+        items = [item for item in items if item.event_id in outbox]  # not acked meanwhile
         if not items:
             return
         async with await AsyncPodClient.connect(self.callback) as client:

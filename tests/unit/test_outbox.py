@@ -51,3 +51,49 @@ async def test_a_child_whose_log_failed_delivers_no_report() -> None:
             server.close()
             await server.wait_closed()
     assert spawner.heard == []
+
+
+async def test_a_report_committed_during_the_fsync_waits_for_the_next_one() -> None:
+    # The fsync `_deliver` awaits covers what was committed before it began; a report committed
+    # meanwhile (a run ending as the previous report goes out) is not durable yet, and a power
+    # cut now would lose it from our log while the spawner already heard it: it waits.
+    first = OutboxItem(event_id="e1", event_kind="run.finished", run_id="r1", outcome="finished")
+    later = OutboxItem(event_id="e2", event_kind="run.finished", run_id="r2", outcome="finished")
+    outbox_items = {"e1": first}
+    syncs: list[list[str]] = []
+
+    async def synced() -> None:
+        syncs.append(list(outbox_items))  # what this fsync covers
+        outbox_items["e2"] = later  # committed while it runs
+        await asyncio.sleep(0)
+
+    acked: list[str] = []
+
+    def outbox_acked(ids: list[str]) -> list[Any]:
+        for event_id in ids:
+            acked.append(event_id)
+            outbox_items.pop(event_id, None)
+        return []
+
+    pod: Any = SimpleNamespace(
+        failure=None,
+        synced=synced,
+        state=SimpleNamespace(outbox=outbox_items),
+        feed=lambda effects: None,
+        machine=SimpleNamespace(outbox_acked=outbox_acked),
+    )
+    spawner = Spawner()
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        path = str(Path(d) / "sock")
+        server = await asyncio.start_unix_server(spawner.handle, path)
+        try:
+            outbox = Outbox(pod, path, "child")
+            await outbox._deliver()
+            assert acked == ["e1"]  # e2 was not covered by that fsync
+            await outbox._deliver()  # the next fsync covers it
+        finally:
+            server.close()
+            await server.wait_closed()
+    assert acked == ["e1", "e2"] and syncs == [["e1"], ["e2"]]
+    heard = [json.loads(line)["params"]["event_id"] for line in spawner.heard]
+    assert heard == ["e1", "e2"]
