@@ -11,7 +11,6 @@ write there) in the same transaction, and handed back when the child's entry goe
 
 import contextlib
 import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -304,7 +303,12 @@ class Registry:
             raise RegistryError(f"cannot write the pod registry {self.path}: {_reason(e)}") from e
 
     def _replace(self, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(dir=self.runtime_dir, prefix=".pods.json.", suffix=".tmp")
+        # One fixed name: every writer holds the lock, so no two use it at once, and what a
+        # writer killed before its rename left there is overwritten by the next (a unique
+        # name per write piled up one file per such crash).
+        tmp = self.runtime_dir / ".pods.json.tmp"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 os.fchmod(f.fileno(), 0o600)

@@ -23,6 +23,7 @@ from poddaemon.registry import (
     process_start_time,
 )
 from poddaemon.scope import Scope
+from tests.conftest import ROOT
 
 # A child that lives until its stdin closes: we decide when it dies, without sleeping.
 WAIT_STDIN = [sys.executable, "-c", "import sys; sys.stdin.read()"]
@@ -332,3 +333,24 @@ def test_dead_child_returns_area_on_reclaim(reg: Registry) -> None:
     reg.register(entry("other", scope("/v")))
     parent = reg.get("parent")
     assert parent is not None and parent.delegated == []
+
+
+def test_a_writer_killed_before_its_rename_leaves_nothing_behind(runtime: Path) -> None:
+    # kill -9 between writing the new registry and renaming it over pods.json (a crash at the
+    # worst moment): the next writer must neither trip over nor keep adding what it left.
+    killed_at_rename = (
+        "import os, signal, sys; from poddaemon.registry import Registry, make_entry; "
+        "from poddaemon.scope import Scope; "
+        "os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL); "
+        "sc = Scope.from_config([('/w/' + sys.argv[2], 'write', True)], cwd='/'); "
+        "Registry(sys.argv[1]).register(make_entry(sys.argv[2], '/x', sc))"
+    )
+    for name in ("one", "two"):
+        crashed = subprocess.run(
+            [sys.executable, "-c", killed_at_rename, str(runtime), name], cwd=ROOT
+        )
+        assert crashed.returncode == -9
+    reg = Registry(runtime)
+    reg.register(entry("alive", scope("/w/alive")))
+    assert [e.name for e in reg.live()] == ["alive"]
+    assert sorted(p.name for p in runtime.iterdir() if p.name.startswith(".")) == []
