@@ -10,6 +10,7 @@ write there) in the same transaction, and handed back when the child's entry goe
 """
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +46,10 @@ class PodEntry(msgspec.Struct, kw_only=True):
     name: str
     pid: int
     start_time: int  # clock ticks since boot, /proc/<pid>/stat field 22: tells pid reuse apart
+    # The boot it was made in: after a reboot the same pid can start at the same tick (services
+    # started at boot do), so a pid and start time tell nothing about an entry from before it.
+    # Empty in entries of earlier versions.
+    boot_id: str = ""
     socket: str
     scope: list[dict[str, Any]]  # Scope.to_dicts()
     parent: str | None = None
@@ -130,9 +135,22 @@ def lock_holder(path: Path) -> str | None:
 
 
 def is_alive(entry: PodEntry) -> bool:
-    """The entry's process still runs and is the same process (not a reused pid)."""
+    """The entry's process still runs and is the same process (not a reused pid, not a process
+    of a later boot: a registry in a directory that outlives reboots keeps its entries)."""
+    if entry.boot_id and entry.boot_id != boot_id():
+        return False
     start = process_start_time(entry.pid)
     return start is not None and start == entry.start_time
+
+
+@functools.cache
+def boot_id() -> str:
+    """This boot's random id (empty where the kernel does not say)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def make_entry(
@@ -153,6 +171,7 @@ def make_entry(
         name=name,
         pid=pid,
         start_time=start,
+        boot_id=boot_id(),
         socket=socket,
         scope=scope.to_dicts(),
         parent=parent,

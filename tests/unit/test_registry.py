@@ -155,6 +155,27 @@ def test_reclaims_reused_pid(reg: Registry, runtime: Path) -> None:
     assert list(raw["pods"]) == ["new"]
 
 
+def test_reclaims_an_entry_of_an_earlier_boot_whose_pid_and_start_match_a_live_process(
+    reg: Registry, runtime: Path
+) -> None:
+    # A registry that outlives a reboot (PODDAEMON_HOME on disk): a process of this boot can
+    # have the same pid and start tick as the pod that held the entry (services started at boot
+    # do). The entry is not that process's: the pod it names is gone, and its name and scope
+    # are free. Entries of earlier versions, which hold no boot id, are judged as before.
+    me = entry("before-reboot", scope("/w/proj"))
+    assert me.boot_id and is_alive(me)
+    earlier = msgspec.structs.replace(me, boot_id="0b5e11a2-0000-4000-8000-000000000000")
+    unknown = msgspec.structs.replace(me, name="old-version", boot_id="")
+    assert not is_alive(earlier) and is_alive(unknown)
+    runtime.mkdir(parents=True)
+    (runtime / "pods.json").write_bytes(
+        msgspec.json.encode({"version": 1, "pods": {"before-reboot": earlier}})
+    )
+    assert reg.live() == []
+    reg.register(entry("after-reboot", scope("/w/proj")))
+    assert [e.name for e in reg.live()] == ["after-reboot"]
+
+
 def test_reclaim_happens_even_when_the_change_fails(reg: Registry, runtime: Path) -> None:
     pid, start = _dead_pid()
     reg.register(entry("live", scope("/w/live")))
