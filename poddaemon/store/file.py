@@ -109,8 +109,15 @@ def session_path(sessions_dir: StrPath, session_id: str) -> Path:
 
 
 def _ensure_dir(path: Path) -> None:
-    if not path.is_dir():
-        paths.ensure_dir(path, "sessions directory")  # 0700, parents too, whatever the umask
+    """The sessions directory, made if need be (0700, parents too, whatever the umask). What it
+    makes is made durable at once, each new name in its parent: a session file's fsyncs cover
+    its own name, not the directories above it (done once per home)."""
+    if path.is_dir():
+        return
+    made = [p for p in (path, *path.parents) if not os.path.lexists(p)]
+    paths.ensure_dir(path, "sessions directory")
+    for directory in reversed(made):
+        _fsync_dir(directory.parent)
 
 
 def _new_file(path: Path) -> int:

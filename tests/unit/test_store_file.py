@@ -37,8 +37,10 @@ START = {"pod": "rev", "system_prompt": "sys", "config": {"x": 1}, "history": []
 
 
 @pytest.fixture
-def synced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """What each os.fsync call synced, in order: "file" or "dir"."""
+def synced(monkeypatch: pytest.MonkeyPatch, sessions: Path) -> list[str]:
+    """What each os.fsync call synced, in order: "file" or "dir". The sessions directory exists
+    (the fsyncs of making it are a test of their own)."""
+    sessions.mkdir(parents=True)
     calls: list[str] = []
     real_fsync = os.fsync
 
@@ -284,6 +286,22 @@ def test_a_session_created_without_fsync_is_made_durable_by_its_first_commit(
     durable = SessionLog.create(sessions, new_session_id(), START)  # the default
     assert synced[3:] == ["file", "dir"] and durable.durable_seq == 1
     durable.close()
+
+
+def test_the_directories_made_for_the_first_session_are_made_durable_at_once(
+    sessions: Path, synced: list[str]
+) -> None:
+    """Two directories do not exist yet: each one's name is fsync'd in its parent as it is made
+    (the session file's own fsyncs cover only the file and its name)."""
+    fresh = sessions / "more" / "sessions"
+    log = SessionLog.create(fresh, new_session_id(), START, durable=False)
+    assert synced == ["dir", "dir"]  # sessions/ (for more/), then more/ (for sessions/)
+    log.append("user_input", {"text": "first"})
+    log.sync_now()
+    assert synced == ["dir", "dir", "file", "dir"]
+    log.close()
+    SessionLog.create(fresh, new_session_id(), START, durable=False).close()
+    assert len(synced) == 4  # made once
 
 
 def test_a_reserved_file_makes_its_session_need_one_fsync_at_its_first_commit(
