@@ -164,7 +164,8 @@ def event_line(
         err = data.get("error") or data.get("message")
         return "compaction failed" + (f": {one_line(str(err))}" if err else "")
     if etype == "shutdown":
-        return "pod shutting down"
+        reason = data.get("reason")
+        return "pod shutting down" + (f" ({reason})" if reason and reason != "requested" else "")
     if etype == "gap":
         return f"… events missed since {data.get('since', event.get('seq', '?'))}"
     return f"{etype or 'event'} {one_line(compact_json(dict(data)))}".rstrip()

@@ -553,7 +553,7 @@ def _follow_spawner(pod: Any, claim: Claim, manifest: Any, ending: "Ending") -> 
         log.info("spawner %s (pid %d) is gone; stopping with it", parent.name, parent.pid)
         pod.outbox.enabled = False  # reporting to nobody
         pod.machine.final_report = None
-        ending.request()
+        ending.request("parent exited")
 
     return asyncio.create_task(watch_parent(parent.pid, parent_gone))
 
@@ -565,23 +565,26 @@ class Ending:
     itself) or one `fail` records is a failure, so `Restart=on-failure` restarts it.
     """
 
-    def __init__(self, request_shutdown: Callable[[], None], stopping: Callable[[], bool]) -> None:
+    def __init__(
+        self, request_shutdown: Callable[[str], None], stopping: Callable[[], bool]
+    ) -> None:
         self._request_shutdown = request_shutdown
         self._stopping = stopping
         self.requested = False
         self.failure: str | None = None
 
-    def request(self) -> None:
-        """A user or supervisor asks the pod to stop (the `shutdown` call, SIGTERM, SIGINT)."""
+    def request(self, reason: str = "requested") -> None:
+        """A user or supervisor asks the pod to stop (the `shutdown` call, SIGTERM, SIGINT), or
+        its spawner went (`reason` "parent exited")."""
         if not self._stopping():  # already stopping on its own: that stop stays a failure
             self.requested = True
-        self._request_shutdown()
+        self._request_shutdown(reason)
 
     def fail(self, reason: str) -> None:
         if self.failure is None:
             self.failure = reason
             log.error("%s; the pod stops", reason)
-        self._request_shutdown()
+        self._request_shutdown("failed")
 
     def wrap_shutdown(self, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         def shutdown(params: Any, conn: Any) -> Any:

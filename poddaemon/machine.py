@@ -211,6 +211,7 @@ class Machine:
         self.state = SessionState()
         self.turn: Turn | None = None
         self.stopping = False
+        self.stop_reason = "requested"  # the `shutdown` event's reason (see `shutdown`)
         self.stopped = False
         self.in_flight: Literal["model", "tool", "compact"] | None = None
         self._resume_requested = False
@@ -443,13 +444,17 @@ class Machine:
 
         return self._handle(go)
 
-    def shutdown(self, token: int | None = None) -> list[Effect]:
+    def shutdown(self, token: int | None = None, reason: str = "requested") -> list[Effect]:
+        """Stop: `reason` is "requested" (a client, a signal), "failed" (the pod cannot go on)
+        or "parent exited" (a child that stops with its spawner); the first one counts."""
+
         def go() -> None:
             if token is not None:
                 self._reply(token, OkResult())
             if self.stopping:
                 return
             self.stopping = True
+            self.stop_reason = reason
             self._publish("state.changed", {"state": "stopping"})
             if self._compacting is not None and self.turn is None:
                 self._emit(Interrupt())  # a manual compaction: the old session stays
@@ -1085,7 +1090,7 @@ class Machine:
             for token in tokens:
                 self._error(token, errors.SHUTTING_DOWN, "the pod shut down")
         self._waiters.clear()
-        self._publish("shutdown", {"reason": "requested"})
+        self._publish("shutdown", {"reason": self.stop_reason})
         self._emit(Sync())
         self._emit(Stopped())
 

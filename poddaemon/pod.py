@@ -271,8 +271,8 @@ class Pod:
             await self.outbox.aclose()
         await self._close()
 
-    def request_shutdown(self) -> None:
-        self.feed(self.machine.shutdown())
+    def request_shutdown(self, reason: str = "requested") -> None:
+        self.feed(self.machine.shutdown(reason=reason))
 
     # --- the log --------------------------------------------------------------------------------
 
@@ -325,7 +325,7 @@ class Pod:
             self.failure = message
             self.bus.forget()  # events held for replay may speak of entries the log lost
             self._alert("error", f"{message}; the pod stops")
-            asyncio.get_running_loop().call_soon(self.request_shutdown)
+            asyncio.get_running_loop().call_soon(self.request_shutdown, "failed")
 
     # --- replies ------------------------------------------------------------------------------
 

@@ -107,6 +107,7 @@ def test_a_run_whose_end_cannot_be_written_is_never_reported_finished(
     if watched:
         alerts = [e.data["message"] for e in heard if e.type == "alert"]
         assert any("No space left" in m for m in alerts), [e.type for e in heard]
+        assert [e.data for e in heard if e.type == "shutdown"] == [{"reason": "failed"}]
     (result,) = waited
     assert isinstance(result, RpcError) and "could not persist" in result.message, result
     assert pod.proc.wait(20) == 1

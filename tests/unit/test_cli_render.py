@@ -97,7 +97,8 @@ def test_misc_events() -> None:
             ev("llm.usage", input=1, output=2, cache_read=3, cache_write=0),
             ev("llm.retry", attempt=2, delay=1.5, error="429"),
             ev("child.event", run_id=None, pod="kid", kind="run.finished", text="all good"),
-            ev("shutdown", run_id=None),
+            ev("shutdown", run_id=None, reason="requested"),
+            ev("shutdown", run_id=None, reason="failed"),
             ev("compaction.finished", run_id=None, session_id="s2"),
             ev("something.new", run_id=None, x=1),
         ]
@@ -113,6 +114,7 @@ def test_misc_events() -> None:
         "retry #2 in 1.5s: 429",
         "child kid: run.finished: all good",
         "pod shutting down",
+        "pod shutting down (failed)",
         "compaction finished: new session s2",
         'something.new {"x": 1}',
     ]

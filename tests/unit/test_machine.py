@@ -312,6 +312,14 @@ def test_shutdown_mid_run_interrupts_and_ends_the_run_as_interrupted() -> None:
     assert any(isinstance(e, Stopped) for e in d.effects)
 
 
+def test_the_shutdown_event_says_why_the_pod_stops_and_the_first_reason_counts() -> None:
+    for reason in ("requested", "failed", "parent exited"):
+        d = Driver()
+        d.feed(d.machine.shutdown(reason=reason))
+        d.feed(d.machine.shutdown())  # a client asking too, once it is stopping already
+        assert [data for type_, data, _ in d.events if type_ == "shutdown"] == [{"reason": reason}]
+
+
 def test_a_run_a_shutdown_interrupted_is_picked_up_at_the_next_start() -> None:
     """A graceful stop or restart (systemctl restart, podctl restart) must not abandon the work
     the run was acknowledged for: the same note as after a crash waits in the log."""
