@@ -514,8 +514,8 @@ def _serve(
         watch = asyncio.create_task(watch_claim(claim, lost, pod.children.registry_changed))
         try:
             await pod.serve()
-            if pod.failure is not None:
-                ending.fail(pod.failure)
+            if pod.failure is not None and ending.failure is None:
+                ending.failure = pod.failure  # said when it happened (Pod._fail), and stopped
         except Exception:
             log.exception("the pod failed")
             ending.fail("internal error (see the traceback above)")

@@ -78,6 +78,12 @@ class PodProcess:
     def text(self) -> str:
         return "".join(self.stderr)
 
+    def final_text(self, timeout: float = 20.0) -> str:
+        """Everything the pod wrote to stderr, once it has exited."""
+        self.proc.wait(timeout)
+        self._reader.join(timeout)
+        return self.text()
+
     def client(self, timeout: float | None = 30.0) -> PodClient:
         return PodClient.connect(self.socket, timeout=timeout)
 

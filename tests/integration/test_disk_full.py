@@ -64,6 +64,7 @@ def test_disk_full_is_reported_and_nothing_acknowledged_is_lost(
     # It stops rather than run without a log, and says so with its exit status (SPEC §7), so a
     # supervisor restarts it.
     assert pod.proc.wait(20) == 1
+    assert pod.final_text().count("; the pod stops") == 1  # said once, when it happened
     filler.unlink()
     again = env.restart(pod, "--resume")
     entries = again.call("history")["entries"]
