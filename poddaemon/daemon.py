@@ -482,6 +482,7 @@ def _serve(
             raise StartupError(str(exc)) from None
         for tool in mcp.tools.values():
             services.tools.add(tool)
+        _check_tool_count(pod, manifest.provider.kind, len(services.tools.tools))
         pod.mcp = mcp
         pod.children.adopt()  # a restored spawner takes its live children back
         ending = Ending(pod.request_shutdown, lambda: pod.pod_state == "stopping")
@@ -655,6 +656,14 @@ async def _preflight(pod: Any, manifest: Any) -> None:
     provider = manifest.provider
     for warning in await asyncio.to_thread(preflight, provider.kind, provider.base_url):
         _warn(warning)  # stderr once (an alert would log it a second time): subscribers too
+        pod.bus.publish("alert", {"level": "warning", "source": "provider", "message": warning})
+
+
+def _check_tool_count(pod: Any, kind: str, count: int) -> None:
+    from poddaemon.llm.preflight import too_many_tools
+
+    if warning := too_many_tools(kind, count):
+        _warn(warning)
         pod.bus.publish("alert", {"level": "warning", "source": "provider", "message": warning})
 
 

@@ -13,9 +13,18 @@ import ipaddress
 import socket
 from urllib.parse import SplitResult, urlsplit
 
-__all__ = ["CONNECT_TIMEOUT", "base_url_problems", "is_local", "local_unreachable", "preflight"]
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "OPENAI_MAX_TOOLS",
+    "base_url_problems",
+    "is_local",
+    "local_unreachable",
+    "preflight",
+    "too_many_tools",
+]
 
 CONNECT_TIMEOUT = 0.5  # seconds; a loopback connect answers in microseconds or is refused
+OPENAI_MAX_TOOLS = 128  # OpenAI refuses a request offering more (400 array_above_max_length)
 
 OPENAI_KINDS = ("openai", "openai_responses")
 # Endpoint paths the SDKs append to base_url themselves.
@@ -117,3 +126,15 @@ def preflight(
     if unreachable is not None:
         warnings.append(unreachable)
     return warnings
+
+
+def too_many_tools(kind: str, count: int) -> str | None:
+    """A warning when the model is offered more tools than OpenAI's API takes in one request:
+    it refuses every call then. Not an error: an OpenAI-compatible server may take them."""
+    if kind not in OPENAI_KINDS or count <= OPENAI_MAX_TOOLS:
+        return None
+    return (
+        f"{count} tools are offered to the model, but OpenAI's API refuses a request with more "
+        f"than {OPENAI_MAX_TOOLS}: every model call will fail there; offer fewer (worker.tools, "
+        "or an MCP server's tools = [...] allow-list)"
+    )

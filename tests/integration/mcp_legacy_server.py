@@ -40,6 +40,12 @@ if "--bad-schemas" in sys.argv[1:]:
     ]
 
 
+# `--many N`: N more tools (echo_0 ... echo_<N-1>), as servers that wrap a whole API list them.
+if "--many" in sys.argv[1:]:
+    count = int(sys.argv[sys.argv.index("--many") + 1])
+    TOOLS += [{"name": f"echo_{i}", "inputSchema": {"type": "object"}} for i in range(count)]
+
+
 # `--stderr-flood MB`: that many megabytes of 1 KiB lines on stderr before anything else.
 if "--stderr-flood" in sys.argv[1:]:
     megabytes = int(sys.argv[sys.argv.index("--stderr-flood") + 1])

@@ -382,6 +382,18 @@ def test_tools_with_schemas_a_provider_refuses_are_left_out_and_the_others_work(
     assert "inputSchema.properties is not an object" in warned[2]
 
 
+def test_more_tools_than_openai_takes_is_a_startup_warning_naming_the_fix(env: Env) -> None:
+    """OpenAI refuses every request offering more than 128 tools, and one MCP server wrapping a
+    whole API lists more: say so at start, where the user sees it, not at each failed run."""
+    extra = server_toml("api", script=LEGACY, args=("--many", "130"))
+    pod = env.start("crowded", extra=extra)
+    (warning,) = [line for line in pod.text().splitlines() if "tools are offered" in line]
+    assert warning.startswith("poddaemon: warning: ")
+    assert "OpenAI's API refuses a request with more than 128" in warning
+    assert "tools = [...] allow-list" in warning
+    assert [a for a in alerts(pod) if "tools are offered" in a] == [warning.split(": ", 2)[2]]
+
+
 def test_a_server_flooding_its_stderr_does_not_flood_the_pods_log(env: Env) -> None:
     """Its lines are logged up to a rate: a chatty server must not fill the disk the pod's
     session log is on. The pod and the server's tools carry on."""

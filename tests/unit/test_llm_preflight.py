@@ -6,7 +6,13 @@ from collections.abc import Iterator
 
 import pytest
 
-from poddaemon.llm.preflight import base_url_problems, is_local, local_unreachable, preflight
+from poddaemon.llm.preflight import (
+    base_url_problems,
+    is_local,
+    local_unreachable,
+    preflight,
+    too_many_tools,
+)
 from poddaemon.testing.fake_model import FakeModel
 
 
@@ -92,3 +98,19 @@ def test_the_field_is_named_as_given() -> None:
         "openai", "http://127.0.0.1:1", field="compaction.provider.base_url"
     )
     assert warning.startswith("compaction.provider.base_url ")
+
+
+@pytest.mark.parametrize(
+    ("kind", "count", "warns"),
+    [
+        ("openai", 128, False),
+        ("openai", 129, True),
+        ("openai_responses", 129, True),
+        ("anthropic", 500, False),
+    ],
+)
+def test_too_many_tools_warns_only_past_openais_limit(kind: str, count: int, warns: bool) -> None:
+    warning = too_many_tools(kind, count)
+    assert (warning is not None) == warns
+    if warning is not None:
+        assert warning.startswith(f"{count} tools are offered")
