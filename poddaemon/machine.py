@@ -214,6 +214,8 @@ class Machine:
         self.stop_reason = "requested"  # the `shutdown` event's reason (see `shutdown`)
         self.stopped = False
         self.in_flight: Literal["model", "tool", "compact"] | None = None
+        # The model call in flight only waits to retry (nothing streamed): a pause may end it.
+        self._model_retrying = False
         self._resume_requested = False
         self._waiters: dict[str, list[int]] = {}  # run_id -> tokens of `run {wait}`
         self._burst_start: float | None = None
@@ -404,6 +406,7 @@ class Machine:
             else:  # even a final answer in flight ends the run `paused` (see _start_run)
                 turn.request_pause()
                 self._reply(token, PauseResult(paused=True))
+                self._pause_retrying_call()
 
         return self._handle(go)
 
@@ -526,6 +529,29 @@ class Machine:
             self._advance()
 
         return self._handle(go)
+
+    def model_retrying(self, retrying: bool) -> list[Effect]:
+        """The model call in flight failed before any output and waits to try again (True), or
+        its output started streaming after all (False). While it only waits, a pause need not
+        wait for it (retries can take minutes): it is a safe point, the call is withdrawn."""
+
+        def go() -> None:
+            if self.in_flight == "model":
+                self._model_retrying = retrying
+                self._pause_retrying_call()
+
+        return self._handle(go)
+
+    def _pause_retrying_call(self) -> None:
+        turn = self.turn
+        if (
+            self._model_retrying
+            and self.in_flight == "model"
+            and turn is not None
+            and turn.pause_requested
+        ):
+            self._model_retrying = False
+            self._emit(Interrupt())  # model_failed(None) follows: the run ends `paused`
 
     def model_failed(self, error: ProviderError | None) -> list[Effect]:
         """The call failed, or (None) was interrupted before it completed."""
@@ -1027,6 +1053,7 @@ class Machine:
     def _call_model(self, turn: Turn) -> None:
         self._deliver_pending()
         self.in_flight = "model"
+        self._model_retrying = False
         self._emit(CallModel(turn.run_id, self.system_prompt, list(self.state.history)))
 
     def _deliver_pending(self) -> None:
@@ -1156,6 +1183,7 @@ class Machine:
         if self.turn is None or self.in_flight != what:
             raise RuntimeError(f"a {what} result with no {what} in flight")
         self.in_flight = None
+        self._model_retrying = False
         return self.turn
 
 

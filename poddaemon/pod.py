@@ -393,6 +393,7 @@ class Pod:
 
     async def _stream(self, request: ModelRequest, run_id: str) -> ModelResponse:
         publish = self.bus.publish
+        retrying = False  # the machine knows: a pause ends a call that only waits to retry
         async with contextlib.aclosing(self.s.model.stream(request)) as events:  # type: ignore[type-var]
             async for event in events:
                 if isinstance(event, TextDelta):
@@ -402,8 +403,15 @@ class Pod:
                 elif isinstance(event, RetryScheduled):
                     data = {"attempt": event.attempt, "delay": event.delay, "error": event.error}
                     publish("llm.retry", data, run_id)
+                    if not retrying:
+                        retrying = True
+                        self.feed(self.machine.model_retrying(True))
+                    continue
                 else:
                     return event
+                if retrying:  # output started: from here on a pause waits for the answer
+                    retrying = False
+                    self.feed(self.machine.model_retrying(False))
         raise ProviderError("interrupted", "the model stream ended without a response")
 
     async def _summarize(self, effect: Summarize) -> None:

@@ -159,9 +159,13 @@ class Turn(msgspec.Struct):
         return records
 
     def model_failed(self, error: ProviderError | None) -> list[Entry]:
-        """The model call failed, or (error None) was cancelled before it completed."""
+        """The model call failed, or (error None) was interrupted before it completed: by a
+        cancel, or by a pause while the call only waited to retry (nothing was streamed, so
+        resuming simply makes the call again)."""
         self._expect(_State.AWAIT_MODEL)
-        if error is None or self._cancel:
+        if error is None and self._pause and not self._cancel:
+            self._finish("paused", None)
+        elif error is None or self._cancel:
             self._finish("cancelled", None)
         else:
             self._finish("error", error.message)

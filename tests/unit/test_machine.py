@@ -183,6 +183,45 @@ def test_pause_during_the_final_answer_holds_and_resume_finishes_without_a_call(
     assert finished[-1]["text"] == "the answer"
 
 
+def test_pause_while_the_model_call_waits_to_retry_withdraws_it() -> None:
+    d = Driver()
+    d.call("run", "work")
+    d.feed(d.machine.model_retrying(True))
+    assert not any(isinstance(e, Interrupt) for e in d.effects)  # no pause asked for yet
+    assert d.answer(d.call("pause")).result.paused
+    assert any(isinstance(e, Interrupt) for e in d.effects)
+    d.model_fails(None)
+    assert d.machine.pod_state == "paused"
+    run_id = d.machine.state.paused_run
+    d.call("resume")
+    assert isinstance(d.inflight, CallModel) and d.inflight.run_id == run_id
+    d.model("done")
+    outcomes = [data["outcome"] for t, data, _ in d.events if t == "run.finished"]
+    assert outcomes == ["paused", "finished"]
+
+
+def test_a_pause_before_the_retry_ends_the_call_when_it_comes() -> None:
+    d = Driver()
+    d.call("run", "work")
+    assert d.answer(d.call("pause")).result.paused
+    assert not any(isinstance(e, Interrupt) for e in d.effects)  # the attempt may still answer
+    d.feed(d.machine.model_retrying(True))
+    assert any(isinstance(e, Interrupt) for e in d.effects)
+
+
+def test_a_pause_waits_for_output_that_streams_after_a_retry() -> None:
+    d = Driver()
+    d.call("run", "work")
+    d.feed(d.machine.model_retrying(True))
+    d.feed(d.machine.model_retrying(False))
+    d.call("pause")
+    assert not any(isinstance(e, Interrupt) for e in d.effects)
+    d.model(calls=1)  # the answer stands; the pause then holds its tool call unrun
+    assert d.machine.pod_state == "paused"
+    d.feed(d.machine.model_retrying(True))  # late: no model call in flight, ignored
+    assert not any(isinstance(e, Interrupt) for e in d.effects)
+
+
 def test_resume_when_not_paused_is_an_error() -> None:
     d = Driver()
     assert d.answer(d.call("resume")).error.code == errors.NOT_PAUSED  # type: ignore[union-attr]

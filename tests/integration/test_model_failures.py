@@ -1,0 +1,85 @@
+"""A pod whose model provider misbehaves: real pods, the real SDKs, a local server."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PROVIDER_KINDS, Env, PodProcess, collect_run
+
+LONG_WAIT = 30  # seconds of Retry-After: far longer than any assertion below waits
+
+
+def start_patient(env: Env, name: str, kind: str = "openai") -> PodProcess:
+    """A pod that honours a long Retry-After (the test manifests cap retry delays at 0.05 s)."""
+    path: Path = env.manifest(name, kind=kind)
+    text = path.read_text().replace("retry_max_delay = 0.05", f"retry_max_delay = {LONG_WAIT}")
+    path.write_text(text)
+    pod = PodProcess(env.popen(str(path)), name)
+    env.pods.append(pod)
+    return pod.wait_ready()
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_pause_while_waiting_to_retry_pauses_now(env: Env, kind: str) -> None:
+    """`pause` acknowledged during a long backoff takes effect at once, as `paused` (not after
+    minutes of retries, as `error`); `resume` makes the call again."""
+    env.model.script({"fault": {"kind": "status", "status": 429, "retry_after": LONG_WAIT}})
+    pod = start_patient(env, "backoff", kind)
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("go")
+        for event in c.events():
+            if event.type == "llm.retry":
+                break
+        started = time.monotonic()
+        assert c.pause().paused
+        events = collect_run(c, run.run_id)
+        assert time.monotonic() - started < LONG_WAIT / 3
+        assert events[-1].data["outcome"] == "paused"
+        assert c.status().state == "paused"
+        assert len(env.model.requests) == 1
+        assert c.resume().run_id == run.run_id
+        events = collect_run(c, run.run_id)
+    assert events[-1].data["outcome"] == "finished"
+    assert events[-1].data["text"] == "ok: go"
+    assert len(env.model.requests) == 2
+
+
+def test_pause_during_an_attempt_that_then_fails_pauses_at_the_retry(env: Env) -> None:
+    env.model.script(
+        {"fault": {"kind": "status", "status": 503, "retry_after": LONG_WAIT}, "gate": "g"}
+    )
+    pod = start_patient(env, "attempt")
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("go")
+        env.model.wait_for_requests(1)
+        assert c.pause().paused
+        started = time.monotonic()
+        env.model.open_gate("g")
+        events = collect_run(c, run.run_id)
+    assert time.monotonic() - started < LONG_WAIT / 3
+    assert [e.type for e in events].count("llm.retry") == 1
+    assert events[-1].data["outcome"] == "paused"
+    assert len(env.model.requests) == 1
+
+
+def test_pause_does_not_cut_an_answer_streaming_after_a_retry(env: Env) -> None:
+    """Once a retried call streams, a pause waits for its answer (the run then ends `paused`
+    with the answer kept, as for any final answer in flight)."""
+    env.model.script(
+        {"fault": {"kind": "status", "status": 500}},
+        {"text": "the whole answer, streamed slowly", "delay": 0.05},
+    )
+    pod = env.start("streamer")
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("go")
+        for event in c.events():
+            if event.type == "text.delta":
+                break
+        assert c.pause().paused
+        events = collect_run(c, run.run_id)
+    assert events[-1].data["outcome"] == "paused"
+    assert events[-1].data["text"] == "the whole answer, streamed slowly"
