@@ -149,13 +149,32 @@ _TRANSIENT_CODES = frozenset(
 _AUTH_CODES = frozenset({"authentication_error", "permission_error", "invalid_api_key"})
 
 
+MAX_BODY_CHARS = 300  # of an error body that is not the API's JSON (a proxy's HTML page)
+_TITLE_RE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+_TAG_RE = re.compile(r"<[^>]*>")
+
+
+def _condensed(text: str) -> str:
+    """An error body that is not the API's JSON, short enough for a run's error: an HTML
+    page's title (or its text), whitespace collapsed, cut at MAX_BODY_CHARS."""
+    if "<" in text and ">" in text:
+        title = _TITLE_RE.search(text)
+        text = title.group(1) if title else _TAG_RE.sub(" ", text)
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_BODY_CHARS else text[: MAX_BODY_CHARS - 1] + "…"
+
+
 def _error_fields(body: object) -> tuple[str, str]:
-    """(message, type-or-code) from an error body: ``{"error": {...}}`` or the inner dict."""
+    """(message, type-or-code) from an error body: ``{"error": {...}}`` or the inner dict, or
+    the text itself (the openai SDK keeps a body that is not JSON, or an ``error`` that is a
+    string, as Ollama sends, as text)."""
+    if isinstance(body, str):
+        return (_condensed(body), "")
     if not isinstance(body, dict):
         return ("", "")
     inner = body.get("error", body)
     if not isinstance(inner, dict):
-        return (str(inner), "")
+        return (_condensed(str(inner)), "")
     message = inner.get("message")
     code = inner.get("code") or inner.get("type") or ""
     return (message if isinstance(message, str) else "", str(code))
@@ -167,6 +186,36 @@ def _status_of(exc: BaseException) -> int | None:
         return status
     status = getattr(getattr(exc, "response", None), "status_code", None)
     return status if isinstance(status, int) and status >= 400 else None
+
+
+def _url_of(exc: BaseException) -> str | None:
+    """Where the failed request went (no query string: it may hold a key), if known."""
+    for holder in (exc, getattr(exc, "response", None)):
+        try:  # httpx's `.request` raises when it was never set
+            url = getattr(getattr(holder, "request", None), "url", None)
+        except RuntimeError:
+            continue
+        if url is not None:
+            return str(url).split("?", 1)[0]
+    return None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost message of an exception chain: the SDKs wrap every transport failure in
+    'Connection error.', which says neither what failed nor where. Contexts are followed even
+    when suppressed (httpcore hides the OSError that says "Connection refused" that way)."""
+    text = ""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, BaseExceptionGroup):  # one error per address tried: the last
+            current = current.exceptions[-1]
+            continue
+        if str(current):
+            text = str(current)
+        current = current.__cause__ or current.__context__
+    return text
 
 
 def classify_error_code(code: str, message: str) -> ProviderError:
@@ -189,8 +238,9 @@ def classify(exc: BaseException) -> ProviderError:
     status = _status_of(exc)
     body_message, code = _error_fields(getattr(exc, "body", None))
     text = body_message or str(exc) or type(exc).__name__
+    url = _url_of(exc)
     if status is not None and status >= 400:
-        label = f"HTTP {status}: {text}"
+        label = f"HTTP {status} from {url}: {text}" if url else f"HTTP {status}: {text}"
         if status in (401, 403):
             return ProviderError("auth", label, status)
         if status in (408, 409, 429) or status >= 500:
@@ -201,10 +251,14 @@ def classify(exc: BaseException) -> ProviderError:
             return ProviderError("context_overflow", label, status)
         return ProviderError("fatal", label, status)
     if names & _CONNECTION_CLASSES:
-        return ProviderError("transient", f"{type(exc).__name__}: {text}")
+        cause = _root_cause(exc) or text
+        where = f" ({url})" if url else ""
+        return ProviderError("transient", f"{type(exc).__name__}: {cause}{where}")
     # An error event inside a 200 stream: no HTTP status, but the body says what it was.
     if code:
         return classify_error_code(code, text)
+    if "JSONDecodeError" in names:  # an SSE event whose data is not JSON
+        return ProviderError("fatal", f"malformed event in the provider's stream: {text}")
     return ProviderError("fatal", f"{type(exc).__name__}: {text}")
 
 
@@ -245,6 +299,10 @@ async def _close(it: AsyncIterator[AttemptEvent]) -> None:
         # Closing a broken stream may fail again; the first error is the one that matters.
         with contextlib.suppress(Exception):
             await aclose()
+
+
+def _attempts(n: int) -> str:
+    return "1 attempt" if n == 1 else f"{n} attempts"
 
 
 async def with_retries(
@@ -312,7 +370,7 @@ async def with_retries(
             if attempts > cfg.max_retries:
                 raise ProviderError(
                     "transient",
-                    f"provider failed after {attempts} attempts: {err.message}",
+                    f"provider failed after {_attempts(attempts)}: {err.message}",
                     err.status,
                 ) from exc
             delay = backoff_delay(
@@ -321,7 +379,7 @@ async def with_retries(
             if clock() - started + delay > cfg.retry_total_timeout:
                 raise ProviderError(
                     "transient",
-                    f"provider failed after {attempts} attempts "
+                    f"provider failed after {_attempts(attempts)} "
                     f"(retry_total_timeout {cfg.retry_total_timeout:g}s): {err.message}",
                     err.status,
                 ) from exc

@@ -79,7 +79,10 @@ def _validate_fault(fault: object) -> None:
     kind = fault.get("kind")
     allowed: set[str]
     if kind == "status":
-        allowed = {"kind", "status", "retry_after", "message", "type"}
+        allowed = {"kind", "status", "retry_after", "message", "type", "body", "content_type"}
+        for key in ("body", "content_type"):
+            if key in fault and not isinstance(fault[key], str):
+                raise ValueError(f"reply.fault.{key} must be a string")
         status = fault.get("status")
         if not isinstance(status, int) or not 400 <= status <= 599:
             raise ValueError("reply.fault.status must be an HTTP error status (400-599)")

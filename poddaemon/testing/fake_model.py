@@ -27,11 +27,12 @@ scripted reply; with an empty script the answer is ``ok: <last user text, 200 ch
   numbers default to request bytes // 4 (input), produced chars // 4 (output), 0 (caches).
 - ``gate: name``: the answer waits until the gate is opened (gates stay open until reset).
 - ``delay: seconds`` between streamed deltas.
-- ``fault``: ``{kind: "status", status, retry_after?, message?, type?}`` (the API's error JSON,
-  ``Retry-After`` header); ``{kind: "hang", seconds, headers?}`` (stall, then drop the
-  connection; ``headers`` defaults to true for streams); ``{kind: "cut", after_chunks}`` (stream
-  that many deltas, then drop the connection; never sends the terminal events; non-streaming:
-  half the body).
+- ``fault``: ``{kind: "status", status, retry_after?, message?, type?, body?, content_type?}``
+  (the API's error JSON, ``Retry-After`` header; ``body``: this text instead, verbatim, as
+  ``content_type``, default ``text/plain``: a proxy's HTML page, Ollama's ``{"error": "..."}``);
+  ``{kind: "hang", seconds, headers?}`` (stall, then drop the connection; ``headers``
+  defaults to true for streams); ``{kind: "cut", after_chunks}`` (stream that many deltas,
+  then drop the connection; never sends the terminal events; non-streaming: half the body).
 
 Python: ``with FakeModel().start() as fake: fake.script({...}); ...``.
 Standalone: ``python -m poddaemon.testing.fake_model [--host H] [--port N] [--script F.json]``
@@ -414,11 +415,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     # ------------------------------------------------------------ plumbing
 
-    def _send(self, status: int, body: bytes, extra: Iterable[bytes] = ()) -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes,
+        extra: Iterable[bytes] = (),
+        content_type: str = "application/json",
+    ) -> None:
         reason = self.responses.get(status, ("Error",))[0]
         head = [
             b"HTTP/1.1 %d %s\r\n" % (status, reason.encode()),
-            b"Content-Type: application/json\r\n",
+            b"Content-Type: %s\r\n" % content_type.encode(),
             b"Content-Length: %d\r\n" % len(body),
             *extra,
         ]
@@ -555,6 +562,10 @@ class _Handler(BaseHTTPRequestHandler):
         retry_after = fault.get("retry_after")
         if retry_after is not None:
             extra.append(b"Retry-After: %s\r\n" % format(retry_after, "g").encode())
+        body = fault.get("body")
+        if body is not None:
+            self._send(status, body.encode(), extra, fault.get("content_type", "text/plain"))
+            return
         self._send(status, dumps(route.error(status, message, fault.get("type"))), extra)
 
     def _stream(

@@ -1,5 +1,7 @@
 """A pod whose model provider misbehaves: real pods, the real SDKs, a local server."""
 
+import json
+import socket
 import time
 from pathlib import Path
 
@@ -83,3 +85,57 @@ def test_pause_does_not_cut_an_answer_streaming_after_a_retry(env: Env) -> None:
         events = collect_run(c, run.run_id)
     assert events[-1].data["outcome"] == "paused"
     assert events[-1].data["text"] == "the whole answer, streamed slowly"
+
+
+def test_a_provider_that_is_down_is_named_with_the_cause(env: Env) -> None:
+    """`podctl send` to a pod whose model server is not running says where it connected and
+    why that failed, not the SDKs' bare 'Connection error.'"""
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        url = f"http://127.0.0.1:{port}/v1"
+        path = env.manifest("offline")
+        path.write_text(path.read_text().replace(env.model.openai_base_url, url))
+        pod = PodProcess(env.popen(str(path)), "offline")
+        env.pods.append(pod)
+        pod.wait_ready()
+        done = env.podctl("send", "offline", "hello")
+    assert done.returncode == 1
+    assert "provider failed after 4 attempts" in done.stderr
+    assert "Errno 111" in done.stderr and f"({url}/chat/completions)" in done.stderr
+    assert pod.call("status")["state"] == "idle"
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_an_error_body_that_is_not_the_apis_json_reaches_the_user(env: Env, kind: str) -> None:
+    ollama = json.dumps({"error": 'model "fake-model" not found, try pulling it first'})
+    page = "<html><head><title>502 Bad Gateway</title></head><body>nginx</body></html>"
+    env.model.script(
+        {
+            "fault": {
+                "kind": "status",
+                "status": 404,
+                "body": ollama,
+                "content_type": "application/json",
+            }
+        },
+        *[{"fault": {"kind": "status", "status": 502, "body": page, "content_type": "text/html"}}]
+        * 4,
+    )
+    pod = env.start("proxied", kind=kind)
+    with pod.client() as c:
+        missing = c.run_wait("first")
+        gateway = c.run_wait("second")
+        after = c.run_wait("third")
+    path = {"openai": "/v1/chat/completions", "openai_responses": "/v1/responses"}.get(
+        kind, "/v1/messages"
+    )
+    assert missing.outcome == "error"
+    assert missing.error == (
+        f'HTTP 404 from {env.model.url}{path}: model "fake-model" not found, try pulling it first'
+    )
+    assert gateway.outcome == "error"
+    assert gateway.error == (
+        f"provider failed after 4 attempts: HTTP 502 from {env.model.url}{path}: 502 Bad Gateway"
+    )
+    assert after.outcome == "finished" and after.text.endswith("third")  # usable again

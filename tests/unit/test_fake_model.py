@@ -492,6 +492,8 @@ def test_script_validation() -> None:
         fake.script({"fault": {"kind": "explode"}})
     with pytest.raises(ValueError, match="tool_calls"):
         fake.script({"tool_calls": [{"arguments": {}}]})
+    with pytest.raises(ValueError, match=r"fault\.body"):
+        fake.script({"fault": {"kind": "status", "status": 502, "body": {"not": "text"}}})
     fake.script({"tool_calls": [{"name": "raw", "arguments": '{"not": "parsed"'}]})
     assert fake.pending == 1
 

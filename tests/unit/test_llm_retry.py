@@ -149,6 +149,52 @@ def test_classify_stream_error_events() -> None:
     assert classify(same) is same
 
 
+class _Request:
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+
+class ConnectError(Exception):  # httpx's, under the SDK's APIConnectionError
+    pass
+
+
+def test_classify_names_the_cause_and_the_endpoint_of_a_connection_error() -> None:
+    wrapped = APIConnectionError("Connection error.")
+    wrapped.request = _Request("http://127.0.0.1:9/v1/chat/completions?key=secret")  # type: ignore[attr-defined]
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except OSError as exc:
+            raise ConnectError("All connection attempts failed") from exc
+    except ConnectError as exc:
+        wrapped.__cause__ = exc
+    err = classify(wrapped)
+    assert err.kind == "transient"
+    assert err.message == (
+        "APIConnectionError: [Errno 111] Connection refused (http://127.0.0.1:9/v1/chat/completions)"
+    )
+
+
+def test_classify_keeps_an_error_body_that_is_text() -> None:
+    # The openai SDK keeps a body that is not JSON, or an `error` that is a string, as text.
+    ollama = APIStatusError(404, body='model "m" not found, try pulling it first')
+    assert classify(ollama).message == 'HTTP 404: model "m" not found, try pulling it first'
+    page = "<html><head><title>502 Bad Gateway</title></head><body>" + "x" * 5000 + "</body></html>"
+    assert classify(APIStatusError(502, body=page)).message == "HTTP 502: 502 Bad Gateway"
+    long = APIStatusError(500, body="word " * 1000)
+    assert len(classify(long).message) < 320
+
+
+def test_classify_a_malformed_stream_event_says_so() -> None:
+    import json
+
+    with pytest.raises(json.JSONDecodeError) as exc:
+        json.loads("{not json")
+    err = classify(exc.value)
+    assert err.kind == "fatal"
+    assert err.message.startswith("malformed event in the provider's stream: Expecting")
+
+
 def test_retry_after_headers() -> None:
     assert retry_after_of(APIStatusError(429, headers={"retry-after": "2"})) == 2.0
     assert retry_after_of(APIStatusError(429, headers={"retry-after-ms": "250"})) == 0.25
