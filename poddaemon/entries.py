@@ -146,7 +146,7 @@ class ChildEnded(Entry, tag="child_ended"):
 
 class RunStart(Entry, tag="run_start"):
     run_id: str
-    trigger: str  # "input" | "notifications" | "resume"
+    trigger: str  # "input" | "notifications" | "resume" | "steer" (left over by its run)
 
 
 class InputsDelivered(Entry, tag="inputs_delivered"):

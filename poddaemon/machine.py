@@ -998,6 +998,11 @@ class Machine:
             return True
         if s.paused_run is not None:
             return False  # notifications wait for `resume` (or for a new run)
+        if s.pending_steers and not self.budget_exhausted():
+            # Steered into a run that ended before its next model request (a provider error,
+            # a cancel, max_turns): acknowledged input is answered, in a run of its own.
+            self._start_run(self.new_id(), "steer")
+            return True
         if s.pending_notifications <= s.pending_context or self.budget_exhausted():
             return False  # nothing that wakes the pod (a hook's context waits for input)
         now = self.clock()

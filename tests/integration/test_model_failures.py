@@ -139,3 +139,27 @@ def test_an_error_body_that_is_not_the_apis_json_reaches_the_user(env: Env, kind
         f"provider failed after 4 attempts: HTTP 502 from {env.model.url}{path}: 502 Bad Gateway"
     )
     assert after.outcome == "finished" and after.text.endswith("third")  # usable again
+
+
+def test_input_steered_into_a_run_the_provider_failed_is_still_answered(env: Env) -> None:
+    """The run ends `error` before its next model request: the acknowledged steer gets a run
+    of its own instead of waiting, unseen, for whatever input comes next."""
+    env.model.script(
+        {"fault": {"kind": "status", "status": 500}, "gate": "g"},
+        *[{"fault": {"kind": "status", "status": 500}}] * 3,
+    )
+    pod = env.start("steered")
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("first")
+        env.model.wait_for_requests(1)
+        assert c.run("also this", mode="steer").state == "steered"
+        env.model.open_gate("g")
+        failed = collect_run(c, run.run_id)
+        assert failed[-1].data["outcome"] == "error"
+        followed = collect_run(c)
+    started = [e for e in followed if e.type == "run.started"]
+    assert [e.data["trigger"] for e in started] == ["steer"]
+    assert followed[-1].data["outcome"] == "finished"
+    assert followed[-1].data["text"] == "ok: also this"
+    assert pod.call("status")["state"] == "idle"

@@ -1,5 +1,7 @@
 """The pod machine alone, no I/O: scripted command sequences, asserting the exact effects."""
 
+import pytest
+
 from poddaemon.history import SystemNote, UserMessage
 from poddaemon.llm.types import ProviderError
 from poddaemon.machine import (
@@ -220,6 +222,33 @@ def test_a_pause_waits_for_output_that_streams_after_a_retry() -> None:
     assert d.machine.pod_state == "paused"
     d.feed(d.machine.model_retrying(True))  # late: no model call in flight, ignored
     assert not any(isinstance(e, Interrupt) for e in d.effects)
+
+
+@pytest.mark.parametrize("how", ["error", "cancel", "max_turns"])
+def test_a_steer_its_run_never_read_gets_a_run_of_its_own(how: str) -> None:
+    d = Driver()
+    d.call("run", "work")
+    if how == "max_turns":
+        for _ in range(d.cfg.max_turns - 1):
+            d.model(calls=1)
+            d.tool()
+        d.model(calls=1)  # the last round: its tool runs, then the run ends limit_reached
+    steer = d.call("run", "and this", "steer")
+    assert d.answer(steer).result.state == "steered"
+    if how == "error":
+        d.model_fails(ProviderError("fatal", "HTTP 400: no"))
+    elif how == "cancel":
+        d.call("cancel")
+        d.model_fails(None)
+    else:
+        d.tool()
+    starts = [e for e in d.entries if e["kind"] == "run_start"]
+    assert [e["trigger"] for e in starts] == ["input", "steer"]
+    assert isinstance(d.inflight, CallModel) and d.inflight.items[-1] == UserMessage(
+        text="and this"
+    )
+    d.model("done")
+    assert d.machine.pod_state == "idle" and d.machine.state.pending_steers == 0
 
 
 def test_resume_when_not_paused_is_an_error() -> None:
