@@ -198,6 +198,22 @@ def cap_output(text: str, max_bytes: int) -> str:
     return f"{head}\n[output truncated: {len(data)} bytes, showing the first {max_bytes}]"
 
 
+def printable_utf8(text: str) -> str:
+    """`text` made encodable as UTF-8: the session log and the wire cannot hold a lone
+    surrogate, and a file name that is not UTF-8 comes back from the OS as one (byte 0xE9 as
+    U+DCE9). Such bytes are shown as `\\xe9`, as `ls -b` would; any other lone surrogate as
+    `\\udXXX`."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
     "integer": (int,),
@@ -343,4 +359,6 @@ async def execute(
         outcome = _error(f"internal error in {name}: {type(e).__name__}: {e}")
     if not getattr(tool, "caps_own_output", False):
         outcome.output = cap_output(outcome.output, ctx.limits.max_bytes(name))
+    outcome.output = printable_utf8(outcome.output)
+    outcome.summary = printable_utf8(outcome.summary)
     return outcome
