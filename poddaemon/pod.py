@@ -130,6 +130,7 @@ class Pod:
                 per_tool=dict(m.worker.tool_output.per_tool),
             ),
             env_passthrough=tuple(m.worker.env_passthrough),
+            env_hidden=(m.provider.api_key_var, m.compaction_provider.api_key_var),
             sandbox_policy=services.sandbox.policy,
             policy_for_scope=self._policy_for_scope if services.sandbox.rebuild else None,
         )

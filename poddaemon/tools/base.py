@@ -69,6 +69,9 @@ class ToolContext(msgspec.Struct):
     reads: dict[str, FileStamp] = msgspec.field(default_factory=dict)
     # credential-like variables commands may still see (`[worker] env_passthrough`)
     env_passthrough: tuple[str, ...] = ()
+    # variables commands never see unless passed through, whatever their names: the providers'
+    # API keys (`api_key_env = "MY_KEY"` matches no credential-like pattern)
+    env_hidden: tuple[str, ...] = ()
     # JSON for `poddaemon.sandbox.apply_policy`, applied by the command runner (issue 13)
     sandbox_policy: bytes | None = None
     # the pod's children, for the pod tools (None: this pod cannot spawn)
@@ -113,7 +116,7 @@ class ToolContext(msgspec.Struct):
 
                 if self._runner is not None:
                     await self._runner.aclose()
-                env = clean_env(os.environ, self.env_passthrough)
+                env = clean_env(os.environ, self.env_passthrough, self.env_hidden)
                 self._runner = await CommandRunner.start(env, self.sandbox_policy)
             return self._runner
 

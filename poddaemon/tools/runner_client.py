@@ -32,10 +32,14 @@ def is_secret_name(name: str) -> bool:
     )
 
 
-def clean_env(environ: Mapping[str, str], passthrough: Iterable[str] = ()) -> dict[str, str]:
-    """`environ` without credential-like variables, except those named in `passthrough`."""
+def clean_env(
+    environ: Mapping[str, str], passthrough: Iterable[str] = (), hidden: Iterable[str] = ()
+) -> dict[str, str]:
+    """`environ` without credential-like variables, nor those named in `hidden` (the
+    providers' key variables, whatever their names), except those named in `passthrough`."""
     keep = set(passthrough)
-    return {k: v for k, v in environ.items() if k in keep or not is_secret_name(k)}
+    drop = set(hidden)
+    return {k: v for k, v in environ.items() if k in keep or not (k in drop or is_secret_name(k))}
 
 
 def _settle(fut: "asyncio.Future[None]") -> None:

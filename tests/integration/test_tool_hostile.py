@@ -4,7 +4,7 @@ the environment."""
 
 import os
 
-from tests.conftest import Env
+from tests.conftest import Env, PodProcess
 
 
 def test_a_file_name_that_is_not_utf8_is_shown_escaped_and_the_pod_lives_on(env: Env) -> None:
@@ -26,3 +26,24 @@ def test_a_file_name_that_is_not_utf8_is_shown_escaped_and_the_pod_lives_on(env:
         outputs = [e["item"]["output"] for e in c.history().entries if e["kind"] == "tool_result"]
         assert c.status().state == "idle"
     assert outputs == ["caf\\xe9.txt", "d/caf\\xe9.txt:1:needle", "d/caf\\xe9.txt"]
+
+
+def test_bash_commands_do_not_see_a_provider_key_with_a_name_of_its_own(env: Env) -> None:
+    # `MY_LLM_CREDS` matches none of the credential-like patterns commands are spared.
+    env.env["MY_LLM_CREDS"] = "the-real-key"
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": "env; echo END-OF-ENV"}}]},
+        {"text": "seen"},
+    )
+    path = env.manifest("envy", tools=["bash"])
+    text = path.read_text().replace('api_key_env = "FAKE_API_KEY"', 'api_key_env = "MY_LLM_CREDS"')
+    path.write_text(text)
+    pod = PodProcess(env.popen(str(path)), "envy")
+    env.pods.append(pod)
+    pod.wait_ready()
+    with pod.client() as c:
+        assert c.run_wait("show env").outcome == "finished"
+    assert env.model.requests[0]["headers"].get("authorization") == "Bearer the-real-key"
+    followup = str(env.model.requests[1]["body"])
+    assert "END-OF-ENV" in followup and "PODDAEMON_HOME=" in followup
+    assert "MY_LLM_CREDS" not in followup and "the-real-key" not in followup
