@@ -2,12 +2,17 @@
 grep opens each file without following symlinks and checks where it actually is (`fsopen`)."""
 
 import asyncio
+import contextlib
 import fnmatch
+import functools
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+import regex
 
 from poddaemon.scope import Access, ScopeDenied
 from poddaemon.tools.base import ToolContext, ToolError, ToolOutcome, schema
@@ -16,6 +21,9 @@ from poddaemon.tools.files import BINARY_SNIFF_BYTES, is_binary, open_regular, p
 MAX_GLOB_RESULTS = 500
 MAX_GREP_MATCHES = 200
 MAX_GREP_LINE_CHARS = 300
+# A regex that needs longer than this for one line backtracks catastrophically (`(a|aa)+$`):
+# an error, not a search that holds the model up for ever.
+LINE_TIMEOUT = 5.0
 VCS_DIRS = frozenset({".git", ".hg", ".svn"})
 # Directories grep never walks into (unless `path` points inside one).
 SKIP_DIRS = VCS_DIRS | {
@@ -96,12 +104,9 @@ class Grep:
 
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
         pattern: str = args["pattern"]
-        try:
-            rx = re.compile(pattern, re.IGNORECASE if args.get("ignore_case") else 0)
-        except re.error as e:
-            raise ToolError(f"invalid regex: {e}") from None
+        search = compile_search(pattern, bool(args.get("ignore_case")))
         base = ctx.check(args.get("path", "."), Access.READ)
-        matches, files, capped = await asyncio.to_thread(_grep, ctx, base, rx, args.get("glob"))
+        matches, files, capped = await in_thread(_grep, ctx, base, search, args.get("glob"))
         what = f"{plural(len(matches), 'match', 'matches')} in {plural(files, 'file')}"
         if capped:
             what = f"{MAX_GREP_MATCHES}+ matches"
@@ -140,14 +145,65 @@ def _walk_files(ctx: ToolContext, base: str) -> Any:
                 yield full, real
 
 
+T = TypeVar("T")
+
+
+class Stop:
+    """Set when the tool call that started a search thread was cancelled: asyncio cannot stop
+    the thread, so it looks between files and lines (and a cancelled run's pod can exit)."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args, stop)` in a worker thread, told to stop when this call is cancelled."""
+    stop = Stop()
+    try:
+        return await asyncio.to_thread(fn, *args, stop)
+    except asyncio.CancelledError:
+        stop.cancelled = True
+        raise
+
+
+# Without repetition or alternation a pattern matches in time linear in the line: `re` runs it
+# as fast as ever. Only the others can backtrack catastrophically (`(a|aa)+$`, for ever, holding
+# the GIL, so the pod's event loop with it); they run on `regex`, which lets go of the GIL while
+# it matches and gives up after LINE_TIMEOUT (~2 µs a line more).
+_CAN_BACKTRACK = frozenset("*+?{|")
+Search = Callable[[str], object]  # a match or None; TimeoutError after LINE_TIMEOUT
+
+
+def compile_search(pattern: str, ignore_case: bool) -> Search:
+    """The search function for `pattern`, or ToolError naming what is wrong with it."""
+    if not _CAN_BACKTRACK.intersection(pattern):
+        with contextlib.suppress(re.error):  # (`regex` knows more syntax: \p{L}, …)
+            return re.compile(pattern, re.IGNORECASE if ignore_case else 0).search
+    try:
+        rx = regex.compile(pattern, regex.IGNORECASE if ignore_case else 0)
+    except regex.error as e:
+        raise ToolError(f"invalid regex: {e}") from None
+    return functools.partial(rx.search, concurrent=True, timeout=LINE_TIMEOUT)
+
+
+class _TooSlow(ToolError):
+    pass
+
+
 def _grep(
-    ctx: ToolContext, base: str, rx: re.Pattern[str], name_glob: str | None
+    ctx: ToolContext,
+    base: str,
+    search: Search,
+    name_glob: str | None,
+    stop: Stop,
 ) -> tuple[list[str], int, bool]:
     """(match lines, files with matches, whether the match cap was hit)."""
     accept = _name_filter(name_glob)
     out: list[str] = []
     files = 0
     for full, real in _walk_files(ctx, base):
+        if stop.cancelled:
+            break
         if not accept(os.path.relpath(full, base), os.path.basename(full)):
             continue
         try:
@@ -159,9 +215,18 @@ def _grep(
                 shown = ctx.display(full)
                 hit = False
                 for lineno, raw in enumerate(f, 1):
+                    if stop.cancelled:
+                        break
                     line = raw.decode("utf-8", "replace").rstrip("\r\n")
-                    if not rx.search(line):
-                        continue
+                    try:
+                        if not search(line):
+                            continue
+                    except TimeoutError:
+                        raise _TooSlow(
+                            f"the regex took over {LINE_TIMEOUT:g} s on one line "
+                            f"({shown}:{lineno}): it backtracks catastrophically (nested "
+                            "repetition such as (a|aa)+ or (\\w+\\s?)+); simplify it"
+                        ) from None
                     if len(out) >= MAX_GREP_MATCHES:
                         return out, files, True
                     if len(line) > MAX_GREP_LINE_CHARS:
@@ -170,6 +235,8 @@ def _grep(
                     if not hit:
                         hit = True
                         files += 1
-        except (OSError, ToolError, ScopeDenied):
+        except _TooSlow:
+            raise
+        except (OSError, ToolError, ScopeDenied):  # (TimeoutError is an OSError)
             continue  # unreadable, not regular, or moved outside the scope meanwhile
     return out, files, False

@@ -4,7 +4,7 @@ the environment."""
 
 import os
 
-from tests.conftest import Env, PodProcess
+from tests.conftest import Env, PodProcess, collect_run
 
 
 def test_a_file_name_that_is_not_utf8_is_shown_escaped_and_the_pod_lives_on(env: Env) -> None:
@@ -47,3 +47,28 @@ def test_bash_commands_do_not_see_a_provider_key_with_a_name_of_its_own(env: Env
     followup = str(env.model.requests[1]["body"])
     assert "END-OF-ENV" in followup and "PODDAEMON_HOME=" in followup
     assert "MY_LLM_CREDS" not in followup and "the-real-key" not in followup
+
+
+def test_a_regex_that_backtracks_for_ever_is_a_tool_error_and_the_pod_keeps_answering(
+    env: Env,
+) -> None:
+    # `re` holds the GIL while it matches: (a|aa)+$ on this line froze the pod's event loop,
+    # so no client got an answer (not even status) and the run never ended.
+    (env.work / "f.txt").write_text("a" * 60 + "b\n")
+    env.model.script(
+        {"tool_calls": [{"name": "grep", "arguments": {"pattern": "(a|aa)+$"}}]},
+        {"text": "done"},
+    )
+    pod = env.start("redos")
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("go")
+        next(e for e in c.events() if e.type == "tool.started")
+        with pod.client(timeout=2) as other:  # while the regex runs
+            assert other.status().state == "running"
+        events = collect_run(c, run.run_id)
+    finished = next(e for e in events if e.type == "tool.finished")
+    assert finished.data["is_error"]
+    assert events[-1].data["outcome"] == "finished"
+    followup = str(env.model.requests[1]["body"])
+    assert "backtracks catastrophically" in followup and "f.txt:1" in followup

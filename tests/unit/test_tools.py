@@ -457,6 +457,55 @@ async def test_grep_caps_matches(
     assert "match limit 3 reached" in lines[3]
 
 
+async def test_a_slow_regex_is_a_tool_error_naming_the_line(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(search_mod, "LINE_TIMEOUT", 0.2)
+    (root / "ok.txt").write_text("aaa\n")
+    (root / "slow.txt").write_text("fine\n" + "a" * 60 + "b\n")
+    out = await call(ctx, "grep", pattern="(a|aa)+$")
+    assert out.is_error
+    assert "took over 0.2 s on one line (slow.txt:2)" in out.output
+    assert "simplify it" in out.output
+    # Literal patterns (and others that cannot backtrack) still take the fast path.
+    assert (await call(ctx, "grep", pattern="fi.e")).output == "slow.txt:1:fine"
+    assert "invalid regex" in (await call(ctx, "grep", pattern="(a|")).output
+
+
+async def test_a_cancelled_grep_stops_its_thread(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # asyncio cannot stop a worker thread: a cancelled run's grep went on walking (and the
+    # pod's exit waited for it).
+    import threading
+
+    asked: list[int] = []
+    resume = threading.Event()
+    walking = threading.Event()
+    ended = threading.Event()
+
+    def walk(_ctx: Any, _base: str) -> Any:
+        try:
+            for i in range(1000):
+                asked.append(i)
+                if i == 1:
+                    walking.set()
+                    resume.wait(10)
+                yield str(root / f"none{i}"), str(root / f"none{i}")
+        finally:
+            ended.set()
+
+    monkeypatch.setattr(search_mod, "_walk_files", walk)
+    task = asyncio.ensure_future(call(ctx, "grep", pattern="x"))
+    assert await asyncio.to_thread(walking.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    resume.set()
+    assert await asyncio.to_thread(ended.wait, 10)
+    assert asked == [0, 1]
+
+
 # --- scope -------------------------------------------------------------------------------------
 
 
