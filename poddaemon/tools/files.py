@@ -8,7 +8,8 @@ import errno
 import functools
 import os
 import stat
-from typing import Any, NamedTuple
+from collections.abc import Iterator
+from typing import Any, BinaryIO, NamedTuple
 
 from poddaemon.scope import Access
 from poddaemon.tools.base import (
@@ -24,10 +25,32 @@ from poddaemon.umask import current_umask
 BINARY_SNIFF_BYTES = 8192
 DEFAULT_READ_LIMIT = 2000
 MAX_LINE_CHARS = 2000
+MAX_LINE_BYTES = 4 * MAX_LINE_CHARS + 1  # enough for MAX_LINE_CHARS of any UTF-8, and one more
 
 
 def is_binary(head: bytes) -> bool:
     return b"\0" in head
+
+
+def bounded_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[bytes, bool]]:
+    """`(line, cut)` for each line of `f`: at most its first `max_bytes`, `cut` when there was
+    more. The rest of a longer line is skipped, never held: a file of one 1 GB line (a data
+    dump, a minified bundle) costs no more memory than a short one."""
+    while line := f.readline(max_bytes):
+        yield line, len(line) == max_bytes and skip_rest_of_line(f, line)
+
+
+def skip_rest_of_line(f: BinaryIO, line: bytes) -> bool:
+    """After `line = f.readline(n)` returned n bytes: read past the end of that line, if it
+    goes on; whether it had more than its line break."""
+    if line.endswith(b"\n"):
+        return False
+    cut = False
+    while more := f.readline(65536):
+        if more.endswith(b"\n"):
+            return cut or more not in (b"\n", b"\r\n")
+        cut = True
+    return cut
 
 
 def plural(n: int, word: str, words: str = "") -> str:
@@ -92,11 +115,11 @@ def _read_lines(
         lines: list[str] = []
         used = 0
         n = 0
-        for n, raw in enumerate(f, 1):
+        for n, (raw, cut) in enumerate(bounded_lines(f, MAX_LINE_BYTES), 1):
             if n < offset:
                 continue
             line = raw.decode("utf-8", "replace").removesuffix("\n").removesuffix("\r")
-            if len(line) > MAX_LINE_CHARS:
+            if cut or len(line) > MAX_LINE_CHARS:
                 line = line[:MAX_LINE_CHARS] + " … [line truncated]"
             cost = len(line.encode("utf-8", "replace")) + 8
             if len(lines) >= limit or (lines and used + cost > budget):

@@ -16,11 +16,20 @@ import regex
 
 from poddaemon.scope import Access, ScopeDenied
 from poddaemon.tools.base import ToolContext, ToolError, ToolOutcome, schema
-from poddaemon.tools.files import BINARY_SNIFF_BYTES, is_binary, open_regular, plural
+from poddaemon.tools.files import (
+    BINARY_SNIFF_BYTES,
+    is_binary,
+    open_regular,
+    plural,
+    skip_rest_of_line,
+)
 
 MAX_GLOB_RESULTS = 500
 MAX_GREP_MATCHES = 200
 MAX_GREP_LINE_CHARS = 300
+# A longer line is searched in its first GREP_LINE_BYTES only, and the output says so: the rest
+# is never read into memory.
+GREP_LINE_BYTES = 1 << 20
 # A regex that needs longer than this for one line backtracks catastrophically (`(a|aa)+$`):
 # an error, not a search that holds the model up for ever.
 LINE_TIMEOUT = 5.0
@@ -106,14 +115,19 @@ class Grep:
         pattern: str = args["pattern"]
         search = compile_search(pattern, bool(args.get("ignore_case")))
         base = ctx.check(args.get("path", "."), Access.READ)
-        matches, files, capped = await in_thread(_grep, ctx, base, search, args.get("glob"))
+        matches, files, capped, long_lines = await in_thread(
+            _grep, ctx, base, search, args.get("glob")
+        )
         what = f"{plural(len(matches), 'match', 'matches')} in {plural(files, 'file')}"
         if capped:
             what = f"{MAX_GREP_MATCHES}+ matches"
             matches.append(f"[match limit {MAX_GREP_MATCHES} reached; narrow the search]")
-        return ToolOutcome(
-            output="\n".join(matches) or "no matches", summary=f"grep {pattern}: {what}"
-        )
+        output = "\n".join(matches) or "no matches"
+        if long_lines:
+            mib = GREP_LINE_BYTES >> 20
+            lines = plural(long_lines, "line")
+            output += f"\n[{lines} over {mib} MiB: searched in their first {mib} MiB only]"
+        return ToolOutcome(output=output, summary=f"grep {pattern}: {what}")
 
 
 def _name_filter(name_glob: str | None) -> Any:
@@ -196,11 +210,13 @@ def _grep(
     search: Search,
     name_glob: str | None,
     stop: Stop,
-) -> tuple[list[str], int, bool]:
-    """(match lines, files with matches, whether the match cap was hit)."""
+) -> tuple[list[str], int, bool, int]:
+    """(match lines, files with matches, whether the match cap was hit, lines searched only in
+    their first GREP_LINE_BYTES)."""
     accept = _name_filter(name_glob)
     out: list[str] = []
     files = 0
+    long_lines = 0
     for full, real in _walk_files(ctx, base):
         if stop.cancelled:
             break
@@ -214,9 +230,12 @@ def _grep(
                 f.seek(0)
                 shown = ctx.display(full)
                 hit = False
-                for lineno, raw in enumerate(f, 1):
+                readline = functools.partial(f.readline, GREP_LINE_BYTES)
+                for lineno, raw in enumerate(iter(readline, b""), 1):
                     if stop.cancelled:
                         break
+                    if len(raw) == GREP_LINE_BYTES and skip_rest_of_line(f, raw):
+                        long_lines += 1
                     line = raw.decode("utf-8", "replace").rstrip("\r\n")
                     try:
                         if not search(line):
@@ -228,7 +247,7 @@ def _grep(
                             "repetition such as (a|aa)+ or (\\w+\\s?)+); simplify it"
                         ) from None
                     if len(out) >= MAX_GREP_MATCHES:
-                        return out, files, True
+                        return out, files, True, long_lines
                     if len(line) > MAX_GREP_LINE_CHARS:
                         line = line[:MAX_GREP_LINE_CHARS] + " …"
                     out.append(f"{shown}:{lineno}:{line}")
@@ -239,4 +258,4 @@ def _grep(
             raise
         except (OSError, ToolError, ScopeDenied):  # (TimeoutError is an OSError)
             continue  # unreadable, not regular, or moved outside the scope meanwhile
-    return out, files, False
+    return out, files, False, long_lines

@@ -506,6 +506,53 @@ async def test_a_cancelled_grep_stops_its_thread(
     assert asked == [0, 1]
 
 
+async def test_a_file_of_one_huge_line_is_read_and_searched_in_bounded_memory(
+    ctx: ToolContext, root: Path
+) -> None:
+    # Lines used to be read whole: a 1 GB one-line data dump cost gigabytes of the pod's memory.
+    import tracemalloc
+
+    size = 24 << 20
+    with open(root / "dump.json", "wb") as f:
+        f.write(b"first\n" + b"x" * size + b"needle\nlast needle\n")
+    tracemalloc.start()
+    try:
+        out = await read(ctx, "dump.json")
+        grepped = await call(ctx, "grep", pattern="needle", path="dump.json")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak
+    first, long, last = out.output.splitlines()
+    assert first.endswith("\tfirst") and last.endswith("\tlast needle")
+    assert long.endswith("x" * 10 + " … [line truncated]")
+    assert grepped.output.splitlines() == [
+        "dump.json:3:last needle",
+        "[1 line over 1 MiB: searched in their first 1 MiB only]",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("data", "lines"),
+    [
+        (b"abcd\nef\n", [(b"abcd\n", False), (b"ef\n", False)]),
+        (b"abcd\r\nef", [(b"abcd\r", False), (b"ef", False)]),  # only its line break left
+        (b"abcde\nef\n", [(b"abcde", False), (b"ef\n", False)]),
+        (b"abcdefgh\nxy", [(b"abcde", True), (b"xy", False)]),
+        (b"abcde", [(b"abcde", False)]),
+        (b"abcdefghij" * 10000 + b"\nz\n", [(b"abcde", True), (b"z\n", False)]),
+    ],
+)
+def test_bounded_lines_cut_long_lines_and_keep_the_next(
+    data: bytes, lines: list[tuple[bytes, bool]]
+) -> None:
+    import io
+
+    from poddaemon.tools.files import bounded_lines
+
+    assert list(bounded_lines(io.BufferedReader(io.BytesIO(data)), 5)) == lines
+
+
 # --- scope -------------------------------------------------------------------------------------
 
 
