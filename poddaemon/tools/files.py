@@ -8,7 +8,7 @@ import errno
 import functools
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO, NamedTuple
 
 from poddaemon.scope import Access
@@ -26,18 +26,30 @@ BINARY_SNIFF_BYTES = 8192
 DEFAULT_READ_LIMIT = 2000
 MAX_LINE_CHARS = 2000
 MAX_LINE_BYTES = 4 * MAX_LINE_CHARS + 1  # enough for MAX_LINE_CHARS of any UTF-8, and one more
+# A file no bigger than this is read a whole line at a time (no line of it can cost more), at
+# the speed of the file's own line iterator; a bigger one through `bounded_lines`.
+WHOLE_LINES_MAX = 1 << 20
 
 
 def is_binary(head: bytes) -> bool:
     return b"\0" in head
 
 
-def bounded_lines(f: BinaryIO, max_bytes: int) -> Iterator[tuple[bytes, bool]]:
-    """`(line, cut)` for each line of `f`: at most its first `max_bytes`, `cut` when there was
-    more. The rest of a longer line is skipped, never held: a file of one 1 GB line (a data
-    dump, a minified bundle) costs no more memory than a short one."""
+def lines_of(
+    f: BinaryIO, size: int, max_bytes: int, cut: list[int] | None = None
+) -> Iterable[bytes]:
+    """The lines of `f` (`size` bytes), each of a big file at most its first `max_bytes`."""
+    return f if size <= WHOLE_LINES_MAX else bounded_lines(f, max_bytes, cut)
+
+
+def bounded_lines(f: BinaryIO, max_bytes: int, cut: list[int] | None = None) -> Iterator[bytes]:
+    """Each line of `f`, at most its first `max_bytes`: the rest of a longer line is skipped,
+    never held (`cut[0]` counts such lines), so a file of one 1 GB line (a data dump, a
+    minified bundle) costs no more memory than a short one."""
     while line := f.readline(max_bytes):
-        yield line, len(line) == max_bytes and skip_rest_of_line(f, line)
+        if len(line) == max_bytes and skip_rest_of_line(f, line) and cut is not None:
+            cut[0] += 1
+        yield line
 
 
 def skip_rest_of_line(f: BinaryIO, line: bytes) -> bool:
@@ -115,11 +127,12 @@ def _read_lines(
         lines: list[str] = []
         used = 0
         n = 0
-        for n, (raw, cut) in enumerate(bounded_lines(f, MAX_LINE_BYTES), 1):
+        # A line cut at MAX_LINE_BYTES decodes to more than MAX_LINE_CHARS: truncated below.
+        for n, raw in enumerate(lines_of(f, st.st_size, MAX_LINE_BYTES), 1):
             if n < offset:
                 continue
             line = raw.decode("utf-8", "replace").removesuffix("\n").removesuffix("\r")
-            if cut or len(line) > MAX_LINE_CHARS:
+            if len(line) > MAX_LINE_CHARS:
                 line = line[:MAX_LINE_CHARS] + " … [line truncated]"
             cost = len(line.encode("utf-8", "replace")) + 8
             if len(lines) >= limit or (lines and used + cost > budget):

@@ -12,16 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import regex
-
 from poddaemon.scope import Access, ScopeDenied
 from poddaemon.tools.base import ToolContext, ToolError, ToolOutcome, schema
 from poddaemon.tools.files import (
     BINARY_SNIFF_BYTES,
     is_binary,
+    lines_of,
     open_regular,
     plural,
-    skip_rest_of_line,
 )
 
 MAX_GLOB_RESULTS = 500
@@ -193,6 +191,8 @@ def compile_search(pattern: str, ignore_case: bool) -> Search:
     if not _CAN_BACKTRACK.intersection(pattern):
         with contextlib.suppress(re.error):  # (`regex` knows more syntax: \p{L}, …)
             return re.compile(pattern, re.IGNORECASE if ignore_case else 0).search
+    import regex  # here: its import would add ~10 ms to every pod's start
+
     try:
         rx = regex.compile(pattern, regex.IGNORECASE if ignore_case else 0)
     except regex.error as e:
@@ -216,26 +216,23 @@ def _grep(
     accept = _name_filter(name_glob)
     out: list[str] = []
     files = 0
-    long_lines = 0
+    cut = [0]  # lines searched in their first GREP_LINE_BYTES only
     for full, real in _walk_files(ctx, base):
         if stop.cancelled:
             break
         if not accept(os.path.relpath(full, base), os.path.basename(full)):
             continue
         try:
-            fd, _ = open_regular(ctx, real, real)  # O_NONBLOCK: a FIFO cannot hang us
+            fd, st = open_regular(ctx, real, real)  # O_NONBLOCK: a FIFO cannot hang us
             with os.fdopen(fd, "rb") as f:
                 if is_binary(f.read(BINARY_SNIFF_BYTES)):
                     continue
                 f.seek(0)
                 shown = ctx.display(full)
                 hit = False
-                readline = functools.partial(f.readline, GREP_LINE_BYTES)
-                for lineno, raw in enumerate(iter(readline, b""), 1):
+                for lineno, raw in enumerate(lines_of(f, st.st_size, GREP_LINE_BYTES, cut), 1):
                     if stop.cancelled:
                         break
-                    if len(raw) == GREP_LINE_BYTES and skip_rest_of_line(f, raw):
-                        long_lines += 1
                     line = raw.decode("utf-8", "replace").rstrip("\r\n")
                     try:
                         if not search(line):
@@ -247,7 +244,7 @@ def _grep(
                             "repetition such as (a|aa)+ or (\\w+\\s?)+); simplify it"
                         ) from None
                     if len(out) >= MAX_GREP_MATCHES:
-                        return out, files, True, long_lines
+                        return out, files, True, cut[0]
                     if len(line) > MAX_GREP_LINE_CHARS:
                         line = line[:MAX_GREP_LINE_CHARS] + " …"
                     out.append(f"{shown}:{lineno}:{line}")
@@ -258,4 +255,4 @@ def _grep(
             raise
         except (OSError, ToolError, ScopeDenied):  # (TimeoutError is an OSError)
             continue  # unreadable, not regular, or moved outside the scope meanwhile
-    return out, files, False, long_lines
+    return out, files, False, cut[0]

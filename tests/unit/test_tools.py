@@ -550,7 +550,11 @@ def test_bounded_lines_cut_long_lines_and_keep_the_next(
 
     from poddaemon.tools.files import bounded_lines
 
-    assert list(bounded_lines(io.BufferedReader(io.BytesIO(data)), 5)) == lines
+    cut = [0]
+    assert list(bounded_lines(io.BufferedReader(io.BytesIO(data)), 5, cut)) == [
+        line for line, _ in lines
+    ]
+    assert cut == [sum(was_cut for _, was_cut in lines)]
 
 
 # --- scope -------------------------------------------------------------------------------------
