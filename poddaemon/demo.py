@@ -28,8 +28,12 @@ def step(title: str) -> None:
 
 
 def podctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    """Run and show one podctl command. The demo's commands run in sessions of their own (here
+    and below): Ctrl-C reaches the demo alone, which ends the command it waits for and stops
+    the pod; a podctl hit by it while starting up would print a traceback into the output."""
     print(f"$ podctl {' '.join(args)}", flush=True)
-    return subprocess.run([sys.executable, "-m", "cli.main", *args], check=check)
+    cmd = [sys.executable, "-m", "cli.main", *args]
+    return subprocess.run(cmd, check=check, start_new_session=True)
 
 
 def _wait_for_text(path: Path, text: str, timeout: float = 10.0) -> None:
@@ -91,6 +95,7 @@ def _session(home: Path, demo: Path, replies: list[dict[str, Any]]) -> None:
                 # --since 0: every event since the start, none missed while attach connects
                 [sys.executable, "-m", "cli.main", "attach", "demo", "--since", "0"],
                 stdout=out,
+                start_new_session=True,
             )
             try:
                 podctl("send", "demo", "Tick off the README review in TODO.md.")
@@ -114,9 +119,8 @@ def _stop_leftover(home: Path) -> None:
     pid_file = home / "run" / "pods" / "demo" / "pid"
     if not pid_file.exists():
         return  # never started, or stopped: a stopped pod removes its pid file
-    stopped = subprocess.run(
-        [sys.executable, "-m", "cli.main", "stop", "demo"], stdin=subprocess.DEVNULL
-    )
+    stop = [sys.executable, "-m", "cli.main", "stop", "demo"]
+    stopped = subprocess.run(stop, stdin=subprocess.DEVNULL, start_new_session=True)
     if stopped.returncode not in (0, 3):  # it does not answer: end it the hard way
         with contextlib.suppress(ValueError, OSError):
             os.kill(int(pid_file.read_text().split()[0]), signal.SIGKILL)
