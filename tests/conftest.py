@@ -281,6 +281,16 @@ def env(home: Path, fake_model: FakeModel) -> Iterator[Env]:
         e.cleanup()
 
 
+def events_until(client: PodClient, stop: Any) -> list[Event]:
+    """The events up to and with the first one `stop` accepts."""
+    out: list[Event] = []
+    for event in client.events():
+        out.append(event)
+        if stop(event):
+            return out
+    raise AssertionError("event stream ended")
+
+
 def collect_run(client: PodClient, run_id: str | None = None) -> list[Event]:
     """Events from a subscribed connection up to and including the run's `run.finished`."""
     out: list[Event] = []

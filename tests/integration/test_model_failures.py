@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROVIDER_KINDS, Env, PodProcess, collect_run
+from tests.conftest import PROVIDER_KINDS, Env, PodProcess, collect_run, events_until
 
 LONG_WAIT = 30  # seconds of Retry-After: far longer than any assertion below waits
 
@@ -31,9 +31,7 @@ def test_pause_while_waiting_to_retry_pauses_now(env: Env, kind: str) -> None:
     with pod.client() as c:
         c.subscribe()
         run = c.run("go")
-        for event in c.events():
-            if event.type == "llm.retry":
-                break
+        events_until(c, lambda e: e.type == "llm.retry")
         started = time.monotonic()
         assert c.pause().paused
         events = collect_run(c, run.run_id)
@@ -78,9 +76,7 @@ def test_pause_does_not_cut_an_answer_streaming_after_a_retry(env: Env) -> None:
     with pod.client() as c:
         c.subscribe()
         run = c.run("go")
-        for event in c.events():
-            if event.type == "text.delta":
-                break
+        events_until(c, lambda e: e.type == "text.delta")
         assert c.pause().paused
         events = collect_run(c, run.run_id)
     assert events[-1].data["outcome"] == "paused"

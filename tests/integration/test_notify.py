@@ -22,7 +22,7 @@ import pytest
 from protocol import PodClient, RpcError
 from protocol.aio import AsyncPodClient
 from protocol.types import Event
-from tests.conftest import ROOT, Env, PodProcess, collect_run, drained, flood
+from tests.conftest import ROOT, Env, PodProcess, collect_run, drained, events_until, flood
 
 NOTE_LINE = re.compile(r"^- \[[^\]]*\] from (\S+): (.*)$", re.M)
 GATED_TOOL_CALL = {"tool_calls": [{"name": "list_dir", "arguments": {}}]}
@@ -79,15 +79,6 @@ def system_items(client: PodClient) -> list[dict[str, Any]]:
 
 def bodies(env: Env) -> list[dict[str, Any]]:
     return [r["body"] for r in env.model.requests]
-
-
-def events_until(client: PodClient, stop: Any) -> list[Event]:
-    out: list[Event] = []
-    for event in client.events():
-        out.append(event)
-        if stop(event):
-            return out
-    raise AssertionError("event stream ended")
 
 
 def assert_contiguous(seqs: list[int], first: int, last: int) -> None:

@@ -3,8 +3,10 @@ none (its spawner reports it `errored` when it dies; a restored child redelivers
 holds)."""
 
 import asyncio
+import contextlib
 import json
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,6 +28,18 @@ class Spawner:
             writer.write(json.dumps(reply).encode() + b"\n")
         writer.close()
 
+    @contextlib.asynccontextmanager
+    async def listening(self) -> AsyncIterator[str]:
+        """Its socket's path, while it listens there."""
+        with tempfile.TemporaryDirectory(dir="/tmp") as d:
+            path = str(Path(d) / "sock")
+            server = await asyncio.start_unix_server(self.handle, path)
+            try:
+                yield path
+            finally:
+                server.close()
+                await server.wait_closed()
+
 
 async def test_a_child_whose_log_failed_delivers_no_report() -> None:
     report = OutboxItem(event_id="e1", event_kind="run.finished", run_id="r1", outcome="finished")
@@ -41,15 +55,9 @@ async def test_a_child_whose_log_failed_delivers_no_report() -> None:
         machine=SimpleNamespace(outbox_acked=lambda ids: []),
     )
     spawner = Spawner()
-    with tempfile.TemporaryDirectory(dir="/tmp") as d:
-        path = str(Path(d) / "sock")
-        server = await asyncio.start_unix_server(spawner.handle, path)
-        try:
-            outbox = Outbox(pod, path, "child")
-            assert await outbox.flush(1.0) is False  # undelivered: it waits in the log
-        finally:
-            server.close()
-            await server.wait_closed()
+    async with spawner.listening() as path:
+        outbox = Outbox(pod, path, "child")
+        assert await outbox.flush(1.0) is False  # undelivered: it waits in the log
     assert spawner.heard == []
 
 
@@ -83,17 +91,11 @@ async def test_a_report_committed_during_the_fsync_waits_for_the_next_one() -> N
         machine=SimpleNamespace(outbox_acked=outbox_acked),
     )
     spawner = Spawner()
-    with tempfile.TemporaryDirectory(dir="/tmp") as d:
-        path = str(Path(d) / "sock")
-        server = await asyncio.start_unix_server(spawner.handle, path)
-        try:
-            outbox = Outbox(pod, path, "child")
-            await outbox._deliver()
-            assert acked == ["e1"]  # e2 was not covered by that fsync
-            await outbox._deliver()  # the next fsync covers it
-        finally:
-            server.close()
-            await server.wait_closed()
+    async with spawner.listening() as path:
+        outbox = Outbox(pod, path, "child")
+        await outbox._deliver()
+        assert acked == ["e1"]  # e2 was not covered by that fsync
+        await outbox._deliver()  # the next fsync covers it
     assert acked == ["e1", "e2"] and syncs == [["e1"], ["e2"]]
     heard = [json.loads(line)["params"]["event_id"] for line in spawner.heard]
     assert heard == ["e1", "e2"]
