@@ -129,6 +129,8 @@ class ToolContext(msgspec.Struct):
 
     def check(self, path: str, want: Access) -> str:
         """The resolved absolute path, or ScopeDenied. Call before touching the filesystem."""
+        if "\0" in path:  # no file has one (the OS would refuse it as an "internal error")
+            raise ToolError(f"invalid path {path!r}: it contains a NUL byte")
         return self.scope.check(path, want, self.pwd)
 
     def open_checked(self, resolved: str, want: Access, flags: int) -> int:

@@ -239,6 +239,8 @@ class WriteFile:
     parameters = schema({"path": ("string", "file path"), "content": ("string", "full content")})
 
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
+        if args["path"].endswith("/"):  # resolving drops the slash: `new/` would write `new`
+            raise ToolError(f"{args['path']} names a directory; give the file's path")
         path = ctx.check(args["path"], Access.WRITE)
         shown = ctx.display(path)
         data = _encode(args["content"])

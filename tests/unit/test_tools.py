@@ -567,6 +567,25 @@ async def test_scope_refuses_absolute_path_outside(ctx: ToolContext) -> None:
     assert not ctx.reads
 
 
+async def test_a_path_with_a_nul_byte_is_a_plain_tool_error(ctx: ToolContext) -> None:
+    for name, args in [
+        ("read_file", {"path": "a\0b"}),
+        ("write_file", {"path": "a\0b", "content": "x"}),
+        ("list_dir", {"path": "a\0b"}),
+        ("grep", {"pattern": "x", "path": "a\0b"}),
+    ]:
+        out = await call(ctx, name, **args)
+        assert out.is_error and out.output == "invalid path 'a\\x00b': it contains a NUL byte"
+
+
+async def test_write_file_to_a_path_ending_in_a_slash_writes_nothing(
+    ctx: ToolContext, root: Path
+) -> None:
+    out = await call(ctx, "write_file", path="new/", content="x")
+    assert out.is_error and out.output == "new/ names a directory; give the file's path"
+    assert not (root / "new").exists()
+
+
 async def test_scope_refuses_dotdot(ctx: ToolContext, outside: Path) -> None:
     out = await call(ctx, "read_file", path="../outside/secret.txt")
     assert out.is_error and out.output.startswith("outside scope:")
