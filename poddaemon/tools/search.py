@@ -8,7 +8,7 @@ import functools
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -59,7 +59,7 @@ class Glob:
         base = ctx.check(args.get("path", "."), Access.READ)
         if not os.path.isdir(base):
             raise ToolError(f"not a directory: {ctx.display(base)}")
-        found = await asyncio.to_thread(_glob, ctx, base, pattern)
+        found = await in_thread(_glob, ctx, base, pattern)
         if not found:
             return ToolOutcome(output="no files match", summary=f"glob {pattern}: no matches")
         found.sort(key=lambda item: (-item[0], item[1]))
@@ -74,27 +74,81 @@ class Glob:
         )
 
 
-def _glob(ctx: ToolContext, base: str, pattern: str) -> list[tuple[int, str]]:
+def _glob(ctx: ToolContext, base: str, pattern: str, stop: "Stop") -> list[tuple[int, str]]:
     """(mtime_ns, display name) of every match the scope lets the model read."""
-    wanted_vcs = {part for part in Path(pattern).parts if part in VCS_DIRS}
+    parts = Path(pattern).parts
+    if any("**" in part and part != "**" for part in parts):
+        raise ToolError("invalid glob pattern: '**' can only be an entire path component")
+    wanted_vcs = {part for part in parts if part in VCS_DIRS}
+
+    def readable(path: str) -> bool:
+        return ctx.scope.access(os.path.realpath(path)) >= Access.READ
+
     found: list[tuple[int, str]] = []
-    try:
-        for p in Path(base).glob(pattern):
-            rel_parts = p.relative_to(base).parts
-            if any(part in VCS_DIRS and part not in wanted_vcs for part in rel_parts):
-                continue
-            real = os.path.realpath(p)
-            if ctx.scope.access(real) < Access.READ:
-                continue
-            try:
-                st = os.stat(real)
-            except OSError:
-                continue
-            name = ctx.display(str(p))
-            found.append((st.st_mtime_ns, name + "/" if stat.S_ISDIR(st.st_mode) else name))
-    except ValueError as e:
-        raise ToolError(f"invalid glob pattern: {e}") from None
+    for p in glob_paths(base, parts, readable, stop):
+        rel_parts = Path(os.path.relpath(p, base)).parts
+        if any(part in VCS_DIRS and part not in wanted_vcs for part in rel_parts):
+            continue
+        if not readable(p):
+            continue
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        name = ctx.display(p)
+        found.append((st.st_mtime_ns, name + "/" if stat.S_ISDIR(st.st_mode) else name))
     return found
+
+
+def glob_paths(
+    base: str, parts: tuple[str, ...], enter: Callable[[str], bool], stop: "Stop"
+) -> Iterator[str]:
+    """The paths under `base` that `parts` match, as pathlib's glob finds them (a part is an
+    fnmatch pattern, `*` matches dot files too; `**` is any depth of directories, this one
+    included, never through a symlink), without ever walking into a directory `enter` refuses:
+    pathlib followed a symlink a plain part matched, so `*/**/*.conf` with `up -> /usr` in the
+    scope walked all of /usr (showing none of it) and could not be stopped."""
+    seen: set[str] = set()
+    matchers = [re.compile(fnmatch.translate(part)).fullmatch for part in parts]
+
+    def walk(directory: str, i: int) -> Iterator[str]:
+        if stop.cancelled:
+            return
+        if i == len(parts):
+            if directory not in seen:
+                seen.add(directory)
+                yield directory
+            return
+        part = parts[i]
+        if part == "**":
+            yield from walk(directory, i + 1)
+            for sub in _entries(directory, dirs_only=True):
+                yield from walk(os.path.join(directory, sub), i)
+            return
+        last, match = i + 1 == len(parts), matchers[i]
+        for name in _entries(directory) if _MAGIC.search(part) else [part]:
+            path = os.path.join(directory, name)
+            if not match(name) or not os.path.lexists(path):
+                continue
+            if last or (os.path.isdir(path) and enter(path)):
+                yield from walk(path, i + 1)
+
+    yield from walk(base, 0)
+
+
+_MAGIC = re.compile(r"[*?\[]")
+
+
+def _entries(directory: str, dirs_only: bool = False) -> list[str]:
+    """The names in `directory` (with `dirs_only`, of its directories that are no symlinks, as
+    `**` walks them); none when it cannot be read."""
+    try:
+        with os.scandir(directory) as it:
+            if dirs_only:
+                return [e.name for e in it if e.is_dir(follow_symlinks=False)]
+            return [e.name for e in it]
+    except OSError:
+        return []
 
 
 class Grep:

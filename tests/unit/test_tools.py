@@ -312,6 +312,49 @@ async def test_glob_skips_out_of_scope_symlinks(
     assert out.output == "no files match"
 
 
+async def test_glob_never_walks_through_a_symlink_out_of_the_scope(
+    ctx: ToolContext, root: Path, outside: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A plain part (`*`) matching a symlink to a directory outside, with `**` after it: pathlib
+    # walked the whole target (all of /usr for `up -> /usr`), showing none of it.
+    (outside / "etc" / "deep").mkdir(parents=True)
+    (outside / "etc" / "deep" / "x.conf").write_text("x")
+    (root / "up").symlink_to(outside)
+    (root / "conf").mkdir()
+    (root / "conf" / "in.conf").write_text("x")
+    listed: list[str] = []
+    entries = search_mod._entries
+
+    def recording(directory: str, dirs_only: bool = False) -> list[str]:
+        listed.append(os.path.realpath(directory))
+        return entries(directory, dirs_only)
+
+    monkeypatch.setattr(search_mod, "_entries", recording)
+    out = await call(ctx, "glob", pattern="*/**/*.conf")
+    assert out.output == "conf/in.conf"
+    assert listed and not [d for d in listed if d.startswith(str(outside))]
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ["*", "**", "**/*.py", "src/*", "src/**/*.py", "*/*.py", ".*", "src/pkg", "**/pkg/*",
+     "s?c/*.py", "[st]*", "link/*.py", "**/*", "**/**/b.py", "missing/*", "src/../top.py"],
+)  # fmt: skip
+def test_glob_paths_finds_what_pathlib_finds(root: Path, pattern: str) -> None:
+    for name in ("src/a.py", "src/pkg/b.py", "src/pkg/c.txt", "top.py", ".hidden.py"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x")
+    (root / "link").symlink_to(root / "src")  # inside: followed by a plain part, as pathlib does
+    stop = search_mod.Stop()
+    ours = search_mod.glob_paths(str(root), Path(pattern).parts, lambda _: True, stop)
+    assert sorted(ours) == sorted(str(p) for p in root.glob(pattern))
+
+
+async def test_glob_pattern_with_a_partial_double_star_is_an_error(ctx: ToolContext) -> None:
+    out = await call(ctx, "glob", pattern="src/a**b")
+    assert out.is_error and "'**' can only be an entire path component" in out.output
+
+
 async def test_glob_caps_results(
     ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
