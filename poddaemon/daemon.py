@@ -655,16 +655,19 @@ async def _preflight(pod: Any, manifest: Any) -> None:
 
     provider = manifest.provider
     for warning in await asyncio.to_thread(preflight, provider.kind, provider.base_url):
-        _warn(warning)  # stderr once (an alert would log it a second time): subscribers too
-        pod.bus.publish("alert", {"level": "warning", "source": "provider", "message": warning})
+        _provider_warning(pod, warning)
 
 
 def _check_tool_count(pod: Any, kind: str, count: int) -> None:
     from poddaemon.llm.preflight import too_many_tools
 
     if warning := too_many_tools(kind, count):
-        _warn(warning)
-        pod.bus.publish("alert", {"level": "warning", "source": "provider", "message": warning})
+        _provider_warning(pod, warning)
+
+
+def _provider_warning(pod: Any, message: str) -> None:
+    _warn(message)  # stderr once (an alert would log it a second time): subscribers too
+    pod.bus.publish("alert", {"level": "warning", "source": "provider", "message": message})
 
 
 def _warn(message: str) -> None:

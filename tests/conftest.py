@@ -238,6 +238,16 @@ class Env:
             timeout=timeout,
         )
 
+    def podctl_popen(self, *args: str) -> "subprocess.Popen[str]":
+        """podctl started, not waited for: its stdout and stderr are pipes (text)."""
+        return subprocess.Popen(
+            [sys.executable, "-m", "cli.main", *args],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
     def cleanup(self) -> None:
         for pod in self.pods:
             # Shown by pytest only when the test failed: the pod's own account of it.

@@ -170,13 +170,7 @@ def test_usage_errors_exit_2_before_looking_for_the_pod(env: Env, args: list[str
 def test_cancelled_run_exits_1_and_missing_pod_3(env: Env) -> None:
     env.start("talk")
     env.model.script({"gate": "hold", "text": "too late"})
-    send = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "send", "talk", "wait for it"],
-        env=env.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    send = env.podctl_popen("send", "talk", "wait for it")
     try:
         env.model.wait_for_requests(1)
         cancelled = env.podctl("cancel", "talk")

@@ -17,16 +17,6 @@ from protocol.errors import ConnectionClosed, RpcError
 from tests.conftest import Env, PodProcess, drained, flood, wait_until
 
 
-def podctl_popen(env: Env, *args: str) -> "subprocess.Popen[str]":
-    return subprocess.Popen(
-        [sys.executable, "-m", "cli.main", *args],
-        env=env.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
 def connected(pid: int) -> bool:
     """Whether process `pid` holds a connected Unix socket (its connect() is done)."""
     inodes = set()
@@ -114,7 +104,7 @@ def test_async_client_raises_connection_closed_when_the_pod_dies_with_our_reques
 def test_send_whose_pod_is_killed_mid_run_exits_3_naming_the_run(env: Env) -> None:
     pod = env.start()
     env.model.script({"gate": "never", "text": "too late"})
-    send = podctl_popen(env, "send", "pod", "hold on")
+    send = env.podctl_popen("send", "pod", "hold on")
     try:
         env.model.wait_for_requests(1)  # send's run is acknowledged and under way
         run_id = pod.call("status")["run_id"]
@@ -130,7 +120,7 @@ def test_a_command_following_a_pod_that_is_killed_exits_3(env: Env, command: lis
     pod = env.start()
     env.model.script({"gate": "never", "text": "too late"})
     pod.call("run", input="keep busy")  # `wait` polls a running pod
-    follow = podctl_popen(env, *command, "pod")
+    follow = env.podctl_popen(*command, "pod")
     try:
         wait_until(lambda: connected(follow.pid), what=f"podctl {command[0]} to connect")
         pod.kill9()
@@ -143,7 +133,7 @@ def test_a_command_following_a_pod_that_is_killed_exits_3(env: Env, command: lis
 def test_status_of_a_pod_killed_before_it_answers_exits_3(env: Env) -> None:
     pod = env.start()
     stopped_with_a_request_unread(pod)
-    status = podctl_popen(env, "status", "pod")
+    status = env.podctl_popen("status", "pod")
     try:
         wait_until(lambda: connected(status.pid), what="podctl status to connect")
         pod.kill9()
@@ -251,7 +241,7 @@ def test_next_event_works_on_a_socket_numbered_past_1023(env: Env) -> None:
 
 def test_attach_piped_into_a_reader_that_goes_ends_while_the_pod_is_quiet(env: Env) -> None:
     env.start()
-    attach = podctl_popen(env, "attach", "pod")
+    attach = env.podctl_popen("attach", "pod")
     assert attach.stdout is not None
     wait_until(lambda: connected(attach.pid), what="podctl attach to connect")
     attach.stdout.close()  # `podctl attach pod | head -0`: the reader is gone; no event comes
@@ -265,7 +255,7 @@ def test_logs_follow_piped_into_a_reader_that_goes_ends_while_nothing_is_written
     log = env.home / "run" / "pods" / "quiet" / "stderr.log"
     log.parent.mkdir(parents=True)
     log.write_text("2026-01-01 00:00:00.000 poddaemon[1] INFO ready\n")
-    logs = podctl_popen(env, "logs", "quiet", "-f")
+    logs = env.podctl_popen("logs", "quiet", "-f")
     assert logs.stdout is not None
     assert "INFO ready" in logs.stdout.readline()
     logs.stdout.close()  # `podctl logs quiet -f | head -1`
@@ -277,7 +267,7 @@ def test_ctrl_c_during_send_stops_waiting_and_the_run_goes_on_as_its_help_says(e
     pod = env.start()
     assert "Ctrl-C" in env.podctl("send", "--help").stdout
     env.model.script({"gate": "later", "text": "finished anyway"})
-    send = podctl_popen(env, "send", "pod", "take your time")
+    send = env.podctl_popen("send", "pod", "take your time")
     env.model.wait_for_requests(1)
     run_id = pod.call("status")["run_id"]
     send.send_signal(signal.SIGINT)
@@ -311,7 +301,7 @@ def test_send_told_gap_takes_its_outcome_from_the_log_instead_of_waiting_for_eve
     reply = "".join(f"{i:019d}." for i in range(100_000))
     env.model.script({"text": reply})
     pod = env.start(extra="[notify]\nmax_pending = 100000\n")
-    send = podctl_popen(env, "send", "pod", "a long one")
+    send = env.podctl_popen("send", "pod", "a long one")
     try:
         env.model.wait_for_requests(1)
         wait_until(lambda: pod.call("status")["state"] == "idle", 30, "the run to end")
@@ -395,7 +385,7 @@ def test_no_command_hangs_on_a_stopped_pod(env: Env) -> None:
     pod = env.start()
     os.kill(pod.proc.pid, signal.SIGSTOP)
     started = time.monotonic()
-    procs = [podctl_popen(env, *args) for args in ASKING]  # at once: ANSWER_TIMEOUT once
+    procs = [env.podctl_popen(*args) for args in ASKING]  # at once: ANSWER_TIMEOUT once
     results = []
     for proc in procs:
         try:

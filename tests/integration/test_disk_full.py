@@ -2,7 +2,6 @@
 
 import os
 import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,13 +160,7 @@ def test_podctl_send_says_why_the_pod_stopped_before_the_run_ended(
 ) -> None:
     pod = env.start("full")
     env.model.script({"text": "z" * 64 * 1024, "gate": "answer"})
-    send = subprocess.Popen(
-        [sys.executable, "-m", "cli.main", "send", "full", "go"],
-        env=env.env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    send = env.podctl_popen("send", "full", "go")
     env.model.wait_for_requests(1)
     fill(small_data_dir)
     env.model.open_gate("answer")
