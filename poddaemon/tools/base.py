@@ -4,7 +4,7 @@ output capping and `execute`, the one entry point that turns any failure into a 
 import asyncio
 import os
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 import msgspec
 
@@ -181,6 +181,28 @@ class Tool(Protocol):
     parameters: dict[str, Any]
 
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome: ...
+
+
+T = TypeVar("T")
+
+
+class Stop:
+    """Set when the tool call that started a worker thread was cancelled: asyncio cannot stop
+    the thread, so it looks between files, lines or entries (and a cancelled run's pod can
+    exit)."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args, stop)` in a worker thread, told to stop when this call is cancelled."""
+    stop = Stop()
+    try:
+        return await asyncio.to_thread(fn, *args, stop)
+    except asyncio.CancelledError:
+        stop.cancelled = True
+        raise
 
 
 def schema(

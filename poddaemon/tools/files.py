@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import errno
 import functools
+import heapq
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -14,9 +15,11 @@ from typing import Any, BinaryIO, NamedTuple
 from poddaemon.scope import Access
 from poddaemon.tools.base import (
     FileStamp,
+    Stop,
     ToolContext,
     ToolError,
     ToolOutcome,
+    in_thread,
     schema,
 )
 from poddaemon.tools.fsopen import open_resolved
@@ -25,6 +28,7 @@ from poddaemon.umask import current_umask
 BINARY_SNIFF_BYTES = 8192
 DEFAULT_READ_LIMIT = 2000
 MAX_LINE_CHARS = 2000
+MAX_LIST_ENTRIES = 1000  # names list_dir shows; it says how many more there are
 MAX_LINE_BYTES = 4 * MAX_LINE_CHARS + 1  # enough for MAX_LINE_CHARS of any UTF-8, and one more
 # A file no bigger than this is read a whole line at a time (no line of it can cost more), at
 # the speed of the file's own line iterator; a bigger one through `bounded_lines`.
@@ -332,23 +336,37 @@ class ListDir:
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
         path = ctx.check(args.get("path", "."), Access.READ)
         shown = ctx.display(path)
-        fd = ctx.open_checked(path, Access.READ, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            names = _list(fd)
-        finally:
-            os.close(fd)
-        names.sort()
-        summary = f"listed {plural(len(names), 'entry', 'entries')} in {shown}"
+        names, total = await in_thread(_list, ctx, path)
+        summary = f"listed {plural(total, 'entry', 'entries')} in {shown}"
+        if total > len(names):
+            names.append(
+                f"[showing the first {len(names)} of {total} entries by name; use glob to narrow]"
+            )
         return ToolOutcome(output="\n".join(names) or "(empty directory)", summary=summary)
 
 
-def _list(fd: int) -> list[str]:
-    names: list[str] = []
-    with os.scandir(fd) as it:
+def _list(ctx: ToolContext, path: str, stop: Stop) -> tuple[list[str], int]:
+    """The first MAX_LIST_ENTRIES names in sort order (a directory's end in /) and how many
+    there are. In a thread, holding that many names at most: a directory of millions neither
+    stalls the pod's event loop nor fills its memory."""
+    fd = ctx.open_checked(path, Access.READ, os.O_RDONLY | os.O_DIRECTORY)
+    total = 0
+
+    def names(it: Iterator[os.DirEntry[str]]) -> Iterator[str]:
+        nonlocal total
         for entry in it:
+            if stop.cancelled:
+                return
+            total += 1
             try:
                 is_dir = entry.is_dir()
             except OSError:
                 is_dir = False
-            names.append(entry.name + "/" if is_dir else entry.name)
-    return names
+            yield entry.name + "/" if is_dir else entry.name
+
+    try:
+        with os.scandir(fd) as it:
+            first = heapq.nsmallest(MAX_LIST_ENTRIES, names(it))
+    finally:
+        os.close(fd)
+    return first, total

@@ -1,7 +1,6 @@
 """Search tools: glob (file names) and grep (file contents). Results outside scope are skipped;
 grep opens each file without following symlinks and checks where it actually is (`fsopen`)."""
 
-import asyncio
 import contextlib
 import fnmatch
 import functools
@@ -10,10 +9,10 @@ import re
 import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from poddaemon.scope import Access, ScopeDenied
-from poddaemon.tools.base import ToolContext, ToolError, ToolOutcome, schema
+from poddaemon.tools.base import Stop, ToolContext, ToolError, ToolOutcome, in_thread, schema
 from poddaemon.tools.files import (
     BINARY_SNIFF_BYTES,
     is_binary,
@@ -74,7 +73,7 @@ class Glob:
         )
 
 
-def _glob(ctx: ToolContext, base: str, pattern: str, stop: "Stop") -> list[tuple[int, str]]:
+def _glob(ctx: ToolContext, base: str, pattern: str, stop: Stop) -> list[tuple[int, str]]:
     """(mtime_ns, display name) of every match the scope lets the model read."""
     parts = Path(pattern).parts
     if any("**" in part and part != "**" for part in parts):
@@ -101,7 +100,7 @@ def _glob(ctx: ToolContext, base: str, pattern: str, stop: "Stop") -> list[tuple
 
 
 def glob_paths(
-    base: str, parts: tuple[str, ...], enter: Callable[[str], bool], stop: "Stop"
+    base: str, parts: tuple[str, ...], enter: Callable[[str], bool], stop: Stop
 ) -> Iterator[str]:
     """The paths under `base` that `parts` match, as pathlib's glob finds them (a part is an
     fnmatch pattern, `*` matches dot files too; `**` is any depth of directories, this one
@@ -209,27 +208,6 @@ def _walk_files(ctx: ToolContext, base: str) -> Any:
             real = os.path.realpath(full) if os.path.islink(full) else full
             if ctx.scope.access(real) >= Access.READ:
                 yield full, real
-
-
-T = TypeVar("T")
-
-
-class Stop:
-    """Set when the tool call that started a search thread was cancelled: asyncio cannot stop
-    the thread, so it looks between files and lines (and a cancelled run's pod can exit)."""
-
-    def __init__(self) -> None:
-        self.cancelled = False
-
-
-async def in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args, stop)` in a worker thread, told to stop when this call is cancelled."""
-    stop = Stop()
-    try:
-        return await asyncio.to_thread(fn, *args, stop)
-    except asyncio.CancelledError:
-        stop.cancelled = True
-        raise
 
 
 # Without repetition or alternation a pattern matches in time linear in the line: `re` runs it

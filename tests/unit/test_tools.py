@@ -4,6 +4,7 @@ import asyncio
 import os
 import shutil
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ from poddaemon.tools import (
     execute,
     tool_specs,
 )
+from poddaemon.tools import files as files_mod
 from poddaemon.tools import search as search_mod
-from poddaemon.tools.base import FileStamp
+from poddaemon.tools.base import FileStamp, Stop
 
 
 @pytest.fixture
@@ -279,6 +281,43 @@ async def test_list_dir_sorted_with_dir_slashes(ctx: ToolContext, root: Path) ->
     assert (await call(ctx, "list_dir", path="empty")).output == "(empty directory)"
 
 
+async def test_list_dir_shows_the_first_names_and_counts_the_rest(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files_mod, "MAX_LIST_ENTRIES", 5)
+    for i in reversed(range(10)):
+        (root / f"f{i}").write_text("")
+    (root / "d").mkdir()
+    (root / "e").mkdir()
+    out = await call(ctx, "list_dir")
+    assert out.output.splitlines() == [
+        "d/",
+        "e/",
+        "f0",
+        "f1",
+        "f2",
+        "[showing the first 5 of 12 entries by name; use glob to narrow]",
+    ]
+    assert out.summary == "listed 12 entries in ."
+
+
+async def test_list_dir_reads_the_directory_off_the_event_loop(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory of millions takes seconds to read: the pod must keep answering meanwhile."""
+    threads: list[threading.Thread] = []
+    real_scandir = os.scandir
+
+    def scandir(fd: Any) -> Any:
+        threads.append(threading.current_thread())
+        return real_scandir(fd)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    (root / "x").write_text("")
+    assert (await call(ctx, "list_dir")).output == "x"
+    assert threads and threads[0] is not threading.main_thread()
+
+
 # --- glob --------------------------------------------------------------------------------------
 
 
@@ -345,7 +384,7 @@ def test_glob_paths_finds_what_pathlib_finds(root: Path, pattern: str) -> None:
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text("x")
     (root / "link").symlink_to(root / "src")  # inside: followed by a plain part, as pathlib does
-    stop = search_mod.Stop()
+    stop = Stop()
     ours = search_mod.glob_paths(str(root), Path(pattern).parts, lambda _: True, stop)
     assert sorted(ours) == sorted(str(p) for p in root.glob(pattern))
 
