@@ -3,6 +3,7 @@ output capping and `execute`, the one entry point that turns any failure into a 
 
 import asyncio
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
@@ -187,17 +188,24 @@ T = TypeVar("T")
 
 
 class Stop:
-    """Set when the tool call that started a worker thread was cancelled: asyncio cannot stop
-    the thread, so it looks between files, lines or entries (and a cancelled run's pod can
-    exit)."""
+    """What a tool's worker thread looks at between files, lines or entries: asyncio cannot
+    stop the thread when the tool call is cancelled (`cancelled`, and then a cancelled run's pod
+    can exit), and a search on a huge tree may be given a time limit (`out_of_time`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: float | None = None) -> None:
         self.cancelled = False
+        self.timed_out = False
+        self._deadline = None if seconds is None else time.monotonic() + seconds
+
+    def out_of_time(self) -> bool:
+        if self._deadline is not None and time.monotonic() >= self._deadline:
+            self.timed_out = True
+        return self.timed_out
 
 
-async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+async def in_thread(fn: Callable[..., T], *args: Any, stop: Stop | None = None) -> T:
     """`fn(*args, stop)` in a worker thread, told to stop when this call is cancelled."""
-    stop = Stop()
+    stop = stop or Stop()
     try:
         return await asyncio.to_thread(fn, *args, stop)
     except asyncio.CancelledError:

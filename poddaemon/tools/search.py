@@ -24,6 +24,7 @@ from poddaemon.tools.files import (
 MAX_GLOB_RESULTS = 500
 MAX_GREP_MATCHES = 200
 MAX_GREP_LINE_CHARS = 300
+SEARCH_SECONDS = 60.0  # a glob or grep on a huge tree answers with what it found by then
 # A longer line is searched in its first GREP_LINE_BYTES only, and the output says so: the rest
 # is never read into memory.
 GREP_LINE_BYTES = 1 << 20
@@ -58,9 +59,13 @@ class Glob:
         base = ctx.check(args.get("path", "."), Access.READ)
         if not os.path.isdir(base):
             raise ToolError(f"not a directory: {ctx.display(base)}")
-        found = await in_thread(_glob, ctx, base, pattern)
+        stop = Stop(SEARCH_SECONDS)
+        found = await in_thread(_glob, ctx, base, pattern, stop=stop)
+        late = _out_of_time_note(stop)
         if not found:
-            return ToolOutcome(output="no files match", summary=f"glob {pattern}: no matches")
+            return ToolOutcome(
+                output="no files match" + late, summary=f"glob {pattern}: no matches"
+            )
         found.sort(key=lambda item: (-item[0], item[1]))
         lines = [name for _, name in found[:MAX_GLOB_RESULTS]]
         if len(found) > MAX_GLOB_RESULTS:
@@ -68,9 +73,15 @@ class Glob:
                 f"[showing {MAX_GLOB_RESULTS} of {len(found)} matches; narrow the pattern]"
             )
         return ToolOutcome(
-            output="\n".join(lines),
+            output="\n".join(lines) + late,
             summary=f"glob {pattern}: {plural(len(found), 'match', 'matches')}",
         )
+
+
+def _out_of_time_note(stop: Stop) -> str:
+    if not stop.timed_out:
+        return ""
+    return f"\n[stopped after {SEARCH_SECONDS:g} s with what was found so far; narrow the path]"
 
 
 def _glob(ctx: ToolContext, base: str, pattern: str, stop: Stop) -> list[tuple[int, str]]:
@@ -111,7 +122,7 @@ def glob_paths(
     matchers = [re.compile(fnmatch.translate(part)).fullmatch for part in parts]
 
     def walk(directory: str, i: int) -> Iterator[str]:
-        if stop.cancelled:
+        if stop.cancelled or stop.out_of_time():
             return
         if i == len(parts):
             if directory not in seen:
@@ -166,8 +177,9 @@ class Grep:
         pattern: str = args["pattern"]
         search = compile_search(pattern, bool(args.get("ignore_case")))
         base = ctx.check(args.get("path", "."), Access.READ)
+        stop = Stop(SEARCH_SECONDS)
         matches, files, capped, long_lines = await in_thread(
-            _grep, ctx, base, search, args.get("glob")
+            _grep, ctx, base, search, args.get("glob"), stop=stop
         )
         what = f"{plural(len(matches), 'match', 'matches')} in {plural(files, 'file')}"
         if capped:
@@ -178,7 +190,9 @@ class Grep:
             mib = GREP_LINE_BYTES >> 20
             lines = plural(long_lines, "line")
             output += f"\n[{lines} over {mib} MiB: searched in their first {mib} MiB only]"
-        return ToolOutcome(output=output, summary=f"grep {pattern}: {what}")
+        return ToolOutcome(
+            output=output + _out_of_time_note(stop), summary=f"grep {pattern}: {what}"
+        )
 
 
 def _name_filter(name_glob: str | None) -> Any:
@@ -250,7 +264,7 @@ def _grep(
     files = 0
     cut = [0]  # lines searched in their first GREP_LINE_BYTES only
     for full, real in _walk_files(ctx, base):
-        if stop.cancelled:
+        if stop.cancelled or stop.out_of_time():
             break
         if not accept(os.path.relpath(full, base), os.path.basename(full)):
             continue

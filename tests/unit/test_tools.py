@@ -539,6 +539,51 @@ async def test_grep_caps_matches(
     assert "match limit 3 reached" in lines[3]
 
 
+def time_runs_out_after(checks: int) -> type[Stop]:
+    """A Stop whose search time is up after `checks` looks at the clock."""
+
+    class Late(Stop):
+        looks = 0
+
+        def out_of_time(self) -> bool:
+            Late.looks += 1
+            self.timed_out = Late.looks > checks
+            return self.timed_out
+
+    return Late
+
+
+async def test_grep_out_of_time_answers_with_what_it_found(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (root / name).write_text("hit\n")
+    monkeypatch.setattr(search_mod, "Stop", time_runs_out_after(2))  # looks before each file
+    out = await call(ctx, "grep", pattern="hit")
+    assert out.output.splitlines() == [
+        "a.txt:1:hit",
+        "b.txt:1:hit",
+        "[stopped after 60 s with what was found so far; narrow the path]",
+    ]
+    assert not out.is_error
+
+
+async def test_glob_out_of_time_answers_with_what_it_found(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("a/x.py", "b/y.py"):
+        (root / name).parent.mkdir()
+        (root / name).write_text("")
+    monkeypatch.setattr(search_mod, "Stop", time_runs_out_after(3))  # base, a dir, its file
+    out = await call(ctx, "glob", pattern="*/*.py")
+    found, note = out.output.splitlines()
+    assert found in ("a/x.py", "b/y.py")  # whichever directory the listing gave first
+    assert note == "[stopped after 60 s with what was found so far; narrow the path]"
+    monkeypatch.setattr(search_mod, "Stop", time_runs_out_after(0))
+    out = await call(ctx, "glob", pattern="*/*.py")
+    assert out.output.startswith("no files match\n[stopped after 60 s")
+
+
 async def test_a_slow_regex_is_a_tool_error_naming_the_line(
     ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
