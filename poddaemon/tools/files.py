@@ -28,6 +28,7 @@ from poddaemon.umask import current_umask
 BINARY_SNIFF_BYTES = 8192
 DEFAULT_READ_LIMIT = 2000
 MAX_LINE_CHARS = 2000
+EDIT_MAX_BYTES = 32 << 20  # edit_file holds a file ~5 times over (bytes, text, edited, encoded)
 MAX_LIST_ENTRIES = 1000  # names list_dir shows; it says how many more there are
 MAX_LINE_BYTES = 4 * MAX_LINE_CHARS + 1  # enough for MAX_LINE_CHARS of any UTF-8, and one more
 # A file no bigger than this is read a whole line at a time (no line of it can cost more), at
@@ -298,7 +299,12 @@ class EditFile:
             _require_fresh(ctx, path, st, "editing")
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
             with os.fdopen(fd, "rb") as f:
-                raw = f.read()
+                raw = f.read(EDIT_MAX_BYTES + 1)  # (the file may have grown since the stat)
+            if max(st.st_size, len(raw)) > EDIT_MAX_BYTES:
+                raise ToolError(
+                    f"{shown} is too large to edit ({max(st.st_size, len(raw)) >> 20} MiB; "
+                    f"edit_file takes files up to {EDIT_MAX_BYTES >> 20} MiB)"
+                )
             new = _edited(raw, old, new_text, shown, args.get("replace_all", False))
             stamp = FileStamp.of(atomic_write_at(dfd, name, new.encoded, st))
         finally:

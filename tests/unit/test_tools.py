@@ -232,6 +232,19 @@ async def test_edit_file_unique_replacement(ctx: ToolContext, root: Path) -> Non
     assert not out.is_error and f.read_text() == "def g():\n    return 2\n"
 
 
+async def test_edit_file_refuses_a_file_too_large_to_hold(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files_mod, "EDIT_MAX_BYTES", 3 << 20)
+    big = root / "big.log"
+    big.write_bytes(b"old\n" + b"x" * (4 << 20))
+    await read(ctx, "big.log")
+    out = await call(ctx, "edit_file", path="big.log", old_string="old", new_string="new")
+    assert out.is_error
+    assert out.output == "big.log is too large to edit (4 MiB; edit_file takes files up to 3 MiB)"
+    assert big.read_bytes().startswith(b"old\n")
+
+
 async def test_edit_file_not_found_and_multiple(ctx: ToolContext, root: Path) -> None:
     f = root / "t.txt"
     f.write_text("a b a b a\n")
