@@ -130,7 +130,11 @@ class Pod:
                 per_tool=dict(m.worker.tool_output.per_tool),
             ),
             env_passthrough=tuple(m.worker.env_passthrough),
-            env_hidden=(m.provider.api_key_var, m.compaction_provider.api_key_var),
+            env_hidden=(
+                m.provider.api_key_var,
+                m.compaction_provider.api_key_var,
+                *_mcp_vars(m),
+            ),
             sandbox_policy=services.sandbox.policy,
             policy_for_scope=self._policy_for_scope if services.sandbox.rebuild else None,
         )
@@ -575,6 +579,14 @@ class Pod:
         from poddaemon.handlers import handlers
 
         return handlers(self)
+
+
+def _mcp_vars(m: Manifest) -> list[str]:
+    """The variables the manifest hands to its MCP servers (`${VAR}` in their `env`): a token
+    given to a server is the server's, not every command's."""
+    from poddaemon.mcp.env import referenced
+
+    return [var for server in m.mcp.servers for var in referenced(server.env)]
 
 
 class _LiveScope:

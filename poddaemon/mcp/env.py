@@ -33,6 +33,11 @@ def expand(value: str, environ: Mapping[str, str], key: str = "") -> str:
     return _VAR.sub(sub, value)
 
 
+def referenced(env: Mapping[str, str]) -> list[str]:
+    """The names of the pod's variables that `env` hands to a server (its `${VAR}`s)."""
+    return [m[1] for value in env.values() for m in _VAR.finditer(value)]
+
+
 def server_env(env: Mapping[str, str], environ: Mapping[str, str]) -> dict[str, str]:
     """The whole environment of a stdio server: the inherited basics, then `env` expanded."""
     out = {

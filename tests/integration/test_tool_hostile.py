@@ -49,6 +49,24 @@ def test_bash_commands_do_not_see_a_provider_key_with_a_name_of_its_own(env: Env
     assert "MY_LLM_CREDS" not in followup and "the-real-key" not in followup
 
 
+def test_bash_commands_do_not_see_a_variable_the_manifest_hands_to_an_mcp_server(
+    env: Env,
+) -> None:
+    # `SVC_SETTING` looks like no credential: only where the manifest sends it says it is one.
+    env.env["SVC_SETTING"] = "server-only-value"
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": "env; echo END-OF-ENV"}}]},
+        {"text": "seen"},
+    )
+    server = '[[mcp.servers]]\nname = "svc"\ncommand = ["true"]\nenv = { S = "${SVC_SETTING}" }\n'
+    pod = env.start("mcpenv", tools=["bash"], extra=server)  # the server fails; not required
+    with pod.client() as c:
+        assert c.run_wait("show env").outcome == "finished"
+    followup = str(env.model.requests[1]["body"])
+    assert "END-OF-ENV" in followup and "PODDAEMON_HOME=" in followup
+    assert "SVC_SETTING" not in followup and "server-only-value" not in followup
+
+
 def test_a_regex_that_backtracks_for_ever_is_a_tool_error_and_the_pod_keeps_answering(
     env: Env,
 ) -> None:
