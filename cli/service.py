@@ -120,6 +120,9 @@ def restart(pod: PodArg) -> None:
     A unit pod is restarted by systemd; any other pod from its kept configuration
     (<data>/pods/NAME.toml, written when it started).
     """
+    from protocol import paths
+
+    paths.check_private_dirs()  # the kept configuration grants scope: it must be ours alone
     status = _live_status(pod)
     name = str(status["name"]) if status is not None else pod
     unit = pod_unit(pod, status)
@@ -286,10 +289,13 @@ def logs(
     From the journal for a pod run by its systemd unit, else from
     <runtime>/pods/NAME/stderr.log.
     """
+    from protocol import paths
+
     try:
         after = None if since is None else parse_since(since)
     except ValueError as exc:
         fail(str(exc), EXIT_USAGE)
+    paths.check_private_dirs()  # another user could have written the log file we would show
     status = _live_status(pod)
     name = str(status["name"]) if status is not None else pod
     unit = pod_unit(pod, status)

@@ -15,6 +15,7 @@ app.add_typer(sessions_app, name="sessions")
 def _sessions_dir() -> Any:
     from protocol import paths
 
+    paths.check_private_dirs()  # a log another user could plant is no evidence of anything
     return paths.sessions_dir()
 
 

@@ -269,7 +269,18 @@ def test_other_uid_with_a_squatted_tmp_runtime_dir_gets_one_line(other: Other) -
     assert err.startswith(f"poddaemon: runtime directory {squat} is owned by uid 0")
 
 
-@pytest.mark.parametrize("command", [["ls"], ["status", "anypod"], ["notify", "anypod", "hi"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ls"],
+        ["status", "anypod"],
+        ["notify", "anypod", "hi"],
+        ["sessions", "list"],  # session logs there may be another user's forgeries
+        ["sessions", "verify", "01a20bcd-effe-76ac-9445-142c4fb87450"],
+        ["logs", "anypod"],
+        ["restart", "anypod"],  # its kept configuration grants scope
+    ],
+)
 def test_podctl_refuses_a_home_others_can_write_in_one_line(env: Env, command: list[str]) -> None:
     os.chmod(env.home, 0o777)
     try:
