@@ -2,12 +2,14 @@
 hostile clients and other users meet it. Real pods, real sockets, real socat."""
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -22,7 +24,7 @@ from protocol import PodClient, RpcError, oneshot
 from protocol.aio import AsyncPodClient
 from protocol.errors import Busy, FrameTooLarge, NotPaused, QueueFull, UnsafeSocket
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES
-from tests.conftest import Env, PodProcess
+from tests.conftest import ROOT, Env, PodProcess
 
 NOTIFY_LINE = b'{"jsonrpc":"2.0","id":1,"method":"notify","params":{"message":"hi"}}\n'
 
@@ -451,6 +453,86 @@ def test_client_refuses_a_socket_file_chowned_to_another_user(env: Env) -> None:
     assert "belongs to uid 65534" in proc.stderr
     os.chown(pod.socket, 0, 0)
     assert history_notes(pod) == []  # nothing was delivered
+
+
+@pytest.fixture
+def roots_socket() -> Iterator[Path]:
+    """A socket root binds and serves in a directory everyone may enter: any uid can connect."""
+    d = Path(tempfile.mkdtemp(prefix="root", dir="/tmp"))
+    os.chmod(d, 0o755)
+    path = d / "sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    os.chmod(path, 0o777)
+    server.listen()
+    got: list[bytes] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = server.accept()
+            with conn:
+                conn.settimeout(5)
+                got.append(conn.recv(100))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        server.close()
+        thread.join(10)
+        shutil.rmtree(d, ignore_errors=True)
+        assert got in ([], [b""]), f"the client sent data: {got}"
+
+
+def _python_for(uid: int) -> str | None:
+    """A system python of this minor version that `uid` may run (pyenv's lives under /root)."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        probe = (
+            subprocess.run(
+                [candidate, "-c", "import sys; print(sys.version_info[:2])"],
+                capture_output=True,
+                text=True,
+                user=uid,
+            )
+            if os.path.exists(candidate)
+            else None
+        )
+        if probe is not None and probe.stdout.strip() == str(sys.version_info[:2]):
+            return candidate
+    return None
+
+
+@needs_root
+def test_a_user_refuses_a_socket_root_owns(roots_socket: Path) -> None:
+    """SPEC §2: a client checks that the socket belongs to its own uid; root's is not its own
+    (a root pod would refuse this user anyway, after the request had gone out)."""
+    python = _python_for(NOBODY)
+    if python is None:
+        pytest.skip(f"no system python {sys.version_info[:2]} that uid {NOBODY} can run")
+    code = (
+        "import sys\n"
+        "from protocol import oneshot\n"
+        "from protocol.errors import UnsafeSocket\n"
+        "try:\n"
+        "    oneshot.call(sys.argv[1], 'status', timeout=5)\n"
+        "except UnsafeSocket as exc:\n"
+        "    print(exc)\n"
+    )
+    site = sysconfig.get_paths()["purelib"]
+    proc = subprocess.run(
+        [python, "-c", code, str(roots_socket)],
+        env={"PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "PATH": "/usr/bin:/bin"},
+        cwd="/",
+        user=NOBODY,
+        group=NOBODY,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.stdout.strip() == (
+        f"socket {roots_socket} belongs to uid 0, not to you (uid {NOBODY}): refusing to use it"
+    ), proc.stdout + proc.stderr
 
 
 def test_own_socket_is_accepted(env: Env) -> None:
