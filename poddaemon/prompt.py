@@ -65,7 +65,7 @@ def load_instruction(
                 return Instruction(f.read(), instruction_file)
         except OSError as exc:
             raise PromptError(
-                f"worker.instruction_file: cannot read {instruction_file}: {exc.strerror}"
+                f"{origin}: worker.instruction_file: cannot read {instruction_file}: {exc.strerror}"
             ) from None
     return Instruction(instruction or "", f"{origin}: worker.instruction")
 

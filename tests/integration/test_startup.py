@@ -181,6 +181,22 @@ def test_missing_pwd_is_reported_as_missing(env: Env) -> None:
     assert err == f"poddaemon: {manifest}: pod.pwd: {missing} does not exist\n"
 
 
+def test_missing_instruction_file_names_the_manifest_and_the_field(env: Env) -> None:
+    # SPEC §3: every error names the file and field; here the file is the manifest.
+    manifest = env.manifest("noprompt")
+    text = manifest.read_text().replace(
+        'instruction = "You are a test pod."', 'instruction_file = "prompts/gone.md"'
+    )
+    manifest.write_text(text)
+    proc = env.popen(str(manifest))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 1
+    assert err == (
+        f"poddaemon: {manifest}: worker.instruction_file: cannot read "
+        f"{env.work}/prompts/gone.md: No such file or directory\n"
+    )
+
+
 # --- item 22: the name is free as soon as the pod stops, whatever is still in flight -------------
 
 
