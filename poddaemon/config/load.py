@@ -396,16 +396,27 @@ def _key_lines(text: str) -> dict[Key, int]:
 # --- paths -----------------------------------------------------------------------------------
 
 
-def _resolve_paths(m: Manifest, path: Path) -> Manifest:
-    """Make every path absolute: pwd from the manifest's directory, the rest from pwd.
+def _absolute(path: str) -> str:
+    """`path` made absolute and normalised, meaning what it means to the kernel.
 
-    Only normalised (`abspath`), not resolved: symlinks are scope's business.
+    Symlinks stay as written (they are scope's business), except before a `..`: `link/..` is
+    the parent of where `link` points, which `abspath` would get wrong.
     """
+    parts = os.path.join(os.getcwd(), path).split(os.sep)
+    if ".." not in parts:
+        return os.path.normpath(os.sep.join(parts))
+    last = len(parts) - parts[::-1].index("..")  # just past the last `..`
+    head = os.path.realpath(os.sep.join(parts[:last]))
+    return os.path.normpath(os.path.join(head, *parts[last:]))
+
+
+def _resolve_paths(m: Manifest, path: Path) -> Manifest:
+    """Make every path absolute: pwd from the manifest's directory, the rest from pwd."""
 
     def under(base: str, p: str) -> str:
-        return os.path.abspath(os.path.join(base, os.path.expanduser(p)))
+        return _absolute(os.path.join(base, os.path.expanduser(p)))
 
-    source = os.path.abspath(path)
+    source = _absolute(os.fspath(path))
     pwd = under(os.path.dirname(source), m.pod.pwd)
 
     def rules(rs: list[ScopeRule]) -> list[ScopeRule]:

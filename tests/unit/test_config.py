@@ -396,6 +396,21 @@ def test_paths_are_not_resolved_through_symlinks(tmp_path: Path) -> None:
     assert m.scope.allow[0].target == str(tmp_path / "link")
 
 
+def test_dotdot_after_a_symlink_leaves_the_symlinks_target(tmp_path: Path) -> None:
+    # `link/..` is the parent of where `link` points, for the kernel and for `cat`: a manifest
+    # reached that way is read from there, so its relative paths start there too (SPEC §3), and
+    # a target written so means that place (SPEC §4: resolved, symlinks and `..`).
+    (tmp_path / "far/deep").mkdir(parents=True)
+    (tmp_path / "near").mkdir()
+    (tmp_path / "near/link").symlink_to(tmp_path / "far/deep")
+    write(MINIMAL.replace('name = "reviewer"', 'name = "reviewer"\npwd = "ws"'), "far/m.toml")
+    write(MINIMAL.replace('target = "."', 'target = "link/../x"'), "near/m.toml")
+    far = load_manifest("near/link/../m.toml")
+    assert (far.source, far.pod.pwd) == (str(tmp_path / "far/m.toml"), str(tmp_path / "far/ws"))
+    near = load_manifest("near/m.toml")
+    assert near.scope.allow[0].target == str(tmp_path / "far/x")
+
+
 def test_home_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     m = load_manifest(write(MINIMAL.replace('target = "."', 'target = "~/notes"')))
