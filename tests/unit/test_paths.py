@@ -131,3 +131,33 @@ def test_ensure_private_dirs_and_the_client_check(
     os.chmod(runtime, 0o777)
     with pytest.raises(UnsafeDirectory, match=f"runtime directory {runtime} is writable"):
         check_private_dirs()
+
+
+DIR_VARS = ("PODDAEMON_CONFIG_DIR", "PODDAEMON_DATA_DIR", "PODDAEMON_RUNTIME_DIR")
+
+
+def test_each_dir_is_its_variable_else_under_home_else_platformdirs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # SPEC §2's table, and "empty variables count as unset".
+    import platformdirs
+
+    monkeypatch.setenv("PODDAEMON_HOME", "/h")
+    for var, value in zip(DIR_VARS, ("/c", "/d", "/r"), strict=True):
+        monkeypatch.setenv(var, value)
+    assert [paths.config_dir(), paths.data_dir(), paths.runtime_dir(), paths.log_dir()] == [
+        Path(p) for p in ("/c", "/d", "/r", "/h/log")
+    ]
+    for var in DIR_VARS:
+        monkeypatch.setenv(var, "")
+    assert [paths.config_dir(), paths.data_dir(), paths.runtime_dir(), paths.log_dir()] == [
+        Path(p) for p in ("/h/config", "/h/data", "/h/run", "/h/log")
+    ]
+    monkeypatch.setenv("PODDAEMON_HOME", "")
+    assert paths.config_dir() == Path(platformdirs.user_config_dir("poddaemon"))
+    assert paths.data_dir() == Path(platformdirs.user_data_dir("poddaemon"))
+    assert paths.log_dir() == Path(platformdirs.user_log_dir("poddaemon"))
+    assert paths.runtime_dir().name == "poddaemon"  # user_runtime_dir (it warns without XDG)
+    assert paths.registry_path() == paths.runtime_dir() / "pods.json"
+    assert paths.socket_path("a") == paths.runtime_dir() / "pods" / "a" / "sock"
+    assert paths.defaults_path() == paths.config_dir() / "defaults.toml"
