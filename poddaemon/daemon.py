@@ -230,7 +230,7 @@ def run_pod(args: "argparse.Namespace") -> int:
     try:
         try:
             paths.ensure_dir(pod_dir)
-            (pod_dir / "pid").write_text(f"{os.getpid()}\n")
+            paths.write_private(pod_dir / "pid", f"{os.getpid()}\n")
             _keep_config(manifest, args.callback if args.adopt else None)
         except OSError as exc:
             raise StartupError(os_error_line(exc)) from None
@@ -307,7 +307,7 @@ def _replace_file(target: Path, text: str) -> None:
     disk) names `target` and leaves no temporary file behind."""
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     try:
-        tmp.write_text(text)
+        paths.write_private(tmp, text)  # a kept configuration grants scope on restart
         os.replace(tmp, target)
     except OSError as exc:
         with contextlib.suppress(OSError):

@@ -368,7 +368,7 @@ class Children:
         pod = self.pod
         folder = paths.ensure_dir(paths.data_dir() / "pods")
         path = folder / f".spawn-{name}-{os.getpid()}.toml"
-        path.write_text(manifest.to_toml())
+        paths.write_private(path, manifest.to_toml())  # the child's scope: ours alone to write
         cmd = [
             sys.executable,
             "-P",

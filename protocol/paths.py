@@ -156,6 +156,15 @@ def ensure_dir(path: Path, what: str = "directory") -> Path:
     return path
 
 
+def write_private(path: Path, text: str) -> None:
+    """Write `path` whole as UTF-8, mode 0600 whatever the umask (an existing file too): what
+    a pod keeps on disk is nobody else's to read or change, wherever its directory came from."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with open(fd, "w", encoding="utf-8") as f:
+        os.fchmod(fd, 0o600)
+        f.write(text)
+
+
 def ensure_private_dirs() -> tuple[Path, Path]:
     """For a pod: the home (when set), data and runtime directories, created 0700 and checked.
     Returns `(data, runtime)`."""

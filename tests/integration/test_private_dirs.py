@@ -80,6 +80,10 @@ def test_every_directory_is_created_0700_under_umask_0(env: Env) -> None:
         assert {str(d): oct(mode(d)) for d in dirs} == {str(d): "0o700" for d in dirs}
         assert oct(mode(home / "run" / "pods.json")) == "0o600"
         assert oct(mode(sock)) == "0o600"
+        # A kept configuration grants scope on `podctl restart`: nobody else may write it, even
+        # where its directory was made beforehand and readable by others.
+        files = [home / "run" / "pods" / "private" / "pid", home / "data" / "pods" / "private.toml"]
+        assert {str(f): oct(mode(f)) for f in files} == {str(f): "0o600" for f in files}
         with PodClient.connect(sock) as c:
             c.shutdown()
         assert proc.wait(20) == 0

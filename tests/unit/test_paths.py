@@ -161,3 +161,17 @@ def test_each_dir_is_its_variable_else_under_home_else_platformdirs(
     assert paths.registry_path() == paths.runtime_dir() / "pods.json"
     assert paths.socket_path("a") == paths.runtime_dir() / "pods" / "a" / "sock"
     assert paths.defaults_path() == paths.config_dir() / "defaults.toml"
+
+
+def test_write_private_makes_a_file_0600_whatever_the_umask(tmp: Path) -> None:
+    old = tmp / "old"
+    old.write_text("before, and longer")
+    os.chmod(old, 0o666)
+    mask = os.umask(0)
+    try:
+        paths.write_private(tmp / "new", "new")
+        paths.write_private(old, "after")
+    finally:
+        os.umask(mask)
+    assert (mode(tmp / "new"), mode(old)) == (0o600, 0o600)
+    assert old.read_text() == "after"
