@@ -112,7 +112,12 @@ def check_dir(path: Path, what: str = "directory") -> None:
     group or others, under parents nobody else can rename it in. `what` names it in the message
     ("home directory", ...). A missing `path` raises FileNotFoundError."""
     me = os.geteuid()
-    st = os.stat(path)
+    try:
+        st = os.stat(path)
+    except PermissionError:  # behind a directory we may not enter: someone else's
+        raise UnsafeDirectory(
+            f"{what} {path} is out of your reach (permission denied): refusing it"
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeDirectory(f"{what} {path} is not a directory")
     if st.st_uid != me:
@@ -141,6 +146,11 @@ def check_dir(path: Path, what: str = "directory") -> None:
 def ensure_dir(path: Path, what: str = "directory") -> Path:
     """Create `path` and any missing parents with mode 0700, whatever the umask, then
     `check_dir` it. An existing directory keeps its mode (if it passes the check)."""
+    try:
+        check_dir(path, what)
+        return path  # there already, the usual case
+    except FileNotFoundError:
+        pass  # (and one we may not even look at is refused, not made)
     missing: list[Path] = []
     p = Path(os.path.abspath(path))
     while not os.path.lexists(p):
@@ -183,8 +193,12 @@ def check_private_dirs() -> None:
         (data_dir(), "data directory"),
         (runtime_dir(), "runtime directory"),
     ):
-        if path is not None and os.path.lexists(path):
+        if path is None:
+            continue
+        try:
             check_dir(path, what)
+        except FileNotFoundError:
+            continue  # (not lexists: that is False for a path we may not even look at)
 
 
 def sessions_dir() -> Path:

@@ -178,6 +178,12 @@ class Other:
             os.chown(p, OTHER_UID, OTHER_UID)
 
     def run(self, **env: str) -> subprocess.CompletedProcess[str]:
+        return self._as_other(["-m", "poddaemon", "run", str(self.manifest)], env)
+
+    def podctl(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return self._as_other(["-m", "cli", *args], env)
+
+    def _as_other(self, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
         site = sysconfig.get_paths()["purelib"]
         full = {
             "PATH": "/usr/bin:/bin",
@@ -189,7 +195,7 @@ class Other:
             **env,
         }
         return subprocess.run(
-            [self.python, "-m", "poddaemon", "run", str(self.manifest)],
+            [self.python, *argv],
             env=full,
             cwd=self.mine,
             user=OTHER_UID,
@@ -271,6 +277,28 @@ def test_other_uid_with_a_squatted_tmp_runtime_dir_gets_one_line(other: Other) -
     finally:
         shutil.rmtree(squat, ignore_errors=True)
     assert err.startswith(f"poddaemon: runtime directory {squat} is owned by uid 0")
+
+
+@pytest.mark.parametrize("command", [["ls"], ["status", "anypod"], ["sessions", "list"]])
+def test_other_uid_gets_one_line_for_a_home_it_cannot_reach(
+    other: Other, command: list[str]
+) -> None:
+    # Whether it exists or not, a home behind another user's closed door is not ours to use.
+    hidden = other.base / "hidden"
+    hidden.mkdir(mode=0o700)  # root's
+    home = hidden / "home"
+    proc = other.podctl(*command, PODDAEMON_HOME=str(home))
+    assert proc.returncode == 1, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("podctl: ") and line.endswith(
+        f"home directory {home} is out of your reach (permission denied): refusing it"
+    )
+    if command == ["ls"]:  # and the pod itself, once
+        err = one_line_failure(other.run(PODDAEMON_HOME=str(home)))
+        assert err == (
+            f"poddaemon: home directory {home} is out of your reach (permission denied): "
+            "refusing it\n"
+        )
 
 
 @pytest.mark.parametrize(
