@@ -252,6 +252,24 @@ def test_defaults_come_from_the_config_dir_by_default(tmp_path: Path) -> None:
     assert load_manifest(write(MINIMAL)).worker.max_turns == 3
 
 
+def test_defaults_another_user_could_change_are_refused(tmp_path: Path) -> None:
+    # They go under every manifest (tools, instruction, provider URL), as ssh's config does.
+    defaults = Path(write("[worker]\nmax_turns = 3\n", "config/defaults.toml"))
+    os.chmod(defaults, 0o666)
+    with pytest.raises(ManifestError) as info:
+        load_manifest(write(MINIMAL))
+    assert str(info.value) == (
+        f"{defaults.resolve()}: writable by group or others (mode 0666): refusing it; "
+        f"run chmod go-w {defaults.resolve()}"
+    )
+    os.chmod(defaults, 0o644)
+    os.chmod(defaults.parent, 0o777)
+    with pytest.raises(ManifestError, match=r"defaults.toml: config directory .* is writable by"):
+        load_manifest(write(MINIMAL))
+    os.chmod(defaults.parent, 0o755)
+    assert load_manifest(write(MINIMAL)).worker.max_turns == 3
+
+
 def test_defaults_instruction_gives_way_to_the_manifests_instruction_file() -> None:
     defaults = '[worker]\ninstruction = "generic"\n'
     write(defaults, "defaults.toml")
