@@ -864,8 +864,11 @@ class Machine:
         if original == "":
             return  # a conflicting key: answered
         if original is not None:
+            assert key is not None
             if wait:
                 self._wait_for(token, original)
+            elif s.run_keys[key][2]:  # a steer: into the run it joined, as then
+                self._reply(token, RunResult(run_id=original, state="steered"), durable=True)
             else:
                 queued = original in s.pending_runs
                 result = RunResult(run_id=original, state="queued" if queued else "started")
@@ -885,7 +888,10 @@ class Machine:
             self._commit(
                 UserInput(text=text, mode="steer", run_id=active, id=steer_id, client_key=key)
             )
-            self._reply(token, RunResult(run_id=active, state="steered"), durable=True)
+            if wait:  # answered when the run it joined ends, as any `wait`
+                self._waiters.setdefault(active, []).append(token)
+            else:
+                self._reply(token, RunResult(run_id=active, state="steered"), durable=True)
             return
         run_id = self.new_id()
         busy = active is not None or s.pending_runs or self._compacting is not None

@@ -90,8 +90,9 @@ class SessionState(msgspec.Struct):
     pending_runs: dict[str, PendingRun] = msgspec.field(default_factory=dict)
     pending_inputs: dict[str, PendingInput] = msgspec.field(default_factory=dict)
     system_prompt: str = ""
-    # client_key -> (input, id), one namespace per method: a run key never matches a notify.
-    run_keys: dict[str, tuple[str, str]] = msgspec.field(default_factory=dict)
+    # client_key -> (input, run id, steered), one namespace per method: a run key never
+    # matches a notify. A steer's run id is the run it joined.
+    run_keys: dict[str, tuple[str, str, bool]] = msgspec.field(default_factory=dict)
     notify_keys: dict[str, tuple[str, str, bool]] = msgspec.field(default_factory=dict)
     usage_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
     usage: Usage = msgspec.field(default_factory=Usage)
@@ -142,7 +143,11 @@ class SessionState(msgspec.Struct):
             "history": [item_to_builtins(i) for i in self.history],
             "pending_runs": [msgspec.structs.asdict(r) for r in self.pending_runs.values()],
             "pending_inputs": [msgspec.structs.asdict(p) for p in self.pending_inputs.values()],
-            "run_keys": {k: list(v) for k, v in self.run_keys.items()},
+            # [input, run id] ([..., "steer"] for a steer): entries.SessionStart's strings.
+            "run_keys": {
+                k: [text, rid, "steer"] if steered else [text, rid]
+                for k, (text, rid, steered) in self.run_keys.items()
+            },
             "notify_keys": {k: list(v) for k, v in self.notify_keys.items()},
             "usage": msgspec.to_builtins(self.usage),
             "usage_calls": self.usage_calls,
@@ -153,7 +158,7 @@ class SessionState(msgspec.Struct):
             # Outcomes a keyed retry with wait=True may still ask for.
             "run_outcomes": {
                 rid: self.run_outcomes[rid]
-                for _, rid in self.run_keys.values()
+                for _, rid, _ in self.run_keys.values()
                 if rid in self.run_outcomes
             },
         }
@@ -221,14 +226,14 @@ def _apply(s: SessionState, e: Entry) -> None:
         case UserInput(mode="steer"):
             s.add_pending(PendingInput(e.id or "", "steer", e.text, "user", e.ts))
             if e.client_key:
-                s.run_keys[e.client_key] = (e.text, e.id or "")
+                s.run_keys[e.client_key] = (e.text, e.run_id or "", True)
         case UserInput():
             run_id = e.run_id or ""
             if e.client_key and e.client_key.startswith(SPAWNER_KEY):
                 s.spawner_runs.add(run_id)
             s.pending_runs[run_id] = PendingRun(run_id, e.text, e.client_key, e.context, e.ts)
             if e.client_key:
-                s.run_keys[e.client_key] = (e.text, run_id)
+                s.run_keys[e.client_key] = (e.text, run_id, False)
         case SystemItem():
             s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts, e.context))
             if e.client_key:
@@ -349,7 +354,8 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
         s.add_pending(PendingInput(p.id, p.kind, p.text, p.source, p.ts, p.context))
     # Before 0.2 keys shared one namespace; such a fork's keys count for both methods.
     legacy = {k: (v[0], v[1]) for k, v in e.client_keys.items()}
-    s.run_keys = {**legacy, **{k: (v[0], v[1]) for k, v in e.run_keys.items()}}
+    s.run_keys = {k: (text, input_id, False) for k, (text, input_id) in legacy.items()}
+    s.run_keys.update((k, (v[0], v[1], v[2:] == ["steer"])) for k, v in e.run_keys.items())
     s.notify_keys = {k: (text, input_id, False) for k, (text, input_id) in legacy.items()}
     s.notify_keys.update(
         (k, (str(v[0]), str(v[1]), len(v) > 2 and v[2] is True)) for k, v in e.notify_keys.items()

@@ -1,6 +1,7 @@
 """Issue 3: the agent loop through each wire format: real SDK <-> fake server <-> real pod."""
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -185,6 +186,53 @@ def test_steer_reaches_the_model_inside_the_active_run(env: Env) -> None:
         events = collect_run(c, run.run_id)
     assert len([e for e in events if e.type == "run.finished"]) == 1
     assert "also: be brief" in str(env.model.requests[1]["body"])
+
+
+def test_steer_with_wait_answers_when_the_run_it_joined_ends(env: Env) -> None:
+    """`run {mode: steer, wait: true}` answers as any `wait` does (SPEC §5): `{run_id,
+    outcome, text, usage}` once the run it was steered into ends, not `{state: steered}`."""
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"},
+        {"text": "done, briefly"},
+    )
+    pod = env.start("steerwait")
+    with pod.client() as c, ThreadPoolExecutor(1) as pool:
+        run = c.run("list things")
+        env.model.wait_for_requests(1)
+        with pod.client() as other:
+            waiting = pool.submit(other.run_wait, "also: be brief", mode="steer")
+            wait_until(lambda: c.status().queue.runs == 0 and "brief" in str(pod.call("history")))
+            env.model.open_gate("g")
+            result = waiting.result(timeout=30)
+    assert (result.run_id, result.outcome, result.text) == (run.run_id, "finished", "done, briefly")
+    assert result.usage.calls == 2
+
+
+def test_a_keyed_steer_retried_answers_its_original_result(env: Env) -> None:
+    """Same client_key and input: the original result (SPEC §5), `steered` into the same run,
+    and with `wait` that run's end, not a run that does not exist."""
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"},
+        {"text": "steered answer"},
+    )
+    pod = env.start("steerkey")
+    with pod.client() as c, ThreadPoolExecutor(1) as pool:
+        run = c.run("list things")
+        env.model.wait_for_requests(1)
+        first = c.run("also this", mode="steer", client_key="s1")
+        again = c.run("also this", mode="steer", client_key="s1")
+        assert (first.run_id, first.state) == (run.run_id, "steered")
+        assert (again.run_id, again.state, again.position) == (run.run_id, "steered", None)
+        with pod.client() as other:
+            waiting = pool.submit(other.run_wait, "also this", mode="steer", client_key="s1")
+            env.model.open_gate("g")
+            result = waiting.result(timeout=30)
+    assert (result.run_id, result.outcome, result.text) == (
+        run.run_id,
+        "finished",
+        "steered answer",
+    )
+    assert len(env.model.requests) == 2
 
 
 def test_cancel_kills_a_hanging_bash_group(env: Env) -> None:

@@ -44,7 +44,7 @@ def test_a_v1_session_folds_to_the_same_state() -> None:
     # Keys were one namespace in 0.1: a run key and a notify key both still replay.
     legacy = expected["client_keys"]
     assert {k: list(v) for k, v in state.run_keys.items()} == {
-        k: v for k, v in legacy.items() if k.startswith("k-run")
+        k: [*v, False] for k, v in legacy.items() if k.startswith("k-run")
     }
     assert {k: list(v) for k, v in state.notify_keys.items()} == {
         k: [*v, False]  # a notification's `wakes` was not logged: a retry says false, as then

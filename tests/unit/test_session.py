@@ -153,7 +153,7 @@ def test_steer_input_is_delivered_as_a_user_message_before_the_notes() -> None:
     s = state_of(log)
     assert s.pending_steers == 1 and s.pending_notifications == 1
     assert s.pending_inputs["s1"].source == "user"
-    assert s.run_keys["ks"] == ("also check y", "s1")
+    assert s.run_keys["ks"] == ("also check y", "r1", True)  # the run it joined
     ids, items = s.deliverable()
     assert ids == ["n1", "s1"]
     assert items[0] == UserMessage(text="also check y")
@@ -355,8 +355,19 @@ def test_client_keys_for_runs_steers_and_notifications() -> None:
     s = state_of(log)
     # Keys are per method: a run key (queue or steer) never matches a notify key. A notify key
     # keeps whether it woke the pod: its retry answers the same.
-    assert s.run_keys == {"k1": ("a", "r1"), "k2": ("b", "s1")}
+    assert s.run_keys == {"k1": ("a", "r1", False), "k2": ("b", "r1", True)}
     assert s.notify_keys == {"k3": ("c", "n1", False), "k4": ("e", "n2", True)}
+
+
+def test_a_fork_keeps_which_run_keys_were_steers() -> None:
+    log = Log()
+    log.start()
+    log.add("user_input", run_id="r1", text="a", mode="queue", client_key="k1")
+    log.add("user_input", id="s1", run_id="r1", text="b", mode="steer", client_key="k2")
+    snap = state_of(log).snapshot()
+    forked = Log()
+    forked.start(run_keys=snap["run_keys"])
+    assert state_of(forked).run_keys == {"k1": ("a", "r1", False), "k2": ("b", "r1", True)}
 
 
 def test_session_start_carries_pending_work_and_a_paused_run() -> None:
