@@ -869,10 +869,12 @@ class Machine:
                 self._wait_for(token, original)
             elif s.run_keys[key][2]:  # a steer: into the run it joined, as then
                 self._reply(token, RunResult(run_id=original, state="steered"), durable=True)
-            else:
-                queued = original in s.pending_runs
-                result = RunResult(run_id=original, state="queued" if queued else "started")
+            elif original in s.pending_runs:  # still waiting: where it stands now
+                position = list(s.pending_runs).index(original) + 1
+                result = RunResult(run_id=original, state="queued", position=position)
                 self._reply(token, result, durable=True)
+            else:
+                self._reply(token, RunResult(run_id=original, state="started"), durable=True)
             return
         if self.budget_exhausted():
             self._error(token, errors.BUDGET_EXHAUSTED, self.budget_message())

@@ -92,6 +92,22 @@ def test_runs_queue_fifo_with_positions_and_start_in_order() -> None:
     assert isinstance(d.inflight, CallModel) and d.inflight.items[-1].text == "third"
 
 
+def test_a_keyed_retry_of_a_queued_run_answers_queued_with_its_position() -> None:
+    d = Driver()
+    d.call("run", "first")
+    d.call("run", "second")
+    third = d.answer(d.call("run", "third", client_key="k")).result
+    again = d.answer(d.call("run", "third", client_key="k")).result
+    assert (third.state, third.position) == ("queued", 2)
+    assert (again.run_id, again.state, again.position) == (third.run_id, "queued", 2)
+    d.model("one")  # the first run ends: one run ahead of it now
+    moved = d.answer(d.call("run", "third", client_key="k")).result
+    assert (moved.state, moved.position) == ("queued", 1)
+    d.model("two")
+    started = d.answer(d.call("run", "third", client_key="k")).result
+    assert (started.run_id, started.state, started.position) == (third.run_id, "started", None)
+
+
 def test_steer_reaches_the_next_request_and_a_final_answer_gets_another_round() -> None:
     d = Driver()
     d.call("run", "task")
