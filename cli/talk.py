@@ -56,16 +56,16 @@ def send(
         bool,
         typer.Option(
             "--steer",
-            help="Deliver into the active run instead of queueing (an idle pod starts a run "
-            "for it); only submits, as --no-wait does.",
+            help="Deliver into the active run instead of queueing, and stream the rest of "
+            "that run (an idle pod starts a run for it).",
         ),
     ] = False,
     as_json: Annotated[
         bool,
         typer.Option(
             "--json",
-            help="Print the final run.finished data as JSON (with --no-wait or --steer: "
-            "the run's run_id, state and position).",
+            help="Print the final run.finished data as JSON (with --no-wait: the run's "
+            "run_id, state and position).",
         ),
     ] = False,
 ) -> None:
@@ -86,17 +86,18 @@ def send(
     from protocol.errors import ConnectionClosed
 
     text = read_message(message)
+    mode: Literal["queue", "steer"] = "steer" if steer else "queue"
     with connect(pod) as client:
-        if steer or no_wait:
-            result = _submit(client, text, "steer" if steer else "queue")
+        if no_wait:
+            result = _submit(client, text, mode)
             if as_json:
                 print_json(msgspec.to_builtins(result))
             else:
                 sys.stdout.write(f"{result.run_id} {result.state}\n")
             return
         client.subscribe()
-        result = _submit(client, text)
-        run_id = result.run_id
+        result = _submit(client, text, mode)
+        run_id = result.run_id  # steered: the run it joined, followed to its end
         if result.state == "queued" and sys.stderr.isatty():
             position = f" (position {result.position})" if result.position is not None else ""
             sys.stderr.write(f"podctl: run {run_id} queued{position}\n")

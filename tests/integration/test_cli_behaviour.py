@@ -186,6 +186,38 @@ def test_cancelled_run_exits_1_and_missing_pod_3(env: Env) -> None:
     assert env.podctl("send", "ghost", "hi").returncode == 3
 
 
+def test_send_steer_streams_the_reply_of_the_run_it_joins(env: Env) -> None:
+    """`send` streams the reply and exits by the run's outcome (SPEC §6); `--steer` only
+    chooses the mode (into the active run), `--no-wait` alone only submits."""
+    pod = env.start("steer")
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"},
+        {"text": "took the steer"},
+    )
+    with pod.client() as c:
+        run = c.run("work")
+    env.model.wait_for_requests(1)
+    send = env.podctl_popen("send", "steer", "--steer", "be brief")
+    try:
+        wait_until(lambda: "be brief" in str(pod.call("history")), what="the steer")
+        env.model.open_gate("g")
+        out, err = send.communicate(timeout=30)
+    finally:
+        env.model.open_gate("g")
+        if send.poll() is None:
+            send.kill()
+            send.wait()
+    assert (send.returncode, out) == (0, "took the steer\n"), err
+    assert "be brief" in str(env.model.requests[1]["body"])
+    idle = env.podctl("send", "steer", "--steer", "hello", "--json")  # an idle pod: a new run
+    assert idle.returncode == 0, idle.stderr
+    finished = json.loads(idle.stdout)
+    assert (finished["outcome"], finished["text"]) == ("finished", "ok: hello")
+    assert finished["run_id"] != run.run_id
+    submitted = env.podctl("send", "steer", "--steer", "--no-wait", "again")
+    assert submitted.returncode == 0 and submitted.stdout.split()[1] == "started"
+
+
 # --- item 20: the fake model prints the base_url each kind needs --------------------------------
 
 
