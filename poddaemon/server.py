@@ -97,7 +97,7 @@ def _guess_id(line: bytes) -> Any:
         return id_from_head(line[:HEAD_BYTES])
     if isinstance(obj, dict):
         rid = obj.get("id")
-        if isinstance(rid, int | str) and not isinstance(rid, bool):
+        if isinstance(rid, int | float | str) and not isinstance(rid, bool):
             return rid
     return None
 

@@ -11,14 +11,15 @@ import msgspec
 from msgspec import UNSET, Raw, Struct, UnsetType
 
 JSONRPC = "2.0"
-RequestId = int | str | None
+# JSON-RPC 2.0: a string, a number (a fraction is allowed, if discouraged) or null.
+RequestId = int | float | str | None
 
 
 class Request(Struct, kw_only=True, omit_defaults=True):
     jsonrpc: Literal["2.0"]
     method: str
     params: Raw | UnsetType = UNSET
-    id: int | str | UnsetType | None = UNSET
+    id: int | float | str | UnsetType | None = UNSET
 
     @property
     def is_notification(self) -> bool:

@@ -254,6 +254,23 @@ def test_malformed_line_is_an_error_and_the_connection_stays(
     sock.close()
 
 
+def test_any_json_number_is_an_id_and_is_echoed(env: Env) -> None:
+    # JSON-RPC 2.0: an id is a string, a number or null; a number may have a fraction (it
+    # SHOULD not) or an exponent. Such a request is valid and its reply echoes the id.
+    pod = env.start()
+    sock = raw(pod)
+    for rid in (b"1.5", b"1e3", b"-0.25"):
+        reply = rpc(sock, b'{"jsonrpc":"2.0","id":%b,"method":"pause"}\n' % rid)
+        assert reply["id"] == json.loads(rid) and reply["result"] == {"paused": False}, reply
+    error = rpc(sock, b'{"jsonrpc":"2.0","id":2.5,"method":"nope"}\n')
+    assert (error["id"], error["error"]["code"]) == (2.5, -32601)
+    bad = rpc(sock, b'{"jsonrpc":"2.0","id":3.5,"method":"run","params":{"input":1}}\n')
+    assert (bad["id"], bad["error"]["code"]) == (3.5, -32602)
+    invalid = rpc(sock, b'{"jsonrpc":"2.0","id":4.5}\n')  # no method: its id still read
+    assert (invalid["id"], invalid["error"]["code"]) == (4.5, -32600)
+    sock.close()
+
+
 @pytest.mark.parametrize(
     ("method", "params", "field"),
     [
