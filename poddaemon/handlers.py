@@ -227,7 +227,11 @@ def status(pod: "Pod", scope: list[ScopeEntry]) -> StatusResult:
         model=pod.m.provider.model,
         pwd=pod.m.pod.pwd,
         scope=scope,
-        queue=QueueInfo(runs=len(st.pending_runs), notifications=st.pending_notifications),
+        # A hook's context waits for the next input and wakes no run: not queued work.
+        queue=QueueInfo(
+            runs=len(st.pending_runs),
+            notifications=st.pending_notifications - st.pending_context,
+        ),
         usage=totals(pod),
         parent=pod.s.entry.parent,
         children=[],

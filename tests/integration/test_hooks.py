@@ -216,6 +216,19 @@ def test_a_hook_script_that_cannot_run_is_a_startup_error(
     assert "hooks.PreToolUse[0].command" in started.stderr and problem in started.stderr
 
 
+def test_session_start_context_is_no_queued_notification_and_podctl_wait_returns(env: Env) -> None:
+    """The context a SessionStart hook adds waits for the next input and wakes no run: it is
+    not in `queue.notifications`, so the pod is idle with an empty queue (SPEC §5, §6 wait)."""
+    pod = env.start("ctx", extra=hooks_toml("SessionStart", "echo remember the milk"))
+    wait_until(lambda: "remember the milk" in str(pod.call("history", since=0)), what="the context")
+    assert pod.call("status")["queue"] == {"runs": 0, "notifications": 0}
+    waited = env.podctl("wait", "ctx", "--timeout", "10")
+    assert waited.returncode == 0, waited.stderr
+    with pod.client() as c:
+        assert c.run_wait("what should I remember?").outcome == "finished"
+    assert "remember the milk" in str(env.model.requests[-1]["body"])
+
+
 def test_session_start_at_first_start_gets_the_session_its_first_input_starts(env: Env) -> None:
     seen = env.work / "session-start.json"
     env.model.script({"text": "ok"})
