@@ -369,5 +369,5 @@ def compact(pod: PodArg, as_json: JsonOpt = False) -> None:
         print_json({"session_id": session_id})
         return
     # A pod with no history yet has nothing to summarize: the pod answers its session as is
-    # (none: "").
+    # (none: null; "" from earlier versions).
     _say(f"compacted: session {session_id}" if session_id else "nothing to compact yet")

@@ -682,7 +682,7 @@ class Machine:
                 self._error(token, errors.BUSY, "compact needs an idle pod")
                 return
             if not self.state.history:
-                self._reply(token, CompactResult(session_id=self.state.session_id))
+                self._reply(token, CompactResult(session_id=self.state.session_id or None))
                 return
             if self.budget_exhausted():
                 self._error(token, errors.BUDGET_EXHAUSTED, self.budget_message())

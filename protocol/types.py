@@ -235,7 +235,7 @@ class SubscribeResult(Result):
 
 
 class CompactResult(Result):
-    session_id: str
+    session_id: str | None  # None: no session yet, nothing to compact (as in status)
 
 
 class AcceptedResult(Result):

@@ -308,6 +308,10 @@ def test_compact_of_a_pod_with_no_history_says_there_is_nothing_to_compact(env: 
     out = env.podctl("compact", "pod")
     assert (out.returncode, out.stdout, out.stderr) == (0, "nothing to compact yet\n", "")
     assert env.model.requests == []  # no summary was asked for
+    # No session yet: null, as status and history say it (it was "").
+    assert env.pods[-1].call("compact") == {"session_id": None}
+    as_json = env.podctl("compact", "pod", "--json")
+    assert json.loads(as_json.stdout) == {"session_id": None}
 
 
 def test_compact_is_busy_during_a_run_and_resume_picks_the_newest_of_the_chain(
