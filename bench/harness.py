@@ -26,6 +26,7 @@ from poddaemon.testing.cleanup import kill_spawned
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 PODCTL = str(ROOT / ".venv" / "bin" / "podctl")
+PODDAEMON = str(ROOT / ".venv" / "bin" / "poddaemon")  # the command a unit's ExecStart= runs
 READY = "PODDAEMON-READY"
 
 # ------------------------------------------------------------------------------------ results
@@ -376,7 +377,8 @@ class FakeServer:
 
 
 class Pod:
-    """A real `python -m poddaemon run manifest` process; stderr drained in a thread."""
+    """A real `poddaemon run manifest` process (the console script a unit runs); stderr drained
+    in a thread."""
 
     def __init__(self, proc: "subprocess.Popen[str]", name: str) -> None:
         self.proc = proc
@@ -488,7 +490,7 @@ class Home:
     def start_pod(self, name: str, *args: str, manifest: Path | None = None, **kw: Any) -> Pod:
         path = manifest or self.manifest(name, **kw)
         proc = subprocess.Popen(
-            [PY, "-m", "poddaemon", "run", str(path), *args],
+            [PODDAEMON, "run", str(path), *args],
             env=self.env,
             cwd=ROOT,
             stdin=subprocess.DEVNULL,

@@ -116,7 +116,7 @@ def run(sec: Section) -> None:
         ready: list[float] = []
         for i in range(SPAWNS + 1):
             t = time.perf_counter()
-            pod = home.start_pod("direct")  # `python -m poddaemon run`, until READY on stderr
+            pod = home.start_pod("direct")  # as a unit's ExecStart= runs it
             ms = (time.perf_counter() - t) * 1e3
             if i:  # the first start writes the manifest's directories and byte-code
                 ready.append(ms)
