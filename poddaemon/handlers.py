@@ -73,7 +73,10 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     def run(p: RunParams, conn: Any) -> Any:
         _not_blank(p.input, "input")
-        if hooks is not None and hooks.wants("UserPromptSubmit"):
+        # A retried key gets its original result (or -32006) from the machine: that prompt
+        # was judged when it was committed, and a refusal now would say nothing was.
+        retried = p.client_key is not None and p.client_key in m.state.run_keys
+        if hooks is not None and not retried and hooks.wants("UserPromptSubmit"):
             return _run_hooked(p)
         # The server answers from the Pending: no task per acknowledgement.
         return pod.request_pending(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait))

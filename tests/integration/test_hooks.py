@@ -243,3 +243,29 @@ def test_session_start_at_first_start_gets_the_session_its_first_input_starts(en
     assert event["session_id"] == sid
     assert Path(event["transcript_path"]).name.startswith(sid)
     assert Path(event["transcript_path"]).exists()
+
+
+def test_a_retried_run_gets_its_original_result_whatever_the_hook_says_now(env: Env) -> None:
+    # SPEC §5: same client_key + same input => the original result. The prompt was judged
+    # (and committed) the first time; a hook that refuses the retry must not make the client
+    # believe that nothing was committed (-32009), nor run again for a prompt it already saw.
+    count = env.work / "count"
+    hook = f"""
+import sys
+from pathlib import Path
+count = Path({str(count)!r})
+n = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(n))
+if n > 1:
+    print(f"refused on call {{n}}", file=sys.stderr)
+    sys.exit(2)
+"""
+    env.model.script({"text": "fine"})
+    pod = env.start("retry", extra=hooks_toml("UserPromptSubmit", script(env, "once.py", hook)))
+    first = pod.call("run", input="deploy", client_key="k1", wait=True)
+    again = pod.call("run", input="deploy", client_key="k1", wait=True)
+    assert again["run_id"] == first["run_id"] and again["outcome"] == "finished"
+    with pytest.raises(RpcError) as err:
+        pod.call("run", input="something else", client_key="k1")
+    assert err.value.code == -32006  # the key conflict, not the hook's refusal
+    assert count.read_text() == "1"
