@@ -90,7 +90,8 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     def notify(p: NotifyParams, conn: Any) -> Any:
         _not_blank(p.message, "message")
-        if hooks is not None and hooks.wants("Notification"):
+        retried = p.client_key is not None and p.client_key in m.state.notify_keys
+        if hooks is not None and not retried and hooks.wants("Notification"):
             reply = pod.request_future(lambda t: m.notify(t, p.message, p.source, p.client_key))
             return _notify_hook(reply, p)
         # The server answers from the Pending: no task per acknowledgement.
@@ -107,12 +108,18 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         event_id = p.event_id or new_session_id()
         tree_spent = (p.usage or {}).get("tree_spent")
         pod.children.heard_from(p.pod)
+        redelivered = event_id in m.state.report_ids  # accepted once: its hook ran then
         result = await pod.request(
             lambda t: m.child_report(
                 t, p.pod, p.kind, event_id, p.run_id, p.text, p.outcome, tree_spent
             )
         )
-        if hooks is not None and p.kind == "run.finished" and hooks.wants("SubagentStop"):
+        if (
+            hooks is not None
+            and not redelivered
+            and p.kind == "run.finished"
+            and hooks.wants("SubagentStop")
+        ):
             fields = {
                 "stop_hook_active": False,
                 "child": p.pod,

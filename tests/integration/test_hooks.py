@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from protocol.errors import RpcError
-from tests.conftest import Env, wait_until
+from tests.conftest import Env, drained, wait_until
 
 PY = sys.executable
 
@@ -269,3 +269,20 @@ if n > 1:
         pod.call("run", input="something else", client_key="k1")
     assert err.value.code == -32006  # the key conflict, not the hook's refusal
     assert count.read_text() == "1"
+
+
+def test_a_redelivered_notification_or_child_report_runs_its_hook_once(env: Env) -> None:
+    # A retried notify (same client_key) and a child's report delivered again (same
+    # event_id: its acknowledgement was lost) are accepted once; their hooks see them once.
+    extra = hooks_toml("Notification", "cat > /dev/null") + hooks_toml("SubagentStop", "true")
+    pod = env.start("hooked", extra=extra)
+    for _ in range(2):
+        pod.call("notify", message="build failed", source="ci", client_key="n1")
+        pod.call("pod_event", pod="kid", kind="run.finished", event_id="e1", outcome="finished")
+
+    def hook_runs() -> list[str]:
+        return sorted(e["event"] for e in entries(pod) if e["kind"] == "hook_run")
+
+    wait_until(lambda: len(hook_runs()) >= 2, what="both hooks")
+    drained(pod)  # a turn later: a second run of either hook would have been recorded
+    assert hook_runs() == ["Notification", "SubagentStop"]
