@@ -38,7 +38,7 @@ def spawn(
         str | None, typer.Option("--session", metavar="ID", help="Restore this session.")
     ] = None,
     resume: Annotated[
-        bool, typer.Option("--resume", help="Restore the pod's newest session.")
+        bool, typer.Option("--resume", help="Restore the session the pod wrote last.")
     ] = False,
     foreground: Annotated[
         bool, typer.Option("--foreground", help="Run attached to this terminal instead.")

@@ -105,7 +105,9 @@ def parse_args(argv: list[str] | None) -> "argparse.Namespace":
     run.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     group = run.add_mutually_exclusive_group()
     group.add_argument("--session", metavar="ID", help="restore this session")
-    group.add_argument("--resume", action="store_true", help="restore this pod's newest session")
+    group.add_argument(
+        "--resume", action="store_true", help="restore the session this pod wrote last"
+    )
     run.add_argument("--adopt", action="store_true", help="started by a parent pod")
     run.add_argument("--callback", metavar="SOCKET", help="the spawner's socket")
     run.add_argument(

@@ -780,8 +780,10 @@ def continued_sessions(sessions_dir: StrPath, session_id: str) -> list[str]:
 
 
 def newest_session_for(sessions_dir: StrPath, pod_name: str) -> str | None:
-    """The id of the newest session whose ``session_start`` names ``pod_name``, if any."""
-    for info in list_sessions(sessions_dir):
-        if info.pod == pod_name:
-            return info.id
-    return None
+    """The id of the session ``pod_name`` wrote last (`--resume`), if any: the newest one by
+    its last write, not by its creation. A pod restored from an older session (`--session`)
+    writes on in that one, and acknowledged input may wait there after a crash."""
+    mine = [info for info in list_sessions(sessions_dir) if info.pod == pod_name]
+    if not mine:
+        return None
+    return max(mine, key=lambda info: (info.mtime, info.id)).id

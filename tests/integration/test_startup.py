@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from poddaemon.registry import Registry
-from tests.conftest import Env, StartFailed, wait_until
+from tests.conftest import Env, StartFailed, drained, wait_until
 
 BIN = Path(sys.executable).parent
 
@@ -155,6 +155,35 @@ def test_resume_picks_the_newest_session_of_this_pod_name(env: Env) -> None:
     assert old != new
     resumed = env.restart(first, "--resume")
     assert resumed.call("status")["session_id"] == new
+
+
+def test_resume_continues_the_session_the_pod_wrote_last(env: Env) -> None:
+    # A pod restored from an older session (`--session`) and then killed must come back in
+    # that session (a unit, `podctl restart` pass --resume): its queued input was
+    # acknowledged there and must still be processed.
+    env.model.script({"text": "first"}, {"text": "second"}, {"text": "held", "gate": "g"})
+    first = env.start("back")
+    old = first.call("run", input="old session", wait=True)
+    old_sid = first.call("status")["session_id"]
+    assert first.stop() == 0
+    second = env.restart(first)  # no --resume: a new, newer session
+    second.call("run", input="new session", wait=True)
+    assert second.call("status")["session_id"] != old_sid and second.stop() == 0
+    again = env.restart(first, "--session", old_sid)
+    again.call("run", input="held at the model")
+    queued = again.call("run", input="acknowledged, then a crash")
+    assert queued["state"] == "queued" and old["outcome"] == "finished"
+    again.kill9()
+    env.model.open_gate("g")
+    resumed = env.restart(first, "--resume")
+    assert resumed.call("status")["session_id"] == old_sid
+    drained(resumed)
+    runs = [
+        e["run_id"]
+        for e in resumed.call("history", limit=1000)["entries"]
+        if e["kind"] == "run_end"
+    ]
+    assert queued["run_id"] in runs
 
 
 # --- item 21: one clear line for a missing session or pwd ----------------------------------------
