@@ -119,6 +119,9 @@ def parse_args(argv: list[str] | None) -> "argparse.Namespace":
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM and SIGINT mean shutdown (SPEC §7), while starting too: until the event loop
+    # takes them over (see amain), both interrupt start-up and the pod exits 0.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     sdnotify.claim()
     args = parse_args(argv)
     # The model thread parses streams while the loop answers clients; a waiting thread gets the
@@ -140,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # e.g. a permission problem nobody foresaw: one line, no traceback
         print(f"poddaemon: {os_error_line(exc)}", file=sys.stderr, flush=True)
         code = EXIT_FAILURE
+    except KeyboardInterrupt:  # SIGTERM or SIGINT before the event loop ran (see above)
+        log.info("stopped while starting")
+        code = EXIT_OK
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the pod is gone: nothing left to interrupt
+        signal.signal(sig, signal.SIG_IGN)
     _exit_at_once(code)
     return code
 
@@ -451,6 +459,12 @@ def _serve(
     async def amain() -> int:
         from poddaemon.mcp import McpStartupError, start_mcp
 
+        loop = asyncio.get_running_loop()
+        starting = asyncio.current_task()
+        assert starting is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):  # until READY: stop starting (see below)
+            loop.add_signal_handler(sig, starting.cancel)
+
         def alert(level: str, source: str, message: str) -> None:
             log.warning("%s", message)
             bus.publish("alert", {"level": level, "source": source, "message": message})
@@ -495,7 +509,6 @@ def _serve(
             await server.listen(sock_path)
         except OSError as exc:
             raise StartupError(f"cannot listen on {sock_path}: {os_error_line(exc)}") from None
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, ending.request)
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: what it awaits
@@ -538,7 +551,11 @@ def _serve(
         log.info("shut down")
         return ending.code
 
-    return _run_loop(amain())
+    try:
+        return _run_loop(amain())
+    except asyncio.CancelledError:  # SIGTERM or SIGINT while starting: a requested stop
+        log.info("stopped while starting")
+        return EXIT_OK
 
 
 def _follow_spawner(pod: Any, claim: Claim, manifest: Any, ending: "Ending") -> Any:

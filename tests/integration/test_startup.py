@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from poddaemon.registry import Registry
-from tests.conftest import Env, StartFailed, drained, wait_until
+from tests.conftest import Env, PodProcess, StartFailed, drained, wait_until
 
 BIN = Path(sys.executable).parent
 
@@ -119,6 +119,26 @@ def test_requested_stops_exit_0(env: Env) -> None:
     by_signal = env.start("signalled")
     by_signal.proc.send_signal(signal.SIGINT)
     assert by_signal.proc.wait(20) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_starting_is_a_requested_shutdown(env: Env, sig: int) -> None:
+    # Start-up can take long (MCP servers, SessionStart hooks): SIGTERM (`systemctl stop`) and
+    # SIGINT (Ctrl-C) then still mean shutdown (SPEC §7): exit 0, the claim given up, no
+    # traceback, and nothing the start-up started left running.
+    started = env.work / "hook-started"
+    hook = f"touch {started}; exec sleep 173"
+    extra = f'[[hooks.SessionStart]]\ncommand = "{hook}"\ntimeout = 60\n'
+    pod = PodProcess(env.popen(str(env.manifest("slow", extra=extra))), "slow")
+    env.pods.append(pod)
+    wait_until(started.exists, 20, "the SessionStart hook")
+    pod.proc.send_signal(sig)
+    assert pod.proc.wait(20) == 0, pod.final_text()
+    assert "Traceback" not in pod.final_text()
+    assert registry_entries(env) == {}
+    assert not (env.home / "run" / "pods" / "slow" / "pid").exists()
+    leftovers = subprocess.run(["pgrep", "-f", "sleep 173"], capture_output=True, text=True)
+    assert leftovers.stdout == ""
 
 
 # --- item 10: --resume is the newest session of this pod, or a new one ---------------------------
