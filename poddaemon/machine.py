@@ -313,26 +313,52 @@ class Machine:
                 return
             if self._queue_full(token):
                 return
-            head = f"{kind} {outcome}" if outcome else kind
-            body = f"[{head}] {text}" if text else f"[{head}]"
-            self._note_arrived()
-            self._commit(
-                SystemItem(
-                    id=self.new_id(),
-                    text=body,
-                    source=f"pod:{pod}",
-                    pod=pod,
-                    event_kind=kind,
-                    event_id=event_id,
-                    run_id=run_id,
-                    detail=text,
-                    outcome=outcome,
-                    tree_spent=tree_spent,
-                )
-            )
+            self._accept_report(pod, kind, event_id, run_id, text, outcome, tree_spent)
             self._reply(token, AcceptedResult(), durable=True)
 
         return self._handle(go)
+
+    def child_left_reports(self, pod: str, reports: Sequence[OutboxItem]) -> list[Effect]:
+        """Reports a gone child committed but never delivered, read from its log: accepted
+        like delivered ones (once each), so its end is known from them (see child_ended)."""
+
+        def go() -> None:
+            for o in reports:
+                if o.event_id not in self.state.report_ids:
+                    tree_spent = o.usage.get("tree_spent")
+                    self._accept_report(
+                        pod, o.event_kind, o.event_id, o.run_id, o.text, o.outcome, tree_spent
+                    )
+
+        return self._handle(go)
+
+    def _accept_report(
+        self,
+        pod: str,
+        kind: str,
+        event_id: str,
+        run_id: str | None,
+        text: str | None,
+        outcome: str | None,
+        tree_spent: int | None,
+    ) -> None:
+        head = f"{kind} {outcome}" if outcome else kind
+        body = f"[{head}] {text}" if text else f"[{head}]"
+        self._note_arrived()
+        self._commit(
+            SystemItem(
+                id=self.new_id(),
+                text=body,
+                source=f"pod:{pod}",
+                pod=pod,
+                event_kind=kind,
+                event_id=event_id,
+                run_id=run_id,
+                detail=text,
+                outcome=outcome,
+                tree_spent=tree_spent,
+            )
+        )
 
     # --- spawn trees: the outbox (child side) and the children (spawner side) -------------------
 

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from poddaemon.entries import SPAWNER_KEY, Entry, SystemItem
+from poddaemon.entries import SPAWNER_KEY, Entry, OutboxItem, SystemItem
+from poddaemon.machine import FINAL_REPORTS
 from poddaemon.readyline import parse_ready, parse_starting
 from poddaemon.scope import Access, resolve
 from poddaemon.store.log import new_session_id
@@ -44,6 +45,28 @@ log = logging.getLogger("poddaemon.spawn")
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
 STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
+
+
+def reports_left(pod: "Pod", name: str) -> list[OutboxItem]:
+    """The reports child `name` committed for us and never delivered, from its newest session
+    (read-only). Only when its kept callback (`<data>/pods/<name>.callback`) names our
+    socket: the name may be another pod's by now."""
+    from poddaemon.session import fold
+    from poddaemon.store.file import newest_session_for, read_session
+    from poddaemon.store.log import LogCorrupt
+
+    callback = paths.data_dir() / "pods" / f"{name}.callback"
+    try:
+        if os.path.abspath(callback.read_text().strip()) != os.path.abspath(pod.s.entry.socket):
+            return []
+        sid = newest_session_for(pod.s.sessions_dir, name)
+        log_entries = read_session(pod.s.sessions_dir, sid).entries if sid else []
+        return list(fold(log_entries).outbox.values())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, LogCorrupt) as exc:
+        log.warning("cannot read the reports child pod %r left in its log: %s", name, exc)
+        return []
 
 
 class _Live(msgspec.Struct):
@@ -85,8 +108,7 @@ class Children:
             self._taken_back.add(name)
         for name, record in list(pod.state.children.items()):
             if record.live and name not in mine:
-                reason = f"child pod {name!r} ended while its spawner was not running"
-                pod.feed(pod.machine.child_ended(name, reason))
+                self._ended(name, f"child pod {name!r} ended while its spawner was not running")
         if mine or pod.s.entry.delegated:  # (a registry write: only when there is a tree)
             self._refresh_scope()
 
@@ -493,11 +515,23 @@ class Children:
         how = f" (exit status {code})" if code is not None else ""
         reason = f"child pod {child.name!r} (pid {child.pid}) died without a final report{how}"
         self._refresh_scope()
-        self.pod.feed(self.pod.machine.child_ended(child.name, reason))
+        self._ended(child.name, reason)
         self.changed.set()
         if child.proc is not None:  # reap it (asyncio's watcher does; keep the task referenced)
             task = asyncio.ensure_future(child.proc.wait())
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
+
+    def _ended(self, name: str, reason: str) -> None:
+        """A child's process is gone. Unless its last delivered report was final, what it
+        committed but could not deliver (its spawner was down, or it died first) waits in its
+        log: taken from there, no report is lost (SPEC §9). Then its end: `errored` when
+        none of its reports was final."""
+        pod = self.pod
+        record = pod.state.children.get(name)
+        final = record is None or not record.live or record.last_kind in FINAL_REPORTS
+        if not final and not pod.machine.stopping and (left := reports_left(pod, name)):
+            pod.feed(pod.machine.child_left_reports(name, left))
+        pod.feed(pod.machine.child_ended(name, reason))
 
     def _refresh_scope(self) -> None:
         """Our tools' scope: the granted one minus what live children hold (a registry

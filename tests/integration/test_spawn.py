@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from poddaemon.registry import Registry
-from tests.conftest import Env, PodProcess, collect_run, ppid, wait_until
+from tests.conftest import Env, PodProcess, collect_run, drained, ppid, wait_until
 
 POD_TOOLS = [
     "read_file",
@@ -248,6 +248,24 @@ def test_reports_wait_while_the_parent_is_down(tree: Env) -> None:
     assert len(got) == 1 and got[0]["detail"] == "d1 done"
     st = again.call("status")
     assert [c["name"] for c in st["children"]] == ["d1"]  # re-adopted
+
+
+def test_a_child_that_stopped_while_its_spawner_was_down_still_reports(tree: Env) -> None:
+    """A report is never lost: a detached child that finished its work and was stopped while
+    its spawner was down left its reports in its log; the restored spawner takes them from
+    there (the child's result, not an `errored` of its own)."""
+    env = tree
+    parent = _detached_parent_of(env, "d1", {"text": "d1 done", "gate": "child"})
+    assert parent.stop() == 0
+    env.model.open_gate("child")  # the child finishes while its spawner is down
+    assert env.podctl("wait", "d1", "--timeout", "20").returncode == 0
+    assert env.podctl("stop", "d1").returncode == 0
+    again = env.restart(parent, "--resume")
+    wait_until(lambda: _finished_reports(again, "d1"), 20, "the report left in the log")
+    drained(again)
+    got = [(r["event_kind"], r.get("detail")) for r in reports(again) if r["pod"] == "d1"]
+    assert got == [("run.finished", "d1 done"), ("shutdown", None)]
+    assert again.call("status")["children"] == []
 
 
 def test_wait_pods_after_a_restore_waits_for_a_child_still_at_work(tree: Env) -> None:

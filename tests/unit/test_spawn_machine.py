@@ -2,7 +2,7 @@
 which runs a child reports, that reports survive a crash until acknowledged, how the spawner
 charges its children against its budget, and `errored` for a child that died silently."""
 
-from poddaemon.entries import SPAWNER_KEY
+from poddaemon.entries import SPAWNER_KEY, OutboxItem
 from poddaemon.machine import MachineConfig
 from poddaemon.session import fold
 from protocol import errors
@@ -164,3 +164,18 @@ def test_a_run_the_spawner_asked_for_that_a_crash_interrupted_is_reported() -> N
     (report,) = outbox(again)
     assert report["event_kind"] == "run.finished" and report["outcome"] == "error"
     assert "interrupted" in report["text"]
+
+
+def test_reports_left_in_a_gone_childs_log_are_accepted_once_and_end_it() -> None:
+    d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=4, budget_cap=1000))
+    d.feed(d.machine.child_started("k", "/s", 600, []))
+    d.call("child_report", "k", "run.finished", "e1", "r", "done", "finished", 250)
+    left = [
+        OutboxItem(event_id="e1", event_kind="run.finished", run_id="r", text="done"),
+        OutboxItem(event_id="e2", event_kind="shutdown", usage={"tree_spent": 300}),
+    ]
+    d.feed(d.machine.child_left_reports("k", left))
+    d.feed(d.machine.child_ended("k", "gone"))
+    kinds = [e.get("event_kind") for e in d.entries if e["kind"] == "system_item"]
+    assert kinds == ["run.finished", "shutdown"]  # e1 once; no `errored`: it ended reporting
+    assert d.machine.budget_charged() == 300  # what it spent, not its whole grant
