@@ -5,8 +5,8 @@ fix: a bad manifest, a missing API key, a pwd outside the scope, a template erro
 conflict, a session that cannot be restored, a directory another user could tamper with.
 
 Exit status (SPEC §7): 0 only after a requested shutdown (the `shutdown` call, SIGTERM, SIGINT);
-1 after any failure: a session log that cannot be written, a lost registry claim, a crash. A
-supervisor's `Restart=on-failure` then restarts the pod.
+1 after any failure: a session log that cannot be written, a lost registry claim or socket, a
+crash. A supervisor's `Restart=on-failure` then restarts the pod.
 
 Shutdown gives the name up first: once the pod has stopped its run and closed its log, the
 socket and pid files go, then the registry entry (so `podctl stop p; podctl spawn m.toml` works
@@ -265,6 +265,7 @@ class Claim:
         self.sock_path = pod_dir / "sock"
         self.released = False
         self.lost = False
+        self.sock_ino: int | None = None  # the socket we bound (see socket_gone)
 
     def still_held(self) -> bool:
         """True while pods.json names this process for this pod (a dead or reused pid never
@@ -274,6 +275,17 @@ class Claim:
             self.entry.pid,
             self.entry.start_time,
         )
+
+    def socket_gone(self) -> bool:
+        """True when the socket we bound was removed or replaced: no client can reach us."""
+        if self.sock_ino is None:
+            return False  # not bound yet
+        try:
+            return os.stat(self.sock_path).st_ino != self.sock_ino
+        except FileNotFoundError:
+            return True
+        except OSError:
+            return False  # cannot look right now; not proof of anything
 
     def release(self) -> None:
         if self.released:
@@ -285,8 +297,9 @@ class Claim:
                 pid_file.unlink()
         if self.lost:
             return  # the name may be someone else's now: leave their socket and entry alone
-        with contextlib.suppress(OSError):
-            self.sock_path.unlink()
+        if not self.socket_gone():  # (a file put in its place is not ours to remove)
+            with contextlib.suppress(OSError):
+                self.sock_path.unlink()
         from poddaemon.registry import RegistryError
 
         try:
@@ -509,6 +522,7 @@ def _serve(
             await server.listen(sock_path)
         except OSError as exc:
             raise StartupError(f"cannot listen on {sock_path}: {os_error_line(exc)}") from None
+        claim.sock_ino = os.stat(sock_path).st_ino
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, ending.request)
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: what it awaits
@@ -522,9 +536,10 @@ def _serve(
         tree = _follow_spawner(pod, claim, manifest, ending)
         pod.warm_up()
 
-        def lost(reason: str) -> None:
-            claim.lost = True
-            bus.publish("alert", {"level": "error", "source": "registry", "message": reason})
+        def lost(reason: str, name_lost: bool = True) -> None:
+            claim.lost = name_lost
+            source = "registry" if name_lost else "socket"
+            bus.publish("alert", {"level": "error", "source": source, "message": reason})
             ending.fail(reason)
 
         watch = asyncio.create_task(watch_claim(claim, lost, pod.children.registry_changed))
@@ -623,15 +638,20 @@ class Ending:
 
 
 async def watch_claim(
-    claim: Claim, lost: Callable[[str], None], changed: Callable[[], None] | None = None
+    claim: Claim, lost: Callable[..., None], changed: Callable[[], None] | None = None
 ) -> None:
     """Stop the pod if its registry entry goes (pods.json edited or removed, the entry taken
-    over): it could no longer promise that its name and scope are its own. `changed` is called
+    over): it could no longer promise that its name and scope are its own. Likewise if its
+    socket goes: nobody could reach it, not even to stop it, while it holds name and scope
+    (`lost(reason, name_lost=False)`: the entry is still ours to release). `changed` is called
     when pods.json changed and the entry is still ours."""
     path = claim.registry.path
     seen: tuple[int, int, int] | bool | None = False  # False: not looked yet (None: no file)
     while True:
         await asyncio.sleep(CLAIM_CHECK_INTERVAL)
+        if claim.socket_gone():
+            lost(f"the pod's socket {claim.sock_path} was removed or replaced", name_lost=False)
+            return
         try:
             st = os.stat(path)
             now: tuple[int, int, int] | None = (st.st_ino, st.st_mtime_ns, st.st_size)

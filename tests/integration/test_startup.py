@@ -113,6 +113,17 @@ def test_a_lost_registry_claim_stops_the_pod_with_status_1(env: Env, how: str) -
     assert "exiting with status 1" in pod.text() and "Traceback" not in pod.text()
 
 
+def test_a_pod_whose_socket_is_removed_stops_with_status_1(env: Env) -> None:
+    # Nobody could reach it any more (not even `podctl stop`), while it kept its name and
+    # scope: a failure, so that a supervisor starts it again on a new socket.
+    pod = env.start("unreachable")
+    os.unlink(pod.socket)
+    assert pod.proc.wait(20) == 1
+    assert "socket" in pod.text() and "Traceback" not in pod.text()
+    assert registry_entries(env) == {}
+    assert env.start("unreachable").call("status")["name"] == "unreachable"
+
+
 def test_requested_stops_exit_0(env: Env) -> None:
     by_call = env.start("asked")
     assert by_call.stop() == 0
