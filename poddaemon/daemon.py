@@ -533,8 +533,13 @@ def _serve(
         collector.resume()  # paused since the process started (poddaemon/__main__.py)
         log.info("ready on %s (session %s)", sock_path, pod.state.session_id or "not yet started")
         supervisor = asyncio.create_task(sdnotify.supervise(pod))
-        tree = _follow_spawner(pod, claim, manifest, ending)
+        registry_changed = asyncio.Event()
+        tree = _follow_spawner(pod, claim, manifest, ending, registry_changed)
         pod.warm_up()
+
+        def changed() -> None:
+            pod.children.registry_changed()
+            registry_changed.set()
 
         def lost(reason: str, name_lost: bool = True) -> None:
             claim.lost = name_lost
@@ -542,7 +547,7 @@ def _serve(
             bus.publish("alert", {"level": "error", "source": source, "message": reason})
             ending.fail(reason)
 
-        watch = asyncio.create_task(watch_claim(claim, lost, pod.children.registry_changed))
+        watch = asyncio.create_task(watch_claim(claim, lost, changed))
         try:
             await pod.serve()
             if pod.failure is not None and ending.failure is None:
@@ -573,24 +578,52 @@ def _serve(
         return EXIT_OK
 
 
-def _follow_spawner(pod: Any, claim: Claim, manifest: Any, ending: "Ending") -> Any:
+def _follow_spawner(
+    pod: Any, claim: Claim, manifest: Any, ending: "Ending", changed: asyncio.Event
+) -> Any:
     """A child: deliver its reports, and stop with its spawner when on_parent_exit = "stop"
-    (however the spawner ends, kill -9 included: its pidfd tells us at once)."""
+    (however the spawner ends, kill -9 included: its pidfd tells us at once). A child
+    restarted while its spawner is down follows the spawner from when it is back (`changed`:
+    pods.json changed), as that one takes it back."""
     if pod.outbox is None:
         return None
     pod.outbox.start()
-    parent = claim.registry.get(claim.entry.parent) if claim.entry.parent else None
-    if parent is None or manifest.spawn.on_parent_exit != "stop":
+    name = claim.entry.parent
+    if not name or manifest.spawn.on_parent_exit != "stop":
         return None
     from poddaemon.outbox import watch_parent
 
-    def parent_gone() -> None:
-        log.info("spawner %s (pid %d) is gone; stopping with it", parent.name, parent.pid)
-        pod.outbox.enabled = False  # reporting to nobody
-        pod.machine.final_report = None
-        ending.request("parent exited")
+    async def follow() -> None:
+        from poddaemon.registry import RegistryError, is_alive
 
-    return asyncio.create_task(watch_parent(parent.pid, parent_gone))
+        def spawner() -> Any:
+            try:
+                return claim.registry.entry(name)
+            except RegistryError:  # watch_claim says so; look again at the next change
+                return None
+
+        stale = spawner()  # a spawner that died before we started
+        if stale is not None and is_alive(stale):
+            stale = None
+        while True:
+            changed.clear()
+            parent = spawner()
+            if parent is not None and parent != stale:
+                break
+            await changed.wait()
+
+        def parent_gone() -> None:
+            log.info("spawner %s (pid %d) is gone; stopping with it", parent.name, parent.pid)
+            pod.outbox.enabled = False  # reporting to nobody
+            pod.machine.final_report = None
+            ending.request("parent exited")
+
+        if is_alive(parent):
+            await watch_parent(parent.pid, parent_gone)
+        else:  # back, and gone again before we looked
+            parent_gone()
+
+    return asyncio.create_task(follow())
 
 
 class Ending:

@@ -238,8 +238,12 @@ class Registry:
         return [e for e in self._read().values() if is_alive(e)]
 
     def get(self, name: str) -> PodEntry | None:
-        entry = self._read().get(name)
+        entry = self.entry(name)
         return entry if entry is not None and is_alive(entry) else None
+
+    def entry(self, name: str) -> PodEntry | None:
+        """The entry of `name`, its process alive or not (one not yet reclaimed)."""
+        return self._read().get(name)
 
     # -- transactions --------------------------------------------------------------------------
 

@@ -503,6 +503,34 @@ def test_kill9_parent_stops_the_tree(tree: Env) -> None:
     assert Registry(tree.home / "run").live() == []
 
 
+def test_a_child_restarted_while_its_spawner_was_down_stops_with_it_later(tree: Env) -> None:
+    """on_parent_exit = "stop" still holds for a child restarted (podctl restart) while its
+    spawner was down: once the restored spawner has taken it back, a kill -9 of the spawner
+    stops it too."""
+    env = tree
+    (env.work / "c1").mkdir()
+    quiet_children(env, "c1")
+    env.model.script(
+        {"tool_calls": [spawn_call("c1", "work", [str(env.work / "c1")])]}, {"text": "spawned"}
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: _finished_reports(parent, "c1"), 20, "the report")
+    parent.kill9()
+    registry = Registry(env.home / "run")
+    wait_until(lambda: registry.get("c1") is None, 10, "c1 to stop with its spawner")
+    out = env.podctl("restart", "c1")
+    assert out.returncode == 0, out.stderr
+    again = env.restart(parent, "--resume")
+    wait_until(
+        lambda: [c["name"] for c in again.call("status")["children"]] == ["c1"],
+        10,
+        "the spawner to take c1 back",
+    )
+    again.kill9()
+    wait_until(lambda: registry.get("c1") is None, 10, "c1 to stop with its spawner again")
+
+
 def test_kill9_parent_detach_children_keep_running(tree: Env) -> None:
     parent = _tree_of_two(tree, "detach")
     parent.kill9()
