@@ -83,6 +83,8 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     async def _run_hooked(p: RunParams) -> Any:
         assert hooks is not None
+        if not m.state.session_id and pod.plog.reserved is None:
+            await pod.reserve_session()  # the hook is told the session this prompt starts
         refused, context = await hooks.user_prompt(p.input)
         if refused is not None:  # nothing is committed
             raise RpcError(errors.HOOK_REFUSED, refused)

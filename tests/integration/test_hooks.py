@@ -245,6 +245,18 @@ def test_session_start_at_first_start_gets_the_session_its_first_input_starts(en
     assert Path(event["transcript_path"]).exists()
 
 
+def test_the_first_prompt_of_a_fresh_pod_tells_its_hook_the_session_it_starts(env: Env) -> None:
+    # A client that sends at once after READY: the session's file may not be made yet.
+    seen = env.work / "prompt.json"
+    env.model.script({"text": "ok"})
+    pod = env.start("eager", extra=hooks_toml("UserPromptSubmit", f"cat > {seen}"))
+    pod.call("run", input="first input", wait=True)
+    event = json.loads(seen.read_text())
+    sid = pod.call("status")["session_id"]
+    assert event["session_id"] == sid
+    assert Path(event["transcript_path"]).name.startswith(sid)
+
+
 def test_a_retried_run_gets_its_original_result_whatever_the_hook_says_now(env: Env) -> None:
     # SPEC §5: same client_key + same input => the original result. The prompt was judged
     # (and committed) the first time; a hook that refuses the retry must not make the client
