@@ -27,7 +27,7 @@ import msgspec
 from poddaemon.entries import SPAWNER_KEY, Entry, OutboxItem, SystemItem
 from poddaemon.machine import FINAL_REPORTS
 from poddaemon.readyline import parse_ready, parse_starting
-from poddaemon.scope import Access, resolve
+from poddaemon.scope import Access, Rule, resolve
 from poddaemon.store.log import new_session_id
 from poddaemon.tools.base import ToolError
 from protocol import paths
@@ -350,13 +350,17 @@ class Children:
                     f"scope[{i}]: {perm} {target} is not inside this pod's scope ({why}: it "
                     f"has {has.label})"
                 )
-            allow.append(
-                {
-                    "target": target,
-                    "permission": perm,
-                    "recursive": bool(rule.get("recursive", True)),
-                }
-            )
+            recursive = bool(rule.get("recursive", True))
+            asked = Rule(target=target, access=want, recursive=recursive)
+            # What lies below the target too: one of our rules must reach as deep (our denies
+            # go to the child with the rest of our configuration).
+            if not any(r.access >= want and r.contains(asked) for r in pod.scope.allow):
+                reach = "everything below it" if recursive else "what lies directly in it"
+                raise ToolError(
+                    f"scope[{i}]: {perm} {target} is not inside this pod's scope: it would "
+                    f"give {reach}, deeper than this pod's own rules reach there"
+                )
+            allow.append({"target": target, "permission": perm, "recursive": recursive})
         tools = args.get("tools")
         if tools is not None:
             extra = [t for t in tools if t not in m.worker.tools]

@@ -713,6 +713,60 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     assert not list((env.home / "data" / "pods").glob(".spawn-*"))
 
 
+def test_a_child_gets_no_deeper_scope_than_its_spawner(tree: Env) -> None:
+    """SPEC §9: a child's scope lies inside its spawner's. A spawner whose rule is not
+    recursive (its pwd and what lies directly in it) cannot hand out a recursive rule on one
+    of those children: the child could reach what lies deeper, which the spawner cannot."""
+    env = tree
+    deep = env.work / "a" / "deep"
+    deep.mkdir(parents=True)
+    (deep / "secret.txt").write_text("not for the tree\n")
+    a = str(env.work / "a")
+    quiet_children(env, "r1", "r2", "r3")
+    env.model.script(
+        {
+            "tool_calls": [
+                tool("read_file", path=str(deep / "secret.txt")),
+                spawn_call("r1", "write below", [a]),
+                {
+                    "name": "spawn_pod",
+                    "arguments": {
+                        "name": "r2",
+                        "task": "read below",
+                        "scope": [{"target": a, "permission": "read"}],
+                        "model": "m-r2",
+                    },
+                },
+                {
+                    "name": "spawn_pod",
+                    "arguments": {
+                        "name": "r3",
+                        "task": "one level",
+                        "scope": [{"target": a, "permission": "read", "recursive": False}],
+                        "model": "m-r3",
+                    },
+                },
+            ]
+        },
+        {"text": "done"},
+    )
+    manifest = env.manifest("parent", tools=POD_TOOLS)
+    text = manifest.read_text().replace(
+        'permission = "write"', 'permission = "write"\nrecursive = false'
+    )
+    manifest.write_text(text)
+    parent = PodProcess(env.popen(str(manifest)), "parent")
+    env.pods.append(parent)
+    parent.wait_ready()
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    own, r1, r2, r3 = [r for r in tool_results(parent)]
+    assert own["is_error"] and "outside scope" in own["output"]  # the spawner cannot read it
+    for refused in (r1, r2):
+        assert refused["is_error"] and "not inside this pod's scope" in refused["output"], refused
+    assert r3["is_error"] and "not inside this pod's scope" in r3["output"], r3
+    assert {e.name for e in Registry(env.home / "run").live()} == {"parent"}
+
+
 def test_max_children_counts_live_children_and_max_depth_is_enforced(tree: Env) -> None:
     env = tree
     for d in ("l1", "l2"):
