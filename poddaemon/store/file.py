@@ -780,10 +780,13 @@ def continued_sessions(sessions_dir: StrPath, session_id: str) -> list[str]:
 
 
 def newest_session_for(sessions_dir: StrPath, pod_name: str) -> str | None:
-    """The id of the session ``pod_name`` wrote last (`--resume`), if any: the newest one by
-    its last write, not by its creation. A pod restored from an older session (`--session`)
-    writes on in that one, and acknowledged input may wait there after a crash."""
-    mine = [info for info in list_sessions(sessions_dir) if info.pod == pod_name]
-    if not mine:
+    """The session ``pod_name`` continues with `--resume`, if any: the end of a chain (one no
+    compaction or fork continued), and of those the one written last, not the one created
+    last: a pod restored from an older session (`--session`) writes on in that one, and
+    acknowledged input may wait there after a crash."""
+    infos = list_sessions(sessions_dir)
+    continued = {i.compacted_from or i.forked_from for i in infos}
+    ends = [i for i in infos if i.pod == pod_name and i.id not in continued]
+    if not ends:
         return None
-    return max(mine, key=lambda info: (info.mtime, info.id)).id
+    return max(ends, key=lambda info: (info.mtime, info.id)).id

@@ -7,6 +7,7 @@ import shutil
 import stat
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -616,6 +617,24 @@ def test_sync_now_failure_poisons_the_log(sessions: Path, monkeypatch: pytest.Mo
     with pytest.raises(OSError):
         log.write("user_input", {"text": "after"})
     log.close()
+
+
+def test_resume_takes_the_end_of_a_chain_written_last(sessions: Path) -> None:
+    """`--resume`: a session some other one continues (compaction, fork) is never taken, even
+    when it was written after; of the rest, the one written last, not the one made last."""
+    older = SessionLog.create(sessions, new_session_id(), START)
+    newer = SessionLog.create(sessions, new_session_id(), START)
+    newer.close()
+    older.append("system_item", {"id": "n1", "source": "ci", "text": "restored, then more"})
+    older.sync_now()
+    later = time.time_ns() + 10**12
+    os.utime(older.path, ns=(later, later))  # written last, whatever the clock's grain
+    assert newest_session_for(sessions, "rev") == older.session_id
+    fork = older.fork(None, None, {**START, "history": []})
+    fork.close()
+    older.close()
+    os.utime(older.path, ns=(later + 10**12, later + 10**12))
+    assert newest_session_for(sessions, "rev") == fork.session_id
 
 
 def test_an_empty_session_file_is_no_session(sessions: Path) -> None:
