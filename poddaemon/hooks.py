@@ -59,6 +59,9 @@ def capped(text: str) -> str:
     return f"{text[:TEXT_LIMIT]}\n[hook output cut: {len(text) - TEXT_LIMIT} more characters]"
 
 
+NO_REASON = "no reason given"  # a block whose hook said nothing (the caller names the hook)
+
+
 def judge(event: str, code: int | None, stdout: str, stderr: str) -> tuple[Decision, str, str]:
     """(decision, reason, context) from a finished hook, each text at most TEXT_LIMIT; pure."""
     decision, reason, context = _judge(event, code, stdout, stderr)
@@ -69,7 +72,7 @@ def _judge(event: str, code: int | None, stdout: str, stderr: str) -> tuple[Deci
     if code is None:
         return "warning", "timed out: killed with its process group", ""
     if code == 2:
-        return "block", stderr.strip() or f"blocked by a {event} hook", ""
+        return "block", stderr.strip() or NO_REASON, ""
     if code != 0:
         return "warning", f"exit {code}: {stderr.strip()[:500]}", ""
     try:
@@ -84,7 +87,7 @@ def _judge(event: str, code: int | None, stdout: str, stderr: str) -> tuple[Deci
     if permission == "deny":
         return "block", str(specific.get("permissionDecisionReason") or "denied by a hook"), ""
     if out.get("decision") == "block" or out.get("continue") is False:
-        reason = out.get("reason") or out.get("stopReason") or f"blocked by a {event} hook"
+        reason = out.get("reason") or out.get("stopReason") or NO_REASON
         return "block", str(reason), ""
     context = specific.get("additionalContext", "") if isinstance(specific, dict) else ""
     return ("allow" if permission == "allow" else "ok"), "", str(context or "")

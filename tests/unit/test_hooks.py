@@ -12,7 +12,7 @@ from poddaemon.hooks import TEXT_LIMIT, judge
     [
         (0, "", "", ("ok", "", "")),
         (2, "", "no secrets\n", ("block", "no secrets", "")),
-        (2, "", "", ("block", "blocked by a PreToolUse hook", "")),
+        (2, "", "", ("block", "no reason given", "")),  # "blocked by a PreToolUse hook: " …
         (1, "", "oops", ("warning", "exit 1: oops", "")),
         (127, "", "sh: not found", ("warning", "exit 127: sh: not found", "")),
         (None, "", "", ("warning", "timed out: killed with its process group", "")),
