@@ -4,9 +4,9 @@ Start-up fails fast, with one clear line on stderr and exit status 1, on anythin
 fix: a bad manifest, a missing API key, a pwd outside the scope, a template error, a registry
 conflict, a session that cannot be restored, a directory another user could tamper with.
 
-Exit status (SPEC §7): 0 only after a requested shutdown (the `shutdown` call, SIGTERM, SIGINT);
-1 after any failure: a session log that cannot be written, a lost registry claim or socket, a
-crash. A supervisor's `Restart=on-failure` then restarts the pod.
+Exit status (SPEC §7): 0 only after a requested shutdown (the `shutdown` call, SIGTERM, SIGINT,
+SIGHUP); 1 after any failure: a session log that cannot be written, a lost registry claim or
+socket, a crash. A supervisor's `Restart=on-failure` then restarts the pod.
 
 Shutdown gives the name up first: once the pod has stopped its run and closed its log, the
 socket and pid files go, then the registry entry (so `podctl stop p; podctl spawn m.toml` works
@@ -41,6 +41,8 @@ log = logging.getLogger("poddaemon")
 USUAL_START = 30.0  # seconds start-up takes at most without them (podctl waits as much)
 EXIT_OK = 0
 EXIT_FAILURE = 1
+# Each asks for a shutdown: SIGHUP too, when the terminal of a pod run in the foreground closes.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 CLAIM_CHECK_INTERVAL = 0.5  # seconds between looks at pods.json (a stat; a read when it changed)
 
 
@@ -119,9 +121,11 @@ def parse_args(argv: list[str] | None) -> "argparse.Namespace":
 
 
 def main(argv: list[str] | None = None) -> int:
-    # SIGTERM and SIGINT mean shutdown (SPEC §7), while starting too: until the event loop
-    # takes them over (see amain), both interrupt start-up and the pod exits 0.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM and SIGINT mean shutdown (SPEC §7), and SIGHUP too (the terminal of a pod run in
+    # the foreground closed), while starting too: until the event loop takes them over (see
+    # amain), they interrupt start-up and the pod exits 0.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
     sdnotify.claim()
     args = parse_args(argv)
     # The model thread parses streams while the loop answers clients; a waiting thread gets the
@@ -143,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # e.g. a permission problem nobody foresaw: one line, no traceback
         print(f"poddaemon: {os_error_line(exc)}", file=sys.stderr, flush=True)
         code = EXIT_FAILURE
-    except KeyboardInterrupt:  # SIGTERM or SIGINT before the event loop ran (see above)
+    except KeyboardInterrupt:  # a stop signal before the event loop ran (see above)
         log.info("stopped while starting")
         code = EXIT_OK
-    for sig in (signal.SIGTERM, signal.SIGINT):  # the pod is gone: nothing left to interrupt
+    for sig in STOP_SIGNALS:  # the pod is gone: nothing left to interrupt
         signal.signal(sig, signal.SIG_IGN)
     _exit_at_once(code)
     return code
@@ -475,7 +479,7 @@ def _serve(
         loop = asyncio.get_running_loop()
         starting = asyncio.current_task()
         assert starting is not None
-        for sig in (signal.SIGTERM, signal.SIGINT):  # until READY: stop starting (see below)
+        for sig in STOP_SIGNALS:  # until READY: stop starting (see below)
             loop.add_signal_handler(sig, starting.cancel)
 
         def alert(level: str, source: str, message: str) -> None:
@@ -523,7 +527,7 @@ def _serve(
         except OSError as exc:
             raise StartupError(f"cannot listen on {sock_path}: {os_error_line(exc)}") from None
         claim.sock_ino = os.stat(sock_path).st_ino
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, ending.request)
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: what it awaits
         print(f"{readyline.READY}\t{manifest.pod.name}\t{sock_path}", file=sys.stderr, flush=True)
@@ -573,7 +577,7 @@ def _serve(
 
     try:
         return _run_loop(amain())
-    except asyncio.CancelledError:  # SIGTERM or SIGINT while starting: a requested stop
+    except asyncio.CancelledError:  # a stop signal while starting: a requested stop
         log.info("stopped while starting")
         return EXIT_OK
 
@@ -642,7 +646,7 @@ class Ending:
         self.failure: str | None = None
 
     def request(self, reason: str = "requested") -> None:
-        """A user or supervisor asks the pod to stop (the `shutdown` call, SIGTERM, SIGINT), or
+        """A user or supervisor asks the pod to stop (the `shutdown` call, a stop signal), or
         its spawner went (`reason` "parent exited")."""
         if not self._stopping():  # already stopping on its own: that stop stays a failure
             self.requested = True

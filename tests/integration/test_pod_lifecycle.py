@@ -57,9 +57,10 @@ def test_the_collector_is_back_on_after_ready(env: Env) -> None:
     assert int(match[2]) > 10_000  # start-up's objects: no collection walks them again
 
 
-def test_sigterm_is_a_graceful_shutdown(env: Env) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])  # SIGHUP: a terminal closed
+def test_a_stop_signal_is_a_graceful_shutdown(env: Env, sig: int) -> None:
     pod = env.start("beta")
-    pod.proc.send_signal(signal.SIGTERM)
+    pod.proc.send_signal(sig)
     assert pod.proc.wait(20) == 0
     assert registry(env) == {}
     assert not os.path.exists(pod.socket)

@@ -132,7 +132,7 @@ def test_requested_stops_exit_0(env: Env) -> None:
     assert by_signal.proc.wait(20) == 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_while_starting_is_a_requested_shutdown(env: Env, sig: int) -> None:
     # Start-up can take long (MCP servers, SessionStart hooks): SIGTERM (`systemctl stop`) and
     # SIGINT (Ctrl-C) then still mean shutdown (SPEC §7): exit 0, the claim given up, no
