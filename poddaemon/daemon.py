@@ -364,21 +364,21 @@ def _spawner(args: "argparse.Namespace", registry: Any) -> str | None:
 
 
 def _hook_scripts(manifest: Any) -> list[str]:
-    """The script files hook commands start with. One that is missing or not executable would
-    fail every run (exit 127 or 126: a warning, and the guard lets everything through): a
-    start-up error instead."""
+    """The script files hook commands run (`./guard.sh`, `bash ./guard.sh`). One that is missing
+    or not executable would fail every run (exit 127 or 126: a warning, and the guard lets
+    everything through): a start-up error instead."""
     scripts = []
     for event in manifest.hooks.__struct_fields__:
         for i, hook in enumerate(getattr(manifest.hooks, event)):
-            script = hook.script()
-            if script is None:
+            found = hook.script_word()
+            if found is None:
                 continue
             where = f"{manifest.source}: hooks.{event}[{i}].command"
-            if not os.path.isfile(script):
-                raise StartupError(f"{where}: {script} does not exist (or is not a file)")
-            if not os.access(script, os.X_OK):
-                raise StartupError(f"{where}: {script} is not executable (chmod +x)")
-            scripts.append(script)
+            if not os.path.isfile(found.path):
+                raise StartupError(f"{where}: {found.path} does not exist (or is not a file)")
+            if found.direct and not os.access(found.path, os.X_OK):
+                raise StartupError(f"{where}: {found.path} is not executable (chmod +x)")
+            scripts.append(found.path)
     return scripts
 
 

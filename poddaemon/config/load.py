@@ -444,12 +444,12 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
     def hook(h: HookConfig) -> HookConfig:
         # A script named by path runs from anywhere: a child pod (another pwd) runs it too,
         # and the sandbox grants that one file (SPEC §10: a child keeps its spawner's hooks).
-        found = h.script_span()
-        if found is None or found[2].startswith("/"):
+        found = h.script_word()
+        if found is None or found.path.startswith("/"):
             return h
-        start, end, script = found
-        word = shlex.quote(under(pwd, script))
-        return msgspec.structs.replace(h, command=h.command[:start] + word + h.command[end:])
+        word = shlex.quote(under(pwd, found.path))
+        command = h.command[: found.start] + word + h.command[found.end :]
+        return msgspec.structs.replace(h, command=command)
 
     events = HooksSection.__struct_fields__
     hooks = msgspec.structs.replace(

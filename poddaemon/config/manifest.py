@@ -7,7 +7,7 @@ relative to the Struct; the loader turns that into `<file>:<line>: <dotted.field
 
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from msgspec import Meta, Struct, field
 
@@ -170,6 +170,17 @@ _WORD = r"[^\s'\"\\$`;&|<>(){}*?\[\]#]"  # a character that needs no quoting in 
 _SCRIPT_RE = re.compile(rf"\s*(~?(?:(?![~=]){_WORD})*/{_WORD}*)(?=\s|$)")
 # ... or single-quoted, as `shlex.quote` writes a path with a space (the resolved manifest does)
 _QUOTED_SCRIPT_RE = re.compile(r"\s*'((?!~)[^']*/[^']*)'(?=\s|$)")
+# ... or the second word, after an interpreter that runs it: `bash ./guard.sh`, `python3 g/x.py`
+_INTERPRETER = re.compile(r"\s*(?:sh|bash|dash|zsh|python3?(?:\.\d+)?|node|perl|ruby)\s+")
+
+
+class Script(NamedTuple):
+    """The file a hook command runs, and where its word is in the command (quotes included)."""
+
+    start: int
+    end: int
+    path: str
+    direct: bool  # run itself (so it must be executable), not by an interpreter before it
 
 
 class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -180,16 +191,18 @@ class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     timeout: PositiveFloat = 60.0  # seconds; then the hook's process group is killed
 
     def script(self) -> str | None:
-        """The file the command starts with, when its first word is a path (else None)."""
-        found = self.script_span()
-        return found[2] if found else None
+        """The file the command runs when its first word is a path, or the second after an
+        interpreter (`bash ./guard.sh`); else None."""
+        found = self.script_word()
+        return found.path if found else None
 
-    def script_span(self) -> tuple[int, int, str] | None:
-        """Where in `command` the script's word is (quotes included), and the file it names."""
-        if found := _SCRIPT_RE.match(self.command):
-            return found.start(1), found.end(1), found.group(1)
-        if found := _QUOTED_SCRIPT_RE.match(self.command):
-            return found.start(1) - 1, found.end(1) + 1, found.group(1)
+    def script_word(self) -> Script | None:
+        interpreter = _INTERPRETER.match(self.command)
+        at = interpreter.end() if interpreter else 0
+        if found := _SCRIPT_RE.match(self.command, at):
+            return Script(found.start(1), found.end(1), found.group(1), not interpreter)
+        if found := _QUOTED_SCRIPT_RE.match(self.command, at):
+            return Script(found.start(1) - 1, found.end(1) + 1, found.group(1), not interpreter)
         return None
 
     def __post_init__(self) -> None:

@@ -204,7 +204,11 @@ def test_a_guard_script_outside_the_scope_still_guards(env: Env) -> None:
 
 @pytest.mark.parametrize(
     ("command", "problem"),
-    [("./missing.sh", "does not exist"), ("./plain.sh --x", "is not executable")],
+    [
+        ("./missing.sh", "does not exist"),
+        ("./plain.sh --x", "is not executable"),
+        ("python3 hooks/gone.py", "does not exist"),
+    ],
 )
 def test_a_hook_script_that_cannot_run_is_a_startup_error(
     env: Env, command: str, problem: str

@@ -960,15 +960,18 @@ def test_a_unit_pods_children_are_execd_into_its_cgroup(tree: Env) -> None:
     assert not list((tree.home / "run").glob("forkserver.*"))
 
 
-def test_a_child_runs_its_spawners_guard_hook(tree: Env) -> None:
+# Run itself, or by an interpreter (then it need not be executable): with `bash ./guard.sh`
+# the child, in its own pwd, failed to find it (exit 127, a warning) and let the write through.
+@pytest.mark.parametrize("command", ["./guard.sh", "bash ./guard.sh"])
+def test_a_child_runs_its_spawners_guard_hook(tree: Env, command: str) -> None:
     """SPEC §10: a child cannot drop a hook its spawner has. The spawner's guard is named
     relative to its pwd and lies outside the child's scope: the child runs it all the same."""
     env = tree
     (env.work / "kid").mkdir()
     guard = env.work / "guard.sh"
     guard.write_text('#!/bin/sh\ncat >/dev/null\necho "the guard says no" >&2\nexit 2\n')
-    guard.chmod(0o755)
-    hook = '[[hooks.PreToolUse]]\ncommand = "./guard.sh"\nmatcher = "write_file"\n'
+    guard.chmod(0o755 if command == "./guard.sh" else 0o644)
+    hook = f'[[hooks.PreToolUse]]\ncommand = "{command}"\nmatcher = "write_file"\n'
     env.model.script_model(
         "m-kid",
         {"tool_calls": [tool("write_file", path="x.txt", content="no")]},

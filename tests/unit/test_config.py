@@ -683,7 +683,12 @@ def test_to_toml_round_trips(tmp_path: Path, m: Manifest) -> None:
         ("/opt/hooks/g.sh", "/opt/hooks/g.sh"),
         ("~/hooks/g.sh", "~/hooks/g.sh"),
         ("echo hi", None),  # not a path
-        ("python3 hooks/g.py", None),  # the first word is no path
+        ("python3 hooks/g.py", "hooks/g.py"),  # run by an interpreter
+        ("bash ./guard.sh --strict", "./guard.sh"),
+        ("python3.11 '/my proj/g.py'", "/my proj/g.py"),
+        ("sh -c ./g.sh", None),  # an option first: left to the shell
+        ("bash", None),
+        ("echo ./not/run", None),  # no interpreter
         ("FOO=1 ./g.sh", None),  # an assignment first
         ('"./a b.sh"', None),  # double-quoted: left to the shell
         ("'/my proj/g.sh' --x", "/my proj/g.sh"),  # as a resolved manifest writes it
@@ -706,10 +711,15 @@ def test_hook_scripts_are_made_absolute_against_pwd(tmp_path: Path) -> None:
         '[[hooks.PreToolUse]]\ncommand = "./hooks/guard.sh --strict"\n'
         '[[hooks.Stop]]\ncommand = "echo ./not/a/script"\n'
         '[[hooks.Stop]]\ncommand = "/abs/stop.sh"\n'
+        '[[hooks.Stop]]\ncommand = "bash hooks/stop.sh > log/out"\n'
     )
     m = load_manifest(write(MINIMAL.replace("[pod]\n", '[pod]\npwd = "ws"\n', 1) + hooks))
     assert m.hooks.PreToolUse[0].command == f"{tmp_path}/ws/hooks/guard.sh --strict"
-    assert [h.command for h in m.hooks.Stop] == ["echo ./not/a/script", "/abs/stop.sh"]
+    assert [h.command for h in m.hooks.Stop] == [
+        "echo ./not/a/script",
+        "/abs/stop.sh",
+        f"bash {tmp_path}/ws/hooks/stop.sh > log/out",  # the script only: the rest is the shell's
+    ]
     # The kept (resolved) configuration loads to the same commands: a child gets them so.
     again = load_manifest(write(manifest_to_toml(m), "kept/m.toml"))
     assert again.hooks == m.hooks
