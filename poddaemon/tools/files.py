@@ -7,6 +7,7 @@ import contextlib
 import errno
 import functools
 import heapq
+import itertools
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -342,7 +343,12 @@ class ListDir:
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
         path = ctx.check(args.get("path", "."), Access.READ)
         shown = ctx.display(path)
-        names, total = await in_thread(_list, ctx, path)
+        # Most directories are small: read at once (a thread hand-off would triple the cost).
+        # A big one is read again in a thread, where millions of entries stall nobody.
+        listed = _list(ctx, path, Stop(), most=MAX_LIST_ENTRIES)
+        listed = listed or await in_thread(_list, ctx, path)
+        assert listed is not None  # (with no `most`, always a listing)
+        names, total = listed
         summary = f"listed {plural(total, 'entry', 'entries')} in {shown}"
         if total > len(names):
             names.append(
@@ -351,28 +357,40 @@ class ListDir:
         return ToolOutcome(output="\n".join(names) or "(empty directory)", summary=summary)
 
 
-def _list(ctx: ToolContext, path: str, stop: Stop) -> tuple[list[str], int]:
+def _list(
+    ctx: ToolContext, path: str, stop: Stop, most: int | None = None
+) -> tuple[list[str], int] | None:
     """The first MAX_LIST_ENTRIES names in sort order (a directory's end in /) and how many
-    there are. In a thread, holding that many names at most: a directory of millions neither
-    stalls the pod's event loop nor fills its memory."""
+    there are, holding that many names at most however big the directory; None when there are
+    more than `most`."""
     fd = ctx.open_checked(path, Access.READ, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with os.scandir(fd) as it:
+            if most is None:
+                return _first_names(it, stop)
+            some = list(itertools.islice(it, most + 1))
+    finally:
+        os.close(fd)
+    return None if len(some) > most else (sorted(map(_shown, some)), len(some))
+
+
+def _first_names(entries: Iterator[os.DirEntry[str]], stop: Stop) -> tuple[list[str], int]:
     total = 0
 
-    def names(it: Iterator[os.DirEntry[str]]) -> Iterator[str]:
+    def names() -> Iterator[str]:
         nonlocal total
-        for entry in it:
+        for entry in entries:
             if stop.cancelled:
                 return
             total += 1
-            try:
-                is_dir = entry.is_dir()
-            except OSError:
-                is_dir = False
-            yield entry.name + "/" if is_dir else entry.name
+            yield _shown(entry)
 
+    return heapq.nsmallest(MAX_LIST_ENTRIES, names()), total
+
+
+def _shown(entry: os.DirEntry[str]) -> str:
     try:
-        with os.scandir(fd) as it:
-            first = heapq.nsmallest(MAX_LIST_ENTRIES, names(it))
-    finally:
-        os.close(fd)
-    return first, total
+        is_dir = entry.is_dir()
+    except OSError:
+        is_dir = False
+    return entry.name + "/" if is_dir else entry.name

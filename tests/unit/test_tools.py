@@ -314,10 +314,11 @@ async def test_list_dir_shows_the_first_names_and_counts_the_rest(
     assert out.summary == "listed 12 entries in ."
 
 
-async def test_list_dir_reads_the_directory_off_the_event_loop(
+async def test_list_dir_reads_a_big_directory_off_the_event_loop(
     ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A directory of millions takes seconds to read: the pod must keep answering meanwhile."""
+    """A directory of millions takes seconds to read: the pod must keep answering meanwhile.
+    A small one is read at once (a thread hand-off would cost more than the listing)."""
     threads: list[threading.Thread] = []
     real_scandir = os.scandir
 
@@ -326,9 +327,15 @@ async def test_list_dir_reads_the_directory_off_the_event_loop(
         return real_scandir(fd)
 
     monkeypatch.setattr(os, "scandir", scandir)
-    (root / "x").write_text("")
-    assert (await call(ctx, "list_dir")).output == "x"
-    assert threads and threads[0] is not threading.main_thread()
+    monkeypatch.setattr(files_mod, "MAX_LIST_ENTRIES", 3)
+    for name in "abc":
+        (root / name).write_text("")
+    assert (await call(ctx, "list_dir")).output == "a\nb\nc"
+    assert threads == [threading.main_thread()]
+    (root / "d").write_text("")
+    threads.clear()
+    assert (await call(ctx, "list_dir")).output.splitlines()[:3] == ["a", "b", "c"]
+    assert threads[0] is threading.main_thread() and threads[-1] is not threads[0]
 
 
 # --- glob --------------------------------------------------------------------------------------
