@@ -203,6 +203,15 @@ def test_spawn_rejects_session_with_resume(home: Path) -> None:
     assert proc.returncode == 2 and "exclude each other" in proc.stderr
 
 
+@pytest.mark.parametrize("override", ["foo", "pod.name", "pod..name=x", "=1", "a b=1"])
+def test_spawn_rejects_a_malformed_set_as_a_usage_error(home: Path, override: str) -> None:
+    proc = podctl(home, "spawn", "x.toml", "--set", override)
+    assert (proc.returncode, proc.stderr) == (
+        2,
+        f"podctl: --set {override}: expected section.key=value\n",
+    )
+
+
 def test_sessions_verify_and_show(home: Path) -> None:
     from poddaemon.store.file import SessionLog
 
