@@ -122,7 +122,12 @@ def test_a_command_following_a_pod_that_is_killed_exits_3(env: Env, command: lis
     pod.call("run", input="keep busy")  # `wait` polls a running pod
     follow = env.podctl_popen(*command, "pod")
     try:
-        wait_until(lambda: connected(follow.pid), what=f"podctl {command[0]} to connect")
+        # `wait` is connected for a moment every 50 ms: looked at with wait_until's own 50 ms
+        # steps, those moments could be missed for the whole 10 s (one CI run did).
+        deadline = time.monotonic() + 20
+        while not connected(follow.pid):
+            assert time.monotonic() < deadline, f"podctl {command[0]} never connected"
+            time.sleep(0.0005)
         pod.kill9()
     finally:
         code, out, err = finish(follow)
