@@ -120,15 +120,7 @@ def check_dir(path: Path, what: str = "directory") -> None:
         ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeDirectory(f"{what} {path} is not a directory")
-    if st.st_uid != me:
-        raise UnsafeDirectory(
-            f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {me}): refusing it, {_WHY}"
-        )
-    if st.st_mode & 0o022:
-        raise UnsafeDirectory(
-            f"{what} {path} is writable by group or others (mode {st.st_mode & 0o7777:04o}): "
-            f"refusing it, {_WHY}; run chmod go-w {path}"
-        )
+    _check_ours(st, path, what, _WHY)
     for parent in _ancestors(path):
         pst = os.stat(parent)
         if pst.st_uid not in (0, me):
@@ -141,6 +133,26 @@ def check_dir(path: Path, what: str = "directory") -> None:
                 f"{what} {path} is inside {parent}, writable by group or others "
                 f"(mode {pst.st_mode & 0o7777:04o}) without the sticky bit: refusing it, {_WHY}"
             )
+
+
+def check_file(path: Path, what: str, why: str) -> None:
+    """Raise `UnsafeDirectory` unless file `path` is this user's and writable by nobody else,
+    in a directory `check_dir` accepts; `why` says what another user could do with it."""
+    _check_ours(os.stat(path), path, what, why)
+    check_dir(path.parent, f"{what}'s directory")
+
+
+def _check_ours(st: os.stat_result, path: Path, what: str, why: str) -> None:
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise UnsafeDirectory(
+            f"{what} {path} is owned by uid {st.st_uid}, not by you (uid {me}): refusing it, {why}"
+        )
+    if st.st_mode & 0o022:
+        raise UnsafeDirectory(
+            f"{what} {path} is writable by group or others (mode {st.st_mode & 0o7777:04o}): "
+            f"refusing it, {why}; run chmod go-w {path}"
+        )
 
 
 def ensure_dir(path: Path, what: str = "directory") -> Path:

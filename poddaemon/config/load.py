@@ -126,19 +126,10 @@ def load_manifest(
 def _check_ours(defaults: Path) -> None:
     """defaults.toml goes under every manifest (it can add tools, an instruction, a provider
     URL): like ssh with its config, refuse one that another user owns or could change."""
-    me = os.geteuid()
-    st = os.stat(defaults)
-    if st.st_uid != me:
-        raise ManifestError(f"{defaults}: owned by uid {st.st_uid}, not by you: refusing it")
-    if st.st_mode & 0o022:
-        raise ManifestError(
-            f"{defaults}: writable by group or others (mode {st.st_mode & 0o7777:04o}): "
-            f"refusing it; run chmod go-w {defaults}"
-        )
     try:
-        paths.check_dir(defaults.parent, "config directory")
+        paths.check_file(defaults, "defaults file", "another user could change what your pods run")
     except paths.UnsafeDirectory as exc:
-        raise ManifestError(f"{defaults}: {exc}") from None
+        raise ManifestError(str(exc)) from None
 
 
 def _read(path: Path, shown: str, *, missing: str | None) -> str:
