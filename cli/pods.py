@@ -27,14 +27,6 @@ STOP_TIMEOUT = 10.0
 POLL = 0.02
 
 
-def _malformed_override(text: str) -> bool:
-    """`--set` wants `section.key=value`, each key part a TOML bare key (as the loader)."""
-    import re
-
-    dotted, sep, _ = text.partition("=")
-    return not sep or not all(re.fullmatch(r"[A-Za-z0-9_-]+", p) for p in dotted.strip().split("."))
-
-
 @app.command()
 def spawn(
     manifest: Annotated[str, typer.Argument(metavar="MANIFEST", help="The pod's manifest (TOML).")],
@@ -62,8 +54,10 @@ def spawn(
 
     if session and resume:
         fail("--session and --resume exclude each other", EXIT_USAGE)
+    from poddaemon.overrides import split_override
+
     for text in set_ or []:
-        if _malformed_override(text):  # (what the manifest loader says, but exit 2: usage)
+        if split_override(text) is None:  # (the manifest loader's rule, but exit 2: usage)
             fail(f"--set {text}: expected section.key=value", EXIT_USAGE)
     cmd = daemon_command(manifest, set_ or [], session, resume)
     if foreground:

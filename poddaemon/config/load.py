@@ -16,6 +16,7 @@ from typing import Any, get_args
 
 import msgspec
 
+from poddaemon.overrides import split_override
 from protocol import paths
 
 from .manifest import (
@@ -206,16 +207,13 @@ def _merge_under(
             _merge_under(mine[k], v, (*prefix, k), dsrc, origins)
 
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
-
-
 def _apply_override(
     data: dict[str, Any], text: str, shown: str, origins: dict[Key, _Source]
 ) -> None:
-    dotted, sep, raw = text.partition("=")
-    parts = dotted.strip().split(".")
-    if not sep or not all(_BARE_KEY.match(p) for p in parts):
+    split = split_override(text)
+    if split is None:
         raise ManifestError(f"{shown}: --set {text}: expected section.key=value")
+    parts, raw = split
     value = _parse_value(raw)
     node: Any = data
     key: list[str | int] = []
