@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM and SIGINT mean shutdown (SPEC §7), and SIGHUP too (the terminal of a pod run in
     # the foreground closed), while starting too: until the event loop takes them over (see
     # amain), they interrupt start-up and the pod exits 0.
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # (SIGINT: Python's own, unless ignored)
         signal.signal(sig, signal.default_int_handler)
     sdnotify.claim()
     args = parse_args(argv)

@@ -190,17 +190,18 @@ T = TypeVar("T")
 class Stop:
     """What a tool's worker thread looks at between files, lines or entries: asyncio cannot
     stop the thread when the tool call is cancelled (`cancelled`, and then a cancelled run's pod
-    can exit), and a search on a huge tree may be given a time limit (`out_of_time`)."""
+    can exit), and a search on a huge tree may be given a time limit (`stopped` looks at both)."""
 
     def __init__(self, seconds: float | None = None) -> None:
         self.cancelled = False
         self.timed_out = False
         self._deadline = None if seconds is None else time.monotonic() + seconds
 
-    def out_of_time(self) -> bool:
+    def stopped(self) -> bool:
+        """Cancelled, or out of the time given (then `timed_out` stays set)."""
         if self._deadline is not None and time.monotonic() >= self._deadline:
             self.timed_out = True
-        return self.timed_out
+        return self.cancelled or self.timed_out
 
 
 async def in_thread(fn: Callable[..., T], *args: Any, stop: Stop | None = None) -> T:

@@ -122,7 +122,7 @@ def glob_paths(
     matchers = [re.compile(fnmatch.translate(part)).fullmatch for part in parts]
 
     def walk(directory: str, i: int) -> Iterator[str]:
-        if stop.cancelled or stop.out_of_time():
+        if stop.stopped():
             return
         if i == len(parts):
             if directory not in seen:
@@ -264,7 +264,7 @@ def _grep(
     files = 0
     cut = [0]  # lines searched in their first GREP_LINE_BYTES only
     for full, real in _walk_files(ctx, base):
-        if stop.cancelled or stop.out_of_time():
+        if stop.stopped():
             break
         if not accept(os.path.relpath(full, base), os.path.basename(full)):
             continue

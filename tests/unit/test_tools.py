@@ -565,7 +565,7 @@ def time_runs_out_after(checks: int) -> type[Stop]:
     class Late(Stop):
         looks = 0
 
-        def out_of_time(self) -> bool:
+        def stopped(self) -> bool:
             Late.looks += 1
             self.timed_out = Late.looks > checks
             return self.timed_out
