@@ -7,7 +7,7 @@ import pytest
 
 from poddaemon.testing.cleanup import alive
 from protocol import RpcError
-from tests.conftest import PROVIDER_KINDS, Env, collect_run, wait_until
+from tests.conftest import PROVIDER_KINDS, Env, PodProcess, collect_run, wait_until
 
 
 def last_request_text(env: Env) -> str:
@@ -170,12 +170,17 @@ def test_run_while_busy_is_queued_then_runs(env: Env) -> None:
     )
 
 
-def test_steer_reaches_the_model_inside_the_active_run(env: Env) -> None:
+def start_held_in_a_tool_call(env: Env, name: str, answer: str) -> PodProcess:
+    """A pod whose model first asks for list_dir, held until gate "g" opens (so the run stays
+    active, ready for a steer), then gives `answer`."""
     env.model.script(
-        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"},
-        {"text": "took the steer into account"},
+        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"}, {"text": answer}
     )
-    pod = env.start("steered")
+    return env.start(name)
+
+
+def test_steer_reaches_the_model_inside_the_active_run(env: Env) -> None:
+    pod = start_held_in_a_tool_call(env, "steered", "took the steer into account")
     with pod.client() as c:
         c.subscribe()
         run = c.run("list things")
@@ -191,11 +196,7 @@ def test_steer_reaches_the_model_inside_the_active_run(env: Env) -> None:
 def test_steer_with_wait_answers_when_the_run_it_joined_ends(env: Env) -> None:
     """`run {mode: steer, wait: true}` answers as any `wait` does (SPEC §5): `{run_id,
     outcome, text, usage}` once the run it was steered into ends, not `{state: steered}`."""
-    env.model.script(
-        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"},
-        {"text": "done, briefly"},
-    )
-    pod = env.start("steerwait")
+    pod = start_held_in_a_tool_call(env, "steerwait", "done, briefly")
     with pod.client() as c, ThreadPoolExecutor(1) as pool:
         run = c.run("list things")
         env.model.wait_for_requests(1)
@@ -211,11 +212,7 @@ def test_steer_with_wait_answers_when_the_run_it_joined_ends(env: Env) -> None:
 def test_a_keyed_steer_retried_answers_its_original_result(env: Env) -> None:
     """Same client_key and input: the original result (SPEC §5), `steered` into the same run,
     and with `wait` that run's end, not a run that does not exist."""
-    env.model.script(
-        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"},
-        {"text": "steered answer"},
-    )
-    pod = env.start("steerkey")
+    pod = start_held_in_a_tool_call(env, "steerkey", "steered answer")
     with pod.client() as c, ThreadPoolExecutor(1) as pool:
         run = c.run("list things")
         env.model.wait_for_requests(1)

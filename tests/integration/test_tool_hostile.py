@@ -28,25 +28,34 @@ def test_a_file_name_that_is_not_utf8_is_shown_escaped_and_the_pod_lives_on(env:
     assert outputs == ["caf\\xe9.txt", "d/caf\\xe9.txt:1:needle", "d/caf\\xe9.txt"]
 
 
+ENV_COMMAND = (
+    {"tool_calls": [{"name": "bash", "arguments": {"command": "env; echo END-OF-ENV"}}]},
+    {"text": "seen"},
+)
+
+
+def env_a_command_sees(env: Env, pod: PodProcess) -> str:
+    """What `env` printed in a bash command of `pod`, as the model got it back (the model was
+    scripted with `ENV_COMMAND` before the pod started)."""
+    with pod.client() as c:
+        assert c.run_wait("show env").outcome == "finished"
+    seen = str(env.model.requests[1]["body"])
+    assert "END-OF-ENV" in seen and "PODDAEMON_HOME=" in seen  # the whole environment
+    return seen
+
+
 def test_bash_commands_do_not_see_a_provider_key_with_a_name_of_its_own(env: Env) -> None:
     # `MY_LLM_CREDS` matches none of the credential-like patterns commands are spared.
     env.env["MY_LLM_CREDS"] = "the-real-key"
-    env.model.script(
-        {"tool_calls": [{"name": "bash", "arguments": {"command": "env; echo END-OF-ENV"}}]},
-        {"text": "seen"},
-    )
+    env.model.script(*ENV_COMMAND)
     path = env.manifest("envy", tools=["bash"])
     text = path.read_text().replace('api_key_env = "FAKE_API_KEY"', 'api_key_env = "MY_LLM_CREDS"')
     path.write_text(text)
     pod = PodProcess(env.popen(str(path)), "envy")
     env.pods.append(pod)
-    pod.wait_ready()
-    with pod.client() as c:
-        assert c.run_wait("show env").outcome == "finished"
+    seen = env_a_command_sees(env, pod.wait_ready())
     assert env.model.requests[0]["headers"].get("authorization") == "Bearer the-real-key"
-    followup = str(env.model.requests[1]["body"])
-    assert "END-OF-ENV" in followup and "PODDAEMON_HOME=" in followup
-    assert "MY_LLM_CREDS" not in followup and "the-real-key" not in followup
+    assert "MY_LLM_CREDS" not in seen and "the-real-key" not in seen
 
 
 def test_bash_commands_do_not_see_a_variable_the_manifest_hands_to_an_mcp_server(
@@ -54,17 +63,11 @@ def test_bash_commands_do_not_see_a_variable_the_manifest_hands_to_an_mcp_server
 ) -> None:
     # `SVC_SETTING` looks like no credential: only where the manifest sends it says it is one.
     env.env["SVC_SETTING"] = "server-only-value"
-    env.model.script(
-        {"tool_calls": [{"name": "bash", "arguments": {"command": "env; echo END-OF-ENV"}}]},
-        {"text": "seen"},
-    )
+    env.model.script(*ENV_COMMAND)
     server = '[[mcp.servers]]\nname = "svc"\ncommand = ["true"]\nenv = { S = "${SVC_SETTING}" }\n'
     pod = env.start("mcpenv", tools=["bash"], extra=server)  # the server fails; not required
-    with pod.client() as c:
-        assert c.run_wait("show env").outcome == "finished"
-    followup = str(env.model.requests[1]["body"])
-    assert "END-OF-ENV" in followup and "PODDAEMON_HOME=" in followup
-    assert "SVC_SETTING" not in followup and "server-only-value" not in followup
+    seen = env_a_command_sees(env, pod)
+    assert "SVC_SETTING" not in seen and "server-only-value" not in seen
 
 
 def test_a_regex_that_backtracks_for_ever_is_a_tool_error_and_the_pod_keeps_answering(
