@@ -134,9 +134,9 @@ def test_requested_stops_exit_0(env: Env) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_stop_signal_while_starting_is_a_requested_shutdown(env: Env, sig: int) -> None:
-    # Start-up can take long (MCP servers, SessionStart hooks): SIGTERM (`systemctl stop`) and
-    # SIGINT (Ctrl-C) then still mean shutdown (SPEC §7): exit 0, the claim given up, no
-    # traceback, and nothing the start-up started left running.
+    # Start-up can take long (MCP servers, SessionStart hooks): SIGTERM (`systemctl stop`),
+    # SIGINT (Ctrl-C) and SIGHUP (a closed terminal) then still mean shutdown (SPEC §7): exit 0,
+    # the claim given up, no traceback, and nothing the start-up started left running.
     started = env.work / "hook-started"
     hook = f"touch {started}; exec sleep 173"
     extra = f'[[hooks.SessionStart]]\ncommand = "{hook}"\ntimeout = 60\n'
