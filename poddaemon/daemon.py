@@ -178,7 +178,6 @@ def run_pod(args: "argparse.Namespace") -> int:
     from poddaemon.config.load import ManifestError, load_manifest
     from poddaemon.llm import CredentialsError, check_manifest_credentials
     from poddaemon.prompt import PromptError, load_instruction
-    from poddaemon.registry import Registry, RegistryConflict, RegistryError, make_entry
     from poddaemon.scope import Access, Scope, resolve
     from poddaemon.tools import BUILTIN
 
@@ -189,7 +188,6 @@ def run_pod(args: "argparse.Namespace") -> int:
     from poddaemon.mcp import preload_sdk
 
     preload_sdk(manifest)  # the SDK import overlaps the rest of start-up
-    name = manifest.pod.name
     try:
         check_manifest_credentials(manifest)
         instruction = load_instruction(
@@ -223,6 +221,20 @@ def run_pod(args: "argparse.Namespace") -> int:
 
     box = _sandbox(manifest, scope, pwd, _hook_scripts(manifest))
     try:
+        return _claim_and_serve(args, manifest, scope, instruction, box)
+    finally:
+        box.close()  # its temp dir: a start refused here leaves none behind either
+
+
+def _claim_and_serve(
+    args: "argparse.Namespace", manifest: Any, scope: Any, instruction: object, box: Any
+) -> int:
+    """Claim the name and scope in the registry, then serve until the pod stops."""
+    from poddaemon.registry import Registry, RegistryConflict, RegistryError, make_entry
+    from poddaemon.sandbox.pod import replace_leftover
+
+    name = manifest.pod.name
+    try:
         _, runtime = paths.ensure_private_dirs()
     except OSError as exc:
         raise StartupError(os_error_line(exc)) from None
@@ -245,13 +257,13 @@ def run_pod(args: "argparse.Namespace") -> int:
         try:
             paths.ensure_dir(pod_dir)
             paths.write_private(pod_dir / "pid", f"{os.getpid()}\n")
+            replace_leftover(pod_dir / "tmpdir", name, box.tmpdir)
             _keep_config(manifest, args.callback if args.adopt else None)
         except OSError as exc:
             raise StartupError(os_error_line(exc)) from None
         return _serve(args, manifest, scope, claim, instruction, session_id, box)
     finally:
         claim.release()  # once only: on the normal path _serve gave it up already
-        box.close()
 
 
 class Claim:

@@ -147,12 +147,15 @@ class Env:
         self.model = model
         self.work = home / "work"
         self.work.mkdir()
+        self.tmp = home / "tmp"  # the pods' commands' temp dirs: gone with the home
+        self.tmp.mkdir()
         self.pods: list[PodProcess] = []
         self.env = {
             **os.environ,
             "PODDAEMON_HOME": str(home),
             "FAKE_API_KEY": "test-key",
             "PYTHONPATH": str(ROOT),
+            "TMPDIR": str(self.tmp),
         }
         for var in ("PODDAEMON_CONFIG_DIR", "PODDAEMON_DATA_DIR", "PODDAEMON_RUNTIME_DIR"):
             self.env.pop(var, None)

@@ -2,9 +2,12 @@
 runner (which confines itself before it starts anything) and shown by `status`."""
 
 import contextlib
+import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import msgspec
 
@@ -12,6 +15,7 @@ from poddaemon.sandbox import NO_SANDBOX, SandboxUnavailable, available, build_p
 from poddaemon.sandbox.landlock import FS
 from poddaemon.sandbox.policy import Grant, Mode, system_grants
 from poddaemon.scope import Scope
+from protocol.paths import write_private
 
 
 class PodSandbox(msgspec.Struct):
@@ -26,6 +30,24 @@ class PodSandbox(msgspec.Struct):
         if self.tmpdir is not None:
             with contextlib.suppress(OSError):
                 shutil.rmtree(self.tmpdir)
+
+
+def replace_leftover(record: Path, name: str, tmpdir: str | None) -> None:
+    """`record` names the commands' temp dir of the last pod of this name. A pod killed with
+    no chance to clean up (kill -9) left it behind: remove it, then record ours. Only a dir
+    of ours, under the name mkdtemp gave it: `record` lies in our private runtime dir, but
+    what it names may have changed hands since."""
+    with contextlib.suppress(OSError):
+        old = record.read_text().strip()
+        if old != tmpdir and os.path.basename(old).startswith(f"poddaemon-{name}-"):
+            st = os.lstat(old)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                shutil.rmtree(old)
+    if tmpdir is None:
+        with contextlib.suppress(FileNotFoundError):
+            record.unlink()
+    else:
+        write_private(record, tmpdir + "\n")
 
 
 def pod_sandbox(

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from poddaemon.sandbox import available
-from tests.conftest import Env
+from tests.conftest import Env, StartFailed
 
 pytestmark = pytest.mark.skipif(available() == 0, reason="this kernel has no Landlock")
 
@@ -183,3 +183,23 @@ def test_a_denied_dir_renamed_by_bash_is_still_denied_to_the_file_tools(
     assert "denied secret" not in cat["output"] and "Permission denied" in cat["output"]
     assert read["is_error"] and "denied secret" not in read["output"]
     assert "a denied entry moved or linked there" in read["output"]
+
+
+def test_the_commands_temp_dir_outlives_neither_a_refused_start_nor_a_kill9(env: Env) -> None:
+    temp = env.tmp  # the pods' TMPDIR
+
+    def temp_dirs() -> list[str]:
+        return sorted(p.name for p in temp.iterdir())
+
+    pod = env.start("temper", tools=["bash"])
+    (first,) = temp_dirs()
+    assert first.startswith("poddaemon-temper-")
+    with pytest.raises(StartFailed):  # the name is taken: this start gives its own dir back
+        env.start("temper", tools=["bash"])
+    assert temp_dirs() == [first]
+    pod.kill9()  # no chance to clean up: the next pod of this name removes what it left
+    again = env.restart(pod)
+    (second,) = temp_dirs()
+    assert second != first
+    assert again.stop() == 0
+    assert temp_dirs() == []

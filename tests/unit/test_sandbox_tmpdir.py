@@ -1,0 +1,41 @@
+"""The commands' temp dir a killed pod left behind: removed by the next pod of its name, and
+nothing else is (the record may name a path that changed hands since)."""
+
+import os
+from pathlib import Path
+
+from poddaemon.sandbox.pod import replace_leftover
+
+
+def test_the_leftover_goes_and_the_new_dir_is_recorded(tmp_path: Path) -> None:
+    old = tmp_path / "poddaemon-kid-abc"
+    (old / "deep").mkdir(parents=True)
+    (old / "deep" / "f").write_text("x")
+    record = tmp_path / "tmpdir"
+    record.write_text(f"{old}\n")
+    replace_leftover(record, "kid", str(tmp_path / "poddaemon-kid-new"))
+    assert not old.exists()
+    assert record.read_text() == f"{tmp_path / 'poddaemon-kid-new'}\n"
+    assert os.stat(record).st_mode & 0o777 == 0o600
+
+
+def test_what_is_not_a_leftover_of_this_name_stays(tmp_path: Path) -> None:
+    other = tmp_path / "poddaemon-kidney-abc"  # another pod's (its name starts alike)
+    other.mkdir()
+    mine = tmp_path / "poddaemon-kid-abc"
+    elsewhere = tmp_path / "project"
+    elsewhere.mkdir()
+    mine.symlink_to(elsewhere)  # a link put in its place: not followed
+    record = tmp_path / "tmpdir"
+    for named in (other, mine, tmp_path / "project"):
+        record.write_text(f"{named}\n")
+        replace_leftover(record, "kid", None)
+        assert not record.exists()  # no temp dir now (no commands): nothing recorded
+    assert other.is_dir() and elsewhere.is_dir() and mine.is_symlink()
+
+
+def test_no_record_yet_is_fine(tmp_path: Path) -> None:
+    record = tmp_path / "tmpdir"
+    replace_leftover(record, "kid", None)
+    replace_leftover(record, "kid", str(tmp_path / "poddaemon-kid-1"))
+    assert record.read_text().strip() == str(tmp_path / "poddaemon-kid-1")
