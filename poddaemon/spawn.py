@@ -20,10 +20,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from msgspec.structs import replace
 
+from poddaemon.config.manifest import MCP_SEP
 from poddaemon.entries import SPAWNER_KEY, Entry, OutboxItem, SystemItem
 from poddaemon.machine import FINAL_REPORTS
 from poddaemon.readyline import parse_ready, parse_starting
@@ -67,6 +70,50 @@ def reports_left(pod: "Pod", name: str) -> list[OutboxItem]:
     except (OSError, ValueError, LogCorrupt) as exc:
         log.warning("cannot read the reports child pod %r left in its log: %s", name, exc)
         return []
+
+
+def narrow_tools(m: "Manifest", asked: Any, offered: Mapping[str, str]) -> "Manifest":
+    """The spawner's configuration `m` with exactly the tools `asked` (`spawn_pod`'s `tools`).
+
+    A builtin name goes to `worker.tools`; `<server>__<tool>` keeps that MCP server with an
+    allow-list of the tools so named, `<server>__*` keeps it as the spawner has it; a server
+    none of whose tools is named is dropped. `offered` maps each MCP tool the spawner's model is
+    offered (its allow-lists applied) to its server's own name for it: a child gets no tool its
+    spawner does not have, so any other name is a ToolError naming it.
+    """
+    if not isinstance(asked, list) or not all(isinstance(t, str) for t in asked):
+        raise ToolError("tools must be a list of tool names")
+    configured = {s.name for s in m.mcp.servers}
+    builtins: list[str] = []
+    whole: set[str] = set()  # servers given as `<server>__*`
+    allow: dict[str, list[str]] = {}  # server -> its tools named, by the server's own names
+    unknown: list[str] = []
+    for name in dict.fromkeys(asked):
+        server, sep, tool = name.partition(MCP_SEP)
+        if not sep:
+            (builtins if name in m.worker.tools else unknown).append(name)
+        elif tool == "*" and server in configured:
+            whole.add(server)
+        elif name in offered:
+            allow.setdefault(server, []).append(offered[name])
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ToolError(f"tools: {', '.join(unknown)} not available to this pod")
+    servers = [
+        s if s.name in whole else replace(s, tools=allow[s.name])
+        for s in m.mcp.servers
+        if s.name in whole or s.name in allow
+    ]
+    kept = {s.name for s in servers}
+    caps = m.worker.tool_output
+    per_tool = {  # a cap on a dropped server's tool would name a server the child lacks
+        tool: limit
+        for tool, limit in caps.per_tool.items()
+        if MCP_SEP not in tool or tool.partition(MCP_SEP)[0] in kept
+    }
+    worker = replace(m.worker, tools=builtins, tool_output=replace(caps, per_tool=per_tool))
+    return replace(m, worker=worker, mcp=replace(m.mcp, servers=servers))
 
 
 class _Live(msgspec.Struct):
@@ -361,11 +408,8 @@ class Children:
                     f"give {reach}, deeper than this pod's own rules reach there"
                 )
             allow.append({"target": target, "permission": perm, "recursive": recursive})
-        tools = args.get("tools")
-        if tools is not None:
-            extra = [t for t in tools if t not in m.worker.tools]
-            if extra:
-                raise ToolError(f"tools: {', '.join(map(str, extra))} not available to this pod")
+        if args.get("tools") is not None:
+            m = narrow_tools(m, args["tools"], self._offered_mcp())
         pwd = resolve(str(args.get("pwd") or allow[0]["target"]), cwd)
         data = m.to_dict()
         data["pod"] = {"name": name, "pwd": pwd}
@@ -377,8 +421,6 @@ class Children:
         elif worker.get("instruction_file") and m.source:
             base = os.path.dirname(os.path.abspath(m.source))
             worker["instruction_file"] = os.path.join(base, worker["instruction_file"])
-        if tools is not None:
-            worker["tools"] = list(tools)
         if args.get("model"):
             data["provider"]["model"] = str(args["model"])
         data["budget"] = {"max_total_tokens": grant} if grant is not None else {}
@@ -387,6 +429,13 @@ class Children:
             return msgspec.convert(data, Manifest)
         except (msgspec.ValidationError, FieldError) as exc:
             raise ToolError(f"invalid child configuration: {exc}") from None
+
+    def _offered_mcp(self) -> dict[str, str]:
+        """The MCP tools our model is offered: name -> the server's own name for it."""
+        from poddaemon.mcp.tool import McpTool
+
+        tools = self.pod.s.tools.tools.values()
+        return {t.name: t.remote for t in tools if isinstance(t, McpTool)}
 
     async def _start(
         self, name: str, manifest: "Manifest", task: str, grant: int | None

@@ -1,5 +1,6 @@
 """The spawner's view of its children (poddaemon/spawn.py `Children`) against a real pods.json:
-what a change of the registry costs the pod's event loop."""
+what a change of the registry costs the pod's event loop; and the tools a child's
+configuration gets from `spawn_pod`'s `tools`."""
 
 import shutil
 import tempfile
@@ -8,11 +9,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
+from poddaemon.config.manifest import Manifest
+from poddaemon.mcp.tool import McpTool
 from poddaemon.registry import Registry, make_entry
 from poddaemon.scope import Scope
-from poddaemon.spawn import Children, _Live
+from poddaemon.spawn import Children, _Live, narrow_tools
+from poddaemon.tools.base import ToolError, ToolOutcome
+from poddaemon.toolset import Toolset
 
 
 @pytest.fixture
@@ -51,3 +57,132 @@ def test_a_registry_change_reads_pods_json_once_however_many_children_live(
     monkeypatch.setattr(registry, "_read", counted)
     children.registry_changed()
     assert reads == 1
+
+
+# --- spawn_pod `tools`: the child's tools, builtin and MCP (SPEC §9) -------------------------
+
+
+def spawner(**worker: Any) -> Manifest:
+    """A spawner with two MCP servers: `gh` (no allow-list) and `db` (allow-list `query`,
+    `schema.get`), and an output cap on one tool of each."""
+    return msgspec.convert(
+        {
+            "pod": {"name": "boss", "pwd": "/tmp"},
+            "provider": {"kind": "openai", "model": "m"},
+            "worker": {
+                "tools": ["read_file", "grep", "bash", "spawn_pod"],
+                "tool_output": {"per_tool": {"gh__search": 100, "db__query": 200, "bash": 300}},
+                **worker,
+            },
+            "scope": {"allow": [{"target": "/tmp", "permission": "write"}]},
+            "mcp": {
+                "servers": [
+                    {"name": "gh", "command": ["gh-mcp"]},
+                    {"name": "db", "command": ["db-mcp"], "tools": ["query", "schema.get"]},
+                ]
+            },
+            "hooks": {"PreToolUse": [{"matcher": "bash", "command": "./guard.sh"}]},
+        },
+        Manifest,
+    )
+
+
+# What the spawner's model is offered of its servers (`db`'s allow-list applied by the pod).
+OFFERED = {
+    "gh__search": "search",
+    "gh__create_issue": "create_issue",
+    "db__query": "query",
+    "db__schema_get": "schema.get",  # the offered name made safe; the server's own has a dot
+}
+
+
+def servers(m: Manifest) -> dict[str, list[str] | None]:
+    return {s.name: s.tools for s in m.mcp.servers}
+
+
+def test_named_mcp_tools_narrow_their_server_and_the_others_are_dropped() -> None:
+    child = narrow_tools(spawner(), ["read_file", "gh__search"], OFFERED)
+    assert child.worker.tools == ["read_file"]
+    assert servers(child) == {"gh": ["search"]}  # db: none of its tools named, not started
+    # An output cap for a dropped server's tool would name a server the child lacks.
+    assert child.worker.tool_output.per_tool == {"gh__search": 100, "bash": 300}
+    assert child.hooks == spawner().hooks  # a child cannot drop its spawner's hooks
+
+
+def test_an_mcp_tool_is_allowed_by_the_servers_own_name() -> None:
+    child = narrow_tools(spawner(), ["db__schema_get", "db__query", "db__query"], OFFERED)
+    assert servers(child) == {"db": ["schema.get", "query"]}
+    assert child.worker.tools == []
+
+
+def test_server_star_keeps_the_whole_server_as_the_spawner_has_it() -> None:
+    child = narrow_tools(spawner(), ["gh__*", "db__*", "db__query"], OFFERED)
+    assert servers(child) == {"gh": None, "db": ["query", "schema.get"]}
+
+
+@pytest.mark.parametrize(
+    "asked, unknown",
+    [
+        (["gh__search", "gh__delete_repo"], "gh__delete_repo"),  # not a tool the server offers
+        (["db__drop"], "db__drop"),  # not in the spawner's allow-list for db
+        (["web__fetch", "web__*"], "web__fetch, web__*"),  # no such server
+        (["write_file", "grep"], "write_file"),  # builtin the spawner does not have
+    ],
+)
+def test_a_tool_the_spawner_may_not_use_is_refused_by_name(asked: list[str], unknown: str) -> None:
+    with pytest.raises(ToolError) as exc:
+        narrow_tools(spawner(), asked, OFFERED)
+    assert str(exc.value) == f"tools: {unknown} not available to this pod"
+
+
+def test_builtin_tools_only_leave_the_child_no_mcp_server() -> None:
+    child = narrow_tools(spawner(), ["read_file", "grep"], OFFERED)
+    assert child.worker.tools == ["read_file", "grep"]
+    assert servers(child) == {}
+    assert child.worker.tool_output.per_tool == {"bash": 300}
+
+
+def test_tools_must_be_a_list_of_names() -> None:
+    with pytest.raises(ToolError, match="list of tool names"):
+        narrow_tools(spawner(), ["read_file", 3], OFFERED)
+
+
+def test_without_tools_the_child_gets_every_tool_of_its_spawner(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """`spawn_pod` without `tools`: the child's configuration keeps every builtin tool and
+    every MCP server whole."""
+    m = spawner()
+    pod: Any = SimpleNamespace(
+        m=m,
+        scope=Scope.from_dicts([{"target": "/tmp", "permission": "write"}]),
+        s=SimpleNamespace(registry=registry, tools=SimpleNamespace(tools={})),
+    )
+    args = {"scope": [{"target": str(tmp_path), "permission": "read"}]}
+    child = Children(pod)._child_manifest("kid", args, None)
+    assert child.worker == m.worker
+    assert child.mcp == m.mcp
+    assert child.hooks == m.hooks
+
+
+def test_the_child_gets_the_mcp_tools_named_as_the_spawners_model_sees_them(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """`_child_manifest` checks MCP names against the tools the spawner's model is offered."""
+
+    async def call(remote: str, args: dict[str, Any]) -> ToolOutcome:
+        raise AssertionError("not called")
+
+    offered = [McpTool(name, remote, "", {}, call) for name, remote in OFFERED.items()]
+    pod: Any = SimpleNamespace(
+        m=spawner(),
+        scope=Scope.from_dicts([{"target": "/tmp", "permission": "write"}]),
+        s=SimpleNamespace(registry=registry, tools=Toolset({t.name: t for t in offered})),
+    )
+    args = {
+        "scope": [{"target": str(tmp_path), "permission": "read"}],
+        "tools": ["grep", "db__schema_get"],
+    }
+    child = Children(pod)._child_manifest("kid", args, None)
+    assert child.worker.tools == ["grep"]
+    assert servers(child) == {"db": ["schema.get"]}
