@@ -41,7 +41,12 @@ _SPAWN_PARAMS: dict[str, Any] = {
         "name": {"type": "string", "description": "unique pod name [a-z0-9_-]"},
         "task": {"type": "string", "description": "its first run's input"},
         "instruction": {"type": "string"},
-        "tools": {"type": "array", "items": {"type": "string"}},
+        "tools": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "only these of your tools (default: all): builtin names, MCP tools "
+            "as <server>__<tool>, <server>__* for all of a server's",
+        },
         "scope": _SCOPE,
         "pwd": {"type": "string"},
         "model": {"type": "string"},
