@@ -987,3 +987,35 @@ def test_a_child_runs_its_spawners_guard_hook(tree: Env, command: str) -> None:
     assert not (env.work / "kid" / "x.txt").exists()
     kid = json.dumps(model_saw(env, "m-kid"))
     assert "the guard says no" in kid
+
+
+def test_a_child_is_offered_only_the_mcp_tools_its_spawner_names(tree: Env) -> None:
+    """SPEC §9: `tools` names the child's tools, MCP tools among them (`<server>__<tool>`):
+    its copy of the server offers only those; nothing else of the spawner's server reaches it."""
+    from tests.integration.test_mcp import advertised_tools, server_toml
+
+    env = tree
+    (env.work / "kid").mkdir()
+    env.model.script_model(
+        "m-kid", {"tool_calls": [tool("t__add", a=2, b=40)]}, {"text": "kid done"}
+    )
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn_call("kid", "add", [str(env.work / "kid")], tools=["read_file", "t__add"])
+            ]
+        },
+        {"tool_calls": [tool("wait_pods", pods=["kid"], timeout_s=30)]},
+        {"text": "parent done"},
+    )
+    parent = start_parent(env, extra=server_toml())
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    assert not any(r["is_error"] for r in tool_results(parent)), tool_results(parent)
+    wait_until(lambda: _finished_reports(parent, "kid"), 30, "the child's report")
+    # The spawner itself is offered every tool of the server.
+    assert {"t__add", "t__env", "t__pid"} <= set(advertised_tools(env.model.requests[0]["body"]))
+    first, then = [r["body"] for r in env.model.requests if r["body"].get("model") == "m-kid"]
+    assert set(advertised_tools(first)) == {"read_file", "t__add"}
+    # Its call went to its own copy of the server (started with the allow-list) and worked.
+    (result,) = [m for m in then["messages"] if m["role"] == "tool"]
+    assert result["content"] == "42", result
