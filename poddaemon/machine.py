@@ -41,7 +41,7 @@ from poddaemon.llm.types import ModelResponse, ProviderError
 from poddaemon.session import CONTEXT_SOURCE, MAX_NOTIFICATIONS_PER_REQUEST, SessionState, fold
 from poddaemon.tools.base import args_preview
 from poddaemon.turn import CallModel as _CallStep
-from poddaemon.turn import Finished, Turn, interrupted_results
+from poddaemon.turn import CheckStop, Finished, Turn, interrupted_results
 from protocol import errors
 from protocol.errors import RpcError
 from protocol.types import (
@@ -66,6 +66,8 @@ RESTART_NOTE = (
     "The pod restarted while your previous run was in progress; it was interrupted. "
     "Check the state of your work and continue where you left off."
 )
+
+STOP_HOOK_SOURCE = "hook:Stop"  # the source of the reason a blocking Stop hook gave
 
 # The reports a child made as it stopped (`final_report`; `errored` in older logs): stale
 # once it starts again.
@@ -117,6 +119,13 @@ class RunTool(msgspec.Struct, frozen=True):
     call: ToolCall
 
 
+class RunStopHooks(msgspec.Struct, frozen=True):
+    """The run's final answer is in: run the Stop hooks and feed back `stop_checked`."""
+
+    run_id: str
+    stop_hook_active: bool  # the run goes on already because a Stop hook blocked its end
+
+
 class Interrupt(msgspec.Struct, frozen=True):
     """Cancel the model call or tool in flight; its result comes back as cancelled."""
 
@@ -159,6 +168,7 @@ Effect = (
     | Publish
     | CallModel
     | RunTool
+    | RunStopHooks
     | Interrupt
     | SetTimer
     | Sync
@@ -180,6 +190,7 @@ class MachineConfig(msgspec.Struct, frozen=True):
     provider_kind: str = ""
     compaction_model: str = ""
     reports: bool = False  # started by a spawner: commit reports for it (spawn trees, §9)
+    stop_hooks: bool = False  # Stop hooks may block a run's end: ask them first (RunStopHooks)
 
 
 class _Compaction(msgspec.Struct):
@@ -213,7 +224,7 @@ class Machine:
         self.stopping = False
         self.stop_reason = "requested"  # the `shutdown` event's reason (see `shutdown`)
         self.stopped = False
-        self.in_flight: Literal["model", "tool", "compact"] | None = None
+        self.in_flight: Literal["model", "tool", "compact", "stop"] | None = None
         # The model call in flight only waits to retry (nothing streamed): a pause may end it.
         self._model_retrying = False
         self._resume_requested = False
@@ -609,6 +620,24 @@ class Machine:
         def go() -> None:
             turn = self._expect("tool")
             self._commit_all(turn.tool_returned(call_id, output, is_error, summary))
+            self._advance()
+
+        return self._handle(go)
+
+    def stop_checked(self, block: str | None) -> list[Effect]:
+        """The Stop hooks' verdict on the final answer: `block` is the reason the first that
+        blocked gave (the run goes on, the model reads it), None lets the run end (also when
+        the hooks were interrupted by a cancel or a shutdown)."""
+
+        def go() -> None:
+            turn = self._expect("stop")
+            more = self.state.pending_steers > 0
+            if turn.stop_checked(block, more_input=more):
+                assert block is not None
+                text = f"Stop hook: {block.strip() or 'no reason given'}"
+                self._commit(
+                    SystemItem(id=self.new_id(), text=text, source=STOP_HOOK_SOURCE, context=True)
+                )
             self._advance()
 
         return self._handle(go)
@@ -1053,14 +1082,15 @@ class Machine:
     def _start_run(self, run_id: str, trigger: str) -> None:
         self._burst_start = None
         self._commit(RunStart(run_id=run_id, trigger=trigger))
-        self.turn = Turn(run_id, self.cfg.max_turns, rounds=self.state.rounds)
+        turn = Turn(run_id, self.cfg.max_turns, self.state.rounds, stop_hooks=self.cfg.stop_hooks)
+        self.turn = turn
         self._publish("state.changed", {"state": "running"})
         last = self.state.history[-1] if self.state.history else None
         if trigger == "resume" and not self.state.pending_steers and _final_answer(last):
-            # Paused while its final answer streamed: the answer stands, the run is done.
+            # Paused while its final answer streamed (or its Stop hooks ran): the answer
+            # stands, the run ends (once the Stop hooks let it).
             assert isinstance(last, AssistantMessage)
-            self._finish_run(run_id, Finished("finished", last.text))
-            return
+            turn.resumed_answered(last.text)
         self._advance()
 
     def _advance(self) -> None:
@@ -1082,6 +1112,10 @@ class Machine:
         next_step = turn.next_step()
         if isinstance(next_step, Finished):
             self._finish_run(turn.run_id, next_step)
+            return
+        if isinstance(next_step, CheckStop):
+            self.in_flight = "stop"
+            self._emit(RunStopHooks(turn.run_id, next_step.stop_hook_active))
             return
         assert isinstance(next_step, _CallStep)
         if self._compaction_due(turn.run_id):
@@ -1218,7 +1252,7 @@ class Machine:
         if self._burst_start is None:
             self._burst_start = now
 
-    def _expect(self, what: Literal["model", "tool"]) -> Turn:
+    def _expect(self, what: Literal["model", "tool", "stop"]) -> Turn:
         if self.turn is None or self.in_flight != what:
             raise RuntimeError(f"a {what} result with no {what} in flight")
         self.in_flight = None

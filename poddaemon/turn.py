@@ -7,6 +7,9 @@ and guarantees the invariants every provider needs:
 - every tool call gets exactly one result (synthetic when cancelled, paused, cut off or denied);
 - every run ends in exactly one `Finished`.
 
+A run with Stop hooks does not end `finished` by itself: its final answer asks `CheckStop`
+first, and a hook that blocks gives it another model round (as Claude Code's Stop hooks).
+
 Pause and cancel are requests: they take effect at the next safe point (before a model call or
 before a tool), except that the pod also interrupts whatever is in flight on cancel.
 """
@@ -45,13 +48,19 @@ class RunTool(msgspec.Struct, frozen=True):
     call: ToolCall
 
 
+class CheckStop(msgspec.Struct, frozen=True):
+    """Run the Stop hooks on the final answer and feed their verdict to `stop_checked`."""
+
+    stop_hook_active: bool  # the run already goes on because a Stop hook blocked its end
+
+
 class Finished(msgspec.Struct, frozen=True):
     outcome: Outcome
     text: str
     error: str | None = None
 
 
-Step = CallModel | RunTool | Finished
+Step = CallModel | RunTool | CheckStop | Finished
 
 
 class _State(Enum):
@@ -59,6 +68,8 @@ class _State(Enum):
     AWAIT_MODEL = "await_model"
     NEED_TOOLS = "need_tools"
     AWAIT_TOOL = "await_tool"
+    NEED_STOP_CHECK = "need_stop_check"
+    AWAIT_STOP_CHECK = "await_stop_check"
     DONE = "done"
 
 
@@ -67,12 +78,14 @@ class Turn(msgspec.Struct):
     max_turns: int
     rounds: int = 0  # model rounds already spent in this run (a resumed run keeps counting)
     usage: Usage = msgspec.field(default_factory=Usage)
+    stop_hooks: bool = False  # a final answer asks `CheckStop` before the run ends
     _state: _State = _State.NEED_MODEL
     _pending: list[ToolCall] = msgspec.field(default_factory=list)
     _text: str = ""
     _finished: Finished | None = None
     _pause: bool = False
     _cancel: bool = False
+    _stop_hook_active: bool = False
 
     # --- what to do next -----------------------------------------------------------------------
 
@@ -85,12 +98,19 @@ class Turn(msgspec.Struct):
             if self._pause:
                 return self._finish("paused", None)
             if self.rounds >= self.max_turns:
-                return self._finish("limit_reached", f"reached max_turns ({self.max_turns})")
+                return self._limit_reached()
             self._state = _State.AWAIT_MODEL
             return CallModel(self.rounds + 1)
+        if self._state is _State.NEED_STOP_CHECK:
+            if self._cancel:
+                return self._finish("cancelled", None)
+            if self._pause:
+                return self._finish("paused", None)
+            self._state = _State.AWAIT_STOP_CHECK
+            return CheckStop(self._stop_hook_active)
         if self._state is _State.NEED_TOOLS:
             raise RuntimeError("tool results must be fed back before asking for a step")
-        if self._state is _State.AWAIT_TOOL or self._state is _State.AWAIT_MODEL:
+        if self._state in (_State.AWAIT_TOOL, _State.AWAIT_MODEL, _State.AWAIT_STOP_CHECK):
             raise RuntimeError(f"waiting for a result ({self._state.value})")
         raise AssertionError(self._state)
 
@@ -154,9 +174,40 @@ class Turn(msgspec.Struct):
                 self._state = _State.NEED_MODEL
             elif self._cancel:
                 self._finish("cancelled", None)
-            else:  # a pause asked for during the answer holds: resuming finishes the run
-                self._finish("paused" if self._pause else "finished", None)
+            elif self._pause:  # a pause asked for during the answer holds: resuming ends it
+                self._finish("paused", None)
+            else:
+                self._answered()
         return records
+
+    def resumed_answered(self, text: str) -> None:
+        """The run resumes after its final answer (it was paused as the answer streamed or as
+        the Stop hooks ran): it ends, once the Stop hooks let it."""
+        self._expect(_State.NEED_MODEL)
+        self._text = text
+        self._answered()
+
+    def stop_checked(self, block: str | None, more_input: bool = False) -> bool:
+        """The Stop hooks' verdict: `block` is the reason one blocked the end of the run, None
+        lets it end (or the check was interrupted: by a cancel or a shutdown, which end the run
+        anyway). `more_input`: steer input came meanwhile, read in another round. True when
+        the run goes on because of the block (the caller gives the model the reason). A pause
+        asked for meanwhile ends the run `paused` whatever the verdict: resuming asks again."""
+        self._expect(_State.AWAIT_STOP_CHECK)
+        if self._cancel:
+            self._finish("cancelled", None)
+        elif self._pause:
+            self._finish("paused", None)
+        elif block is None and not more_input:
+            self._finish("finished", None)
+        elif self.rounds >= self.max_turns:
+            self._limit_reached()
+        else:
+            self._state = _State.NEED_MODEL
+            if block is not None:
+                self._stop_hook_active = True
+                return True
+        return False
 
     def model_failed(self, error: ProviderError | None) -> list[Entry]:
         """The model call failed, or (error None) was interrupted before it completed: by a
@@ -229,6 +280,15 @@ class Turn(msgspec.Struct):
 
     def _turn_end(self) -> TurnEnd:
         return TurnEnd(run_id=self.run_id, round=self.rounds)
+
+    def _answered(self) -> None:
+        if self.stop_hooks:
+            self._state = _State.NEED_STOP_CHECK
+        else:
+            self._finish("finished", None)
+
+    def _limit_reached(self) -> Finished:
+        return self._finish("limit_reached", f"reached max_turns ({self.max_turns})")
 
     def _finish(self, outcome: Outcome, error: str | None) -> Finished:
         self._state = _State.DONE

@@ -21,6 +21,7 @@ from poddaemon.machine import (
     OpenSession,
     Publish,
     Reply,
+    RunStopHooks,
     RunTool,
     SetTimer,
     Stopped,
@@ -55,7 +56,7 @@ class Driver:
     answers: dict[int, Answer] = field(default_factory=dict)  # replies the client received
     waiting: list[tuple[int, Answer]] = field(default_factory=list)  # (lines needed, reply)
     events: list[tuple[str, dict[str, Any], str | None]] = field(default_factory=list)
-    inflight: CallModel | RunTool | Summarize | None = None
+    inflight: CallModel | RunTool | RunStopHooks | Summarize | None = None
     old_sessions: list[list[dict[str, Any]]] = field(default_factory=list)  # before compactions
     interrupted: bool = False
     timer: float | None = None
@@ -104,7 +105,7 @@ class Driver:
                     self.lines, self.entries, self.prev = [], [], GENESIS
                     self._write(start)
                     self.durable = 1
-                case CallModel() | RunTool() | Summarize():
+                case CallModel() | RunTool() | RunStopHooks() | Summarize():
                     assert self.inflight is None, "two things in flight"
                     self.inflight = e
                     self.interrupted = False
@@ -211,6 +212,13 @@ class Driver:
         call = self.inflight.call
         self.inflight = None
         return self.feed(self.machine.tool_returned(call.id, output, is_error))
+
+    def stop_hooks(self, block: str | None = None) -> list[Effect]:
+        """The Stop hooks' verdict: `block` is the reason one gave, None lets the run end (or
+        the check was interrupted)."""
+        assert isinstance(self.inflight, RunStopHooks), self.inflight
+        self.inflight = None
+        return self.feed(self.machine.stop_checked(block))
 
     def tick(self, seconds: float = 2.0) -> list[Effect]:
         self.now += seconds
