@@ -8,6 +8,10 @@ exit 2: block (stderr is the reason); any other exit or a timeout: a warning, go
 a JSON object on stdout may decide instead: `{"decision": "block", "reason": ...}` or, for
 PreToolUse, `{"hookSpecificOutput": {"permissionDecision": "allow"|"deny", ...}}`.
 
+A Stop hook that blocks a run's final answer gives the model its reason and the run another
+round (`stop`, asked by the machine before the run ends); Stop hooks of runs that end otherwise,
+and Notification, SubagentStop and PreCompact hooks, run as the event happens and decide nothing.
+
 `Hooks` is an interceptor (PreToolUse, PostToolUse, Stop) plus the calls the executor makes for
 the other events. Every hook run is recorded through `record` (a `hook_run` log entry)."""
 
@@ -133,8 +137,22 @@ class Hooks(Interceptor):
                 outcome.output += f"\n[PostToolUse hook] {run.reason}"
         return outcome
 
+    async def stop(self, run_id: str, stop_hook_active: bool) -> str | None:
+        """The Stop hooks on a final answer, before the run ends: the reason the first one
+        that blocked gave (the run goes on), or None (it ends `finished`)."""
+        fields = {"stop_hook_active": stop_hook_active, "run_id": run_id, "outcome": "finished"}
+        for run in await self.run("Stop", fields):
+            if run.decision == "block":
+                return run.reason
+        return None
+
     async def on_run_end(self, run_id: str, outcome: str) -> None:
-        await self.run("Stop", {"stop_hook_active": False, "run_id": run_id, "outcome": outcome})
+        """After the fact, for runs that did not finish (cancelled, error, limit_reached): they
+        end whatever the hooks say. A finished run had its say in `stop`."""
+        if outcome != "finished":
+            await self.run(
+                "Stop", {"stop_hook_active": False, "run_id": run_id, "outcome": outcome}
+            )
 
     async def before_compact(self, reason: str) -> None:
         await self.run("PreCompact", {"trigger": reason, "custom_instructions": ""})

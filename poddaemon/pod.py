@@ -44,6 +44,7 @@ from poddaemon.machine import (
     OpenSession,
     Publish,
     Reply,
+    RunStopHooks,
     RunTool,
     SetTimer,
     Stopped,
@@ -109,6 +110,7 @@ class Pod:
             provider_kind=m.provider.kind,
             compaction_model=m.compaction_provider.model,
             reports=services.callback is not None,
+            stop_hooks=bool(m.hooks.Stop),
         )
         prompt = services.instruction.render(
             pwd=m.pod.pwd, scope=self.scope, tools=list(m.worker.tools)
@@ -235,6 +237,8 @@ class Pod:
                 self._switch(start)
             case RunTool(_, call):
                 self._start(self._run_tool(effect), "tool", lambda: self._tool_cancelled(call))
+            case RunStopHooks():
+                self._start(self._check_stop(effect), "stop", self._stop_check_cancelled)
             case Interrupt():
                 if self._inflight is not None:
                     self._inflight.cancel()
@@ -458,6 +462,23 @@ class Pod:
             self.machine.tool_returned(call.id, outcome.output, outcome.is_error, outcome.summary)
         )
 
+    async def _check_stop(self, effect: RunStopHooks) -> None:
+        """The Stop hooks on the run's final answer, before it ends (their verdict decides)."""
+        assert self.hooks is not None
+        block: str | None = None
+        try:
+            block = await self.hooks.stop(effect.run_id, effect.stop_hook_active)
+        except asyncio.CancelledError:  # an `Interrupt` (cancel, shutdown): the hooks are killed
+            if self.machine.in_flight != "stop":
+                raise
+        except Exception:  # a bug: the run ends as if no hook had blocked
+            log.exception("the Stop hooks of run %s failed", effect.run_id)
+        self._inflight = None
+        self.feed(self.machine.stop_checked(block))
+
+    def _stop_check_cancelled(self) -> list[Effect]:
+        return self.machine.stop_checked(None)
+
     def _start(self, coro: Any, what: str, cancelled: Callable[[], list[Effect]]) -> None:
         """Run a model call or tool as the in-flight task. A task cancelled before it ever ran
         never reaches its own handler, so its result is fed from here instead."""
@@ -533,7 +554,8 @@ class Pod:
 
     def spawn_background(self, coro: Coroutine[Any, Any, Any]) -> "asyncio.Task[Any]":
         """Run work nothing waits on off the path (a hook that decides nothing: Notification,
-        SubagentStop, Stop; naming a session); the stop gives it a moment to finish."""
+        SubagentStop, Stop after a run that did not finish; naming a session); the stop gives
+        it a moment to finish."""
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from protocol.errors import RpcError
-from tests.conftest import Env, drained, wait_until
+from tests.conftest import Env, collect_run, drained, wait_until
+from tests.integration.test_durability import check_restored
 
 PY = sys.executable
 
@@ -302,3 +303,95 @@ def test_a_redelivered_notification_or_child_report_runs_its_hook_once(env: Env)
     wait_until(lambda: len(hook_runs()) >= 2, what="both hooks")
     drained(pod)  # a turn later: a second run of either hook would have been recorded
     assert hook_runs() == ["Notification", "SubagentStop"]
+
+
+REASON = "2 tests still fail: run pytest before you stop"
+# Blocks only while the run is not already continuing because of it (Claude Code's way to
+# avoid an endless loop), and logs each stop_hook_active it is given.
+STOP_UNLESS_ACTIVE = """
+import json, sys
+data = json.load(sys.stdin)
+with open({seen!r}, "a") as f:
+    f.write(json.dumps(data["stop_hook_active"]) + "\\n")
+assert data["outcome"] == "finished", data
+if not data["stop_hook_active"]:
+    {block}
+"""
+BLOCKS = {
+    "exit 2": f"print({REASON!r}, file=sys.stderr); sys.exit(2)",
+    "json": f"print(json.dumps({{'decision': 'block', 'reason': {REASON!r}}}))",
+}
+
+
+@pytest.mark.parametrize("form", BLOCKS)
+def test_a_blocking_stop_hook_gives_the_model_its_reason_and_the_run_goes_on(
+    env: Env, form: str
+) -> None:
+    seen = env.work / "stop_hook_active.log"
+    body = STOP_UNLESS_ACTIVE.format(seen=str(seen), block=BLOCKS[form])
+    env.model.script({"text": "first answer"}, {"text": "second answer"})
+    pod = env.start("keepgoing", extra=hooks_toml("Stop", script(env, "stop.py", body)))
+    with pod.client() as watcher:
+        watcher.subscribe()
+        with pod.client() as c:
+            result = c.run_wait("make the tests pass")
+        events = collect_run(watcher, result.run_id)
+    assert result.outcome == "finished" and result.text == "second answer"
+    first, second = (str(r["body"]) for r in env.model.requests)
+    assert REASON not in first and f"Stop hook: {REASON}" in second
+    notes = [e.data for e in events if e.type == "notification.committed"]
+    assert [(n["source"], n["message"]) for n in notes] == [("hook:Stop", f"Stop hook: {REASON}")]
+    assert [e.type for e in events].count("run.finished") == 1
+    stops = [e for e in entries(pod) if e["kind"] == "hook_run" and e["event"] == "Stop"]
+    assert [(e["exit"], e["decision"]) for e in stops] == [
+        (2 if form == "exit 2" else 0, "block"),
+        (0, "ok"),
+    ]
+    assert [e["kind"] for e in entries(pod)].count("run_end") == 1
+    # The stop waits for hooks still running in the background: a Stop hook run again after
+    # run_end would have logged a third line by the time the pod has exited.
+    assert pod.stop() == 0
+    assert seen.read_text().split() == ["false", "true"]
+
+
+SLOW_STOP = """
+import sys, time
+from pathlib import Path
+marker = Path({marker!r})
+if not marker.exists():
+    marker.write_text("running")
+    time.sleep(1391)
+"""
+
+
+def test_a_kill_during_a_stop_hook_loses_nothing_and_the_run_ends_once(env: Env) -> None:
+    marker = env.work / "stop-hook-started"
+    hook = script(env, "slow_stop.py", SLOW_STOP.format(marker=str(marker)))
+    env.model.script({"text": "first answer"})
+    pod = env.start("slowstop", extra=hooks_toml("Stop", hook, timeout=3600))
+    with pod.client() as c:
+        first = c.run("the work")
+        wait_until(marker.exists, what="the Stop hook to run")
+        queued = c.run("more work")  # acknowledged while the Stop hook runs
+        sid = c.status().session_id
+    assert queued.state == "queued" and sid
+    pod.kill9()
+    before = len(env.model.requests)
+    again = env.restart(pod, "--resume")
+    entries_ = check_restored(
+        env,
+        again,
+        sid,
+        runs={first.run_id: "the work", queued.run_id: "more work"},
+        interrupted=first.run_id,
+        before=before,
+    )
+    ends = [e for e in entries_ if e["kind"] == "run_end"]
+    assert [e["run_id"] for e in ends] == [first.run_id, queued.run_id]
+    assert ends[1]["outcome"] == "finished"
+
+    def hook_gone() -> bool:
+        found = subprocess.run(["pgrep", "-f", str(env.work / "slow_stop.py")], check=False)
+        return found.returncode == 1
+
+    wait_until(hook_gone, what="the killed pod's Stop hook to be gone")
