@@ -198,8 +198,8 @@ class Turn(msgspec.Struct):
             self._finish("cancelled", None)
         elif self._pause:
             self._finish("paused", None)
-        elif block is None and not more_input:
-            self._finish("finished", None)
+        elif block is None and (not more_input or self.rounds >= self.max_turns):
+            self._finish("finished", None)  # (the steer gets a run of its own)
         elif self.rounds >= self.max_turns:
             self._limit_reached()
         else:

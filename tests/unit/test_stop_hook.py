@@ -142,6 +142,17 @@ def test_a_steer_during_the_check_is_read_in_the_same_run() -> None:
     assert d.answer(t).result.text == "both done" and d.kinds().count("run_start") == 1
 
 
+def test_a_steer_during_the_last_rounds_check_does_not_cut_a_finished_run_short() -> None:
+    d = hooked(max_turns=1)
+    t = d.call("run", "x", wait=True)
+    d.model("answer")
+    d.call("run", "also this", mode="steer")
+    d.stop_hooks(None)
+    assert d.answer(t).result.outcome == "finished"
+    assert isinstance(d.inflight, CallModel) and d.kinds().count("run_start") == 2
+    assert d.inflight.items[-1].text == "also this"  # type: ignore[union-attr]
+
+
 def test_a_crash_during_the_check_ends_the_run_once_and_the_next_start_picks_it_up() -> None:
     d = hooked()
     d.call("run", "x")
