@@ -364,6 +364,11 @@ if not marker.exists():
 """
 
 
+def hook_gone(env: Env) -> bool:
+    found = subprocess.run(["pgrep", "-f", str(env.work / "slow_stop.py")], check=False)
+    return found.returncode == 1
+
+
 def test_a_kill_during_a_stop_hook_loses_nothing_and_the_run_ends_once(env: Env) -> None:
     marker = env.work / "stop-hook-started"
     hook = script(env, "slow_stop.py", SLOW_STOP.format(marker=str(marker)))
@@ -389,9 +394,24 @@ def test_a_kill_during_a_stop_hook_loses_nothing_and_the_run_ends_once(env: Env)
     ends = [e for e in entries_ if e["kind"] == "run_end"]
     assert [e["run_id"] for e in ends] == [first.run_id, queued.run_id]
     assert ends[1]["outcome"] == "finished"
+    wait_until(lambda: hook_gone(env), what="the killed pod's Stop hook to be gone")
 
-    def hook_gone() -> bool:
-        found = subprocess.run(["pgrep", "-f", str(env.work / "slow_stop.py")], check=False)
-        return found.returncode == 1
 
-    wait_until(hook_gone, what="the killed pod's Stop hook to be gone")
+def test_cancel_during_a_stop_hook_kills_it_and_ends_the_run_cancelled(env: Env) -> None:
+    marker = env.work / "stop-hook-started"
+    hook = script(env, "slow_stop.py", SLOW_STOP.format(marker=str(marker)))
+    env.model.script({"text": "an answer"})
+    pod = env.start("cancelstop", extra=hooks_toml("Stop", hook, timeout=3600))
+    with pod.client() as c:
+        run = c.run("the work")
+        wait_until(marker.exists, what="the Stop hook to run")
+        assert c.status().state == "running"
+        assert pod.call("cancel")["cancelled"]
+    ends = wait_until(
+        lambda: [e for e in entries(pod) if e["kind"] == "run_end"], what="the run's end"
+    )
+    assert [(e["run_id"], e["outcome"], e["text"]) for e in ends] == [
+        (run.run_id, "cancelled", "an answer")
+    ]
+    wait_until(lambda: hook_gone(env), timeout=5, what="the Stop hook to be killed")
+    assert pod.stop() == 0
