@@ -102,6 +102,7 @@ def send(
             position = f" (position {result.position})" if result.position is not None else ""
             sys.stderr.write(f"podctl: run {run_id} queued{position}\n")
         wrote, ends_nl = False, True
+        between_messages = False  # the model's text so far has ended (a tool call came)
         finished: dict[str, Any] | None = None
         trouble = ""  # the last error alert: why the pod stopped, should it close on us
         try:
@@ -118,12 +119,16 @@ def send(
                 if event.type == "text.delta" and not as_json:
                     delta = str(event.data.get("text", ""))
                     if delta:
+                        if not ends_nl and between_messages:  # a new round's text
+                            delta = "\n" + delta
                         sys.stdout.write(delta)
                         sys.stdout.flush()
-                        wrote, ends_nl = True, delta.endswith("\n")
+                        wrote, ends_nl, between_messages = True, delta.endswith("\n"), False
                 elif event.type == "run.finished":
                     finished = dict(event.data)
                     break
+                elif event.type != "reasoning.delta":  # a tool call, the model call's usage…
+                    between_messages = True
         except KeyboardInterrupt:
             if wrote and not ends_nl:
                 sys.stdout.write("\n")

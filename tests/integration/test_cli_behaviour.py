@@ -403,3 +403,14 @@ def test_restart_without_the_api_key_leaves_the_pod_running(env: Env) -> None:
     again = env.podctl("restart", "keep")  # with the key: stopped and started again
     assert again.returncode == 0, again.stderr
     assert pod.proc.wait(20) == 0
+
+
+def test_send_starts_each_model_rounds_text_on_a_line_of_its_own(env: Env) -> None:
+    """Text before a tool call and the answer after it are two messages, not one run-on line."""
+    env.start("rounds")
+    env.model.script(
+        {"text": "Let me look.", "tool_calls": [{"name": "list_dir", "arguments": {}}]},
+        {"text": "Found it."},
+    )
+    out = env.podctl("send", "rounds", "where is it?")
+    assert (out.returncode, out.stdout) == (0, "Let me look.\nFound it.\n"), out.stderr
