@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from protocol.errors import RpcError
-from tests.conftest import Env, collect_run, drained, wait_until
+from tests.conftest import Env, PodProcess, collect_run, drained, wait_until
 from tests.integration.test_durability import check_restored
 
 PY = sys.executable
@@ -369,14 +369,21 @@ def hook_gone(env: Env) -> bool:
     return found.returncode == 1
 
 
-def test_a_kill_during_a_stop_hook_loses_nothing_and_the_run_ends_once(env: Env) -> None:
+def held_in_a_stop_hook(env: Env, name: str, answer: str) -> tuple[PodProcess, str]:
+    """A pod whose run "the work" gave its final answer and waits on a slow Stop hook."""
     marker = env.work / "stop-hook-started"
     hook = script(env, "slow_stop.py", SLOW_STOP.format(marker=str(marker)))
-    env.model.script({"text": "first answer"})
-    pod = env.start("slowstop", extra=hooks_toml("Stop", hook, timeout=3600))
+    env.model.script({"text": answer})
+    pod = env.start(name, extra=hooks_toml("Stop", hook, timeout=3600))
     with pod.client() as c:
-        first = c.run("the work")
-        wait_until(marker.exists, what="the Stop hook to run")
+        run_id = c.run("the work").run_id
+    wait_until(marker.exists, what="the Stop hook to run")
+    return pod, run_id
+
+
+def test_a_kill_during_a_stop_hook_loses_nothing_and_the_run_ends_once(env: Env) -> None:
+    pod, first = held_in_a_stop_hook(env, "slowstop", "first answer")
+    with pod.client() as c:
         queued = c.run("more work")  # acknowledged while the Stop hook runs
         sid = c.status().session_id
     assert queued.state == "queued" and sid
@@ -387,31 +394,25 @@ def test_a_kill_during_a_stop_hook_loses_nothing_and_the_run_ends_once(env: Env)
         env,
         again,
         sid,
-        runs={first.run_id: "the work", queued.run_id: "more work"},
-        interrupted=first.run_id,
+        runs={first: "the work", queued.run_id: "more work"},
+        interrupted=first,
         before=before,
     )
     ends = [e for e in entries_ if e["kind"] == "run_end"]
-    assert [e["run_id"] for e in ends] == [first.run_id, queued.run_id]
+    assert [e["run_id"] for e in ends] == [first, queued.run_id]
     assert ends[1]["outcome"] == "finished"
     wait_until(lambda: hook_gone(env), what="the killed pod's Stop hook to be gone")
 
 
 def test_cancel_during_a_stop_hook_kills_it_and_ends_the_run_cancelled(env: Env) -> None:
-    marker = env.work / "stop-hook-started"
-    hook = script(env, "slow_stop.py", SLOW_STOP.format(marker=str(marker)))
-    env.model.script({"text": "an answer"})
-    pod = env.start("cancelstop", extra=hooks_toml("Stop", hook, timeout=3600))
-    with pod.client() as c:
-        run = c.run("the work")
-        wait_until(marker.exists, what="the Stop hook to run")
-        assert c.status().state == "running"
-        assert pod.call("cancel")["cancelled"]
+    pod, run_id = held_in_a_stop_hook(env, "cancelstop", "an answer")
+    assert pod.call("status")["state"] == "running"
+    assert pod.call("cancel")["cancelled"]
     ends = wait_until(
         lambda: [e for e in entries(pod) if e["kind"] == "run_end"], what="the run's end"
     )
     assert [(e["run_id"], e["outcome"], e["text"]) for e in ends] == [
-        (run.run_id, "cancelled", "an answer")
+        (run_id, "cancelled", "an answer")
     ]
     wait_until(lambda: hook_gone(env), timeout=5, what="the Stop hook to be killed")
     assert pod.stop() == 0
