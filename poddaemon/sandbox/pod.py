@@ -32,6 +32,10 @@ class PodSandbox(msgspec.Struct):
                 shutil.rmtree(self.tmpdir)
 
 
+def _tmpdir_prefix(name: str) -> str:
+    return f"poddaemon-{name}-"
+
+
 def replace_leftover(record: Path, name: str, tmpdir: str | None) -> None:
     """`record` names the commands' temp dir of the last pod of this name. A pod killed with
     no chance to clean up (kill -9) left it behind: remove it, then record ours. Only a dir
@@ -39,7 +43,7 @@ def replace_leftover(record: Path, name: str, tmpdir: str | None) -> None:
     what it names may have changed hands since."""
     with contextlib.suppress(OSError):
         old = record.read_text().strip()
-        if old != tmpdir and os.path.basename(old).startswith(f"poddaemon-{name}-"):
+        if old != tmpdir and os.path.basename(old).startswith(_tmpdir_prefix(name)):
             st = os.lstat(old)
             if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
                 shutil.rmtree(old)
@@ -79,7 +83,7 @@ def pod_sandbox(
     box = PodSandbox(status=describe(abi))
     if not commands:
         return box
-    box.tmpdir = tempfile.mkdtemp(prefix=f"poddaemon-{name}-")
+    box.tmpdir = tempfile.mkdtemp(prefix=_tmpdir_prefix(name))
     # Hook scripts run wherever they are (outside the scope, in a denied directory, in the
     # spawner's tree for a child): that one file is readable and executable, nothing around it.
     extra = system_grants() + [Grant(p, FS.READ_FILE | FS.EXECUTE, exempt=True) for p in scripts]
