@@ -373,8 +373,6 @@ class Pod:
 
     async def _call_model(self, call: CallModel) -> None:
         try:
-            if not self.plog.inputs_durable():
-                await self._synced()  # nothing runs on input that is not yet durable
             request = ModelRequest(
                 system=call.system,
                 items=call.items,
@@ -404,6 +402,12 @@ class Pod:
         publish = self.bus.publish
         retrying = False  # the machine knows: a pause ends a call that only waits to retry
         async with contextlib.aclosing(self.s.model.stream(request)) as events:  # type: ignore[type-var]
+            if not self.plog.inputs_durable():
+                # The request is already on its way (on the model thread) while the input is
+                # fsync'd: the model may see an input a crash then loses, as a crash after the
+                # fsync would have it answer a run nobody hears of; but nothing it answers is
+                # used, published or committed before the input is durable.
+                await self._synced()
             async for event in events:
                 if isinstance(event, TextDelta):
                     publish("text.delta", {"text": event.text}, run_id)

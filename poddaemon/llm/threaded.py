@@ -7,10 +7,11 @@ however many deltas arrived meanwhile. The SDK import also happens on that threa
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from poddaemon.llm.types import ModelClient, ModelRequest, ReasoningDelta, StreamEvent, TextDelta
@@ -86,7 +87,9 @@ class ThreadedModel:
         future = asyncio.run_coroutine_threadsafe(_as_coro(coro), self._worker_loop())
         return await asyncio.wrap_future(future)
 
-    async def stream(self, req: ModelRequest) -> AsyncIterator[StreamEvent]:
+    def stream(self, req: ModelRequest) -> "Events":
+        """The request leaves now, on the model thread, not at the first iteration: the pod
+        makes its input durable meanwhile (see `Pod._stream`)."""
         channel = _Channel(asyncio.get_running_loop())
 
         async def pump() -> None:
@@ -101,18 +104,7 @@ class ThreadedModel:
             finally:
                 channel.put(_END)
 
-        future = asyncio.run_coroutine_threadsafe(pump(), self._worker_loop())
-        try:
-            while True:
-                for item in _coalesced(await channel.take()):
-                    if item is _END:
-                        return
-                    if isinstance(item, _Failed):
-                        raise item.exc
-                    yield item
-        finally:
-            # Stopped early (cancelled, or the consumer is done): release the HTTP stream now.
-            future.cancel()
+        return Events(channel, asyncio.run_coroutine_threadsafe(pump(), self._worker_loop()))
 
     async def warm(self) -> None:
         await self._on_worker(self.inner.warm())
@@ -125,6 +117,35 @@ class ThreadedModel:
             await self._on_worker(self.inner.aclose())
         loop.call_soon_threadsafe(loop.stop)
         self._loop = None
+
+
+class Events:
+    """A stream's events on the pod's loop. `aclose` releases the HTTP stream at once, even
+    if it was never iterated."""
+
+    def __init__(self, channel: _Channel, future: "concurrent.futures.Future[None]") -> None:
+        self._channel = channel
+        self._future = future
+        self._batch: deque[Any] = deque()
+
+    def __aiter__(self) -> "Events":
+        return self
+
+    async def __anext__(self) -> StreamEvent:
+        while not self._batch:
+            self._batch.extend(_coalesced(await self._channel.take()))
+        item = self._batch.popleft()
+        if item is _END:
+            self._batch.appendleft(_END)  # stays ended
+            raise StopAsyncIteration
+        if isinstance(item, _Failed):
+            self._batch.appendleft(_END)
+            raise item.exc
+        return item  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        self._future.cancel()
+        self._batch = deque([_END])  # ended: what the cancelled pump still sends is not read
 
 
 def _coalesced(batch: list[Any]) -> list[Any]:
