@@ -267,7 +267,7 @@ class Children:
                 return False
             if self.outstanding.get(n):
                 return True
-            return n in self._taken_back and await self._state(n) == "running"
+            return n in self._taken_back and await self._busy_taken_back(n)
 
         async def pending() -> bool:
             return any([await waiting_for(n) for n in names])
@@ -286,7 +286,9 @@ class Children:
         for n in names:
             record = known[n]
             state = await self._state(n) if n in self.live else "stopped"
-            busy = bool(self.outstanding.get(n)) or (n in self._taken_back and state == "running")
+            busy = bool(self.outstanding.get(n)) or (
+                n in self._taken_back and (state == "running" or self._undelivered(n))
+            )
             out[n] = {
                 "state": state,
                 "outcome": record.outcome,
@@ -496,6 +498,16 @@ class Children:
         except Exception as exc:  # no socket, connection lost
             raise ToolError(f"cannot reach the child pod: {exc}") from None
         return msgspec.json.decode(raw)
+
+    async def _busy_taken_back(self, name: str) -> bool:
+        """A child taken back after our restart (the runs we gave it died with our memory):
+        still at work, or holding a report it could not deliver while we were down (it
+        retries with backoff, so it may come a few seconds after we are back)."""
+        return await self._state(name) == "running" or self._undelivered(name)
+
+    def _undelivered(self, name: str) -> bool:
+        accepted = self.pod.state.report_ids
+        return any(o.event_id not in accepted for o in reports_left(self.pod, name))
 
     async def _state(self, name: str) -> str:
         child = self.live.get(name)

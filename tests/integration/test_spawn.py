@@ -291,6 +291,25 @@ def test_wait_pods_after_a_restore_waits_for_a_child_still_at_work(tree: Env) ->
     assert (d1["outcome"], d1["text"], d1["waiting"]) == ("finished", "d1 done", False), d1
 
 
+def test_wait_pods_after_a_restore_waits_for_a_report_the_child_still_holds(tree: Env) -> None:
+    """A child that finished while its spawner was down holds its report until it can deliver
+    it (retrying with backoff): wait_pods on the restored spawner waits for that report, rather
+    than answering at once that the idle child has no outcome."""
+    env = tree
+    parent = _detached_parent_of(env, "d1", {"text": "d1 done", "gate": "child"})
+    parent.kill9()
+    env.model.open_gate("child")  # the child finishes while its parent is down
+    assert env.podctl("wait", "d1", "--timeout", "20").returncode == 0
+    again = env.restart(parent, "--resume")
+    env.model.script(
+        {"tool_calls": [tool("wait_pods", pods=["d1"], timeout_s=30)]}, {"text": "waited"}
+    )
+    assert run_and_wait(again, "wait for d1")["outcome"] == "finished"
+    (waited,) = [r for r in tool_results(again) if r["name"] == "wait_pods"]
+    d1 = json.loads(waited["output"])["d1"]
+    assert (d1["outcome"], d1["text"], d1["waiting"]) == ("finished", "d1 done", False), d1
+
+
 def test_child_killed_mid_report_is_redelivered_once(tree: Env) -> None:
     """A child kill -9ed with a report in its outbox redelivers it after its restore; the
     parent accepts its event_id once."""
