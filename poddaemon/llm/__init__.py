@@ -8,6 +8,8 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from poddaemon.history import AssistantMessage, Item, ToolResult
 from poddaemon.llm.retry import ProviderSettings, api_key_env_name
 from poddaemon.llm.types import (
@@ -172,3 +174,31 @@ def int_field(obj: Any, name: str) -> int:
 def tool_arguments(raw: str) -> str:
     """Arguments as the model produced them; a call with none becomes ``{}``."""
     return raw if raw.strip() else "{}"
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the JSON object every provider wants back in the history.
+    Malformed ones (not JSON, or JSON but not an object) stay visible to the model as
+    ``{"_raw_arguments": <the text>}`` rather than dropped."""
+    if not arguments.strip():
+        return {}
+    value = _json_object(arguments)
+    return value if value is not None else {"_raw_arguments": arguments}
+
+
+def sendable_arguments(arguments: str) -> str:
+    """The arguments text to send back to an OpenAI-style API: exactly as the model produced
+    it when that is a JSON object, else `tool_input`'s object. Servers that parse it (Ollama,
+    llama.cpp) refuse a request carrying malformed arguments, so a model that emitted them
+    once would have every later request of its session refused."""
+    if _json_object(arguments) is not None:
+        return arguments
+    return msgspec.json.encode(tool_input(arguments)).decode()
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        value = msgspec.json.decode(text)
+    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested past the limit
+        return None
+    return value if isinstance(value, dict) else None

@@ -1,12 +1,11 @@
 """Anthropic Messages API adapter (``provider.kind = "anthropic"``)."""
 
-import json
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
-from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments
+from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments, tool_input
 from poddaemon.llm.incremental import IncrementalRender
 from poddaemon.llm.retry import (
     AttemptEvent,
@@ -25,15 +24,6 @@ from poddaemon.llm.types import (
 
 # ---------------------------------------------------------------------------------------------
 # Rendering (pure)
-
-
-def _tool_input(arguments: str) -> dict[str, Any]:
-    """tool_use.input must be an object; keep malformed arguments visible rather than drop them."""
-    try:
-        value = json.loads(arguments) if arguments.strip() else {}
-    except (ValueError, RecursionError):  # RecursionError: nested past what json decodes
-        return {"_raw_arguments": arguments}
-    return value if isinstance(value, dict) else {"_raw_arguments": arguments}
 
 
 class Fold:
@@ -73,7 +63,7 @@ class Fold:
                         "type": "tool_use",
                         "id": call.id,
                         "name": call.name,
-                        "input": _tool_input(call.arguments),
+                        "input": tool_input(call.arguments),
                     }
                 )
             if not content:

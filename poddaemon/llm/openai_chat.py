@@ -8,7 +8,14 @@ from typing import Any
 import msgspec
 
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
-from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments
+from poddaemon.llm import (
+    field,
+    int_field,
+    map_stop,
+    order_items,
+    sendable_arguments,
+    tool_arguments,
+)
 from poddaemon.llm.incremental import (
     IncrementalRender,
     encode_body,
@@ -51,7 +58,10 @@ def render_item(messages: list[dict[str, Any]], item: Item) -> None:
                 {
                     "id": call.id,
                     "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments},
+                    "function": {
+                        "name": call.name,
+                        "arguments": sendable_arguments(call.arguments),
+                    },
                 }
                 for call in item.tool_calls
             ]

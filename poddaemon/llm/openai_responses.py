@@ -7,7 +7,14 @@ from typing import Any
 import msgspec
 
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
-from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments
+from poddaemon.llm import (
+    field,
+    int_field,
+    map_stop,
+    order_items,
+    sendable_arguments,
+    tool_arguments,
+)
 from poddaemon.llm.incremental import IncrementalRender, encode_body, encoded_renderer
 from poddaemon.llm.openai_chat import build_openai_client, tool_output_text
 from poddaemon.llm.retry import (
@@ -40,7 +47,7 @@ def render_item(out: list[dict[str, Any]], item: Item) -> None:
                     "type": "function_call",
                     "call_id": call.id,
                     "name": call.name,
-                    "arguments": call.arguments,
+                    "arguments": sendable_arguments(call.arguments),
                 }
             )
     elif isinstance(item, ToolResult):

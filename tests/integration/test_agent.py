@@ -1,5 +1,6 @@
 """Issue 3: the agent loop through each wire format: real SDK <-> fake server <-> real pod."""
 
+import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,6 +41,29 @@ def test_text_answer_streams_and_finishes(env: Env, kind: str) -> None:
     assert usage == [{"input": 11, "output": 7, "cache_read": 0, "cache_write": 0}]
     body = env.model.requests[0]["body"]
     assert "hi there" in str(body) and "You are a test pod." in str(body)
+
+
+@pytest.mark.parametrize("kind", ["openai", "openai_responses"])
+def test_malformed_tool_arguments_go_back_as_a_json_object(env: Env, kind: str) -> None:
+    """A model that emits arguments that are not JSON gets its tool's error, and the next
+    request carries its call's arguments as a JSON object (servers that parse them refuse
+    anything else), the malformed text visible in it."""
+    env.model.script(
+        {"tool_calls": [{"name": "read_file", "arguments": '{"path": "notes.txt"'}]},
+        {"text": "I will fix my call."},
+    )
+    pod = env.start("sloppy", kind=kind)
+    with pod.client() as c:
+        result = c.run_wait("read the note")
+    assert (result.outcome, result.text) == ("finished", "I will fix my call.")
+    body = env.model.requests[1]["body"]
+    if kind == "openai":
+        (call,) = next(m for m in body["messages"] if m.get("tool_calls"))["tool_calls"]
+        arguments = call["function"]["arguments"]
+    else:
+        (call,) = [i for i in body["input"] if i.get("type") == "function_call"]
+        arguments = call["arguments"]
+    assert json.loads(arguments) == {"_raw_arguments": '{"path": "notes.txt"'}
 
 
 @pytest.mark.parametrize("kind", PROVIDER_KINDS)

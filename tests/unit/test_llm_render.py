@@ -165,6 +165,30 @@ def test_anthropic_malformed_arguments_stay_visible() -> None:
     assert msgs[1]["content"][0]["content"] == "(no output)"
 
 
+@pytest.mark.parametrize(
+    ("raw", "sent"),
+    [
+        ('{"path":  "a"}', '{"path":  "a"}'),  # an object: its exact text (prompt caching)
+        ("{oops", '{"_raw_arguments":"{oops"}'),
+        ("[1, 2]", '{"_raw_arguments":"[1, 2]"}'),  # JSON, but not an object
+        ("", "{}"),
+        ("[" * 100_000, json.dumps({"_raw_arguments": "[" * 100_000}, separators=(",", ":"))),
+    ],
+)
+def test_openai_kinds_send_back_arguments_that_parse_to_an_object(raw: str, sent: str) -> None:
+    """OpenAI-compatible servers that parse the arguments (Ollama, llama.cpp) refuse a request
+    with malformed ones: a model that emitted them once would wedge its whole session."""
+    items: list[Item] = [
+        AssistantMessage(tool_calls=(ToolCall(id="c", name="t", arguments=raw),)),
+        ToolResult(call_id="c", name="t", output="bad arguments", is_error=True),
+    ]
+    msgs = chat.render_messages(request(items))
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == sent
+    (call,) = [i for i in resp.render_input(request(items)) if i["type"] == "function_call"]
+    assert call["arguments"] == sent
+    assert isinstance(json.loads(sent), dict)
+
+
 def test_anthropic_usage_as_reported() -> None:
     usage = anth.usage_from(
         {
