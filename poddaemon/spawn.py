@@ -267,7 +267,7 @@ class Children:
                 return False
             if self.outstanding.get(n):
                 return True
-            return n in self._taken_back and await self._busy_taken_back(n)
+            return n in self._taken_back and self._still_at_work(n, await self._state(n))
 
         async def pending() -> bool:
             return any([await waiting_for(n) for n in names])
@@ -287,7 +287,7 @@ class Children:
             record = known[n]
             state = await self._state(n) if n in self.live else "stopped"
             busy = bool(self.outstanding.get(n)) or (
-                n in self._taken_back and (state == "running" or self._undelivered(n))
+                n in self._taken_back and self._still_at_work(n, state)
             )
             out[n] = {
                 "state": state,
@@ -499,13 +499,12 @@ class Children:
             raise ToolError(f"cannot reach the child pod: {exc}") from None
         return msgspec.json.decode(raw)
 
-    async def _busy_taken_back(self, name: str) -> bool:
-        """A child taken back after our restart (the runs we gave it died with our memory):
-        still at work, or holding a report it could not deliver while we were down (it
+    def _still_at_work(self, name: str, state: str) -> bool:
+        """A child taken back after our restart (the runs we gave it died with our memory),
+        in `state`: running, or holding a report it could not deliver while we were down (it
         retries with backoff, so it may come a few seconds after we are back)."""
-        return await self._state(name) == "running" or self._undelivered(name)
-
-    def _undelivered(self, name: str) -> bool:
+        if state == "running":
+            return True
         accepted = self.pod.state.report_ids
         return any(o.event_id not in accepted for o in reports_left(self.pod, name))
 
