@@ -1,5 +1,13 @@
 # Set-up and everyday commands. Everything runs from the repo's own .venv.
-PYTHON ?= python3
+# The interpreter: the distribution's /usr/bin/python3 when it is 3.11+ and has venv, else the
+# first python3 on PATH (`make install PYTHON=...` picks another). Debian's links libpython into
+# the executable; pyenv's default build (configured without --enable-optimizations) calls it
+# through a shared library. Measured on these machines, Debian's against pyenv's: `poddaemon run`
+# to READY 78-86 ms against 104-150, `podctl status` 45 against 55 ms, a pure-Python loop 9%
+# faster.
+SYSTEM_PYTHON := /usr/bin/python3
+PYTHON ?= $(shell $(SYSTEM_PYTHON) -c 'import sys, ensurepip, venv; \
+  sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && echo $(SYSTEM_PYTHON) || echo python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PKGS   := poddaemon cli protocol
