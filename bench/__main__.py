@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     wanted = args.sections or keys
     harness.compile_sources()
+    # Which interpreter measured: start-up rows differ by tens of ms between builds (Makefile).
+    print(f"python {sys.version.split()[0]} from {sys.base_prefix} ({sys.executable})")
     done: list[Section] = []
     t0 = time.monotonic()
     for key, title, module in SECTIONS:
