@@ -18,6 +18,12 @@ install: $(VENV)/.installed
 
 # Byte-compile on install: PYTHONDONTWRITEBYTECODE=1 would otherwise recompile every start.
 $(VENV)/.installed: pyproject.toml
+	@# A venv made from another interpreter is made afresh: `venv` would keep its old links and
+	@# pair them with the new interpreter's standard library.
+	@want=$$($(PYTHON) -c 'import os, sys; print(os.path.realpath(sys.executable))') && \
+	  have=$$(realpath -q $(VENV)/bin/python || true) && \
+	  if [ -n "$$have" ] && [ "$$have" != "$$want" ]; then \
+	    echo "$(VENV) was made from $$have: making it afresh from $$want"; rm -rf $(VENV); fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
