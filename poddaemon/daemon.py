@@ -35,6 +35,8 @@ if TYPE_CHECKING:
     import argparse
 
     from poddaemon.config.manifest import Manifest
+    from poddaemon.sandbox.pod import PodSandbox
+    from poddaemon.scope import Scope
 
 log = logging.getLogger("poddaemon")
 
@@ -227,7 +229,11 @@ def run_pod(args: "argparse.Namespace") -> int:
 
 
 def _claim_and_serve(
-    args: "argparse.Namespace", manifest: Any, scope: Any, instruction: object, box: Any
+    args: "argparse.Namespace",
+    manifest: "Manifest",
+    scope: "Scope",
+    instruction: object,
+    box: "PodSandbox",
 ) -> int:
     """Claim the name and scope in the registry, then serve until the pod stops."""
     from poddaemon.registry import Registry, RegistryConflict, RegistryError, make_entry
@@ -394,7 +400,7 @@ def _hook_scripts(manifest: Any) -> list[str]:
     return scripts
 
 
-def _sandbox(manifest: Any, scope: Any, pwd: str, scripts: list[str]) -> Any:
+def _sandbox(manifest: "Manifest", scope: "Scope", pwd: str, scripts: list[str]) -> "PodSandbox":
     """The pod's sandbox (SPEC §3 [sandbox]): `enforce` without Landlock is a start-up error.
     `scripts`: hook scripts its commands may read and run wherever they are."""
     from poddaemon.sandbox import SandboxUnavailable
