@@ -5,7 +5,7 @@ first use or in ``warm()``). The pure helpers here are shared by the three rende
 """
 
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -156,6 +156,25 @@ def map_stop(raw: str | None, has_tool_calls: bool = False) -> tuple[StopReason,
     if stop == "end_turn" and has_tool_calls:
         return ("tool_use", "")
     return (stop, "")
+
+
+async def until_cut(events: AsyncIterator[Any], whole: Callable[[], bool]) -> AsyncIterator[Any]:
+    """A provider stream's events; a broken connection once ``whole()`` holds ends them instead
+    of failing the call. The answer is whole once its stop reason came: only the usage (Chat
+    Completions sends it after the finish_reason, Anthropic with it) and the stream's terminator
+    can still be missing, and a run that ends in error would lose the answer and count no usage
+    either. Only the stream's own errors are caught, not those of the code reading it."""
+    it = aiter(events)
+    while True:
+        try:
+            event = await anext(it)
+        except StopAsyncIteration:
+            return
+        except Exception:
+            if not whole():
+                raise
+            return
+        yield event
 
 
 def field(obj: Any, name: str, default: Any = None) -> Any:

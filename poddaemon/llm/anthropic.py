@@ -5,7 +5,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
-from poddaemon.llm import field, int_field, map_stop, order_items, tool_arguments, tool_input
+from poddaemon.llm import (
+    field,
+    int_field,
+    map_stop,
+    order_items,
+    tool_arguments,
+    tool_input,
+    until_cut,
+)
 from poddaemon.llm.incremental import IncrementalRender
 from poddaemon.llm.retry import (
     AttemptEvent,
@@ -202,7 +210,12 @@ class AnthropicClient(RetryingClient):
             tools: dict[int, tuple[str, str, list[str]]] = {}  # block index -> id, name, json
             usage = Usage()
             stop_raw: str | None = None
-            async for event in stream:
+            stopped = False
+
+            def answered() -> bool:  # message_delta brought the stop reason: the answer is whole
+                return stop_raw is not None
+
+            async for event in until_cut(stream, answered):
                 kind = field(event, "type")
                 if kind == "content_block_delta":
                     delta = field(event, "delta")
@@ -246,22 +259,24 @@ class AnthropicClient(RetryingClient):
                     usage_from(field(event, "usage"), usage)
                     yield None
                 elif kind == "message_stop":
-                    calls = tuple(
-                        ToolCall(id=cid, name=name, arguments=tool_arguments("".join(parts)))
-                        for _, (cid, name, parts) in sorted(tools.items())
-                    )
-                    stop, detail = map_stop(stop_raw, bool(calls))
-                    yield ModelResponse(
-                        message=AssistantMessage(
-                            text="".join(text), reasoning="".join(reasoning), tool_calls=calls
-                        ),
-                        stop=stop,
-                        usage=usage,
-                        detail=detail,
-                    )
-                    return
+                    stopped = True
+                    break
                 else:
                     yield None
-            raise ProviderError("transient", "stream ended before message_stop")
+            if not stopped and stop_raw is None:  # a cut after message_delta keeps the answer
+                raise ProviderError("transient", "stream ended before message_stop")
+            calls = tuple(
+                ToolCall(id=cid, name=name, arguments=tool_arguments("".join(parts)))
+                for _, (cid, name, parts) in sorted(tools.items())
+            )
+            stop, detail = map_stop(stop_raw, bool(calls))
+            yield ModelResponse(
+                message=AssistantMessage(
+                    text="".join(text), reasoning="".join(reasoning), tool_calls=calls
+                ),
+                stop=stop,
+                usage=usage,
+                detail=detail,
+            )
         finally:
             await stream.close()

@@ -15,6 +15,7 @@ from poddaemon.llm import (
     order_items,
     sendable_arguments,
     tool_arguments,
+    until_cut,
 )
 from poddaemon.llm.incremental import (
     IncrementalRender,
@@ -212,7 +213,11 @@ class OpenAIChatClient(RetryingClient):
             tools: dict[int, _ToolAcc] = {}
             usage = Usage()
             finish: str | None = None
-            async for chunk in stream:
+
+            def answered() -> bool:  # its finish_reason came: the answer is whole
+                return finish is not None
+
+            async for chunk in until_cut(stream, answered):
                 raw_usage = field(chunk, "usage")
                 if raw_usage is not None:
                     usage = usage_from(raw_usage)

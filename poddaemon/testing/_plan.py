@@ -93,9 +93,12 @@ def _validate_fault(fault: object) -> None:
         if not isinstance(fault.get("seconds"), int | float):
             raise ValueError("reply.fault.seconds must be a number")
     elif kind == "cut":
-        allowed = {"kind", "after_chunks"}
-        after = fault.get("after_chunks")
-        if not isinstance(after, int) or after < 0:
+        allowed = {"kind", "after_chunks", "finals"}
+        for key in ("after_chunks", "finals"):
+            value = fault.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"reply.fault.{key} must be a non-negative integer")
+        if "after_chunks" not in fault:
             raise ValueError("reply.fault.after_chunks must be a non-negative integer")
     else:
         raise ValueError(f"reply.fault.kind must be status, hang or cut, got {kind!r}")

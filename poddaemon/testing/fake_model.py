@@ -31,8 +31,10 @@ scripted reply; with an empty script the answer is ``ok: <last user text, 200 ch
   (the API's error JSON, ``Retry-After`` header; ``body``: this text instead, verbatim, as
   ``content_type``, default ``text/plain``: a proxy's HTML page, Ollama's ``{"error": "..."}``);
   ``{kind: "hang", seconds, headers?}`` (stall, then drop the connection; ``headers``
-  defaults to true for streams); ``{kind: "cut", after_chunks}`` (stream that many deltas,
-  then drop the connection; never sends the terminal events; non-streaming: half the body).
+  defaults to true for streams); ``{kind: "cut", after_chunks, finals?}`` (stream that many deltas,
+  then drop the connection; ``finals``: how many of the terminal events still go out first,
+  default none: chat's finish_reason chunk, its usage chunk, ``[DONE]``; anthropic's
+  ``message_delta``, ``message_stop``; non-streaming: half the body).
 
 Python: ``with FakeModel().start() as fake: fake.script({...}); ...``.
 Standalone: ``python -m poddaemon.testing.fake_model [--host H] [--port N] [--script F.json]``
@@ -546,7 +548,8 @@ class _Handler(BaseHTTPRequestHandler):
         cut = fault.get("after_chunks") if kind == "cut" else None
         if stream:
             delay = float(reply.get("delay", 0))
-            self._stream(route.stream(plan), rid, cut, delay, generation)
+            finals = int(fault.get("finals", 0))
+            self._stream(route.stream(plan), rid, cut, finals, delay, generation)
         elif cut is not None:
             payload = dumps(route.render(plan))
             head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
@@ -573,6 +576,7 @@ class _Handler(BaseHTTPRequestHandler):
         events: Iterator[Event],
         rid: bytes,
         cut: int | None,
+        finals: int,
         delay: float,
         generation: int,
     ) -> None:
@@ -583,10 +587,14 @@ class _Handler(BaseHTTPRequestHandler):
         pending = [_SSE_HEAD, rid, b"\r\n"]
         deltas = 0
         for kind, data in events:
-            if cut is not None and (kind == "final" or (kind == "delta" and deltas >= cut)):
+            if cut is not None and (
+                (kind == "final" and finals <= 0) or (kind == "delta" and deltas >= cut)
+            ):
                 write(b"".join(pending))
                 self._abort()
                 return
+            if kind == "final":
+                finals -= 1
             pending.append(b"%x\r\n%s\r\n" % (len(data), data))
             if kind == "delta":
                 write(b"".join(pending))

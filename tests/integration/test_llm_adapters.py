@@ -272,6 +272,30 @@ async def test_cut_stream_after_output_is_interrupted(fake: FakeModel, kind: str
     assert len(fake.requests) == 1
 
 
+@pytest.mark.parametrize(
+    ("kind", "finals", "usage"),
+    [
+        ("openai", 1, Usage()),  # the finish_reason chunk came; its usage chunk did not
+        ("openai", 2, Usage(input=30, output=7)),  # all but [DONE]
+        ("anthropic", 1, Usage(input=30, output=7)),  # message_delta came, message_stop did not
+        ("openai_responses", 1, Usage(input=30, output=7)),  # response.completed, then the cut
+    ],
+)
+async def test_cut_stream_after_the_stop_reason_keeps_the_answer(
+    fake: FakeModel, kind: str, finals: int, usage: Usage
+) -> None:
+    """The answer is complete once the stop reason came: a connection dropped before the
+    stream's terminator loses no answer and calls the model no second time."""
+    cut = {"kind": "cut", "after_chunks": 1000, "finals": finals}
+    fake.script({"text": LONG_TEXT, "usage": {"input": 30, "output": 7}, "fault": cut})
+    events, err = await run(make_client(config(fake, kind)))
+    assert err is None
+    response = final(events)
+    assert response.message.text == LONG_TEXT == texts(events, TextDelta)
+    assert (response.stop, response.usage) == ("end_turn", usage)
+    assert len(fake.requests) == 1
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_cut_stream_before_output_is_retried(fake: FakeModel, kind: str) -> None:
     fake.script({"text": LONG_TEXT, "fault": {"kind": "cut", "after_chunks": 0}}, {"text": "ok"})

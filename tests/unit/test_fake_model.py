@@ -494,6 +494,10 @@ def test_script_validation() -> None:
         fake.script({"tool_calls": [{"arguments": {}}]})
     with pytest.raises(ValueError, match=r"fault\.body"):
         fake.script({"fault": {"kind": "status", "status": 502, "body": {"not": "text"}}})
+    with pytest.raises(ValueError, match=r"fault\.finals"):
+        fake.script({"fault": {"kind": "cut", "after_chunks": 1, "finals": -1}})
+    with pytest.raises(ValueError, match=r"fault\.after_chunks"):
+        fake.script({"fault": {"kind": "cut", "finals": 1}})
     fake.script({"tool_calls": [{"name": "raw", "arguments": '{"not": "parsed"'}]})
     assert fake.pending == 1
 
