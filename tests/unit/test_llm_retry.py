@@ -358,6 +358,19 @@ async def test_total_timeout_caps_retries() -> None:
     assert len(events) == 2
 
 
+async def test_total_timeout_bounds_the_wait_for_a_first_byte() -> None:
+    # A provider that never answers: the call gives up when retry_total_timeout is spent, not
+    # a whole first_byte_timeout later.
+    script = Script([[("wait", 5.0)]])
+    cfg = Cfg(first_byte_timeout=60.0, retry_total_timeout=0.01)
+    events, err = await collect(script, cfg)
+    assert events == [] and err is not None and err.kind == "transient"
+    assert err.message == (
+        "provider failed after 1 attempt (retry_total_timeout 0.01s): "
+        "no response from provider within 0.01s"
+    )
+
+
 async def test_stream_ending_without_response_is_transient() -> None:
     script = Script([[None], [FINAL]])
     events, err = await collect(script, Cfg())
