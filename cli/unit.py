@@ -174,6 +174,28 @@ def read_env_file(path: Path) -> dict[str, str]:
     return env
 
 
+def env_file_problem(env_file: Path) -> str | None:
+    """None when `env_file` is missing or safe; else why the unit must not read it. systemd
+    passes its variables to the pod as they are: one another user can write could set
+    LD_PRELOAD or PYTHONPATH and run code as you, and one others can read gives away the API
+    keys in it (`echo KEY=... >> env` makes it 0644 under the usual umask)."""
+    from protocol import paths
+
+    try:
+        paths.check_file(env_file, "environment file", "as it could run code in your pods")
+        mode = os.stat(env_file).st_mode & 0o7777
+    except FileNotFoundError:
+        return None
+    except paths.UnsafeDirectory as exc:
+        return str(exc)
+    if mode & 0o044:
+        return (
+            f"environment file {env_file} is readable by group or others (mode {mode:04o}) and "
+            f"holds API keys: refusing it; run chmod 600 {env_file}"
+        )
+    return None
+
+
 def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | None:
     """None when the pod's API key variable reaches the unit; else how to make it so."""
     if read_env_file(env_file).get(var) or manager_env.get(var):
@@ -205,7 +227,9 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
     executable = poddaemon_executable()
     manager_env = manager_environment()
     config = paths.config_dir()
-    problem = key_problem(m.provider.api_key_var, config / "env", manager_env)
+    problem = env_file_problem(config / "env") or key_problem(
+        m.provider.api_key_var, config / "env", manager_env
+    )
     if problem:
         raise UnitError(problem)
     running = now and _unit_running(unit_name(pod))

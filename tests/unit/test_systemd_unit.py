@@ -95,6 +95,29 @@ def test_env_file_and_key_check(tmp_path: Path) -> None:
     assert unit.key_problem("FROM_MANAGER", env_file, {"FROM_MANAGER": "x"}) is None
 
 
+def test_env_file_others_may_neither_write_nor_read(tmp_path: Path) -> None:
+    config = tmp_path / "config"
+    config.mkdir(mode=0o700)
+    env_file = config / "env"
+    assert unit.env_file_problem(env_file) is None  # none: the manager's environment may do
+    env_file.write_text("MY_KEY=secret\n")
+    env_file.chmod(0o644)  # what `echo MY_KEY=... >> env` makes under umask 022
+    problem = unit.env_file_problem(env_file)
+    assert problem == (
+        f"environment file {env_file} is readable by group or others (mode 0644) and holds "
+        f"API keys: refusing it; run chmod 600 {env_file}"
+    )
+    env_file.chmod(0o620)
+    problem = unit.env_file_problem(env_file)
+    assert problem is not None and "writable by group or others (mode 0620)" in problem
+    env_file.chmod(0o600)
+    assert unit.env_file_problem(env_file) is None
+    if os.geteuid() == 0:  # root can hand it to another user, as a careless copy would
+        os.chown(env_file, 65534, 65534)
+        problem = unit.env_file_problem(env_file)
+        assert problem is not None and "owned by uid 65534" in problem
+
+
 def test_install_without_a_user_manager_says_how(tmp_path: Path) -> None:
     if shutil.which("systemctl") is None:
         pytest.skip("systemctl not installed")
