@@ -116,6 +116,13 @@ def test_install_now_is_active_only_once_ready_and_serves(sd: Sd) -> None:
     assert not (units_dir(sd) / "poddaemon-unitpod.service").exists()
 
     sd.write_env(FAKE_API_KEY="test-key")
+    sd.env_file.chmod(0o644)  # as `echo KEY=... >> env` makes it: others could read the key
+    readable = sd.podctl("unit", "install", str(path), "--now")
+    assert readable.returncode == 1
+    assert f"run chmod 600 {sd.env_file}" in readable.stderr
+    assert not (units_dir(sd) / "poddaemon-unitpod.service").exists()
+
+    sd.env_file.chmod(0o600)
     out = sd.podctl("unit", "install", str(path), "--now")
     assert out.returncode == 0, out.stderr
     # Type=notify: `enable --now` returned only after READY=1, so the socket answers at once.
