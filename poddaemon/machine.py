@@ -234,6 +234,11 @@ class Machine:
         self._timer_at: float | None = None
         self._notes_overflow = False  # the last request could not show every notification
         self._out: list[Effect] = []
+        # The state subscribers were last told of (`state.changed`), and whether a run's end
+        # may have changed it: told at the end of the command, once the next run had its
+        # chance to start, so a queue of runs is `running` throughout, never a moment idle.
+        self._announced: PodState = "idle"
+        self._announce_due = False
         # Compaction (see the section below).
         self._compacting: _Compaction | None = None
         self._last_input: int | None = None  # context size of the last call; None: estimate
@@ -495,7 +500,7 @@ class Machine:
                 return
             self.stopping = True
             self.stop_reason = reason
-            self._publish("state.changed", {"state": "stopping"})
+            self._announce()
             if self._compacting is not None and self.turn is None:
                 self._emit(Interrupt())  # a manual compaction: the old session stays
             if self.turn is not None and not self.turn.done:
@@ -686,6 +691,7 @@ class Machine:
                 self._commit(
                     SystemItem(id=f"restart-{run_id}", text=RESTART_NOTE, source="poddaemon")
                 )
+            self._announced = self.pod_state  # (paused, say) what later changes are told against
             self._emit(Sync())
 
         return self._handle(go)
@@ -847,7 +853,7 @@ class Machine:
         self._compacting = _Compaction(reason, run_id, token, before, estimate)
         self.in_flight = "compact"
         if run_id is None:  # a manual one: the idle pod is at work until it ends
-            self._publish("state.changed", {"state": self.pod_state})
+            self._announce()
         self._publish("compaction.started", {"reason": reason, "input_tokens": before}, run_id)
         items = compaction.summary_request_items(list(self.state.history))
         self._emit(Summarize(run_id, reason, self.system_prompt, items))
@@ -859,7 +865,7 @@ class Machine:
         self._compacting = None
         self.in_flight = None
         if c.run_id is None:
-            self._publish("state.changed", {"state": self.pod_state})
+            self._announce()
         return c
 
     def _compaction_failed(self, c: _Compaction, error: str) -> None:
@@ -1084,7 +1090,7 @@ class Machine:
         self._commit(RunStart(run_id=run_id, trigger=trigger))
         turn = Turn(run_id, self.cfg.max_turns, self.state.rounds, stop_hooks=self.cfg.stop_hooks)
         self.turn = turn
-        self._publish("state.changed", {"state": "running"})
+        self._announce()
         last = self.state.history[-1] if self.state.history else None
         if trigger == "resume" and not self.state.pending_steers and _final_answer(last):
             # Paused while its final answer streamed (or its Stop hooks ran): the answer
@@ -1163,7 +1169,7 @@ class Machine:
             self.turn = None
             self.in_flight = None
             self._notes_overflow = False
-            self._publish("state.changed", {"state": self.pod_state})
+            self._announce_due = True  # idle or paused, unless the next run starts at once
         result = RunWaitResult(
             run_id=run_id, outcome=outcome, text=end.text, usage=usage, error=error
         )
@@ -1200,8 +1206,18 @@ class Machine:
         self._out = []
         go(*args)
         self._schedule()
+        if self._announce_due:
+            self._announce_due = False
+            self._announce()
         out, self._out = self._out, []
         return out
+
+    def _announce(self) -> None:
+        """`state.changed`, when the pod's state is not the one subscribers were last told."""
+        state = self.pod_state
+        if state != self._announced:
+            self._announced = state
+            self._publish("state.changed", {"state": state})
 
     def _emit(self, effect: Effect) -> None:
         self._out.append(effect)

@@ -92,6 +92,32 @@ def test_runs_queue_fifo_with_positions_and_start_in_order() -> None:
     assert isinstance(d.inflight, CallModel) and d.inflight.items[-1].text == "third"
 
 
+def test_state_changed_tells_each_change_once_and_no_idle_between_queued_runs() -> None:
+    """A subscriber waiting for `idle` to know the queue is done must not be fooled by the
+    moment between one run's end and the next one's start."""
+    d = Driver()
+
+    def states() -> list[str]:
+        return [data["state"] for t, data, _ in d.events if t == "state.changed"]
+
+    d.call("run", "first")
+    d.call("run", "second")
+    assert states() == ["running"]
+    d.model("one")  # the first ends, the second starts: running throughout
+    assert states() == ["running"]
+    assert d.event_types().count("run.started") == 2
+    d.model("two")
+    assert states() == ["running", "idle"]
+    d.call("run", "third")
+    d.call("pause")
+    d.model("three")  # ends `paused`
+    assert states() == ["running", "idle", "running", "paused"]
+    d.call("cancel")  # the paused run ends: idle
+    assert states() == ["running", "idle", "running", "paused", "idle"]
+    d.call("shutdown")
+    assert states()[-1] == "stopping"
+
+
 def test_a_keyed_retry_of_a_queued_run_answers_queued_with_its_position() -> None:
     d = Driver()
     d.call("run", "first")
