@@ -169,6 +169,24 @@ def build_openai_client(sdk: Any, cfg: ProviderSettings) -> Any:
     )
 
 
+async def _one_chunk(response: Any) -> AsyncIterator[Any]:
+    """A completion some OpenAI-compatible servers send whole, in one JSON body, to a request
+    that asked to stream: read as one chunk whose choices carry their `message` as the
+    stream's `delta` (the same fields: content, reasoning, refusal, tool_calls)."""
+    try:
+        completion = msgspec.json.decode(await response.aread())
+    except msgspec.DecodeError as exc:
+        raise ProviderError(
+            "fatal", f"the server answered a streaming request with neither events nor JSON: {exc}"
+        ) from None
+    choices = [
+        {**choice, "delta": field(choice, "message")}
+        for choice in field(completion, "choices", [])
+        if isinstance(choice, dict)
+    ]
+    yield {"choices": choices, "usage": field(completion, "usage")}
+
+
 class _ToolAcc:
     __slots__ = ("args", "id", "name")
 
@@ -207,6 +225,7 @@ class OpenAIChatClient(RetryingClient):
             stream=True,
             stream_cls=AsyncStream[object],
         )
+        whole = "json" in stream.response.headers.get("content-type", "")  # not an event stream
         try:
             text: list[str] = []
             reasoning: list[str] = []
@@ -217,7 +236,8 @@ class OpenAIChatClient(RetryingClient):
             def answered() -> bool:  # its finish_reason came: the answer is whole
                 return finish is not None
 
-            async for chunk in until_cut(stream, answered):
+            chunks = _one_chunk(stream.response) if whole else until_cut(stream, answered)
+            async for chunk in chunks:
                 raw_usage = field(chunk, "usage")
                 if raw_usage is not None:
                     usage = usage_from(raw_usage)

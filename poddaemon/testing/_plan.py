@@ -20,7 +20,7 @@ arguments and are what a `cut` fault counts; `final` events are the ones a cut n
 Event = tuple[EventKind, bytes]
 
 REPLY_KEYS = frozenset(
-    {"text", "reasoning", "tool_calls", "stop", "usage", "gate", "fault", "delay"}
+    {"text", "reasoning", "tool_calls", "stop", "usage", "gate", "fault", "delay", "stream"}
 )
 USAGE_KEYS = frozenset({"input", "output", "cache_read", "cache_write"})
 STOPS = frozenset({"end", "max_tokens", "content_filter"})
@@ -45,6 +45,8 @@ def validate_reply(reply: object) -> Reply:
     for key in ("text", "reasoning", "gate"):
         if key in reply and not isinstance(reply[key], str):
             raise ValueError(f"reply.{key} must be a string")
+    if "stream" in reply and not isinstance(reply["stream"], bool):
+        raise ValueError("reply.stream must be true or false")
     if "stop" in reply and reply["stop"] not in STOPS:
         raise ValueError(f"reply.stop must be one of {sorted(STOPS)}, got {reply['stop']!r}")
     if "delay" in reply and (

@@ -27,6 +27,8 @@ scripted reply; with an empty script the answer is ``ok: <last user text, 200 ch
   numbers default to request bytes // 4 (input), produced chars // 4 (output), 0 (caches).
 - ``gate: name``: the answer waits until the gate is opened (gates stay open until reset).
 - ``delay: seconds`` between streamed deltas.
+- ``stream: false``: answer in one JSON body even when the request asked to stream (as some
+  OpenAI-compatible servers do).
 - ``fault``: ``{kind: "status", status, retry_after?, message?, type?, body?, content_type?}``
   (the API's error JSON, ``Retry-After`` header; ``body``: this text instead, verbatim, as
   ``content_type``, default ``text/plain``: a proxy's HTML page, Ollama's ``{"error": "..."}``);
@@ -518,8 +520,9 @@ class _Handler(BaseHTTPRequestHandler):
             return
         reply, serial, generation = fake._take(path, body, headers)
         rid = route.request_id_header + b": req_%d\r\n" % serial
-        stream = isinstance(body, dict) and body.get("stream") is True
         reply = reply or {}
+        # `stream: false` in a reply: a server that answers in one JSON body whatever was asked.
+        stream = isinstance(body, dict) and body.get("stream") is True and reply.get("stream", True)
         gate = reply.get("gate")
         if gate is not None and not fake._wait_gate(gate, generation):
             self._abort()
