@@ -234,9 +234,9 @@ class Machine:
         self._timer_at: float | None = None
         self._notes_overflow = False  # the last request could not show every notification
         self._out: list[Effect] = []
-        # The state subscribers were last told of (`state.changed`), and whether a run's end
-        # may have changed it: told at the end of the command, once the next run had its
-        # chance to start, so a queue of runs is `running` throughout, never a moment idle.
+        # The state subscribers were last told of (`state.changed`), and whether the end of a
+        # run or a manual compaction may have changed it: told at the end of the command, once
+        # the next run had its chance to start, so queued work is `running` throughout.
         self._announced: PodState = "idle"
         self._announce_due = False
         # Compaction (see the section below).
@@ -865,7 +865,7 @@ class Machine:
         self._compacting = None
         self.in_flight = None
         if c.run_id is None:
-            self._announce()
+            self._announce_due = True  # idle, unless a run queued meanwhile starts at once
         return c
 
     def _compaction_failed(self, c: _Compaction, error: str) -> None:

@@ -204,6 +204,8 @@ def test_compact_is_refused_busy_while_a_run_is_active_and_answers_the_new_sessi
     assert new_id == d.entries[0]["session_id"] != d.old_sessions[0][0]["session_id"]
     call = d.inflight
     assert isinstance(call, CallModel)  # the queued run started in the new session
+    # running through the compaction and into the queued run, never a moment idle between
+    assert [e["state"] for e in events(d, "state.changed")] == ["running", "idle", "running"]
     assert "idle summary" in call.items[0].text  # type: ignore[union-attr]
     assert call.items[-2] == UserMessage(text="waits for the compaction")
     assert "meanwhile" in call.items[-1].text  # type: ignore[union-attr]
