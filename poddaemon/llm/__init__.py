@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from poddaemon.history import AssistantMessage, Item, ToolResult
+from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm.retry import ProviderSettings, api_key_env_name
 from poddaemon.llm.types import (
     ModelClient,
@@ -156,6 +156,19 @@ def map_stop(raw: str | None, has_tool_calls: bool = False) -> tuple[StopReason,
     if stop == "end_turn" and has_tool_calls:
         return ("tool_use", "")
     return (stop, "")
+
+
+def assembled(
+    text: list[str],
+    reasoning: list[str],
+    calls: tuple[ToolCall, ...],
+    stop: tuple[StopReason, str],
+    usage: Usage,
+) -> ModelResponse:
+    """The response a stream's pieces add up to; `stop` as `map_stop` gives it."""
+    reason, detail = stop
+    message = AssistantMessage(text="".join(text), reasoning="".join(reasoning), tool_calls=calls)
+    return ModelResponse(message=message, stop=reason, usage=usage, detail=detail)
 
 
 async def until_cut(events: AsyncIterator[Any], whole: Callable[[], bool]) -> AsyncIterator[Any]:

@@ -6,6 +6,7 @@ from typing import Any
 
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import (
+    assembled,
     field,
     int_field,
     map_stop,
@@ -24,7 +25,6 @@ from poddaemon.llm.retry import (
 )
 from poddaemon.llm.types import (
     ModelRequest,
-    ModelResponse,
     ProviderError,
     ReasoningDelta,
     TextDelta,
@@ -269,14 +269,6 @@ class AnthropicClient(RetryingClient):
                 ToolCall(id=cid, name=name, arguments=tool_arguments("".join(parts)))
                 for _, (cid, name, parts) in sorted(tools.items())
             )
-            stop, detail = map_stop(stop_raw, bool(calls))
-            yield ModelResponse(
-                message=AssistantMessage(
-                    text="".join(text), reasoning="".join(reasoning), tool_calls=calls
-                ),
-                stop=stop,
-                usage=usage,
-                detail=detail,
-            )
+            yield assembled(text, reasoning, calls, map_stop(stop_raw, bool(calls)), usage)
         finally:
             await stream.close()

@@ -9,6 +9,7 @@ import msgspec
 
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import (
+    assembled,
     field,
     int_field,
     map_stop,
@@ -32,7 +33,6 @@ from poddaemon.llm.retry import (
 )
 from poddaemon.llm.types import (
     ModelRequest,
-    ModelResponse,
     ProviderError,
     ReasoningDelta,
     TextDelta,
@@ -279,14 +279,6 @@ class OpenAIChatClient(RetryingClient):
                 )
                 for index, acc in sorted(tools.items())
             )
-            stop, detail = map_stop(finish, bool(calls))
-            yield ModelResponse(
-                message=AssistantMessage(
-                    text="".join(text), reasoning="".join(reasoning), tool_calls=calls
-                ),
-                stop=stop,
-                usage=usage,
-                detail=detail,
-            )
+            yield assembled(text, reasoning, calls, map_stop(finish, bool(calls)), usage)
         finally:
             await stream.close()

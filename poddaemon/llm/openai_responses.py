@@ -8,6 +8,7 @@ import msgspec
 
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import (
+    assembled,
     field,
     int_field,
     map_stop,
@@ -25,7 +26,6 @@ from poddaemon.llm.retry import (
 )
 from poddaemon.llm.types import (
     ModelRequest,
-    ModelResponse,
     ProviderError,
     ReasoningDelta,
     StopReason,
@@ -212,15 +212,9 @@ class OpenAIResponsesClient(RetryingClient):
                         )
                         for index, acc in sorted(tools.items())
                     )
-                    stop, detail = stop_from(response, bool(calls))
-                    yield ModelResponse(
-                        message=AssistantMessage(
-                            text="".join(text), reasoning="".join(reasoning), tool_calls=calls
-                        ),
-                        stop=stop,
-                        usage=usage_from(field(response, "usage")),
-                        detail=detail,
-                    )
+                    stop = stop_from(response, bool(calls))
+                    usage = usage_from(field(response, "usage"))
+                    yield assembled(text, reasoning, calls, stop, usage)
                     return
                 elif kind == "response.failed":
                     error = field(field(event, "response"), "error")
