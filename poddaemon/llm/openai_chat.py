@@ -2,7 +2,7 @@
 compatible server (vLLM, llama.cpp, Ollama, ...)."""
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -169,22 +169,28 @@ def build_openai_client(sdk: Any, cfg: ProviderSettings) -> Any:
     )
 
 
-async def _one_chunk(response: Any) -> AsyncIterator[Any]:
-    """A completion some OpenAI-compatible servers send whole, in one JSON body, to a request
-    that asked to stream: read as one chunk whose choices carry their `message` as the
-    stream's `delta` (the same fields: content, reasoning, refusal, tool_calls)."""
-    try:
-        completion = msgspec.json.decode(await response.aread())
-    except msgspec.DecodeError as exc:
-        raise ProviderError(
-            "fatal", f"the server answered a streaming request with neither events nor JSON: {exc}"
-        ) from None
-    choices = [
-        {**choice, "delta": field(choice, "message")}
-        for choice in field(completion, "choices", [])
-        if isinstance(choice, dict)
-    ]
-    yield {"choices": choices, "usage": field(completion, "usage")}
+async def _chunks(stream: Any, answered: Callable[[], bool]) -> AsyncIterator[Any]:
+    """The stream's chunks (see `until_cut`). Some OpenAI-compatible servers ignore
+    `stream: true` and send the completion whole, in one JSON body: it is read as one chunk
+    whose choices carry their `message` as the stream's `delta` (the same fields: content,
+    reasoning, refusal, tool_calls). A JSON Content-Type over what is not JSON is an event
+    stream mislabeled, and read as one."""
+    response = stream.response
+    if "json" in response.headers.get("content-type", ""):
+        try:
+            completion = msgspec.json.decode(await response.aread())
+        except msgspec.DecodeError:
+            completion = None  # (the stream reads the body from where aread() kept it)
+        if isinstance(completion, dict):
+            choices = [
+                {**choice, "delta": field(choice, "message")}
+                for choice in field(completion, "choices", [])
+                if isinstance(choice, dict)
+            ]
+            yield {"choices": choices, "usage": field(completion, "usage")}
+            return
+    async for chunk in until_cut(stream, answered):
+        yield chunk
 
 
 class _ToolAcc:
@@ -225,7 +231,6 @@ class OpenAIChatClient(RetryingClient):
             stream=True,
             stream_cls=AsyncStream[object],
         )
-        whole = "json" in stream.response.headers.get("content-type", "")  # not an event stream
         try:
             text: list[str] = []
             reasoning: list[str] = []
@@ -236,8 +241,7 @@ class OpenAIChatClient(RetryingClient):
             def answered() -> bool:  # its finish_reason came: the answer is whole
                 return finish is not None
 
-            chunks = _one_chunk(stream.response) if whole else until_cut(stream, answered)
-            async for chunk in chunks:
+            async for chunk in _chunks(stream, answered):
                 raw_usage = field(chunk, "usage")
                 if raw_usage is not None:
                     usage = usage_from(raw_usage)

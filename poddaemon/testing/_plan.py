@@ -20,7 +20,18 @@ arguments and are what a `cut` fault counts; `final` events are the ones a cut n
 Event = tuple[EventKind, bytes]
 
 REPLY_KEYS = frozenset(
-    {"text", "reasoning", "tool_calls", "stop", "usage", "gate", "fault", "delay", "stream"}
+    {
+        "text",
+        "reasoning",
+        "tool_calls",
+        "stop",
+        "usage",
+        "gate",
+        "fault",
+        "delay",
+        "stream",
+        "content_type",
+    }
 )
 USAGE_KEYS = frozenset({"input", "output", "cache_read", "cache_write"})
 STOPS = frozenset({"end", "max_tokens", "content_filter"})
@@ -42,7 +53,7 @@ def validate_reply(reply: object) -> Reply:
     unknown = set(reply) - REPLY_KEYS
     if unknown:
         raise ValueError(f"unknown reply field(s) {sorted(unknown)}; allowed: {sorted(REPLY_KEYS)}")
-    for key in ("text", "reasoning", "gate"):
+    for key in ("text", "reasoning", "gate", "content_type"):
         if key in reply and not isinstance(reply[key], str):
             raise ValueError(f"reply.{key} must be a string")
     if "stream" in reply and not isinstance(reply["stream"], bool):

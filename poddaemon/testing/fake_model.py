@@ -28,7 +28,8 @@ scripted reply; with an empty script the answer is ``ok: <last user text, 200 ch
 - ``gate: name``: the answer waits until the gate is opened (gates stay open until reset).
 - ``delay: seconds`` between streamed deltas.
 - ``stream: false``: answer in one JSON body even when the request asked to stream (as some
-  OpenAI-compatible servers do).
+  OpenAI-compatible servers do); ``content_type``: the event stream's Content-Type header
+  instead of ``text/event-stream`` (a server or proxy that mislabels it).
 - ``fault``: ``{kind: "status", status, retry_after?, message?, type?, body?, content_type?}``
   (the API's error JSON, ``Retry-After`` header; ``body``: this text instead, verbatim, as
   ``content_type``, default ``text/plain``: a proxy's HTML page, Ollama's ``{"error": "..."}``);
@@ -552,7 +553,12 @@ class _Handler(BaseHTTPRequestHandler):
         if stream:
             delay = float(reply.get("delay", 0))
             finals = int(fault.get("finals", 0))
-            self._stream(route.stream(plan), rid, cut, finals, delay, generation)
+            head = _SSE_HEAD
+            if "content_type" in reply:
+                head = head.replace(
+                    b"text/event-stream; charset=utf-8", reply["content_type"].encode()
+                )
+            self._stream(route.stream(plan), head + rid, cut, finals, delay, generation)
         elif cut is not None:
             payload = dumps(route.render(plan))
             head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
@@ -577,7 +583,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _stream(
         self,
         events: Iterator[Event],
-        rid: bytes,
+        head: bytes,  # the status line and headers, the request id's among them
         cut: int | None,
         finals: int,
         delay: float,
@@ -587,7 +593,7 @@ class _Handler(BaseHTTPRequestHandler):
         # as they would from a real server, without a syscall and a wake-up per tiny event.
         write = self.wfile.write
         fake = self.server.fake
-        pending = [_SSE_HEAD, rid, b"\r\n"]
+        pending = [head, b"\r\n"]
         deltas = 0
         for kind, data in events:
             if cut is not None and (

@@ -323,6 +323,14 @@ async def test_a_chat_server_that_ignores_stream_true_is_read_whole(fake: FakeMo
     assert len(fake.requests) == 2 and all(r["body"]["stream"] for r in fake.requests)
 
 
+async def test_a_chat_event_stream_labelled_json_is_still_read_as_events(fake: FakeModel) -> None:
+    fake.script({"text": LONG_TEXT, "content_type": "application/json"})
+    events, err = await run(make_client(config(fake, "openai")))
+    assert err is None
+    assert final(events).message.text == LONG_TEXT == texts(events, TextDelta)
+    assert len(fake.requests) == 1
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_cut_stream_before_output_is_retried(fake: FakeModel, kind: str) -> None:
     fake.script({"text": LONG_TEXT, "fault": {"kind": "cut", "after_chunks": 0}}, {"text": "ok"})
