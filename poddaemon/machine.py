@@ -595,8 +595,9 @@ class Machine:
             self._model_retrying = False
             self._emit(Interrupt())  # model_failed(None) follows: the run ends `paused`
 
-    def model_failed(self, error: ProviderError | None) -> list[Effect]:
-        """The call failed, or (None) was interrupted before it completed."""
+    def model_failed(self, error: ProviderError | None, partial: str = "") -> list[Effect]:
+        """The call failed, or (None) was interrupted before it completed; `partial` is the
+        text it had streamed (kept: see Turn.model_failed)."""
 
         def go() -> None:
             turn = self._expect("model")
@@ -604,7 +605,7 @@ class Machine:
             if failure is not None and failure.kind == "context_overflow" and self._compaction_on():
                 message = f"context full: {failure.message}"
                 failure = ProviderError(failure.kind, message, failure.status)
-            self._commit_all(turn.model_failed(failure))
+            self._commit_all(turn.model_failed(failure, partial))
             self._advance()
 
         return self._handle(go)

@@ -372,6 +372,7 @@ class Pod:
     # --- model calls and tools ------------------------------------------------------------------
 
     async def _call_model(self, call: CallModel) -> None:
+        streamed: list[str] = []  # the text deltas so far: kept if the call does not complete
         try:
             request = ModelRequest(
                 system=call.system,
@@ -384,21 +385,24 @@ class Pod:
             if isinstance(verdict, Refuse):
                 effects = self.machine.model_refused(verdict.reason)
             else:
-                effects = self.machine.model_returned(await self._stream(verdict, call.run_id))
+                response = await self._stream(verdict, call.run_id, streamed)
+                effects = self.machine.model_returned(response)
         except asyncio.CancelledError:  # an `Interrupt` (cancel, shutdown) of this call
             if self.machine.in_flight != "model":
                 raise
-            effects = self.machine.model_failed(None)
+            effects = self.machine.model_failed(None, "".join(streamed))
         except ProviderError as exc:
             self._alert("error", exc.message, source="provider")
-            effects = self.machine.model_failed(exc)
+            effects = self.machine.model_failed(exc, "".join(streamed))
         except Exception as exc:  # a bug must still end the run properly, history valid
             log.exception("model call of run %s failed", call.run_id)
             effects = self.machine.internal_error(str(exc))
         self._inflight = None
         self.feed(effects)
 
-    async def _stream(self, request: ModelRequest, run_id: str) -> ModelResponse:
+    async def _stream(
+        self, request: ModelRequest, run_id: str, streamed: list[str]
+    ) -> ModelResponse:
         publish = self.bus.publish
         retrying = False  # the machine knows: a pause ends a call that only waits to retry
         async with contextlib.aclosing(self.s.model.stream(request)) as events:  # type: ignore[type-var]
@@ -410,6 +414,7 @@ class Pod:
                 await self._synced()
             async for event in events:
                 if isinstance(event, TextDelta):
+                    streamed.append(event.text)
                     publish("text.delta", {"text": event.text}, run_id)
                 elif isinstance(event, ReasoningDelta):
                     publish("reasoning.delta", {"text": event.text}, run_id)

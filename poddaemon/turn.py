@@ -20,7 +20,7 @@ from typing import Literal
 import msgspec
 
 from poddaemon.entries import Assistant, Entry, ToolResultEntry, TurnEnd
-from poddaemon.history import ToolCall, ToolResult, Usage
+from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError
 
 Outcome = Literal["finished", "paused", "limit_reached", "cancelled", "error"]
@@ -209,18 +209,26 @@ class Turn(msgspec.Struct):
                 return True
         return False
 
-    def model_failed(self, error: ProviderError | None) -> list[Entry]:
+    def model_failed(self, error: ProviderError | None, partial: str = "") -> list[Entry]:
         """The model call failed, or (error None) was interrupted before it completed: by a
         cancel, or by a pause while the call only waited to retry (nothing was streamed, so
-        resuming simply makes the call again)."""
+        resuming simply makes the call again). `partial`: the text it had streamed. It stays in
+        the history as the model's message and is the run's text: what the client saw, and
+        what the model said before it was cut off (it reads it at the next request)."""
         self._expect(_State.AWAIT_MODEL)
+        records: list[Entry] = []
+        if partial.strip():
+            self.rounds += 1
+            self._text = partial
+            message = AssistantMessage(text=partial)
+            records = [Assistant(run_id=self.run_id, item=message), self._turn_end()]
         if error is None and self._pause and not self._cancel:
             self._finish("paused", None)
         elif error is None or self._cancel:
             self._finish("cancelled", None)
         else:
             self._finish("error", error.message)
-        return []
+        return records
 
     def call_withdrawn(self) -> None:
         """The model call asked for was never made (a compaction ran first and a pause came in

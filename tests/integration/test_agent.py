@@ -8,7 +8,14 @@ import pytest
 
 from poddaemon.testing.cleanup import alive
 from protocol import RpcError
-from tests.conftest import PROVIDER_KINDS, Env, PodProcess, collect_run, wait_until
+from tests.conftest import (
+    PROVIDER_KINDS,
+    Env,
+    PodProcess,
+    collect_run,
+    events_until,
+    wait_until,
+)
 
 
 def last_request_text(env: Env) -> str:
@@ -41,6 +48,30 @@ def test_text_answer_streams_and_finishes(env: Env, kind: str) -> None:
     assert usage == [{"input": 11, "output": 7, "cache_read": 0, "cache_write": 0}]
     body = env.model.requests[0]["body"]
     assert "hi there" in str(body) and "You are a test pod." in str(body)
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_a_cancel_mid_stream_keeps_the_text_streamed_so_far(env: Env, kind: str) -> None:
+    """What the client saw stream stays: the cancelled run's text, the session's history, and
+    the model's next request (which the provider accepts after a cut-off message)."""
+    env.model.script({"text": "word " * 400, "delay": 0.05}, {"text": "picking up"})
+    pod = env.start("cutoff", kind=kind)
+    with pod.client() as c, pod.client() as control:
+        c.subscribe()
+        run = c.run("write at length")
+        seen = events_until(c, lambda e: e.type == "text.delta")
+        assert control.cancel().cancelled
+        seen += collect_run(c, run.run_id)
+        streamed = "".join(e.data["text"] for e in seen if e.type == "text.delta")
+        (finished,) = [e.data for e in seen if e.type == "run.finished"]
+        assert (finished["outcome"], finished["text"]) == ("cancelled", streamed)
+        assert streamed and len(streamed) < len("word " * 400)
+        nxt = c.run_wait("go on")
+        entries = c.history().entries
+    assert (nxt.outcome, nxt.text) == ("finished", "picking up")
+    assistant = [e["item"]["text"] for e in entries if e["kind"] == "assistant"]
+    assert assistant == [streamed, "picking up"]
+    assert streamed.strip() in str(env.model.requests[1]["body"])
 
 
 @pytest.mark.parametrize("kind", ["openai", "openai_responses"])

@@ -472,8 +472,8 @@ class PodSim:
                     1 for i in ids if self.state.pending_inputs[i].kind == "notification"
                 )
                 self.commit("inputs_delivered", ids=ids, more=left)
-            if data.draw(st.integers(0, 9)) == 0:
-                recs = turn.model_failed(None)
+            if data.draw(st.integers(0, 9)) == 0:  # interrupted, with or without text streamed
+                recs = turn.model_failed(None, data.draw(st.sampled_from(["", "cut o"])))
             else:
                 n = data.draw(st.integers(0, 3))
                 calls = tuple(call(self.new_id("c")) for _ in range(n))

@@ -310,6 +310,34 @@ def test_cancel_mid_stream_is_cancelled() -> None:
     assert run.records == []
 
 
+def test_cancel_mid_stream_keeps_the_text_streamed_so_far() -> None:
+    run = Run(Turn("r", max_turns=5))
+    assert isinstance(run.turn.next_step(), CallModel)
+    run.turn.request_cancel()
+    run.records += run.turn.model_failed(None, "Here is the first ha")
+    assert run.finish() == Finished("cancelled", "Here is the first ha", None)
+    assistant, end = run.records
+    assert isinstance(assistant, Assistant) and isinstance(end, TurnEnd)
+    assert assistant.item == AssistantMessage(text="Here is the first ha")
+    assert run.turn.rounds == 1 == end.round
+
+
+def test_a_stream_broken_after_output_keeps_its_text_and_ends_error() -> None:
+    turn = Turn("r", max_turns=5)
+    turn.next_step()
+    records = turn.model_failed(ProviderError("interrupted", "stream cut"), "half an ans")
+    assert [type(r) for r in records] == [Assistant, TurnEnd]
+    assert turn.next_step() == Finished("error", "half an ans", "stream cut")
+
+
+def test_only_whitespace_streamed_is_not_kept() -> None:
+    turn = Turn("r", max_turns=5)
+    turn.next_step()
+    turn.request_cancel()
+    assert turn.model_failed(None, "\n  ") == []
+    assert turn.next_step() == Finished("cancelled", "", None)
+
+
 def test_interrupted_stream_without_a_request_is_cancelled() -> None:
     turn = Turn("r", max_turns=5)
     turn.next_step()
@@ -520,6 +548,8 @@ def test_random_scripts_keep_the_invariants(
     pause_requested = False
     interrupt = False
     returned: list[ModelResponse] = []
+    texts: list[str] = []  # each round's text, an interrupted one's streamed text too
+    rounds_with_text = 0  # interrupted rounds whose streamed text was kept
     ran: list[ToolCall] = []
     last_failure: ProviderError | None = None
 
@@ -550,12 +580,16 @@ def test_random_scripts_keep_the_invariants(
         tick()  # while the model streams
         reply, more = remaining.pop(0) if remaining else (resp("fallback"), False)
         if interrupt or reply is None:
-            records += turn.model_failed(None)
+            kept = "cut o" if reply is None else ""  # a scripted interruption streamed some text
+            texts.append(kept)
+            rounds_with_text += bool(kept)
+            records += turn.model_failed(None, kept)
         elif isinstance(reply, ProviderError):
             last_failure = reply
             records += turn.model_failed(reply)
         else:
             returned.append(reply)
+            texts.append(reply.message.text)
             records += turn.model_returned(reply, more_input=more)
         while turn.in_tools:
             tick()
@@ -583,7 +617,7 @@ def test_random_scripts_keep_the_invariants(
     rounds = [s.round for s in steps if isinstance(s, CallModel)]
     assert rounds == list(range(start_rounds + 1, start_rounds + 1 + len(rounds)))
     assert all(r <= max_turns for r in rounds)
-    assert turn.rounds == start_rounds + len(returned)
+    assert turn.rounds == start_rounds + len(returned) + rounds_with_text
 
     # Only tools the model asked for ran, each once, and their real output was recorded.
     asked = [c for r in returned for c in r.message.tool_calls]
@@ -601,8 +635,8 @@ def test_random_scripts_keep_the_invariants(
     for r in returned:
         total.add(r.usage)
     assert turn.usage == total
-    texts = [r.message.text for r in returned if r.message.text]
-    assert fin.text == (texts[-1] if texts else "")
+    said = [t for t in texts if t]
+    assert fin.text == (said[-1] if said else "")
 
     # Outcomes are explained by what happened.
     if fin.outcome == "cancelled":
