@@ -321,9 +321,9 @@ async def with_retries(
     after output started and ``stalled`` when the stream goes quiet after output started.
 
     Timers: until the first delta, every wait (for the response, or between keep-alive events)
-    is bounded by ``first_byte_timeout`` and by what is left of ``retry_total_timeout``, and
-    counts as a transient, retryable failure; after it, every gap is bounded by
-    ``stream_idle_timeout`` and ends the call as ``stalled``.
+    is bounded by ``first_byte_timeout`` (in a retry, also by what is left of
+    ``retry_total_timeout``) and counts as a transient, retryable failure; after it, every gap
+    is bounded by ``stream_idle_timeout`` and ends the call as ``stalled``.
     """
     started = clock()
     attempts = 0
@@ -335,7 +335,9 @@ async def with_retries(
             while True:
                 if output_started:
                     limit = cfg.stream_idle_timeout
-                else:  # and never past retry_total_timeout, counted from the first attempt
+                elif attempts == 1:  # a first attempt has the whole first_byte_timeout
+                    limit = cfg.first_byte_timeout
+                else:  # a retry never runs past retry_total_timeout (from the first attempt)
                     left = cfg.retry_total_timeout - (clock() - started)
                     limit = max(0.0, min(cfg.first_byte_timeout, left))
                 try:

@@ -2,6 +2,8 @@
 
 import asyncio
 import random
+import re
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -358,17 +360,35 @@ async def test_total_timeout_caps_retries() -> None:
     assert len(events) == 2
 
 
-async def test_total_timeout_bounds_the_wait_for_a_first_byte() -> None:
-    # A provider that never answers: the call gives up when retry_total_timeout is spent, not
-    # a whole first_byte_timeout later.
-    script = Script([[("wait", 5.0)]])
-    cfg = Cfg(first_byte_timeout=60.0, retry_total_timeout=0.01)
-    events, err = await collect(script, cfg)
-    assert events == [] and err is not None and err.kind == "transient"
-    assert err.message == (
-        "provider failed after 1 attempt (retry_total_timeout 0.01s): "
-        "no response from provider within 0.01s"
+async def test_total_timeout_bounds_a_retry_waiting_for_its_first_byte() -> None:
+    # The first attempt fails at once; the retry meets a provider that never answers. It gives
+    # up when retry_total_timeout is spent (real time here), not a first_byte_timeout later.
+    script = Script([[APIStatusError(503)], [("wait", 5.0)]])
+    cfg = Cfg(
+        first_byte_timeout=60.0,
+        retry_total_timeout=0.2,
+        retry_initial_delay=0.001,
+        retry_max_delay=0.001,
     )
+    real = RealTime()
+    events, err = await collect(script, cfg, real)  # type: ignore[arg-type]
+    assert [type(e) for e in events] == [RetryScheduled]
+    assert err is not None and err.kind == "transient"
+    assert re.fullmatch(
+        r"provider failed after 2 attempts \(retry_total_timeout 0\.2s\): "
+        r"no response from provider within 0\.\d+s",
+        err.message,
+    ), err.message
+
+
+class RealTime:
+    """FakeTime's interface on the real clock."""
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    def clock(self) -> float:
+        return time.monotonic()
 
 
 async def test_stream_ending_without_response_is_transient() -> None:
