@@ -216,13 +216,14 @@ class Turn(msgspec.Struct):
         the history as the model's message and is the run's text: what the client saw, and
         what the model said before it was cut off (it reads it at the next request)."""
         self._expect(_State.AWAIT_MODEL)
+        paused = error is None and self._pause and not self._cancel
         records: list[Entry] = []
-        if partial.strip():
+        if partial.strip() and not paused:  # (a resumed run would take it for its answer)
             self.rounds += 1
             self._text = partial
             message = AssistantMessage(text=partial)
             records = [Assistant(run_id=self.run_id, item=message), self._turn_end()]
-        if error is None and self._pause and not self._cancel:
+        if paused:
             self._finish("paused", None)
         elif error is None or self._cancel:
             self._finish("cancelled", None)

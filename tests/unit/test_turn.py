@@ -330,6 +330,14 @@ def test_a_stream_broken_after_output_keeps_its_text_and_ends_error() -> None:
     assert turn.next_step() == Finished("error", "half an ans", "stream cut")
 
 
+def test_a_paused_call_keeps_no_text_a_resume_would_take_for_its_answer() -> None:
+    turn = Turn("r", max_turns=5)
+    turn.next_step()
+    turn.request_pause()
+    assert turn.model_failed(None, "some text") == []
+    assert turn.next_step() == Finished("paused", "", None)
+
+
 def test_only_whitespace_streamed_is_not_kept() -> None:
     turn = Turn("r", max_turns=5)
     turn.next_step()
