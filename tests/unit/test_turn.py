@@ -23,6 +23,7 @@ from poddaemon.turn import (
     NOT_RUN_PAUSED,
     CallModel,
     Finished,
+    Outcome,
     RunTool,
     Turn,
     interrupted_results,
@@ -330,20 +331,24 @@ def test_a_stream_broken_after_output_keeps_its_text_and_ends_error() -> None:
     assert turn.next_step() == Finished("error", "half an ans", "stream cut")
 
 
-def test_a_paused_call_keeps_no_text_a_resume_would_take_for_its_answer() -> None:
+@pytest.mark.parametrize(
+    ("pause", "partial", "outcome"),
+    [
+        (True, "some text", "paused"),  # a resume would take kept text for the run's answer
+        (False, "\n  ", "cancelled"),  # whitespace alone is nothing said
+    ],
+)
+def test_no_streamed_text_is_kept_for_a_pause_or_when_blank(
+    pause: bool, partial: str, outcome: Outcome
+) -> None:
     turn = Turn("r", max_turns=5)
     turn.next_step()
-    turn.request_pause()
-    assert turn.model_failed(None, "some text") == []
-    assert turn.next_step() == Finished("paused", "", None)
-
-
-def test_only_whitespace_streamed_is_not_kept() -> None:
-    turn = Turn("r", max_turns=5)
-    turn.next_step()
-    turn.request_cancel()
-    assert turn.model_failed(None, "\n  ") == []
-    assert turn.next_step() == Finished("cancelled", "", None)
+    if pause:
+        turn.request_pause()
+    else:
+        turn.request_cancel()
+    assert turn.model_failed(None, partial) == []
+    assert turn.next_step() == Finished(outcome, "", None)
 
 
 def test_interrupted_stream_without_a_request_is_cancelled() -> None:
