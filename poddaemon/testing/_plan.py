@@ -107,12 +107,12 @@ def _validate_fault(fault: object) -> None:
             raise ValueError("reply.fault.seconds must be a number")
     elif kind == "cut":
         allowed = {"kind", "after_chunks", "finals"}
-        for key in ("after_chunks", "finals"):
-            value = fault.get(key, 0)
+        for key, value in (
+            ("after_chunks", fault.get("after_chunks")),
+            ("finals", fault.get("finals", 0)),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"reply.fault.{key} must be a non-negative integer")
-        if "after_chunks" not in fault:
-            raise ValueError("reply.fault.after_chunks must be a non-negative integer")
     else:
         raise ValueError(f"reply.fault.kind must be status, hang or cut, got {kind!r}")
     extra = set(fault) - allowed

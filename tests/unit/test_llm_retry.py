@@ -270,8 +270,18 @@ class FakeTime:
         return self.now
 
 
+class RealTime:
+    """FakeTime's interface on the real clock."""
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    def clock(self) -> float:
+        return time.monotonic()
+
+
 async def collect(
-    script: Script, cfg: Cfg, time: FakeTime | None = None
+    script: Script, cfg: Cfg, time: FakeTime | RealTime | None = None
 ) -> tuple[list[StreamEvent], ProviderError | None]:
     time = time or FakeTime()
     events: list[StreamEvent] = []
@@ -371,7 +381,7 @@ async def test_total_timeout_bounds_a_retry_waiting_for_its_first_byte() -> None
         retry_max_delay=0.001,
     )
     real = RealTime()
-    events, err = await collect(script, cfg, real)  # type: ignore[arg-type]
+    events, err = await collect(script, cfg, real)
     assert [type(e) for e in events] == [RetryScheduled]
     assert err is not None and err.kind == "transient"
     assert re.fullmatch(
@@ -379,16 +389,6 @@ async def test_total_timeout_bounds_a_retry_waiting_for_its_first_byte() -> None
         r"no response from provider within 0\.\d+s",
         err.message,
     ), err.message
-
-
-class RealTime:
-    """FakeTime's interface on the real clock."""
-
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(seconds)
-
-    def clock(self) -> float:
-        return time.monotonic()
 
 
 async def test_stream_ending_without_response_is_transient() -> None:
