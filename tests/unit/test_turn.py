@@ -593,7 +593,8 @@ def test_random_scripts_keep_the_invariants(
         tick()  # while the model streams
         reply, more = remaining.pop(0) if remaining else (resp("fallback"), False)
         if interrupt or reply is None:
-            kept = "cut o" if reply is None else ""  # a scripted interruption streamed some text
+            streamed = "cut o" if reply is None else ""  # a scripted interruption streamed text
+            kept = "" if pause_requested and not cancel_requested else streamed  # (not on a pause)
             texts.append(kept)
             rounds_with_text += bool(kept)
             records += turn.model_failed(None, kept)
