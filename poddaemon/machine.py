@@ -67,6 +67,13 @@ RESTART_NOTE = (
     "Check the state of your work and continue where you left off."
 )
 
+# What the model reads at its next request after a `cancel` cut its run short, as Claude Code and
+# Codex mark an interrupted turn: without it the model takes a cut reply for a finished one.
+CANCEL_NOTE = (
+    "The run before this one was cancelled before it finished: its last reply may be cut "
+    "short, and what it had not done yet was not done."
+)
+
 STOP_HOOK_SOURCE = "hook:Stop"  # the source of the reason a blocking Stop hook gave
 
 # The reports a child made as it stopped (`final_report`; `errored` in older logs): stale
@@ -1187,6 +1194,9 @@ class Machine:
             )
         if interrupted:  # as after a crash (see restore): the next start picks the work up
             self._commit(SystemItem(id=f"restart-{run_id}", text=RESTART_NOTE, source="poddaemon"))
+        elif started and outcome == "cancelled":  # told at the next request; wakes nothing
+            note = SystemItem(id=self.new_id(), text=CANCEL_NOTE, source="poddaemon", context=True)
+            self._commit(note)
         self._emit(Sync())
 
     def _stop(self) -> None:

@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from poddaemon.machine import CANCEL_NOTE
 from poddaemon.testing.cleanup import alive
 from protocol import RpcError
 from tests.conftest import (
@@ -53,7 +54,8 @@ def test_text_answer_streams_and_finishes(env: Env, kind: str) -> None:
 @pytest.mark.parametrize("kind", PROVIDER_KINDS)
 def test_a_cancel_mid_stream_keeps_the_text_streamed_so_far(env: Env, kind: str) -> None:
     """What the client saw stream stays: the cancelled run's text, the session's history, and
-    the model's next request (which the provider accepts after a cut-off message)."""
+    the model's next request (which the provider accepts after a cut-off message), which also
+    tells the model its run was cancelled."""
     env.model.script({"text": "word " * 400, "delay": 0.05}, {"text": "picking up"})
     pod = env.start("cutoff", kind=kind)
     with pod.client() as c, pod.client() as control:
@@ -71,7 +73,9 @@ def test_a_cancel_mid_stream_keeps_the_text_streamed_so_far(env: Env, kind: str)
     assert (nxt.outcome, nxt.text) == ("finished", "picking up")
     assistant = [e["item"]["text"] for e in entries if e["kind"] == "assistant"]
     assert assistant == [streamed, "picking up"]
-    assert streamed.strip() in str(env.model.requests[1]["body"])
+    body = str(env.model.requests[1]["body"])
+    # The cut text, then the new input with the note that the run before was cancelled.
+    assert body.index(streamed.strip()) < body.index("go on") < body.index(CANCEL_NOTE)
 
 
 @pytest.mark.parametrize("kind", ["openai", "openai_responses"])

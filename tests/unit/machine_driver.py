@@ -202,10 +202,10 @@ class Driver:
         self.inflight = None
         return self.feed(self.machine.compaction_failed(error))
 
-    def model_fails(self, error: ProviderError | None = None) -> list[Effect]:
+    def model_fails(self, error: ProviderError | None = None, partial: str = "") -> list[Effect]:
         assert isinstance(self.inflight, CallModel)
         self.inflight = None
-        return self.feed(self.machine.model_failed(error))
+        return self.feed(self.machine.model_failed(error, partial))
 
     def tool(self, output: str = "tool output", is_error: bool = False) -> list[Effect]:
         assert isinstance(self.inflight, RunTool), self.inflight

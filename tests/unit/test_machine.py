@@ -2,9 +2,10 @@
 
 import pytest
 
-from poddaemon.history import SystemNote, UserMessage
+from poddaemon.history import AssistantMessage, SystemNote, UserMessage
 from poddaemon.llm.types import ProviderError
 from poddaemon.machine import (
+    CANCEL_NOTE,
     NOTIFY_MAX_DELAY,
     NOTIFY_QUIET,
     CallModel,
@@ -286,11 +287,53 @@ def test_a_steer_its_run_never_read_gets_a_run_of_its_own(how: str) -> None:
         d.tool()
     starts = [e for e in d.entries if e["kind"] == "run_start"]
     assert [e["trigger"] for e in starts] == ["input", "steer"]
-    assert isinstance(d.inflight, CallModel) and d.inflight.items[-1] == UserMessage(
-        text="and this"
-    )
+    assert isinstance(d.inflight, CallModel)
+    items = d.inflight.items
+    if how == "cancel":  # after the steer, the note saying its run was cancelled
+        assert isinstance(items[-1], SystemNote) and CANCEL_NOTE in items[-1].text
+        items = items[:-1]
+    assert items[-1] == UserMessage(text="and this")
     d.model("done")
     assert d.machine.pod_state == "idle" and d.machine.state.pending_steers == 0
+
+
+def test_a_cancelled_run_is_told_to_the_model_at_its_next_request() -> None:
+    d = Driver()
+    d.call("run", "write the report")
+    d.call("cancel")
+    d.model_fails(None, partial="The report: first")  # what had streamed is kept
+    assert d.kinds()[-2:] == ["run_end", "system_item"]
+    note = d.entries[-1]
+    assert (note["text"], note["source"], note["context"]) == (CANCEL_NOTE, "poddaemon", True)
+    assert d.machine.pod_state == "idle" and d.inflight is None  # the note wakes nothing
+    d.call("run", "now the summary")
+    assert isinstance(d.inflight, CallModel)
+    *_, cut, asked, told = d.inflight.items
+    assert cut == AssistantMessage(text="The report: first")
+    assert asked == UserMessage(text="now the summary")
+    assert isinstance(told, SystemNote) and CANCEL_NOTE in told.text
+    d.model("done")
+    assert d.kinds().count("system_item") == 1
+
+
+@pytest.mark.parametrize("how", ["queued", "superseded while paused", "shutdown"])
+def test_a_run_not_cut_by_a_cancel_gets_no_cancel_note(how: str) -> None:
+    d = Driver()
+    first = d.call("run", "first")
+    if how == "queued":
+        second = d.call("run", "second")
+        d.call("cancel", d.answer(second).result.run_id)
+        d.model("done")
+    elif how == "superseded while paused":
+        d.call("pause")
+        d.model(calls=1)  # paused before its tool: a new run then supersedes it
+        d.call("run", "second")
+        d.model("done")
+    else:
+        d.call("shutdown")
+        d.model_fails(None)
+    assert d.answer(first).error is None
+    assert all(e.get("text") != CANCEL_NOTE for e in d.entries)
 
 
 def test_resume_when_not_paused_is_an_error() -> None:
@@ -317,7 +360,7 @@ def test_cancel_during_a_tool_closes_the_rest_of_the_batch() -> None:
     d.tool(CANCELLED_WHILE_RUNNING, is_error=True)
     outputs = [e["item"]["output"] for e in d.entries if e["kind"] == "tool_result"]
     assert outputs == [CANCELLED_WHILE_RUNNING, NOT_RUN_CANCELLED, NOT_RUN_CANCELLED]
-    assert d.kinds()[-2:] == ["turn_end", "run_end"]
+    assert d.kinds()[-3:] == ["turn_end", "run_end", "system_item"]  # the cancel's note
 
 
 def test_cancel_of_a_queued_run_ends_it_without_starting_it() -> None:
@@ -461,7 +504,8 @@ def test_a_run_cancelled_before_a_shutdown_ends_it_is_not_picked_up_again() -> N
     (end,) = [e for e in d.entries if e["kind"] == "run_end"]
     assert end["outcome"] == "cancelled" and not end.get("interrupted")
     assert d.answer(t).result.outcome == "cancelled"
-    assert not any(e["kind"] == "system_item" for e in d.entries)
+    notes = [e["text"] for e in d.entries if e["kind"] == "system_item"]
+    assert notes == [CANCEL_NOTE]  # not the restart note, which would wake it
 
 
 def test_a_provider_error_ends_the_run_with_its_message() -> None:
