@@ -359,7 +359,7 @@ class Connection(asyncio.Protocol):
                 req = _request_decoder.decode(raw)
             except (msgspec.ValidationError, *_UNREADABLE) as exc:
                 message = f"invalid request: {exc}"
-                collect(i)(_error(_guess_id(raw), errors.INVALID_REQUEST, message))
+                collect(i)(_error(_guess_id(bytes(raw)), errors.INVALID_REQUEST, message))
                 return
             if req.is_notification:
                 self._dispatch(req, lambda _frame: None)

@@ -254,6 +254,28 @@ def test_malformed_line_is_an_error_and_the_connection_stays(
     sock.close()
 
 
+def test_an_unreadable_batch_item_is_its_own_error_and_the_others_are_answered(
+    env: Env,
+) -> None:
+    """Invalid UTF-8 in one item (the batch itself parses): that item gets -32600 with its id,
+    the items around it run and are answered, in one array."""
+    pod = env.start()
+    sock = raw(pod)
+    batch = (
+        b'[{"jsonrpc":"2.0","id":1,"method":"notify","params":{"message":"before"}},'
+        b'{"jsonrpc":"2.0","id":2,"method":"st\xffatus"},'
+        b'{"jsonrpc":"2.0","id":3,"method":"notify","params":{"message":"after"}}]\n'
+    )
+    reply: Any = rpc(sock, batch)
+    replies = {r["id"]: r for r in reply}
+    assert replies[2]["error"]["code"] == -32600
+    assert "notification_id" in replies[1]["result"] and "notification_id" in replies[3]["result"]
+    sock.close()
+    with pod.client() as c:
+        texts = [e["text"] for e in c.history().entries if e["kind"] == "system_item"]
+    assert texts == ["before", "after"]
+
+
 def test_any_json_number_is_an_id_and_is_echoed(env: Env) -> None:
     # JSON-RPC 2.0: an id is a string, a number or null; a number may have a fraction (it
     # SHOULD not) or an exponent. Such a request is valid and its reply echoes the id.
