@@ -18,7 +18,6 @@ from protocol.types import (
     BudgetInfo,
     CancelParams,
     ChildInfo,
-    CompactResult,
     HistoryParams,
     HistoryResult,
     McpServerInfo,
@@ -106,42 +105,48 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         pod.spawn_background(hooks.run("Notification", fields))
         return result
 
-    async def pod_event(p: PodEventParams, conn: Any) -> Any:
+    # Every command reaches the machine as its request is read, never from a task that runs
+    # later: requests pipelined on one connection are decided in the order they were sent (a
+    # `cancel` then a `run` cancels nothing; a `run` after a `shutdown` is refused).
+
+    def pod_event(p: PodEventParams, conn: Any) -> Any:
         event_id = p.event_id or new_session_id()
         tree_spent = (p.usage or {}).get("tree_spent")
         pod.children.heard_from(p.pod)
         redelivered = event_id in m.state.report_ids  # accepted once: its hook ran then
-        result = await pod.request(
-            lambda t: m.child_report(
+
+        def report(t: int) -> Any:
+            return m.child_report(
                 t, p.pod, p.kind, event_id, p.run_id, p.text, p.outcome, tree_spent
             )
-        )
+
         if (
             hooks is not None
             and not redelivered
             and p.kind == "run.finished"
             and hooks.wants("SubagentStop")
         ):
-            fields = {
-                "stop_hook_active": False,
-                "child": p.pod,
-                "outcome": p.outcome,
-                "text": p.text,
-            }
-            pod.spawn_background(hooks.run("SubagentStop", fields))
+            return _subagent_stop_hook(pod.request_future(report), p)
+        return pod.request_pending(report)
+
+    async def _subagent_stop_hook(reply: "asyncio.Future[Any]", p: PodEventParams) -> Any:
+        result = await reply
+        assert hooks is not None
+        fields = {"stop_hook_active": False, "child": p.pod, "outcome": p.outcome, "text": p.text}
+        pod.spawn_background(hooks.run("SubagentStop", fields))
         return result
 
-    async def pause(p: NoParams, conn: Any) -> Any:
-        return await pod.request(m.pause)
+    def pause(p: NoParams, conn: Any) -> Any:
+        return pod.request_pending(m.pause)
 
-    async def resume(p: NoParams, conn: Any) -> Any:
-        return await pod.request(m.resume)
+    def resume(p: NoParams, conn: Any) -> Any:
+        return pod.request_pending(m.resume)
 
-    async def cancel(p: CancelParams, conn: Any) -> Any:
-        return await pod.request(lambda t: m.cancel(t, p.run_id))
+    def cancel(p: CancelParams, conn: Any) -> Any:
+        return pod.request_pending(lambda t: m.cancel(t, p.run_id))
 
-    async def shutdown(p: NoParams, conn: Any) -> Any:
-        return await pod.request(m.shutdown)
+    def shutdown(p: NoParams, conn: Any) -> Any:
+        return pod.request_pending(m.shutdown)
 
     async def _continued(sid: str) -> bool:
         """The pod's own session, or one it continues, though another pod started it: a pod
@@ -178,9 +183,8 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         asyncio.get_running_loop().call_soon(conn.start_events, cursor)
         return SubscribeResult(cursor=pod.bus.seq)
 
-    async def compact(p: NoParams, conn: Any) -> CompactResult:
-        result: CompactResult = await pod.request(m.compact)
-        return result
+    def compact(p: NoParams, conn: Any) -> Any:
+        return pod.request_pending(m.compact)
 
     return {
         "run": run,

@@ -143,6 +143,34 @@ def test_half_closed_raw_socket_gets_every_reply_then_eof(env: Env) -> None:
     assert got[2]["result"]["notification_id"]
 
 
+@pytest.mark.parametrize(
+    ("first", "answer", "run_reply"),
+    [
+        ("cancel", {"cancelled": False}, {"outcome": "finished"}),
+        ("pause", {"paused": False}, {"outcome": "finished"}),
+        ("shutdown", {"ok": True}, {"code": -32004}),
+    ],
+)
+def test_pipelined_requests_are_decided_in_the_order_sent(
+    env: Env, first: str, answer: dict[str, Any], run_reply: dict[str, Any]
+) -> None:
+    """`printf 'cancel\nrun\n' | socat`: the cancel came first, so it finds nothing to cancel
+    and the run runs (a command handled in a task used to reach the machine after the run,
+    and cancelled it); a run after an acknowledged shutdown is refused."""
+    pod = env.start()
+    sock = raw(pod)
+    sock.sendall(
+        b'{"jsonrpc":"2.0","id":1,"method":"%b"}\n' % first.encode()
+        + b'{"jsonrpc":"2.0","id":2,"method":"run","params":{"input":"hi","wait":true}}\n'
+    )
+    sock.shutdown(socket.SHUT_WR)
+    got = {r["id"]: r for r in replies(read_until_eof(sock))}
+    sock.close()
+    assert got[1]["result"] == answer
+    reply = got[2].get("result") or got[2]["error"]
+    assert {k: reply[k] for k in run_reply} == run_reply, got[2]
+
+
 def test_half_closed_run_wait_gets_the_reply_when_the_run_ends(env: Env) -> None:
     env.model.script({"text": "finished late", "gate": "w"})
     pod = env.start()
