@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import struct
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -155,6 +156,7 @@ class Connection(asyncio.Protocol):
         self._eof = False  # the client half-closed: answer what was read, then close
         self._dropped = False
         self._held = 0  # bytes of partial frame counted in server.partial_bytes
+        self._held_since = 0.0  # when its partial frame began (monotonic)
         self._held_big = False  # it once held TRIM_AFTER_PARTIAL_BYTES of a partial frame
         # Replies still owed: handlers' tasks, bare futures, Pendings.
         self._tasks: set[asyncio.Future[Any] | Pending] = set()
@@ -270,15 +272,14 @@ class Connection(asyncio.Protocol):
 
     def _count_partial(self) -> None:
         held = self.framer.held
+        if held and not self._held:
+            self._held_since = time.monotonic()
         self.server.partial_bytes += held - self._held
         self._held = held
         if held >= TRIM_AFTER_PARTIAL_BYTES:
             self._held_big = True
         if held and self.server.partial_bytes > self.server.max_partial_bytes:
-            self._drop(
-                f"partial frames of all clients exceed {self.server.max_partial_bytes} bytes "
-                f"(this one holds {held})"
-            )
+            self.server.drop_oldest_partials()
 
     def _close_if_done(self) -> None:
         if (
@@ -541,6 +542,21 @@ class RpcServer:
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._path: Path | None = None
+
+    def drop_oldest_partials(self) -> None:
+        """Past the bound on partial frames, disconnect the clients whose unfinished frames
+        are the oldest until it holds again: a frame in progress arrives within moments, so
+        the old ones are clients holding memory on purpose (a newcomer's valid request is not
+        what gets refused, as it was when the client that crossed the bound went)."""
+        holders = sorted((c for c in self.connections if c._held), key=lambda c: c._held_since)
+        for conn in holders:
+            if self.partial_bytes <= self.max_partial_bytes:
+                return
+            conn._drop(
+                f"partial frames of all clients exceed {self.max_partial_bytes} bytes "
+                f"(this one's oldest, {conn._held} bytes held for "
+                f"{time.monotonic() - conn._held_since:.1f} s)"
+            )
 
     def give_back_memory_soon(self) -> None:
         """One trim for all the clients that go in the same loop pass (a heap walk each)."""
