@@ -10,6 +10,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Raw, Struct, UnsetType
 
+from protocol.paths import POD_NAME_RE
+
 JSONRPC = "2.0"
 # JSON-RPC 2.0: a string, a number (a fraction is allowed, if discouraged) or null.
 RequestId = int | float | str | None
@@ -78,6 +80,8 @@ class CancelParams(Params):
 
 # A seq to start after, and a page size: -32602 for a negative one or an empty page, as for any
 # wrong param (a page larger than the pod's cap is cut to it; `next` goes on from there).
+PodName = Annotated[str, msgspec.Meta(pattern=POD_NAME_RE.pattern)]
+RunOutcome = Literal["finished", "paused", "limit_reached", "cancelled", "error"]
 Seq = Annotated[int, msgspec.Meta(ge=0)]
 PageSize = Annotated[int, msgspec.Meta(ge=1)]
 
@@ -93,12 +97,12 @@ class SubscribeParams(Params):
 
 
 class PodEventParams(Params):
-    pod: str
-    kind: str
+    pod: PodName
+    kind: Literal["run.finished", "errored", "shutdown"]  # SPEC §9's reports
     event_id: str | None = None  # the same id twice is accepted once
     run_id: str | None = None
     text: str | None = None
-    outcome: str | None = None
+    outcome: RunOutcome | None = None
     usage: dict[str, int] | None = None
 
 
@@ -117,10 +121,10 @@ class UsageTotals(Result):
     calls: int = 0
 
 
-class RunResult(Result):
+class RunResult(Result, omit_defaults=True):
     run_id: str
     state: Literal["started", "queued", "steered"]
-    position: int | None = None
+    position: int | None = None  # `position?`: only for a queued run
 
 
 class RunWaitResult(Result):

@@ -171,6 +171,20 @@ def test_pipelined_requests_are_decided_in_the_order_sent(
     assert {k: reply[k] for k in run_reply} == run_reply, got[2]
 
 
+def test_a_started_run_has_no_position_and_a_queued_one_has(env: Env) -> None:
+    """SPEC §5: `{run_id, state, position?}`: the field is there for a queued run only."""
+    env.model.script({"gate": "g", "text": "done"})
+    pod = env.start()
+    sock = raw(pod)
+    line = b'{"jsonrpc":"2.0","id":%d,"method":"run","params":{"input":"%b"}}\n'
+    started = rpc(sock, line % (1, b"first"))["result"]
+    queued = rpc(sock, line % (2, b"second"))["result"]
+    assert started.keys() == {"run_id", "state"} and started["state"] == "started"
+    assert (queued["state"], queued["position"]) == ("queued", 1)
+    env.model.open_gate("g")
+    sock.close()
+
+
 def test_half_closed_run_wait_gets_the_reply_when_the_run_ends(env: Env) -> None:
     env.model.script({"text": "finished late", "gate": "w"})
     pod = env.start()
@@ -334,6 +348,10 @@ def test_any_json_number_is_an_id_and_is_echoed(env: Env) -> None:
         ("run", '{"input":" \\n\\t","wait":true}', "params.input"),
         ("notify", '{"message":""}', "params.message"),
         ("notify", '{"message":"  ","source":"ci"}', "params.message"),
+        # a report only a child makes: forged names, kinds and outcomes were shown to the model
+        ("pod_event", '{"pod":"../../x","kind":"errored"}', "params.pod"),
+        ("pod_event", '{"pod":"kid","kind":"rm -rf"}', "params.kind"),
+        ("pod_event", '{"pod":"kid","kind":"run.finished","outcome":"pwned"}', "params.outcome"),
     ],
 )
 def test_wrong_params_are_invalid_params_naming_the_field_and_commit_nothing(
