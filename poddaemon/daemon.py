@@ -458,7 +458,7 @@ def _serve(
     from poddaemon.llm import make_client
     from poddaemon.llm.threaded import ThreadedModel
     from poddaemon.pod import Pod, Services
-    from poddaemon.prompt import Instruction
+    from poddaemon.prompt import Instruction, PromptError
     from poddaemon.scope import Scope
     from poddaemon.server import RpcServer
     from poddaemon.store.log import LogCorrupt
@@ -510,7 +510,10 @@ def _serve(
             sdnotify.notify(f"EXTEND_TIMEOUT_USEC={int((allowance + USUAL_START) * 1e6)}")
         # Servers start while the pod restores and binds; READY waits for them.
         mcp_start = asyncio.ensure_future(start_mcp(manifest, alert))
-        pod = Pod(services)
+        try:
+            pod = Pod(services)
+        except PromptError as exc:  # a variable the template names but has not: one line
+            raise StartupError(str(exc)) from None
         if session_id is not None:
             try:
                 warnings = await pod.restore(session_id)

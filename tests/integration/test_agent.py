@@ -390,13 +390,23 @@ def test_system_prompt_template_is_rendered_once_with_context(env: Env) -> None:
     assert system.split("\\n")[0] in second  # rendered once: the same prompt both times
 
 
-def test_template_error_fails_start_up_naming_the_line(env: Env) -> None:
-    path = env.manifest("broken", instruction="line one\n{% endfor %}\nline three")
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        ("line one\n{% endfor %}\nline three", "endfor"),  # a syntax error, found on loading
+        ("line one\nhello {{ nope }}", "'nope' is undefined"),  # found on rendering
+    ],
+)
+def test_template_error_fails_start_up_with_one_line_naming_it(
+    env: Env, template: str, says: str
+) -> None:
+    path = env.manifest("broken", instruction=template)
     proc = env.popen(str(path))
     _, err = proc.communicate(timeout=20)
     assert proc.returncode != 0
-    assert f"poddaemon: {path}: worker.instruction:2: template error" in err
-    assert "endfor" in err
+    (line,) = err.strip().splitlines()  # no traceback
+    assert line.startswith(f"poddaemon: {path}: worker.instruction:2: template error")
+    assert says in line
 
 
 @pytest.mark.parametrize("kind", PROVIDER_KINDS)
