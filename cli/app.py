@@ -76,7 +76,23 @@ def sub_app(help: str, **kwargs: Any) -> typer.Typer:
     return typer.Typer(help=help, rich_markup_mode=None, pretty_exceptions_enable=False, **kwargs)
 
 
-PodArg = Annotated[str, typer.Argument(metavar="POD", help="Pod name, or the path of its socket.")]
+def pod_name(value: str | None) -> str | None:
+    """A name spawn refuses names no pod: a usage error, not 'not running' (a typo in the case
+    of a letter would otherwise read as a pod that stopped)."""
+    from protocol.paths import POD_NAME_RE
+
+    if value is not None and "/" not in value and not POD_NAME_RE.fullmatch(value):
+        raise typer.BadParameter(
+            f"{value!r} is not a valid pod name "
+            "(lowercase letters, digits, '-' and '_', at most 48 characters)"
+        )
+    return value
+
+
+PodArg = Annotated[
+    str,
+    typer.Argument(metavar="POD", help="Pod name, or the path of its socket.", callback=pod_name),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
 

@@ -28,7 +28,9 @@ def base_url_lines(root: str) -> str:
 @dev_app.command("fake-model")
 def dev_fake_model(
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="Port; 0 picks a free one.")] = 0,
+    port: Annotated[
+        int, typer.Option("--port", min=0, max=65535, help="Port; 0 picks a free one.")
+    ] = 0,
     script: Annotated[
         str | None, typer.Option("--script", metavar="FILE", help="Scripted replies (JSON).")
     ] = None,

@@ -14,6 +14,7 @@ from cli.app import (
     call,
     fail,
     not_running,
+    pod_name,
     print_json,
     rpc_errors,
 )
@@ -188,7 +189,11 @@ def ls(as_json: JsonOpt = False) -> None:
 def status(
     pod: Annotated[
         str | None,
-        typer.Argument(metavar="[POD]", help="Pod name or socket path; without it, like `ls`."),
+        typer.Argument(
+            metavar="[POD]",
+            help="Pod name or socket path; without it, like `ls`.",
+            callback=pod_name,
+        ),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:

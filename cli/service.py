@@ -188,7 +188,7 @@ def wait(
     ] = "idle",
     timeout: Annotated[
         float | None,
-        typer.Option("--timeout", metavar="S", help="Give up after S seconds (exit 4)."),
+        typer.Option("--timeout", metavar="S", min=0, help="Give up after S seconds (exit 4)."),
     ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the final status as JSON.")

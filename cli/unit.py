@@ -28,7 +28,7 @@ MARKER = "# Written by `podctl unit install`"
 DIR_VARS = ("PODDAEMON_HOME", "PODDAEMON_CONFIG_DIR", "PODDAEMON_DATA_DIR", "PODDAEMON_RUNTIME_DIR")
 NO_MANAGER = (
     "no systemd user manager answers (is `systemctl --user` available? "
-    "For a server: `loginctl enable-linger $USER` keeps one running without a login)"
+    "For a server: `sudo loginctl enable-linger $USER` keeps one running without a login)"
 )
 
 unit_app = typer.Typer(

@@ -217,6 +217,7 @@ def _apply_override(
     value = _parse_value(raw)
     node: Any = data
     key: list[str | int] = []
+    made: list[Key] = []  # tables this override creates: an error about one names it
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
         step: str | int = part
@@ -232,6 +233,7 @@ def _apply_override(
         else:
             if isinstance(node, dict) and part not in node:
                 node[part] = {}
+                made.append(tuple(key))
             node = node[step]
     if len(key) == 2 and key[0] == "worker" and key[1] in _INSTRUCTION_KEYS:
         # Setting one form of the instruction replaces the other, wherever that came from.
@@ -240,7 +242,9 @@ def _apply_override(
     full = tuple(key)
     for k in [k for k in origins if k[: len(full)] == full]:
         del origins[k]
-    origins[full] = _Source(shown, note=f"--set {text}")
+    source = _Source(shown, note=f"--set {text}")
+    for table in (*made, full):
+        origins[table] = source
 
 
 def _parse_value(raw: str) -> Any:

@@ -158,6 +158,11 @@ def test_ls_lists_unresponsive_pods_and_children_under_their_parent(env: Env) ->
         ["history", "ghost", "--since", "-1"],
         ["attach", "ghost", "--since", "-1"],
         ["send"],
+        # a name no pod can have (spawn refuses it): not "not running"
+        ["status", "Ghost"],
+        ["send", "bad name", "hi"],
+        ["wait", "ghost", "--timeout", "-1"],
+        ["dev", "fake-model", "--port", "99999"],
     ],
     ids=" ".join,
 )

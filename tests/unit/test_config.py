@@ -391,6 +391,11 @@ def test_set_with_a_wrong_type_names_the_override() -> None:
     assert error_of(MINIMAL, "worker.bogus=1") == (
         "m.toml: worker.bogus: unknown key (--set worker.bogus=1)"
     )
+    # A table the override made up (nothing in the manifest has it) is named with it too.
+    assert error_of(MINIMAL, "a.b.c=1") == "m.toml: a: unknown key (--set a.b.c=1)"
+    assert error_of(MINIMAL, "worker.tool_output.x.y=1") == (
+        "m.toml: worker.tool_output.x: unknown key (--set worker.tool_output.x.y=1)"
+    )
 
 
 # --- paths -----------------------------------------------------------------------------------
