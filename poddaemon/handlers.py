@@ -69,6 +69,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
     m = pod.machine
     hooks = pod.hooks
     scope_entries = ScopeEntries()
+    prompts_in_order = asyncio.Lock()
 
     def run(p: RunParams, conn: Any) -> Any:
         _not_blank(p.input, "input")
@@ -82,12 +83,18 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     async def _run_hooked(p: RunParams) -> Any:
         assert hooks is not None
-        if not m.state.session_id and pod.plog.reserved is None:
-            await pod.reserve_session()  # the hook is told the session this prompt starts
-        refused, context = await hooks.user_prompt(p.input)
-        if refused is not None:  # nothing is committed
-            raise RpcError(errors.HOOK_REFUSED, refused)
-        return await pod.request(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait, context))
+        # One prompt at a time, in the order they came (the lock is fair): a second prompt's
+        # hook may finish first, and its run must not be queued before the first one's.
+        async with prompts_in_order:
+            if not m.state.session_id and pod.plog.reserved is None:
+                await pod.reserve_session()  # the hook is told the session this prompt starts
+            refused, context = await hooks.user_prompt(p.input)
+            if refused is not None:  # nothing is committed
+                raise RpcError(errors.HOOK_REFUSED, refused)
+            reply = pod.request_future(
+                lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait, context)
+            )
+        return await reply
 
     def notify(p: NotifyParams, conn: Any) -> Any:
         _not_blank(p.message, "message")

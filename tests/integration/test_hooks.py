@@ -1,6 +1,7 @@
 """Issue 13: command hooks (SPEC §10), Claude Code's contract, through real pods."""
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,29 @@ print("CONTEXT: the build is green")
     assert "how is the build?" in body and "CONTEXT: the build is green" in body
     texts = [e.get("text", "") for e in entries(pod) if e["kind"] == "user_input"]
     assert texts == ["how is the build?"]  # the refused prompt was never committed
+
+
+def test_prompts_pipelined_on_one_connection_are_queued_in_the_order_sent(env: Env) -> None:
+    """The first prompt's UserPromptSubmit hook is slow, the second's instant: the second
+    must not be committed, and its run queued, before the first."""
+    hook = """
+import json, sys, time
+if json.load(sys.stdin)["prompt"] == "first":
+    time.sleep(0.5)
+"""
+    env.model.script({"text": "one"}, {"text": "two"})
+    pod = env.start("ordered", extra=hooks_toml("UserPromptSubmit", script(env, "slow.py", hook)))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(pod.socket)
+    line = '{"jsonrpc":"2.0","id":%d,"method":"run","params":{"input":"%s","wait":true}}\n'
+    sock.sendall((line % (1, "first") + line % (2, "second")).encode())
+    sock.shutdown(socket.SHUT_WR)
+    with sock.makefile("rb") as replies:
+        done = {r["id"]: r["result"] for r in map(json.loads, replies)}
+    sock.close()
+    assert (done[1]["text"], done[2]["text"]) == ("one", "two")
+    inputs = [e["text"] for e in entries(pod) if e["kind"] == "user_input"]
+    assert inputs == ["first", "second"]
 
 
 def test_stop_hook_sees_the_outcome_and_a_hanging_hook_is_killed(env: Env) -> None:
