@@ -239,15 +239,20 @@ def _released(name: str, pid: int | None, sock: "Path", deadline: float) -> bool
         time.sleep(POLL)
 
 
-def _stop_descendants(name: str, children: list[str]) -> None:
+def _stop_descendants(name: str, children: list[str]) -> list[str]:
     """`stop --tree`: the pod's children, each with its own subtree, deepest first. The
-    registry too: a child the pod lost track of is still its descendant."""
+    registry too: a child the pod lost track of is still its descendant. Returns those that
+    did not stop (each has said why)."""
     known = {e.name for e in _registry_entries().values() if e.parent == name}
+    left: list[str] = []
     for child in sorted(known | set(children)):
-        _stop(child, tree=True, top=False)
+        left += _stop(child, tree=True, top=False)
+    return left
 
 
-def _stop(target: str, tree: bool, top: bool) -> None:
+def _stop(target: str, tree: bool, top: bool) -> list[str]:
+    """Stop `target` (and, with `tree`, its descendants first); the descendants that did not
+    stop. A top-level pod that does not stop is an error at once."""
     import time
 
     from protocol.client import PodClient
@@ -255,6 +260,7 @@ def _stop(target: str, tree: bool, top: bool) -> None:
     from protocol.sockets import resolve_socket
 
     name, pid = target, None
+    left: list[str] = []
     try:
         with (
             rpc_errors(target, STOP_TIMEOUT),
@@ -269,7 +275,7 @@ def _stop(target: str, tree: bool, top: bool) -> None:
                 if tree:
                     raise
             if tree:
-                _stop_descendants(name, children)
+                left = _stop_descendants(name, children)
             try:
                 client.shutdown()
             except ConnectionClosed:
@@ -280,16 +286,27 @@ def _stop(target: str, tree: bool, top: bool) -> None:
     except PodNotRunning as exc:
         if top:
             not_running(exc)
-        return  # a child that already went
+        return left  # a child that already went
     except typer.Exit:
         if top:
             raise
-        return
+        return [*left, name]
     # `podctl stop p; podctl spawn p.toml` must work: return only once name and scope are free.
     if not _released(name, pid, resolve_socket(target), time.monotonic() + STOP_TIMEOUT):
-        fail(f"pod '{name}' did not stop within {STOP_TIMEOUT:g} s")
+        if top:
+            fail(f"pod '{name}' did not stop within {STOP_TIMEOUT:g} s")
+        sys.stderr.write(f"podctl: pod '{name}' did not stop within {STOP_TIMEOUT:g} s\n")
+        return [*left, name]
     sys.stdout.write(f"stopped {name}\n")
     sys.stdout.flush()
+    return left
+
+
+def _still_running(left: list[str]) -> None:
+    """`stop --tree` is done only when the whole tree is: exit 1 naming what is left."""
+    if left:
+        names = ", ".join(f"'{n}'" for n in left)
+        fail(f"{len(left)} descendant(s) still running: {names}")
 
 
 @app.command()
@@ -307,9 +324,11 @@ def stop(
 
     # A unit pod's descendants first, as for any pod: systemd would SIGKILL what its stop
     # leaves in the unit's cgroup, and detached children are not the pod's to stop.
-    if stop_unit_pod(pod, _stop_descendants if tree else None):
+    left: list[str] = []
+    if stop_unit_pod(pod, (lambda n, c: left.extend(_stop_descendants(n, c))) if tree else None):
+        _still_running(left)
         return
-    _stop(pod, tree, top=True)
+    _still_running(_stop(pod, tree, top=True))
 
 
 # --- rpc ----------------------------------------------------------------------------------------

@@ -607,6 +607,25 @@ def test_stop_tree_three_levels_deepest_first(tree: Env) -> None:
     assert not _stray(env)
 
 
+def test_stop_tree_fails_naming_a_descendant_that_did_not_stop(tree: Env) -> None:
+    """A child that cannot answer (SIGSTOP) while its parent stops, children detached: the
+    tree is not stopped, so `stop --tree` exits 1 naming it (it exited 0)."""
+    env = tree
+    parent = _detached_parent_of(env, "stuck")
+    child = Registry(env.home / "run").get("stuck")
+    assert child is not None
+    os.kill(child.pid, signal.SIGSTOP)
+    try:
+        out = env.podctl("stop", "--tree", "parent")
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    assert "stopped parent" in out.stdout
+    assert "1 descendant(s) still running: 'stuck'" in out.stderr
+    assert [e.name for e in Registry(env.home / "run").live()] == ["stuck"]
+    assert parent.proc.wait(10) == 0
+
+
 def test_stop_pod_stops_the_childs_subtree_under_detach(tree: Env) -> None:
     """`stop_pod` stops the child's own subtree too (SPEC §9), even where on_parent_exit =
     "detach" lets a stopping pod's children run on."""
