@@ -34,10 +34,27 @@ CANCELLED_WHILE_RUNNING = (
     "and every process it started were killed. It did not finish: check its effects before "
     "running it again."
 )
+# What a restored session says of a call a crash cut off, by what the call was doing.
 INTERRUPTED = (
+    "interrupted: the pod stopped while this call ran. It did not finish: check its effects "
+    "before running it again."
+)
+INTERRUPTED_COMMAND = (
     "interrupted: the pod stopped while this call ran; a command and every process it started "
     "were killed with the pod. It did not finish: check its effects before running it again."
 )
+# A child outlives its spawner's crash when on_parent_exit = "detach", and is adopted again:
+# "killed" would have the model spawn it a second time.
+INTERRUPTED_SPAWN = (
+    "interrupted: the pod stopped while this call ran. The pod it was starting may be running "
+    "now (list_pods says): check before spawning it again."
+)
+
+
+def interrupted_output(tool: str) -> str:
+    if tool == "bash":
+        return INTERRUPTED_COMMAND
+    return INTERRUPTED_SPAWN if tool == "spawn_pod" else INTERRUPTED
 
 
 class CallModel(msgspec.Struct, frozen=True):
@@ -314,7 +331,9 @@ def interrupted_results(calls: list[ToolCall], run_id: str) -> list[Entry]:
     return [
         ToolResultEntry(
             run_id=run_id,
-            item=ToolResult(call_id=c.id, name=c.name, output=INTERRUPTED, is_error=True),
+            item=ToolResult(
+                call_id=c.id, name=c.name, output=interrupted_output(c.name), is_error=True
+            ),
             summary="interrupted",
         )
         for c in calls

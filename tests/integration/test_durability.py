@@ -19,7 +19,7 @@ import pytest
 from poddaemon.podlog import POWER_CUT_ENV
 from poddaemon.store.file import SessionLog, read_session
 from poddaemon.store.log import GENESIS, encode_entry, new_session_id
-from poddaemon.turn import INTERRUPTED
+from poddaemon.turn import INTERRUPTED, INTERRUPTED_COMMAND
 from protocol.errors import ConnectionClosed
 from tests.conftest import Env, PodProcess, StartFailed, collect_run, wait_until
 
@@ -238,8 +238,8 @@ def test_kill_mid_tool(env: Env, rep: int) -> None:
     assert call_ids[0] == started.data["call_id"] and len(call_ids) == 2
     results = [e for e in entries if e["kind"] == "tool_result"]
     assert [r["item"]["call_id"] for r in results] == call_ids  # and no others
-    for r in results:
-        assert r["item"]["output"] == INTERRUPTED and r["item"]["is_error"]
+    for r, said in zip(results, (INTERRUPTED_COMMAND, INTERRUPTED), strict=True):
+        assert r["item"]["output"] == said and r["item"]["is_error"]
     # The synthetic results sit before the run's end, and the model saw them after the restart.
     end = next(e for e in entries if e["kind"] == "run_end" and e["run_id"] == run.run_id)
     assert results[-1]["seq"] < end["seq"]

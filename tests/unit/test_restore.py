@@ -28,7 +28,7 @@ from poddaemon.llm.types import ProviderError
 from poddaemon.machine import CallModel, MachineConfig, Reply, RunTool
 from poddaemon.session import SessionState, fold
 from poddaemon.store.log import verify
-from poddaemon.turn import INTERRUPTED
+from poddaemon.turn import interrupted_output
 from tests.unit.machine_driver import Driver
 
 ACTIONS = (
@@ -326,6 +326,6 @@ def test_pod_restore_of_a_cut_file(data: st.DataObject) -> None:
     )
     for e in on_disk.entries[k:]:
         if e["kind"] == "tool_result":
-            assert e["item"]["output"] == INTERRUPTED
+            assert e["item"]["output"] == interrupted_output(e["item"]["name"])
         if e["kind"] == "run_end" and e["run_id"] == fold(expected.entries).active_run:
             assert e["interrupted"] is True

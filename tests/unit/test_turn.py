@@ -18,6 +18,8 @@ from poddaemon.llm.types import ModelResponse, ProviderError, StopReason
 from poddaemon.turn import (
     CANCELLED_WHILE_RUNNING,
     INTERRUPTED,
+    INTERRUPTED_COMMAND,
+    INTERRUPTED_SPAWN,
     NOT_RUN_CANCELLED,
     NOT_RUN_CUT_OFF,
     NOT_RUN_PAUSED,
@@ -487,13 +489,14 @@ def test_tool_error_results_are_passed_through() -> None:
     assert end.kind == "turn_end"
 
 
-def test_interrupted_results_close_each_call() -> None:
-    recs = interrupted_results([call("x"), call("y", "grep")], "r9")
-    assert [r.kind for r in recs] == ["tool_result", "tool_result"]
-    assert [r.run_id for r in recs] == ["r9", "r9"]
+def test_interrupted_results_close_each_call_saying_what_it_was_doing() -> None:
+    recs = interrupted_results([call("x"), call("y", "bash"), call("z", "spawn_pod")], "r9")
+    assert [r.kind for r in recs] == ["tool_result"] * 3
+    assert [r.run_id for r in recs] == ["r9"] * 3
     assert [r.item for r in recs] == [
         ToolResult(call_id="x", name="read_file", output=INTERRUPTED, is_error=True),
-        ToolResult(call_id="y", name="grep", output=INTERRUPTED, is_error=True),
+        ToolResult(call_id="y", name="bash", output=INTERRUPTED_COMMAND, is_error=True),
+        ToolResult(call_id="z", name="spawn_pod", output=INTERRUPTED_SPAWN, is_error=True),
     ]
 
 
