@@ -676,6 +676,8 @@ class Machine:
         def go() -> None:
             self.state = fold(entries)
             self.system_prompt = self.state.system_prompt
+            # A compaction the last call made due, which a crash cut short, is made again.
+            self._last_input = _last_context_size(entries, self.cfg.provider_kind)
             stale = [i for i, o in self.state.outbox.items() if o.event_kind in FINAL_REPORTS]
             if stale:  # "this pod stopped", from an earlier life: not true now it runs again
                 self._commit(OutboxAcked(ids=stale))
@@ -1285,6 +1287,20 @@ class Machine:
         self.in_flight = None
         self._model_retrying = False
         return self.turn
+
+
+def _last_context_size(entries: list[dict[str, Any]], provider_kind: str) -> int | None:
+    """The request size the session's last model call reported (None: none reported one)."""
+    for e in reversed(entries):
+        if e.get("kind") == "llm_usage":
+            usage = Usage(
+                input=e["input"],
+                output=e["output"],
+                cache_read=e.get("cache_read", 0),
+                cache_write=e.get("cache_write", 0),
+            )
+            return compaction.context_tokens(usage, provider_kind) or None
+    return None
 
 
 def _final_answer(item: Item | None) -> bool:

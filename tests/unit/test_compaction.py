@@ -79,6 +79,22 @@ def test_a_round_over_the_threshold_compacts_mid_run_and_the_run_goes_on_in_the_
     assert again.usage == d.machine.state.usage
 
 
+def test_a_compaction_a_crash_cut_short_is_made_again_after_the_restore() -> None:
+    """The last call reported a context over the threshold, then the pod died while the summary
+    was being made: the restored pod summarizes before its next model call, as the pod that
+    died would have (it used to send the whole context again)."""
+    d = driver(threshold=100)
+    d.call("run", "the task")
+    tool_round(d, usage=150)
+    assert isinstance(d.inflight, Summarize)
+    again = Driver(cfg=d.cfg, now=d.now + 100, n=d.n + 1000)  # kill -9 mid-summary
+    again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
+    again.feed(again.machine.restore(d.entries))
+    again.call("run", "go on")
+    assert isinstance(again.inflight, Summarize)
+    assert events(again, "compaction.started") == [{"reason": "auto", "input_tokens": 150}]
+
+
 def test_notifications_acked_before_a_compaction_reach_the_first_request_after_it() -> None:
     d = driver(threshold=100)
     d.call("run", "task")
