@@ -177,9 +177,15 @@ def not_utf8(exc: UnicodeEncodeError, what: str = "an argument") -> NoReturn:
     fail(f"{what} is not UTF-8 text ({bad})", EXIT_USAGE)
 
 
+# Said when a pod that was sent input does not answer: stopped or wedged, it still reads its
+# socket once it runs again, so "failed" would invite a retry that delivers the input twice.
+UNANSWERED_INPUT = "; it may still take what was sent once it runs again"
+
+
 @contextlib.contextmanager
-def rpc_errors(target: str, timeout: float | None = None) -> Iterator[None]:
-    """Map the client's exceptions to podctl's one-line messages and exit codes."""
+def rpc_errors(target: str, timeout: float | None = None, unanswered: str = "") -> Iterator[None]:
+    """Map the client's exceptions to podctl's one-line messages and exit codes (`unanswered`:
+    added to the message of a pod that did not answer in time)."""
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     try:
@@ -195,9 +201,8 @@ def rpc_errors(target: str, timeout: float | None = None) -> Iterator[None]:
     except UnicodeEncodeError as exc:  # encoding the request: nothing was sent
         not_utf8(exc)
     except TimeoutError:
-        fail(
-            f"pod '{target}' did not answer " + (f"within {timeout:g} s" if timeout else "in time")
-        )
+        within = f"within {timeout:g} s" if timeout else "in time"
+        fail(f"pod '{target}' did not answer {within}{unanswered}")
     except OSError as exc:
         fail(f"cannot talk to pod '{target}': {exc}")
 
@@ -217,20 +222,23 @@ def call(
     from protocol import oneshot, paths
 
     result: Any = None
-    with rpc_errors(target, timeout):
+    unanswered = UNANSWERED_INPUT if method in ("run", "notify") else ""
+    with rpc_errors(target, timeout, unanswered):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
         result = oneshot.call(target, method, params, timeout=timeout)
     return result
 
 
 @contextlib.contextmanager
-def connect(target: str, timeout: float | None = ANSWER_TIMEOUT) -> Iterator["PodClient"]:
+def connect(
+    target: str, timeout: float | None = ANSWER_TIMEOUT, unanswered: str = ""
+) -> Iterator["PodClient"]:
     """A PodClient for `target`, with podctl's error handling around everything in the block.
     `timeout` bounds each call's answer (and each read: follow events with `next_event`)."""
     from protocol import paths
     from protocol.client import PodClient
 
-    with rpc_errors(target, timeout):
+    with rpc_errors(target, timeout, unanswered):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
         with PodClient.connect(target, timeout=timeout) as client:
             yield client

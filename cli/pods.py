@@ -325,7 +325,8 @@ def stop(
     # A unit pod's descendants first, as for any pod: systemd would SIGKILL what its stop
     # leaves in the unit's cgroup, and detached children are not the pod's to stop.
     left: list[str] = []
-    if stop_unit_pod(pod, (lambda n, c: left.extend(_stop_descendants(n, c))) if tree else None):
+    stop_children = (lambda n, c: left.extend(_stop_descendants(n, c))) if tree else None
+    if stop_unit_pod(pod, STOP_TIMEOUT, stop_children):
         _still_running(left)
         return
     _still_running(_stop(pod, tree, top=True))

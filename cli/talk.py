@@ -10,6 +10,7 @@ from cli.app import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_LIMIT,
+    UNANSWERED_INPUT,
     JsonOpt,
     PodArg,
     app,
@@ -87,7 +88,7 @@ def send(
 
     text = read_message(message)
     mode: Literal["queue", "steer"] = "steer" if steer else "queue"
-    with connect(pod) as client:
+    with connect(pod, unanswered=UNANSWERED_INPUT) as client:
         if no_wait:
             result = _submit(client, text, mode)
             if as_json:
