@@ -203,8 +203,8 @@ def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | 
     return (
         f"{var} (the provider's API key) is set neither in {env_file} nor in the user "
         f"manager's environment, so the pod could not start. Set it with:\n"
-        f"  install -m 600 /dev/null {env_file}  # once\n"
-        f"  echo '{var}=...' >> {env_file}\n"
+        f"  mkdir -p {env_file.parent}\n"
+        f"  (umask 077; echo '{var}=...' >> {env_file})   # 0600 from the start\n"
         f"or: systemctl --user set-environment {var}=..."
     )
 

@@ -176,7 +176,15 @@ def _exit_at_once(code: int) -> None:
     os._exit(code)
 
 
+def _own_dirs() -> tuple[str, ...]:
+    """This user's poddaemon directories, resolved: no tool or command may touch them."""
+    dirs = (paths.data_dir(), paths.runtime_dir(), paths.log_dir(), paths.config_dir())
+    return tuple(dict.fromkeys(os.path.realpath(d) for d in dirs))
+
+
 def run_pod(args: "argparse.Namespace") -> int:
+    import msgspec
+
     from poddaemon.config.load import ManifestError, load_manifest
     from poddaemon.llm import CredentialsError, check_manifest_credentials
     from poddaemon.prompt import PromptError, load_instruction
@@ -210,6 +218,7 @@ def run_pod(args: "argparse.Namespace") -> int:
     if not os.path.isdir(pwd):
         raise StartupError(f"{manifest.source}: pod.pwd: {pwd} is not a directory")
     scope = Scope.from_config(manifest.scope.allow, manifest.scope.deny, cwd=manifest.pod.pwd)
+    scope = msgspec.structs.replace(scope, private=_own_dirs())
     if scope.access(pwd) < Access.READ:
         targets = ", ".join(f"{r.target} ({r.access.name.lower()})" for r in scope.allow)
         raise StartupError(
@@ -220,6 +229,14 @@ def run_pod(args: "argparse.Namespace") -> int:
     for i, rule in enumerate(scope.allow):  # a typo, most likely: say so, it may appear later
         if not os.path.exists(rule.target):
             _warn(f"{manifest.source}: scope.allow[{i}].target: {rule.target} does not exist")
+        if rule.access is Access.WRITE and "bash" in manifest.worker.tools:
+            for own in scope.private:
+                if rule.covers(own):  # the file tools refuse it; the kernel cannot fully
+                    _warn(
+                        f"{manifest.source}: scope.allow[{i}]: writable, it covers poddaemon's "
+                        f"own directory {own}: bash can still create, remove or rename "
+                        "entries there (Landlock cannot carve a writable tree)"
+                    )
 
     box = _sandbox(manifest, scope, pwd, _hook_scripts(manifest))
     try:
@@ -414,8 +431,9 @@ def _sandbox(manifest: "Manifest", scope: "Scope", pwd: str, scripts: list[str])
             network=manifest.sandbox.network,
             scope=scope,
             pwd=pwd,
-            # Commands never touch this user's session logs, registry and sockets' directories.
-            protect=[str(paths.data_dir()), str(paths.runtime_dir()), str(paths.log_dir())],
+            # Commands never touch this user's session logs, registry, sockets' directories
+            # and keys (the config directory's env file).
+            protect=list(_own_dirs()),
             commands="bash" in tools or manifest.hooks.any(),
             scripts=scripts,
         )

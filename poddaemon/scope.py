@@ -45,8 +45,8 @@ class Access(IntEnum):
 class ScopeDenied(Exception):
     """A path outside the scope; the message is what the model sees as a tool error."""
 
-    def __init__(self, path: str, want: Access, has: Access) -> None:
-        super().__init__(f"outside scope: {path} (needs {want.label}, has {has.label})")
+    def __init__(self, path: str, want: Access, has: Access, why: str = "") -> None:
+        super().__init__(f"outside scope: {path} ({why or f'needs {want.label}, has {has.label}'})")
         self.path = path
         self.want = want
         self.has = has
@@ -154,9 +154,16 @@ def resolve(path: str, cwd: str) -> str:
     return os.path.realpath(os.path.join(cwd, os.fspath(path)))
 
 
+PRIVATE = "poddaemon's own files (session logs, registry, sockets, keys): no tool may touch them"
+
+
 class Scope(msgspec.Struct, frozen=True):
     allow: tuple[Rule, ...]
     deny: tuple[Rule, ...] = ()
+    # This user's poddaemon directories (data, runtime, logs, config), resolved: no access
+    # whatever the rules say (a scope of ~ covers them; write_file on pods.json would stop
+    # every pod). Not a rule users write or see: not in `summary`, not in the registry.
+    private: tuple[str, ...] = ()
 
     @classmethod
     def from_config(
@@ -176,6 +183,8 @@ class Scope(msgspec.Struct, frozen=True):
 
     def access(self, path: str) -> Access:
         """Highest covering allow, capped by every covering deny. `path` must be resolved."""
+        if self.private and self._private(path):
+            return Access.NONE
         best = Access.NONE
         for rule in self.allow:
             if rule.access > best and rule.covers(path):
@@ -190,8 +199,12 @@ class Scope(msgspec.Struct, frozen=True):
         resolved = resolve(path, cwd)
         has = self.access(resolved)
         if has < want:
-            raise ScopeDenied(resolved, want, has)
+            why = PRIVATE if self.private and self._private(resolved) else ""
+            raise ScopeDenied(resolved, want, has, why)
         return resolved
+
+    def _private(self, path: str) -> bool:
+        return any(_below(top, path) is not None for top in self.private)
 
     def with_delegated(self, targets: Iterable[str]) -> "Scope":
         """This scope minus write access below `targets` (areas handed to live children)."""
@@ -204,7 +217,7 @@ class Scope(msgspec.Struct, frozen=True):
                 extra.append(rule)
         if not extra:
             return self
-        return Scope(allow=self.allow, deny=self.deny + tuple(extra))
+        return msgspec.structs.replace(self, deny=self.deny + tuple(extra))
 
     def writable_rules(self) -> tuple[Rule, ...]:
         """Write allow rules that this scope's own denies do not take away entirely."""

@@ -94,7 +94,7 @@ class UnsafeDirectory(PermissionError):
         return str(self.strerror)
 
 
-_WHY = "another user could swap its sockets or logs"
+_WHY = "another user could swap what it holds"
 
 
 def _ancestors(path: Path) -> list[Path]:

@@ -159,6 +159,32 @@ def test_reads_outside_scope_are_tool_errors(env: Env, kind: str) -> None:
     assert events[-1].data["outcome"] == "finished"
 
 
+def test_a_scope_over_poddaemons_own_directories_does_not_reach_them(env: Env) -> None:
+    """A scope of the whole home (as `~` would be) covers the registry, the session logs and
+    the keys' env file: the file tools refuse them (write_file on pods.json stopped every pod
+    of the user)."""
+    (env.home / "config").mkdir(exist_ok=True)
+    (env.home / "config" / "env").write_text("OPENAI_API_KEY=sk-SECRET-KEY\n")
+    calls = [
+        {"name": "write_file", "arguments": {"path": "../run/pods.json", "content": "{}"}},
+        {"name": "read_file", "arguments": {"path": f"{env.home}/config/env"}},
+        {"name": "list_dir", "arguments": {"path": "../data"}},
+        {"name": "write_file", "arguments": {"path": "mine.txt", "content": "fine"}},
+    ]
+    env.model.script({"tool_calls": calls}, {"text": "done"})
+    tools = ["write_file", "read_file", "list_dir"]
+    pod = env.start("homebody", write=[str(env.home)], pwd=str(env.work), tools=tools)
+    with pod.client() as c:
+        assert c.run_wait("look around").outcome == "finished"
+        results = [e["item"] for e in c.history().entries if e["kind"] == "tool_result"]
+        assert c.status().state == "idle"
+    assert [r["is_error"] for r in results] == [True, True, True, False]
+    assert all("poddaemon's own files" in r["output"] for r in results[:3]), results
+    assert "sk-SECRET-KEY" not in str(env.model.requests[1]["body"])
+    assert "homebody" in json.loads((env.home / "run" / "pods.json").read_text())["pods"]
+    assert (env.work / "mine.txt").read_text() == "fine"
+
+
 @pytest.mark.parametrize("kind", PROVIDER_KINDS)
 def test_429_then_success_retries_with_an_event(env: Env, kind: str) -> None:
     env.model.script(

@@ -103,6 +103,23 @@ def test_escapes_through_bash_all_fail_and_work_inside_the_scope_does(
     assert f"sandbox: landlock-abi-{available()}" in " ".join(status.stdout.split()), status.stdout
 
 
+def test_commands_cannot_read_poddaemons_own_files_under_a_scope_over_them(env: Env) -> None:
+    """A scope of the whole home: the registry, session logs and the keys' env file stay out
+    of reach of bash (contents; entries are the documented limit); the control reads them."""
+    (env.home / "config").mkdir(exist_ok=True)
+    (env.home / "config" / "env").write_text("OPENAI_API_KEY=sk-SECRET-KEY\n")
+    targets = [env.home / "config" / "env", env.home / "run" / "pods.json"]
+    commands = [f"cat {t}" for t in targets]
+    outputs = bash_results(env, "homebody", commands, write=[str(env.home)], pwd=str(env.work))
+    for cmd, out in zip(commands, outputs, strict=True):
+        assert status_of(out) != 0 and "Permission denied" in out, (cmd, out)
+        assert subprocess.run(["sh", "-c", cmd], capture_output=True).returncode == 0
+    assert "sk-SECRET-KEY" not in "".join(outputs)
+    # What the kernel cannot refuse there is said at start-up.
+    (pod,) = env.pods
+    assert f"covers poddaemon's own directory {env.home / 'run'}" in pod.text()
+
+
 def test_network_false_cuts_commands_off_but_not_the_pods_model_calls(env: Env) -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))

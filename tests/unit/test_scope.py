@@ -116,6 +116,21 @@ def test_component_matching_not_string_prefix() -> None:
     assert root.access("/x/y") is Access.NONE
 
 
+def test_private_directories_are_out_of_reach_whatever_the_rules_say() -> None:
+    scope = Scope(allow=(Rule(target="/home/u", access=Access.WRITE),), private=("/home/u/.pd",))
+    assert scope.access("/home/u/.pd") is Access.NONE
+    assert scope.access("/home/u/.pd/run/pods.json") is Access.NONE
+    assert scope.access("/home/u/.pdx") is Access.WRITE  # by components
+    with pytest.raises(ScopeDenied, match="poddaemon's own files"):
+        scope.check("../.pd/run/pods.json", Access.READ, "/home/u/work")
+    with pytest.raises(ScopeDenied, match=r"needs write, has none"):
+        scope.check("/etc/passwd", Access.WRITE, "/")
+    delegated = scope.with_delegated(["/home/u/kid"])  # a child's area: still private
+    assert delegated.private == scope.private
+    assert delegated.access("/home/u/.pd/x") is Access.NONE
+    assert all(".pd" not in str(item) for item in scope.summary())  # not a rule users see
+
+
 @given(scopes(), scopes())
 def test_write_overlap_symmetric(a: Scope, b: Scope) -> None:
     assert write_overlap(a, b) == write_overlap(b, a)
