@@ -167,8 +167,31 @@ def assembled(
 ) -> ModelResponse:
     """The response a stream's pieces add up to; `stop` as `map_stop` gives it."""
     reason, detail = stop
-    message = AssistantMessage(text="".join(text), reasoning="".join(reasoning), tool_calls=calls)
+    message = AssistantMessage(
+        text="".join(text), reasoning="".join(reasoning), tool_calls=unique_ids(calls)
+    )
     return ModelResponse(message=message, stop=reason, usage=usage, detail=detail)
+
+
+def unique_ids(calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
+    """The calls, a repeated id renamed `<id>_2`, `_3`, …: each result answers one call by its
+    id, so two calls of one response sharing it (some local models do) would share a result,
+    and a restore could close only one of them. The renamed id is what the history and the
+    next request carry (letters, digits, `_`: valid for every provider that took the first)."""
+    seen = {c.id for c in calls}
+    if len(seen) == len(calls):
+        return calls
+    out: list[ToolCall] = []
+    used: set[str] = set()
+    for call in calls:
+        if call.id in used:
+            n = 2
+            while f"{call.id}_{n}" in seen or f"{call.id}_{n}" in used:
+                n += 1
+            call = msgspec.structs.replace(call, id=f"{call.id}_{n}")
+        used.add(call.id)
+        out.append(call)
+    return tuple(out)
 
 
 async def until_cut(events: AsyncIterator[Any], whole: Callable[[], bool]) -> AsyncIterator[Any]:

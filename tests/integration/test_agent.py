@@ -78,6 +78,34 @@ def test_a_cancel_mid_stream_keeps_the_text_streamed_so_far(env: Env, kind: str)
     assert body.index(streamed.strip()) < body.index("go on") < body.index(CANCEL_NOTE)
 
 
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_two_calls_sharing_an_id_each_get_their_own_result(env: Env, kind: str) -> None:
+    """A model that gives two calls of one response the same id: the second is renamed, so
+    each result answers one call, in the log and in the next request."""
+    (env.work / "a.txt").write_text("alpha")
+    (env.work / "b.txt").write_text("beta")
+    env.model.script(
+        {
+            "tool_calls": [
+                {"name": "read_file", "arguments": {"path": "a.txt"}, "id": "dup"},
+                {"name": "read_file", "arguments": {"path": "b.txt"}, "id": "dup"},
+            ]
+        },
+        {"text": "read both"},
+    )
+    pod = env.start("twins", kind=kind)
+    with pod.client() as c:
+        assert c.run_wait("read them").outcome == "finished"
+        entries = c.history().entries
+    results = {
+        e["item"]["call_id"]: e["item"]["output"] for e in entries if e["kind"] == "tool_result"
+    }
+    assert results.keys() == {"dup", "dup_2"}
+    assert "alpha" in results["dup"] and "beta" in results["dup_2"]
+    body = str(env.model.requests[1]["body"])
+    assert "'dup_2'" in body and "beta" in body
+
+
 @pytest.mark.parametrize("kind", ["openai", "openai_responses"])
 def test_malformed_tool_arguments_go_back_as_a_json_object(env: Env, kind: str) -> None:
     """A model that emits arguments that are not JSON gets its tool's error, and the next

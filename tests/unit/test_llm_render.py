@@ -18,10 +18,12 @@ from poddaemon.history import (
 )
 from poddaemon.llm import (
     CredentialsError,
+    assembled,
     check_credentials,
     make_client,
     map_stop,
     order_items,
+    unique_ids,
 )
 from poddaemon.llm import anthropic as anth
 from poddaemon.llm import openai_chat as chat
@@ -443,3 +445,16 @@ def test_chat_max_tokens_field_by_base_url() -> None:
     compatible.base_url = "http://127.0.0.1:8000/v1"
     assert OpenAIChatClient(official)._max_tokens_field == "max_completion_tokens"
     assert OpenAIChatClient(compatible)._max_tokens_field == "max_tokens"
+
+
+def test_a_call_id_repeated_in_one_response_is_made_unique() -> None:
+    def calls(*ids: str) -> tuple[ToolCall, ...]:
+        return tuple(ToolCall(id=i, name="read_file", arguments="{}") for i in ids)
+
+    unique = calls("a", "b")
+    assert unique_ids(unique) is unique  # the usual case: untouched
+    renamed = unique_ids(calls("x", "x", "x_2", "x"))
+    assert [c.id for c in renamed] == ["x", "x_3", "x_2", "x_4"]  # never an id already there
+    stop = map_stop("tool_calls", True)
+    response = assembled([], [], calls("dup", "dup"), stop, Usage())
+    assert [c.id for c in response.message.tool_calls] == ["dup", "dup_2"]
