@@ -170,6 +170,9 @@ class ToolOutcome(msgspec.Struct, kw_only=True):
     output: str
     is_error: bool = False
     summary: str = ""
+    # Lines said after the output, never cut with it ("showing 1000 of 30,000 entries"): a
+    # listing cut to the byte limit would otherwise hide why it stops.
+    note: str = ""
 
 
 class ToolError(Exception):
@@ -395,6 +398,8 @@ async def execute(
         outcome = _error(f"internal error in {name}: {type(e).__name__}: {e}")
     if not getattr(tool, "caps_own_output", False):
         outcome.output = cap_output(outcome.output, ctx.limits.max_bytes(name))
+    if outcome.note:
+        outcome.output = f"{outcome.output}\n{outcome.note}"
     outcome.output = printable_utf8(outcome.output)
     outcome.summary = printable_utf8(outcome.summary)
     return outcome

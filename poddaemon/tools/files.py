@@ -350,11 +350,14 @@ class ListDir:
         assert listed is not None  # (with no `most`, always a listing)
         names, total = listed
         summary = f"listed {plural(total, 'entry', 'entries')} in {shown}"
+        note = ""
         if total > len(names):
-            names.append(
-                f"[showing the first {len(names)} of {total} entries by name; use glob to narrow]"
+            note = (
+                f"[showing the first {len(names)} of {total} entries by name; "
+                "use glob to narrow]"
             )
-        return ToolOutcome(output="\n".join(names) or "(empty directory)", summary=summary)
+        output = "\n".join(names) or "(empty directory)"
+        return ToolOutcome(output=output, summary=summary, note=note)
 
 
 def _list(

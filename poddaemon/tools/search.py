@@ -68,13 +68,13 @@ class Glob:
             )
         found.sort(key=lambda item: (-item[0], item[1]))
         lines = [name for _, name in found[:MAX_GLOB_RESULTS]]
+        more = ""
         if len(found) > MAX_GLOB_RESULTS:
-            lines.append(
-                f"[showing {MAX_GLOB_RESULTS} of {len(found)} matches; narrow the pattern]"
-            )
+            more = f"[showing {MAX_GLOB_RESULTS} of {len(found)} matches; narrow the pattern]"
         return ToolOutcome(
-            output="\n".join(lines) + late,
+            output="\n".join(lines),
             summary=f"glob {pattern}: {plural(len(found), 'match', 'matches')}",
+            note=(more + late).strip("\n"),
         )
 
 
@@ -182,16 +182,19 @@ class Grep:
             _grep, ctx, base, search, args.get("glob"), stop=stop
         )
         what = f"{plural(len(matches), 'match', 'matches')} in {plural(files, 'file')}"
+        notes = []
         if capped:
             what = f"{MAX_GREP_MATCHES}+ matches"
-            matches.append(f"[match limit {MAX_GREP_MATCHES} reached; narrow the search]")
-        output = "\n".join(matches) or "no matches"
+            notes.append(f"[match limit {MAX_GREP_MATCHES} reached; narrow the search]")
         if long_lines:
             mib = GREP_LINE_BYTES >> 20
             lines = plural(long_lines, "line")
-            output += f"\n[{lines} over {mib} MiB: searched in their first {mib} MiB only]"
+            notes.append(f"[{lines} over {mib} MiB: searched in their first {mib} MiB only]")
+        note = "\n".join(notes) + _out_of_time_note(stop)
         return ToolOutcome(
-            output=output + _out_of_time_note(stop), summary=f"grep {pattern}: {what}"
+            output="\n".join(matches) or "no matches",
+            summary=f"grep {pattern}: {what}",
+            note=note.strip("\n"),
         )
 
 

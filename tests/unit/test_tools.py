@@ -314,6 +314,18 @@ async def test_list_dir_shows_the_first_names_and_counts_the_rest(
     assert out.summary == "listed 12 entries in ."
 
 
+async def test_a_listing_cut_to_the_byte_limit_still_says_how_many_there_are(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files_mod, "MAX_LIST_ENTRIES", 50)
+    for i in range(80):
+        (root / f"file-with-a-long-name-{i:03}").write_text("")
+    out = await call(make_ctx(root, default_max_bytes=200), "list_dir")
+    *_, cut, note = out.output.splitlines()
+    assert cut.startswith("[output truncated:")
+    assert note == "[showing the first 50 of 80 entries by name; use glob to narrow]"
+
+
 async def test_list_dir_reads_a_big_directory_off_the_event_loop(
     ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
