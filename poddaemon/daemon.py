@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "httpx2", "openai", "anthropic"):  # one INFO line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)
     sdnotify.use_journal_prefixes()
+    if args.stderr_log:
+        _said_before_ready.start()
     try:
         code = run_pod(args)
     except StartupError as exc:
@@ -572,6 +574,7 @@ def _serve(
         print(f"{readyline.READY}\t{manifest.pod.name}\t{sock_path}", file=sys.stderr, flush=True)
         if args.stderr_log:
             _move_stderr(sock_path.parent / "stderr.log")
+            _said_before_ready.replay()
         sdnotify.notify("READY=1")
         collector.resume()  # paused since the process started (poddaemon/__main__.py)
         log.info("ready on %s (session %s)", sock_path, pod.state.session_id or "not yet started")
@@ -787,7 +790,40 @@ def _provider_warning(pod: Any, message: str) -> None:
 
 def _warn(message: str) -> None:
     """A start-up warning on stderr, where `podctl spawn` shows it to the user."""
-    print(f"poddaemon: warning: {message}", file=sys.stderr, flush=True)
+    line = f"poddaemon: warning: {message}"
+    print(line, file=sys.stderr, flush=True)
+    _said_before_ready.keep(line)
+
+
+class _SaidBeforeReady(logging.Handler):
+    """Warnings said before READY, while stderr is still `podctl spawn`'s: said again at the
+    top of stderr.log, so `podctl logs` shows why an MCP server is missing a day later."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] | None = None  # None: not keeping (no --stderr-log, or moved)
+
+    def start(self) -> None:
+        self.lines = []
+        logging.getLogger().addHandler(self)
+
+    def keep(self, line: str) -> None:
+        if self.lines is not None:
+            self.lines.append(line)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        root = logging.getLogger().handlers[0]  # stderr's: the same line as it showed
+        self.keep((root.formatter or logging.Formatter()).format(record))
+
+    def replay(self) -> None:
+        logging.getLogger().removeHandler(self)
+        lines, self.lines = self.lines or [], None
+        if lines:
+            sys.stderr.write("".join(f"{line}\n" for line in lines))
+            sys.stderr.flush()
+
+
+_said_before_ready = _SaidBeforeReady()
 
 
 def _dump_tasks() -> None:

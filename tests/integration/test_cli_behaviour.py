@@ -172,6 +172,22 @@ def test_usage_errors_exit_2_before_looking_for_the_pod(env: Env, args: list[str
     assert "not running" not in proc.stderr
 
 
+def test_a_warning_said_at_start_up_is_in_the_pods_log_too(env: Env) -> None:
+    """`podctl spawn` shows start-up warnings; `podctl logs` shows them later as well (they
+    were written before stderr moved to stderr.log, and were nowhere once spawn had ended)."""
+    missing = env.work / "not-there-yet"
+    path = env.manifest("warned", read=[str(missing)])
+    spawn = env.podctl("spawn", str(path))
+    assert spawn.returncode == 0, spawn.stderr
+    assert f"{missing} does not exist" in spawn.stderr
+    try:
+        logs = env.podctl("logs", "warned")
+        assert f"{missing} does not exist" in logs.stdout, logs.stdout
+        assert logs.stdout.index("does not exist") < logs.stdout.index("ready on")
+    finally:
+        assert env.podctl("stop", "warned").returncode == 0
+
+
 def test_cancelled_run_exits_1_and_missing_pod_3(env: Env) -> None:
     env.start("talk")
     env.model.script({"gate": "hold", "text": "too late"})
