@@ -57,19 +57,25 @@ def matches(hook: HookConfig, tool: str | None) -> bool:
     return re.fullmatch(hook.matcher, tool) is not None
 
 
-def capped(text: str) -> str:
+def capped(text: str, unread: int = 0) -> str:
+    """`text` cut to TEXT_LIMIT; `unread`: what followed it that was never read (bytes past
+    OUTPUT_LIMIT), counted in what the note says was cut."""
     if len(text) <= TEXT_LIMIT:
         return text
-    return f"{text[:TEXT_LIMIT]}\n[hook output cut: {len(text) - TEXT_LIMIT} more characters]"
+    more = len(text) - TEXT_LIMIT + unread
+    return f"{text[:TEXT_LIMIT]}\n[hook output cut: {more} more characters]"
 
 
 NO_REASON = "no reason given"  # a block whose hook said nothing (the caller names the hook)
 
 
-def judge(event: str, code: int | None, stdout: str, stderr: str) -> tuple[Decision, str, str]:
-    """(decision, reason, context) from a finished hook, each text at most TEXT_LIMIT; pure."""
+def judge(
+    event: str, code: int | None, stdout: str, stderr: str, unread: int = 0
+) -> tuple[Decision, str, str]:
+    """(decision, reason, context) from a finished hook, each text at most TEXT_LIMIT; pure.
+    `unread`: bytes of its output past what was kept (see `capped`)."""
     decision, reason, context = _judge(event, code, stdout, stderr)
-    return decision, capped(reason), capped(context)
+    return decision, capped(reason, unread), capped(context, unread)
 
 
 def _judge(event: str, code: int | None, stdout: str, stderr: str) -> tuple[Decision, str, str]:
@@ -204,22 +210,24 @@ class Hooks(Interceptor):
     async def _one(self, event: str, hook: HookConfig, data: bytes) -> HookRun:
         start = time.monotonic()
         try:
-            code, stdout, stderr = await _run_command(
+            code, (stdout, out_unread), (stderr, err_unread) = await _run_command(
                 await self.runner(), hook.command, self.cwd, data, hook.timeout
             )
         except Exception as exc:  # the runner could not start it: a warning, go on
-            code, stdout, stderr = None, "", str(exc)
             decision: Decision = "warning"
-            return HookRun(event, hook.command, None, time.monotonic() - start, decision, stderr)
-        decision, reason, context = judge(event, code, stdout, stderr)
+            return HookRun(event, hook.command, None, time.monotonic() - start, decision, str(exc))
+        decision, reason, context = judge(event, code, stdout, stderr, out_unread + err_unread)
         return HookRun(
             event, hook.command, code, time.monotonic() - start, decision, reason, context
         )
 
 
+Captured = tuple[str, int]  # what was kept of a stream (OUTPUT_LIMIT), bytes left unread
+
+
 async def _run_command(
     runner: CommandRunner, command: str, cwd: str, stdin: bytes, timeout: float
-) -> tuple[int | None, str, str]:
+) -> tuple[int | None, Captured, Captured]:
     """Run `sh -c command` with `stdin`; (exit code or None on timeout, stdout, stderr). The
     command and everything it started are gone when this returns."""
     loop = asyncio.get_running_loop()
@@ -252,19 +260,21 @@ async def _run_command(
     return code, stdout, stderr
 
 
-async def _read_all(loop: asyncio.AbstractEventLoop, fd: int) -> str:
+async def _read_all(loop: asyncio.AbstractEventLoop, fd: int) -> Captured:
     stream = asyncio.StreamReader(limit=2**16)
     transport, _ = await loop.connect_read_pipe(
         lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(fd, "rb", buffering=0)
     )
     data = bytearray()
+    unread = 0
     try:
         while chunk := await stream.read(65536):
-            if len(data) < OUTPUT_LIMIT:
-                data += chunk[: OUTPUT_LIMIT - len(data)]
+            room = OUTPUT_LIMIT - len(data)
+            data += chunk[:room]
+            unread += max(0, len(chunk) - room)
     finally:
         transport.close()
-    return data.decode("utf-8", "replace")
+    return data.decode("utf-8", "replace"), unread
 
 
 def _decoded(arguments: str) -> Any:

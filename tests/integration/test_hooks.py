@@ -119,6 +119,18 @@ print("CONTEXT: the build is green")
     assert texts == ["how is the build?"]  # the refused prompt was never committed
 
 
+def test_a_hook_flooding_its_output_is_cut_and_the_note_counts_all_of_it(env: Env) -> None:
+    """3 MB of context: 10,000 characters reach the model, and the note counts the 2,990,000
+    cut (it counted only up to the 1 MiB the reader keeps)."""
+    flood = "head -c 3000000 /dev/zero | tr '\\0' x"
+    env.model.script({"text": "fine"})
+    pod = env.start("flooded", extra=hooks_toml("UserPromptSubmit", flood))
+    with pod.client() as c:
+        assert c.run_wait("hello").outcome == "finished"
+    body = str(env.model.requests[0]["body"])
+    assert "[hook output cut: 2990000 more characters]" in body
+
+
 def test_prompts_pipelined_on_one_connection_are_queued_in_the_order_sent(env: Env) -> None:
     """The first prompt's UserPromptSubmit hook is slow, the second's instant: the second
     must not be committed, and its run queued, before the first."""

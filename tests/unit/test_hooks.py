@@ -46,3 +46,6 @@ def test_context_and_reasons_are_cut_to_the_limit_and_say_so() -> None:
     _, reason, _ = judge("PreToolUse", 2, "", big)
     assert len(reason) < TEXT_LIMIT + 100 and "hook output cut" in reason
     assert judge("UserPromptSubmit", 0, "y" * TEXT_LIMIT, "")[2] == "y" * TEXT_LIMIT
+    # What the reader never kept (past its 1 MiB) counts too: 50 MB cut is not "1 MB cut".
+    _, _, context = judge("UserPromptSubmit", 0, big, "", unread=50_000_000)
+    assert context.endswith(f"[hook output cut: {2 * TEXT_LIMIT + 50_000_000} more characters]")
