@@ -120,6 +120,7 @@ class Hooks(Interceptor):
         self.runner = runner
         self.session = session
         self.record = record
+        self._kept_going: set[str] = set()  # runs a Stop hook kept going (stop_hook_active)
 
     # --- the interceptor -------------------------------------------------------------------------
 
@@ -149,16 +150,18 @@ class Hooks(Interceptor):
         fields = {"stop_hook_active": stop_hook_active, "run_id": run_id, "outcome": "finished"}
         for run in await self.run("Stop", fields):
             if run.decision == "block":
+                self._kept_going.add(run_id)
                 return run.reason
         return None
 
     async def on_run_end(self, run_id: str, outcome: str) -> None:
         """After the fact, for runs that did not finish (cancelled, error, limit_reached): they
         end whatever the hooks say. A finished run had its say in `stop`."""
+        kept_going = run_id in self._kept_going  # (a run a Stop hook kept going may run out)
+        self._kept_going.discard(run_id)
         if outcome != "finished":
-            await self.run(
-                "Stop", {"stop_hook_active": False, "run_id": run_id, "outcome": outcome}
-            )
+            fields = {"stop_hook_active": kept_going, "run_id": run_id, "outcome": outcome}
+            await self.run("Stop", fields)
 
     async def before_compact(self, reason: str) -> None:
         await self.run("PreCompact", {"trigger": reason, "custom_instructions": ""})

@@ -390,6 +390,33 @@ def test_a_blocking_stop_hook_gives_the_model_its_reason_and_the_run_goes_on(
     assert seen.read_text().split() == ["false", "true"]
 
 
+ALWAYS_BLOCK = """
+import json, sys
+data = json.load(sys.stdin)
+with open({seen!r}, "a") as f:
+    f.write(f"{{data['outcome']}} {{json.dumps(data['stop_hook_active'])}}\\n")
+sys.exit(2)
+"""
+
+
+def test_a_run_a_stop_hook_kept_going_to_its_limit_says_so_after_the_fact(env: Env) -> None:
+    """Blocked at every answer, the run reaches max_turns: the Stop hooks it runs after the
+    fact are told stop_hook_active true, as on every call since the first block."""
+    seen = env.work / "stops.log"
+    body = ALWAYS_BLOCK.format(seen=str(seen))
+    env.model.script({"text": "one"}, {"text": "two"})
+    hook = script(env, "block.py", body)
+    pod = env.start("stubborn", "--set", "worker.max_turns=2", extra=hooks_toml("Stop", hook))
+    with pod.client() as c:
+        assert c.run_wait("finish it").outcome == "limit_reached"
+    assert pod.stop() == 0  # the after-the-fact hook has run by then
+    assert seen.read_text().splitlines() == [
+        "finished false",
+        "finished true",
+        "limit_reached true",
+    ]
+
+
 SLOW_STOP = """
 import sys, time
 from pathlib import Path
