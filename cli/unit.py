@@ -16,6 +16,8 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from poddaemon.readyline import EXIT_REFUSED
+
 EXIT_ERROR = 1
 UNIT_PREFIX = "poddaemon-"
 WATCHDOG_SEC = 30
@@ -97,6 +99,9 @@ def render_unit(
 [Unit]
 Description=poddaemon pod {pod}
 Documentation=https://pypi.org/project/poddaemon/
+# A pod that keeps failing right after it starts is given up on (failed) after 5 tries a minute.
+StartLimitIntervalSec=60
+StartLimitBurst=5
 
 [Service]
 Type=notify
@@ -106,6 +111,9 @@ ExecStart={exec_start}
 EnvironmentFile=-{quote_arg(str(config_dir / "env"))}
 {env_lines}Restart=on-failure
 RestartSec={RESTART_SEC}
+# A pod that refused to start (its manifest, its scope taken, a session it cannot restore):
+# starting it again changes nothing, so systemd does not.
+RestartPreventExitStatus={EXIT_REFUSED}
 # The pod pings from its event loop at half this: a wedged pod is killed and restarted.
 WatchdogSec={watchdog_sec}
 # SIGTERM to the pod (a graceful shutdown that stops its children); SIGKILL for what is left.
@@ -117,17 +125,24 @@ WantedBy=default.target
 """
 
 
+# Commands that wait for a start or stop job: systemd bounds those itself (TimeoutStartSec,
+# which a pod with slow SessionStart hooks or MCP servers extends; TimeoutStopSec), so podctl
+# adds no shorter limit of its own.
+JOBS = ("start", "stop", "restart", "--now")
+
+
 def systemctl(*args: str, check: bool = True) -> "subprocess.CompletedProcess[str]":
     """`systemctl --user ARGS`; UnitError with systemd's own message when it fails."""
     exe = shutil.which("systemctl")
     if exe is None:
         raise UnitError("systemctl not found: " + NO_MANAGER)
+    job = any(a in JOBS for a in args) and "disable" not in args
     try:
         out = subprocess.run(
             [exe, "--user", *args],
             capture_output=True,
             text=True,
-            timeout=SYSTEMCTL_TIMEOUT,
+            timeout=None if job else SYSTEMCTL_TIMEOUT,
             stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired:
@@ -243,8 +258,37 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
     systemctl("daemon-reload")
     if now:
         # Type=notify: this returns once the pod has sent READY=1 (or failed to).
-        systemctl("enable", "--now", unit_name(pod))
+        try:
+            systemctl("enable", "--now", unit_name(pod))
+        except UnitError as exc:
+            raise UnitError(_why_not_started(unit_name(pod)) or str(exc)) from None
     return pod, running
+
+
+def _why_not_started(unit: str) -> str | None:
+    """The pod's own error from the unit's journal ('poddaemon: …', what `podctl spawn` would
+    have shown), said with what is left behind; None when the journal does not say."""
+    exe = shutil.which("journalctl")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, f"--user-unit={unit}", "--lines=50", "--output=cat", "--no-pager", "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=SYSTEMCTL_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    said = [line for line in out.splitlines() if line.startswith("poddaemon: ")]
+    if not said:
+        return None
+    return (
+        f"{unit} did not start: {said[-1].removeprefix('poddaemon: ')}\n"
+        f"It stays installed and enabled: fix that, then `systemctl --user restart {unit}`, "
+        "or `podctl unit remove` it."
+    )
 
 
 def _unit_running(unit: str) -> bool:

@@ -49,7 +49,13 @@ CLAIM_CHECK_INTERVAL = 0.5  # seconds between looks at pods.json (a stat; a read
 
 
 class StartupError(Exception):
-    pass
+    """The pod does not start. `lasting`: starting it again as it is changes nothing (its
+    manifest, a name or scope taken, a session it cannot restore): it exits EXIT_REFUSED, which
+    a unit does not restart. Otherwise (the disk, a server that did not come up) exit 1."""
+
+    def __init__(self, message: str, *, lasting: bool = True) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
 # The options of `run`, and their defaults (argparse's Namespace for the same argv).
@@ -147,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         code = run_pod(args)
     except StartupError as exc:
         print(f"poddaemon: {exc}", file=sys.stderr, flush=True)
-        code = EXIT_FAILURE
+        code = readyline.EXIT_REFUSED if exc.lasting else EXIT_FAILURE
     except OSError as exc:  # e.g. a permission problem nobody foresaw: one line, no traceback
         print(f"poddaemon: {os_error_line(exc)}", file=sys.stderr, flush=True)
         code = EXIT_FAILURE
@@ -262,7 +268,7 @@ def _claim_and_serve(
     try:
         _, runtime = paths.ensure_private_dirs()
     except OSError as exc:
-        raise StartupError(os_error_line(exc)) from None
+        raise StartupError(os_error_line(exc), lasting=False) from None
     pod_dir = paths.pod_dir(name)
     sock_path = pod_dir / "sock"
     problem = paths.socket_path_problem(sock_path)
@@ -285,7 +291,7 @@ def _claim_and_serve(
             replace_leftover(pod_dir / "tmpdir", name, box.tmpdir)
             _keep_config(manifest, args.callback if args.adopt else None)
         except OSError as exc:
-            raise StartupError(os_error_line(exc)) from None
+            raise StartupError(os_error_line(exc), lasting=False) from None
         return _serve(args, manifest, scope, claim, instruction, session_id, box)
     finally:
         claim.release()  # once only: on the normal path _serve gave it up already
@@ -489,7 +495,7 @@ def _serve(
     try:
         sessions_dir = paths.ensure_dir(paths.sessions_dir(), "sessions directory")
     except OSError as exc:
-        raise StartupError(os_error_line(exc)) from None
+        raise StartupError(os_error_line(exc), lasting=False) from None
     bus = EventBus()
     services = Services(
         manifest=manifest,
@@ -552,8 +558,8 @@ def _serve(
                 pod.feed(pod.machine.add_context(context, "hook:SessionStart"))
         try:
             mcp = await mcp_start
-        except McpStartupError as exc:
-            raise StartupError(str(exc)) from None
+        except McpStartupError as exc:  # (a required server may come up next time)
+            raise StartupError(str(exc), lasting=False) from None
         for tool in mcp.tools.values():
             services.tools.add(tool)
         _check_tool_count(pod, manifest.provider.kind, len(services.tools.tools))
@@ -566,7 +572,9 @@ def _serve(
         try:
             await server.listen(sock_path)
         except OSError as exc:
-            raise StartupError(f"cannot listen on {sock_path}: {os_error_line(exc)}") from None
+            raise StartupError(
+                f"cannot listen on {sock_path}: {os_error_line(exc)}", lasting=False
+            ) from None
         claim.sock_ino = os.stat(sock_path).st_ino
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, ending.request)

@@ -5,6 +5,10 @@ gives it that much longer. The pod prints them; podctl and a spawning pod read t
 
 READY = "PODDAEMON-READY"
 STARTING = "PODDAEMON-STARTING"
+# The exit status of a pod that refused to start (its manifest, its name or scope taken, a
+# session it cannot restore): sysexits' EX_CONFIG. Starting it again changes nothing, so a
+# unit does not restart it (RestartPreventExitStatus=). Any other failure exits 1.
+EXIT_REFUSED = 78
 _READY = READY.encode() + b"\t"
 _STARTING = STARTING.encode() + b"\t"
 

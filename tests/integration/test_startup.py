@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from poddaemon.readyline import EXIT_REFUSED
 from poddaemon.registry import Registry
 from tests.conftest import Env, PodProcess, StartFailed, drained, wait_until
 
@@ -224,7 +225,7 @@ def test_missing_session_is_one_clear_line(env: Env) -> None:
     manifest = env.manifest("nosession")
     proc = env.popen(str(manifest), "--session", "0190aaaa-0000-7000-8000-000000000000")
     _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 1
+    assert proc.returncode == EXIT_REFUSED  # a unit does not start it again
     sessions = env.home / "data" / "sessions"
     assert err == (
         f"poddaemon: --session: no session 0190aaaa-0000-7000-8000-000000000000 under {sessions}\n"
@@ -237,7 +238,7 @@ def test_missing_pwd_is_reported_as_missing(env: Env) -> None:
     manifest = env.manifest("nopwd", write=[str(env.work)], pwd=str(missing))
     proc = env.popen(str(manifest))
     _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 1
+    assert proc.returncode == EXIT_REFUSED  # a unit does not start it again
     assert err == f"poddaemon: {manifest}: pod.pwd: {missing} does not exist\n"
 
 
@@ -250,7 +251,7 @@ def test_missing_instruction_file_names_the_manifest_and_the_field(env: Env) -> 
     manifest.write_text(text)
     proc = env.popen(str(manifest))
     _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 1
+    assert proc.returncode == EXIT_REFUSED  # a unit does not start it again
     assert err == (
         f"poddaemon: {manifest}: worker.instruction_file: cannot read "
         f"{env.work}/prompts/gone.md: No such file or directory\n"

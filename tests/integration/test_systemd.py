@@ -169,6 +169,21 @@ def test_install_now_refuses_a_pod_running_outside_its_unit(sd: Sd) -> None:
         assert sd.podctl("stop", "twice").returncode == 0
 
 
+def test_a_pod_that_refuses_to_start_is_not_restarted_and_install_says_why(sd: Sd) -> None:
+    """Its scope is held by another pod: starting it again changes nothing. The unit fails
+    once (it was restarted every 2 s for ever) and `install --now` shows the pod's own error
+    (it showed systemd's 'see systemctl status')."""
+    holder = sd.env.start("holder", write=[str(sd.env.work)])
+    path = sd.env.manifest("taker", write=[str(sd.env.work)])
+    out = sd.podctl("unit", "install", str(path), "--now")
+    assert out.returncode == 1
+    assert "poddaemon-taker.service did not start: cannot start pod 'taker'" in out.stderr
+    assert "holder" in out.stderr and "stays installed and enabled" in out.stderr
+    sd.wait_prop("taker", "ActiveState", "failed")
+    assert sd.prop("taker", "NRestarts") == "0"
+    assert holder.call("status")["state"] == "idle"
+
+
 def test_install_now_of_a_running_unit_says_it_was_not_restarted(sd: Sd) -> None:
     """`enable --now` starts nothing for a unit that runs: the pod keeps its old unit (here its
     watchdog) and manifest. install --now said "(enabled and started)" all the same."""

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from cli import service, unit
+from poddaemon.readyline import EXIT_REFUSED
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "systemd" / "poddaemon@.service"
@@ -37,6 +38,7 @@ def test_template_verifies(tmp_path: Path) -> None:
     assert script.exists(), "the poddaemon console script is installed next to python"
     text = TEMPLATE.read_text()
     assert "Type=notify" in text and "--resume" in text and "WatchdogSec=" in text
+    assert f"RestartPreventExitStatus={EXIT_REFUSED}\n" in text  # as podctl unit install's
     target = tmp_path / "poddaemon@demo.service"
     target.write_text(text.replace("%h/.local/bin/poddaemon", str(script)))
     verify(target, tmp_path)
@@ -57,6 +59,8 @@ def test_installed_unit_verifies(tmp_path: Path) -> None:
     for line in (
         "Type=notify",
         "Restart=on-failure",
+        f"RestartPreventExitStatus={EXIT_REFUSED}",  # a refused start is not tried again
+        "StartLimitBurst=5",  # nor is one that keeps failing, forever
         f"WatchdogSec={unit.WATCHDOG_SEC}",
         "KillMode=mixed",
         "TimeoutStopSec=",
