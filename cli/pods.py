@@ -108,6 +108,9 @@ def _socket_names() -> set[str]:
         return set()
 
 
+STARTING = "its socket does not listen yet"
+
+
 def _query(name: str, registered: bool) -> dict[str, Any] | str | None:
     """A pod's status, or why it is unresponsive (a string), or None when it is not a pod at all
     (a stale socket nobody listens on, and no live registry entry)."""
@@ -117,8 +120,8 @@ def _query(name: str, registered: bool) -> dict[str, Any] | str | None:
     try:
         status: dict[str, Any] = oneshot.call(name, "status", timeout=LS_TIMEOUT)
         return status
-    except PodNotRunning:
-        return "socket not accepting connections" if registered else None
+    except PodNotRunning:  # registered, no socket yet: starting (SessionStart hooks, MCP)
+        return STARTING if registered else None
     except TimeoutError:
         return f"no answer within {LS_TIMEOUT:g} s"
     except RpcError as exc:
@@ -151,7 +154,7 @@ def live_statuses() -> list[dict[str, Any]]:
                 {
                     "name": name,
                     "pid": entry.pid if entry is not None else None,
-                    "state": "unresponsive",
+                    "state": "starting" if answer is STARTING else "unresponsive",
                     "parent": entry.parent if entry is not None else None,
                     "scope": entry.scope if entry is not None else [],
                     "error": answer,
@@ -168,7 +171,8 @@ def ls(as_json: JsonOpt = False) -> None:
 
     Columns: name, pid, state, model, write scope, parent, queue (runs/notifications), tokens,
     sandbox (landlock-abi-N or none).
-    A pod that errs or does not answer within 2 s is listed with state `unresponsive`.
+    A pod that errs or does not answer within 2 s is listed with state `unresponsive`; one
+    whose socket does not listen yet (SessionStart hooks, MCP servers) with state `starting`.
     """
     from protocol import paths
 

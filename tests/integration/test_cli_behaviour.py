@@ -144,6 +144,20 @@ def test_ls_lists_unresponsive_pods_and_children_under_their_parent(env: Env) ->
             registry.release(name, os.getpid())
 
 
+def test_ls_lists_a_registered_pod_whose_socket_does_not_listen_yet_as_starting(env: Env) -> None:
+    """A pod holds its name from the registry claim on, and listens only once its SessionStart
+    hooks and MCP servers are done, which may take minutes: it was missing from ls."""
+    registry = Registry(env.home / "run")
+    sock = env.home / "run" / "pods" / "slow" / "sock"
+    registry.register(make_entry("slow", str(sock), Scope(allow=(), deny=())))
+    try:
+        listed = json.loads(env.podctl("ls", "--json").stdout)
+    finally:
+        registry.release("slow", os.getpid())
+    (row,) = listed
+    assert (row["name"], row["pid"], row["state"]) == ("slow", os.getpid(), "starting")
+
+
 # --- item 18: exit codes ------------------------------------------------------------------------
 
 
