@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from poddaemon.readyline import EXIT_REFUSED
 from tests.conftest import ROOT, Env
 
 OTHER_UID = 65534  # nobody
@@ -222,7 +223,7 @@ def other(env: Env) -> Iterator[Other]:
 
 
 def one_line_failure(proc: subprocess.CompletedProcess[str]) -> str:
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode in (1, EXIT_REFUSED), proc.stderr  # a failure, or a refusal
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith("poddaemon: ") and proc.stderr.count("\n") == 1, proc.stderr
     return proc.stderr
