@@ -1,5 +1,6 @@
-"""The durable-ack floor: `python -m bench.fsync_server SOCK FILE` appends every request line to
-FILE and answers it only after an fsync that covers it.
+"""The durable-ack floor: `python -m bench.fsync_server SOCK FILE [SIZE]` appends every request
+line to FILE and answers it only after an fsync that covers it. With SIZE, each line is written
+padded with spaces to SIZE bytes (still the same JSON): the bytes a log entry takes.
 
 asyncio + uvloop, a bare `Protocol`: each complete line is written (one `os.write`) as it
 arrives; one callback per loop iteration then fsyncs once, inline, and sends every waiting
@@ -16,12 +17,15 @@ import uvloop
 
 
 class Durable:
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, size: int = 0) -> None:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         self.waiting: list[tuple[asyncio.Transport, bytes]] = []
         self.scheduled = False
+        self.size = size
 
     def add(self, transport: asyncio.Transport, lines: bytes) -> None:
+        if self.size:
+            lines = b"".join(line.ljust(self.size - 1) + b"\n" for line in lines.splitlines())
         os.write(self.fd, lines)
         self.waiting.append((transport, lines))
         if not self.scheduled:
@@ -52,8 +56,8 @@ class Conn(asyncio.Protocol):
         self.buf = buf[end:]
 
 
-async def serve(path: str, file: str) -> None:
-    log = Durable(file)
+async def serve(path: str, file: str, size: int = 0) -> None:
+    log = Durable(file, size)
     loop = asyncio.get_running_loop()
     server = await loop.create_unix_server(lambda: Conn(log), path)
     print("READY", flush=True)
@@ -62,4 +66,4 @@ async def serve(path: str, file: str) -> None:
 
 
 if __name__ == "__main__":
-    uvloop.run(serve(sys.argv[1], sys.argv[2]))
+    uvloop.run(serve(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 0))

@@ -647,10 +647,10 @@ def _baseline_server(module: str, *args: str) -> Iterator[str]:
             os.unlink(path)
 
 
-def fsync_server(file: str) -> contextlib.AbstractContextManager[str]:
+def fsync_server(file: str, size: int = 0) -> contextlib.AbstractContextManager[str]:
     """The durable-ack floor: `bench.fsync_server` (append each line, one inline fsync per
-    loop iteration, then answer the batch)."""
-    return _baseline_server("bench.fsync_server", file)
+    loop iteration, then answer the batch); `size`: each line padded to that many bytes."""
+    return _baseline_server("bench.fsync_server", file, *([str(size)] if size else []))
 
 
 def echo_server() -> contextlib.AbstractContextManager[str]:

@@ -2,6 +2,7 @@
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from bench.harness import (
     Home,
@@ -47,6 +48,15 @@ def _rows(sec: Section, what: str, line: bytes, sock: str, echo: float, where: s
         sec.add(Row(f"{what} acks/s, {tag}", res.rps, "req/s", 1e6 / floor, "1 / (echo + fsync)"))
         results.append(res)
     return results[0]
+
+
+def _entry_size(home: "os.PathLike[str]") -> int:
+    """The length of the newest log line: a committed notification, here."""
+    sessions = sorted(
+        (p for p in (Path(home) / "data" / "sessions").glob("*.jsonl")),
+        key=lambda p: p.stat().st_mtime,
+    )
+    return len(sessions[-1].read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[-1]) + 1
 
 
 @dataclass
@@ -108,13 +118,22 @@ def run(sec: Section) -> None:
         # two are measured in alternated pairs and the row is the pair with the median ratio.
         # Each side's CPU over its loads says where the gap is: the kernel's share (socket,
         # fsync) is the same work on both sides; user time is what the pod adds.
-        pairs = []
-        with fsync_server(os.path.join(where, "floor.log")) as floor_sock:
+        # A third side, for the gap's anatomy: the same bare server writing each line padded
+        # to the size of the pod's log entry for it (ids, seq, ts, the hash chain: ~4x the
+        # request's bytes), so its fsyncs move as many bytes as the pod's.
+        entry = _entry_size(home.path)
+        pairs, same_bytes = [], []
+        with (
+            fsync_server(os.path.join(where, "floor.log")) as floor_sock,
+            fsync_server(os.path.join(where, "padded.log"), entry) as padded_sock,
+        ):
             floor_cpu, pod_cpu = ServerCpu(peer_pid(floor_sock)), ServerCpu(pod.pid)
             for _ in range(PAIRS):
                 floor = floor_cpu.load(floor_sock, line)
+                padded = load(padded_sock, line, clients=CLIENTS, duration=PAIR_S, warmup=5)
                 ours = pod_cpu.load(pod.socket, line)
                 pairs.append((ours.rps, floor.rps))
+                same_bytes.append((ours.rps, padded.rps))
         pod_user, pod_sys = pod_cpu.per_ack_us()
         floor_user, floor_sys = floor_cpu.per_ack_us()
         ours_rps, floor_rps = median_pair(pairs)
@@ -126,6 +145,16 @@ def run(sec: Section) -> None:
                 floor_rps,
                 f"bare server, inline fsync per batch (median of {PAIRS} pairs)",
                 target=ratio_ge(0.8),
+            )
+        )
+        ours_rps_b, padded_rps = median_pair(same_bytes)
+        sec.add(
+            Row(
+                f"notify acks/s, {CLIENTS} clients, vs the same writing {entry}-byte lines",
+                ours_rps_b,
+                "req/s",
+                padded_rps,
+                f"bare server, lines padded to the log entry's size (median of {PAIRS} pairs)",
             )
         )
         sec.add(
@@ -168,7 +197,8 @@ def run(sec: Section) -> None:
         f"(afterwards: {status['queue']['runs']} runs still queued); notify: a pod kept busy "
         f"by a run whose model call waits on a gate never opened, [notify] max_pending = "
         f"1000000 ({pending:,} pending at the end); the floor row's pairs ranged "
-        f"{spread}x; CPU per ack: pod user {pod_user:.1f} + sys {pod_sys:.1f} µs, bare "
+        f"{spread}x, the same-bytes row's {ratio_spread(same_bytes)}x; CPU per ack: pod user "
+        f"{pod_user:.1f} + sys {pod_sys:.1f} µs, bare "
         f"server user {floor_user:.1f} + sys {floor_sys:.1f} µs; clients: separate processes, own "
         f"connection each, NOT pipelined, {DURATION} s per measurement; fsync baseline "
         f"re-measured around each load; 1/(echo+fsync) is one client without group commit"
