@@ -239,6 +239,8 @@ class SessionLog:
         self._fsync_task: asyncio.Task[None] | None = None
         self._closed = False
         self._dir_unsynced = False  # created without fsync: the first one covers its name too
+        held = os.fstat(fd)
+        self._ident = (held.st_dev, held.st_ino)  # the file's, for `named` (a stat per commit)
 
     # --- construction -------------------------------------------------------------------------
 
@@ -568,10 +570,13 @@ class SessionLog:
     def named(self) -> bool:
         """The file at this log's path is still the one this writer holds (not removed or
         replaced): what it makes durable can be found by its session id."""
+        if self._closed:
+            return False
         try:
-            return not self._closed and _still_named(self.path, self._fd)
+            named = os.stat(self.path)
         except OSError:
             return False
+        return (named.st_dev, named.st_ino) == self._ident
 
     def head_is_mine(self) -> bool:
         """True if the file at this log's path is still the one this writer holds, with the
