@@ -234,7 +234,15 @@ def status_reply(pod: "Pod", scope_entries: ScopeEntries) -> Any:
 
 
 async def _with_children(pod: "Pod", result: StatusResult) -> StatusResult:
-    result.children = [msgspec.convert(c, ChildInfo) for c in await pod.children.infos()]
+    infos = await pod.children.infos()
+    result.children = [
+        ChildInfo(name=c["name"], pid=c["pid"], state=c["state"], socket=c["socket"])
+        for c in infos
+    ]
+    # What the live children spend now, not as of their last report to us (see _probe).
+    records = pod.machine.state.children
+    more = sum(max(0, c["spent"] - records[c["name"]].spent) for c in infos if c["name"] in records)
+    result.budget.tree_spent += more
     return result
 
 

@@ -300,16 +300,17 @@ class Children:
     async def list_children(self) -> list[dict[str, Any]]:
         out = []
         for name, record in self.pod.state.children.items():
+            state, spent = await self._probe(name)
             out.append(
                 {
                     "name": name,
-                    "state": await self._state(name) if name in self.live else "stopped",
+                    "state": state,
                     "scope": [
                         {k: r[k] for k in ("target", "permission") if k in r}
                         | ({"deny": True} if r.get("deny") else {})
                         for r in record.scope
                     ],
-                    "spent_tokens": record.spent,
+                    "spent_tokens": spent,
                 }
             )
         return out
@@ -326,11 +327,12 @@ class Children:
     # --- status and shutdown -------------------------------------------------------------------
 
     async def infos(self) -> list[dict[str, Any]]:
+        """The live children for `status`, with their trees' spending as they say now."""
         live = list(self.live.values())
-        states = await asyncio.gather(*(self._state(c.name) for c in live))  # at once: bounded
+        probes = await asyncio.gather(*(self._probe(c.name) for c in live))  # at once: bounded
         return [
-            {"name": c.name, "pid": c.pid, "state": state, "socket": c.socket}
-            for c, state in zip(live, states, strict=True)
+            {"name": c.name, "pid": c.pid, "state": state, "socket": c.socket, "spent": spent}
+            for c, (state, spent) in zip(live, probes, strict=True)
         ]
 
     async def on_stop(self) -> None:
@@ -509,16 +511,25 @@ class Children:
         return any(o.event_id not in accepted for o in reports_left(self.pod, name))
 
     async def _state(self, name: str) -> str:
+        return (await self._probe(name))[0]
+
+    async def _probe(self, name: str) -> tuple[str, int]:
+        """A child's state, and its tree's spending as it says now (reports tell only of the
+        runs this pod asked for: a run someone else sent it spends too); the last reported
+        spending when it cannot say."""
+        record = self.pod.state.children.get(name)
+        reported = record.spent if record is not None else 0
         child = self.live.get(name)
         if child is None:
-            return "stopped"
+            return "stopped", reported
         try:
             async with await AsyncPodClient.connect(child.socket) as client:
                 async with asyncio.timeout(STATUS_TIMEOUT):
                     raw = await client.call_raw("status")
-            return str(msgspec.json.decode(raw)["state"])
+            status = msgspec.json.decode(raw)
+            return str(status["state"]), max(reported, int(status["budget"]["tree_spent"]))
         except Exception:
-            return "unresponsive"
+            return "unresponsive", reported
 
     def _descendants(self, name: str) -> "list[PodEntry]":
         """The live pods below `name` in the registry, deepest first."""

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from poddaemon.registry import Registry
+from protocol import PodClient
 from tests.conftest import Env, PodProcess, collect_run, drained, ppid, wait_until
 
 POD_TOOLS = [
@@ -652,6 +653,32 @@ def test_stop_pod_stops_the_childs_subtree_under_detach(tree: Env) -> None:
 
 
 # --- budget ----------------------------------------------------------------------------------
+
+
+def test_tree_spent_counts_a_live_childs_runs_the_parent_did_not_ask_for(tree: Env) -> None:
+    """Reports tell the parent of the runs it sent; a run someone else sends its child spends
+    too, and status (and list_pods) said the tree spent less than it had."""
+    env = tree
+    call = {"input": 200, "output": 100}
+    (env.work / "kid").mkdir()
+    env.model.script_model(
+        "m-kid", {"text": "task done", "usage": call}, {"text": "extra", "usage": call}
+    )
+    env.model.script(
+        {"tool_calls": [spawn_call("kid", "a task", [str(env.work / "kid")])], "usage": call},
+        {"text": "spawned", "usage": call},
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: len(reports(parent)) == 1, 30, "the kid's report")
+    kid = Registry(env.home / "run").get("kid")
+    assert kid is not None
+    with PodClient.connect(kid.socket, timeout=30) as c:
+        assert c.run_wait("a run the parent never sent").outcome == "finished"
+        kid_spent = c.status().budget.tree_spent
+    st = parent.call("status")
+    assert kid_spent == 600
+    assert st["budget"]["tree_spent"] == st["budget"]["spent"] + kid_spent
 
 
 def test_tree_budget_stays_under_the_cap(tree: Env) -> None:
