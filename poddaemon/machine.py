@@ -436,7 +436,8 @@ class Machine:
                         detail=reason,
                     )
                 )
-            self._commit(ChildEnded(name=name, spent=spent, reason=reason))
+            why = f"it stopped ({child.last_kind} reported)" if final else reason
+            self._commit(ChildEnded(name=name, spent=spent, reason=why))
             self._emit(Sync())
 
         return self._handle(go)

@@ -396,7 +396,7 @@ class Children:
             want = Access.WRITE if perm == "write" else Access.READ
             has = pod.scope.access(target)
             if has < want:
-                why = "delegated to another child" if want is Access.WRITE and has else "outside"
+                why = "delegated to another child" if self._delegated(target) else "outside"
                 raise ToolError(
                     f"scope[{i}]: {perm} {target} is not inside this pod's scope ({why}: it "
                     f"has {has.label})"
@@ -546,6 +546,15 @@ class Children:
 
         below(name)
         return out
+
+    def _delegated(self, path: str) -> bool:
+        """`path` lies in a write area a live child holds (not merely outside our scope)."""
+        return any(
+            r.get("permission") == "write" and not r.get("deny") and _within(path, r["target"])
+            for record in self.pod.state.children.values()
+            if record.live
+            for r in record.scope
+        )
 
     async def _stop_child(self, child: _Live, watch: bool = False) -> None:
         """`shutdown`, then wait for the process; SIGTERM, then SIGKILL its group if it lingers.
@@ -780,3 +789,8 @@ async def _fork(cmd: list[str]) -> _Started | None:
         lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", buffering=0)
     )
     return _Started(forked.pid, reader, forked=forked, transport=transport)
+
+
+def _within(path: str, top: str) -> bool:
+    """`path` is `top` or below it, by components."""
+    return path == top or path.startswith(top.rstrip("/") + "/")

@@ -752,11 +752,13 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
                     instruction="{{ undefined_function() }}",
                 ),
                 spawn_call("x5", " \n", [str(env.work / "sib")]),
+                spawn_call("x6", "writes where we only read", [str(env.home / "ro")]),
             ]
         },
         {"text": "done"},
     )
-    parent = start_parent(env)
+    (env.home / "ro").mkdir()
+    parent = start_parent(env, write=[str(env.work)], read=[str(env.home / "ro")])
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     results = [r for r in tool_results(parent) if r["name"] == "spawn_pod"]
     assert not results[0]["is_error"], results[0]
@@ -769,6 +771,7 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     assert "child pod failed to start" in errs[4] and "undefined" in errs[4], errs[4]
     assert ".spawn-" not in errs[4]  # no name of the child's manifest: gone when it is read
     assert "the task is empty" in errs[5], errs[5]
+    assert "(outside: it has read)" in errs[6], errs[6]  # nothing was delegated there
     live = {e.name for e in Registry(env.home / "run").live()}
     assert live == {"parent", "ok"}
     assert len(_stray(env)) == 2

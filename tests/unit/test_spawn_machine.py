@@ -98,8 +98,10 @@ def test_grants_are_reserved_while_children_live_then_reconciled() -> None:
     assert d.answer(t).result.accepted
     assert d.machine.tree_spent() == 350  # known spending; the grant is still reserved
     d.call("child_report", "k", "shutdown", "e2", None, None, None, 260)
-    d.feed(d.machine.child_ended("k", "gone"))
+    d.feed(d.machine.child_ended("k", "child pod 'k' died without a final report"))
     assert d.machine.budget_charged() == 360  # its final report: only what it spent
+    ended = [e for e in d.entries if e["kind"] == "child_ended"]
+    assert ended[-1]["reason"] == "it stopped (shutdown reported)"  # the executor's guess aside
     # A child that dies without a final report keeps its whole grant charged.
     d.feed(d.machine.child_started("j", "/s2", 600, []))
     d.feed(d.machine.child_ended("j", "child pod 'j' died"))
