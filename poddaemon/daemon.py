@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -496,7 +497,7 @@ def _serve(
         sessions_dir = paths.ensure_dir(paths.sessions_dir(), "sessions directory")
     except OSError as exc:
         raise StartupError(os_error_line(exc), lasting=False) from None
-    bus = EventBus()
+    bus = EventBus(first_seq=time.time_ns() // 1000)  # see EventBus: cursors of earlier lives
     services = Services(
         manifest=manifest,
         scope=scope,

@@ -35,8 +35,12 @@ class Subscription:
 
 
 class EventBus:
-    def __init__(self, capacity: int = 10_000) -> None:
-        self.seq = 0
+    def __init__(self, capacity: int = 10_000, first_seq: int = 0) -> None:
+        # Events are numbered from first_seq + 1. A pod numbers from the µs it started: a
+        # cursor a client kept from an earlier life of the pod is then below everything this
+        # one holds, so it is told `gap` (numbered from 1 each time, an old cursor read as a
+        # position in the new numbering and skipped what the client never saw).
+        self.first_seq = self.seq = first_seq
         self._held: deque[tuple[int, bytes]] = deque(maxlen=capacity)
         self._subs: set[Subscription] = set()
 
@@ -65,9 +69,9 @@ class EventBus:
 
     def subscribe(self, sub: Subscription) -> None:
         if sub.cursor > self.seq:
-            # A cursor past the head is from before the pod restarted (each process numbers
-            # from 1): what it missed is not held, and the numbers it will see are lower than
-            # its own. Say so, as for any loss (SPEC §5), then go on from the head.
+            # A cursor past the head is from before the pod restarted (with a clock that went
+            # back since): what it missed is not held, and the numbers it will see are lower
+            # than its own. Say so, as for any loss (SPEC §5), then go on from the head.
             _tell_gap(sub, self.seq)
         self._subs.add(sub)
         self.catch_up(sub)
@@ -80,12 +84,14 @@ class EventBus:
         or forget: each step looks at the buffer afresh.)"""
         while sub.cursor < self.seq:
             oldest = self._held[0][0] if self._held else self.seq + 1
-            if sub.cursor < oldest - 1:
+            # 0: whatever this pod has published (none of it was numbered before first_seq).
+            after = self.first_seq if sub.cursor == 0 else sub.cursor
+            if after < oldest - 1:
                 _tell_gap(sub, oldest - 1)
                 continue
             if sub.congested():
                 return
-            seq, frame = self._held[sub.cursor - oldest + 1]
+            seq, frame = self._held[after - oldest + 1]
             sub.write(frame)
             sub.cursor = seq
 

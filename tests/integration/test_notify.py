@@ -535,6 +535,27 @@ def test_replay_buffer_overflow_is_a_gap_event(env: Env) -> None:
     assert_contiguous([e.seq for e in tail], head - 49, head)
 
 
+def test_a_cursor_kept_across_a_restart_gets_a_gap_not_the_wrong_events(env: Env) -> None:
+    """A client keeps its cursor, the pod restarts and publishes again: resuming with the old
+    cursor must say `gap` (each life numbered from 1, so the new events at or below the old
+    cursor were skipped silently, and the rest replayed as if nothing had been missed)."""
+    pod = env.start("lives")
+    with pod.client() as c:
+        assert c.run_wait("first life").outcome == "finished"
+        cursor = c.subscribe().cursor
+        assert c.run_wait("missed: before the restart").outcome == "finished"
+    assert pod.stop() == 0
+    again = env.restart(pod, "--resume")
+    with again.client() as c:
+        for text in ("after 1", "after 2"):
+            assert c.run_wait(text).outcome == "finished"
+        head = c.subscribe(since=cursor).cursor
+        events = events_until(c, lambda e: e.seq >= head)
+    assert events[0].type == "gap" and events[0].data == {"since": cursor}
+    finished = [e.data["text"] for e in events if e.type == "run.finished"]
+    assert len(finished) == 2  # both runs of this life, none skipped
+
+
 def test_a_subscriber_that_never_reads_does_not_slow_the_pod(env: Env) -> None:
     # A 2 MB notification is one 2 MB event frame: more than the never-reading connection's
     # socket buffer plus the pod's per-connection high-water mark (1 MiB), so that connection is

@@ -304,3 +304,18 @@ def test_an_event_published_during_a_catch_up_is_caught_up_too() -> None:
     bus.catch_up(sub)  # it drained
     publish_n(bus, 1)
     assert conn.seqs == [1, 2, 3, 4] and not conn.gaps
+
+
+def test_a_cursor_from_an_earlier_life_of_the_pod_gets_a_gap() -> None:
+    """Each pod process numbers from the µs it started: a cursor kept from before a restart is
+    below all this one holds (it was read as a position in the new numbering)."""
+    bus = EventBus(first_seq=5_000)
+    publish_n(bus, 3)
+    old = Conn()
+    bus.subscribe(old.sub(12))  # from the last life
+    [gap] = old.gaps
+    assert old.events[0] == gap and gap.data == {"since": 12}
+    assert old.seqs == [5_001, 5_002, 5_003]
+    fresh = Conn()
+    bus.subscribe(fresh.sub(0))  # 0: everything this pod has: no gap
+    assert fresh.gaps == [] and fresh.seqs == [5_001, 5_002, 5_003]
