@@ -84,14 +84,12 @@ class EventBus:
         or forget: each step looks at the buffer afresh.)"""
         while sub.cursor < self.seq:
             oldest = self._held[0][0] if self._held else self.seq + 1
-            # 0: whatever this pod has published (none of it was numbered before first_seq).
-            after = self.first_seq if sub.cursor == 0 else sub.cursor
-            if after < oldest - 1:
+            if sub.cursor < oldest - 1:
                 _tell_gap(sub, oldest - 1)
                 continue
             if sub.congested():
                 return
-            seq, frame = self._held[after - oldest + 1]
+            seq, frame = self._held[sub.cursor - oldest + 1]
             sub.write(frame)
             sub.cursor = seq
 

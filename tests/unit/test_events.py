@@ -317,5 +317,10 @@ def test_a_cursor_from_an_earlier_life_of_the_pod_gets_a_gap() -> None:
     assert old.events[0] == gap and gap.data == {"since": 12}
     assert old.seqs == [5_001, 5_002, 5_003]
     fresh = Conn()
-    bus.subscribe(fresh.sub(0))  # 0: everything this pod has: no gap
+    bus.subscribe(fresh.sub(bus.first_seq))  # what `since: 0` asks for: no gap
     assert fresh.gaps == [] and fresh.seqs == [5_001, 5_002, 5_003]
+    quiet = EventBus(first_seq=7)
+    early = Conn()  # subscribed before anything was published: gets it live, no gap
+    quiet.subscribe(early.sub(quiet.first_seq))
+    publish_n(quiet, 2)
+    assert early.gaps == [] and early.seqs == [8, 9]
