@@ -208,8 +208,11 @@ def notify(
     text = read_message(message)
     params = {"message": text} if source is None else {"message": text, "source": source}
     result = call(pod, "notify", params)
-    woke = " (woke the pod)" if result["wakes"] else ""
-    sys.stdout.write(f"{result['notification_id']}{woke}\n")
+    # stdout is the id alone, whatever the pod's state (`nid=$(podctl notify …)`).
+    sys.stdout.write(f"{result['notification_id']}\n")
+    if result["wakes"]:
+        sys.stdout.flush()
+        sys.stderr.write("(woke the pod)\n")
 
 
 @app.command()

@@ -202,6 +202,20 @@ def test_a_warning_said_at_start_up_is_in_the_pods_log_too(env: Env) -> None:
         assert env.podctl("stop", "warned").returncode == 0
 
 
+def test_notify_prints_the_id_alone_whatever_the_pod_was_doing(env: Env) -> None:
+    """`nid=$(podctl notify pod msg)` in a script: the id, and nothing else, on stdout (an idle
+    pod's '(woke the pod)' went there too)."""
+    env.start("told")
+    uuid = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-7[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}\n")
+    env.model.script({"text": "noted", "gate": "busy"})
+    idle = env.podctl("notify", "told", "first")  # wakes it: its turn waits on the gate
+    env.model.wait_for_requests(1)
+    busy = env.podctl("notify", "told", "second")
+    env.model.open_gate("busy")
+    assert uuid.fullmatch(idle.stdout) and idle.stderr == "(woke the pod)\n", idle
+    assert uuid.fullmatch(busy.stdout) and busy.stderr == "", busy
+
+
 def test_cancelled_run_exits_1_and_missing_pod_3(env: Env) -> None:
     env.start("talk")
     env.model.script({"gate": "hold", "text": "too late"})

@@ -69,7 +69,7 @@ def test_readme_quick_start_runs_as_written() -> None:
             proc.wait()
         assert proc.returncode == 0, out + err
         assert "ticked off the README review" in out
-        assert "(woke the pod)" in out
+        assert "(woke the pod)" in err  # stdout: the notification id alone
         assert "stopped demo\n" in out
         todo = (work / "examples" / "demo" / "workspace" / "TODO.md").read_text()
         assert "- [x] review the README" in todo
