@@ -136,7 +136,7 @@ def systemctl(*args: str, check: bool = True) -> "subprocess.CompletedProcess[st
     exe = shutil.which("systemctl")
     if exe is None:
         raise UnitError("systemctl not found: " + NO_MANAGER)
-    job = any(a in JOBS for a in args) and "disable" not in args
+    job = any(a in JOBS for a in args)
     try:
         out = subprocess.run(
             [exe, "--user", *args],

@@ -814,15 +814,18 @@ class _SaidBeforeReady(logging.Handler):
 
     def start(self) -> None:
         self.lines = []
-        logging.getLogger().addHandler(self)
+        root = logging.getLogger()
+        shown = next((h for h in root.handlers if isinstance(h, logging.StreamHandler)), None)
+        if shown is not None:  # the same lines as stderr shows
+            self.setFormatter(shown.formatter)
+        root.addHandler(self)
 
     def keep(self, line: str) -> None:
         if self.lines is not None:
             self.lines.append(line)
 
     def emit(self, record: logging.LogRecord) -> None:
-        root = logging.getLogger().handlers[0]  # stderr's: the same line as it showed
-        self.keep((root.formatter or logging.Formatter()).format(record))
+        self.keep(self.format(record))
 
     def replay(self) -> None:
         logging.getLogger().removeHandler(self)

@@ -35,6 +35,7 @@ from poddaemon.entries import (
     SessionStart,
     SystemItem,
     UserInput,
+    from_log,
 )
 from poddaemon.history import AssistantMessage, Item, ToolCall, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError
@@ -1293,14 +1294,8 @@ class Machine:
 def _last_context_size(entries: list[dict[str, Any]], provider_kind: str) -> int | None:
     """The request size the session's last model call reported (None: none reported one)."""
     for e in reversed(entries):
-        if e.get("kind") == "llm_usage":
-            usage = Usage(
-                input=e["input"],
-                output=e["output"],
-                cache_read=e.get("cache_read", 0),
-                cache_write=e.get("cache_write", 0),
-            )
-            return compaction.context_tokens(usage, provider_kind) or None
+        if e.get("kind") == "llm_usage" and isinstance(last := from_log(e), LlmUsage):
+            return compaction.context_tokens(last.usage(), provider_kind) or None
     return None
 
 

@@ -550,7 +550,11 @@ class Children:
     def _delegated(self, path: str) -> bool:
         """`path` lies in a write area a live child holds (not merely outside our scope)."""
         return any(
-            r.get("permission") == "write" and not r.get("deny") and _within(path, r["target"])
+            r.get("permission") == "write"
+            and not r.get("deny")
+            and Rule(
+                target=r["target"], access=Access.WRITE, recursive=r.get("recursive", True)
+            ).covers(path)
             for record in self.pod.state.children.values()
             if record.live
             for r in record.scope
@@ -789,8 +793,3 @@ async def _fork(cmd: list[str]) -> _Started | None:
         lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", buffering=0)
     )
     return _Started(forked.pid, reader, forked=forked, transport=transport)
-
-
-def _within(path: str, top: str) -> bool:
-    """`path` is `top` or below it, by components."""
-    return path == top or path.startswith(top.rstrip("/") + "/")
