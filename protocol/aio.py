@@ -59,9 +59,13 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
         return cls(reader, writer, str(target), max_frame_bytes)
 
     async def close(self) -> None:
+        """Close the connection: calls still waiting, and any made later, raise
+        ConnectionClosed; so does an `events()` iteration."""
         self._read_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._read_task
+        if self._closed is None:
+            self._fail(ConnectionClosed(f"the connection to pod {self.target!r} was closed"))
         self._writer.close()
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
@@ -89,9 +93,14 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
             self._closed.__cause__ = exc
         except Exception as exc:  # surfaced to every waiting caller below
             self._closed = exc
+        self._fail(self._closed)
+
+    def _fail(self, error: BaseException) -> None:
+        """The connection is over: every caller waiting, and every later one, gets `error`."""
+        self._closed = error
         for fut in self._waiters.values():
             if not fut.done():
-                fut.set_exception(self._closed)
+                fut.set_exception(error)
         self._event_ready.set()
 
     def _lost(self) -> ConnectionClosed:

@@ -55,6 +55,7 @@ class ClientCore:
         self._next_id = 0
         self._framer = LineFramer(max_frame_bytes=MAX_REPLY_BYTES)
         self._inflight: dict[int, None] = {}  # sent and not yet answered, oldest first
+        self._forgotten: set[int] = set()  # given up on: their replies are dropped as they come
         self.replies: dict[int | str | None, Response] = {}
         self.events: deque[Event] = deque()
         self._subscribes: set[int] = set()  # ids of subscribe requests not yet answered
@@ -95,6 +96,8 @@ class ClientCore:
                 # The pod could not read the id of a request (e.g. one it found too large): the
                 # answer belongs to the oldest request still waiting, or its caller hangs.
                 self.replies[self._unanswered()] = reply
+            elif isinstance(reply.id, int) and reply.id in self._forgotten:
+                self._forgotten.discard(reply.id)  # its caller gave up: nobody takes it
             else:
                 self.replies[reply.id] = reply
 
@@ -107,7 +110,8 @@ class ClientCore:
     def forget(self, request_id: int) -> None:
         """The caller gave up on `request_id` (timeout, cancel): a late reply is dropped."""
         self._inflight.pop(request_id, None)
-        self.replies.pop(request_id, None)
+        if self.replies.pop(request_id, None) is None:
+            self._forgotten.add(request_id)  # (an id is never reused: it is dropped when it comes)
         if request_id in self._subscribes:  # it may have reached the pod: events may come
             self._subscribes.discard(request_id)
             self.subscribed = True

@@ -426,3 +426,45 @@ def test_async_client_takes_a_null_id_error_as_its_answer() -> None:
     asyncio.run(go())
     thread.join()
     theirs.close()
+
+
+def test_a_late_reply_to_a_forgotten_request_is_dropped() -> None:
+    """A call that timed out or was cancelled: its reply, when it comes, is not kept for the
+    life of the client (a history page can be 64 MiB)."""
+    core = ClientCore()
+    gave_up, _ = core.request("history", None)
+    core.forget(gave_up)
+    core.feed(reply(gave_up, {"entries": []}))
+    assert core.replies == {}
+    answered, _ = core.request("status", None)
+    core.feed(reply(answered, {"n": 1}))
+    core.forget(answered)  # given up on after it came: dropped too
+    assert core.replies == {}
+
+
+def test_closing_an_async_client_fails_its_waiting_calls_and_later_ones() -> None:
+    """close() left the calls other tasks were waiting on (and events()) hanging for ever."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX)  # a pod that never answers
+
+    async def go() -> None:
+        reader, writer = await asyncio.open_unix_connection(sock=mine)
+        client = AsyncPodClient(reader, writer, "pair")
+        waiting = asyncio.create_task(client.status())
+        await asyncio.sleep(0)  # sent, waiting for its answer
+        await client.close()
+        with pytest.raises(errors.ConnectionClosed):
+            await asyncio.wait_for(waiting, 10)
+        with pytest.raises(errors.ConnectionClosed):
+            await asyncio.wait_for(client.status(), 10)
+
+    asyncio.run(go())
+    theirs.close()
+
+
+def test_a_closed_sync_client_says_so() -> None:
+    mine, theirs = socket.socketpair(socket.AF_UNIX)
+    client = PodClient(mine, "pair")
+    client.close()
+    with pytest.raises(errors.ConnectionClosed, match="was closed"):  # (not OSError EBADF)
+        client.status()
+    theirs.close()
