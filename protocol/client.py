@@ -5,6 +5,10 @@
 
 Its RPC methods (run, notify, status, ...) are declared once for both clients in
 `protocol.core.ClientMethods`, from the method table.
+
+One thread at a time: two threads calling one PodClient would read each other's replies. Give
+each thread its own client, or use `protocol.aio.AsyncPodClient`, which takes many calls at
+once on one connection.
 """
 
 import _socket
@@ -50,6 +54,7 @@ class PodClient(ClientMethods, SyncCaller):
         return cls(sock, str(target), max_frame_bytes)
 
     def close(self) -> None:
+        """Close the connection; a call made afterwards raises ConnectionClosed."""
         self._sock.close()
 
     def __enter__(self) -> "PodClient":
@@ -65,13 +70,19 @@ class PodClient(ClientMethods, SyncCaller):
     def _closed(self) -> ConnectionClosed:
         return ConnectionClosed(f"pod {self.target!r} closed the connection")
 
+    def _usable(self) -> None:
+        if self._sock.fileno() < 0:  # closed by us
+            raise ConnectionClosed(f"the connection to pod {self.target!r} was closed")
+
     def _send(self, data: bytes) -> None:
+        self._usable()
         try:
             self._sock.sendall(data)
         except LOST as exc:  # the pod went: the same error as when it goes while we read
             raise self._closed() from exc
 
     def _receive(self) -> None:
+        self._usable()
         try:
             data = self._sock.recv(1 << 16)
         except LOST as exc:  # it went with our request unread (ECONNRESET)
