@@ -32,7 +32,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import glob, os, site; sp = site.getsitepackages()[0]; \
 	  [os.remove(p) for p in glob.glob(sp + '/__editable__*poddaemon*') + glob.glob(sp + '/poddaemon-repo.pth')]; \
 	  f = os.path.join(os.getcwd(), 'poddaemon', '_devfinder.py'); \
-	  open(sp + '/poddaemon-dev.pth', 'w').write(f'import sys; exec(compile(open({f!r}).read(), {f!r}, \"exec\"), {{\"__file__\": {f!r}}})\n')"
+	  open(sp + '/poddaemon-dev.pth', 'w').write(f'import sys; h = open({f!r}); exec(compile(h.read(), {f!r}, \"exec\"), {{\"__file__\": {f!r}}}); h.close()\n')"
 	$(PY) -m compileall -q $(VENV)/lib >/dev/null || true
 	touch $@
 

@@ -1,11 +1,12 @@
 """One JSON-RPC call to a pod with the standard library alone: podctl's fast path.
 
 `PodClient` is the client to use: typed results, events, many calls on one connection. Importing
-it (msgspec, the method table, `socket`) costs ~15 ms, more than everything else `podctl status`
-or `podctl notify` does on top of typer's own start. `call` connects the same way (the same owner
-and peer checks), sends one request and returns the reply's `result` as plain JSON data, raising
-what PodClient raises: PodNotRunning, RpcError and its per-code subclasses, FrameTooLarge (before
-sending anything), ConnectionClosed, UnsafeSocket, TimeoutError, OSError.
+it (msgspec, the method table, `socket`) costs ~30 ms here (this module ~10 ms), more than
+everything else `podctl status` or `podctl notify` does on top of typer's own start. `call`
+connects the same way (the same owner and peer checks), sends one request and returns the
+reply's `result` as plain JSON data, raising what PodClient raises: PodNotRunning, RpcError and
+its per-code subclasses, FrameTooLarge (before sending anything), ConnectionClosed,
+UnsafeSocket, TimeoutError, OSError.
 """
 
 import _socket
