@@ -322,10 +322,14 @@ async def with_retries(
 
     Timers: until the first delta, every wait (for the response, or between keep-alive events)
     is bounded by ``first_byte_timeout`` (in a retry, also by what is left of
-    ``retry_total_timeout``) and counts as a transient, retryable failure; after it, every gap
-    is bounded by ``stream_idle_timeout`` and ends the call as ``stalled``.
+    ``retry_total_timeout``) and counts as a transient, retryable failure; keep-alive events
+    stretch that phase to ``max(first_byte_timeout, retry_total_timeout)`` at most, from the
+    first attempt (a stream that only keeps itself alive would hold the run for ever). After
+    the first delta, every gap is bounded by ``stream_idle_timeout`` and ends the call as
+    ``stalled``.
     """
     started = clock()
+    patience = max(cfg.first_byte_timeout, cfg.retry_total_timeout)
     attempts = 0
     while True:
         attempts += 1
@@ -336,10 +340,11 @@ async def with_retries(
                 if output_started:
                     limit = cfg.stream_idle_timeout
                 elif attempts == 1:  # a first attempt has the whole first_byte_timeout
-                    limit = cfg.first_byte_timeout
+                    limit = min(cfg.first_byte_timeout, patience - (clock() - started))
                 else:  # a retry never runs past retry_total_timeout (from the first attempt)
                     left = cfg.retry_total_timeout - (clock() - started)
-                    limit = max(0.0, min(cfg.first_byte_timeout, left))
+                    limit = min(cfg.first_byte_timeout, left)
+                limit = max(0.0, limit)
                 try:
                     event = await _next_within(it, limit)
                 except _Timeout:
@@ -347,6 +352,12 @@ async def with_retries(
                         raise ProviderError(
                             "stalled",
                             f"provider stream stalled: no data for {limit:g}s after output started",
+                        ) from None
+                    if limit < cfg.first_byte_timeout and attempts == 1:
+                        raise ProviderError(
+                            "transient",
+                            f"no output from provider within {patience:g}s (only keep-alive "
+                            "events)",
                         ) from None
                     raise ProviderError(
                         "transient", f"no response from provider within {limit:g}s"

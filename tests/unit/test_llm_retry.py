@@ -415,6 +415,18 @@ async def test_keepalives_do_not_start_output() -> None:
     assert err is None and events[1:] == [TextDelta("a"), FINAL]
 
 
+async def test_keepalives_alone_cannot_hold_a_call_past_retry_total_timeout() -> None:
+    """A stream that sends only keep-alives (empty chunks, `response.in_progress`) each within
+    first_byte_timeout held the run for ever; they stretch the wait to retry_total_timeout."""
+    forever = [item for _ in range(1000) for item in (("wait", 0.02), None)]
+    script = Script([forever])
+    cfg = Cfg(first_byte_timeout=0.1, retry_total_timeout=0.3, max_retries=3)
+    events, err = await collect(script, cfg, RealTime())
+    assert err is not None and err.kind == "transient"
+    assert "only keep-alive events" in err.message, err.message
+    assert script.calls == 1 and events == []  # no retry: retry_total_timeout is spent
+
+
 async def test_idle_timeout_after_output_stalls() -> None:
     script = Script([[TextDelta("a"), ("wait", 5.0), FINAL]])
     events, err = await collect(script, Cfg(stream_idle_timeout=0.01))
