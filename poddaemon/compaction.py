@@ -53,6 +53,12 @@ def estimate_tokens(system: str, items: list[Item]) -> int:
     return (len(system.encode()) + len(_encoder.encode(items))) // 4
 
 
+def estimated_usage(system: str, items: list[Item], answer: Item) -> Usage:
+    """What a call that reported no usage cost, by the same bytes/4 rule: its request, and the
+    answer it gave."""
+    return Usage(input=estimate_tokens(system, items), output=len(_encoder.encode(answer)) // 4)
+
+
 def summary_request_items(history: list[Item]) -> list[Item]:
     """The summary call's items: the history as it is, then the instruction to summarize."""
     return [*history, UserMessage(text=SUMMARY_PROMPT)]

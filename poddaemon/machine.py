@@ -252,6 +252,7 @@ class Machine:
         self._last_input: int | None = None  # context size of the last call; None: estimate
         self._compact_failures = 0  # in a row
         self._auto_compact_off = False  # the breaker tripped
+        self._usage_estimated = False  # a call reported no usage: said once (an alert)
         self._no_compact_run: str | None = None  # the thrash guard holds for this run
         self._cancelled_run: str | None = None  # a run `cancel` asked to end: not picked up
         self._early_hook_runs: list[HookRunEntry] = []  # before the first session (hook_ran)
@@ -561,10 +562,27 @@ class Machine:
 
     def model_returned(self, response: ModelResponse) -> list[Effect]:
         def go() -> None:
+            nonlocal response
             turn = self._expect("model")
             u = response.usage
             size = compaction.context_tokens(u, self.cfg.provider_kind)
             self._last_input = size or None  # a server that reports no usage: estimate
+            if self.cfg.budget_cap is not None and not u.total and not u.cache_read:
+                # A server that reports no usage would spend the budget for nothing: it is
+                # counted by the estimate compaction uses (bytes/4), and said once.
+                u = compaction.estimated_usage(
+                    self.system_prompt, self.state.history, response.message
+                )
+                response = msgspec.structs.replace(response, usage=u)
+                if not self._usage_estimated:
+                    self._usage_estimated = True
+                    message = (
+                        "the provider reports no token usage: the budget counts an estimate "
+                        "(the request's and the answer's bytes / 4)"
+                    )
+                    self._publish(
+                        "alert", {"level": "warning", "source": "provider", "message": message}
+                    )
             self._commit(
                 LlmUsage(
                     run_id=turn.run_id,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from poddaemon.history import AssistantMessage, SystemNote, UserMessage
-from poddaemon.llm.types import ProviderError
+from poddaemon.history import AssistantMessage, SystemNote, Usage, UserMessage
+from poddaemon.llm.types import ModelResponse, ProviderError
 from poddaemon.machine import (
     CANCEL_NOTE,
     NOTIFY_MAX_DELAY,
@@ -587,3 +587,27 @@ def test_a_queued_prompts_hook_context_waits_for_its_own_run() -> None:
         assert isinstance(note, SystemNote) and "CTX-FOR-SECOND" in note.text
         assert "from hook:UserPromptSubmit" in note.text
         assert sum("CTX-FOR-SECOND" in str(i) for i in items) == 1
+
+
+@pytest.mark.parametrize("capped", [True, False])
+def test_a_provider_reporting_no_usage_cannot_spend_a_budget_for_nothing(capped: bool) -> None:
+    """A server that sends no usage counted 0 tokens: a [budget] was never reached. With a cap,
+    the call is counted by the bytes/4 estimate, and an alert says so once."""
+    cfg = MachineConfig(name="p", model="m", max_turns=4, budget_cap=10_000 if capped else None)
+    d = Driver(cfg=cfg)
+    for text in ("first", "second"):
+        d.call("run", text * 100)
+        assert isinstance(d.inflight, CallModel)
+        d.inflight = None
+        silent = ModelResponse(
+            message=AssistantMessage(text="an answer " * 20), stop="end_turn", usage=Usage()
+        )
+        d.feed(d.machine.model_returned(silent))
+    used = [e for e in d.entries if e["kind"] == "llm_usage"]
+    alerts = [data for t, data, _ in d.events if t == "alert"]
+    if capped:
+        assert all(e["input"] > 100 and e["output"] > 40 for e in used), used
+        assert d.machine.state.usage.total == sum(e["input"] + e["output"] for e in used)
+        assert len(alerts) == 1 and "no token usage" in alerts[0]["message"]
+    else:  # nothing to enforce: the numbers stay what the provider said
+        assert all(e["input"] == e["output"] == 0 for e in used) and alerts == []
