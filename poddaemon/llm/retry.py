@@ -251,8 +251,12 @@ def classify(exc: BaseException) -> ProviderError:
             return ProviderError("context_overflow", label, status)
         return ProviderError("fatal", label, status)
     if names & _CONNECTION_CLASSES:
-        cause = _root_cause(exc) or text
         where = f" ({url})" if url else ""
+        if "APITimeoutError" in names:  # its cause is the HTTP stack's ("cancel scope ...")
+            return ProviderError(
+                "transient", f"the request timed out (connect or read timeout){where}"
+            )
+        cause = _root_cause(exc) or text
         return ProviderError("transient", f"{type(exc).__name__}: {cause}{where}")
     # An error event inside a 200 stream: no HTTP status, but the body says what it was.
     if code:

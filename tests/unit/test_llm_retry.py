@@ -139,6 +139,16 @@ def test_classify_connection_errors_transient(exc: Exception) -> None:
     assert classify(exc).kind == "transient"
 
 
+def test_a_timeout_says_so_not_what_the_http_stack_cancelled() -> None:
+    """The SDK's APITimeoutError carries httpx/anyio's 'Cancelled via cancel scope ...'."""
+    inner = TimeoutError("Cancelled via cancel scope 7fbf31de1300; reason: deadline exceeded")
+    exc = APITimeoutError("Request timed out.")
+    exc.__cause__ = inner
+    err = classify(exc)
+    assert err.kind == "transient" and "cancel scope" not in err.message
+    assert err.message.startswith("the request timed out"), err.message
+
+
 def test_classify_stream_error_events() -> None:
     overloaded = APIError("x", {"type": "error", "error": {"type": "overloaded_error"}})
     assert classify(overloaded).kind == "transient"
