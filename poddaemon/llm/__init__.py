@@ -221,6 +221,14 @@ def field(obj: Any, name: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def text_field(obj: Any, name: str, default: str = "") -> str:
+    """A field that must be text: a server sending another JSON type (`"name": 5`) gets its
+    value as JSON text, which the tool call's checks then refuse in words the model reads (it
+    ended the run with a TypeError from joining the pieces)."""
+    value = field(obj, name, default)
+    return value if isinstance(value, str) else msgspec.json.encode(value).decode()
+
+
 def int_field(obj: Any, name: str) -> int:
     value = field(obj, name, 0)
     return value if isinstance(value, int) else 0

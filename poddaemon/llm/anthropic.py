@@ -11,6 +11,7 @@ from poddaemon.llm import (
     int_field,
     map_stop,
     order_items,
+    text_field,
     tool_arguments,
     tool_input,
     until_cut,
@@ -229,7 +230,7 @@ class AnthropicClient(RetryingClient):
                     elif dtype == "input_json_delta":
                         entry = tools.get(int_field(event, "index"))
                         if entry is not None:
-                            entry[2].append(field(delta, "partial_json", ""))
+                            entry[2].append(text_field(delta, "partial_json"))
                         yield None
                     else:
                         yield None
@@ -238,8 +239,8 @@ class AnthropicClient(RetryingClient):
                     btype = field(block, "type")
                     if btype == "tool_use":
                         tools[int_field(event, "index")] = (
-                            field(block, "id", ""),
-                            field(block, "name", ""),
+                            text_field(block, "id"),
+                            text_field(block, "name"),
                             [],
                         )
                         yield None

@@ -15,6 +15,7 @@ from poddaemon.llm import (
     map_stop,
     order_items,
     sendable_arguments,
+    text_field,
     tool_arguments,
     until_cut,
 )
@@ -266,10 +267,10 @@ class OpenAIChatClient(RetryingClient):
                         if not isinstance(index, int):  # some servers omit it: one per chunk
                             index = len(tools) - 1 if tools and not field(tc, "id") else len(tools)
                         acc = tools.setdefault(index, _ToolAcc())
-                        acc.id = field(tc, "id", acc.id)
+                        acc.id = text_field(tc, "id", acc.id)
                         fn = field(tc, "function")
-                        acc.name = field(fn, "name", acc.name) if not acc.name else acc.name
-                        acc.args.append(field(fn, "arguments", ""))
+                        acc.name = text_field(fn, "name", acc.name) if not acc.name else acc.name
+                        acc.args.append(text_field(fn, "arguments"))
                     finish = field(choice, "finish_reason", finish)
                 if not produced:
                     yield None

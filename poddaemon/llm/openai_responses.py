@@ -14,6 +14,7 @@ from poddaemon.llm import (
     map_stop,
     order_items,
     sendable_arguments,
+    text_field,
     tool_arguments,
 )
 from poddaemon.llm.incremental import IncrementalRender, encode_body, encoded_renderer
@@ -190,7 +191,7 @@ class OpenAIResponsesClient(RetryingClient):
                         acc = tools.get(index)
                         if acc is None:
                             acc = tools[index] = _ToolAcc(
-                                field(item, "call_id", ""), field(item, "name", "")
+                                text_field(item, "call_id"), text_field(item, "name")
                             )
                         if kind == "response.output_item.done":
                             acc.final = field(item, "arguments")
@@ -198,7 +199,7 @@ class OpenAIResponsesClient(RetryingClient):
                 elif kind == "response.function_call_arguments.delta":
                     acc = tools.get(int_field(event, "output_index"))
                     if acc is not None:
-                        acc.args.append(field(event, "delta", ""))
+                        acc.args.append(text_field(event, "delta"))
                     yield None
                 elif kind in ("response.completed", "response.incomplete"):
                     response = field(event, "response")

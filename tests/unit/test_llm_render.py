@@ -23,6 +23,7 @@ from poddaemon.llm import (
     make_client,
     map_stop,
     order_items,
+    text_field,
     unique_ids,
 )
 from poddaemon.llm import anthropic as anth
@@ -458,3 +459,16 @@ def test_a_call_id_repeated_in_one_response_is_made_unique() -> None:
     stop = map_stop("tool_calls", True)
     response = assembled([], [], calls("dup", "dup"), stop, Usage())
     assert [c.id for c in response.message.tool_calls] == ["dup", "dup_2"]
+
+
+def test_a_field_that_must_be_text_comes_as_text_whatever_the_server_sent() -> None:
+    """`"name": 5, "arguments": 7` ended the run with a TypeError when the pieces were joined:
+    as JSON text, the call is refused in words the model reads (unknown tool, not an object)."""
+    fn = {"name": 5, "arguments": 7, "id": "c1"}
+    assert (text_field(fn, "name"), text_field(fn, "arguments"), text_field(fn, "id")) == (
+        "5",
+        "7",
+        "c1",
+    )
+    assert text_field(SimpleNamespace(arguments={"a": 1}), "arguments") == '{"a":1}'
+    assert text_field({}, "name") == "" and text_field({"name": None}, "name", "x") == "x"
