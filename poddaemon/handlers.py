@@ -185,9 +185,8 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         )
 
     def subscribe(p: SubscribeParams, conn: Any) -> SubscribeResult:
-        cursor = pod.bus.seq if p.since is None else max(0, p.since)
-        if cursor == 0:  # "everything": all this life of the pod holds (see EventBus)
-            cursor = pod.bus.first_seq
+        # since 0, "everything": all this life of the pod holds (see EventBus)
+        cursor = pod.bus.seq if p.since is None else p.since or pod.bus.first_seq
         # Start streaming right after this reply is written (the reply goes out synchronously).
         asyncio.get_running_loop().call_soon(conn.start_events, cursor)
         return SubscribeResult(cursor=pod.bus.seq)

@@ -562,27 +562,11 @@ class Machine:
 
     def model_returned(self, response: ModelResponse) -> list[Effect]:
         def go() -> None:
-            nonlocal response
             turn = self._expect("model")
-            u = response.usage
-            size = compaction.context_tokens(u, self.cfg.provider_kind)
+            size = compaction.context_tokens(response.usage, self.cfg.provider_kind)
             self._last_input = size or None  # a server that reports no usage: estimate
-            if self.cfg.budget_cap is not None and not u.total and not u.cache_read:
-                # A server that reports no usage would spend the budget for nothing: it is
-                # counted by the estimate compaction uses (bytes/4), and said once.
-                u = compaction.estimated_usage(
-                    self.system_prompt, self.state.history, response.message
-                )
-                response = msgspec.structs.replace(response, usage=u)
-                if not self._usage_estimated:
-                    self._usage_estimated = True
-                    message = (
-                        "the provider reports no token usage: the budget counts an estimate "
-                        "(the request's and the answer's bytes / 4)"
-                    )
-                    self._publish(
-                        "alert", {"level": "warning", "source": "provider", "message": message}
-                    )
+            counted = self._counted(response)
+            u = counted.usage
             self._commit(
                 LlmUsage(
                     run_id=turn.run_id,
@@ -594,10 +578,27 @@ class Machine:
                 )
             )
             more = self.state.pending_steers > 0 or self._notes_overflow
-            self._commit_all(turn.model_returned(response, more_input=more))
+            self._commit_all(turn.model_returned(counted, more_input=more))
             self._advance()
 
         return self._handle(go)
+
+    def _counted(self, response: ModelResponse) -> ModelResponse:
+        """The response with the usage the budget counts: a server that reports none would
+        spend a capped pod's budget for nothing, so its call is counted by the estimate
+        compaction uses (bytes / 4), and an alert says so once."""
+        u = response.usage
+        if self.cfg.budget_cap is None or u.total or u.cache_read or u.cache_write:
+            return response
+        if not self._usage_estimated:
+            self._usage_estimated = True
+            message = (
+                "the provider reports no token usage: the budget counts an estimate "
+                "(the request's and the answer's bytes / 4)"
+            )
+            self._publish("alert", {"level": "warning", "source": "provider", "message": message})
+        guess = compaction.estimated_usage(self.system_prompt, self.state.history, response.message)
+        return msgspec.structs.replace(response, usage=guess)
 
     def model_retrying(self, retrying: bool) -> list[Effect]:
         """The model call in flight failed before any output and waits to try again (True), or
