@@ -24,6 +24,19 @@ def one_line(text: str, width: int = SUMMARY_WIDTH) -> str:
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
+def retry_line(data: Mapping[str, Any]) -> str:
+    """An `llm.retry` event's data: `retry #2 in 1.5s: <why the call failed>`."""
+    parts = ["retry"]
+    if "attempt" in data:
+        parts.append(f"#{data['attempt']}")
+    if "delay" in data:
+        parts.append(f"in {float(data['delay']):.1f}s")
+    line = " ".join(parts)
+    if data.get("error"):
+        line += f": {one_line(str(data['error']))}"
+    return line
+
+
 def compact_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(", ", ": "), default=str)
 
@@ -117,15 +130,7 @@ def event_line(
     if etype == "llm.usage":
         return f"usage {usage_text(data)}"
     if etype == "llm.retry":
-        parts = ["retry"]
-        if "attempt" in data:
-            parts.append(f"#{data['attempt']}")
-        if "delay" in data:
-            parts.append(f"in {float(data['delay']):.1f}s")
-        line = " ".join(parts)
-        if data.get("error"):
-            line += f": {one_line(str(data['error']))}"
-        return line
+        return retry_line(data)
     if etype == "notification.committed":
         source = data.get("source") or "?"
         return f"✉ notification from {source}: {one_line(str(data.get('message', '')))}"

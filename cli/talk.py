@@ -83,7 +83,7 @@ def send(
     """
     import msgspec
 
-    from cli.render import one_line
+    from cli.render import one_line, retry_line
     from protocol.errors import ConnectionClosed
 
     text = read_message(message)
@@ -128,6 +128,13 @@ def send(
                 elif event.type == "run.finished":
                     finished = dict(event.data)
                     break
+                elif event.type == "llm.retry":  # a silent wait would look like a hung pod
+                    between_messages = True
+                    if wrote and not ends_nl:
+                        sys.stdout.write("\n")
+                        sys.stdout.flush()
+                        ends_nl = True
+                    sys.stderr.write(f"podctl: model call failed; {retry_line(event.data)}\n")
                 elif event.type != "reasoning.delta":  # a tool call, the model call's usage…
                     between_messages = True
         except KeyboardInterrupt:

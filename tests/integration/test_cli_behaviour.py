@@ -463,3 +463,16 @@ def test_send_starts_each_model_rounds_text_on_a_line_of_its_own(env: Env) -> No
     )
     out = env.podctl("send", "rounds", "where is it?")
     assert (out.returncode, out.stdout) == (0, "Let me look.\nFound it.\n"), out.stderr
+
+
+def test_send_says_on_stderr_that_the_model_call_is_retried(env: Env) -> None:
+    """A provider that fails and is retried does not leave `send` silent, as if hung; the
+    reply on stdout stays only the model's text."""
+    env.start("retries")
+    env.model.script(
+        {"fault": {"kind": "status", "status": 503, "retry_after": 0.05}},
+        {"text": "made it"},
+    )
+    out = env.podctl("send", "retries", "try hard")
+    assert (out.returncode, out.stdout) == (0, "made it\n"), out.stderr
+    assert re.search(r"^podctl: model call failed; retry #1 in \d+\.\ds: .*503", out.stderr, re.M)
