@@ -213,6 +213,27 @@ async def until_cut(events: AsyncIterator[Any], whole: Callable[[], bool]) -> As
         yield event
 
 
+async def whole_body(stream: Any) -> dict[str, Any] | None:
+    """The answer, when the server sent it whole as one JSON object to a request that asked for
+    a stream (some compatible servers ignore `stream: true`); None for an event stream. A JSON
+    Content-Type over what is not JSON is an event stream mislabeled: the stream then reads the
+    body from where aread() kept it."""
+    response = stream.response
+    if "json" not in response.headers.get("content-type", ""):
+        return None
+    try:
+        body = msgspec.json.decode(await response.aread())
+    except msgspec.DecodeError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def items(obj: Any, name: str) -> list[Any]:
+    """A field that must be a list (a server's answer read whole): anything else is none."""
+    value = field(obj, name)
+    return value if isinstance(value, list) else []
+
+
 def field(obj: Any, name: str, default: Any = None) -> Any:
     """``obj.name`` or ``obj[name]``: SDK models and plain dicts alike; None counts as missing."""
     if obj is None:

@@ -1,20 +1,24 @@
 """Anthropic Messages API adapter (``provider.kind = "anthropic"``)."""
 
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
+
+import msgspec
 
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import (
     assembled,
     field,
     int_field,
+    items,
     map_stop,
     order_items,
     text_field,
     tool_arguments,
     tool_input,
     until_cut,
+    whole_body,
 )
 from poddaemon.llm.incremental import IncrementalRender
 from poddaemon.llm.retry import (
@@ -22,6 +26,7 @@ from poddaemon.llm.retry import (
     ProviderSettings,
     RetryingClient,
     api_key_env_name,
+    classify_error_code,
     sdk_timeout,
 )
 from poddaemon.llm.types import (
@@ -171,6 +176,38 @@ def normalize_base_url(url: str | None) -> str | None:
     return url
 
 
+async def _events(stream: Any, answered: Callable[[], bool]) -> AsyncIterator[Any]:
+    """The stream's events (see `until_cut`); a message sent whole (see `whole_body`) is read
+    as the events that would have streamed it."""
+    message = await whole_body(stream)
+    if message is None:
+        async for event in until_cut(stream, answered):
+            yield event
+        return
+    for event in message_events(message):
+        yield event
+
+
+def message_events(message: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A Messages API answer as its stream's events: each content block starts whole (a tool
+    call's input as one JSON delta), then the stop reason, then the end. An error object sent
+    in its place fails the call as a stream's `error` event does."""
+    if field(message, "type") == "error":
+        error = field(message, "error")
+        raise classify_error_code(
+            str(field(error, "type", "error")), str(field(error, "message", ""))
+        )
+    yield {"type": "message_start", "message": {"usage": field(message, "usage")}}
+    for index, block in enumerate(items(message, "content")):
+        yield {"type": "content_block_start", "index": index, "content_block": block}
+        if field(block, "type") == "tool_use":
+            arguments = msgspec.json.encode(field(block, "input", {})).decode()
+            delta = {"type": "input_json_delta", "partial_json": arguments}
+            yield {"type": "content_block_delta", "index": index, "delta": delta}
+    yield {"type": "message_delta", "delta": {"stop_reason": field(message, "stop_reason")}}
+    yield {"type": "message_stop"}
+
+
 class AnthropicClient(RetryingClient):
     sdk_module = "anthropic"
 
@@ -216,7 +253,7 @@ class AnthropicClient(RetryingClient):
             def answered() -> bool:  # message_delta brought the stop reason: the answer is whole
                 return stop_raw is not None
 
-            async for event in until_cut(stream, answered):
+            async for event in _events(stream, answered):
                 kind = field(event, "type")
                 if kind == "content_block_delta":
                     delta = field(event, "delta")

@@ -12,12 +12,14 @@ from poddaemon.llm import (
     assembled,
     field,
     int_field,
+    items,
     map_stop,
     order_items,
     sendable_arguments,
     text_field,
     tool_arguments,
     until_cut,
+    whole_body,
 )
 from poddaemon.llm.incremental import (
     IncrementalRender,
@@ -171,25 +173,18 @@ def build_openai_client(sdk: Any, cfg: ProviderSettings) -> Any:
 
 
 async def _chunks(stream: Any, answered: Callable[[], bool]) -> AsyncIterator[Any]:
-    """The stream's chunks (see `until_cut`). Some OpenAI-compatible servers ignore
-    `stream: true` and send the completion whole, in one JSON body: it is read as one chunk
-    whose choices carry their `message` as the stream's `delta` (the same fields: content,
-    reasoning, refusal, tool_calls). A JSON Content-Type over what is not JSON is an event
-    stream mislabeled, and read as one."""
-    response = stream.response
-    if "json" in response.headers.get("content-type", ""):
-        try:
-            completion = msgspec.json.decode(await response.aread())
-        except msgspec.DecodeError:
-            completion = None  # (the stream reads the body from where aread() kept it)
-        if isinstance(completion, dict):
-            choices = [
-                {**choice, "delta": field(choice, "message")}
-                for choice in field(completion, "choices", [])
-                if isinstance(choice, dict)
-            ]
-            yield {"choices": choices, "usage": field(completion, "usage")}
-            return
+    """The stream's chunks (see `until_cut`). A completion sent whole (see `whole_body`) is
+    read as one chunk whose choices carry their `message` as the stream's `delta` (the same
+    fields: content, reasoning, refusal, tool_calls)."""
+    completion = await whole_body(stream)
+    if completion is not None:
+        choices = [
+            {**choice, "delta": field(choice, "message")}
+            for choice in items(completion, "choices")
+            if isinstance(choice, dict)
+        ]
+        yield {"choices": choices, "usage": field(completion, "usage")}
+        return
     async for chunk in until_cut(stream, answered):
         yield chunk
 

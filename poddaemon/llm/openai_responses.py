@@ -1,7 +1,7 @@
 """OpenAI Responses API adapter (``provider.kind = "openai_responses"``), stateless
 (``store: false``): the whole history is sent each time, reasoning is not sent back."""
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
@@ -11,11 +11,13 @@ from poddaemon.llm import (
     assembled,
     field,
     int_field,
+    items,
     map_stop,
     order_items,
     sendable_arguments,
     text_field,
     tool_arguments,
+    whole_body,
 )
 from poddaemon.llm.incremental import IncrementalRender, encode_body, encoded_renderer
 from poddaemon.llm.openai_chat import build_openai_client, tool_output_text
@@ -150,6 +152,37 @@ class _ToolAcc:
         self.final: str | None = None
 
 
+async def _events(stream: Any) -> AsyncIterator[Any]:
+    """The stream's events; a response sent whole (see `whole_body`) is read as the events
+    that would have streamed it."""
+    response = await whole_body(stream)
+    if response is None:
+        async for event in stream:
+            yield event
+        return
+    for event in response_events(response):
+        yield event
+
+
+def response_events(response: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A Responses API answer as its stream's events: each output item's text, reasoning
+    (its summary, else its full text) and function calls, then the end its status says."""
+    for index, item in enumerate(items(response, "output")):
+        kind = field(item, "type")
+        if kind == "message":
+            for part in items(item, "content"):
+                if field(part, "type") == "output_text":
+                    yield {"type": "response.output_text.delta", "delta": field(part, "text")}
+        elif kind == "reasoning":
+            for part in items(item, "summary") or items(item, "content"):
+                yield {"type": "response.reasoning_text.delta", "delta": field(part, "text")}
+        elif kind == "function_call":
+            yield {"type": "response.output_item.done", "output_index": index, "item": item}
+    status = field(response, "status")
+    end = status if status in ("failed", "incomplete") else "completed"
+    yield {"type": f"response.{end}", "response": response}
+
+
 class OpenAIResponsesClient(RetryingClient):
     sdk_module = "openai"
 
@@ -175,7 +208,7 @@ class OpenAIResponsesClient(RetryingClient):
             text: list[str] = []
             reasoning: list[str] = []
             tools: dict[int, _ToolAcc] = {}  # output_index -> call
-            async for event in stream:
+            async for event in _events(stream):
                 kind = field(event, "type")
                 piece = field(event, "delta")
                 if kind == "response.output_text.delta" and piece:

@@ -296,22 +296,23 @@ async def test_cut_stream_after_the_stop_reason_keeps_the_answer(
     assert len(fake.requests) == 1
 
 
-async def test_a_chat_server_that_ignores_stream_true_is_read_whole(fake: FakeModel) -> None:
-    """Some OpenAI-compatible servers answer a streaming request with one JSON body: the answer
-    is read from it (one delta of its whole text), not retried as a stream that never came."""
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_server_that_ignores_stream_true_is_read_whole(fake: FakeModel, kind: str) -> None:
+    """Some compatible servers answer a streaming request with one JSON body: the answer is
+    read from it (one delta of its whole text), not retried as a stream that never came."""
     call = {"id": "call_9", "name": "read_file", "arguments": {"path": "a.txt"}}
     usage = {"input": 30, "output": 7}
     fake.script(
         {"text": LONG_TEXT, "reasoning": "hmm", "usage": usage, "stream": False},
         {"tool_calls": [call], "stream": False},
     )
-    events, err = await run(make_client(config(fake, "openai")))
+    events, err = await run(make_client(config(fake, kind)))
     assert err is None
     assert events[:-1] == [ReasoningDelta("hmm"), TextDelta(LONG_TEXT)]
     response = final(events)
     assert response.message.text == LONG_TEXT and response.message.reasoning == "hmm"
     assert (response.stop, response.usage) == ("end_turn", Usage(input=30, output=7))
-    events, err = await run(make_client(config(fake, "openai")))
+    events, err = await run(make_client(config(fake, kind)))
     assert err is None
     (tool_call,) = final(events).message.tool_calls
     assert (tool_call.id, tool_call.name, json.loads(tool_call.arguments)) == (

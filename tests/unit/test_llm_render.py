@@ -29,7 +29,7 @@ from poddaemon.llm import (
 from poddaemon.llm import anthropic as anth
 from poddaemon.llm import openai_chat as chat
 from poddaemon.llm import openai_responses as resp
-from poddaemon.llm.types import ModelRequest, ToolSpec
+from poddaemon.llm.types import ModelRequest, ProviderError, ToolSpec
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
 TOOLS = [ToolSpec(name="read_file", description="Read a file", parameters=SCHEMA)]
@@ -472,3 +472,57 @@ def test_a_field_that_must_be_text_comes_as_text_whatever_the_server_sent() -> N
     )
     assert text_field(SimpleNamespace(arguments={"a": 1}), "arguments") == '{"a":1}'
     assert text_field({}, "name") == "" and text_field({"name": None}, "name", "x") == "x"
+
+
+def test_an_anthropic_answer_sent_whole_becomes_its_stream_events() -> None:
+    message = {
+        "type": "message",
+        "content": [
+            {"type": "thinking", "thinking": "hmm"},
+            {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "tu_1", "name": "grep", "input": {"pattern": "x"}},
+        ],
+        "stop_reason": "tool_use",
+        "usage": {"input_tokens": 9, "output_tokens": 4},
+    }
+    events = list(anth.message_events(message))
+    assert [e["type"] for e in events] == [
+        "message_start",
+        *["content_block_start"] * 3,
+        "content_block_delta",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[0]["message"]["usage"] == message["usage"]
+    assert json.loads(events[4]["delta"]["partial_json"]) == {"pattern": "x"}
+    assert events[5]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_an_anthropic_error_sent_whole_with_200_fails_the_call_as_a_stream_error() -> None:
+    error = {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
+    with pytest.raises(ProviderError) as raised:
+        list(anth.message_events(error))
+    assert raised.value.kind == "transient" and "busy" in str(raised.value)
+
+
+def test_a_responses_answer_sent_whole_becomes_its_stream_events() -> None:
+    call = {"type": "function_call", "call_id": "c1", "name": "grep", "arguments": "{}"}
+    response = {
+        "status": "incomplete",
+        "output": [
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "hmm"}]},
+            {"type": "message", "content": [{"type": "output_text", "text": "Hi."}]},
+            call,
+        ],
+    }
+    events = list(resp.response_events(response))
+    assert [(e["type"], e.get("delta")) for e in events] == [
+        ("response.reasoning_text.delta", "hmm"),
+        ("response.output_text.delta", "Hi."),
+        ("response.output_item.done", None),
+        ("response.incomplete", None),
+    ]
+    assert events[2]["item"] is call and events[2]["output_index"] == 2
+    assert list(resp.response_events({"output": "junk"})) == [
+        {"type": "response.completed", "response": {"output": "junk"}}
+    ]
