@@ -324,6 +324,22 @@ class Claim:
             self.entry.start_time,
         )
 
+    def take_back(self, session: str | None) -> bool:
+        """Register this pod again when its entry went from pods.json (the file removed, emptied
+        or rewritten: what one does with a corrupt registry) and nobody has taken its name or
+        an overlapping scope since. True when the entry is ours again."""
+        import msgspec
+
+        from poddaemon.registry import RegistryError
+
+        entry = msgspec.structs.replace(self.entry, session=session, delegated=[])
+        try:  # (live children found there are adopted again: their areas stay delegated)
+            self.entry = self.registry.register(entry)
+        except RegistryError as exc:
+            log.error("cannot register the pod again: %s", exc)
+            return False
+        return True
+
     def socket_gone(self) -> bool:
         """True when the socket we bound was removed or replaced: no client can reach us."""
         if self.sock_ino is None:
@@ -602,7 +618,7 @@ def _serve(
             bus.publish("alert", {"level": "error", "source": source, "message": reason})
             ending.fail(reason)
 
-        watch = asyncio.create_task(watch_claim(claim, lost, changed))
+        watch = asyncio.create_task(watch_claim(claim, lost, changed, pod.named_session))
         try:
             await pod.serve()
             if pod.failure is not None and ending.failure is None:
@@ -726,13 +742,18 @@ class Ending:
 
 
 async def watch_claim(
-    claim: Claim, lost: Callable[..., None], changed: Callable[[], None] | None = None
+    claim: Claim,
+    lost: Callable[..., None],
+    changed: Callable[[], None] | None = None,
+    session: Callable[[], str | None] | None = None,
 ) -> None:
-    """Stop the pod if its registry entry goes (pods.json edited or removed, the entry taken
-    over): it could no longer promise that its name and scope are its own. Likewise if its
-    socket goes: nobody could reach it, not even to stop it, while it holds name and scope
-    (`lost(reason, name_lost=False)`: the entry is still ours to release). `changed` is called
-    when pods.json changed and the entry is still ours."""
+    """Stop the pod if its registry entry is taken over (another process under its name, or
+    its entry gone and its name or scope claimed meanwhile): it could no longer promise that
+    its name and scope are its own. An entry only gone (pods.json edited or removed) is
+    registered again, naming the pod's `session()`. Likewise stop if its socket goes: nobody
+    could reach it, not even to stop it, while it holds name and scope (`lost(reason,
+    name_lost=False)`: the entry is still ours to release). `changed` is called when pods.json
+    changed and the entry is (again) ours."""
     path = claim.registry.path
     seen: tuple[int, int, int] | bool | None = False  # False: not looked yet (None: no file)
     while True:
@@ -757,12 +778,14 @@ async def watch_claim(
         except RegistryError as exc:
             log.warning("cannot check the registry entry: %s", exc)
             continue
-        if not held:
+        if not held and not (session is not None and claim.take_back(session())):
             lost(
                 f"lost the registry claim on pod {claim.entry.name!r}: its entry in "
                 f"{path} is gone or belongs to another process"
             )
             return
+        if not held:
+            log.warning("the pod's entry was gone from %s; registered it again", path)
         if changed is not None:
             changed()
 

@@ -311,6 +311,10 @@ class Pod:
         if self._naming is None and session_id != self._session_named:
             self._naming = self.spawn_background(self._name_session())  # awaited at close
 
+    def named_session(self) -> str | None:
+        """The session the registry was last told this pod holds (None before the first)."""
+        return self._session_named or self.s.entry.session
+
     async def _name_session(self) -> None:
         try:
             while (session_id := self._session_to_name) != self._session_named:

@@ -214,7 +214,8 @@ class Registry:
         except msgspec.DecodeError as e:
             # Never wipe it: other pods' claims would silently vanish.
             raise RegistryError(
-                f"{self.path}: corrupt pod registry ({e}); fix or remove it by hand"
+                f"{self.path}: corrupt pod registry ({e}); fix or remove it by hand "
+                "(live pods then register themselves again)"
             ) from e
         if doc.version != _VERSION:
             raise RegistryError(

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from poddaemon.readyline import EXIT_REFUSED
-from poddaemon.registry import Registry
+from poddaemon.registry import Registry, make_entry
+from poddaemon.scope import Scope
 from tests.conftest import Env, PodProcess, StartFailed, drained, wait_until
 
 BIN = Path(sys.executable).parent
@@ -97,21 +98,60 @@ def registry_entries(env: Env) -> dict[str, Any]:
     return json.loads(path.read_text())["pods"] if path.exists() else {}
 
 
-@pytest.mark.parametrize("how", ["entry removed", "registry deleted"])
-def test_a_lost_registry_claim_stops_the_pod_with_status_1(env: Env, how: str) -> None:
+def test_a_registry_claim_taken_over_stops_the_pod_with_status_1(env: Env) -> None:
     pod = env.start("claimed")
-    with pod.client() as watcher:
-        watcher.subscribe()
-        # Someone removes the pod's entry (by hand, or a bad tool): its name and scope are no
-        # longer its own, so it must stop, and say it failed.
-        if how == "entry removed":
-            assert Registry(env.home / "run").release("claimed", pod.proc.pid)
-        else:
-            (env.home / "run" / "pods.json").unlink()
-        alert = next(e for e in watcher.events() if e.type == "alert")
-    assert alert.data["level"] == "error" and "lost the registry claim" in alert.data["message"]
-    assert pod.proc.wait(20) == 1
-    assert "exiting with status 1" in pod.text() and "Traceback" not in pod.text()
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        with pod.client() as watcher:
+            watcher.subscribe()
+            # Someone else's process holds the pod's name now (pods.json rewritten under it):
+            # its name and scope are no longer its own, so it must stop, and say it failed.
+            registry = Registry(env.home / "run")
+            assert registry.release("claimed", pod.proc.pid)
+            registry.register(
+                make_entry("claimed", "/nowhere", Scope(allow=(), deny=()), pid=holder.pid)
+            )
+            alert = next(e for e in watcher.events() if e.type == "alert")
+        assert alert.data["level"] == "error" and "lost the registry claim" in alert.data["message"]
+        assert pod.proc.wait(20) == 1
+        assert "exiting with status 1" in pod.text() and "Traceback" not in pod.text()
+        assert registry_entries(env)["claimed"]["pid"] == holder.pid  # theirs: left alone
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("how", ["entry removed", "registry deleted", "registry emptied"])
+def test_a_pod_whose_entry_went_registers_again(env: Env, how: str) -> None:
+    """pods.json lost the pod's entry (removed by hand, as the message for a corrupt registry
+    advises, or emptied), and nobody claimed its name or scope since: the pod registers again,
+    its session with it, and a pod wanting the same scope is refused as before."""
+    pod = env.start("claimed")
+    pod.call("run", input="hello", wait=True)
+    before = registry_entries(env)["claimed"]
+    assert before["session"] is not None
+    path = env.home / "run" / "pods.json"
+    if how == "entry removed":
+        assert Registry(env.home / "run").release("claimed", pod.proc.pid)
+    elif how == "registry deleted":
+        path.unlink()
+    else:
+        path.write_text("")
+    again = wait_until(
+        lambda: path.exists() and path.read_text() and registry_entries(env).get("claimed"),
+        20,
+        "the entry back",
+    )
+    assert (again["pid"], again["session"], again["scope"]) == (
+        before["pid"],
+        before["session"],
+        before["scope"],
+    )
+    assert pod.call("status")["state"] == "idle" and pod.proc.poll() is None
+    assert "registered it again" in pod.text()
+    with pytest.raises(StartFailed) as refused:
+        env.start("rival", write=[str(env.work)])
+    assert "claimed" in refused.value.stderr
 
 
 def test_a_pod_whose_socket_is_removed_stops_with_status_1(env: Env) -> None:
