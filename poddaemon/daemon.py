@@ -17,6 +17,7 @@ tear its modules down (up to 800 ms with the anthropic SDK loaded).
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
@@ -57,6 +58,24 @@ class StartupError(Exception):
     def __init__(self, message: str, *, lasting: bool = True) -> None:
         super().__init__(message)
         self.lasting = lasting
+
+
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)  # what a restart would not change
+
+
+def _check_writable(directory: Path) -> None:
+    """Session logs are made in `directory`: a pod that may not write there is refused now,
+    not at its first input after READY (under a unit: restarted in a loop). A file made and
+    removed (tens of µs, no fsync) says it as the first session's file would."""
+    probe = directory / f".writable-{os.getpid()}"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        raise StartupError(
+            f"cannot write session logs in {directory}: {exc.strerror}",
+            lasting=exc.errno in _NOT_WRITABLE,
+        ) from None
 
 
 # The options of `run`, and their defaults (argparse's Namespace for the same argv).
@@ -513,6 +532,7 @@ def _serve(
         sessions_dir = paths.ensure_dir(paths.sessions_dir(), "sessions directory")
     except OSError as exc:
         raise StartupError(os_error_line(exc), lasting=False) from None
+    _check_writable(sessions_dir)
     bus = EventBus(first_seq=time.time_ns() // 1000)  # see EventBus: cursors of earlier lives
     services = Services(
         manifest=manifest,
@@ -562,6 +582,11 @@ def _serve(
                 warnings = await pod.restore(session_id)
             except (LogCorrupt, FileNotFoundError, ValueError) as exc:
                 raise StartupError(f"cannot restore session {session_id}: {exc}") from None
+            except OSError as exc:
+                raise StartupError(
+                    f"cannot restore session {session_id}: {os_error_line(exc)}",
+                    lasting=exc.errno in _NOT_WRITABLE,
+                ) from None
             for warning in warnings:
                 pod._alert("warning", warning)
         await _preflight(pod, manifest)

@@ -336,3 +336,20 @@ def test_podctl_refuses_a_home_owned_by_another_user(env: Env) -> None:
     assert proc.returncode == 1
     (line,) = proc.stderr.splitlines()
     assert f"owned by uid {OTHER_UID}" in line
+
+
+def test_other_uid_with_a_sessions_dir_it_cannot_write_is_refused_before_ready(
+    other: Other,
+) -> None:
+    """A sessions directory the pod may not write in refuses it at start-up (exit 78, the
+    directory named), not after READY at its first input (a unit would restart it in a loop)."""
+    sessions = other.mine / "data" / "sessions"
+    sessions.mkdir(parents=True, mode=0o700)
+    os.chown(other.mine / "data", OTHER_UID, OTHER_UID)
+    os.chown(sessions, OTHER_UID, OTHER_UID)
+    os.chmod(sessions, 0o500)  # its own, but read-only
+    proc = other.run()
+    err = one_line_failure(proc)
+    assert proc.returncode == EXIT_REFUSED
+    assert err == f"poddaemon: cannot write session logs in {sessions}: Permission denied\n"
+    assert "READY" not in proc.stdout and os.listdir(sessions) == []
