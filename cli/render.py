@@ -297,9 +297,13 @@ def pod_table(statuses: Sequence[Mapping[str, Any]], home: str | None = None) ->
 
 
 def format_time(ts: float | None) -> str:
+    """Local time to the second; "?" for a time no calendar holds (a log's ts is only data)."""
     if ts is None:
         return "-"
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return "?"
 
 
 def status_text(st: Mapping[str, Any]) -> str:

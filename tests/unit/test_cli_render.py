@@ -11,6 +11,7 @@ from cli.render import (
     color_enabled,
     entry_line,
     entry_summary,
+    format_time,
     one_line,
     pod_table,
     scope_cell,
@@ -324,3 +325,10 @@ def test_entry_summaries() -> None:
     assert (
         entry_line({**base, "seq": 9, "kind": "turn_end", "run_id": "r1"}) == "9 turn_end [run r1]"
     )
+
+
+@pytest.mark.parametrize("ts", [1e300, -1e300, float("nan"), float("inf")])
+def test_a_time_no_calendar_holds_is_shown_as_unknown(ts: float) -> None:
+    """A session log's ts is only data: one out of range must not stop `sessions list`."""
+    assert format_time(ts) == "?"
+    assert format_time(0.0).startswith("1970-01-01") or format_time(0.0).startswith("1969-12-31")
