@@ -237,8 +237,7 @@ def status_reply(pod: "Pod", scope_entries: ScopeEntries) -> Any:
 async def _with_children(pod: "Pod", result: StatusResult) -> StatusResult:
     infos = await pod.children.infos()
     result.children = [
-        ChildInfo(name=c["name"], pid=c["pid"], state=c["state"], socket=c["socket"])
-        for c in infos
+        ChildInfo(name=c["name"], pid=c["pid"], state=c["state"], socket=c["socket"]) for c in infos
     ]
     # What the live children spend now, not as of their last report to us (see _probe).
     records = pod.machine.state.children
@@ -288,7 +287,7 @@ def totals(pod: "Pod") -> UsageTotals:
         output=u.output,
         cache_read=u.cache_read,
         cache_write=u.cache_write,
-        calls=len(st.usage_calls),
+        calls=st.call_count,
     )
 
 

@@ -39,7 +39,13 @@ from poddaemon.entries import (
 )
 from poddaemon.history import AssistantMessage, Item, ToolCall, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError
-from poddaemon.session import CONTEXT_SOURCE, MAX_NOTIFICATIONS_PER_REQUEST, SessionState, fold
+from poddaemon.session import (
+    CONTEXT_SOURCE,
+    MAX_NOTIFICATIONS_PER_REQUEST,
+    SessionState,
+    fold,
+    input_digest,
+)
 from poddaemon.tools.base import args_preview
 from poddaemon.turn import CallModel as _CallStep
 from poddaemon.turn import CheckStop, Finished, Turn, interrupted_results
@@ -741,10 +747,11 @@ class Machine:
             forked_from=old.session_id,
             pending_runs=[msgspec.convert(r, PendingRunSnap) for r in snap["pending_runs"]],
             pending_inputs=[msgspec.convert(p, PendingInputSnap) for p in snap["pending_inputs"]],
-            run_keys=snap["run_keys"],
-            notify_keys=snap["notify_keys"],
+            run_key_digests=snap["run_key_digests"],
+            notify_key_digests=snap["notify_key_digests"],
             usage=old.usage,
             usage_calls=old.usage_calls,
+            usage_call_count=old.call_count,
             active_run=old.active_run,
             rounds=old.rounds,
             run_from=old.run_from,
@@ -1040,11 +1047,11 @@ class Machine:
     ) -> str | None:
         """The id an earlier request with this key got (an idempotent retry), or None. Same key
         with a different text is -32006 (replied here; then '' is returned). `keys` maps a key
-        to (text, id, ...)."""
+        to (input_digest, id, ...)."""
         if key is None or key not in keys:
             return None
         original, input_id = keys[key][:2]
-        if original != text:
+        if original != input_digest(text):
             self._error(
                 token,
                 errors.CONFLICTING_CLIENT_KEY,

@@ -9,6 +9,7 @@ which is exactly what must be processed after a crash.
 """
 
 import gc
+import hashlib
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
@@ -37,6 +38,21 @@ from poddaemon.history import Item, SystemNote, ToolCall, Usage, UserMessage, it
 
 # How many notifications one model request shows in full; the rest follow in later rounds.
 MAX_NOTIFICATIONS_PER_REQUEST = 100
+# What a long-lived pod keeps of its past, in memory and in each new session's first entry (a
+# compaction or fork copies it there): the newest client keys per method (the idempotency
+# window; the oldest is forgotten first) and the newest model calls `usage` lists (its totals
+# count them all). Unbounded, a pod compacting every few hundred turns rewrote its whole past
+# into every new session: disk grew with the square of its age.
+KEPT_CLIENT_KEYS = 1000
+KEPT_USAGE_CALLS = 500
+
+
+def input_digest(text: str) -> str:
+    """What a client key remembers of its input: enough to tell a retry (the same input) from
+    a conflict (-32006), without keeping the text."""
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 CONTEXT_SOURCE = "hook:UserPromptSubmit"  # where a prompt's hook context is shown as from
 
 
@@ -90,11 +106,13 @@ class SessionState(msgspec.Struct):
     pending_runs: dict[str, PendingRun] = msgspec.field(default_factory=dict)
     pending_inputs: dict[str, PendingInput] = msgspec.field(default_factory=dict)
     system_prompt: str = ""
-    # client_key -> (input, run id, steered), one namespace per method: a run key never
-    # matches a notify. A steer's run id is the run it joined.
+    # client_key -> (input_digest, run id, steered), one namespace per method: a run key never
+    # matches a notify. A steer's run id is the run it joined. The newest KEPT_CLIENT_KEYS.
     run_keys: dict[str, tuple[str, str, bool]] = msgspec.field(default_factory=dict)
     notify_keys: dict[str, tuple[str, str, bool]] = msgspec.field(default_factory=dict)
-    usage_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    keyed_runs: dict[str, int] = msgspec.field(default_factory=dict)  # run id -> keys naming it
+    usage_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)  # the newest
+    call_count: int = 0  # model calls ever made (usage_calls keeps the newest)
     usage: Usage = msgspec.field(default_factory=Usage)
     run_usage: Usage = msgspec.field(default_factory=Usage)  # of the active (or paused) run
     run_calls: int = 0  # model calls of the active (or paused) run
@@ -104,7 +122,7 @@ class SessionState(msgspec.Struct):
     run_from: int = 0  # index in `history` of the active (or paused) run's first item
     paused_run: str | None = None
     open_calls: list[ToolCall] = msgspec.field(default_factory=list)
-    run_outcomes: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)
+    run_outcomes: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # keyed runs
     last_seq: int = 0
     head: str = ""
     # Spawn trees: runs the spawner asked for (reported when they end), reports not yet
@@ -137,30 +155,40 @@ class SessionState(msgspec.Struct):
                 self.pending_steers -= 1
         return p
 
+    def add_run_key(self, key: str, value: tuple[str, str, bool]) -> None:
+        """Remember a run key (the oldest beyond KEPT_CLIENT_KEYS is forgotten, with the
+        outcome its run kept for a retry that waits)."""
+        self.run_keys[key] = value
+        self.keyed_runs[value[1]] = self.keyed_runs.get(value[1], 0) + 1
+        while len(self.run_keys) > KEPT_CLIENT_KEYS:
+            _, run_id, _ = self.run_keys.pop(next(iter(self.run_keys)))
+            left = self.keyed_runs.pop(run_id, 1) - 1
+            if left:
+                self.keyed_runs[run_id] = left
+            else:
+                self.run_outcomes.pop(run_id, None)
+
+    def add_notify_key(self, key: str, value: tuple[str, str, bool]) -> None:
+        self.notify_keys[key] = value
+        if len(self.notify_keys) > KEPT_CLIENT_KEYS:
+            del self.notify_keys[next(iter(self.notify_keys))]
+
     def snapshot(self) -> dict[str, Any]:
         """Everything `session_start` needs to continue from this state (a fork)."""
         return {
             "history": [item_to_builtins(i) for i in self.history],
             "pending_runs": [msgspec.structs.asdict(r) for r in self.pending_runs.values()],
             "pending_inputs": [msgspec.structs.asdict(p) for p in self.pending_inputs.values()],
-            # [input, run id] ([..., "steer"] for a steer): entries.SessionStart's strings.
-            "run_keys": {
-                k: [text, rid, "steer"] if steered else [text, rid]
-                for k, (text, rid, steered) in self.run_keys.items()
-            },
-            "notify_keys": {k: list(v) for k, v in self.notify_keys.items()},
+            "run_key_digests": {k: list(v) for k, v in self.run_keys.items()},
+            "notify_key_digests": {k: list(v) for k, v in self.notify_keys.items()},
             "usage": msgspec.to_builtins(self.usage),
             "usage_calls": self.usage_calls,
+            "usage_call_count": self.call_count,
             "active_run": self.active_run,
             "rounds": self.rounds,
             "paused_run": self.paused_run,
             "open_calls": [msgspec.to_builtins(c) for c in self.open_calls],
-            # Outcomes a keyed retry with wait=True may still ask for.
-            "run_outcomes": {
-                rid: self.run_outcomes[rid]
-                for _, rid, _ in self.run_keys.values()
-                if rid in self.run_outcomes
-            },
+            "run_outcomes": self.run_outcomes,  # what a keyed retry with wait=True may ask
         }
 
     def tree_snapshot(self) -> dict[str, Any]:
@@ -226,18 +254,18 @@ def _apply(s: SessionState, e: Entry) -> None:
         case UserInput(mode="steer"):
             s.add_pending(PendingInput(e.id or "", "steer", e.text, "user", e.ts))
             if e.client_key:
-                s.run_keys[e.client_key] = (e.text, e.run_id or "", True)
+                s.add_run_key(e.client_key, (input_digest(e.text), e.run_id or "", True))
         case UserInput():
             run_id = e.run_id or ""
             if e.client_key and e.client_key.startswith(SPAWNER_KEY):
                 s.spawner_runs.add(run_id)
             s.pending_runs[run_id] = PendingRun(run_id, e.text, e.client_key, e.context, e.ts)
             if e.client_key:
-                s.run_keys[e.client_key] = (e.text, run_id, False)
+                s.add_run_key(e.client_key, (input_digest(e.text), run_id, False))
         case SystemItem():
             s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts, e.context))
             if e.client_key:
-                s.notify_keys[e.client_key] = (e.text, e.id, e.wakes)
+                s.add_notify_key(e.client_key, (input_digest(e.text), e.id, e.wakes))
             if e.event_id is not None:
                 s.report_ids.add(e.event_id)
             child = s.children.get(e.pod) if e.pod is not None else None
@@ -278,6 +306,9 @@ def _apply(s: SessionState, e: Entry) -> None:
             if e.run_id is not None and e.run_id in (s.active_run, s.paused_run):
                 s.run_usage.add(u)
                 s.run_calls += 1
+            s.call_count += 1
+            if len(s.usage_calls) >= KEPT_USAGE_CALLS:
+                del s.usage_calls[0]
             s.usage_calls.append(
                 {
                     "seq": e.seq,
@@ -302,13 +333,14 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.paused_run = run_id
             elif s.paused_run == run_id:
                 s.paused_run = None
-            s.run_outcomes[run_id] = {
-                "outcome": e.outcome,
-                "text": e.text,
-                "error": e.error,
-                "usage": msgspec.to_builtins(e.usage) if e.usage is not None else None,
-                "calls": calls,
-            }
+            if run_id in s.keyed_runs:  # (waiters of a run are answered as it ends)
+                s.run_outcomes[run_id] = {
+                    "outcome": e.outcome,
+                    "text": e.text,
+                    "error": e.error,
+                    "usage": msgspec.to_builtins(e.usage) if e.usage is not None else None,
+                    "calls": calls,
+                }
 
         case OutboxItem():
             s.outbox[e.event_id] = e
@@ -352,17 +384,27 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
         s.pending_runs[r.run_id] = PendingRun(r.run_id, r.text, r.client_key, r.context, r.ts)
     for p in e.pending_inputs:
         s.add_pending(PendingInput(p.id, p.kind, p.text, p.source, p.ts, p.context))
-    # Before 0.2 keys shared one namespace; such a fork's keys count for both methods.
-    legacy = {k: (v[0], v[1]) for k, v in e.client_keys.items()}
-    s.run_keys = {k: (text, input_id, False) for k, (text, input_id) in legacy.items()}
-    s.run_keys.update((k, (v[0], v[1], v[2:] == ["steer"])) for k, v in e.run_keys.items())
-    s.notify_keys = {k: (text, input_id, False) for k, (text, input_id) in legacy.items()}
-    s.notify_keys.update(
-        (k, (str(v[0]), str(v[1]), len(v) > 2 and v[2] is True)) for k, v in e.notify_keys.items()
-    )
+    # Before 0.2 keys shared one namespace; such a fork's keys count for both methods. Before
+    # 0.4 a key kept its input's text, not its digest.
+    s.run_keys, s.notify_keys, s.keyed_runs = {}, {}, {}
+    s.run_outcomes = dict(e.run_outcomes)
+    for k, (text, input_id) in ((k, v[:2]) for k, v in e.client_keys.items()):
+        s.add_run_key(k, (input_digest(text), input_id, False))
+        s.add_notify_key(k, (input_digest(text), input_id, False))
+    for k, run in e.run_keys.items():
+        s.add_run_key(k, (input_digest(run[0]), run[1], run[2:] == ["steer"]))
+    for k, note in e.notify_keys.items():
+        wakes = len(note) > 2 and note[2] is True
+        s.add_notify_key(k, (input_digest(str(note[0])), str(note[1]), wakes))
+    for k, (digest, rid, steered) in e.run_key_digests.items():
+        s.add_run_key(k, (digest, rid, steered))
+    for k, (digest, nid, wakes) in e.notify_key_digests.items():
+        s.add_notify_key(k, (digest, nid, wakes))
+    s.run_outcomes = {rid: o for rid, o in s.run_outcomes.items() if rid in s.keyed_runs}
     if e.usage is not None:
         s.usage = Usage(**msgspec.structs.asdict(e.usage))
-    s.usage_calls = list(e.usage_calls)
+    s.usage_calls = list(e.usage_calls[-KEPT_USAGE_CALLS:])
+    s.call_count = len(e.usage_calls) if e.usage_call_count is None else e.usage_call_count
     s.active_run = e.active_run
     s.paused_run = e.paused_run
     s.rounds = e.rounds
@@ -371,7 +413,6 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
         s.run_usage = Usage(**msgspec.structs.asdict(e.run_usage))
         s.run_calls = e.run_calls
     s.open_calls = list(e.open_calls)
-    s.run_outcomes = dict(e.run_outcomes)
     tree = e.tree
     if tree:
         for o in tree.get("outbox", []):

@@ -353,8 +353,7 @@ class ListDir:
         note = ""
         if total > len(names):
             note = (
-                f"[showing the first {len(names)} of {total} entries by name; "
-                "use glob to narrow]"
+                f"[showing the first {len(names)} of {total} entries by name; use glob to narrow]"
             )
         output = "\n".join(names) or "(empty directory)"
         return ToolOutcome(output=output, summary=summary, note=note)

@@ -8,7 +8,7 @@ import msgspec
 
 from poddaemon.history import item_to_builtins
 from poddaemon.machine import MachineConfig
-from poddaemon.session import fold
+from poddaemon.session import fold, input_digest
 from poddaemon.store.log import verify
 from tests.unit.machine_driver import Driver
 
@@ -34,23 +34,28 @@ def test_a_v1_session_folds_to_the_same_state() -> None:
     assert state.usage_calls == expected["usage_calls"]
     assert state.usage.input == expected["usage"]["input"]
     assert state.usage.output == expected["usage"]["output"]
-    for run_id, outcome in expected["run_outcomes"].items():
-        got = state.run_outcomes[run_id]
+    # Keys were one namespace in 0.1: a run key and a notify key both still replay. A key
+    # keeps its input's digest now, and an outcome is kept only for a keyed run.
+    legacy = expected["client_keys"]
+    assert {k: list(v) for k, v in state.run_keys.items()} == {
+        k: [input_digest(text), rid, False]
+        for k, (text, rid) in legacy.items()
+        if k.startswith("k-run")
+    }
+    assert {k: list(v) for k, v in state.notify_keys.items()} == {
+        k: [input_digest(text), nid, False]  # `wakes` was not logged: a retry says false
+        for k, (text, nid) in legacy.items()
+        if k.startswith("k-note")
+    }
+    keyed = {rid for _, rid, _ in state.run_keys.values()}
+    assert keyed and state.run_outcomes.keys() == keyed & expected["run_outcomes"].keys()
+    for run_id, got in state.run_outcomes.items():
+        outcome = expected["run_outcomes"][run_id]
         assert (got["outcome"], got["text"], got["error"]) == (
             outcome["outcome"],
             outcome["text"],
             outcome["error"],
         )
-    # Keys were one namespace in 0.1: a run key and a notify key both still replay.
-    legacy = expected["client_keys"]
-    assert {k: list(v) for k, v in state.run_keys.items()} == {
-        k: [*v, False] for k, v in legacy.items() if k.startswith("k-run")
-    }
-    assert {k: list(v) for k, v in state.notify_keys.items()} == {
-        k: [*v, False]  # a notification's `wakes` was not logged: a retry says false, as then
-        for k, v in legacy.items()
-        if k.startswith("k-note")
-    }
 
 
 def test_a_v1_session_restores_and_takes_new_work() -> None:

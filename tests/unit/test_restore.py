@@ -183,13 +183,16 @@ def check_runs_end_once(entries: list[dict[str, Any]]) -> None:
         assert ends[run_id][-1] != "paused", f"run {run_id} still paused"
 
 
-def check_nothing_acknowledged_lost(state: SessionState, acked: list[dict[str, Any]]) -> None:
+def check_nothing_acknowledged_lost(
+    state: SessionState, entries: list[dict[str, Any]], acked: list[dict[str, Any]]
+) -> None:
     """Each acknowledged input is in the history the model saw (or was a cancelled run)."""
     users = [i.text for i in state.history if isinstance(i, UserMessage)]
     notes = "\n".join(i.text for i in state.history if isinstance(i, SystemNote))
+    ended = {e["run_id"]: e["outcome"] for e in entries if e["kind"] == "run_end"}
     for e in acked:
         if e["kind"] == "user_input" and e.get("mode", "queue") == "queue":
-            cancelled = state.run_outcomes.get(e["run_id"], {}).get("outcome") == "cancelled"
+            cancelled = ended.get(e["run_id"]) == "cancelled"
             assert e["text"] in users or cancelled, e
         elif e["kind"] == "user_input":
             # A steer that arrived as its run ended: delivered to a later run, or still pending
@@ -221,7 +224,7 @@ def test_the_machine_keeps_its_invariants_across_crashes(data: st.DataObject) ->
     assert state.active_run is None and state.open_calls == []
     check_pairing(state.history)
     check_runs_end_once(d.entries)
-    check_nothing_acknowledged_lost(state, d.acked)
+    check_nothing_acknowledged_lost(state, d.entries, d.acked)
 
 
 @settings(max_examples=150, deadline=None)

@@ -5,6 +5,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -22,10 +23,13 @@ from poddaemon.history import (
 )
 from poddaemon.llm.types import ModelResponse, StopReason
 from poddaemon.session import (
+    KEPT_CLIENT_KEYS,
+    KEPT_USAGE_CALLS,
     MAX_NOTIFICATIONS_PER_REQUEST,
     PendingInput,
     SessionState,
     fold,
+    input_digest,
     render_notifications,
 )
 from poddaemon.store.log import GENESIS, encode_entry
@@ -153,7 +157,7 @@ def test_steer_input_is_delivered_as_a_user_message_before_the_notes() -> None:
     s = state_of(log)
     assert s.pending_steers == 1 and s.pending_notifications == 1
     assert s.pending_inputs["s1"].source == "user"
-    assert s.run_keys["ks"] == ("also check y", "r1", True)  # the run it joined
+    assert s.run_keys["ks"] == (input_digest("also check y"), "r1", True)  # the run it joined
     ids, items = s.deliverable()
     assert ids == ["n1", "s1"]
     assert items[0] == UserMessage(text="also check y")
@@ -230,6 +234,9 @@ def test_assistant_and_tool_results_pair_and_track_open_calls() -> None:
     log.add("run_end", run_id="r", outcome="finished", text="done")
     s = state_of(log)
     assert s.rounds == 2 and s.active_run is None
+    assert s.run_outcomes == {}  # kept only for a keyed run's retry (see the keys' tests)
+    s.add_run_key("k", ("digest", "r", False))
+    s.apply(log.entries[-1])
     assert s.run_outcomes["r"] == {
         "outcome": "finished",
         "text": "done",
@@ -308,7 +315,6 @@ def test_cancelling_a_queued_run_leaves_the_active_run_alone() -> None:
     log.add("run_end", run_id="r2", outcome="cancelled", text="")
     s = state_of(log)
     assert "r2" not in s.pending_runs
-    assert s.run_outcomes["r2"]["outcome"] == "cancelled"
     assert s.active_run == "r1"
     assert s.open_calls == [call("a")]
 
@@ -355,8 +361,9 @@ def test_client_keys_for_runs_steers_and_notifications() -> None:
     s = state_of(log)
     # Keys are per method: a run key (queue or steer) never matches a notify key. A notify key
     # keeps whether it woke the pod: its retry answers the same.
-    assert s.run_keys == {"k1": ("a", "r1", False), "k2": ("b", "r1", True)}
-    assert s.notify_keys == {"k3": ("c", "n1", False), "k4": ("e", "n2", True)}
+    d = input_digest
+    assert s.run_keys == {"k1": (d("a"), "r1", False), "k2": (d("b"), "r1", True)}
+    assert s.notify_keys == {"k3": (d("c"), "n1", False), "k4": (d("e"), "n2", True)}
 
 
 def test_a_fork_keeps_which_run_keys_were_steers() -> None:
@@ -366,8 +373,12 @@ def test_a_fork_keeps_which_run_keys_were_steers() -> None:
     log.add("user_input", id="s1", run_id="r1", text="b", mode="steer", client_key="k2")
     snap = state_of(log).snapshot()
     forked = Log()
-    forked.start(run_keys=snap["run_keys"])
-    assert state_of(forked).run_keys == {"k1": ("a", "r1", False), "k2": ("b", "r1", True)}
+    forked.start(run_key_digests=snap["run_key_digests"])
+    d = input_digest
+    assert state_of(forked).run_keys == {"k1": (d("a"), "r1", False), "k2": (d("b"), "r1", True)}
+    before_digests = Log()  # a session started before 0.4 kept the inputs' texts
+    before_digests.start(run_keys={"k1": ["a", "r1"], "k2": ["b", "r1", "steer"]})
+    assert state_of(before_digests).run_keys == state_of(forked).run_keys
 
 
 def test_session_start_carries_pending_work_and_a_paused_run() -> None:
@@ -557,3 +568,54 @@ def test_notification_time_is_rendered_in_utc(offset: float) -> None:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
     assert stamp == "2023-11-14T22:13:20Z"
     assert f"[{stamp}]" in render_notifications([note], 0)
+
+
+def test_a_long_lived_pod_keeps_a_bounded_past_and_each_new_session_starts_small() -> None:
+    """The newest KEPT_CLIENT_KEYS keys per method (inputs as digests) and KEPT_USAGE_CALLS
+    calls are kept, the totals count everything, and a forked or compacted session's first
+    entry carries no more: its size does not grow with the pod's age."""
+    extra = 50
+    log = Log()
+    log.start()
+    big = "x" * 10_000
+    for i in range(KEPT_CLIENT_KEYS + extra):
+        log.add("user_input", run_id=f"r{i}", text=f"{big}{i}", mode="queue", client_key=f"k{i}")
+        log.add("run_start", run_id=f"r{i}", trigger="input")
+        log.add(
+            "llm_usage", run_id=f"r{i}", model="m", input=1, output=1, cache_read=0, cache_write=0
+        )
+        log.add("run_end", run_id=f"r{i}", outcome="finished", text=f"done {i}")
+        log.add("system_item", id=f"n{i}", source="ci", text=f"note {i}", client_key=f"nk{i}")
+    s = state_of(log)
+    newest = [f"k{i}" for i in range(extra, KEPT_CLIENT_KEYS + extra)]
+    assert list(s.run_keys) == newest
+    assert list(s.notify_keys) == [f"n{k}" for k in newest]
+    assert s.run_keys[f"k{extra}"] == (input_digest(f"{big}{extra}"), f"r{extra}", False)
+    assert s.run_outcomes.keys() == {f"r{i}" for i in range(extra, KEPT_CLIENT_KEYS + extra)}
+    assert (
+        len(s.usage_calls) == KEPT_USAGE_CALLS
+        and s.usage_calls[-1]["run_id"] == f"r{KEPT_CLIENT_KEYS + extra - 1}"
+    )
+    assert s.call_count == s.usage.input == KEPT_CLIENT_KEYS + extra
+    forked = Log()
+    forked.start(**{k: v for k, v in s.snapshot().items() if k != "history"})
+    assert len(forked.entries[0]["run_key_digests"]) == KEPT_CLIENT_KEYS
+    assert len(msgspec.json.encode(forked.entries[0])) < 1_000_000  # not 10 MB of inputs
+    again = state_of(forked)
+    assert (again.run_keys, again.notify_keys) == (s.run_keys, s.notify_keys)
+    assert (again.run_outcomes, again.usage_calls) == (s.run_outcomes, s.usage_calls)
+    assert again.call_count == s.call_count
+
+
+def test_a_run_keeps_its_outcome_while_any_key_naming_it_is_kept() -> None:
+    """Two keys name one run (a keyed run and a keyed steer into it): forgetting the older key
+    keeps the outcome the newer one's retry may wait for."""
+    s = SessionState()
+    s.add_run_key("queued", ("d1", "r", False))
+    s.add_run_key("steered", ("d2", "r", True))
+    s.run_outcomes["r"] = {"outcome": "finished"}
+    for i in range(KEPT_CLIENT_KEYS - 1):
+        s.add_run_key(f"other{i}", ("d", f"o{i}", False))
+    assert "queued" not in s.run_keys and s.run_outcomes.keys() == {"r"}
+    s.add_run_key("last", ("d", "o-last", False))
+    assert "steered" not in s.run_keys and s.run_outcomes == {} and "r" not in s.keyed_runs
