@@ -1,5 +1,6 @@
 """Pod lifecycle commands: spawn, ls, status, stop, rpc."""
 
+import contextlib
 import sys
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -254,9 +255,10 @@ def _stop_descendants(name: str, children: list[str]) -> list[str]:
     return left
 
 
-def _stop(target: str, tree: bool, top: bool) -> list[str]:
+def _stop(target: str, tree: bool, top: bool, unanswered: bool = False) -> list[str]:
     """Stop `target` (and, with `tree`, its descendants first); the descendants that did not
-    stop. A top-level pod that does not stop is an error at once."""
+    stop. A top-level pod that does not stop is an error at once. A pod that cannot be asked
+    (`unanswered`: it did not answer already) is sent SIGTERM, if a live process holds it."""
     import time
 
     from protocol.client import PodClient
@@ -266,27 +268,36 @@ def _stop(target: str, tree: bool, top: bool) -> list[str]:
     name, pid = target, None
     left: list[str] = []
     try:
-        with (
-            rpc_errors(target, STOP_TIMEOUT),
-            PodClient.connect(target, timeout=STOP_TIMEOUT) as client,
-        ):
-            children: list[str] = []
+        with rpc_errors(target, STOP_TIMEOUT):
             try:
-                st = client.status()
-                name, pid = st.name, st.pid
-                children = [c.name for c in st.children]
-            except RpcError:
-                if tree:
+                if unanswered:  # not asked again, to wait as long again
+                    raise TimeoutError
+                with PodClient.connect(target, timeout=STOP_TIMEOUT) as client:
+                    children: list[str] = []
+                    try:
+                        st = client.status()
+                        name, pid = st.name, st.pid
+                        children = [c.name for c in st.children]
+                    except RpcError:
+                        if tree:
+                            raise
+                    if tree:
+                        left = _stop_descendants(name, children)
+                    try:
+                        client.shutdown()
+                    except ConnectionClosed:
+                        pass  # it went before it could answer: fine
+                    except RpcError as exc:
+                        if exc.code != SHUTTING_DOWN:
+                            raise
+            except (PodNotRunning, ConnectionClosed, TimeoutError) as exc:
+                entry = _unanswering(target)
+                if entry is None:
                     raise
-            if tree:
-                left = _stop_descendants(name, children)
-            try:
-                client.shutdown()
-            except ConnectionClosed:
-                pass  # it went before it could answer: fine
-            except RpcError as exc:
-                if exc.code != SHUTTING_DOWN:
-                    raise
+                name, pid = entry.name, entry.pid
+                if tree and not left:
+                    left = _stop_descendants(name, [])
+                _terminate(entry, "did not answer in time" if isinstance(exc, TimeoutError) else "")
     except PodNotRunning as exc:
         if top:
             not_running(exc)
@@ -304,6 +315,31 @@ def _stop(target: str, tree: bool, top: bool) -> list[str]:
     sys.stdout.write(f"stopped {name}\n")
     sys.stdout.flush()
     return left
+
+
+def _unanswering(target: str) -> Any:
+    """The live registry entry of the pod `target` names (a name or a socket path), once it
+    could not be asked on its socket; None if no live process holds it."""
+    import os
+
+    entries = _registry_entries()
+    if target in entries:
+        return entries[target]
+    return next((e for e in entries.values() if e.socket == os.path.abspath(target)), None)
+
+
+def _terminate(entry: Any, why: str) -> None:
+    """SIGTERM, which a pod takes as `shutdown` (SPEC §7), for a pod that cannot be asked on
+    its socket (wedged, out of file descriptors, stopped); then SIGCONT, so a stopped one wakes
+    to take it, as systemd does. The entry is a live one: its pid is that pod's, not reused."""
+    import os
+    import signal
+
+    with contextlib.suppress(ProcessLookupError):  # it went meanwhile
+        os.kill(entry.pid, signal.SIGTERM)
+        os.kill(entry.pid, signal.SIGCONT)
+    said = why or "could not be asked on its socket"
+    sys.stderr.write(f"podctl: pod '{entry.name}' {said}; sent SIGTERM to pid {entry.pid}\n")
 
 
 def _still_running(left: list[str]) -> None:
@@ -330,8 +366,12 @@ def stop(
     # leaves in the unit's cgroup, and detached children are not the pod's to stop.
     left: list[str] = []
     stop_children = (lambda n, c: left.extend(_stop_descendants(n, c))) if tree else None
-    if stop_unit_pod(pod, STOP_TIMEOUT, stop_children):
-        _still_running(left)
+    try:
+        if stop_unit_pod(pod, STOP_TIMEOUT, stop_children):
+            _still_running(left)
+            return
+    except TimeoutError:
+        _still_running(_stop(pod, tree, top=True, unanswered=True))
         return
     _still_running(_stop(pod, tree, top=True))
 

@@ -84,15 +84,15 @@ def stop_unit_pod(
     target: str, timeout: float, before: Callable[[str, list[str]], None] | None = None
 ) -> bool:
     """`podctl stop` of a unit-managed pod: stop its unit (after `before(name, children)`,
-    for `--tree`). False when it is not one. A pod that does not answer within `timeout` is
-    an error here: the stop would only wait for it as long again."""
+    for `--tree`). False when it is not one; TimeoutError when it does not answer within
+    `timeout` (asking it again would only wait as long again)."""
     from protocol import oneshot
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     try:
         status: dict[str, Any] = oneshot.call(target, "status", timeout=timeout)
     except TimeoutError:
-        fail(f"pod '{target}' did not answer within {timeout:g} s")
+        raise
     except (PodNotRunning, ConnectionClosed, RpcError, OSError):
         return False
     unit = _own_unit(status)

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from poddaemon.registry import Registry
+from poddaemon.registry import Registry, make_entry
+from poddaemon.scope import Scope
 from protocol import PodClient
 from tests.conftest import Env, PodProcess, collect_run, drained, ppid, wait_until
 
@@ -608,23 +610,37 @@ def test_stop_tree_three_levels_deepest_first(tree: Env) -> None:
     assert not _stray(env)
 
 
-def test_stop_tree_fails_naming_a_descendant_that_did_not_stop(tree: Env) -> None:
-    """A child that cannot answer (SIGSTOP) while its parent stops, children detached: the
-    tree is not stopped, so `stop --tree` exits 1 naming it (it exited 0)."""
+def test_stop_tree_stops_a_descendant_that_cannot_answer_and_names_one_that_stays(
+    tree: Env,
+) -> None:
+    """A child that cannot answer (SIGSTOP) while its parent stops, children detached, is
+    stopped by its registered pid (SIGTERM, then SIGCONT). A descendant whose process does not
+    stop even so is named, and `stop --tree` exits 1 (it exited 0)."""
     env = tree
     parent = _detached_parent_of(env, "stuck")
     child = Registry(env.home / "run").get("stuck")
     assert child is not None
-    os.kill(child.pid, signal.SIGSTOP)
+    stubborn = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 60 & wait"])
     try:
-        out = env.podctl("stop", "--tree", "parent")
+        entry = make_entry(
+            "stubborn", "/nowhere/sock", Scope(allow=(), deny=()), parent="stuck", pid=stubborn.pid
+        )
+        Registry(env.home / "run").register(entry)
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            out = env.podctl("stop", "--tree", "parent")
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGCONT)
+        assert out.returncode == 1, (out.stdout, out.stderr)
+        assert out.stdout.splitlines() == ["stopped stuck", "stopped parent"]
+        assert f"sent SIGTERM to pid {child.pid}" in out.stderr
+        assert "1 descendant(s) still running: 'stubborn'" in out.stderr
+        assert [e.name for e in Registry(env.home / "run").live()] == ["stubborn"]
+        assert parent.proc.wait(10) == 0
     finally:
-        os.kill(child.pid, signal.SIGCONT)
-    assert out.returncode == 1, (out.stdout, out.stderr)
-    assert "stopped parent" in out.stdout
-    assert "1 descendant(s) still running: 'stuck'" in out.stderr
-    assert [e.name for e in Registry(env.home / "run").live()] == ["stuck"]
-    assert parent.proc.wait(10) == 0
+        stubborn.kill()
+        stubborn.wait()
 
 
 def test_stop_pod_stops_the_childs_subtree_under_detach(tree: Env) -> None:
