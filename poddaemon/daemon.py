@@ -186,6 +186,30 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+RELEASE_LOCK_TIMEOUT = 2.0  # seconds a stopping pod waits for the registry lock
+MIN_OPEN_FILES = 64  # an idle pod holds ~25 (its loops, socket, log, the SDK's), then clients
+OPEN_FILES = 4096  # what a pod raises its soft limit to, when the hard one allows
+
+
+def _raise_open_file_limit() -> None:
+    """Raise the soft open-file limit toward the hard one, as Go's runtime does: a pod holds a
+    descriptor per client, MCP server and child, and at a soft limit of 64 idle clients could
+    starve its model connection. A limit too low to run at all (its event loop could not even
+    start) refuses the pod in one line, before it claims anything."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+    if soft != resource.RLIM_INFINITY and soft < MIN_OPEN_FILES:
+        raise StartupError(
+            f"the open-file limit (ulimit -n) is {soft}; a pod needs at least {MIN_OPEN_FILES}"
+        )
+
+
 def _exit_at_once(code: int) -> None:
     """Exit now, without the interpreter's own shutdown.
 
@@ -212,6 +236,8 @@ def _own_dirs() -> tuple[str, ...]:
 
 def run_pod(args: "argparse.Namespace") -> int:
     import msgspec
+
+    _raise_open_file_limit()
 
     from poddaemon.config.load import ManifestError, load_manifest
     from poddaemon.llm import CredentialsError, check_manifest_credentials
@@ -383,12 +409,15 @@ class Claim:
         if not self.socket_gone():  # (a file put in its place is not ours to remove)
             with contextlib.suppress(OSError):
                 self.sock_path.unlink()
-        from poddaemon.registry import RegistryError
+        from poddaemon.registry import Registry, RegistryError
 
+        # Not the full lock wait: an entry left behind is stale once this process is gone (the
+        # next transaction reclaims it), and a stop should not wait on a stuck lock holder.
+        registry = Registry(self.registry.runtime_dir, lock_timeout=RELEASE_LOCK_TIMEOUT)
         try:
-            self.registry.release(self.entry.name, self.entry.pid)
+            registry.release(self.entry.name, self.entry.pid)
         except RegistryError as exc:
-            log.error("could not release the registry entry: %s", exc)
+            log.error("could not release the registry entry (left stale): %s", exc)
 
 
 def _keep_config(manifest: object, callback: str | None = None) -> None:

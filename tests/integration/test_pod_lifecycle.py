@@ -315,3 +315,27 @@ def test_invalid_utf8_inside_a_string_is_a_parse_error(env: Env) -> None:
     first, second = (json.loads(line) for line in buf.split(b"\n")[:2])
     assert first["error"]["code"] == -32700
     assert second["result"]["name"] == "utf"
+
+
+def test_a_stuck_registry_lock_does_not_hold_a_stop(env: Env) -> None:
+    """Someone holds pods.json's lock and does not let go: a stopping pod gives up its entry
+    after a short wait (left stale: its process is gone, so the next transaction reclaims it),
+    and `podctl stop` says it stopped (it said 'did not stop within 10 s' as the pod exited)."""
+    pod = env.start("locked")
+    lock = env.home / "run" / "pods.json.lock"
+    holder = subprocess.Popen(
+        ["flock", str(lock), "-c", "echo held; exec sleep 60"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        stop = env.podctl("stop", "locked")
+        assert (stop.returncode, stop.stdout) == (0, "stopped locked\n"), stop.stderr
+        assert pod.proc.wait(5) == 0
+        assert "could not release the registry entry (left stale)" in pod.text()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+    assert env.start("locked").call("status")["name"] == "locked"  # the stale entry reclaimed

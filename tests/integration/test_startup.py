@@ -5,6 +5,7 @@ Each test drives real `poddaemon` / `podctl` processes against the fake model.
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -334,3 +335,43 @@ def test_stop_frees_the_name_without_waiting_for_a_stuck_sdk_import(env: Env) ->
         assert again.stop() == 0
     finally:
         gate.touch()
+
+
+def _with_open_files(soft: int, hard: int) -> Any:
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_open_file_limit_too_low_to_run_refuses_the_pod_in_one_line(env: Env) -> None:
+    """At `ulimit -n 10` the event loop could not even start: three chained tracebacks, and a
+    registry entry left behind. Now one line, exit 78, nothing claimed."""
+    path = env.manifest("fewfiles")
+    proc = subprocess.run(
+        [*env.popen_args(), str(path)],
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=_with_open_files(10, 10),
+    )
+    assert proc.returncode == EXIT_REFUSED, proc.stderr
+    assert proc.stderr == (
+        "poddaemon: the open-file limit (ulimit -n) is 10; a pod needs at least 64\n"
+    )
+    assert registry_entries(env) == {}
+
+
+def test_a_pod_raises_its_soft_open_file_limit_toward_the_hard_one(env: Env) -> None:
+    proc = subprocess.Popen(
+        [*env.popen_args(), str(env.manifest("morefiles"))],
+        env=env.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_with_open_files(64, 20000),
+    )
+    pod = PodProcess(proc, "morefiles")
+    env.pods.append(pod)
+    pod.wait_ready()
+    assert resource.prlimit(proc.pid, resource.RLIMIT_NOFILE) == (4096, 20000)
