@@ -12,6 +12,7 @@ write there) in the same transaction, and handed back when the child's entry goe
 import contextlib
 import functools
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from poddaemon.scope import Rule, Scope, write_overlap
+from poddaemon.scope import Mount, Rule, Scope, device_path, on_devices, write_overlap
 from protocol import paths
 
 if TYPE_CHECKING:
@@ -184,10 +185,28 @@ def _write_claims(entry: PodEntry) -> tuple[Rule, ...]:
     return entry.scope_obj().writable_rules()
 
 
-def _overlap_message(other: PodEntry, path: str) -> str:
+def _overlap_message(other: PodEntry, path: str, mounted: bool = False) -> str:
+    how = " (the same files, through a bind mount)" if mounted else ""
     return (
-        f"scope conflict: pod {other.name!r} (pid {other.pid}) already holds write access to {path}"
+        f"scope conflict: pod {other.name!r} (pid {other.pid}) already holds write access to "
+        f"{path}{how}"
     )
+
+
+def _mounts() -> list[Mount]:
+    """This mount namespace's mounts, from /proc/self/mountinfo: (mount point, device, root)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    unescape = functools.partial(re.compile(r"\\([0-7]{3})").sub, lambda m: chr(int(m[1], 8)))
+    mounts: list[Mount] = []
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) > 4:
+            mounts.append((unescape(fields[4]), fields[2], unescape(fields[3])))
+    return mounts
 
 
 class Registry:
@@ -407,13 +426,20 @@ class Registry:
         if adopted:
             scope = scope.with_delegated(adopted)
             entry.delegated = [*entry.delegated, *(t for t in adopted if t not in entry.delegated)]
-        # Siblings and strangers first, so a clash with a sibling names the sibling.
-        for other in pods.values():
-            if other.name in (entry.name, entry.parent):
-                continue
+        # Siblings and strangers first, so a clash with a sibling names the sibling. Then the
+        # same by what the paths are: a bind mount reaches the same files by another path.
+        others = [o for o in pods.values() if o.name not in (entry.name, entry.parent)]
+        for other in others:
             path = write_overlap(scope, other.effective_scope())
             if path is not None:
                 raise RegistryConflict(_overlap_message(other, path))
+        if others:
+            mounts = _mounts()
+            mine = on_devices(scope, mounts)
+            for other in others:
+                path = write_overlap(mine, on_devices(other.effective_scope(), mounts))
+                if path is not None:
+                    raise RegistryConflict(_overlap_message(other, device_path(path), True))
         if parent is None:
             return []
         parent_scope = parent.effective_scope()

@@ -7,7 +7,7 @@ Paths are compared by components, never by string prefix: `/a/bc` is not under `
 """
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, Protocol
 
@@ -261,6 +261,41 @@ class Scope(msgspec.Struct, frozen=True):
             )
             (deny if item.get("deny") else allow).append(rule)
         return cls(allow=tuple(allow), deny=tuple(deny))
+
+
+Mount = tuple[str, str, str]  # (mount point, device "major:minor", root within that device)
+
+
+def on_devices(scope: Scope, mounts: Sequence[Mount]) -> Scope:
+    """`scope` with each target named by what it is rather than by the path that reaches it:
+    `/@<device><path within the device's file system>`, through the mount that holds it (the
+    longest mount point above it; the last mounted of equal ones). A bind mount's paths and the
+    originals then name the same targets, and write_overlap sees that they overlap.
+
+    `mounts` as /proc/self/mountinfo lists them, in its order."""
+
+    def where(path: str) -> str:
+        best: Mount | None = None
+        for mount in mounts:
+            if _below(mount[0], path) is not None and (
+                best is None or len(mount[0]) >= len(best[0])
+            ):
+                best = mount
+        if best is None:
+            return path
+        point, device, root = best
+        rest = path[len(point) :].lstrip("/")
+        return f"/@{device}{root.rstrip('/')}/{rest}" if rest else f"/@{device}{root}"
+
+    def moved(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+        return tuple(msgspec.structs.replace(r, target=where(r.target)) for r in rules)
+
+    return Scope(allow=moved(scope.allow), deny=moved(scope.deny))
+
+
+def device_path(target: str) -> str:
+    """The path within its device of an `on_devices` target (for messages)."""
+    return "/" + target.split("/", 2)[2] if target.startswith("/@") else target
 
 
 def write_overlap(a: Scope, b: Scope) -> str | None:

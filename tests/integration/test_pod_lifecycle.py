@@ -79,6 +79,34 @@ def test_overlapping_write_scope_is_refused_naming_the_holder(env: Env) -> None:
     assert first.call("status")["state"] == "idle"
 
 
+def test_a_write_scope_reaching_the_same_files_through_a_bind_mount_is_refused(
+    env: Env,
+) -> None:
+    """Paths are not files: a bind mount of the first pod's tree gave the second pod write
+    access to the same files under another path, and both wrote them."""
+    real, alias = env.work / "real", env.home / "alias"
+    (real / "sub").mkdir(parents=True)
+    alias.mkdir()
+    if subprocess.run(["mount", "--bind", str(real), str(alias)], capture_output=True).returncode:
+        pytest.skip("cannot bind-mount here (needs root)")
+    try:
+        env.start("original", write=[str(real / "sub")])
+        with pytest.raises(StartFailed) as failed:
+            env.start("aliased", write=[str(alias)])
+        assert "pod 'original' (pid " in failed.value.stderr
+        assert f"write access to {real / 'sub'} (the same files, through a bind mount)" in (
+            failed.value.stderr
+        )
+        elsewhere = env.home / "elsewhere"
+        elsewhere.mkdir()
+        assert env.start("apart", write=[str(elsewhere)]).call("status")["state"] == "idle"
+    finally:
+        try:
+            env.cleanup()
+        finally:  # (never leave it: removing the test's home would go through it)
+            subprocess.run(["umount", str(alias)], check=True)
+
+
 def test_duplicate_name_is_refused(env: Env) -> None:
     env.start("twin")
     (env.home / "elsewhere").mkdir()

@@ -8,7 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from poddaemon.scope import Access, Rule, Scope, ScopeDenied, resolve, write_overlap
+from poddaemon.scope import (
+    Access,
+    Rule,
+    Scope,
+    ScopeDenied,
+    device_path,
+    on_devices,
+    resolve,
+    write_overlap,
+)
 
 # A tiny alphabet so generated paths collide often; "b" and "bc" exercise prefix confusion.
 NAMES = ("a", "b", "bc")
@@ -288,3 +297,38 @@ def test_sibling_with_common_prefix_on_disk(tree: Path) -> None:
     (tree / "in2").mkdir()
     scope = Scope.from_config([("in", "write", True)], cwd=str(tree))
     assert scope.access(resolve("in2/x", str(tree))) is Access.NONE
+
+
+MOUNTS = [
+    ("/", "254:0", "/"),
+    ("/srv/alias", "254:0", "/data/real"),  # mount --bind /data/real /srv/alias
+    ("/mnt/usb", "8:1", "/"),
+    ("/mnt/usb", "8:2", "/"),  # mounted over the first: this one is what the path reaches
+]
+
+
+def writes(*targets: str) -> Scope:
+    return Scope(allow=tuple(Rule(target=t, access=Access.WRITE) for t in targets))
+
+
+def test_on_devices_names_a_bind_mounts_paths_as_the_originals() -> None:
+    moved = on_devices(
+        writes("/srv/alias/x", "/data/real", "/srv/alias", "/mnt/usb/a", "/"), MOUNTS
+    )
+    assert [r.target for r in moved.allow] == [
+        "/@254:0/data/real/x",
+        "/@254:0/data/real",
+        "/@254:0/data/real",
+        "/@8:2/a",
+        "/@254:0/",
+    ]
+    assert device_path("/@254:0/data/real/x") == "/data/real/x" and device_path("/a") == "/a"
+
+
+def test_write_overlap_through_a_bind_mount_is_seen_on_devices_only() -> None:
+    alias, real, usb = writes("/srv/alias/x"), writes("/data/real"), writes("/mnt/usb")
+    assert write_overlap(alias, real) is None  # by path: no overlap
+    found = write_overlap(on_devices(alias, MOUNTS), on_devices(real, MOUNTS))
+    assert found is not None and device_path(found) == "/data/real/x"
+    assert write_overlap(on_devices(usb, MOUNTS), on_devices(real, MOUNTS)) is None
+    assert on_devices(real, []) == real  # no mount table: paths as they are
