@@ -292,6 +292,8 @@ def _stop(target: str, tree: bool, top: bool, unanswered: bool = False) -> list[
                             raise
             except (PodNotRunning, ConnectionClosed, TimeoutError) as exc:
                 entry = _unanswering(target)
+                if entry is None and not top and not isinstance(exc, TimeoutError):
+                    return left  # it went already (another stop, a restart): not left running
                 if entry is None:
                     raise
                 name, pid = entry.name, entry.pid

@@ -7,11 +7,12 @@ children, which are stopped with it). Stopping or restarting such a pod goes thr
 `systemctl --user`, or systemd would just start it again.
 """
 
+import contextlib
 import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -24,6 +25,7 @@ WAIT_POLL = 0.05
 WAIT_CALL_TIMEOUT = 30.0  # `wait` without --timeout: a pod silent this long is an error
 WAIT_CALL_MIN = 0.5  # the least a status call is given, however little of --timeout is left
 FOLLOW_POLL = 0.2
+RESTART_WAIT = 120.0  # seconds a restart waits for another restart of the same pod
 # `poddaemon-<name>.service` (podctl unit install) or `poddaemon@<name>.service` (the template
 # shipped in systemd/).
 _UNIT_IN_CGROUP = re.compile(r"/(poddaemon[-@][a-z0-9][a-z0-9_-]{0,47}\.service)(?:/|$)")
@@ -132,6 +134,35 @@ def restart(pod: PodArg) -> None:
     from protocol import paths
 
     paths.check_private_dirs()  # the kept configuration grants scope: it must be ours alone
+    with _one_restart_at_a_time(pod):
+        _restart(pod)
+
+
+@contextlib.contextmanager
+def _one_restart_at_a_time(pod: str) -> Iterator[None]:
+    """Restarts of one pod take turns, each stopping it and starting it again, as systemd
+    queues them: at once, they stopped each other's pods mid-start, and three of four said it
+    was not running. (A pod named by its socket path is not queued with its name.)"""
+    import filelock
+
+    from protocol import paths
+
+    if "/" in pod:
+        yield
+        return
+    runtime = paths.ensure_dir(paths.runtime_dir(), "runtime directory")
+    lock = filelock.FileLock(runtime / f"restart-{pod}.lock", timeout=RESTART_WAIT, mode=0o600)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        fail(f"another restart of pod '{pod}' has not finished in {RESTART_WAIT:g} s")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _restart(pod: str) -> None:
     status = _live_status(pod)
     name = str(status["name"]) if status is not None else pod
     unit = pod_unit(pod, status)
@@ -153,7 +184,9 @@ def restart(pod: PodArg) -> None:
     if status is not None:
         from cli.pods import _stop
 
-        _stop(pod, tree=False, top=True)
+        # (not top: a pod another restart stopped meanwhile is no error)
+        if _stop(pod, tree=False, top=False):
+            fail(f"pod '{name}' did not stop; it was not restarted")
     from cli.spawn import SpawnFailed, daemon_command, spawn_detached
 
     try:

@@ -454,6 +454,22 @@ def test_restart_without_the_api_key_leaves_the_pod_running(env: Env) -> None:
     assert pod.proc.wait(20) == 0
 
 
+def test_restarts_of_one_pod_at_once_all_succeed_and_leave_one_pod(cleanup: Env) -> None:
+    """Four `podctl restart` of one pod at once: three said it was not running (exit 3) while
+    the fourth restarted it. A pod another restart stopped, or started, meanwhile is no error."""
+    env = cleanup
+    env.start("busy")
+    restarts = [env.podctl_popen("restart", "busy") for _ in range(4)]
+    results = [(p.wait(60), *p.communicate()) for p in restarts]
+    assert [code for code, _, _ in results] == [0] * 4, results
+    live = Registry(env.home / "run").get("busy")
+    assert live is not None
+    assert all(out.splitlines()[-1] == f"busy\t{live.socket}" for _, out, _ in results), results
+    assert env.podctl("status", "busy", "--json").returncode == 0
+    assert [e.name for e in Registry(env.home / "run").live()] == ["busy"]
+    assert env.podctl("stop", "busy").returncode == 0
+
+
 def test_send_starts_each_model_rounds_text_on_a_line_of_its_own(env: Env) -> None:
     """Text before a tool call and the answer after it are two messages, not one run-on line."""
     env.start("rounds")
