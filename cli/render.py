@@ -212,7 +212,13 @@ def write_targets(scope: Iterable[Mapping[str, Any]]) -> list[str]:
 
 
 def scope_cell(scope: Iterable[Mapping[str, Any]], home: str | None = None) -> str:
-    targets = [shorten_path(t, home) for t in write_targets(scope)]
+    """The write targets (what the registry keeps apart); a pod that may only read shows its
+    read targets, marked `ro:` ("-" read as no scope at all)."""
+    rules = list(scope)
+    targets = [shorten_path(t, home) for t in write_targets(rules)]
+    if not targets:
+        reads = (r for r in rules if r.get("permission") == "read" and not r.get("deny"))
+        targets = [f"ro:{shorten_path(str(r.get('target', '?')), home)}" for r in reads]
     text = ",".join(targets) if targets else "-"
     return text if len(text) <= SCOPE_WIDTH else "…" + text[-(SCOPE_WIDTH - 1) :]
 

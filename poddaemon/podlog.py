@@ -124,7 +124,7 @@ class PodLog:
             self._fork()
             return
         except (OSError, ValueError, TypeError) as exc:
-            self._failed(f"session log write failed: {exc}")
+            self._failed(f"session log {log.path} write failed: {exc}")
             return
         if not self._flush_due:
             self._flush_due = True
@@ -149,7 +149,7 @@ class PodLog:
         except HeadMoved:
             self._fork()
         except OSError as exc:
-            self._failed(f"session log write failed: {exc}")
+            self._failed(f"session log {log.path} write failed: {exc}")
 
     def _fork(self, why: str = "was written by someone else") -> None:
         start = self.fork()

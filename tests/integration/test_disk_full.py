@@ -60,6 +60,7 @@ def test_disk_full_is_reported_and_nothing_acknowledged_is_lost(
         assert "No space left on device" in err.value.message
         alert = next(e for e in watcher.events() if e.type == "alert")
     assert alert.data["level"] == "error" and "No space left" in alert.data["message"]
+    assert f"session log {small_data_dir}/sessions/" in alert.data["message"]  # which file
     # It stops rather than run without a log, and says so with its exit status (SPEC §7), so a
     # supervisor restarts it.
     assert pod.proc.wait(20) == 1

@@ -348,7 +348,7 @@ def test_other_uid_with_a_sessions_dir_it_cannot_write_is_refused_before_ready(
     os.chown(other.mine / "data", OTHER_UID, OTHER_UID)
     os.chown(sessions, OTHER_UID, OTHER_UID)
     os.chmod(sessions, 0o500)  # its own, but read-only
-    proc = other.run()
+    proc = other.run(PODDAEMON_RUNTIME_DIR=str(other.mine / "run"))  # (not /tmp/runtime-65534)
     err = one_line_failure(proc)
     assert proc.returncode == EXIT_REFUSED
     assert err == f"poddaemon: cannot write session logs in {sessions}: Permission denied\n"

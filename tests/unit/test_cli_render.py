@@ -261,6 +261,15 @@ def test_scope_cell_lists_write_targets_only_and_cuts_long_ones() -> None:
     assert len(cell) == 40 and cell.startswith("…") and cell.endswith("/number/4")
 
 
+def test_scope_cell_of_a_pod_that_may_only_read_shows_its_read_targets() -> None:
+    reads = [
+        {"target": "/home/u/docs", "permission": "read"},
+        {"target": "/home/u/docs/secret", "permission": "read", "deny": True},
+    ]
+    assert scope_cell(reads, home="/home/u") == "ro:~/docs"
+    assert scope_cell([], home="/home/u") == "-"
+
+
 def test_shorten_path() -> None:
     assert shorten_path("/home/u/x", home="/home/u") == "~/x"
     assert shorten_path("/home/u", home="/home/u") == "~"
