@@ -238,6 +238,9 @@ def run_pod(args: "argparse.Namespace") -> int:
     import msgspec
 
     _raise_open_file_limit()
+    # Another user's home is refused as such before its defaults.toml is read (that read said
+    # only "permission denied").
+    paths.check_private_dirs()
 
     from poddaemon.config.load import ManifestError, load_manifest
     from poddaemon.llm import CredentialsError, check_manifest_credentials

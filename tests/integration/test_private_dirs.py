@@ -251,7 +251,12 @@ def test_other_uid_accepts_a_home_of_its_own(other: Other) -> None:
 def test_other_uid_refuses_a_home_owned_by_root(other: Other) -> None:
     home = other.base / "roots"  # root's, readable by everyone: a hijacker's set-up
     home.mkdir(mode=0o755)
-    err = one_line_failure(other.run(PODDAEMON_HOME=str(home)))
+    (home / "config").mkdir(mode=0o755)  # its defaults unreadable: not what is said first
+    (home / "config" / "defaults.toml").write_text("")
+    os.chmod(home / "config" / "defaults.toml", 0o600)
+    err = one_line_failure(
+        other.run(PODDAEMON_HOME=str(home), PODDAEMON_CONFIG_DIR=str(home / "config"))
+    )
     assert err.startswith(
         f"poddaemon: home directory {home} is owned by uid 0, not by you (uid {OTHER_UID})"
     )
