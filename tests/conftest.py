@@ -207,7 +207,10 @@ class Env:
     def popen_args(self) -> list[str]:
         return [sys.executable, "-m", "poddaemon", "run"]
 
-    def popen(self, *args: str) -> subprocess.Popen[str]:
+    def popen(
+        self, *args: str, preexec_fn: Callable[[], object] | None = None
+    ) -> subprocess.Popen[str]:
+        """`poddaemon run ARGS`, its stderr a pipe (`preexec_fn`: say a umask or rlimit)."""
         return subprocess.Popen(
             [*self.popen_args(), *args],
             env=self.env,
@@ -216,6 +219,7 @@ class Env:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            preexec_fn=preexec_fn,
         )
 
     def start(self, name: str = "pod", *args: str, **manifest: Any) -> PodProcess:

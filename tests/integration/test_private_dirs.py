@@ -51,16 +51,7 @@ def test_every_directory_is_created_0700_under_umask_0(env: Env) -> None:
     home = env.home / "fresh"  # does not exist yet: the pod creates all of it
     env.env["PODDAEMON_HOME"] = str(home)
     manifest = env.manifest("private")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "poddaemon", "run", str(manifest)],
-        env=env.env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: os.umask(0),
-    )
+    proc = env.popen(str(manifest), preexec_fn=lambda: os.umask(0))
     assert proc.stderr is not None
     line = proc.stderr.readline()
     try:

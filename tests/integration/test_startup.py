@@ -361,16 +361,7 @@ def test_an_open_file_limit_too_low_to_run_refuses_the_pod_in_one_line(env: Env)
 
 
 def test_a_pod_raises_its_soft_open_file_limit_toward_the_hard_one(env: Env) -> None:
-    proc = subprocess.Popen(
-        [*env.popen_args(), str(env.manifest("morefiles"))],
-        env=env.env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=_with_open_files(64, 20000),
-    )
+    proc = env.popen(str(env.manifest("morefiles")), preexec_fn=_with_open_files(64, 20000))
     pod = PodProcess(proc, "morefiles")
     env.pods.append(pod)
     pod.wait_ready()
