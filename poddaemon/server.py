@@ -8,6 +8,7 @@ gets every reply; memory per connection is bounded (unread replies, partial fram
 """
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -542,6 +543,7 @@ class RpcServer:
         self.connections: set[Connection] = set()
         self._server: asyncio.AbstractServer | None = None
         self._path: Path | None = None
+        self._ino = 0  # the inode of the socket we bound at _path
 
     def drop_oldest_partials(self) -> None:
         """Past the bound on partial frames, disconnect the clients whose unfinished frames
@@ -585,7 +587,7 @@ class RpcServer:
             raise
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
-        self._path = path
+        self._path, self._ino = path, os.stat(path).st_ino
 
     async def close(self) -> None:
         if self._server is not None:
@@ -594,5 +596,9 @@ class RpcServer:
             if conn.transport is not None:
                 conn.transport.close()
         if self._path is not None:
-            self._path.unlink(missing_ok=True)  # Python 3.11 leaves the file behind
+            # Python 3.11 leaves the file behind. Only ours: once our registry entry went, a
+            # new pod of this name may have bound the path, and must keep its socket.
+            with contextlib.suppress(OSError):
+                if os.stat(self._path).st_ino == self._ino:
+                    self._path.unlink()
             self._path = None

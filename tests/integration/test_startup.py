@@ -7,6 +7,7 @@ import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,20 @@ def test_a_pod_whose_socket_is_removed_stops_with_status_1(env: Env) -> None:
     assert "socket" in pod.text() and "Traceback" not in pod.text()
     assert registry_entries(env) == {}
     assert env.start("unreachable").call("status")["name"] == "unreachable"
+
+
+def test_a_pod_that_stops_leaves_a_socket_bound_at_its_path_by_another_alone(env: Env) -> None:
+    """Once its claim is lost, a new pod of the name may bind the same path: the stopping pod
+    removed that socket too (it unlinked the path unchecked), and the new pod, finding its
+    socket gone, stopped as well."""
+    pod = env.start("replaced")
+    os.unlink(pod.socket)
+    with socket.socket(socket.AF_UNIX) as newcomer:
+        newcomer.bind(pod.socket)
+        newcomer.listen(1)
+        theirs = os.stat(pod.socket).st_ino
+        assert pod.proc.wait(20) == 1  # its socket was replaced: it stops
+        assert os.stat(pod.socket).st_ino == theirs
 
 
 def test_requested_stops_exit_0(env: Env) -> None:
