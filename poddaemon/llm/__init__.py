@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
-from poddaemon.llm.retry import ProviderSettings, api_key_env_name
+from poddaemon.llm.retry import ProviderSettings, api_key_env_name, classify_error_code
 from poddaemon.llm.types import (
     ModelClient,
     ModelRequest,
@@ -225,7 +225,23 @@ async def whole_body(stream: Any) -> dict[str, Any] | None:
         body = msgspec.json.decode(await response.aread())
     except msgspec.DecodeError:
         return None
-    return body if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        return None
+    raise_error_body(body)
+    return body
+
+
+def raise_error_body(body: dict[str, Any]) -> None:
+    """An error object sent with 200 in place of an answer (OpenAI's `{"error": {message,
+    type, code}}`, Ollama's `{"error": "..."}`, Anthropic's `{"type": "error", "error":
+    {...}}`) fails the call as a stream's error event does: it is not an empty answer."""
+    error = body.get("error")
+    if error is None or any(k in body for k in ("choices", "output", "content")):
+        return
+    if isinstance(error, dict):
+        code = str(error.get("code") or error.get("type") or "error")
+        raise classify_error_code(code, str(error.get("message") or ""))
+    raise classify_error_code("error", str(error))
 
 
 def items(obj: Any, name: str) -> list[Any]:

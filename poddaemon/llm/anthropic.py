@@ -26,7 +26,6 @@ from poddaemon.llm.retry import (
     ProviderSettings,
     RetryingClient,
     api_key_env_name,
-    classify_error_code,
     sdk_timeout,
 )
 from poddaemon.llm.types import (
@@ -190,13 +189,7 @@ async def _events(stream: Any, answered: Callable[[], bool]) -> AsyncIterator[An
 
 def message_events(message: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """A Messages API answer as its stream's events: each content block starts whole (a tool
-    call's input as one JSON delta), then the stop reason, then the end. An error object sent
-    in its place fails the call as a stream's `error` event does."""
-    if field(message, "type") == "error":
-        error = field(message, "error")
-        raise classify_error_code(
-            str(field(error, "type", "error")), str(field(error, "message", ""))
-        )
+    call's input as one JSON delta), then the stop reason, then the end."""
     yield {"type": "message_start", "message": {"usage": field(message, "usage")}}
     for index, block in enumerate(items(message, "content")):
         yield {"type": "content_block_start", "index": index, "content_block": block}

@@ -97,8 +97,12 @@ def _validate_fault(fault: object) -> None:
             if key in fault and not isinstance(fault[key], str):
                 raise ValueError(f"reply.fault.{key} must be a string")
         status = fault.get("status")
-        if not isinstance(status, int) or not 400 <= status <= 599:
-            raise ValueError("reply.fault.status must be an HTTP error status (400-599)")
+        if status == 200 and "body" in fault:  # a 200 whose body is no answer (an error object)
+            pass
+        elif not isinstance(status, int) or not 400 <= status <= 599:
+            raise ValueError(
+                "reply.fault.status must be an HTTP error status (400-599), or 200 with a body"
+            )
         if "retry_after" in fault and not isinstance(fault["retry_after"], int | float):
             raise ValueError("reply.fault.retry_after must be a number of seconds")
     elif kind == "hang":

@@ -32,7 +32,8 @@ scripted reply; with an empty script the answer is ``ok: <last user text, 200 ch
   instead of ``text/event-stream`` (a server or proxy that mislabels it).
 - ``fault``: ``{kind: "status", status, retry_after?, message?, type?, body?, content_type?}``
   (the API's error JSON, ``Retry-After`` header; ``body``: this text instead, verbatim, as
-  ``content_type``, default ``text/plain``: a proxy's HTML page, Ollama's ``{"error": "..."}``);
+  ``content_type``, default ``text/plain``: a proxy's HTML page, Ollama's ``{"error": "..."}``;
+  ``status`` 200 only with a ``body``: an error object sent as if it were the answer);
   ``{kind: "hang", seconds, headers?}`` (stall, then drop the connection; ``headers``
   defaults to true for streams); ``{kind: "cut", after_chunks, finals?}`` (stream that many deltas,
   then drop the connection; ``finals``: how many of the terminal events still go out first,

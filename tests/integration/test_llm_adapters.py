@@ -324,6 +324,22 @@ async def test_a_server_that_ignores_stream_true_is_read_whole(fake: FakeModel, 
     assert len(fake.requests) == 2 and all(r["body"]["stream"] for r in fake.requests)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+async def test_an_error_object_sent_with_200_fails_the_call_with_its_message(
+    fake: FakeModel, kind: str
+) -> None:
+    """A proxy that answers 200 with an error object: the call fails with the server's words
+    (openai_responses took it for an empty answer, chat retried a 'stream without a
+    finish_reason')."""
+    body = json.dumps({"error": {"message": "model 'nope' not found", "type": "invalid_request"}})
+    fault = {"kind": "status", "status": 200, "body": body, "content_type": "application/json"}
+    fake.script({"fault": fault})
+    _, err = await run(make_client(config(fake, kind)))
+    assert isinstance(err, ProviderError) and err.kind == "fatal", err
+    assert "model 'nope' not found" in str(err)
+    assert len(fake.requests) == 1  # not retried: it would say the same
+
+
 async def test_a_chat_event_stream_labelled_json_is_still_read_as_events(fake: FakeModel) -> None:
     fake.script({"text": LONG_TEXT, "content_type": "application/json"})
     events, err = await run(make_client(config(fake, "openai")))

@@ -23,6 +23,7 @@ from poddaemon.llm import (
     make_client,
     map_stop,
     order_items,
+    raise_error_body,
     text_field,
     unique_ids,
 )
@@ -498,11 +499,34 @@ def test_an_anthropic_answer_sent_whole_becomes_its_stream_events() -> None:
     assert events[5]["delta"]["stop_reason"] == "tool_use"
 
 
-def test_an_anthropic_error_sent_whole_with_200_fails_the_call_as_a_stream_error() -> None:
-    error = {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}}
+@pytest.mark.parametrize(
+    ("body", "kind", "said"),
+    [
+        (
+            {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}},
+            "transient",
+            "busy",
+        ),
+        (
+            {"error": {"message": "upstream exploded", "type": "server_error"}},
+            "transient",
+            "upstream exploded",
+        ),
+        ({"error": {"message": "bad key", "code": "invalid_api_key"}}, "auth", "bad key"),
+        ({"error": "model 'x' not found"}, "fatal", "model 'x' not found"),
+    ],
+)
+def test_an_error_sent_whole_with_200_fails_the_call_as_a_stream_error(
+    body: dict[str, Any], kind: str, said: str
+) -> None:
     with pytest.raises(ProviderError) as raised:
-        list(anth.message_events(error))
-    assert raised.value.kind == "transient" and "busy" in str(raised.value)
+        raise_error_body(body)
+    assert raised.value.kind == kind and said in str(raised.value)
+
+
+def test_an_answer_that_carries_an_error_field_is_an_answer() -> None:
+    raise_error_body({"object": "response", "output": [], "error": None, "status": "completed"})
+    raise_error_body({"choices": [], "error": {"message": "partial"}})  # the choices decide
 
 
 def test_a_responses_answer_sent_whole_becomes_its_stream_events() -> None:
