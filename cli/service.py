@@ -49,14 +49,19 @@ def unit_of_pid(pid: int) -> str | None:
     return None
 
 
-def _live_status(target: str) -> dict[str, Any] | None:
-    """The pod's status, or None when it is not running."""
+def _live_status(target: str, timeouts: bool = False) -> dict[str, Any] | None:
+    """The pod's status, or None when it is not running (or, unless `timeouts`, when it does
+    not answer: TimeoutError then)."""
     from protocol import oneshot
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     try:
         result: dict[str, Any] = oneshot.call(target, "status", timeout=5.0)
         return result
+    except TimeoutError:
+        if timeouts:
+            raise
+        return None
     except (PodNotRunning, ConnectionClosed, RpcError, OSError):
         return None
 
@@ -142,16 +147,17 @@ def restart(pod: PodArg) -> None:
 def _one_restart_at_a_time(pod: str) -> Iterator[None]:
     """Restarts of one pod take turns, each stopping it and starting it again, as systemd
     queues them: at once, they stopped each other's pods mid-start, and three of four said it
-    was not running. (A pod named by its socket path is not queued with its name.)"""
+    was not running."""
     import filelock
 
     from protocol import paths
 
-    if "/" in pod:
+    name = _name_of(pod)
+    if name is None:
         yield
         return
     runtime = paths.ensure_dir(paths.runtime_dir(), "runtime directory")
-    lock = filelock.FileLock(runtime / f"restart-{pod}.lock", timeout=RESTART_WAIT, mode=0o600)
+    lock = filelock.FileLock(runtime / f"restart-{name}.lock", timeout=RESTART_WAIT, mode=0o600)
     try:
         lock.acquire()
     except filelock.Timeout:
@@ -162,9 +168,29 @@ def _one_restart_at_a_time(pod: str) -> Iterator[None]:
         lock.release()
 
 
+def _name_of(pod: str) -> str | None:
+    """The pod name `pod` gives: a name, or a socket path, in our runtime dir
+    (`<runtime>/pods/NAME/sock`, whether its pod runs or not) or where a live pod listens."""
+    from protocol import paths
+
+    if "/" not in pod:
+        return pod
+    path = Path(os.path.abspath(pod))
+    if path.name == "sock" and path == paths.socket_path(path.parent.name):
+        return path.parent.name
+    from cli.pods import _unanswering
+
+    entry = _unanswering(pod)
+    return None if entry is None else str(entry.name)
+
+
 def _restart(pod: str) -> None:
-    status = _live_status(pod)
-    name = str(status["name"]) if status is not None else pod
+    unanswering = False
+    try:
+        status = _live_status(pod, timeouts=True)
+    except TimeoutError:  # stopped, wedged: stopped by its pid below (SIGTERM), then started
+        status, unanswering = None, True
+    name = str(status["name"]) if status is not None else _name_of(pod) or pod
     unit = pod_unit(pod, status)
     if unit is not None:
         _systemctl_or_fail("restart", unit)  # Type=notify: returns once READY
@@ -181,11 +207,11 @@ def _restart(pod: str) -> None:
     if problem is not None:  # found before the stop: a restart that cannot start keeps the pod
         left = " (it is left running)" if status is not None else ""
         fail(f"cannot restart pod '{name}'{left}: {problem}")
-    if status is not None:
+    if status is not None or unanswering:
         from cli.pods import _stop
 
         # (not top: a pod another restart stopped meanwhile is no error)
-        if _stop(pod, tree=False, top=False):
+        if _stop(pod, tree=False, top=False, unanswered=unanswering):
             fail(f"pod '{name}' did not stop; it was not restarted")
     from cli.spawn import SpawnFailed, daemon_command, spawn_detached
 

@@ -405,6 +405,28 @@ def test_stop_of_a_pod_that_cannot_answer_sends_it_sigterm_after_its_timeout(env
     assert json.loads(env.podctl("ls", "--json").stdout) == []
 
 
+def test_restart_of_a_pod_that_cannot_answer_stops_it_by_its_pid_and_starts_it(
+    env: Env,
+) -> None:
+    """It took a pod that does not answer for one not running, and the start failed on the
+    name the stopped pod still held."""
+    pod = env.start()
+    os.kill(pod.proc.pid, signal.SIGSTOP)
+    try:
+        out = env.podctl("restart", "pod")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pod.proc.pid, signal.SIGCONT)
+    try:
+        assert out.returncode == 0, out.stderr
+        assert f"sent SIGTERM to pid {pod.proc.pid}" in out.stderr
+        assert pod.proc.wait(10) == 0
+        again = json.loads(env.podctl("status", "pod", "--json").stdout)
+        assert again["pid"] != pod.proc.pid
+    finally:
+        env.podctl("stop", "pod")
+
+
 def test_stop_of_a_pod_out_of_file_descriptors_sends_it_sigterm(env: Env) -> None:
     """A live pod that cannot take a connection (no file descriptor left for it) is stopped
     by its registered pid, not called 'not running'."""
