@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -186,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+TAKE_BACK_TRIES = 6  # passes (CLAIM_CHECK_INTERVAL apart) a pod tries to register again
 RELEASE_LOCK_TIMEOUT = 2.0  # seconds a stopping pod waits for the registry lock
 MIN_OPEN_FILES = 64  # an idle pod holds ~25 (its loops, socket, log, the SDK's), then clients
 OPEN_FILES = 4096  # what a pod raises its soft limit to, when the hard one allows
@@ -372,7 +373,7 @@ class Claim:
             self.entry.start_time,
         )
 
-    def take_back(self, session: str | None) -> bool:
+    def take_back(self, session: str | None, children: Mapping[str, list[str]] = {}) -> bool:
         """Register this pod again when its entry went from pods.json (the file removed, emptied
         or rewritten: what one does with a corrupt registry) and nobody has taken its name or
         an overlapping scope since. True when the entry is ours again."""
@@ -380,13 +381,25 @@ class Claim:
 
         from poddaemon.registry import RegistryError
 
-        entry = msgspec.structs.replace(self.entry, session=session, delegated=[])
-        try:  # (live children found there are adopted again: their areas stay delegated)
-            self.entry = self.registry.register(entry)
+        # Its live children's areas stay theirs (delegated), registered again yet or not, and
+        # so do those of descendants found registered (adopted).
+        delegated = sorted({t for targets in children.values() for t in targets})
+        entry = msgspec.structs.replace(self.entry, session=session, delegated=delegated)
+        try:
+            self.entry = self.registry.register(entry, kin=list(children))
         except RegistryError as exc:
             log.error("cannot register the pod again: %s", exc)
             return False
         return True
+
+    def entry_gone(self) -> bool:
+        """No live process holds this pod's name (its entry is gone, not taken over)."""
+        from poddaemon.registry import RegistryError
+
+        try:
+            return self.registry.get(self.entry.name) is None
+        except RegistryError:
+            return False
 
     def socket_gone(self) -> bool:
         """True when the socket we bound was removed or replaced: no client can reach us."""
@@ -675,7 +688,14 @@ def _serve(
             bus.publish("alert", {"level": "error", "source": source, "message": reason})
             ending.fail(reason)
 
-        watch = asyncio.create_task(watch_claim(claim, lost, changed, pod.named_session))
+        def children() -> dict[str, list[str]]:  # live ones, and the areas they write
+            return {
+                name: [r["target"] for r in c.scope if r.get("permission") == "write"]
+                for name, c in pod.machine.state.children.items()
+                if c.live
+            }
+
+        watch = asyncio.create_task(watch_claim(claim, lost, changed, pod.named_session, children))
         try:
             await pod.serve()
             if pod.failure is not None and ending.failure is None:
@@ -803,6 +823,7 @@ async def watch_claim(
     lost: Callable[..., None],
     changed: Callable[[], None] | None = None,
     session: Callable[[], str | None] | None = None,
+    children: Callable[[], Mapping[str, list[str]]] = dict,
 ) -> None:
     """Stop the pod if its registry entry is taken over (another process under its name, or
     its entry gone and its name or scope claimed meanwhile): it could no longer promise that
@@ -810,9 +831,12 @@ async def watch_claim(
     registered again, naming the pod's `session()`. Likewise stop if its socket goes: nobody
     could reach it, not even to stop it, while it holds name and scope (`lost(reason,
     name_lost=False)`: the entry is still ours to release). `changed` is called when pods.json
-    changed and the entry is (again) ours."""
+    changed and the entry is (again) ours. Registering again is tried TAKE_BACK_TRIES times,
+    a pass apart, before the claim counts as lost: the pods of a tree register again in any
+    order, and a grandchild back before its parent holds part of this pod's area meanwhile."""
     path = claim.registry.path
     seen: tuple[int, int, int] | bool | None = False  # False: not looked yet (None: no file)
+    tries = TAKE_BACK_TRIES
     while True:
         await asyncio.sleep(CLAIM_CHECK_INTERVAL)
         if claim.socket_gone():
@@ -835,7 +859,11 @@ async def watch_claim(
         except RegistryError as exc:
             log.warning("cannot check the registry entry: %s", exc)
             continue
-        if not held and not (session is not None and claim.take_back(session())):
+        if not held and not (session is not None and claim.take_back(session(), children())):
+            tries -= 1
+            if session is not None and tries > 0 and claim.entry_gone():
+                seen = False  # look again next pass, changed or not
+                continue
             lost(
                 f"lost the registry claim on pod {claim.entry.name!r}: its entry in "
                 f"{path} is gone or belongs to another process"
@@ -843,6 +871,7 @@ async def watch_claim(
             return
         if not held:
             log.warning("the pod's entry was gone from %s; registered it again", path)
+        tries = TAKE_BACK_TRIES
         if changed is not None:
             changed()
 

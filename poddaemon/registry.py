@@ -14,7 +14,7 @@ import functools
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -371,11 +371,14 @@ class Registry:
 
     # -- the operations ------------------------------------------------------------------------
 
-    def register(self, entry: PodEntry) -> PodEntry:
+    def register(self, entry: PodEntry, kin: Collection[str] = ()) -> PodEntry:
         """Claim `entry.name` and its write scope; RegistryConflict names who holds them.
 
         With a live parent, write rules inside the parent's writable area are a delegation:
-        allowed, and recorded in the parent's `delegated`. Returns the stored entry.
+        allowed, and recorded in the parent's `delegated`. Live descendants found registered
+        are taken back (their areas stay delegated): those whose parent chain leads to this
+        pod, or to `kin` (children it knows of, not registered again yet). Returns the stored
+        entry.
         """
 
         def change(pods: dict[str, PodEntry]) -> PodEntry:
@@ -384,11 +387,13 @@ class Registry:
                 raise RegistryConflict(
                     f"a pod named {entry.name!r} is already running (pid {held.pid})"
                 )
-            return self._admit(pods, entry)
+            return self._admit(pods, entry, kin)
 
         return self._transact(change)
 
-    def _admit(self, pods: dict[str, PodEntry], entry: PodEntry) -> PodEntry:
+    def _admit(
+        self, pods: dict[str, PodEntry], entry: PodEntry, kin: Collection[str] = ()
+    ) -> PodEntry:
         """Check `entry`'s claims against `pods`, then store it and record any delegation."""
         if entry.session is not None:
             holder = next(
@@ -401,7 +406,7 @@ class Registry:
                     f" (pid {holder.pid})"
                 )
         parent = pods.get(entry.parent) if entry.parent else None
-        delegated = self._check_claims(pods, entry, parent)
+        delegated = self._check_claims(pods, entry, parent, kin)
         stored = msgspec.structs.replace(entry, delegated=list(entry.delegated))
         pods[entry.name] = stored
         if parent is not None and delegated:
@@ -411,14 +416,24 @@ class Registry:
         return stored
 
     def _check_claims(
-        self, pods: dict[str, PodEntry], entry: PodEntry, parent: PodEntry | None
+        self,
+        pods: dict[str, PodEntry],
+        entry: PodEntry,
+        parent: PodEntry | None,
+        kin: Collection[str] = (),
     ) -> list[str]:
         """Raise on any write overlap; return the targets delegated from `parent`."""
         scope = entry.effective_scope()
-        # A restarted spawner takes its live children back: their areas stay delegated.
+        # A restarted spawner takes its live descendants back: their areas stay delegated.
+        family = {entry.name, *kin}
+        grew = True
+        while grew:
+            found = {o.name for o in pods.values() if o.parent in family} - family
+            family |= found
+            grew = bool(found)
         adopted: list[str] = []
         for other in pods.values():
-            if other.parent != entry.name or other.name == entry.name:
+            if other.parent not in family or other.name == entry.name:
                 continue
             theirs = other.effective_scope().writable_rules()
             if all(_delegable(r, scope, other.effective_scope()) for r in theirs):

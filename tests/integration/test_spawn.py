@@ -668,6 +668,47 @@ def test_stop_pod_stops_the_childs_subtree_under_detach(tree: Env) -> None:
     assert len(_stray(env)) == 1
 
 
+@pytest.mark.parametrize("first", ["parent", "leaf"])
+def test_a_tree_whose_registry_went_registers_again_in_any_order(tree: Env, first: str) -> None:
+    """pods.json removed while the middle pod of a tree cannot act (SIGSTOP): the root and the
+    grandchild register again without it, in either order. The root keeps its live child's
+    area delegated, so the grandchild's claim inside it is no stranger's (it stopped the
+    whole tree: 'scope conflict' with its own grandchild)."""
+    env = tree
+    (env.work / "mid" / "leaf").mkdir(parents=True)
+    env.model.script_model(
+        "m-mid",
+        {"tool_calls": [spawn_call("leaf", "leaf task", [str(env.work / "mid" / "leaf")])]},
+        {"text": "mid done"},
+    )
+    env.model.script_model("m-leaf")
+    env.model.script(
+        {"tool_calls": [spawn_call("mid", "spawn a leaf", [str(env.work / "mid")])]},
+        {"text": "spawned"},
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    registry = Registry(env.home / "run")
+    everyone = {"parent", "mid", "leaf"}
+    wait_until(lambda: {e.name for e in registry.live()} == everyone, 30, "the tree")
+    pids = {e.name: e.pid for e in registry.live()}
+    other = "leaf" if first == "parent" else "parent"
+    os.kill(pids["mid"], signal.SIGSTOP)
+    os.kill(pids[other], signal.SIGSTOP)  # `first` registers again first
+    try:
+        (env.home / "run" / "pods.json").unlink()
+        wait_until(lambda: registry.get(first) is not None, 20, f"{first} back")
+        os.kill(pids[other], signal.SIGCONT)
+        wait_until(lambda: registry.get(other) is not None, 20, f"{other} back")
+    finally:
+        for name in ("mid", other):
+            os.kill(pids[name], signal.SIGCONT)
+    wait_until(lambda: {e.name for e in registry.live()} == everyone, 20, "the whole tree back")
+    assert {e.name: e.pid for e in registry.live()} == pids
+    assert parent.call("status")["state"] == "idle"
+    assert str(env.work / "mid") in (registry.get("parent") or registry.live()[0]).delegated
+
+
 # --- budget ----------------------------------------------------------------------------------
 
 
