@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from poddaemon.scope import Mount, Rule, Scope, device_path, on_devices, write_overlap
+from poddaemon.scope import Mount, Rule, Scope, on_devices, write_overlap
 from protocol import paths
 
 if TYPE_CHECKING:
@@ -186,10 +186,13 @@ def _write_claims(entry: PodEntry) -> tuple[Rule, ...]:
 
 
 def _overlap_message(other: PodEntry, path: str, mounted: bool = False) -> str:
-    how = " (the same files, through a bind mount)" if mounted else ""
+    if mounted:
+        return (
+            f"scope conflict: pod {other.name!r} (pid {other.pid}) already holds write access "
+            f"to files that {path} reaches (the same files, through a bind mount)"
+        )
     return (
-        f"scope conflict: pod {other.name!r} (pid {other.pid}) already holds write access to "
-        f"{path}{how}"
+        f"scope conflict: pod {other.name!r} (pid {other.pid}) already holds write access to {path}"
     )
 
 
@@ -452,9 +455,17 @@ class Registry:
             mounts = _mounts()
             mine = on_devices(scope, mounts)
             for other in others:
-                path = write_overlap(mine, on_devices(other.effective_scope(), mounts))
-                if path is not None:
-                    raise RegistryConflict(_overlap_message(other, device_path(path), True))
+                their_files = on_devices(other.effective_scope(), mounts)
+                if write_overlap(mine, their_files) is not None:
+                    # Named by our own path that reaches them (a device's paths are not ours).
+                    path = next(
+                        r.target
+                        for r in scope.writable_rules()
+                        if write_overlap(
+                            on_devices(Scope(allow=(r,), deny=scope.deny), mounts), their_files
+                        )
+                    )
+                    raise RegistryConflict(_overlap_message(other, path, True))
         if parent is None:
             return []
         parent_scope = parent.effective_scope()

@@ -269,8 +269,9 @@ Mount = tuple[str, str, str]  # (mount point, device "major:minor", root within 
 def on_devices(scope: Scope, mounts: Sequence[Mount]) -> Scope:
     """`scope` with each target named by what it is rather than by the path that reaches it:
     `/@<device><path within the device's file system>`, through the mount that holds it (the
-    longest mount point above it; the last mounted of equal ones). A bind mount's paths and the
-    originals then name the same targets, and write_overlap sees that they overlap.
+    longest mount point above it; the last mounted of equal ones), plus the files of every
+    mount under a target. A bind mount's paths and the originals then name the same targets,
+    and write_overlap sees that they overlap.
 
     `mounts` as /proc/self/mountinfo lists them, in its order."""
 
@@ -290,7 +291,16 @@ def on_devices(scope: Scope, mounts: Sequence[Mount]) -> Scope:
     def moved(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
         return tuple(msgspec.structs.replace(r, target=where(r.target)) for r in rules)
 
-    return Scope(allow=moved(scope.allow), deny=moved(scope.deny))
+    def below(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
+        """What a rule reaches through mounts under its target: their files, by device."""
+        return tuple(
+            msgspec.structs.replace(r, target=f"/@{device}{root}")
+            for r in rules
+            for point, device, root in mounts
+            if r.recursive and point != r.target and r.covers(point)
+        )
+
+    return Scope(allow=moved(scope.allow) + below(scope.allow), deny=moved(scope.deny))
 
 
 def device_path(target: str) -> str:

@@ -94,7 +94,7 @@ def test_a_write_scope_reaching_the_same_files_through_a_bind_mount_is_refused(
         with pytest.raises(StartFailed) as failed:
             env.start("aliased", write=[str(alias)])
         assert "pod 'original' (pid " in failed.value.stderr
-        assert f"write access to {real / 'sub'} (the same files, through a bind mount)" in (
+        assert f"write access to files that {alias} reaches (the same files, through a bind" in (
             failed.value.stderr
         )
         elsewhere = env.home / "elsewhere"
@@ -105,6 +105,33 @@ def test_a_write_scope_reaching_the_same_files_through_a_bind_mount_is_refused(
             env.cleanup()
         finally:  # (never leave it: removing the test's home would go through it)
             subprocess.run(["umount", str(alias)], check=True)
+
+
+def test_a_write_scope_with_another_pods_files_bind_mounted_under_it_is_refused(
+    env: Env,
+) -> None:
+    """The other way round: the second pod's tree is mounted inside the first one's."""
+    theirs, mine = env.work / "theirs", env.home / "mine"
+    theirs.mkdir()
+    (mine / "sub").mkdir(parents=True)
+    inside = mine / "sub"
+    if subprocess.run(
+        ["mount", "--bind", str(theirs), str(inside)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot bind-mount here (needs root)")
+    try:
+        env.start("owner", write=[str(theirs)])
+        with pytest.raises(StartFailed) as failed:
+            env.start("container", write=[str(mine)])
+        assert "pod 'owner' (pid " in failed.value.stderr
+        assert f"files that {mine} reaches (the same files, through a bind mount)" in (
+            failed.value.stderr
+        )
+    finally:
+        try:
+            env.cleanup()
+        finally:  # (never leave it: removing the test's home would go through it)
+            subprocess.run(["umount", str(inside)], check=True)
 
 
 def test_duplicate_name_is_refused(env: Env) -> None:

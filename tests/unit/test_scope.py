@@ -315,13 +315,15 @@ def test_on_devices_names_a_bind_mounts_paths_as_the_originals() -> None:
     moved = on_devices(
         writes("/srv/alias/x", "/data/real", "/srv/alias", "/mnt/usb/a", "/"), MOUNTS
     )
-    assert [r.target for r in moved.allow] == [
+    assert [r.target for r in moved.allow][:5] == [
         "/@254:0/data/real/x",
         "/@254:0/data/real",
         "/@254:0/data/real",
         "/@8:2/a",
         "/@254:0/",
     ]
+    # "/" reaches the files of every mount under it too (the last ones listed).
+    assert [r.target for r in moved.allow][5:] == ["/@254:0/data/real", "/@8:1/", "/@8:2/"]
     assert device_path("/@254:0/data/real/x") == "/data/real/x" and device_path("/a") == "/a"
 
 
@@ -332,3 +334,8 @@ def test_write_overlap_through_a_bind_mount_is_seen_on_devices_only() -> None:
     assert found is not None and device_path(found) == "/data/real/x"
     assert write_overlap(on_devices(usb, MOUNTS), on_devices(real, MOUNTS)) is None
     assert on_devices(real, []) == real  # no mount table: paths as they are
+    # A bind mount under a write target: the target reaches the mounted files too.
+    above = on_devices(writes("/srv"), MOUNTS)
+    assert write_overlap(above, on_devices(writes("/data/real/x"), MOUNTS)) is not None
+    shallow = Scope(allow=(Rule(target="/srv", access=Access.WRITE, recursive=False),))
+    assert [r.target for r in on_devices(shallow, MOUNTS).allow] == ["/@254:0/srv"]
