@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
 import socket
 import struct
 import subprocess
@@ -33,6 +34,7 @@ class Request(NamedTuple):
     cwd: str
     umask: int
     title: list[str]  # the command line `ps` shows: what the pod would have been exec'd as
+    nofile: tuple[int, ...] = ()  # the caller's open-file limit (soft, hard), as exec would keep
 
 
 def encode_request(req: Request) -> bytes:
@@ -52,7 +54,12 @@ def decode_request(body: bytes) -> Request:
         raise ValueError("env: want an object of strings")
     if not isinstance(cwd, str) or not isinstance(umask, int) or not isinstance(title, list):
         raise ValueError("want cwd: str, umask: int, title: [str]")
-    return Request(argv, env, cwd, umask, [str(t) for t in title])
+    nofile = raw.get("nofile", [])
+    if not (isinstance(nofile, list) and len(nofile) in (0, 2)):
+        raise ValueError("nofile: want [soft, hard]")
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in nofile):
+        raise ValueError("nofile: want [soft, hard]")
+    return Request(argv, env, cwd, umask, [str(t) for t in title], tuple(nofile))
 
 
 class Forked:
@@ -171,6 +178,7 @@ def fork_pod(
         cwd=os.getcwd(),
         umask=current_umask(),
         title=cmd,
+        nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
     )
     frame = encode_request(request)
     for attempt in range(2):  # a stale server steps aside: the second try starts a fresh one

@@ -10,7 +10,8 @@ imports on its way to READY. Measured: ten idle pods after one turn each, exec'd
 forked 228 MB, this server included. Forking is safe because this process never starts a thread.
 
 The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
-- request: a 4-byte big-endian length and a JSON object `{argv, env, cwd, umask, title}`;
+- request: a 4-byte big-endian length and a JSON object `{argv, env, cwd, umask, title,
+  nofile}` (nofile: the caller's open-file limit, which the pod gets, as an exec would);
   the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
 - replies, one JSON line each: `{"pid": N}` once forked, then `{"exit": code}` when the pod
   exits while the client is still connected; or `{"error": why}` (nothing was forked), or
@@ -33,6 +34,7 @@ import gc
 import importlib
 import json
 import os
+import resource
 import select
 import selectors
 import signal
@@ -344,6 +346,7 @@ class Server:
     def _fork(self, req: Request, fds: list[int]) -> int:
         if threading.active_count() != 1:  # a preload started one: a fork could deadlock
             raise OSError(f"{threading.active_count()} threads in the fork server")
+        _allow_limits(req.nofile)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()  # the preloads were frozen (load()): what a request made stays collectable
@@ -366,6 +369,8 @@ class Server:
                 _set_title(" ".join(req.title))
             os.chdir(req.cwd)
             os.umask(req.umask)
+            if req.nofile:  # the caller's, not this server's (started from another shell)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (req.nofile[0], req.nofile[1]))
             os.environ.clear()
             os.environ.update(req.env)
             time.tzset()  # the caller's TZ, for the pod's log timestamps
@@ -410,6 +415,22 @@ def _importer(module: str) -> Callable[[], object]:
 def _set_title(title: str) -> None:
     """`ps` shows the pod as the command line it would have been exec'd with."""
     setproctitle.setproctitle(title)
+
+
+def _allow_limits(nofile: tuple[int, ...]) -> None:
+    """Let a pod have its caller's open-file limit: raise this server's hard limit to it, when
+    the server was started from a shell with a lower one. OSError (the client then execs the
+    pod itself) when that is not allowed."""
+    if not nofile:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = nofile[1]
+    if hard == resource.RLIM_INFINITY or (wanted != resource.RLIM_INFINITY and wanted <= hard):
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, wanted))
+    except (ValueError, OSError):
+        raise OSError(f"the caller's open-file limit ({wanted}) is above this server's") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ idles out, or is turned off."""
 
 import json
 import os
+import resource
 import signal
 import socket
 import struct
@@ -110,6 +111,47 @@ def test_failure_before_ready_is_reported_as_before(env: Env) -> None:
     assert done.returncode == 1, done.stderr
     assert str(bad) in done.stderr and "nonsense" in done.stderr
     assert not (env.home / "run" / "pods" / "bad").exists()
+
+
+def _spawn_with(env: Env, name: str, limit: tuple[int, int]) -> "subprocess.CompletedProcess[str]":
+    """`podctl spawn` from a shell whose open-file limit is `limit`."""
+    manifest = env.manifest(name, write=[str(env.work / name)])
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "spawn", str(manifest)],
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit),
+    )
+
+
+def test_a_forked_pod_has_its_callers_open_file_limit_not_the_servers(env: Env) -> None:
+    spawn(env, "lone")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert _spawn_with(env, "server", (soft, hard)).returncode == 0  # starts the server
+    lower = _spawn_with(env, "lower", (100, 1000))
+    assert lower.returncode == 0, lower.stderr
+    pid = pod_pid(env, "lower")
+    assert ppid(pid) == server_pid(env)
+    assert resource.prlimit(pid, resource.RLIMIT_NOFILE) == (1000, 1000)  # soft raised to hard
+
+
+def test_a_server_started_with_a_low_open_file_limit_does_not_hold_later_pods_to_it(
+    env: Env,
+) -> None:
+    """A server started from a shell with `ulimit -n 48` forked every later pod with 48: they
+    refused to start, from any shell, until it went idle. It now raises its own limit to the
+    caller's, or (not allowed to) leaves the pod to be exec'd."""
+    spawn(env, "lone")
+    low = _spawn_with(env, "low", (48, 48))  # starts the server, with that limit
+    assert low.returncode != 0 and "the open-file limit (ulimit -n) is 48" in low.stderr
+    assert resource.prlimit(server_pid(env), resource.RLIMIT_NOFILE)[1] == 48
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    normal = _spawn_with(env, "normal", (soft, hard))
+    assert normal.returncode == 0, normal.stderr
+    got = resource.prlimit(pod_pid(env, "normal"), resource.RLIMIT_NOFILE)
+    assert got == (max(soft, min(hard, 4096)), hard)
 
 
 def test_a_stale_server_is_replaced(env: Env) -> None:
