@@ -327,7 +327,8 @@ def _unanswering(target: str) -> Any:
     entries = _registry_entries()
     if target in entries:
         return entries[target]
-    return next((e for e in entries.values() if e.socket == os.path.abspath(target)), None)
+    path = os.path.realpath(target)  # (a symlink to the socket names it too)
+    return next((e for e in entries.values() if os.path.realpath(e.socket) == path), None)
 
 
 def _terminate(entry: Any, why: str) -> None:

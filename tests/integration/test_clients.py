@@ -429,11 +429,13 @@ def test_restart_of_a_pod_that_cannot_answer_stops_it_by_its_pid_and_starts_it(
 
 def test_stop_of_a_pod_out_of_file_descriptors_sends_it_sigterm(env: Env) -> None:
     """A live pod that cannot take a connection (no file descriptor left for it) is stopped
-    by its registered pid, not called 'not running'."""
+    by its registered pid, not called 'not running'; named here by a symlink to its socket."""
     pod = env.start()
     in_use = len(os.listdir(f"/proc/{pod.proc.pid}/fd"))
     resource.prlimit(pod.proc.pid, resource.RLIMIT_NOFILE, (in_use, in_use))
-    stop = env.podctl("stop", "pod")
+    link = env.home / "pod.sock"
+    link.symlink_to(pod.socket)
+    stop = env.podctl("stop", str(link))
     assert stop.returncode == 0, stop.stderr
     assert f"sent SIGTERM to pid {pod.proc.pid}" in stop.stderr
     assert pod.proc.wait(10) == 0
