@@ -386,17 +386,24 @@ ASKING = [
 ]
 
 
+def podctl_while_stopped(
+    env: Env, pod: PodProcess, *args: str
+) -> "subprocess.CompletedProcess[str]":
+    """`podctl ARGS` while the pod is SIGSTOPped (it is woken again afterwards, if still there)."""
+    os.kill(pod.proc.pid, signal.SIGSTOP)
+    try:
+        return env.podctl(*args)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pod.proc.pid, signal.SIGCONT)
+
+
 def test_stop_of_a_pod_that_cannot_answer_sends_it_sigterm_after_its_timeout(env: Env) -> None:
     """A pod that does not answer on its socket (stopped here; wedged, or out of file
     descriptors) is still the registry's: after the stop's timeout it gets SIGTERM, which a pod
     takes as `shutdown`, and SIGCONT, so a stopped one wakes to take it (as systemd does)."""
     pod = env.start()
-    os.kill(pod.proc.pid, signal.SIGSTOP)
-    try:
-        stop = env.podctl("stop", "pod")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pod.proc.pid, signal.SIGCONT)
+    stop = podctl_while_stopped(env, pod, "stop", "pod")
     assert (stop.returncode, stop.stdout) == (0, "stopped pod\n"), stop.stderr
     assert stop.stderr == (
         f"podctl: pod 'pod' did not answer in time; sent SIGTERM to pid {pod.proc.pid}\n"
@@ -411,12 +418,7 @@ def test_restart_of_a_pod_that_cannot_answer_stops_it_by_its_pid_and_starts_it(
     """It took a pod that does not answer for one not running, and the start failed on the
     name the stopped pod still held."""
     pod = env.start()
-    os.kill(pod.proc.pid, signal.SIGSTOP)
-    try:
-        out = env.podctl("restart", "pod")
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pod.proc.pid, signal.SIGCONT)
+    out = podctl_while_stopped(env, pod, "restart", "pod")
     try:
         assert out.returncode == 0, out.stderr
         assert f"sent SIGTERM to pid {pod.proc.pid}" in out.stderr

@@ -643,10 +643,9 @@ def test_stop_tree_stops_a_descendant_that_cannot_answer_and_names_one_that_stay
         stubborn.wait()
 
 
-def test_stop_pod_stops_the_childs_subtree_under_detach(tree: Env) -> None:
-    """`stop_pod` stops the child's own subtree too (SPEC §9), even where on_parent_exit =
-    "detach" lets a stopping pod's children run on."""
-    env = tree
+def _parent_mid_leaf(env: Env, *then: dict[str, Any]) -> None:
+    """Script a tree of three: the parent spawns mid (work/mid), which spawns leaf
+    (work/mid/leaf); then the parent's model answers `then`."""
     (env.work / "mid" / "leaf").mkdir(parents=True)
     env.model.script_model(
         "m-mid",
@@ -655,7 +654,16 @@ def test_stop_pod_stops_the_childs_subtree_under_detach(tree: Env) -> None:
     )
     env.model.script_model("m-leaf")
     env.model.script(
-        {"tool_calls": [spawn_call("mid", "spawn a leaf", [str(env.work / "mid")])]},
+        {"tool_calls": [spawn_call("mid", "spawn a leaf", [str(env.work / "mid")])]}, *then
+    )
+
+
+def test_stop_pod_stops_the_childs_subtree_under_detach(tree: Env) -> None:
+    """`stop_pod` stops the child's own subtree too (SPEC §9), even where on_parent_exit =
+    "detach" lets a stopping pod's children run on."""
+    env = tree
+    _parent_mid_leaf(
+        env,
         {"tool_calls": [tool("wait_pods", pods=["mid"], timeout_s=30)]},
         {"tool_calls": [tool("stop_pod", pod="mid")]},
         {"text": "stopped"},
@@ -675,17 +683,7 @@ def test_a_tree_whose_registry_went_registers_again_in_any_order(tree: Env, firs
     area delegated, so the grandchild's claim inside it is no stranger's (it stopped the
     whole tree: 'scope conflict' with its own grandchild)."""
     env = tree
-    (env.work / "mid" / "leaf").mkdir(parents=True)
-    env.model.script_model(
-        "m-mid",
-        {"tool_calls": [spawn_call("leaf", "leaf task", [str(env.work / "mid" / "leaf")])]},
-        {"text": "mid done"},
-    )
-    env.model.script_model("m-leaf")
-    env.model.script(
-        {"tool_calls": [spawn_call("mid", "spawn a leaf", [str(env.work / "mid")])]},
-        {"text": "spawned"},
-    )
+    _parent_mid_leaf(env, {"text": "spawned"})
     parent = start_parent(env)
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     registry = Registry(env.home / "run")
