@@ -178,9 +178,9 @@ def _name_of(pod: str) -> str | None:
     path = Path(os.path.abspath(pod))
     if path.name == "sock" and path == paths.socket_path(path.parent.name):
         return path.parent.name
-    from cli.pods import _unanswering
+    from cli.pods import _live_entry
 
-    entry = _unanswering(pod)
+    entry = _live_entry(pod)
     return None if entry is None else str(entry.name)
 
 
