@@ -38,6 +38,7 @@ from poddaemon.history import Item, SystemNote, ToolCall, Usage, UserMessage, it
 
 # How many notifications one model request shows in full; the rest follow in later rounds.
 MAX_NOTIFICATIONS_PER_REQUEST = 100
+CONTEXT_SOURCE = "hook:UserPromptSubmit"  # where a prompt's hook context is shown as from
 # What a long-lived pod keeps of its past, in memory and in each new session's first entry (a
 # compaction or fork copies it there): the newest client keys per method (the idempotency
 # window; the oldest is forgotten first) and the newest model calls `usage` lists (its totals
@@ -51,9 +52,6 @@ def input_digest(text: str) -> str:
     """What a client key remembers of its input: enough to tell a retry (the same input) from
     a conflict (-32006), without keeping the text."""
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-CONTEXT_SOURCE = "hook:UserPromptSubmit"  # where a prompt's hook context is shown as from
 
 
 class PendingRun(msgspec.Struct, frozen=True):
