@@ -49,12 +49,19 @@ class HookRun(msgspec.Struct, frozen=True):
     context: str = ""  # what it adds to the model's context (SessionStart, UserPromptSubmit)
 
 
+_NAMES = re.compile(r"[\w|-]+", re.ASCII)  # a matcher of plain names: "write_file|bash"
+
+
 def matches(hook: HookConfig, tool: str | None) -> bool:
-    """Claude Code's matcher: none, "" or "*" match every tool; otherwise a regex on the whole
-    tool name ("write_file|edit_file", "github__.*")."""
-    if hook.matcher in (None, "", "*") or tool is None:
+    """Claude Code's matcher: none, "" or "*" match every tool; plain names ("bash",
+    "write_file|edit_file") match those names exactly; anything else is a regex searched in
+    the tool name, unanchored ("^list", "github__.*", "_file$")."""
+    matcher = hook.matcher
+    if matcher in (None, "", "*") or tool is None:
         return True
-    return re.fullmatch(hook.matcher, tool) is not None
+    if _NAMES.fullmatch(matcher):
+        return tool in matcher.split("|")
+    return re.search(matcher, tool) is not None
 
 
 def capped(text: str, unread: int = 0) -> str:
@@ -69,22 +76,38 @@ def capped(text: str, unread: int = 0) -> str:
 NO_REASON = "no reason given"  # a block whose hook said nothing (the caller names the hook)
 
 
+GUARDS = ("PreToolUse", "UserPromptSubmit")  # the events whose "block" stops an action
+
+
 def judge(
-    event: str, code: int | None, stdout: str, stderr: str, unread: int = 0
+    event: str,
+    code: int | None,
+    stdout: str,
+    stderr: str,
+    unread: int = 0,
+    stdout_cut: bool = False,
 ) -> tuple[Decision, str, str]:
     """(decision, reason, context) from a finished hook, each text at most TEXT_LIMIT; pure.
-    `unread`: bytes of its output past what was kept (see `capped`)."""
-    decision, reason, context = _judge(event, code, stdout, stderr)
+    `unread`: bytes of its output past what was kept (see `capped`); `stdout_cut`: its stdout
+    was longer than OUTPUT_LIMIT."""
+    decision, reason, context = _judge(event, code, stdout, stderr, stdout_cut)
     return decision, capped(reason, unread), capped(context, unread)
 
 
-def _judge(event: str, code: int | None, stdout: str, stderr: str) -> tuple[Decision, str, str]:
+def _judge(
+    event: str, code: int | None, stdout: str, stderr: str, stdout_cut: bool
+) -> tuple[Decision, str, str]:
     if code is None:
         return "warning", "timed out: killed with its process group", ""
     if code == 2:
         return "block", stderr.strip() or NO_REASON, ""
     if code != 0:
         return "warning", f"exit {code}: {stderr.strip()[:500]}", ""
+    if stdout_cut and stdout.lstrip().startswith("{"):
+        # A JSON answer cut short cannot be read, and it may have been a block: a guard fails
+        # closed (read as "go on", a block over 1 MiB let the tool run), any other a warning.
+        why = f"its JSON output is over {OUTPUT_LIMIT} bytes: its decision could not be read"
+        return ("block" if event in GUARDS else "warning"), why, ""
     try:
         out = json.loads(stdout) if stdout.lstrip().startswith("{") else None
     except ValueError:
@@ -219,7 +242,9 @@ class Hooks(Interceptor):
         except Exception as exc:  # the runner could not start it: a warning, go on
             decision: Decision = "warning"
             return HookRun(event, hook.command, None, time.monotonic() - start, decision, str(exc))
-        decision, reason, context = judge(event, code, stdout, stderr, out_unread + err_unread)
+        decision, reason, context = judge(
+            event, code, stdout, stderr, out_unread + err_unread, stdout_cut=out_unread > 0
+        )
         return HookRun(
             event, hook.command, code, time.monotonic() - start, decision, reason, context
         )

@@ -187,7 +187,7 @@ class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     """One `[[hooks.<Event>]]` entry (SPEC §10, Claude Code's contract)."""
 
     command: str  # run with `sh -c`, cwd = pwd, inside the sandbox, JSON on stdin
-    matcher: str | None = None  # a regex on the tool name (PreToolUse / PostToolUse)
+    matcher: str | None = None  # tool names or a regex (PreToolUse / PostToolUse): hooks.matches
     timeout: PositiveFloat = 60.0  # seconds; then the hook's process group is killed
 
     def script(self) -> str | None:

@@ -131,6 +131,28 @@ def test_a_hook_flooding_its_output_is_cut_and_the_note_counts_all_of_it(env: En
     assert "[hook output cut: 2990000 more characters]" in body
 
 
+def test_an_unanchored_matcher_guards_and_a_block_over_the_output_limit_still_blocks(
+    env: Env,
+) -> None:
+    """`matcher = "^list"` never fired (the regex had to match the whole name; Claude Code
+    searches it), and a JSON block of 3 MB was cut, read as plain text, and the tool ran."""
+    huge_block = script(
+        env,
+        "huge.py",
+        'import json; print(json.dumps({"decision": "block", "reason": "R" * 3_000_000}))',
+    )
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}, {"text": "done"}
+    )
+    pod = env.start("huge", tools=["list_dir"], extra=hooks_toml("PreToolUse", huge_block, "^list"))
+    with pod.client() as c:
+        assert c.run_wait("look").outcome == "finished"
+    [result] = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert result["is_error"] and "decision could not be read" in result["output"]
+    [run] = [e for e in entries(pod) if e["kind"] == "hook_run"]
+    assert (run["event"], run["exit"], run["decision"]) == ("PreToolUse", 0, "block")
+
+
 def test_prompts_pipelined_on_one_connection_are_queued_in_the_order_sent(env: Env) -> None:
     """The first prompt's UserPromptSubmit hook is slow, the second's instant: the second
     must not be committed, and its run queued, before the first."""

@@ -49,3 +49,36 @@ def test_context_and_reasons_are_cut_to_the_limit_and_say_so() -> None:
     # What the reader never kept (past its 1 MiB) counts too: 50 MB cut is not "1 MB cut".
     _, _, context = judge("UserPromptSubmit", 0, big, "", unread=50_000_000)
     assert context.endswith(f"[hook output cut: {2 * TEXT_LIMIT + 50_000_000} more characters]")
+
+
+@pytest.mark.parametrize(
+    ("matcher", "tool", "expected"),
+    [
+        (None, "bash", True),
+        ("*", "bash", True),
+        ("bash", "bash", True),
+        ("bash", "bash_output", False),  # a plain name is exact, as in Claude Code
+        ("write_file|edit_file", "edit_file", True),
+        ("write_file|edit_file", "write_file_x", False),
+        ("^list", "list_dir", True),  # a regex is searched, unanchored: this never fired
+        ("_file$", "read_file", True),
+        ("_file$", "read_files", False),
+        ("github__.*", "github__create_issue", True),
+        ("^Bash$", "Bash", True),
+    ],
+)
+def test_matcher_as_claude_code_reads_it(matcher: str | None, tool: str, expected: bool) -> None:
+    from poddaemon.config.manifest import HookConfig
+    from poddaemon.hooks import matches
+
+    assert matches(HookConfig(command="true", matcher=matcher), tool) is expected
+
+
+def test_a_json_answer_cut_at_the_output_limit_blocks_a_guard_and_warns_elsewhere() -> None:
+    """A PreToolUse hook's block over 1 MiB was cut, read as plain text and let the tool run."""
+    cut = '{"decision": "block", "reason": "RRRR'
+    for guard in ("PreToolUse", "UserPromptSubmit"):
+        decision, reason, _ = judge(guard, 0, cut, "", unread=5, stdout_cut=True)
+        assert decision == "block" and "decision could not be read" in reason
+    assert judge("PostToolUse", 0, cut, "", unread=5, stdout_cut=True)[0] == "warning"
+    assert judge("PreToolUse", 0, "x" * 10, "", unread=5, stdout_cut=True)[0] == "ok"  # not JSON
