@@ -193,8 +193,14 @@ def _restart(pod: str) -> None:
     name = str(status["name"]) if status is not None else _name_of(pod) or pod
     unit = pod_unit(pod, status)
     if unit is not None:
-        _systemctl_or_fail("restart", unit)  # Type=notify: returns once READY
-        sys.stdout.write(f"restarted {name} (unit {unit})\n")
+        from cli.unit import UnitError, start_unit
+        from protocol import paths
+
+        try:
+            start_unit(unit, "restart", then=f"Fix that, then `podctl restart {name}`.")
+        except UnitError as exc:
+            fail(str(exc))
+        sys.stdout.write(f"{name}\t{paths.socket_path(name)}\n")  # as `spawn` and any restart
         return
     if "/" in name:
         fail(f"pod '{pod}' is not running; restart it by name", EXIT_NOT_RUNNING)

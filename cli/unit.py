@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, NoReturn
 
@@ -258,22 +259,46 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
     systemctl("daemon-reload")
     if now:
         # Type=notify: this returns once the pod has sent READY=1 (or failed to).
-        try:
-            systemctl("enable", "--now", unit_name(pod))
-        except UnitError as exc:
-            raise UnitError(_why_not_started(unit_name(pod)) or str(exc)) from None
+        start_unit(
+            unit_name(pod),
+            "enable",
+            "--now",
+            then=f"It stays installed and enabled: fix that, then `systemctl --user restart "
+            f"{unit_name(pod)}`, or `podctl unit remove` it.",
+        )
     return pod, running
 
 
-def _why_not_started(unit: str) -> str | None:
+def start_unit(unit: str, *how: str, then: str) -> None:
+    """`systemctl --user HOW… UNIT`, a job that starts the pod (Type=notify: it returns once
+    the pod is READY). When the pod refuses to start, UnitError with the pod's own error, as
+    `podctl spawn` shows it, and `then` (what to do next), not systemd's "see systemctl status"."""
+    since = time.time()
+    try:
+        systemctl(*how, unit)
+    except UnitError as exc:
+        why = _why_not_started(unit, since)
+        raise UnitError(f"{why}\n{then}" if why else str(exc)) from None
+
+
+def _why_not_started(unit: str, since: float) -> str | None:
     """The pod's own error from the unit's journal ('poddaemon: …', what `podctl spawn` would
-    have shown), said with what is left behind; None when the journal does not say."""
+    have shown) logged since `since` (an older start's error is not this one's); None when the
+    journal does not say."""
     exe = shutil.which("journalctl")
     if exe is None:
         return None
     try:
         out = subprocess.run(
-            [exe, f"--user-unit={unit}", "--lines=50", "--output=cat", "--no-pager", "--quiet"],
+            [
+                exe,
+                f"--user-unit={unit}",
+                f"--since=@{int(since)}",  # whole seconds: what every journalctl takes
+                "--lines=50",
+                "--output=cat",
+                "--no-pager",
+                "--quiet",
+            ],
             capture_output=True,
             text=True,
             timeout=SYSTEMCTL_TIMEOUT,
@@ -284,11 +309,7 @@ def _why_not_started(unit: str) -> str | None:
     said = [line for line in out.splitlines() if line.startswith("poddaemon: ")]
     if not said:
         return None
-    return (
-        f"{unit} did not start: {said[-1].removeprefix('poddaemon: ')}\n"
-        f"It stays installed and enabled: fix that, then `systemctl --user restart {unit}`, "
-        "or `podctl unit remove` it."
-    )
+    return f"{unit} did not start: {said[-1].removeprefix('poddaemon: ')}"
 
 
 def _unit_running(unit: str) -> bool:

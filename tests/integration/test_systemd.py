@@ -8,6 +8,7 @@ reached from the test directly. API keys reach the unit through `<config>/env`.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -182,6 +183,32 @@ def test_a_pod_that_refuses_to_start_is_not_restarted_and_install_says_why(sd: S
     sd.wait_prop("taker", "ActiveState", "failed")
     assert sd.prop("taker", "NRestarts") == "0"
     assert holder.call("status")["state"] == "idle"
+
+
+def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socket(
+    sd: Sd,
+) -> None:
+    """The manifest was edited into one the pod refuses: `podctl restart` said only systemd's
+    "see systemctl status" (the cause was in `podctl logs`), and a restart that worked printed
+    "restarted NAME (unit …)" where any other restart prints `spawn`'s NAME<TAB>SOCKET."""
+    path = sd.install("edited")
+    good = path.read_text()
+    restarted = sd.podctl("restart", "edited")
+    assert restarted.returncode == 0, restarted.stderr
+    name, sock = restarted.stdout.rstrip("\n").split("\t")
+    assert name == "edited" and sock.endswith("/pods/edited/sock")
+    assert stat.S_ISSOCK(os.stat(sock).st_mode)
+    path.write_text(good + "bogus = 1\n")
+    refused = sd.podctl("restart", "edited")
+    assert refused.returncode == 1
+    assert "poddaemon-edited.service did not start: " in refused.stderr
+    assert "bogus: unknown key" in refused.stderr, refused.stderr
+    assert "Fix that, then `podctl restart edited`." in refused.stderr
+    assert "systemctl --user status" not in refused.stderr
+    path.write_text(good)
+    again = sd.podctl("restart", "edited")
+    assert again.returncode == 0, again.stderr
+    assert sd.prop("edited", "ActiveState") == "active"
 
 
 def test_install_now_of_a_running_unit_says_it_was_not_restarted(sd: Sd) -> None:
