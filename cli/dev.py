@@ -34,6 +34,12 @@ def dev_fake_model(
     script: Annotated[
         str | None, typer.Option("--script", metavar="FILE", help="Scripted replies (JSON).")
     ] = None,
+    chunk_size: Annotated[
+        int,
+        typer.Option(
+            "--chunk-size", min=1, metavar="N", help="Characters per streamed text delta."
+        ),
+    ] = 0,
 ) -> None:
     """Run the fake model server (OpenAI and Anthropic wire formats) for offline testing.
 
@@ -45,7 +51,7 @@ def dev_fake_model(
 
     import msgspec
 
-    from poddaemon.testing.fake_model import FakeModel
+    from poddaemon.testing.fake_model import DEFAULT_CHUNK_SIZE, FakeModel
 
     replies: list[object] = []
     if script:
@@ -58,7 +64,7 @@ def dev_fake_model(
         if not isinstance(found, list):
             fail(f'{script}: expected a list of replies or {{"replies": [...]}}')
         replies = found
-    model = FakeModel(host, port)
+    model = FakeModel(host, port, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE)
     try:
         model.script(*replies)  # type: ignore[arg-type]  # validated here, one by one
     except (TypeError, ValueError, msgspec.ValidationError) as exc:
