@@ -275,7 +275,7 @@ def status(pod: "Pod", scope: list[ScopeEntry]) -> StatusResult:
         version=poddaemon.__version__,
         mcp=[msgspec.convert(msgspec.to_builtins(x), McpServerInfo) for x in pod.mcp_status()],
         sandbox=pod.s.sandbox.status,
-        sandbox_notes=list(pod.s.sandbox.notes),
+        sandbox_notes=pod.sandbox_notes(),
     )
 
 

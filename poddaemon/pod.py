@@ -97,6 +97,7 @@ class Pod:
         self.bus = services.bus
         self.started_at = time.time()
         self.scope = services.scope  # read live by the tools: delegation will narrow it
+        self._noted_scope = services.scope  # the scope the sandbox's notes were made for
         self.failure: str | None = None  # why the pod stops on its own (exit non-zero)
         cfg = MachineConfig(
             name=self.name,
@@ -368,7 +369,17 @@ class Pod:
     def _policy_for_scope(self) -> bytes | None:
         """The commands' sandbox policy for the live scope (delegation changed it)."""
         rebuild = self.s.sandbox.rebuild
-        return rebuild(self.scope) if rebuild is not None else self.s.sandbox.policy
+        if rebuild is None:
+            return self.s.sandbox.policy
+        self._noted_scope = scope = self.scope
+        return rebuild(scope)
+
+    def sandbox_notes(self) -> list[str]:
+        """What the kernel cannot express of the live scope: an area delegated to a child is
+        denied to this pod's commands, but inside its writable tree only file contents are."""
+        if self.s.sandbox.rebuild is not None and self.scope is not self._noted_scope:
+            self._policy_for_scope()
+        return list(self.s.sandbox.notes)
 
     async def _synced(self) -> None:
         await self.plog.synced()

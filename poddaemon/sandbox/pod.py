@@ -91,14 +91,15 @@ def pod_sandbox(
         scope, pwd=pwd, tmpdir=box.tmpdir, network=network, mode=mode, protect=protect, extra=extra
     )
     box.policy = policy.encode()
-    box.notes = list(policy.notes)
-    box.notes += [f"{p}: a hook script: commands may read and run it" for p in scripts]
+    script_notes = [f"{p}: a hook script: commands may read and run it" for p in scripts]
+    box.notes = [*policy.notes, *script_notes]
     tmpdir = box.tmpdir
 
     def rebuild(live: Scope) -> bytes:
         again = build_policy(
             live, pwd=pwd, tmpdir=tmpdir, network=network, mode=mode, protect=protect, extra=extra
         )
+        box.notes = [*again.notes, *script_notes]  # the live scope's: what `status` says
         return again.encode()
 
     box.rebuild = rebuild

@@ -1017,6 +1017,36 @@ def test_a_real_spawners_bash_loses_the_delegated_area(tree: Env) -> None:
     assert "wrote" in outputs[1], outputs
 
 
+def test_the_spawners_status_says_what_its_commands_can_still_do_in_a_delegated_area(
+    tree: Env,
+) -> None:
+    """Landlock cannot subtract from an allowed tree: the spawner's commands can still create,
+    remove and rename entries in its child's area (file contents are protected). The same
+    rule written as a manifest deny is noted in `status`; a delegated one was not (the notes
+    were the start's)."""
+    from poddaemon.sandbox import available
+
+    if not available():
+        pytest.skip("no Landlock here")
+    env = tree
+    kid = env.work / "kid"
+    kid.mkdir()
+    env.model.script_model("m-kid")
+    env.model.script({"tool_calls": [spawn_call("kid", "hi", [str(kid)])]}, {"text": "done"})
+    parent = start_parent(env, tools=[*POD_TOOLS, "bash"])
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    note = f"{kid}: denied, but entries inside it can still be created, removed or renamed"
+    assert any(n.startswith(note) for n in parent.call("status")["sandbox_notes"])
+    with parent.client() as c:
+        env.model.script({"tool_calls": [tool("stop_pod", pod="kid")]}, {"text": "stopped"})
+        assert c.run_wait("stop it").outcome == "finished"
+
+    def given_back() -> bool:
+        return not any(str(kid) in n for n in parent.call("status")["sandbox_notes"])
+
+    wait_until(given_back, 10, "the note to go with the delegation")
+
+
 def test_a_childs_bash_is_confined_to_its_delegated_area(tree: Env) -> None:
     """The escape suite's core through a child pod's own `bash`: its commands run in a domain
     built from the child's scope (inside the spawner's), so the rest of the spawner's tree, the
