@@ -48,6 +48,9 @@ log = logging.getLogger("poddaemon.spawn")
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
 STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
+# ...within our own `status`: well under what `podctl ls` waits for us (2 s), or one stopped
+# child made its healthy spawner look unresponsive too.
+STATUS_PROBE_TIMEOUT = 0.5
 
 
 def reports_left(pod: "Pod", name: str) -> list[OutboxItem]:
@@ -329,7 +332,9 @@ class Children:
     async def infos(self) -> list[dict[str, Any]]:
         """The live children for `status`, with their trees' spending as they say now."""
         live = list(self.live.values())
-        probes = await asyncio.gather(*(self._probe(c.name) for c in live))  # at once: bounded
+        probes = await asyncio.gather(  # at once: bounded
+            *(self._probe(c.name, STATUS_PROBE_TIMEOUT) for c in live)
+        )
         return [
             {"name": c.name, "pid": c.pid, "state": state, "socket": c.socket, "spent": spent}
             for c, (state, spent) in zip(live, probes, strict=True)
@@ -513,7 +518,7 @@ class Children:
     async def _state(self, name: str) -> str:
         return (await self._probe(name))[0]
 
-    async def _probe(self, name: str) -> tuple[str, int]:
+    async def _probe(self, name: str, timeout: float = STATUS_TIMEOUT) -> tuple[str, int]:
         """A child's state, and its tree's spending as it says now (reports tell only of the
         runs this pod asked for: a run someone else sent it spends too); the last reported
         spending when it cannot say."""
@@ -524,7 +529,7 @@ class Children:
             return "stopped", reported
         try:
             async with await AsyncPodClient.connect(child.socket) as client:
-                async with asyncio.timeout(STATUS_TIMEOUT):
+                async with asyncio.timeout(timeout):
                     raw = await client.call_raw("status")
             status = msgspec.json.decode(raw)
             return str(status["state"]), max(reported, int(status["budget"]["tree_spent"]))

@@ -643,6 +643,28 @@ def test_stop_tree_stops_a_descendant_that_cannot_answer_and_names_one_that_stay
         stubborn.wait()
 
 
+def test_a_stopped_leaf_does_not_make_ls_call_its_answering_ancestors_unresponsive(
+    tree: Env,
+) -> None:
+    """A spawner's `status` asks its children for theirs; it waited as long for a stopped one
+    as `podctl ls` waits for the spawner, so the healthy spawner was listed `unresponsive`."""
+    env = tree
+    _parent_mid_leaf(env, {"text": "spawned"})
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: Registry(env.home / "run").get("leaf") is not None, 30, "the leaf")
+    leaf = Registry(env.home / "run").get("leaf")
+    assert leaf is not None
+    os.kill(leaf.pid, signal.SIGSTOP)
+    try:
+        listed = env.podctl("ls", "--json")
+    finally:
+        os.kill(leaf.pid, signal.SIGCONT)
+    assert listed.returncode == 0, listed.stderr
+    states = {st["name"]: st["state"] for st in json.loads(listed.stdout)}
+    assert states == {"parent": "idle", "mid": "idle", "leaf": "unresponsive"}, states
+
+
 def _parent_mid_leaf(env: Env, *then: dict[str, Any]) -> None:
     """Script a tree of three: the parent spawns mid (work/mid), which spawns leaf
     (work/mid/leaf); then the parent's model answers `then`."""
