@@ -32,6 +32,16 @@ HISTORY_TAIL = 50  # entries `podctl history` shows without --all/--since/--limi
 HISTORY_PAGE = 10_000  # entries asked for per `history` call (the pod caps a page there)
 USAGE_KEYS = ("input", "output", "cache_read", "cache_write")
 
+ClientKeyOption = Annotated[
+    str | None,
+    typer.Option(
+        "--client-key",
+        metavar="KEY",
+        help="Idempotency key: sent again with the same key and text, it is taken once and "
+        "answered as the first time (a cron job that may run twice).",
+    ),
+]
+
 
 def follow(client: "PodClient") -> Iterator["Event"]:
     """`client.events()`, ended (BrokenPipeError) when our stdout's reader goes, even while the
@@ -69,6 +79,7 @@ def send(
             "run_id, state and position).",
         ),
     ] = False,
+    client_key: ClientKeyOption = None,
 ) -> None:
     """Start a run and stream its reply.
 
@@ -90,24 +101,30 @@ def send(
     mode: Literal["queue", "steer"] = "steer" if steer else "queue"
     with connect(pod, unanswered=UNANSWERED_INPUT) as client:
         if no_wait:
-            result = _submit(client, text, mode)
+            result = _submit(client, text, mode, client_key)
             if as_json:
                 print_json(msgspec.to_builtins(result))
             else:
                 sys.stdout.write(f"{result.run_id} {result.state}\n")
             return
         client.subscribe()
-        result = _submit(client, text, mode)
+        result = _submit(client, text, mode, client_key)
         run_id = result.run_id  # steered: the run it joined, followed to its end
+        # A retry of a keyed run that has ended since gets its first reply: its end is only
+        # in the log now (what ends after subscribing comes as an event).
+        ended = run_end_in_log(client, run_id) if client_key is not None else None
         if result.state == "queued" and sys.stderr.isatty():
             position = f" (position {result.position})" if result.position is not None else ""
             sys.stderr.write(f"podctl: run {run_id} queued{position}\n")
         wrote, ends_nl = False, True
+        if ended is not None and ended["text"] and not as_json:  # its reply, as it streamed
+            sys.stdout.write(ended["text"])
+            wrote, ends_nl = True, ended["text"].endswith("\n")
         between_messages = False  # the model's text so far has ended (a tool call came)
-        finished: dict[str, Any] | None = None
+        finished: dict[str, Any] | None = ended
         trouble = ""  # the last error alert: why the pod stopped, should it close on us
         try:
-            for event in follow(client):
+            for event in follow(client) if ended is None else ():
                 if event.type == "gap":
                     sys.stderr.write("podctl: some events were missed; output may be incomplete\n")
                     finished = run_end_in_log(client, run_id)  # its run.finished may be one
@@ -164,12 +181,17 @@ def send(
     raise typer.Exit(EXIT_ERROR)
 
 
-def _submit(client: "PodClient", text: str, mode: Literal["queue", "steer"] = "queue") -> Any:
+def _submit(
+    client: "PodClient",
+    text: str,
+    mode: Literal["queue", "steer"] = "queue",
+    client_key: str | None = None,
+) -> Any:
     """`run`; a pod out of budget refuses it (-32007): exit 2, as a run that reaches its limit."""
     from protocol.errors import BudgetExhausted
 
     try:
-        return client.run(text, mode=mode)
+        return client.run(text, mode=mode, client_key=client_key)
     except BudgetExhausted as exc:
         fail(f"{exc.message} ({exc.code})", EXIT_LIMIT)
 
@@ -205,6 +227,7 @@ def notify(
     source: Annotated[
         str | None, typer.Option("--source", metavar="S", help="Who it is from.")
     ] = None,
+    client_key: ClientKeyOption = None,
 ) -> None:
     """Send the pod a notification.
 
@@ -213,7 +236,11 @@ def notify(
     notification when it runs again.
     """
     text = read_message(message)
-    params = {"message": text} if source is None else {"message": text, "source": source}
+    params: dict[str, str] = {"message": text}
+    if source is not None:
+        params["source"] = source
+    if client_key is not None:
+        params["client_key"] = client_key
     result = call(pod, "notify", params)
     # stdout is the id alone, whatever the pod's state (`nid=$(podctl notify …)`).
     sys.stdout.write(f"{result['notification_id']}\n")

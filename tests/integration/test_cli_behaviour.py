@@ -216,6 +216,26 @@ def test_notify_prints_the_id_alone_whatever_the_pod_was_doing(env: Env) -> None
     assert uuid.fullmatch(busy.stdout) and busy.stderr == "", busy
 
 
+def test_notify_and_send_with_a_client_key_are_taken_once(env: Env) -> None:
+    """A cron job that may run twice: the socket had client_key, podctl did not. A keyed
+    `send` retried after its run ended gets that run's reply (it waited for an event that had
+    already gone)."""
+    pod = env.start("keyed")
+    env.model.script({"text": "the summary"})
+    first = env.podctl("send", "keyed", "summarise", "--client-key", "nightly-1")
+    again = env.podctl("send", "keyed", "summarise", "--client-key", "nightly-1", timeout=30)
+    assert (first.returncode, first.stdout) == (0, "the summary\n"), first.stderr
+    assert (again.returncode, again.stdout) == (0, "the summary\n"), again.stderr
+    noted = [env.podctl("notify", "keyed", "built", "--client-key", "ci-481") for _ in range(2)]
+    assert noted[0].returncode == 0 and noted[0].stdout == noted[1].stdout, noted
+    clash = env.podctl("notify", "keyed", "other text", "--client-key", "ci-481")
+    assert clash.returncode == 1 and "-32006" in clash.stderr, clash
+    inputs = [e for e in pod.call("history", since=0)["entries"] if e["kind"] == "user_input"]
+    items = [e for e in pod.call("history", since=0)["entries"] if e["kind"] == "system_item"]
+    assert len(inputs) == 1 and [i["text"] for i in items] == ["built"]
+    assert len(env.model.requests) == 2  # the run, then the turn the notification woke
+
+
 def test_cancelled_run_exits_1_and_missing_pod_3(env: Env) -> None:
     env.start("talk")
     env.model.script({"gate": "hold", "text": "too late"})
