@@ -35,11 +35,11 @@ def dev_fake_model(
         str | None, typer.Option("--script", metavar="FILE", help="Scripted replies (JSON).")
     ] = None,
     chunk_size: Annotated[
-        int,
+        int | None,
         typer.Option(
-            "--chunk-size", min=1, metavar="N", help="Characters per streamed text delta."
+            "--chunk-size", min=1, metavar="N", help="Characters per streamed text delta [20]."
         ),
-    ] = 0,
+    ] = None,
 ) -> None:
     """Run the fake model server (OpenAI and Anthropic wire formats) for offline testing.
 
