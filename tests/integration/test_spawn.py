@@ -662,7 +662,8 @@ def test_a_stopped_leaf_does_not_make_ls_call_its_answering_ancestors_unresponsi
         os.kill(leaf.pid, signal.SIGCONT)
     assert listed.returncode == 0, listed.stderr
     states = {st["name"]: st["state"] for st in json.loads(listed.stdout)}
-    assert states == {"parent": "idle", "mid": "idle", "leaf": "unresponsive"}, states
+    assert states["leaf"] == "unresponsive", states
+    assert "unresponsive" not in (states["parent"], states["mid"]), states  # mid may still run
 
 
 def _parent_mid_leaf(env: Env, *then: dict[str, Any]) -> None:

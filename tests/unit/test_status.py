@@ -15,6 +15,7 @@ from tests.unit.test_restore import make_pod
 class _Sandbox:
     status = "none"
     notes = ()
+    rebuild = None
 
 
 def _pod(tmp: str) -> Any:
