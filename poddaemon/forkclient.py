@@ -35,6 +35,7 @@ class Request(NamedTuple):
     umask: int
     title: list[str]  # the command line `ps` shows: what the pod would have been exec'd as
     nofile: tuple[int, ...] = ()  # the caller's open-file limit (soft, hard), as exec would keep
+    token: str = ""  # the server's token file's contents: proof the caller may read our runtime dir
 
 
 def encode_request(req: Request) -> bytes:
@@ -59,7 +60,10 @@ def decode_request(body: bytes) -> Request:
         raise ValueError("nofile: want [soft, hard]")
     if not all(isinstance(n, int) and not isinstance(n, bool) for n in nofile):
         raise ValueError("nofile: want [soft, hard]")
-    return Request(argv, env, cwd, umask, [str(t) for t in title], tuple(nofile))
+    token = raw.get("token", "")
+    if not isinstance(token, str):
+        raise ValueError("token: want a string")
+    return Request(argv, env, cwd, umask, [str(t) for t in title], tuple(nofile), token)
 
 
 class Forked:
@@ -114,6 +118,19 @@ def server_socket() -> str:
     key = "\0".join((sys.executable, root, os.environ.get("PYTHONPATH", "")))
     digest = hashlib.sha1(key.encode()).hexdigest()[:12]
     return str(paths.ensure_private_dirs()[1] / f"forkserver.{digest}.sock")
+
+
+def token_path(sock_path: str) -> str:
+    """Where the server at `sock_path` keeps its token (see poddaemon/forkserver.py)."""
+    return sock_path[: -len(".sock")] + ".token"
+
+
+def _read_token(sock_path: str) -> str | None:
+    try:
+        with open(token_path(sock_path), encoding="ascii") as f:
+            return f.read().strip()
+    except (OSError, ValueError):
+        return None
 
 
 def _connect(path: str, patience: float = 0.0) -> socket.socket | None:
@@ -180,7 +197,6 @@ def fork_pod(
         title=cmd,
         nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
     )
-    frame = encode_request(request)
     for attempt in range(2):  # a stale server steps aside: the second try starts a fresh one
         try:
             conn = _connect(path)
@@ -193,9 +209,11 @@ def fork_pod(
             return None
         if conn is None:
             return None
-        if _stopped(conn):  # SIGSTOP, a debugger: it would not answer before the timeout
+        token = _read_token(path)  # read once connected: the token of the server that listens
+        if token is None or _stopped(conn):  # (stopped: it would not answer before the timeout)
             conn.close()
             return None
+        frame = encode_request(request._replace(token=token))
         try:
             conn.settimeout(READY_TIMEOUT)
             sent = socket.send_fds(conn, [frame], list(stdio))

@@ -11,8 +11,9 @@ forked 228 MB, this server included. Forking is safe because this process never 
 
 The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
 - request: a 4-byte big-endian length and a JSON object `{argv, env, cwd, umask, title,
-  nofile}` (nofile: the caller's open-file limit, which the pod gets, as an exec would);
-  the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
+  nofile, token}` (nofile: the caller's open-file limit, which the pod gets, as an exec would;
+  token: the contents of `<runtime>/forkserver.<key>.token`, written by the server at start,
+  0600); the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
 - replies, one JSON line each: `{"pid": N}` once forked, then `{"exit": code}` when the pod
   exits while the client is still connected; or `{"error": why}` (nothing was forked), or
   `{"stale": true}` when a module this server loaded changed on disk (an upgrade, an edit): the
@@ -21,6 +22,12 @@ The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
 - a client that finds the server stopped execs the pod itself, and so does one that waited
   `READY_TIMEOUT` for the reply in vain, after hanging up: the server forks no request whose
   client has hung up.
+
+Why the token: a pod's sandboxed commands can connect to this socket (Landlock restricts
+connecting to a socket by its path only from ABI 9), and this unconfined process would fork
+any manifest they wrote, sandbox off and scope `/`: a complete escape. They cannot read the
+runtime dir the token is in (it is among the directories the sandbox never grants), podctl and
+the pods can. A request without it is refused and nothing is forked.
 
 It exits after `PODDAEMON_FORKSERVER_IDLE` seconds (default 600) without a request, and steps
 aside (as when stale) once its socket file is removed (no client could reach it); its pods
@@ -31,10 +38,12 @@ import contextlib
 import fcntl
 import functools
 import gc
+import hmac
 import importlib
 import json
 import os
 import resource
+import secrets
 import select
 import selectors
 import signal
@@ -50,7 +59,7 @@ from collections.abc import Callable
 import setproctitle
 
 from poddaemon import collector
-from poddaemon.forkclient import Request, decode_request
+from poddaemon.forkclient import Request, decode_request, token_path
 
 READY = b"FORKSERVER-READY\n"
 RUNNING = b"FORKSERVER-RUNNING\n"  # another server holds the lock: use that one
@@ -128,9 +137,10 @@ def _rehearse(kind: str) -> None:
 class Server:
     """The accept loop: single-threaded by design (a fork copies only the calling thread)."""
 
-    def __init__(self, sock_path: str, lock_fd: int) -> None:
+    def __init__(self, sock_path: str, lock_fd: int, token: str) -> None:
         self.sock_path = sock_path
         self.lock_fd = lock_fd
+        self.token = token  # what a request must carry (see the module's docstring)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sel = selectors.DefaultSelector()
         self.waiting: dict[int, socket.socket] = {}  # pod pid -> the client awaiting its exit
@@ -249,6 +259,12 @@ class Server:
             req, fds = self._read_request(conn)
         except (OSError, ValueError) as exc:
             self._reply(conn, {"error": f"bad request: {exc}"})
+            conn.close()
+            return
+        if not hmac.compare_digest(req.token.encode(), self.token.encode()):
+            for fd in fds:
+                os.close(fd)
+            self._reply(conn, {"error": "refused: the request does not carry this server's token"})
             conn.close()
             return
         try:
@@ -401,6 +417,20 @@ class Server:
         os.close(self.lock_fd)
 
 
+def _write_token(path: str) -> str:
+    """A new token, in `path` (0600) before the socket listens: a client reads it once it has
+    connected, so it always finds the token of the server that holds the lock."""
+    token = secrets.token_hex(16)
+    tmp = f"{path}.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, token.encode() + b"\n")
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
+
+
 def _hung_up(conn: socket.socket) -> bool:
     """The client closed the connection (not merely its writing side)."""
     poller = select.poll()
@@ -452,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     os.ftruncate(lock_fd, 0)
     os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)  # who holds it: for tests and curious users
     _set_title(" ".join(sys.orig_argv))  # claims the argv area now, while environ is intact
-    server = Server(sock_path, lock_fd)
+    server = Server(sock_path, lock_fd, _write_token(token_path(sock_path)))
     try:
         server.load([_importer(m) for m in BASE])
         server.listen()

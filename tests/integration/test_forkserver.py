@@ -298,6 +298,7 @@ def test_a_server_that_vanishes_with_the_request_is_an_error_not_a_second_start(
     assert path.startswith(str(env.home))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
+    Path(forkclient.token_path(path)).write_text("t\n")  # as a server writes it
     listener.listen(1)
 
     def take_and_vanish() -> None:  # reads the whole request, then dies without a word
@@ -430,3 +431,55 @@ def test_a_server_whose_backlog_is_full_is_passed_over_not_waited_for(env: Env) 
             conn.close()
     assert done.returncode == 0, done.stderr
     assert ppid(pod_pid(env, "two")) != server and answers(env, "two")
+
+
+ATTACK = """
+import json, os, socket, struct, sys
+sock, token_file, manifest = sys.argv[1:]
+try:
+    print("token:", open(token_file).read().strip())
+except OSError as exc:
+    print("token unreadable:", type(exc).__name__)
+req = {"argv": ["run", manifest], "env": dict(os.environ), "cwd": "/", "umask": 18,
+       "title": ["poddaemon", "run", manifest], "nofile": [1024, 1024]}
+body = json.dumps(req).encode()
+s = socket.socket(socket.AF_UNIX)
+s.connect(sock)
+null = os.open("/dev/null", os.O_RDWR)
+socket.send_fds(s, [struct.pack(">I", len(body)) + body], [null, null, null])
+print("reply:", s.makefile().readline().strip())
+"""
+
+
+def test_a_sandboxed_command_cannot_have_the_server_fork_a_pod(env: Env) -> None:
+    """Found by QA: bash in a confined pod connected to this socket (Landlock lets a socket be
+    connected by its path below ABI 9) and had this unconfined process fork a pod from a
+    manifest it had written: sandbox off, scope `/`. A request must now carry the token the
+    server keeps in the runtime dir, which the sandbox never grants."""
+    from poddaemon.registry import Registry
+    from poddaemon.sandbox import available
+
+    if not available():
+        pytest.skip("no Landlock here")
+    spawn(env, "lone")
+    spawn(env, "one")  # the server runs
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    evil = env.manifest("evil", write=["/tmp"], extra='[sandbox]\nmode = "off"\n')
+    cell = env.work / "jail"
+    cell.mkdir()
+    script = cell / "attack.py"
+    script.write_text(ATTACK)
+    token = forkclient.token_path(str(sock))
+    command = f"/usr/bin/python3 {script} {sock} {token} {evil}"
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]}, {"text": "done"}
+    )
+    jail = env.start("jail", tools=["bash"], write=[str(cell)])
+    with jail.client() as c:
+        assert c.run_wait("escape").outcome == "finished"
+        entries = c.history(since=0, limit=1000).entries
+    (output,) = [e["item"]["output"] for e in entries if e["kind"] == "tool_result"]
+    assert "token unreadable: PermissionError" in output, output
+    assert "refused: the request does not carry this server's token" in output, output
+    assert Registry(env.home / "run").get("evil") is None
+    assert ppid(spawn(env, "two")) == server_pid(env)  # podctl has the token: it serves on
