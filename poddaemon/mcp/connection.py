@@ -11,6 +11,7 @@ tool tasks and share it while it is up.
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -316,15 +317,19 @@ class McpConnection:
         from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
         timeout = self.cfg.timeout
+        started = time.monotonic()
         try:
             async with asyncio.timeout(timeout + CALL_MARGIN):
                 result = await _call_tool(client, remote, args, timeout)
         except TimeoutError:
             return await self._timed_out(remote, client)
         except MCPError as exc:
-            if exc.code == REQUEST_TIMEOUT:
+            # The SDK raises these two codes itself, for a silent server and a gone one; but a
+            # server may send them too (-32000 is the usual "server error"): then it answers a
+            # ping, and answered before the timeout. Its words are the model's, not a restart.
+            if exc.code == REQUEST_TIMEOUT and time.monotonic() - started >= timeout:
                 return await self._timed_out(remote, client)
-            if exc.code == CONNECTION_CLOSED:
+            if exc.code == CONNECTION_CLOSED and not await self._answers(client):
                 return self._call_lost(remote, exc.message, client)
             return error(f"MCP server '{self.name}' refused {remote}: {exc.message} ({exc.code})")
         except Exception as exc:  # a transport failure, or a result that breaks the protocol
@@ -338,17 +343,26 @@ class McpConnection:
         for lost (restarted once, as if it died): otherwise every later call would wait out
         its timeout too while its status still said ready. An error reply to the ping is an
         answer: a server without `ping` (-32601, as hand-written ones say) is alive."""
+        late = f"{remote} timed out after {self.cfg.timeout:g} s"
+        if not await self._answers(client):
+            return self._call_lost(remote, f"{late}, and a ping got no answer", client)
+        return error(f"{late} (MCP server '{self.name}', [[mcp.servers]] timeout)")
+
+    @staticmethod
+    async def _answers(client: Any) -> bool:
+        """Does the server answer a ping? An error reply is an answer (a server without `ping`,
+        -32601, is alive), unless it is the SDK saying none came or the connection is gone."""
         from mcp import MCPError
         from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
-        late = f"{remote} timed out after {self.cfg.timeout:g} s"
         try:
             async with asyncio.timeout(PING_TIMEOUT):
                 await client.send_ping()
-        except Exception as exc:  # an error reply is an answer, unless it says none came
-            if not isinstance(exc, MCPError) or exc.code in (REQUEST_TIMEOUT, CONNECTION_CLOSED):
-                return self._call_lost(remote, f"{late}, and a ping got no answer", client)
-        return error(f"{late} (MCP server '{self.name}', [[mcp.servers]] timeout)")
+        except MCPError as exc:
+            return exc.code not in (REQUEST_TIMEOUT, CONNECTION_CLOSED)
+        except Exception:
+            return False
+        return True
 
     def _call_lost(self, remote: str, why: str, client: Any) -> ToolOutcome:
         # Only the connection this call used: a restart may already have replaced it.

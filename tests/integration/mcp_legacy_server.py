@@ -27,6 +27,11 @@ TOOLS = [
         "description": "Close stdout and live on: no answer ever comes.",
         "inputSchema": {"type": "object"},
     },
+    {
+        "name": "oops",
+        "description": "Answer with a JSON-RPC error of the given code, at once.",
+        "inputSchema": {"type": "object", "properties": {"code": {"type": "integer"}}},
+    },
 ]
 
 
@@ -87,6 +92,9 @@ for line in sys.stdin:
     elif method == "tools/call" and params.get("name") == "hangup":
         os.close(1)  # no answer can come any more, though the server lives on
         time.sleep(600)
+    elif method == "tools/call" and params.get("name") == "oops":
+        code = int(params.get("arguments", {}).get("code", -32000))
+        reply(msg["id"], error={"code": code, "message": f"backend down ({code})"})
     elif method == "tools/call" and params.get("name") == "nap":
         time.sleep(float(params.get("arguments", {}).get("seconds", 0)))
         reply(msg["id"], {"content": [{"type": "text", "text": "rested"}], "isError": False})

@@ -477,6 +477,31 @@ def test_a_server_that_closes_its_output_is_lost_at_once_not_at_the_timeout(env:
     assert (shout["output"], shout["is_error"]) == ("BACK", False)  # restarted
 
 
+def test_a_server_error_with_the_codes_the_sdk_uses_itself_is_the_servers_answer(
+    env: Env,
+) -> None:
+    """-32000 (the usual "server error") and -32001 are also the codes the SDK raises for a
+    gone or silent server: a server that sent them was taken for lost (restarted, then dead
+    at the second) or for timed out (its words lost). It answered: the model gets its words."""
+    codes = (-32000, -32000, -32001)
+    calls = [{"name": "old__oops", "arguments": {"code": code}} for code in codes]
+    env.model.script(
+        *({"tool_calls": [call]} for call in calls),
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "fine"}}]},
+        {"text": "done"},
+    )
+    pod = env.start("erred", extra=server_toml("old", script=LEGACY, timeout=30))
+    with pod.client(timeout=60) as c:
+        assert c.run_wait("err").outcome == "finished"
+    *errors, shout = tool_results(pod)
+    for result, code in zip(errors, codes, strict=True):
+        assert result["is_error"], result
+        assert f"refused oops: backend down ({code}) ({code})" in result["output"], result
+    assert (shout["output"], shout["is_error"]) == ("FINE", False)
+    (server,) = pod.call("status")["mcp"]
+    assert (server["state"], server["restarts"]) == ("ready", 0)
+
+
 def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
     # The ping after a timeout is answered -32601 (method not found): an answer, so the
     # server is alive, not hung; it keeps its state and later calls go to it as before.
