@@ -91,15 +91,20 @@ def pod_sandbox(
         scope, pwd=pwd, tmpdir=box.tmpdir, network=network, mode=mode, protect=protect, extra=extra
     )
     box.policy = policy.encode()
-    script_notes = [f"{p}: a hook script: commands may read and run it" for p in scripts]
-    box.notes = [*policy.notes, *script_notes]
+    extra_notes = [f"{p}: a hook script: commands may read and run it" for p in scripts]
+    if abi < 6:  # the scopes came with ABI 6
+        extra_notes.append(
+            f"Landlock ABI {abi}: commands can send signals to any process of this user and "
+            "connect to abstract unix sockets (ABI 6 confines both)"
+        )
+    box.notes = [*policy.notes, *extra_notes]
     tmpdir = box.tmpdir
 
     def rebuild(live: Scope) -> bytes:
         again = build_policy(
             live, pwd=pwd, tmpdir=tmpdir, network=network, mode=mode, protect=protect, extra=extra
         )
-        box.notes = [*again.notes, *script_notes]  # the live scope's: what `status` says
+        box.notes = [*again.notes, *extra_notes]  # the live scope's: what `status` says
         return again.encode()
 
     box.rebuild = rebuild

@@ -6,6 +6,7 @@ and the same command run by the test itself, unconfined, is the control that mus
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -221,3 +222,29 @@ def test_the_commands_temp_dir_outlives_neither_a_refused_start_nor_a_kill9(env:
     assert second != first
     assert again.stop() == 0
     assert temp_dirs() == []
+
+
+def test_below_abi_6_status_says_signals_and_abstract_sockets_are_not_confined(env: Env) -> None:
+    """Found by QA on a simulated ABI 2: a command killed a process outside its pod, and
+    `status` said nothing of it (the notes did not depend on the ABI)."""
+    bystander = subprocess.Popen(["sleep", "60"])
+    env.env["PODDAEMON_TEST_LANDLOCK_ABI"] = "5"
+    try:
+        env.model.script(
+            {"tool_calls": [{"name": "bash", "arguments": {"command": f"kill {bystander.pid}"}}]},
+            {"text": "done"},
+        )
+        old = env.start("old", tools=["bash"], write=[str(env.work / "old")])
+        with old.client() as c:
+            assert c.run_wait("kill").outcome == "finished"
+            status = c.status()
+    finally:
+        del env.env["PODDAEMON_TEST_LANDLOCK_ABI"]
+        bystander.kill()
+    assert bystander.wait(10) == -signal.SIGTERM  # what the note owns up to
+    assert status.sandbox == "landlock-abi-5"
+    note = "Landlock ABI 5: commands can send signals to any process of this user"
+    assert any(n.startswith(note) for n in status.sandbox_notes), status.sandbox_notes
+    if available() >= 6:
+        current = env.start("current", tools=["bash"], write=[str(env.work / "current")])
+        assert not any("send signals" in n for n in current.call("status")["sandbox_notes"])
