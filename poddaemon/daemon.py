@@ -230,9 +230,15 @@ def _exit_at_once(code: int) -> None:
 
 
 def _own_dirs() -> tuple[str, ...]:
-    """This user's poddaemon directories, resolved: no tool or command may touch them."""
-    dirs = (paths.data_dir(), paths.runtime_dir(), paths.log_dir(), paths.config_dir())
-    return tuple(dict.fromkeys(os.path.realpath(d) for d in dirs))
+    """This user's poddaemon directories, resolved, and wherever a mount shows them too (a
+    bind mount of the data dir inside the scope): no tool or command may touch them."""
+    from poddaemon.registry import read_mounts
+    from poddaemon.scope import aliases
+
+    dirs = [os.path.realpath(d) for d in (paths.data_dir(), paths.runtime_dir())]
+    dirs += [os.path.realpath(d) for d in (paths.log_dir(), paths.config_dir())]
+    mounts = read_mounts()
+    return tuple(dict.fromkeys(dirs + [a for d in dirs for a in aliases(d, mounts)]))
 
 
 def run_pod(args: "argparse.Namespace") -> int:

@@ -196,7 +196,7 @@ def _overlap_message(other: PodEntry, path: str, mounted: bool = False) -> str:
     )
 
 
-def _mounts() -> list[Mount]:
+def read_mounts() -> list[Mount]:
     """This mount namespace's mounts, from /proc/self/mountinfo: (mount point, device, root)."""
     try:
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
@@ -452,7 +452,7 @@ class Registry:
             if path is not None:
                 raise RegistryConflict(_overlap_message(other, path))
         if others:
-            mounts = _mounts()
+            mounts = read_mounts()
             mine = on_devices(scope, mounts)
             for other in others:
                 their_files = on_devices(other.effective_scope(), mounts)

@@ -276,17 +276,8 @@ def on_devices(scope: Scope, mounts: Sequence[Mount]) -> Scope:
     `mounts` as /proc/self/mountinfo lists them, in its order."""
 
     def where(path: str) -> str:
-        best: Mount | None = None
-        for mount in mounts:
-            if _below(mount[0], path) is not None and (
-                best is None or len(mount[0]) >= len(best[0])
-            ):
-                best = mount
-        if best is None:
-            return path
-        point, device, root = best
-        rest = path[len(point) :].lstrip("/")
-        return f"/@{device}{root.rstrip('/')}/{rest}" if rest else f"/@{device}{root}"
+        found = _on_device(path, mounts)
+        return path if found is None else f"/@{found[0]}{found[1]}"
 
     def moved(rules: tuple[Rule, ...]) -> tuple[Rule, ...]:
         return tuple(msgspec.structs.replace(r, target=where(r.target)) for r in rules)
@@ -301,6 +292,44 @@ def on_devices(scope: Scope, mounts: Sequence[Mount]) -> Scope:
         )
 
     return Scope(allow=moved(scope.allow) + below(scope.allow), deny=moved(scope.deny))
+
+
+def _on_device(path: str, mounts: Sequence[Mount]) -> tuple[str, str] | None:
+    """(device, path within its file system) of `path`, through the mount that holds it (the
+    longest mount point above it; the last mounted of equal ones); None outside every mount."""
+    best: Mount | None = None
+    for mount in mounts:
+        if _below(mount[0], path) is not None and (best is None or len(mount[0]) >= len(best[0])):
+            best = mount
+    if best is None:
+        return None
+    point, device, root = best
+    rest = path[len(point) :].lstrip("/")
+    return device, f"{root.rstrip('/')}/{rest}" if rest else root
+
+
+def aliases(path: str, mounts: Sequence[Mount]) -> list[str]:
+    """The other paths that reach the files under `path` through mounts (a bind mount of it
+    or of a directory above it, or of one below it): poddaemon's own directories mounted into
+    a scope are still its own there. `mounts` as for `on_devices`."""
+    found = _on_device(path, mounts)
+    if found is None:
+        return []
+    device, inner = found
+    out: list[str] = []
+    for point, dev, root in mounts:
+        if dev != device:
+            continue
+        if _below(root, inner) is not None:  # the mount shows `path`, somewhere under its point
+            rest = inner[len(root) :].lstrip("/")
+            alias = f"{point.rstrip('/')}/{rest}" if rest else point
+        elif _below(inner, root) is not None:  # it shows a part of `path`: all of it is ours
+            alias = point
+        else:
+            continue
+        if alias != path and alias not in out:
+            out.append(alias)
+    return out
 
 
 def device_path(target: str) -> str:

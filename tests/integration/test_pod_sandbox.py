@@ -248,3 +248,42 @@ def test_below_abi_6_status_says_signals_and_abstract_sockets_are_not_confined(e
     if available() >= 6:
         current = env.start("current", tools=["bash"], write=[str(env.work / "current")])
         assert not any("send signals" in n for n in current.call("status")["sandbox_notes"])
+
+
+def test_poddaemons_own_files_stay_refused_through_a_bind_mount_in_the_scope(env: Env) -> None:
+    """Found by QA: with the data dir bind-mounted inside its scope, a pod's file tools and its
+    bash read another pod's session log, and bash appended to it (its chain then broke).
+    The protection went by path only; the mount's path is now one of poddaemon's own too."""
+    victim = env.start("victim", write=[str(env.work / "victim")])
+    with victim.client() as c:
+        assert c.run_wait("hello").outcome == "finished"
+    (log,) = (env.home / "data" / "sessions").glob("*.jsonl")
+    project = env.work / "proj"
+    mnt = project / "mnt"
+    mnt.mkdir(parents=True)
+    if subprocess.run(["mount", "--bind", str(env.home / "data"), str(mnt)]).returncode != 0:
+        pytest.skip("cannot bind-mount here")
+    try:
+        seen = f"mnt/sessions/{log.name}"
+        env.model.script(
+            {
+                "tool_calls": [
+                    {"name": "read_file", "arguments": {"path": seen}},
+                    {
+                        "name": "bash",
+                        "arguments": {"command": f"head -c 40 {seen}; echo x >> {seen}"},
+                    },
+                ]
+            },
+            {"text": "done"},
+        )
+        pod = env.start("bound", tools=["read_file", "bash"], write=[str(project)])
+        with pod.client() as c:
+            assert c.run_wait("look").outcome == "finished"
+            entries = c.history(since=0, limit=1000).entries
+        read, bash = [e["item"] for e in entries if e["kind"] == "tool_result"]
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    assert read["is_error"] and "poddaemon's own files" in read["output"], read
+    assert bash["output"].count("Permission denied") == 2, bash
+    assert env.podctl("sessions", "verify", log.stem).returncode == 0

@@ -339,3 +339,27 @@ def test_write_overlap_through_a_bind_mount_is_seen_on_devices_only() -> None:
     assert write_overlap(above, on_devices(writes("/data/real/x"), MOUNTS)) is not None
     shallow = Scope(allow=(Rule(target="/srv", access=Access.WRITE, recursive=False),))
     assert [r.target for r in on_devices(shallow, MOUNTS).allow] == ["/@254:0/srv"]
+
+
+def test_aliases_are_the_other_paths_mounts_show_a_directory_at() -> None:
+    from poddaemon.scope import aliases
+
+    mounts = [
+        ("/", "254:0", "/"),
+        ("/proc", "0:22", "/"),
+        ("/w/proj/mnt", "254:0", "/home/u/.local/share/poddaemon"),  # the data dir, bound
+        ("/w/other/up", "254:0", "/home/u/.local"),  # a directory above it
+        ("/w/third/sess", "254:0", "/home/u/.local/share/poddaemon/sessions"),  # one below
+        ("/srv/disk", "254:0", "/"),  # the whole device again
+        ("/w/unrelated", "254:0", "/home/u/code"),
+        ("/tmp", "0:30", "/"),  # another device
+    ]
+    data = "/home/u/.local/share/poddaemon"
+    assert aliases(data, mounts) == [
+        "/w/proj/mnt",
+        "/w/other/up/share/poddaemon",
+        "/w/third/sess",
+        "/srv/disk/home/u/.local/share/poddaemon",
+    ]
+    assert aliases("/tmp/pd/run", mounts) == []  # on its own device, mounted once
+    assert aliases("/nowhere", []) == []
