@@ -9,6 +9,10 @@ server in its own process group with the same three descriptors, then waits for 
   guard sees as POLLERR on its stderr; it kills the whole group, the server included, even a
   server that ignores EOF on stdin.
 
+The guard is a child subreaper: what the server started in a session of its own (`setsid`, a
+double fork: a browser some servers start detached) is re-parented to it rather than to init,
+and is killed with the rest, every descendant first, then the group.
+
 Run as a file, not as a module of the package, and with only the standard library's smallest
 modules: it starts once per server and must start fast, whatever the pod's sys.path.
 """
@@ -17,6 +21,7 @@ import os
 import select
 import signal
 import sys
+from types import ModuleType
 
 # poll() reports these on a pipe's write end once it has no reader left.
 _GONE = select.POLLERR | select.POLLHUP | select.POLLNVAL
@@ -31,8 +36,25 @@ def _say(text: str) -> None:
         pass  # nobody reads any more: the pod is gone, and we are about to kill the group
 
 
-def _kill_group() -> None:
-    # Our own group (the SDK made us a session leader); this kills the guard too.
+def _runner() -> ModuleType:
+    """poddaemon/runner.py, the command runner, by its path (standard library only, as this
+    file): its subreaper and process-tree helpers."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runner.py")
+    spec = importlib.util.spec_from_file_location("_poddaemon_runner", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kill_group(runner: ModuleType | None) -> None:
+    # Every descendant (the server's tree, and orphans re-parented to us from other sessions),
+    # then our own group (the SDK made us a session leader): this kills the guard too.
+    for _ in range(3):  # a process forking meanwhile: its new children, on the next pass
+        if runner is None or not runner.kill_all(runner.descendants(os.getpid())):
+            break
     os.killpg(0, signal.SIGKILL)
 
 
@@ -42,7 +64,7 @@ def _describe(status: int) -> str:
     return f"status {os.waitstatus_to_exitcode(status)}"
 
 
-def _watch(pid: int) -> None:
+def _watch(pid: int, runner: ModuleType | None) -> None:
     """Return once the server exited (reported on stderr); kill the group if the pod goes."""
     poller = select.poll()
     poller.register(2, 0)  # no events asked: POLLERR/POLLHUP are always reported
@@ -59,7 +81,7 @@ def _watch(pid: int) -> None:
             continue
         for fd, events in ready:
             if fd == 2 and events & _GONE:
-                _kill_group()
+                _kill_group(runner)
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             _say(f"server exited with {_describe(status)}")
@@ -75,6 +97,12 @@ def main(argv: list[str]) -> int:
     # pipes under their first numbers: one of stdout kept in here and in the server would hide
     # from the pod that the server closed it (and no answer can come any more).
     os.closerange(3, _MAX_FD)
+    runner: ModuleType | None = None
+    try:
+        runner = _runner()
+        runner.set_child_subreaper()
+    except (OSError, ImportError, AttributeError) as exc:  # the group kill still holds
+        _say(f"cannot become a subreaper ({exc}): what the server detaches may outlive it")
     try:
         pid = os.posix_spawnp(command[0], command, os.environ)
     except OSError as exc:
@@ -86,8 +114,8 @@ def main(argv: list[str]) -> int:
     os.dup2(null, 0)
     os.dup2(null, 1)
     os.close(null)
-    _watch(pid)
-    _kill_group()  # the server's own children, if it left any
+    _watch(pid, runner)
+    _kill_group(runner)  # the server's own children, if it left any
     return 0  # not reached
 
 

@@ -149,9 +149,13 @@ class StdioProcess:
             await self._reader
 
     def kill(self) -> None:
-        """Kill the server's whole group now (the guard does it when its stderr reader goes)."""
+        """Kill the server's whole group now (the guard does it when its stderr reader goes),
+        and what the server detached into sessions of its own (re-parented to the guard)."""
+        from poddaemon.runner import descendants, kill_all
+
         self._stderr_transport.close()
         if self.proc.returncode is None:  # not reaped: its pid is still its group's id
+            kill_all(descendants(self.proc.pid))
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 

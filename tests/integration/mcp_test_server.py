@@ -1,6 +1,7 @@
 """A real MCP server for the tests, written with the `mcp` SDK (MCPServer).
 
-`python mcp_test_server.py [--http PORT] [--ignore-eof] [--child] [--hang-at-start]`: stdio by
+`python mcp_test_server.py [--http PORT] [--ignore-eof] [--child] [--escapee] [--hang-at-start]`:
+stdio by
 default. With `MCP_TEST_PIDDIR` set it writes `server.<pid>` (and `child.<pid>` with `--child`)
 files there, so tests can check that every process of the server dies with the pod.
 """
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--ignore-eof", action="store_true")
     parser.add_argument("--child", action="store_true")
     parser.add_argument("--hang-at-start", action="store_true")
+    parser.add_argument("--escapee", action="store_true")
     args = parser.parse_args()
     piddir = os.environ.get("MCP_TEST_PIDDIR")
     if args.child:
@@ -97,6 +99,18 @@ def main() -> None:
         )
         if piddir:
             record_pid(piddir, "child", child.pid)
+    if args.escapee:
+        # Detached as some servers detach a browser: its own session, SIGTERM ignored.
+        escapee = subprocess.Popen(
+            [sys.executable, "-c", "import signal, time\n"
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+             "while True: time.sleep(60)"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        if piddir:
+            record_pid(piddir, "escapee", escapee.pid)
     if piddir:
         record_pid(piddir, "server", os.getpid())
     if args.hang_at_start:

@@ -212,17 +212,19 @@ def test_a_hung_server_is_taken_for_lost_and_restarted(env: Env) -> None:
 
 @pytest.mark.parametrize("how", ["shutdown", "sigterm", "kill -9"])
 def test_the_server_and_its_children_die_with_the_pod(env: Env, tmp_path: Path, how: str) -> None:
-    """Even a server that ignores EOF on stdin and SIGTERM, with a child that ignores SIGTERM."""
+    """Even a server that ignores EOF on stdin and SIGTERM, with a child that ignores SIGTERM
+    and one it detached in a session of its own (that one outlived the pod: found by QA)."""
     piddir = tmp_path / "pids"
     piddir.mkdir()
     env.env["MCP_TEST_PIDDIR"] = str(piddir)
-    extra = server_toml(args=("--ignore-eof", "--child"), env={"MCP_TEST_PIDDIR": str(piddir)})
+    args = ("--ignore-eof", "--child", "--escapee")
+    extra = server_toml(args=args, env={"MCP_TEST_PIDDIR": str(piddir)})
     pod = env.start("mortal", extra=extra)
-    files = wait_until(lambda: len(list(piddir.iterdir())) == 2 and list(piddir.iterdir()),
-                       what="the pid files of the server and its child")  # fmt: skip
+    files = wait_until(lambda: len(list(piddir.iterdir())) == 3 and list(piddir.iterdir()),
+                       what="the pid files of the server and its children")  # fmt: skip
     pids = {f.name.split(".")[0]: int(f.name.split(".")[1]) for f in files}
     guard = ppid(pids["server"])
-    everyone = [pids["server"], pids["child"], guard]
+    everyone = [pids["server"], pids["child"], pids["escapee"], guard]
     assert all(alive(p) for p in everyone), everyone
     if how == "shutdown":
         assert pod.stop() == 0
