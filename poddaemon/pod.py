@@ -375,11 +375,17 @@ class Pod:
         return rebuild(scope)
 
     def sandbox_notes(self) -> list[str]:
-        """What the kernel cannot express of the live scope: an area delegated to a child is
-        denied to this pod's commands, but inside its writable tree only file contents are."""
+        """What the sandbox does not confine, for `status`: the live scope's notes (an area
+        delegated to a child is denied to this pod's commands, but inside its writable tree only
+        file contents are), and the stdio MCP servers, which run outside it."""
         if self.s.sandbox.rebuild is not None and self.scope is not self._noted_scope:
             self._policy_for_scope()
-        return list(self.s.sandbox.notes)
+        return list(self.s.sandbox.notes) + [
+            f"MCP server '{server.name}' (stdio) runs outside the sandbox, as in Claude Code and "
+            "Codex: its tools reach what this user can"
+            for server in self.m.mcp.servers
+            if server.command is not None
+        ]
 
     async def _synced(self) -> None:
         await self.plog.synced()

@@ -500,8 +500,11 @@ def test_a_server_error_with_the_codes_the_sdk_uses_itself_is_the_servers_answer
         assert result["is_error"], result
         assert f"refused oops: backend down ({code}) ({code})" in result["output"], result
     assert (shout["output"], shout["is_error"]) == ("FINE", False)
-    (server,) = pod.call("status")["mcp"]
+    status = pod.call("status")
+    (server,) = status["mcp"]
     assert (server["state"], server["restarts"]) == ("ready", 0)
+    outside = "MCP server 'old' (stdio) runs outside the sandbox"  # said, as SPEC §3 asks
+    assert any(n.startswith(outside) for n in status["sandbox_notes"]), status["sandbox_notes"]
 
 
 def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
