@@ -102,10 +102,32 @@ def _subschema_problem(schema: Any, where: str) -> str | None:
 
 
 def input_schema(schema: Any) -> dict[str, Any]:
-    """The tool's input schema as the providers want it: always an object schema."""
-    out = dict(schema) if isinstance(schema, dict) else {}
+    """The tool's input schema as the providers want it: always an object schema, and every
+    array with an `items` schema (`{}`, any, where it had none: valid JSON Schema that OpenAI
+    refuses, the whole request with it, and that servers list often)."""
+    out = _with_items(schema) if isinstance(schema, dict) else {}
     out.setdefault("type", "object")
     out.setdefault("properties", {})
+    return out
+
+
+def _with_items(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `schema` whose arrays, at every depth, all say what their items are."""
+    out = dict(schema)
+    kind = out.get("type")
+    if (kind == "array" or (isinstance(kind, list) and "array" in kind)) and not (
+        "items" in out or "prefixItems" in out
+    ):
+        out["items"] = {}
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(value := out.get(key), dict):
+            out[key] = {k: _with_items(v) if isinstance(v, dict) else v for k, v in value.items()}
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems", "items"):
+        if isinstance(value := out.get(key), list):
+            out[key] = [_with_items(v) if isinstance(v, dict) else v for v in value]
+    for key in ("items", "additionalProperties", "not"):
+        if isinstance(value := out.get(key), dict):
+            out[key] = _with_items(value)
     return out
 
 

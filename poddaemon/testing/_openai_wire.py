@@ -28,6 +28,52 @@ def error_body(status: int, message: str, err_type: str | None = None) -> dict[s
 _FINISH = {"end": "stop", "max_tokens": "length", "content_filter": "content_filter"}
 
 
+def schema_refusal(body: Any) -> str | None:
+    """OpenAI's 400 message for a request whose tools hold an array schema without `items`
+    (it refuses the whole request: every call of a pod offering such a tool fails), or None.
+    Chat's `tools[].function.parameters` and Responses' `tools[].parameters`."""
+    tools = body.get("tools") if isinstance(body, dict) else None
+    for tool in tools if isinstance(tools, list) else []:
+        if not isinstance(tool, dict):
+            continue
+        nested = tool.get("function")
+        function: dict[str, Any] = nested if isinstance(nested, dict) else tool
+        where = _bare_array(function.get("parameters"), ())
+        if where is not None:
+            name = function.get("name")
+            return (
+                f"Invalid schema for function '{name}': In context={where}, "
+                "array schema missing items."
+            )
+    return None
+
+
+def _bare_array(schema: Any, context: tuple[str, ...]) -> tuple[str, ...] | None:
+    if not isinstance(schema, dict):
+        return None
+    kind = schema.get("type")
+    if (kind == "array" or (isinstance(kind, list) and "array" in kind)) and not (
+        "items" in schema or "prefixItems" in schema
+    ):
+        return context
+    subs: list[tuple[tuple[str, ...], Any]] = []
+    for key in ("properties", "$defs", "definitions"):
+        value = schema.get(key)
+        if isinstance(value, dict):
+            subs += [((*context, key, name), sub) for name, sub in value.items()]
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        value = schema.get(key)
+        if isinstance(value, list):
+            subs += [((*context, key, str(i)), sub) for i, sub in enumerate(value)]
+    for key in ("items", "additionalProperties"):
+        if isinstance(schema.get(key), dict):
+            subs.append(((*context, key), schema[key]))
+    for where, sub in subs:
+        if (found := _bare_array(sub, where)) is not None:
+            return found
+    return None
+
+
 def _finish_reason(plan: Plan) -> str:
     if plan.stop == "end" and plan.tool_calls:
         return "tool_calls"

@@ -10,6 +10,9 @@ Real HTTP/1.1 on 127.0.0.1 (stdlib `ThreadingHTTPServer`, keep-alive, chunked SS
   ``"model": M`` only requests for model M, see ``script_model``), ``GET /_fake/requests``,
   ``POST /_fake/gate/<name>``, ``POST /_fake/reset``, ``GET /_fake/health``
 
+As OpenAI does, its two OpenAI routes answer 400 to a request whose tools hold an array schema
+without ``items`` (the scripted reply is consumed all the same).
+
 Each model request (faulty or not) is recorded as ``{path, body, headers}`` and consumes the next
 scripted reply; with an empty script the answer is ``ok: <last user text, 200 chars>``. A reply:
 
@@ -521,6 +524,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(400, route.error(400, f"invalid JSON body: {exc}", None))
             return
         reply, serial, generation = fake._take(path, body, headers)
+        refusal = _openai_wire.schema_refusal(body) if route.call_id_prefix == "call_" else None
+        if refusal is not None:  # as OpenAI refuses it, whatever was scripted
+            self._send_json(400, route.error(400, refusal, "invalid_request_error"))
+            return
         rid = route.request_id_header + b": req_%d\r\n" % serial
         reply = reply or {}
         # `stream: false` in a reply: a server that answers in one JSON body whatever was asked.

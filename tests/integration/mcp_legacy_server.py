@@ -45,6 +45,21 @@ if "--bad-schemas" in sys.argv[1:]:
     ]
 
 
+# `--bare-arrays`: a tool whose arrays do not say what their items are (valid JSON Schema that
+# OpenAI refuses, and servers in the wild list).
+if "--bare-arrays" in sys.argv[1:]:
+    TOOLS.append({
+        "name": "tagger",
+        "inputSchema": {
+            "type": "object",
+            "properties": {
+                "tags": {"type": "array"},
+                "more": {"type": "object", "properties": {"ids": {"type": ["array", "null"]}}},
+            },
+        },
+    })  # fmt: skip
+
+
 # `--many N`: N more tools (echo_0 ... echo_<N-1>), as servers that wrap a whole API list them.
 if "--many" in sys.argv[1:]:
     count = int(sys.argv[sys.argv.index("--many") + 1])
@@ -92,6 +107,9 @@ for line in sys.stdin:
     elif method == "tools/call" and params.get("name") == "hangup":
         os.close(1)  # no answer can come any more, though the server lives on
         time.sleep(600)
+    elif method == "tools/call" and params.get("name") == "tagger":
+        tags = ",".join(map(str, params.get("arguments", {}).get("tags", [])))
+        reply(msg["id"], {"content": [{"type": "text", "text": tags}], "isError": False})
     elif method == "tools/call" and params.get("name") == "oops":
         code = int(params.get("arguments", {}).get("code", -32000))
         reply(msg["id"], error={"code": code, "message": f"backend down ({code})"})

@@ -384,6 +384,25 @@ def test_tools_with_schemas_a_provider_refuses_are_left_out_and_the_others_work(
     assert "inputSchema.properties is not an object" in warned[2]
 
 
+@pytest.mark.parametrize("kind", ["openai", "openai_responses"])
+def test_a_tool_with_arrays_that_do_not_say_their_items_works_with_openai(
+    env: Env, kind: str
+) -> None:
+    """OpenAI refuses an array schema without `items`, and the whole request with it (the fake
+    model does as it does): found by QA, such a tool was offered as listed and every call of
+    the pod failed. Its arrays are offered with `items: {}` (anything)."""
+    env.model.script(
+        {"tool_calls": [{"name": "old__tagger", "arguments": {"tags": ["a", "b"]}}]},
+        {"text": "tagged"},
+    )
+    extra = server_toml("old", script=LEGACY, args=("--bare-arrays",))
+    pod = env.start("tags", kind=kind, extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("tag").outcome == "finished"
+    [tagged] = tool_results(pod)
+    assert (tagged["output"], tagged["is_error"]) == ("a,b", False)
+
+
 def test_more_tools_than_openai_takes_is_a_startup_warning_naming_the_fix(env: Env) -> None:
     """OpenAI refuses every request offering more than 128 tools, and one MCP server wrapping a
     whole API lists more: say so at start, where the user sees it, not at each failed run."""
