@@ -52,8 +52,12 @@ async def handshake(process: StdioProcess) -> Handshake | None:
         reply = await rpc.request("tools/list", {"cursor": cursor} if cursor else {})
         if "error" in reply:
             raise HandshakeError(f"tools/list: {reply['error'].get('message', reply['error'])}")
-        page = reply.get("result") or {}
-        tools.extend(t for t in page.get("tools", []) if isinstance(t, dict) and t.get("name"))
+        page = reply.get("result")
+        listed = page.get("tools") if isinstance(page, dict) else None
+        if not isinstance(listed, list):  # read as no tools, it failed nowhere anyone would see
+            raise HandshakeError(f"tools/list: no list of tools in {reply!r:.200}")
+        assert isinstance(page, dict)
+        tools.extend(t for t in listed if isinstance(t, dict) and t.get("name"))
         cursor = page.get("nextCursor")
         if not cursor:
             break

@@ -99,8 +99,8 @@ for line in sys.stdin:
             "capabilities": {"tools": {}},
             "serverInfo": {"name": "legacy", "version": "1"},
         })  # fmt: skip
-    elif method == "tools/list":
-        reply(msg["id"], {"tools": TOOLS})
+    elif method == "tools/list":  # `--tools-not-a-list`: a listing no client can read
+        reply(msg["id"], {"tools": "nope" if "--tools-not-a-list" in sys.argv else TOOLS})
     elif method == "tools/call" and params.get("name") == "shout":
         text = str(params.get("arguments", {}).get("text", ""))
         reply(msg["id"], {"content": [{"type": "text", "text": text.upper()}], "isError": False})

@@ -161,6 +161,17 @@ def test_a_server_that_fails_to_start_is_an_alert_and_its_tools_are_absent(env: 
     assert "t__add" in tools and not [t for t in tools if t.startswith("broken__")]
 
 
+def test_a_server_whose_tool_list_is_not_a_list_fails_to_start_and_says_so(env: Env) -> None:
+    """Found by QA: `{"tools": "nope"}` was read as no tools, with no alert and status
+    saying `ready (0 tools)`."""
+    env.model.script({"text": "fine"})
+    pod = env.start("odd", extra=server_toml("odd", script=LEGACY, args=("--tools-not-a-list",)))
+    messages = alerts(pod)
+    assert any(
+        "MCP server 'odd' failed to start" in m and "no list of tools" in m for m in messages
+    ), messages
+
+
 def test_a_required_server_that_fails_fails_the_start_up(env: Env) -> None:
     extra = server_toml("needed", required=True, start_timeout=2, args=("--hang-at-start",))
     with pytest.raises(StartFailed) as failed:
