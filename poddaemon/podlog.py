@@ -104,10 +104,13 @@ class PodLog:
         """Stage one entry (written by `flush`, at the latest at the end of this loop pass).
         The log may fork meanwhile (another writer moved its head): then `forks` counts up and
         the fork's first entry already holds this entry and every one before it."""
-        if self.failed:
-            return
         log = self.log
         assert log is not None
+        if self.failed or log.closed:
+            # Closed, the pod is on its way out: what its watchers see now (a child's exit) is
+            # not recorded, and a restored pod learns it again. Failing here made a pod that
+            # stopped cleanly exit 1.
+            return
         try:
             if type(entry) is RunStart:  # a run starts: check the whole file is still ours
                 log.flush()

@@ -1,0 +1,31 @@
+"""PodLog after the pod closed it, on its way out."""
+
+import asyncio
+import tempfile
+
+from poddaemon.entries import SessionStart, SystemItem
+from poddaemon.podlog import PodLog
+from poddaemon.store.log import new_session_id, verify
+
+
+def test_an_entry_after_the_close_is_dropped_not_a_failure() -> None:
+    """Found by a full test run: a child's exit, seen by its watcher after `podctl stop --tree`
+    had closed the spawner's log, was written to the closed log; the failure made the spawner,
+    stopped cleanly, exit 1."""
+    failures: list[str] = []
+
+    async def go(sessions: str) -> PodLog:
+        plog = PodLog(sessions, failures.append, lambda _: None, lambda _: None, SessionStart)
+        plog.open(SessionStart(session_id=new_session_id(), seq=1, ts=1.0))
+        plog.write(SystemItem(id="n1", text="before", source="ci", seq=2, ts=2.0))
+        await plog.close()
+        plog.write(SystemItem(id="n2", text="after", source="ci", seq=3, ts=3.0))
+        plog.flush()
+        return plog
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as sessions:
+        plog = asyncio.run(go(sessions))
+        assert failures == [] and not plog.failed
+        with open(plog.path, "rb") as f:
+            entries = verify(f.read()).entries
+    assert [e.get("text") for e in entries[1:]] == ["before"]
