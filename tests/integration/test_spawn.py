@@ -1016,17 +1016,24 @@ def test_stopping_the_parent_stops_its_children_first(tree: Env) -> None:
     assert Registry(tree.home / "run").live() == []
 
 
-def test_a_real_spawners_bash_loses_the_delegated_area(tree: Env) -> None:
-    """With the sandbox confining commands: the spawner's `bash` cannot write into a live
-    child's area, and can again once the child stopped."""
+def _kid_under_landlock(env: Env) -> Path:
+    """work/kid, for a child `kid` whose model (m-kid) answers at once; skips without Landlock
+    (these tests are about what the kernel enforces)."""
     from poddaemon.sandbox import available
 
     if not available():
         pytest.skip("no Landlock here")
-    env = tree
     kid = env.work / "kid"
     kid.mkdir()
     env.model.script_model("m-kid")
+    return kid
+
+
+def test_a_real_spawners_bash_loses_the_delegated_area(tree: Env) -> None:
+    """With the sandbox confining commands: the spawner's `bash` cannot write into a live
+    child's area, and can again once the child stopped."""
+    env = tree
+    kid = _kid_under_landlock(env)
     write = tool("bash", command="echo x > kid/f && echo wrote")
     env.model.script(
         {"tool_calls": [spawn_call("kid", "hi", [str(kid)]), write]},
@@ -1047,14 +1054,8 @@ def test_the_spawners_status_says_what_its_commands_can_still_do_in_a_delegated_
     remove and rename entries in its child's area (file contents are protected). The same
     rule written as a manifest deny is noted in `status`; a delegated one was not (the notes
     were the start's)."""
-    from poddaemon.sandbox import available
-
-    if not available():
-        pytest.skip("no Landlock here")
     env = tree
-    kid = env.work / "kid"
-    kid.mkdir()
-    env.model.script_model("m-kid")
+    kid = _kid_under_landlock(env)
     env.model.script({"tool_calls": [spawn_call("kid", "hi", [str(kid)])]}, {"text": "done"})
     parent = start_parent(env, tools=[*POD_TOOLS, "bash"])
     assert run_and_wait(parent, "go")["outcome"] == "finished"
