@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -126,11 +127,21 @@ def token_path(sock_path: str) -> str:
 
 
 def _read_token(sock_path: str) -> str | None:
+    """The server's token; None unless it is a regular file of ours that only we can read (what
+    the server writes: anything else was put there by someone else)."""
     try:
-        with open(token_path(sock_path), encoding="ascii") as f:
-            return f.read().strip()
+        fd = os.open(token_path(sock_path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return None
+        return os.read(fd, 256).decode("ascii").strip()
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
 
 
 def _connect(path: str, patience: float = 0.0) -> socket.socket | None:

@@ -419,10 +419,16 @@ class Server:
 
 def _write_token(path: str) -> str:
     """A new token, in `path` (0600) before the socket listens: a client reads it once it has
-    connected, so it always finds the token of the server that holds the lock."""
+    connected, so it always finds the token of the server that holds the lock.
+
+    Written to a new file of an unguessable name (O_EXCL: never through a symlink planted in
+    its place, which a command whose write scope covers the runtime dir can make: entries
+    there are beyond what Landlock can deny it), then renamed over `path`, which replaces
+    whatever is there, a symlink included."""
     token = secrets.token_hex(16)
-    tmp = f"{path}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    tmp = f"{path}.{secrets.token_hex(8)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
     try:
         os.write(fd, token.encode() + b"\n")
     finally:

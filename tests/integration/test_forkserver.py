@@ -298,7 +298,9 @@ def test_a_server_that_vanishes_with_the_request_is_an_error_not_a_second_start(
     assert path.startswith(str(env.home))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
-    Path(forkclient.token_path(path)).write_text("t\n")  # as a server writes it
+    token = Path(forkclient.token_path(path))
+    token.write_text("t\n")  # as a server writes it
+    token.chmod(0o600)
     listener.listen(1)
 
     def take_and_vanish() -> None:  # reads the whole request, then dies without a word
@@ -483,3 +485,30 @@ def test_a_sandboxed_command_cannot_have_the_server_fork_a_pod(env: Env) -> None
     assert "refused: the request does not carry this server's token" in output, output
     assert Registry(env.home / "run").get("evil") is None
     assert ppid(spawn(env, "two")) == server_pid(env)  # podctl has the token: it serves on
+
+
+def test_the_token_is_never_written_or_read_through_a_planted_symlink(tmp_path: Path) -> None:
+    """Found by QA: a command whose write scope covered the runtime dir planted symlinks where
+    the server's temp token file would be (named by its pid) and read the token through them.
+    The token goes to a file of an unguessable name created O_EXCL, renamed over whatever is
+    at the token's path; a client reads only a regular 0600 file of its own."""
+    from poddaemon import forkserver
+
+    sock = str(tmp_path / "forkserver.k.sock")
+    loot = tmp_path / "loot"
+    loot.write_text("")
+    path = Path(forkclient.token_path(sock))
+    path.symlink_to(loot)
+    Path(f"{path}.{os.getpid()}").symlink_to(loot)  # where the temp file was: named by pid
+    token = forkserver._write_token(str(path))
+    assert loot.read_text() == "" and not path.is_symlink()
+    assert (path.stat().st_mode & 0o777) == 0o600 and path.read_text().strip() == token
+    assert forkclient._read_token(sock) == token
+    path.unlink()
+    path.symlink_to(loot)
+    loot.write_text(token)
+    assert forkclient._read_token(sock) is None  # not through a link
+    path.unlink()
+    path.write_text(token)
+    path.chmod(0o644)
+    assert forkclient._read_token(sock) is None  # not one others could have written or read
