@@ -326,8 +326,9 @@ class McpConnection:
         except MCPError as exc:
             # The SDK raises these two codes itself, for a silent server and a gone one; but a
             # server may send them too (-32000 is the usual "server error"): then it answers a
-            # ping, and answered before the timeout. Its words are the model's, not a restart.
-            if exc.code == REQUEST_TIMEOUT and time.monotonic() - started >= timeout:
+            # ping, and answered well before the timeout (the SDK's own comes at about the
+            # timeout, a little early over HTTP). Its words are the model's, not a restart.
+            if exc.code == REQUEST_TIMEOUT and time.monotonic() - started >= timeout / 2:
                 return await self._timed_out(remote, client)
             if exc.code == CONNECTION_CLOSED and not await self._answers(client):
                 return self._call_lost(remote, exc.message, client)
