@@ -27,7 +27,10 @@ Why the token: a pod's sandboxed commands can connect to this socket (Landlock r
 connecting to a socket by its path only from ABI 9), and this unconfined process would fork
 any manifest they wrote, sandbox off and scope `/`: a complete escape. They cannot read the
 runtime dir the token is in (it is among the directories the sandbox never grants), podctl and
-the pods can. A request without it is refused and nothing is forked.
+the pods can. A request without it is refused and nothing is forked. So is one from a pod's
+command runner or below it (`_from_a_pods_command`): where a pod's write scope covers the
+runtime dir, its commands can put a socket of their own in this one's place and be sent a
+client's token.
 
 It exits after `PODDAEMON_FORKSERVER_IDLE` seconds (default 600) without a request, and steps
 aside (as when stale) once its socket file is removed (no client could reach it); its pods
@@ -261,10 +264,15 @@ class Server:
             self._reply(conn, {"error": f"bad request: {exc}"})
             conn.close()
             return
+        refusal = None
         if not hmac.compare_digest(req.token.encode(), self.token.encode()):
+            refusal = "refused: the request does not carry this server's token"
+        elif _from_a_pods_command(_peer_pid(conn)):
+            refusal = "refused: the request comes from a command a pod started"
+        if refusal is not None:
             for fd in fds:
                 os.close(fd)
-            self._reply(conn, {"error": "refused: the request does not carry this server's token"})
+            self._reply(conn, {"error": refusal})
             conn.close()
             return
         try:
@@ -297,7 +305,7 @@ class Server:
             self.preload += [_importer(m) for m in SDKS[kind]]
             self.preload.append(functools.partial(_rehearse, kind))
 
-    def _same_user(self, conn: socket.socket) -> bool:
+    def _same_user(self, conn: socket.socket) -> bool:  # (before anything is read)
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
         if uid != os.getuid():
@@ -415,6 +423,33 @@ class Server:
             os.unlink(self.sock_path)
         self.listener.close()
         os.close(self.lock_fd)
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[0])
+
+
+def _from_a_pods_command(pid: int) -> bool:
+    """Is `pid` a pod's command runner or below one (a bash call, a hook, what they started)?
+    Those run sandboxed; forked from here, a pod of theirs would not be. Their orphans stay
+    below the runner (a child subreaper) while it lives, and it outlives them. Besides the
+    token: a command whose write scope covers the runtime dir can put a socket of its own in
+    this one's place and be sent a client's token."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return False  # gone: its request is not forked either way (it hung up)
+        if any(arg.endswith(b"/poddaemon/runner.py") for arg in argv):  # any installation's
+            return True
+        pid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # the parent
+        seen += 1
+    return False
 
 
 def _write_token(path: str) -> str:

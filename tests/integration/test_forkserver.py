@@ -437,13 +437,13 @@ def test_a_server_whose_backlog_is_full_is_passed_over_not_waited_for(env: Env) 
 
 ATTACK = """
 import json, os, socket, struct, sys
-sock, token_file, manifest = sys.argv[1:]
+sock, token_file, manifest, *stolen = sys.argv[1:]
 try:
     print("token:", open(token_file).read().strip())
 except OSError as exc:
     print("token unreadable:", type(exc).__name__)
 req = {"argv": ["run", manifest], "env": dict(os.environ), "cwd": "/", "umask": 18,
-       "title": ["poddaemon", "run", manifest], "nofile": [1024, 1024]}
+       "title": ["poddaemon", "run", manifest], "nofile": [1024, 1024], "token": "".join(stolen)}
 body = json.dumps(req).encode()
 s = socket.socket(socket.AF_UNIX)
 s.connect(sock)
@@ -473,16 +473,21 @@ def test_a_sandboxed_command_cannot_have_the_server_fork_a_pod(env: Env) -> None
     script.write_text(ATTACK)
     token = forkclient.token_path(str(sock))
     command = f"/usr/bin/python3 {script} {sock} {token} {evil}"
+    # Then as if it had the token (a socket of its own put in the server's place, where the
+    # write scope covers the runtime dir, is sent one by a client): a pod's command all the same.
+    stolen = f"{command} {Path(token).read_text().strip()}"
     env.model.script(
-        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]}, {"text": "done"}
+        {"tool_calls": [{"name": "bash", "arguments": {"command": c}} for c in (command, stolen)]},
+        {"text": "done"},
     )
     jail = env.start("jail", tools=["bash"], write=[str(cell)])
     with jail.client() as c:
         assert c.run_wait("escape").outcome == "finished"
         entries = c.history(since=0, limit=1000).entries
-    (output,) = [e["item"]["output"] for e in entries if e["kind"] == "tool_result"]
-    assert "token unreadable: PermissionError" in output, output
-    assert "refused: the request does not carry this server's token" in output, output
+    without, within = [e["item"]["output"] for e in entries if e["kind"] == "tool_result"]
+    assert "token unreadable: PermissionError" in without, without
+    assert "refused: the request does not carry this server's token" in without, without
+    assert "refused: the request comes from a command a pod started" in within, within
     assert Registry(env.home / "run").get("evil") is None
     assert ppid(spawn(env, "two")) == server_pid(env)  # podctl has the token: it serves on
 
