@@ -235,11 +235,17 @@ class McpConnection:
             if wanted is not None and remote not in wanted:
                 continue
             name = offered_name(self.name, remote)
-            why = (
-                "its name is too long, or clashes once made safe"
-                if name is None or name in out
-                else schema_problem(schema)
-            )
+            if name is None:
+                why: str | None = "its name is empty, or too long for the providers (64 characters)"
+            elif name in out:
+                first = out[name].remote
+                why = (
+                    "the server lists it twice"
+                    if first == remote
+                    else f"made safe, its name is that of {first!r}, listed before it"
+                )
+            else:
+                why = schema_problem(schema)
             if why is not None or name is None:
                 self._alert(
                     "warning",

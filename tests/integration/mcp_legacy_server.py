@@ -60,6 +60,11 @@ if "--bare-arrays" in sys.argv[1:]:
     })  # fmt: skip
 
 
+# `--twins`: a tool listed twice, and two whose names are the same once made safe.
+if "--twins" in sys.argv[1:]:
+    TOOLS += [dict(TOOLS[0]), {"name": "a.b"}, {"name": "a_b"}]
+
+
 # `--many N`: N more tools (echo_0 ... echo_<N-1>), as servers that wrap a whole API list them.
 if "--many" in sys.argv[1:]:
     count = int(sys.argv[sys.argv.index("--many") + 1])

@@ -414,6 +414,17 @@ def test_a_tool_with_arrays_that_do_not_say_their_items_works_with_openai(
     assert (tagged["output"], tagged["is_error"]) == ("a,b", False)
 
 
+def test_a_tool_listed_twice_and_a_name_clash_say_which_they_are(env: Env) -> None:
+    """Both were 'its name is too long, or clashes once made safe'."""
+    env.model.script({"text": "fine"})
+    pod = env.start("twins", extra=server_toml("old", script=LEGACY, args=("--twins",)))
+    warned = [a for a in alerts(pod) if "cannot be offered" in a]
+    assert any("'shout' cannot be offered" in a and "lists it twice" in a for a in warned), warned
+    clash = "'a_b' cannot be offered to the model (made safe, its name is that of 'a.b'"
+    assert any(a.startswith(f"MCP server 'old': tool {clash}") for a in warned), warned
+    assert "old__a_b" in advertised_tools(env.model.requests[0]["body"])  # the first one listed
+
+
 def test_more_tools_than_openai_takes_is_a_startup_warning_naming_the_fix(env: Env) -> None:
     """OpenAI refuses every request offering more than 128 tools, and one MCP server wrapping a
     whole API lists more: say so at start, where the user sees it, not at each failed run."""
