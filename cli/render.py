@@ -361,6 +361,8 @@ def status_text(st: Mapping[str, Any]) -> str:
         fields.append(("", f"note: {note}"))
     for i, server in enumerate(st.get("mcp") or []):
         text = f"{server.get('name')} {server.get('state')} ({server.get('tools', 0)} tools)"
+        if server.get("restarts"):
+            text += f", restarted {server['restarts']}x"
         if server.get("error"):
             text += f": {server['error']}"
         fields.append(("mcp" if i == 0 else "", text))

@@ -291,6 +291,17 @@ def test_status_text() -> None:
     assert len({line.index(line.split()[1]) for line in lines[:3]}) == 1
 
 
+def test_status_text_says_how_often_an_mcp_server_was_restarted() -> None:
+    """`--json` had it; the text showed a server restarted after a crash as plainly ready."""
+    servers = [
+        {"name": "gh", "state": "ready", "tools": 3, "restarts": 0},
+        {"name": "fs", "state": "dead", "tools": 2, "restarts": 1, "error": "exited 3"},
+    ]
+    lines = status_text({**STATUS, "mcp": servers}).splitlines()
+    assert any(line.split() == ["mcp:", "gh", "ready", "(3", "tools)"] for line in lines)
+    assert any(line.strip() == "fs dead (2 tools), restarted 1x: exited 3" for line in lines)
+
+
 def test_entry_summaries() -> None:
     base = {"ts": 0.0, "prev": "0" * 64, "hash": "f" * 64}
     cases = [
