@@ -52,7 +52,7 @@ def spawn(
     """
     import os
 
-    from cli.spawn import SpawnFailed, daemon_command, spawn_detached
+    from cli.spawn import SpawnFailed, daemon_command, shortened, spawn_detached
 
     if session and resume:
         fail("--session and --resume exclude each other", EXIT_USAGE)
@@ -71,16 +71,15 @@ def spawn(
     except SpawnFailed as exc:
         sys.stdout.flush()
         if exc.output.strip():
-            sys.stderr.buffer.write(
-                exc.output if exc.output.endswith(b"\n") else exc.output + b"\n"
-            )
+            said = shortened(exc.output)
+            sys.stderr.buffer.write(said if said.endswith(b"\n") else said + b"\n")
             sys.stderr.flush()
             if "ready within" in exc.message:
                 fail(exc.message)
             raise typer.Exit(EXIT_ERROR) from None
         fail(exc.message)
     if early:
-        sys.stderr.buffer.write(early)  # warnings the pod printed while starting
+        sys.stderr.buffer.write(shortened(early, name))  # warnings it printed while starting
         sys.stderr.flush()
     sys.stdout.write(f"{name}\t{socket}\n")
 

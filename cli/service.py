@@ -219,7 +219,7 @@ def _restart(pod: str) -> None:
         # (not top: a pod another restart stopped meanwhile is no error)
         if _stop(pod, tree=False, top=False, unanswered=unanswering):
             fail(f"pod '{name}' did not stop; it was not restarted")
-    from cli.spawn import SpawnFailed, daemon_command, spawn_detached
+    from cli.spawn import SpawnFailed, daemon_command, shortened, spawn_detached
 
     try:
         cmd = daemon_command(str(config), [], None, True)
@@ -228,9 +228,9 @@ def _restart(pod: str) -> None:
             cmd += ["--adopt", "--callback", callback.read_text().strip()]
         started, socket, early = spawn_detached(cmd)
     except SpawnFailed as exc:
-        sys.stderr.buffer.write(exc.output)
+        sys.stderr.buffer.write(shortened(exc.output, name))
         fail(exc.message)
-    sys.stderr.buffer.write(early)
+    sys.stderr.buffer.write(shortened(early, name))
     sys.stdout.write(f"{started}\t{socket}\n")
 
 

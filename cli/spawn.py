@@ -139,6 +139,22 @@ def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str,
         proc.close()
 
 
+EARLY_HEAD, EARLY_TAIL = 30, 10  # lines shown of what a pod wrote before READY
+
+
+def shortened(output: bytes, pod: str | None = None) -> bytes:
+    """What a pod wrote while starting, as podctl shows it: the first lines (its warnings come
+    first) and the last (a failure's reason comes last). An MCP server flooding its stderr put
+    up to 256 KiB of it on the terminal of a spawn that worked; all of it is in its log."""
+    lines = output.splitlines(keepends=True)
+    if len(lines) <= EARLY_HEAD + EARLY_TAIL:
+        return output
+    cut = len(lines) - EARLY_HEAD - EARLY_TAIL
+    where = f"`podctl logs {pod}`" if pod else "the pod's log (`podctl logs`)"
+    note = f"podctl: … {cut} more lines ({where} has them all)\n".encode()
+    return b"".join([*lines[:EARLY_HEAD], note, *lines[-EARLY_TAIL:]])
+
+
 def _await_ready(proc: Started, fd: int, timeout: float) -> tuple[str, str, bytes]:
     pending = bytearray()  # the incomplete last line
     output = bytearray()  # complete lines before READY

@@ -454,6 +454,19 @@ def test_a_server_flooding_its_stderr_does_not_flood_the_pods_log(env: Env) -> N
     assert len(pod.text()) < 1024 * 1024
 
 
+def test_podctl_spawn_shows_the_head_and_tail_of_a_flooding_servers_start_up(env: Env) -> None:
+    """Found by QA: a successful spawn copied 256 KiB of a server's stderr to the terminal."""
+    extra = server_toml("old", script=LEGACY, args=("--stderr-flood", "8"))
+    spawned = env.podctl("spawn", str(env.manifest("floody", extra=extra)))
+    try:
+        assert spawned.returncode == 0, spawned.stderr[-2000:]
+        lines = spawned.stderr.splitlines()
+        assert len(lines) <= 41, len(lines)
+        assert any("more lines (`podctl logs floody` has them all)" in x for x in lines), lines
+    finally:
+        env.podctl("stop", "floody")
+
+
 def mute_server_manifest(env: Env, name: str) -> Path:
     """A pod whose one MCP server never answers `initialize`: READY waits its start_timeout
     (2 s), then the pod starts without it."""

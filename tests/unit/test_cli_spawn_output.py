@@ -1,0 +1,18 @@
+"""What podctl shows of a pod's output before READY (`cli.spawn.shortened`); pure."""
+
+from cli.spawn import EARLY_HEAD, EARLY_TAIL, shortened
+
+
+def test_a_short_start_up_is_shown_whole() -> None:
+    said = b"".join(b"warning %d\n" % i for i in range(EARLY_HEAD + EARLY_TAIL))
+    assert shortened(said, "p") == said
+
+
+def test_a_long_one_keeps_its_first_warnings_and_its_last_words() -> None:
+    said = b"".join(b"line %d\n" % i for i in range(1000))
+    lines = shortened(said, "p").splitlines()
+    assert lines[:EARLY_HEAD] == [b"line %d" % i for i in range(EARLY_HEAD)]
+    note = "podctl: … 960 more lines (`podctl logs p` has them all)"
+    assert lines[EARLY_HEAD] == note.encode()
+    assert lines[EARLY_HEAD + 1 :] == [b"line %d" % i for i in range(1000 - EARLY_TAIL, 1000)]
+    assert b"the pod's log" in shortened(said)  # its name not known yet (a failed start)
