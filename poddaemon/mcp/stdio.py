@@ -10,8 +10,10 @@ runs. The guard makes stopping simple: closing our end of its stderr pipe kills 
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -160,6 +162,36 @@ class StdioProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
+_ID = re.compile(rb'"id"\s*:\s*(-?\d{1,18}|"(?:[^"\\]|\\.){0,200}")')
+
+
+async def _skip_long_line(stdout: asyncio.StreamReader, name: str) -> bytes:
+    """Read past a line over MAX_LINE (a tool's 70 MB result, say) and return, in its place, the
+    JSON-RPC error that answers the request it answered (its id is near the start, where
+    servers put it): the call fails with the reason and the server stays connected (the
+    connection was dropped as lost, and the server restarted, or left dead the second time)."""
+    head = b""
+    size = 0
+    while True:
+        try:
+            size += len(await stdout.readuntil(b"\n"))
+            break
+        except asyncio.LimitOverrunError as exc:
+            chunk = await stdout.readexactly(exc.consumed)  # it is there: no wait
+            size += len(chunk)
+            head = head or chunk[:4096]
+        except asyncio.IncompleteReadError as exc:  # EOF within it
+            size += len(exc.partial)
+            break
+    why = f"a message of {size:,} bytes, over the {MAX_LINE // (1 << 20)} MiB limit"
+    log.warning("mcp[%s] sent %s; skipped", name, why)
+    found = _ID.search(head)
+    if found is None:
+        return b"\n"  # no id to answer: its call times out
+    error = {"code": -32603, "message": f"the server's reply was {why}; it was discarded"}
+    return b'{"jsonrpc":"2.0","id":%b,"error":%b}\n' % (found[1], json.dumps(error).encode())
+
+
 @contextlib.asynccontextmanager
 async def transport(process: StdioProcess) -> AsyncIterator[tuple[Any, Any]]:
     """The MCP SDK's Transport shape (read stream, write stream) over a running process.
@@ -181,8 +213,12 @@ async def transport(process: StdioProcess) -> AsyncIterator[tuple[Any, Any]]:
         async with read_send:
             while True:
                 try:
-                    line = await stdout.readline()
-                except (ValueError, OSError) as exc:  # a line over MAX_LINE, a broken pipe
+                    line = await stdout.readuntil(b"\n")
+                except asyncio.IncompleteReadError as exc:  # EOF, maybe after a last line
+                    line = exc.partial
+                except asyncio.LimitOverrunError:  # over MAX_LINE: skipped, its caller told
+                    line = await _skip_long_line(stdout, process.name)
+                except OSError as exc:  # a broken pipe
                     log.warning("mcp[%s] cannot read the server's output: %s", process.name, exc)
                     return
                 if not line:

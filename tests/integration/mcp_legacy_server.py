@@ -28,6 +28,11 @@ TOOLS = [
         "inputSchema": {"type": "object"},
     },
     {
+        "name": "heap",
+        "description": "Answer with a text of `mb` MiB.",
+        "inputSchema": {"type": "object", "properties": {"mb": {"type": "integer"}}},
+    },
+    {
         "name": "oops",
         "description": "Answer with a JSON-RPC error of the given code, at once.",
         "inputSchema": {"type": "object", "properties": {"code": {"type": "integer"}}},
@@ -115,6 +120,9 @@ for line in sys.stdin:
     elif method == "tools/call" and params.get("name") == "tagger":
         tags = ",".join(map(str, params.get("arguments", {}).get("tags", [])))
         reply(msg["id"], {"content": [{"type": "text", "text": tags}], "isError": False})
+    elif method == "tools/call" and params.get("name") == "heap":
+        text = "x" * (int(params.get("arguments", {}).get("mb", 1)) << 20)
+        reply(msg["id"], {"content": [{"type": "text", "text": text}], "isError": False})
     elif method == "tools/call" and params.get("name") == "oops":
         code = int(params.get("arguments", {}).get("code", -32000))
         reply(msg["id"], error={"code": code, "message": f"backend down ({code})"})

@@ -561,6 +561,25 @@ def test_a_server_error_with_the_codes_the_sdk_uses_itself_is_the_servers_answer
     assert any(n.startswith(outside) for n in status["sandbox_notes"]), status["sandbox_notes"]
 
 
+def test_a_reply_over_the_line_limit_fails_its_call_and_the_server_stays(env: Env) -> None:
+    """Found by QA: a 70 MiB reply was taken for a lost connection ('Connection closed'): the
+    server was restarted, and left dead at the second. The line is skipped and its call fails
+    with the reason; the same server answers the next call."""
+    env.model.script(
+        {"tool_calls": [{"name": "old__heap", "arguments": {"mb": 70}}]},
+        {"tool_calls": [{"name": "old__heap", "arguments": {"mb": 1}}]},
+        {"text": "done"},
+    )
+    pod = env.start("heaped", extra=server_toml("old", script=LEGACY, timeout=60))
+    with pod.client(timeout=120) as c:
+        assert c.run_wait("heap").outcome == "finished"
+    big, small = tool_results(pod)
+    assert big["is_error"] and "over the 64 MiB limit; it was discarded" in big["output"], big
+    assert not small["is_error"] and small["output"].startswith("xxxx"), small["output"][:200]
+    (server,) = pod.call("status")["mcp"]
+    assert (server["state"], server["restarts"]) == ("ready", 0)
+
+
 def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
     # The ping after a timeout is answered -32601 (method not found): an answer, so the
     # server is alive, not hung; it keeps its state and later calls go to it as before.
