@@ -267,7 +267,7 @@ class Server:
         refusal = None
         if not hmac.compare_digest(req.token.encode(), self.token.encode()):
             refusal = "refused: the request does not carry this server's token"
-        elif _from_a_pods_command(_peer_pid(conn)):
+        elif _from_a_pods_command(_peer(conn)[0]):
             refusal = "refused: the request comes from a command a pod started"
         if refusal is not None:
             for fd in fds:
@@ -306,9 +306,7 @@ class Server:
             self.preload.append(functools.partial(_rehearse, kind))
 
     def _same_user(self, conn: socket.socket) -> bool:  # (before anything is read)
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        _, uid, _ = struct.unpack("3i", creds)
-        if uid != os.getuid():
+        if _peer(conn)[1] != os.getuid():
             conn.close()
             return False
         return True
@@ -425,9 +423,11 @@ class Server:
         os.close(self.lock_fd)
 
 
-def _peer_pid(conn: socket.socket) -> int:
+def _peer(conn: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, as the kernel says (SO_PEERCRED)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[0])
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid
 
 
 def _from_a_pods_command(pid: int) -> bool:

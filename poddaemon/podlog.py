@@ -104,9 +104,11 @@ class PodLog:
         """Stage one entry (written by `flush`, at the latest at the end of this loop pass).
         The log may fork meanwhile (another writer moved its head): then `forks` counts up and
         the fork's first entry already holds this entry and every one before it."""
+        if self.failed:  # (the log may not even exist: it could not be created)
+            return
         log = self.log
         assert log is not None
-        if self.failed or log.closed:
+        if log.closed:
             # Closed, the pod is on its way out: what its watchers see now (a child's exit) is
             # not recorded, and a restored pod learns it again. Failing here made a pod that
             # stopped cleanly exit 1.
