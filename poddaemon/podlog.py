@@ -108,10 +108,10 @@ class PodLog:
             return
         log = self.log
         assert log is not None
-        if log.closed:
+        if log.closed and type(entry) is not SystemItem and type(entry) is not UserInput:
             # Closed, the pod is on its way out: what its watchers see now (a child's exit) is
             # not recorded, and a restored pod learns it again. Failing here made a pod that
-            # stopped cleanly exit 1.
+            # stopped cleanly exit 1. (An input still fails below: it must never be acked.)
             return
         try:
             if type(entry) is RunStart:  # a run starts: check the whole file is still ours

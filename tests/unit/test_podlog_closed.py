@@ -3,7 +3,7 @@
 import asyncio
 import tempfile
 
-from poddaemon.entries import SessionStart, SystemItem
+from poddaemon.entries import ChildEnded, SessionStart, SystemItem
 from poddaemon.podlog import PodLog
 from poddaemon.store.log import new_session_id, verify
 
@@ -19,7 +19,7 @@ def test_an_entry_after_the_close_is_dropped_not_a_failure() -> None:
         plog.open(SessionStart(session_id=new_session_id(), seq=1, ts=1.0))
         plog.write(SystemItem(id="n1", text="before", source="ci", seq=2, ts=2.0))
         await plog.close()
-        plog.write(SystemItem(id="n2", text="after", source="ci", seq=3, ts=3.0))
+        plog.write(ChildEnded(name="kid", spent=0, reason="it stopped", seq=3, ts=3.0))
         plog.flush()
         return plog
 
@@ -28,4 +28,19 @@ def test_an_entry_after_the_close_is_dropped_not_a_failure() -> None:
         assert failures == [] and not plog.failed
         with open(plog.path, "rb") as f:
             entries = verify(f.read()).entries
-    assert [e.get("text") for e in entries[1:]] == ["before"]
+    assert [e["kind"] for e in entries[1:]] == ["system_item"]
+
+
+def test_an_input_after_the_close_still_fails_it_is_never_acknowledged_unwritten() -> None:
+    failures: list[str] = []
+
+    async def go(sessions: str) -> PodLog:
+        plog = PodLog(sessions, failures.append, lambda _: None, lambda _: None, SessionStart)
+        plog.open(SessionStart(session_id=new_session_id(), seq=1, ts=1.0))
+        await plog.close()
+        plog.write(SystemItem(id="n2", text="after", source="ci", seq=2, ts=2.0))
+        return plog
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as sessions:
+        plog = asyncio.run(go(sessions))
+    assert plog.failed and "closed" in failures[0]
