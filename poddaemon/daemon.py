@@ -235,8 +235,8 @@ def _own_dirs() -> tuple[str, ...]:
     from poddaemon.registry import read_mounts
     from poddaemon.scope import aliases
 
-    dirs = [os.path.realpath(d) for d in (paths.data_dir(), paths.runtime_dir())]
-    dirs += [os.path.realpath(d) for d in (paths.log_dir(), paths.config_dir())]
+    own = (paths.data_dir(), paths.runtime_dir(), paths.log_dir(), paths.config_dir())
+    dirs = [os.path.realpath(d) for d in own]
     mounts = read_mounts()
     return tuple(dict.fromkeys(dirs + [a for d in dirs for a in aliases(d, mounts)]))
 

@@ -63,6 +63,13 @@ def schema_problem(schema: Any) -> str | None:
     return _subschema_problem(schema, "inputSchema")
 
 
+# Where a schema holds subschemas (JSON Schema's keywords): by name, in a list, one; and `items`,
+# a schema or (the older tuple form) a list of them.
+_NAMED_SUBSCHEMAS = ("properties", "$defs", "definitions", "patternProperties")
+_LISTED_SUBSCHEMAS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_ONE_SUBSCHEMA = ("additionalProperties", "not")
+
+
 def _is_type(name: Any) -> bool:
     return isinstance(name, str) and name in _JSON_TYPES
 
@@ -80,11 +87,11 @@ def _subschema_problem(schema: Any, where: str) -> str | None:
     if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
         return f"{where}.required is not a list of names"
     subs: list[tuple[str, Any]] = []
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
+    for key in _NAMED_SUBSCHEMAS:
         if not isinstance(value := schema.get(key, {}), dict):
             return f"{where}.{key} is not an object"
         subs += [(f"{where}.{key}.{name}", sub) for name, sub in value.items()]
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+    for key in _LISTED_SUBSCHEMAS:
         if not isinstance(value := schema.get(key, []), list):
             return f"{where}.{key} is not a list"
         subs += [(f"{where}.{key}[{i}]", sub) for i, sub in enumerate(value)]
@@ -92,7 +99,7 @@ def _subschema_problem(schema: Any, where: str) -> str | None:
         subs += [(f"{where}.items[{i}]", sub) for i, sub in enumerate(items)]
     elif items is not None:
         subs.append((f"{where}.items", items))
-    for key in ("additionalProperties", "not"):
+    for key in _ONE_SUBSCHEMA:
         if key in schema:
             subs.append((f"{where}.{key}", schema[key]))
     for path, sub in subs:
@@ -119,13 +126,13 @@ def _with_items(schema: dict[str, Any]) -> dict[str, Any]:
         "items" in out or "prefixItems" in out
     ):
         out["items"] = {}
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
+    for key in _NAMED_SUBSCHEMAS:
         if isinstance(value := out.get(key), dict):
             out[key] = {k: _with_items(v) if isinstance(v, dict) else v for k, v in value.items()}
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems", "items"):
+    for key in (*_LISTED_SUBSCHEMAS, "items"):
         if isinstance(value := out.get(key), list):
             out[key] = [_with_items(v) if isinstance(v, dict) else v for v in value]
-    for key in ("items", "additionalProperties", "not"):
+    for key in ("items", *_ONE_SUBSCHEMA):
         if isinstance(value := out.get(key), dict):
             out[key] = _with_items(value)
     return out

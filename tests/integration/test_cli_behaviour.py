@@ -233,7 +233,8 @@ def test_notify_and_send_with_a_client_key_are_taken_once(env: Env) -> None:
     inputs = [e for e in pod.call("history", since=0)["entries"] if e["kind"] == "user_input"]
     items = [e for e in pod.call("history", since=0)["entries"] if e["kind"] == "system_item"]
     assert len(inputs) == 1 and [i["text"] for i in items] == ["built"]
-    assert len(env.model.requests) == 2  # the run, then the turn the notification woke
+    env.model.wait_for_requests(2)  # the run, then the turn the notification woke (once)
+    assert len(env.model.requests) == 2
 
 
 def test_cancelled_run_exits_1_and_missing_pod_3(env: Env) -> None:
