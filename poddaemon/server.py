@@ -14,6 +14,7 @@ import inspect
 import logging
 import os
 import re
+import select
 import socket
 import struct
 import time
@@ -56,6 +57,8 @@ TRIM_AFTER_PARTIAL_BYTES = 1024 * 1024
 # socket, until one is answered: a client that writes 20,000 `history` requests at once gets
 # them all answered, 128 at a time, instead of 20,000 coroutines and threads' work at once.
 MAX_IN_FLIGHT = 128
+# Seconds between looks at subscribers that half-closed: whether they have closed for good.
+HALF_CLOSED_CHECK = 2.0
 # What msgspec raises for bytes that are not JSON: a nesting deeper than its limit is a
 # RecursionError, invalid UTF-8 inside a string a UnicodeDecodeError.
 _UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
@@ -187,6 +190,7 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._backlog.clear()
         self.server.connections.discard(self)
+        self.server.half_closed.discard(self)
         self.server.partial_bytes -= self._held
         self._held = 0
         self.framer = LineFramer(self.server.max_frame_bytes)  # its partial frame: freed now
@@ -284,14 +288,25 @@ class Connection(asyncio.Protocol):
 
     def _close_if_done(self) -> None:
         if (
-            self._eof
-            and not self._tasks
-            and not self._backlog
-            and self.subscription is None
-            and self.transport is not None
-            and not self.transport.is_closing()
+            not self._eof
+            or self._tasks
+            or self._backlog
+            or self.transport is None
+            or self.transport.is_closing()
         ):
+            return
+        if self.subscription is None or self.peer_closed():
             self.transport.close()  # after the buffered replies are written
+        else:  # it still reads its events: let go of it once it closes (nothing else tells)
+            self.server.watch_half_closed(self)
+
+    def peer_closed(self) -> bool:
+        """The client closed its socket, not only its writing half: only then does a Unix
+        stream socket poll POLLHUP (a shutdown(SHUT_WR) reads as EOF alone)."""
+        assert self.transport is not None
+        poller = select.poll()
+        poller.register(self.transport.get_extra_info("socket").fileno(), 0)
+        return any(events & select.POLLHUP for _, events in poller.poll(0))
 
     def _drop(self, reason: str) -> None:
         """Disconnect a client past a memory bound, with an alert; others are unaffected."""
@@ -502,6 +517,7 @@ class Connection(asyncio.Protocol):
         self.server.before_send()
         self.subscription = Subscription(self._write_event, self._congested, cursor)
         self.server.bus.subscribe(self.subscription)
+        self._close_if_done()  # a client that closed before its subscription began
 
     def _write_event(self, frame: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -541,6 +557,11 @@ class RpcServer:
         self.partial_bytes = 0
         self._trim_scheduled = False
         self.connections: set[Connection] = set()
+        # Subscribers that half-closed. A client that then closes its socket is never read
+        # again, and an idle pod writes it nothing that would fail: looked at every
+        # HALF_CLOSED_CHECK seconds, or each would hold an fd until the next event.
+        self.half_closed: set[Connection] = set()
+        self._half_closed_check: asyncio.TimerHandle | None = None
         self._server: asyncio.AbstractServer | None = None
         self._path: Path | None = None
         self._ino = 0  # the inode of the socket we bound at _path
@@ -559,6 +580,24 @@ class RpcServer:
                 f"(this one's oldest, {conn._held} bytes held for "
                 f"{time.monotonic() - conn._held_since:.1f} s)"
             )
+
+    def watch_half_closed(self, conn: Connection) -> None:
+        self.half_closed.add(conn)
+        if self._half_closed_check is None:
+            loop = asyncio.get_running_loop()
+            self._half_closed_check = loop.call_later(HALF_CLOSED_CHECK, self._let_go_of_closed)
+
+    def _let_go_of_closed(self) -> None:
+        self._half_closed_check = None
+        for conn in list(self.half_closed):
+            if conn.transport is None or conn.transport.is_closing():
+                self.half_closed.discard(conn)
+            elif conn.peer_closed():
+                self.half_closed.discard(conn)
+                conn.transport.close()
+        if self.half_closed:
+            loop = asyncio.get_running_loop()
+            self._half_closed_check = loop.call_later(HALF_CLOSED_CHECK, self._let_go_of_closed)
 
     def give_back_memory_soon(self) -> None:
         """One trim for all the clients that go in the same loop pass (a heap walk each)."""
@@ -590,6 +629,8 @@ class RpcServer:
         self._path, self._ino = path, os.stat(path).st_ino
 
     async def close(self) -> None:
+        if self._half_closed_check is not None:
+            self._half_closed_check.cancel()
         if self._server is not None:
             self._server.close()
         for conn in list(self.connections):

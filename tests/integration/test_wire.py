@@ -24,7 +24,7 @@ from protocol import PodClient, RpcError, oneshot
 from protocol.aio import AsyncPodClient
 from protocol.errors import Busy, FrameTooLarge, NotPaused, QueueFull, UnsafeSocket
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES
-from tests.conftest import ROOT, Env, PodProcess
+from tests.conftest import ROOT, Env, PodProcess, wait_until
 
 NOTIFY_LINE = b'{"jsonrpc":"2.0","id":1,"method":"notify","params":{"message":"hi"}}\n'
 
@@ -141,6 +141,59 @@ def test_half_closed_raw_socket_gets_every_reply_then_eof(env: Env) -> None:
     assert [r["id"] for r in got] == [1, 2, 3]
     assert all("result" in r for r in got), got
     assert got[2]["result"]["notification_id"]
+
+
+def pod_sockets(pod: PodProcess) -> set[str]:
+    """The sockets the pod holds open (`socket:[inode]`, unique while open)."""
+    held = set()
+    fd_dir = f"/proc/{pod.proc.pid}/fd"
+    for fd in os.listdir(fd_dir):
+        with contextlib.suppress(FileNotFoundError):  # closed meanwhile
+            target = os.readlink(f"{fd_dir}/{fd}")
+            if target.startswith("socket:"):
+                held.add(target)
+    return held
+
+
+SUBSCRIBE_LINE = b'{"jsonrpc":"2.0","id":1,"method":"subscribe","params":{}}\n'
+
+
+def test_a_subscriber_that_closes_is_let_go_by_an_idle_pod(env: Env) -> None:
+    """`podctl attach` interrupted: the client closed, and nothing is published for a while.
+    The pod used to keep each such connection until an event write failed: an idle pod ran
+    out of fds after ~1,000 attaches and answered nobody again."""
+    pod = env.start()
+    before = pod_sockets(pod)
+    for _ in range(30):
+        with raw(pod) as sock:
+            assert "cursor" in rpc(sock, SUBSCRIBE_LINE)["result"]
+    wait_until(lambda: pod_sockets(pod) <= before, what="the pod to let go of 30 subscribers")
+
+
+def test_a_half_closed_subscriber_gets_events_and_is_let_go_once_it_closes(env: Env) -> None:
+    """`printf subscribe | socat`: the client's writing half is shut but it still reads, so
+    the events go on; when it closes for good later, the pod lets go of it though nothing is
+    published (the pod is kept busy, so the notification starts nothing that would be)."""
+    env.model.script({"gate": "g", "text": "done"})
+    pod = env.start()
+    with pod.client() as c:
+        c.run("block")
+    env.model.wait_for_requests(1)
+    before = pod_sockets(pod)
+    sock = raw(pod)
+    sock.sendall(SUBSCRIBE_LINE)
+    sock.shutdown(socket.SHUT_WR)
+    with pod.client() as c:
+        c.notify("still listening?")
+    got = b""
+    while b"notification.committed" not in got:
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"the pod closed a half-closed subscriber: {got!r}"
+        got += chunk
+    assert pod_sockets(pod) - before, "the subscriber's connection is held"
+    sock.close()
+    wait_until(lambda: pod_sockets(pod) <= before, what="the pod to let go of the subscriber")
+    env.model.open_gate("g")
 
 
 @pytest.mark.parametrize(
