@@ -995,7 +995,12 @@ class Machine:
                 self._reply(token, RunResult(run_id=active, state="steered"), durable=True)
             return
         run_id = self.new_id()
-        busy = active is not None or s.pending_runs or self._compacting is not None
+        busy = (
+            active is not None
+            or s.paused_run is not None
+            or s.pending_runs
+            or self._compacting is not None
+        )
         position = len(s.pending_runs) + 1 if busy else 0
         # The hook's context goes with the input: a queued run's must not reach the active run.
         self._commit(
@@ -1097,14 +1102,11 @@ class Machine:
             self._start_run(s.paused_run, "resume")
             return True
         self._resume_requested = False
+        if s.paused_run is not None:
+            return False  # paused: runs and notifications wait for `resume` (or a `cancel`)
         if s.pending_runs:
-            if s.paused_run is not None:  # a new run supersedes it: its final report now
-                reason = "superseded: a new run started while this one was paused"
-                self._finish_run(s.paused_run, Finished("cancelled", "", reason), started=False)
             self._start_run(next(iter(s.pending_runs)), "input")
             return True
-        if s.paused_run is not None:
-            return False  # notifications wait for `resume` (or for a new run)
         if s.pending_steers and not self.budget_exhausted():
             # Steered into a run that ended before its next model request (a provider error,
             # a cancel, max_turns): acknowledged input is answered, in a run of its own.

@@ -306,7 +306,9 @@ def test_notify_during_a_runs_last_round_gets_its_own_turn(env: Env) -> None:
     assert newest_block(bodies(env)[1]) == [("late", "one more thing")]
 
 
-def test_paused_pod_gives_notifications_to_a_new_run(env: Env) -> None:
+def test_paused_pod_holds_a_new_run_and_gives_it_the_notifications(env: Env) -> None:
+    """A paused pod starts nothing: a new run queues behind the paused one, notifications wait;
+    once the paused run is cancelled, the new run starts and carries them."""
     env.model.script({**GATED_TOOL_CALL, "gate": "p"}, {"text": "fresh start"})
     pod = env.start("newrun")
     with pod.client() as c:
@@ -318,13 +320,15 @@ def test_paused_pod_gives_notifications_to_a_new_run(env: Env) -> None:
         assert collect_run(c, paused.run_id)[-1].data["outcome"] == "paused"
         assert c.notify("heads up", source="ops").wakes is False
         fresh = c.run("new work")
-        assert fresh.state == "started"
+        assert (fresh.state, fresh.position) == ("queued", 1)
+        assert c.status().state == "paused" and len(env.model.requests) == 1
+        assert c.cancel(paused.run_id).cancelled
         events = collect_run(c, fresh.run_id)
     assert events[-1].data["text"] == "fresh start"
     drained(pod)
     assert len(env.model.requests) == 2
     body = bodies(env)[1]
-    assert newest_block(body) == [("ops", "heads up")]
+    assert newest_block(body)[0] == ("ops", "heads up")  # then the note of the cancel
     assert "new work" in user_texts(body)
 
 

@@ -215,6 +215,45 @@ def test_pause_stops_at_the_tool_safe_point_and_resume_continues_the_same_run() 
     assert outcomes == ["paused", "finished"]
 
 
+def test_a_paused_pod_holds_its_queue_until_resume() -> None:
+    """`pause` with a run queued behind the active one: the pod stays paused (the queued run
+    used to start at once and cancel the paused one as "superseded"); on resume the paused run
+    goes on, and the queued one starts when it ends."""
+    d = Driver()
+    first = d.answer(d.call("run", "first")).result.run_id
+    second = d.answer(d.call("run", "second")).result
+    assert (second.state, second.position) == ("queued", 1)
+    d.call("pause")
+    d.model(calls=1)
+    assert d.machine.pod_state == "paused" and d.inflight is None
+    assert d.machine.state.paused_run == first and second.run_id in d.machine.state.pending_runs
+    assert d.answer(d.call("resume")).result.run_id == first
+    assert isinstance(d.inflight, CallModel) and d.inflight.run_id == first
+    d.model("first done")
+    assert isinstance(d.inflight, CallModel) and d.inflight.run_id == second.run_id
+    d.model("second done")
+    finished = [(run_id, data["outcome"]) for t, data, run_id in d.events if t == "run.finished"]
+    assert finished == [
+        (first, "paused"),
+        (first, "finished"),
+        (second.run_id, "finished"),
+    ]
+
+
+def test_a_run_sent_to_a_paused_pod_is_queued_behind_the_paused_run() -> None:
+    d = Driver()
+    first = d.answer(d.call("run", "first")).result.run_id
+    d.call("pause")
+    d.model(calls=1)
+    later = d.answer(d.call("run", "later")).result
+    assert (later.state, later.position) == ("queued", 1)
+    assert d.machine.pod_state == "paused" and d.inflight is None
+    d.call("cancel")  # the paused run ends: the queue goes on
+    assert isinstance(d.inflight, CallModel) and d.inflight.run_id == later.run_id
+    finished = [(run_id, data["outcome"]) for t, data, run_id in d.events if t == "run.finished"]
+    assert finished == [(first, "paused"), (first, "cancelled")]
+
+
 def test_pause_during_the_final_answer_holds_and_resume_finishes_without_a_call() -> None:
     d = Driver()
     d.call("run", "work")
@@ -316,18 +355,13 @@ def test_a_cancelled_run_is_told_to_the_model_at_its_next_request() -> None:
     assert d.kinds().count("system_item") == 1
 
 
-@pytest.mark.parametrize("how", ["queued", "superseded while paused", "shutdown"])
+@pytest.mark.parametrize("how", ["queued", "shutdown"])
 def test_a_run_not_cut_by_a_cancel_gets_no_cancel_note(how: str) -> None:
     d = Driver()
     first = d.call("run", "first")
     if how == "queued":
         second = d.call("run", "second")
         d.call("cancel", d.answer(second).result.run_id)
-        d.model("done")
-    elif how == "superseded while paused":
-        d.call("pause")
-        d.model(calls=1)  # paused before its tool: a new run then supersedes it
-        d.call("run", "second")
         d.model("done")
     else:
         d.call("shutdown")
