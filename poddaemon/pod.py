@@ -139,6 +139,7 @@ class Pod:
                 *_mcp_vars(m),
             ),
             sandbox_policy=services.sandbox.policy,
+            granted_files=services.sandbox.files,
             policy_for_scope=self._policy_for_scope if services.sandbox.rebuild else None,
         )
         self.hooks: Hooks | None = None

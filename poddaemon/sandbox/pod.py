@@ -25,6 +25,9 @@ class PodSandbox(msgspec.Struct):
     tmpdir: str | None = None  # the commands' private $TMPDIR
     # The policy again for another scope (delegation to child pods narrows the pod's own).
     rebuild: Callable[[Scope], bytes] | None = None
+    # Files the policy grants one by one (hook scripts). Landlock holds the file a runner
+    # found at its start: one saved anew since (a new file renamed over it) needs a new runner.
+    files: tuple[str, ...] = ()
 
     def close(self) -> None:
         if self.tmpdir is not None:
@@ -91,6 +94,7 @@ def pod_sandbox(
         scope, pwd=pwd, tmpdir=box.tmpdir, network=network, mode=mode, protect=protect, extra=extra
     )
     box.policy = policy.encode()
+    box.files = tuple(scripts)
     extra_notes = [f"{p}: a hook script: commands may read and run it" for p in scripts]
     if abi < 6:  # the scopes came with ABI 6
         extra_notes.append(

@@ -62,6 +62,19 @@ class PodHost(Protocol):
     async def stop(self, pod: str) -> dict[str, Any]: ...
 
 
+def _identities(paths: tuple[str, ...]) -> tuple[tuple[int, int] | None, ...]:
+    """Which file each path names now: (device, inode), None if there is none."""
+    found: list[tuple[int, int] | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            found.append(None)
+        else:
+            found.append((st.st_dev, st.st_ino))
+    return tuple(found)
+
+
 class ToolContext(msgspec.Struct):
     scope: ScopeLike
     pwd: str
@@ -82,9 +95,14 @@ class ToolContext(msgspec.Struct):
     policy_for_scope: Callable[[], bytes | None] | None = None
     # the deny targets by identity: moved or hard-linked elsewhere, still denied (denied.py)
     denied: DeniedObjects = msgspec.field(default_factory=DeniedObjects)
+    # files the policy grants by name (hook scripts): a runner's grant holds the file there at
+    # its start, so one saved anew since (renamed over) is run by a new runner
+    granted_files: tuple[str, ...] = ()
     _runner: "CommandRunner | None" = None
     _runner_lock: asyncio.Lock = msgspec.field(default_factory=asyncio.Lock)
     _runner_stale: bool = False
+    _runner_files: tuple[tuple[int, int] | None, ...] = ()  # granted_files at its start
+    _retired: "list[CommandRunner]" = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._note_denies()
@@ -111,6 +129,15 @@ class ToolContext(msgspec.Struct):
         made or replaced since, renamed by the command, stays denied to the file tools."""
         self._note_denies()
         async with self._runner_lock:
+            for old in [r for r in self._retired if not r.busy]:
+                self._retired.remove(old)
+                await old.aclose()
+            files = _identities(self.granted_files)
+            if self._runner is not None and self._runner.alive and files != self._runner_files:
+                # Same policy, another file at a granted name: the commands still running in
+                # the old runner finish there (a scope change, below, cuts them short).
+                self._retired.append(self._runner)
+                self._runner = None
             if self._runner is None or not self._runner.alive or self._runner_stale:
                 self._runner_stale = False
                 from poddaemon.tools.runner_client import CommandRunner, clean_env
@@ -118,14 +145,18 @@ class ToolContext(msgspec.Struct):
                 if self._runner is not None:
                     await self._runner.aclose()
                 env = clean_env(os.environ, self.env_passthrough, self.env_hidden)
+                self._runner_files = files  # taken before: a file replaced meanwhile is seen
                 self._runner = await CommandRunner.start(env, self.sandbox_policy)
             return self._runner
 
     async def aclose(self) -> None:
         """Stop the command runner, if any: every command still running is killed."""
         async with self._runner_lock:
+            runners, self._retired = self._retired, []
             if self._runner is not None:
-                runner, self._runner = self._runner, None
+                runners.append(self._runner)
+                self._runner = None
+            for runner in runners:
                 await runner.aclose()
 
     def check(self, path: str, want: Access) -> str:

@@ -77,6 +77,11 @@ class CommandRunner:
     def alive(self) -> bool:
         return not self._closed
 
+    @property
+    def busy(self) -> bool:
+        """Commands it started are not yet done with (killed and forgotten)."""
+        return bool(self._commands)
+
     @classmethod
     async def start(
         cls, env: Mapping[str, str], policy: bytes | None = None, timeout: float = START_TIMEOUT

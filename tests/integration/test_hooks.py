@@ -261,6 +261,32 @@ def test_a_guard_script_outside_the_scope_still_guards(env: Env) -> None:
     assert any("a hook script" in n for n in pod.call("status")["sandbox_notes"])
 
 
+def test_a_guard_script_saved_anew_still_guards(env: Env) -> None:
+    """An editor's save, `sed -i`, `git checkout`: a new file renamed over the script. The
+    sandbox's grant held the old file, so the new one could not run (exit 126, a warning) and
+    the call it guards went ahead, until the pod restarted."""
+    hooks = env.home / "hooks"
+    hooks.mkdir()
+    guard = hooks / "guard.sh"
+    guard.write_text(SH_GUARD)
+    guard.chmod(0o755)
+    write = {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]}
+    env.model.script(write, {"text": "done"}, write, {"text": "done"})
+    extra = hooks_toml("PreToolUse", str(guard), matcher="write_file")
+    pod = env.start("resaved", tools=["write_file", "bash"], extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("write").outcome == "finished"
+        saved = hooks / "guard.sh.new"
+        saved.write_text(SH_GUARD.replace("no writes here", "still no writes"))
+        saved.chmod(0o755)
+        saved.rename(guard)
+        assert c.run_wait("write again").outcome == "finished"
+    assert not (env.work / "x.txt").exists()
+    results = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert [r["is_error"] for r in results] == [True, True]
+    assert "guarded: still no writes" in results[1]["output"]
+
+
 @pytest.mark.parametrize(
     ("command", "problem"),
     [

@@ -116,6 +116,41 @@ async def test_a_dead_runner_is_replaced(ctx: ToolContext) -> None:
     assert (await ctx.command_runner()).pid != first.pid
 
 
+async def test_a_granted_file_saved_anew_gets_a_new_runner_and_the_old_one_finishes_first(
+    tmp_path: Path,
+) -> None:
+    """A hook script renamed over (an editor's save): the runner's grant holds the old file,
+    so the next command starts in a new runner; a command running in the old one is not cut
+    short, and the old runner goes once it is done."""
+    hook = tmp_path / "hook.sh"
+    hook.write_text("#!/bin/sh\n")
+    scope = Scope.from_config([(str(tmp_path), "write", True)])
+    ctx = ToolContext(scope=scope, pwd=str(tmp_path), granted_files=(str(hook),))
+    try:
+        started = tmp_path / "started"
+        long = asyncio.create_task(bash(ctx, f"touch {started}; sleep 1; echo finished"))
+        await asyncio.to_thread(lambda: wait_until_exists(started))
+        old = await ctx.command_runner()
+        assert await ctx.command_runner() is old  # nothing changed: the same runner
+        saved = tmp_path / "hook.sh.new"
+        saved.write_text("#!/bin/sh\n")
+        saved.rename(hook)
+        new = await ctx.command_runner()
+        assert new is not old and old.alive
+        assert (await long).output == "finished"  # not cut short
+        assert (await bash(ctx, "echo next")).output == "next"
+        assert not old.alive and await ctx.command_runner() is new
+    finally:
+        await ctx.aclose()
+
+
+def wait_until_exists(path: Path, deadline: float = 10.0) -> None:
+    end = time.monotonic() + deadline
+    while not path.exists():
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.01)
+
+
 POD_STANDIN = textwrap.dedent(
     """
     import asyncio, sys
