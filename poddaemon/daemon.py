@@ -619,7 +619,7 @@ def _serve(
             bus.publish("alert", {"level": level, "source": source, "message": message})
 
         if allowance := _startup_allowance(manifest):
-            print(f"{readyline.STARTING}\t{allowance:g}", file=sys.stderr, flush=True)
+            _say(f"{readyline.STARTING}\t{allowance:g}")
             # systemd's TimeoutStartSec (90 s by default) is extended likewise.
             sdnotify.notify(f"EXTEND_TIMEOUT_USEC={int((allowance + USUAL_START) * 1e6)}")
         # Servers start while the pod restores and binds; READY waits for them.
@@ -672,7 +672,7 @@ def _serve(
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, ending.request)
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: what it awaits
-        print(f"{readyline.READY}\t{manifest.pod.name}\t{sock_path}", file=sys.stderr, flush=True)
+        _say(f"{readyline.READY}\t{manifest.pod.name}\t{sock_path}")
         if args.stderr_log:
             _move_stderr(sock_path.parent / "stderr.log")
             _said_before_ready.replay()
@@ -915,8 +915,20 @@ def _provider_warning(pod: Any, message: str) -> None:
 def _warn(message: str) -> None:
     """A start-up warning on stderr, where `podctl spawn` shows it to the user."""
     line = f"poddaemon: warning: {message}"
-    print(line, file=sys.stderr, flush=True)
     _said_before_ready.keep(line)
+    _say(line)
+
+
+def _say(line: str) -> None:
+    """A line on stderr for whoever started the pod. If they are gone (`podctl spawn` killed,
+    an ssh session dropped: the pipe has no reader), the pod runs on: stderr goes nowhere
+    until READY moves it to stderr.log, where the warnings said meanwhile are said again."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except BrokenPipeError:
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, 2)  # what is still buffered is flushed there, and logging goes on
+        os.close(nowhere)
 
 
 class _SaidBeforeReady(logging.Handler):

@@ -70,6 +70,49 @@ def test_spawn_from_a_dir_with_a_poddaemon_folder_starts_the_installed_pod(env: 
 # --- item 8: a damaged complete last line is corruption, not a torn write -------------------------
 
 
+@pytest.mark.parametrize("warned", [False, True])
+def test_a_pod_whose_starter_went_before_ready_runs_on(env: Env, warned: bool) -> None:
+    """`podctl spawn` killed before READY (an ssh session dropped, a CI job timed out): the
+    pod's stderr is a pipe nobody reads. Writing a start-up warning or READY to it raised
+    BrokenPipeError and the pod exited 1 without a trace; it now runs on, and what it says
+    goes to its stderr.log."""
+    missing = str(env.home / "not-there")  # a scope target that does not exist: a warning
+    path = env.manifest("orphan", read=[missing] if warned else [])
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the starter is gone
+    proc = subprocess.Popen(
+        [*env.popen_args(), str(path), "--stderr-log"],
+        env=env.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=write_end,
+        start_new_session=True,
+    )
+    os.close(write_end)
+    sock = env.home / "run" / "pods" / "orphan" / "sock"
+    try:
+        wait_until(lambda: proc.poll() is not None or answers(sock), what="the pod or its exit")
+        assert proc.poll() is None, f"the pod exited {proc.returncode}"
+        log = (sock.parent / "stderr.log").read_text()
+        assert "ready on" in log
+        if warned:
+            assert f"{missing} does not exist" in log  # said again where it can be read
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def answers(sock: Path) -> bool:
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(str(sock))
+            s.sendall(b'{"jsonrpc":"2.0","id":1,"method":"status"}\n')
+            return b'"result"' in s.recv(1 << 16)
+    except OSError:
+        return False
+
+
 def test_flipped_byte_in_the_complete_last_line_refuses_to_restore(env: Env) -> None:
     pod = env.start("lastline")
     with pod.client() as c:
