@@ -622,7 +622,9 @@ class Children:
         pod = self.pod
         record = pod.state.children.get(name)
         final = record is None or not record.live or record.last_kind in FINAL_REPORTS
-        if not final and not pod.machine.stopping and (left := reports_left(pod, name)):
+        # Stopping too: a child stopped with us reports its cut run and its shutdown as it
+        # goes, and we refuse delivery then; from our log they reach the restored model.
+        if not final and (left := reports_left(pod, name)):
             pod.feed(pod.machine.child_left_reports(name, left))
         pod.feed(pod.machine.child_ended(name, reason))
 

@@ -1016,6 +1016,35 @@ def test_stopping_the_parent_stops_its_children_first(tree: Env) -> None:
     assert Registry(tree.home / "run").live() == []
 
 
+def test_a_stopped_spawner_keeps_the_reports_its_children_made_as_they_stopped(tree: Env) -> None:
+    """`podctl stop` of a spawner (on_parent_exit = "stop"): its child, stopped mid-task,
+    reports its run's end and its shutdown as it goes. The spawner used to note only the
+    child's end and drop those reports (delivery is refused while stopping, and once the end
+    is noted the child's log is never read again): its model never learned the task was cut
+    off. They are in its log now, and reach its model when it is restored."""
+    env = tree
+    (env.work / "k7").mkdir()
+    env.model.script_model("m-k7", {"text": "never", "gate": "never"})
+    env.model.script(
+        {"tool_calls": [spawn_call("k7", "long task", [str(env.work / "k7")])]},
+        {"text": "spawned"},
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    assert parent.stop() == 0
+    wait_until(lambda: not _stray(env), 10, "every pod of the tree to exit")
+    again = env.restart(parent, "--resume")
+    kinds = [(r["event_kind"], r.get("outcome")) for r in reports(again) if r["pod"] == "k7"]
+    assert ("run.finished", "error") in kinds and ("shutdown", None) in kinds, kinds
+    wait_until(
+        lambda: any(
+            "long task" in b or "interrupted" in b for b in model_saw(env, "fake-model")[2:]
+        ),
+        20,
+        "the restored spawner's model to hear of it",
+    )
+
+
 def _kid_under_landlock(env: Env) -> Path:
     """work/kid, for a child `kid` whose model (m-kid) answers at once; skips without Landlock
     (these tests are about what the kernel enforces)."""
