@@ -125,7 +125,10 @@ def id_from_head(head: bytes) -> int | str | None:
             if depth == 1 and text[i : j + 1] == b'"id"':
                 m = _ID_VALUE.match(text, j + 1)
                 if m:
-                    rid: int | str = msgspec.json.decode(m.group(1))
+                    try:
+                        rid: int | str = msgspec.json.decode(m.group(1))
+                    except _UNREADABLE:  # a string that is not UTF-8: no id to give back
+                        return None
                     return rid
             i = j + 1
             continue

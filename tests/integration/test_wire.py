@@ -349,6 +349,17 @@ def test_malformed_line_is_an_error_and_the_connection_stays(
     sock.close()
 
 
+def test_an_id_that_is_not_utf8_is_a_parse_error(env: Env) -> None:
+    """The frame is not UTF-8 JSON: -32700 (with a null id: none can be read), not the
+    -32603 "internal error" it was (reading the id for the reply raised)."""
+    pod = env.start()
+    sock = raw(pod)
+    reply = rpc(sock, b'{"jsonrpc":"2.0","id":"a\xffb","method":"status"}\n')
+    assert reply["error"]["code"] == -32700 and reply["id"] is None, reply
+    assert rpc(sock, b'{"jsonrpc":"2.0","id":6,"method":"status"}\n')["id"] == 6
+    sock.close()
+
+
 def test_an_unreadable_batch_item_is_its_own_error_and_the_others_are_answered(
     env: Env,
 ) -> None:

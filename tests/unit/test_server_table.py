@@ -38,6 +38,7 @@ def test_server_names_a_method_without_handler_and_a_handler_without_method() ->
         (b'[{"id":1},', None),  # a batch has no one id
         (b'{"id":{"x":1},', None),  # not a valid id
         (b"not json", None),
+        (b'{"id":"a\xffb","method":"status"}', None),  # not UTF-8: no id to give back
     ],
 )
 def test_id_from_head(head: bytes, rid: int | str | None) -> None:
