@@ -412,6 +412,10 @@ class Connection(asyncio.Protocol):
             try:
                 params = decoder.decode(raw)
             except msgspec.ValidationError as exc:
+                if bytes(raw).lstrip()[:1] not in (b"{", b"["):  # JSON-RPC: structured or absent
+                    message = "invalid request: params must be an object or an array"
+                    answer(_error(rid, errors.INVALID_REQUEST, message))
+                    return
                 answer(_error(rid, errors.INVALID_PARAMS, _params_message(exc)))
                 return
             except _UNREADABLE as exc:  # params are only skipped, not parsed, by the envelope

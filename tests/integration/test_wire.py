@@ -349,6 +349,21 @@ def test_malformed_line_is_an_error_and_the_connection_stays(
     sock.close()
 
 
+@pytest.mark.parametrize("params", [b'"x"', b"null", b"3"])
+def test_params_that_are_neither_object_nor_array_are_an_invalid_request(
+    env: Env, params: bytes
+) -> None:
+    """JSON-RPC 2.0: params, when present, MUST be an object or an array; a request with other
+    params is not a valid request (-32600), whatever its method expects."""
+    pod = env.start()
+    sock = raw(pod)
+    line = b'{"jsonrpc":"2.0","id":4,"method":"status","params":%b}\n' % params
+    reply = rpc(sock, line)
+    assert reply["id"] == 4 and reply["error"]["code"] == -32600, reply
+    assert "params" in reply["error"]["message"]
+    sock.close()
+
+
 def test_an_id_that_is_not_utf8_is_a_parse_error(env: Env) -> None:
     """The frame is not UTF-8 JSON: -32700 (with a null id: none can be read), not the
     -32603 "internal error" it was (reading the id for the reply raised)."""
