@@ -355,7 +355,14 @@ def history(
     start = since or 0
     links: list[str] = []
     with connect(pod) as client:
+        skipped = 0
+        if keep is not None:  # ask only for the newest `keep`, when the pod says where they are
+            extra = {"session_id": session} if session else {}
+            last = getattr(client.history(since=start, limit=1, **extra), "last_seq", None)
+            if last is not None and last - keep > start:
+                skipped, start = last - keep - start, last - keep
         entries, earlier = newest(history_pages(client, start, session, links), keep)
+        earlier += skipped
     previous = links[0] if links else None
     if as_json:
         last = entries[-1]["seq"] if entries else start

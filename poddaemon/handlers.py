@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 import poddaemon
-from poddaemon.store.file import continued_sessions, read_session
-from poddaemon.store.log import new_session_id
+from poddaemon.store.file import continued_sessions, read_page
+from poddaemon.store.log import LogCorrupt, new_session_id
 from protocol import errors
 from protocol.errors import RpcError
 from protocol.types import (
@@ -46,16 +46,6 @@ MAX_HISTORY_PAGE = 10_000  # entries per `history` reply, whatever `limit` asks;
 # one frame (protocol.framing.MAX_REPLY_BYTES), however large the entries of a session are.
 MAX_HISTORY_PAGE_BYTES = 16 * 1024 * 1024
 _encoder = msgspec.json.Encoder()
-
-
-def _fitting(entries: list[dict[str, Any]], budget: int) -> list[dict[str, Any]]:
-    """The first entries whose JSON fits in `budget` bytes; at least the first one."""
-    size = 0
-    for i, entry in enumerate(entries):
-        size += len(_encoder.encode(entry)) + 1
-        if size > budget and i:
-            return entries[:i]
-    return entries
 
 
 def _not_blank(text: str, field: str) -> None:
@@ -169,19 +159,21 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
             return HistoryResult(entries=[], next=p.since)
         limit = min(p.limit, MAX_HISTORY_PAGE)
         try:
-            result = await asyncio.to_thread(read_session, pod.s.sessions_dir, sid)
-        except (OSError, ValueError) as exc:  # no such session, a bad id, a damaged log
+            page = await asyncio.to_thread(
+                read_page, pod.s.sessions_dir, sid, p.since, limit, MAX_HISTORY_PAGE_BYTES
+            )
+        except (OSError, ValueError, LogCorrupt) as exc:  # no such session, a bad id, damage
             raise RpcError(errors.INVALID_PARAMS, f"session_id: {exc}") from None
-        start = result.entries[0]
+        start = page.first
         if start.get("pod") != pod.name and not await _continued(sid):
             raise RpcError(errors.INVALID_PARAMS, f"session_id: {sid} is not a session of this pod")
-        entries = [e for e in result.entries if e["seq"] > p.since][:limit]
-        entries = _fitting(entries, MAX_HISTORY_PAGE_BYTES)
+        entries = page.entries
         return HistoryResult(
             entries=entries,
             next=entries[-1]["seq"] if entries else p.since,
             session_id=sid,
             previous=start.get("compacted_from") or start.get("forked_from"),
+            last_seq=page.last,
         )
 
     def subscribe(p: SubscribeParams, conn: Any) -> SubscribeResult:

@@ -216,6 +216,8 @@ class HistoryResult(Result):
     session_id: str | None = None  # the session these entries are from
     # The session it continues (compaction or fork): page it next to walk back the chain.
     previous: str | None = None
+    # The seq of the session's newest entry: where its newest N begin, without paging to it.
+    last_seq: int | None = None
 
 
 class UsageCall(Result):

@@ -20,6 +20,7 @@ from poddaemon.store.file import (
     SessionLog,
     list_sessions,
     newest_session_for,
+    read_page,
     read_session,
 )
 from poddaemon.store.log import LogCorrupt, new_session_id, verify
@@ -715,3 +716,70 @@ def test_a_flush_after_another_writer_moved_the_head_writes_nothing_and_poisons(
     log.close()  # closes without writing
     texts = [e.get("text") for e in read_session(sessions, sid).entries]
     assert texts == [None, "from elsewhere"]
+
+
+# --- read_page: a page of a long log without reading all of it ------------------------------
+
+
+def _log_of(sessions: Path, n: int, text: str = "x") -> str:
+    """A session of `n` entries (its session_start and n - 1 notes); its id."""
+    sid = new_session_id()
+    with SessionLog.create(sessions, sid, START) as log:
+        for i in range(2, n + 1):
+            log.append("system_item", {"id": f"n{i}", "text": f"{text}{i}"})
+    return sid
+
+
+@pytest.mark.parametrize(
+    ("since", "limit", "seqs"),
+    [
+        (0, 3, [1, 2, 3]),
+        (1, 2, [2, 3]),
+        (4_990, 100, list(range(4_991, 5_001))),
+        (5_000, 10, []),
+        (9_999, 10, []),
+    ],
+)
+def test_read_page_is_what_the_whole_log_says(
+    sessions: Path, since: int, limit: int, seqs: list[int]
+) -> None:
+    sid = _log_of(sessions, 5_000)
+    whole = read_session(sessions, sid).entries
+    page = read_page(sessions, sid, since, limit, 1 << 20)
+    assert [e["seq"] for e in page.entries] == seqs
+    assert page.entries == [e for e in whole if e["seq"] > since][:limit]
+    assert page.first == whole[0] and page.last == 5_000
+
+
+def test_read_page_keeps_to_its_byte_budget_but_gives_one_entry(sessions: Path) -> None:
+    sid = _log_of(sessions, 10, text="y" * 1000)
+    assert len(read_page(sessions, sid, 1, 10, 2_500).entries) == 2  # two ~1.1 KB lines fit
+    assert [e["seq"] for e in read_page(sessions, sid, 1, 10, 10).entries] == [2]
+
+
+def test_read_page_leaves_out_a_torn_last_line(sessions: Path) -> None:
+    sid = _log_of(sessions, 4)
+    path = sessions / f"{sid}.jsonl"
+    with open(path, "ab") as f:
+        f.write(b'{"seq":5,"kind":"system_it')
+    page = read_page(sessions, sid, 2, 10, 1 << 20)
+    assert [e["seq"] for e in page.entries] == [3, 4] and page.last == 4
+
+
+def test_read_page_names_a_line_whose_seq_is_not_its_own(sessions: Path) -> None:
+    sid = _log_of(sessions, 6)
+    path = sessions / f"{sid}.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    del lines[2]  # line 3 now holds seq 4
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(LogCorrupt, match="line 3: seq 4 where 3 belongs"):
+        read_page(sessions, sid, 1, 10, 1 << 20)
+    assert [e["seq"] for e in read_page(sessions, sid, 0, 2, 1 << 20).entries] == [1, 2]
+
+
+def test_read_page_of_a_log_without_session_start_is_refused(sessions: Path) -> None:
+    sid = _log_of(sessions, 1)
+    path = sessions / f"{sid}.jsonl"
+    path.write_bytes(b"")
+    with pytest.raises(LogCorrupt):
+        read_page(sessions, sid, 0, 10, 1 << 20)
