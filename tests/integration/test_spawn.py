@@ -712,6 +712,9 @@ def test_a_tree_whose_registry_went_registers_again_in_any_order(tree: Env, firs
     registry = Registry(env.home / "run")
     everyone = {"parent", "mid", "leaf"}
     wait_until(lambda: {e.name for e in registry.live()} == everyone, 30, "the tree")
+    # ...and done with the registry: a pod stopped while it holds the registry's lock (naming
+    # its first session) keeps everyone out of it for as long as it is stopped.
+    wait_until(lambda: all(e.session for e in registry.live()), 30, "every session named")
     pids = {e.name: e.pid for e in registry.live()}
     other = "leaf" if first == "parent" else "parent"
     os.kill(pids["mid"], signal.SIGSTOP)
