@@ -107,6 +107,8 @@ class SystemItem(Entry, tag="system_item"):
 
 # A `run` whose client_key starts with this was sent by the spawner: its end is reported.
 SPAWNER_KEY = "spawner:"
+# The id of the note that tells the model its run was cut off by a restart: this, the run's id.
+RESTART_NOTE_ID = "restart-"
 
 
 class OutboxItem(Entry, tag="outbox"):
@@ -150,6 +152,8 @@ class ChildEnded(Entry, tag="child_ended"):
 class RunStart(Entry, tag="run_start"):
     run_id: str
     trigger: str  # "input" | "notifications" | "resume" | "steer" (left over by its run)
+    # The spawner's run a restart cut off, which this one takes up: its end is reported.
+    continues: str | None = None
 
 
 class InputsDelivered(Entry, tag="inputs_delivered"):

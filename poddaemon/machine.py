@@ -20,6 +20,7 @@ import msgspec
 
 from poddaemon import compaction
 from poddaemon.entries import (
+    RESTART_NOTE_ID,
     ChildEnded,
     ChildStarted,
     Entry,
@@ -73,6 +74,12 @@ RESTART_NOTE = (
     "The pod restarted while your previous run was in progress; it was interrupted. "
     "Check the state of your work and continue where you left off."
 )
+
+
+def _restart_note(run_id: str) -> SystemItem:
+    """Tells the model its run `run_id` was cut off (a restart): the next run takes it up."""
+    return SystemItem(id=f"{RESTART_NOTE_ID}{run_id}", text=RESTART_NOTE, source="poddaemon")
+
 
 # What the model reads at its next request after a `cancel` cut its run short, as Claude Code and
 # Codex mark an interrupted turn: without it the model takes a cut reply for a finished one.
@@ -725,9 +732,7 @@ class Machine:
                     error = "interrupted: the pod stopped during this run"
                     self._report("run.finished", run_id=run_id, text=error, outcome="error")
                 self._note_arrived()
-                self._commit(
-                    SystemItem(id=f"restart-{run_id}", text=RESTART_NOTE, source="poddaemon")
-                )
+                self._commit(_restart_note(run_id))
             self._announced = self.pod_state  # (paused, say) what later changes are told against
             self._emit(Sync())
 
@@ -1127,7 +1132,7 @@ class Machine:
 
     def _start_run(self, run_id: str, trigger: str) -> None:
         self._burst_start = None
-        self._commit(RunStart(run_id=run_id, trigger=trigger))
+        self._commit(RunStart(run_id=run_id, trigger=trigger, continues=self._taken_up()))
         turn = Turn(run_id, self.cfg.max_turns, self.state.rounds, stop_hooks=self.cfg.stop_hooks)
         self.turn = turn
         self._announce()
@@ -1225,7 +1230,7 @@ class Machine:
                 usage=run_usage_dict,
             )
         if interrupted:  # as after a crash (see restore): the next start picks the work up
-            self._commit(SystemItem(id=f"restart-{run_id}", text=RESTART_NOTE, source="poddaemon"))
+            self._commit(_restart_note(run_id))
         elif started and outcome == "cancelled":  # told at the next request; wakes nothing
             note = SystemItem(id=self.new_id(), text=CANCEL_NOTE, source="poddaemon", context=True)
             self._commit(note)
@@ -1304,6 +1309,18 @@ class Machine:
         if self.stopping:
             self._error(token, errors.SHUTTING_DOWN, "the pod is shutting down")
         return self.stopping
+
+    def _taken_up(self) -> str | None:
+        """The spawner's run, cut off by a restart, whose note the run starting now carries
+        to the model: that run takes it up, and its end is the report the spawner waits for
+        (it heard only that the task was interrupted)."""
+        owed = self.state.owed_runs
+        if not owed:
+            return None
+        for pid in self.state.pending_inputs:
+            if pid.startswith(RESTART_NOTE_ID) and pid[len(RESTART_NOTE_ID) :] in owed:
+                return pid[len(RESTART_NOTE_ID) :]
+        return None
 
     def _note_arrived(self) -> None:
         now = self.clock()

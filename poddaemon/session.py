@@ -126,6 +126,9 @@ class SessionState(msgspec.Struct):
     # Spawn trees: runs the spawner asked for (reported when they end), reports not yet
     # acknowledged by the spawner, and this pod's own children.
     spawner_runs: set[str] = msgspec.field(default_factory=set)
+    # Spawner's runs a restart cut off (reported as interrupted): the run that takes one up
+    # after the restart is reported in its place.
+    owed_runs: set[str] = msgspec.field(default_factory=set)
     outbox: dict[str, OutboxItem] = msgspec.field(default_factory=dict)
     children: dict[str, ChildRecord] = msgspec.field(default_factory=dict)
     # Kept as counters: `notify` checks max_pending on every request, so this must be O(1).
@@ -196,6 +199,7 @@ class SessionState(msgspec.Struct):
             "outbox": [msgspec.to_builtins(o) for o in self.outbox.values()],
             "children": [msgspec.structs.asdict(c) for c in self.children.values()],
             "spawner_runs": sorted(self.spawner_runs),
+            "owed_runs": sorted(self.owed_runs),
             "report_ids": sorted(self.report_ids),
         }
 
@@ -277,6 +281,9 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.run_from = len(s.history)
             s.paused_run = None
             s.active_run = run_id
+            if e.continues is not None:
+                s.owed_runs.discard(e.continues)
+                s.spawner_runs.add(run_id)
             run = s.pending_runs.pop(run_id, None)
             if run is not None:
                 s.history.append(UserMessage(text=run.text))
@@ -320,6 +327,8 @@ def _apply(s: SessionState, e: Entry) -> None:
                 }
             )
         case RunEnd(run_id=run_id):
+            if e.interrupted and run_id in s.spawner_runs:
+                s.owed_runs.add(run_id)
             s.pending_runs.pop(run_id, None)  # a queued run cancelled before it started
             calls = s.run_calls if s.active_run == run_id else 0
             if s.active_run == run_id:
@@ -419,6 +428,7 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
         for c in tree.get("children", []):
             s.children[c["name"]] = ChildRecord(**c)
         s.spawner_runs = set(tree.get("spawner_runs", []))
+        s.owed_runs = set(tree.get("owed_runs", []))
         s.report_ids = set(tree.get("report_ids", []))
 
 

@@ -440,6 +440,41 @@ def test_child_restarted_while_its_spawner_lives_is_taken_back_at_once(tree: Env
     wait_until(lambda: [r for r in reports(parent) if r["event_kind"] == "errored"], 10, "errored")
 
 
+def test_a_child_restarted_mid_task_reports_the_run_that_takes_it_up(tree: Env) -> None:
+    """kill -9 of a child at work, then `podctl restart CHILD`: its spawner hears the task was
+    cut off (errored, run.finished error), and then how the run that took the task up after
+    the restart ended. That run went unreported: the work was done, the spawner's model was
+    told only that it failed, and would hand it out again."""
+    env = tree
+    (env.work / "k5").mkdir()
+    env.model.script_model("m-k5", {"text": "never", "gate": "never"})
+    env.model.script(
+        {"tool_calls": [spawn_call("k5", "the task", [str(env.work / "k5")])]},
+        {"text": "spawned"},
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    env.model.wait_for_requests(3)  # the child's model call, held at its gate
+    entry = Registry(env.home / "run").get("k5")
+    assert entry is not None
+    os.kill(entry.pid, signal.SIGKILL)
+    wait_until(lambda: [r for r in reports(parent) if r["event_kind"] == "errored"], 10, "errored")
+    env.model.script_model("m-k5", {"text": "K5 DONE AFTER THE RESTART"})
+    out = env.podctl("restart", "k5")
+    assert out.returncode == 0, out.stderr
+    wait_until(
+        lambda: [r for r in _finished_reports(parent, "k5") if r["outcome"] == "finished"],
+        20,
+        "the report of the run that took the task up",
+    )
+    finished = _finished_reports(parent, "k5")
+    assert [(r["outcome"], r["detail"]) for r in finished][-1] == (
+        "finished",
+        "K5 DONE AFTER THE RESTART",
+    )
+    assert finished[0]["outcome"] == "error" and "interrupted" in finished[0]["detail"]
+
+
 def test_tool_call_right_after_a_child_restart_does_not_write_in_its_area(tree: Env) -> None:
     """The spawner's model asks for a write into a child's area the moment `podctl restart
     CHILD` has returned (the child registered, its area delegated again): the tool call looks

@@ -2,7 +2,7 @@
 which runs a child reports, that reports survive a crash until acknowledged, how the spawner
 charges its children against its budget, and `errored` for a child that died silently."""
 
-from poddaemon.entries import SPAWNER_KEY, OutboxItem
+from poddaemon.entries import SPAWNER_KEY, OutboxItem, SessionStart
 from poddaemon.machine import MachineConfig
 from poddaemon.session import fold
 from protocol import errors
@@ -166,6 +166,33 @@ def test_a_run_the_spawner_asked_for_that_a_crash_interrupted_is_reported() -> N
     (report,) = outbox(again)
     assert report["event_kind"] == "run.finished" and report["outcome"] == "error"
     assert "interrupted" in report["text"]
+
+
+def test_the_run_that_takes_up_an_interrupted_spawner_run_is_reported_too() -> None:
+    """Restored after a crash mid-task: the task's run is reported interrupted, and the run
+    its restart note wakes takes the work up; that one's end is reported as well (it went
+    unreported, so the spawner heard only of the failure). A fork between carries it on."""
+    d = child_driver()
+    d.call("run", "long task", client_key=f"{SPAWNER_KEY}task")
+    d.sync()
+    again = Driver(cfg=d.cfg, n=d.n + 1000)
+    again.entries, again.lines, again.prev = list(d.entries), list(d.lines), d.prev
+    again.durable = len(again.lines)
+    again.feed(again.machine.restore(d.entries))
+    (cut,) = outbox(again)
+    snap = again.machine.state.tree_snapshot()  # what a fork or a compaction carries on
+    carried = SessionStart(session_id="s2", pod="kid", system_prompt="", seq=1, ts=1.0, tree=snap)
+    assert fold([carried]).owed_runs == {cut["run_id"]}
+    again.tick()  # the restart note wakes the pod
+    start = [e for e in again.entries if e["kind"] == "run_start"][-1]
+    assert start["continues"] == cut["run_id"]
+    again.model("the task, done after all")
+    first, done = outbox(again)
+    assert first == cut
+    assert (done["run_id"], done["outcome"]) == (start["run_id"], "finished")
+    assert done["text"] == "the task, done after all"
+    state = fold(again.entries)
+    assert state.owed_runs == set() and state.spawner_runs == set()
 
 
 def test_reports_left_in_a_gone_childs_log_are_accepted_once_and_end_it() -> None:
