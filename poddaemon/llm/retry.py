@@ -329,8 +329,8 @@ async def with_retries(
     ``retry_total_timeout``) and counts as a transient, retryable failure; keep-alive events
     stretch that phase to ``max(first_byte_timeout, retry_total_timeout)`` at most, from the
     first attempt (a stream that only keeps itself alive would hold the run for ever). After
-    the first delta, every gap is bounded by ``stream_idle_timeout`` and ends the call as
-    ``stalled``.
+    the first delta, every gap between deltas is bounded by ``stream_idle_timeout`` (keep-alive
+    events in it do not restart it) and ends the call as ``stalled``.
     """
     started = clock()
     patience = max(cfg.first_byte_timeout, cfg.retry_total_timeout)
@@ -338,11 +338,12 @@ async def with_retries(
     while True:
         attempts += 1
         output_started = False
+        last_output = 0.0  # when the last delta came: keep-alives do not count
         it = attempt_fn()
         try:
             while True:
                 if output_started:
-                    limit = cfg.stream_idle_timeout
+                    limit = cfg.stream_idle_timeout - (clock() - last_output)
                 elif attempts == 1:  # a first attempt has the whole first_byte_timeout
                     limit = min(cfg.first_byte_timeout, patience - (clock() - started))
                 else:  # a retry never runs past retry_total_timeout (from the first attempt)
@@ -353,9 +354,10 @@ async def with_retries(
                     event = await _next_within(it, limit)
                 except _Timeout:
                     if output_started:
+                        idle = cfg.stream_idle_timeout
                         raise ProviderError(
                             "stalled",
-                            f"provider stream stalled: no data for {limit:g}s after output started",
+                            f"provider stream stalled: no data for {idle:g}s after output started",
                         ) from None
                     if limit < cfg.first_byte_timeout and attempts == 1:
                         raise ProviderError(
@@ -376,6 +378,7 @@ async def with_retries(
                     yield event
                     return
                 output_started = True
+                last_output = clock()
                 yield event
         except Exception as exc:
             err = classify(exc)

@@ -445,6 +445,18 @@ async def test_idle_timeout_after_output_stalls() -> None:
     assert script.closed == 1
 
 
+async def test_keep_alives_after_output_do_not_hold_off_the_idle_timeout() -> None:
+    """Chunks that carry nothing (OpenAI chunks with an empty delta) after the first text: a
+    server that sent them for ever held the run for ever, each one restarting the timer."""
+    forever = [item for _ in range(1000) for item in (("wait", 0.02), None)]
+    script = Script([[TextDelta("a"), *forever, FINAL]])
+    started = time.monotonic()
+    events, err = await collect(script, Cfg(stream_idle_timeout=0.2), RealTime())
+    assert events == [TextDelta("a")]
+    assert err is not None and err.kind == "stalled", err
+    assert "0.2s" in err.message and time.monotonic() - started < 5
+
+
 async def test_timeout_error_raised_by_the_stream_is_not_ours() -> None:
     script = Script([[TextDelta("a"), TimeoutError("sdk read timeout")]])
     events, err = await collect(script, Cfg())
