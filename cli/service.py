@@ -153,11 +153,13 @@ def _one_restart_at_a_time(pod: str) -> Iterator[None]:
     from protocol import paths
 
     name = _name_of(pod)
-    if name is None:
+    # In the pod's own runtime dir, which every pod that ever ran here made (its stderr.log
+    # stays there): a name that never ran has nothing to restart, and leaves nothing behind.
+    home = paths.socket_path(name).parent if name is not None else None
+    if home is None or not home.is_dir():
         yield
         return
-    runtime = paths.ensure_dir(paths.runtime_dir(), "runtime directory")
-    lock = filelock.FileLock(runtime / f"restart-{name}.lock", timeout=RESTART_WAIT, mode=0o600)
+    lock = filelock.FileLock(home / "restart.lock", timeout=RESTART_WAIT, mode=0o600)
     try:
         lock.acquire()
     except filelock.Timeout:

@@ -491,6 +491,16 @@ def test_restarts_of_one_pod_at_once_all_succeed_and_leave_one_pod(cleanup: Env)
     assert env.podctl("stop", "busy").returncode == 0
 
 
+def test_restart_of_a_name_never_run_leaves_nothing_behind(env: Env) -> None:
+    """`podctl restart nope` says it is not running (exit 3); it left a `restart-nope.lock`
+    in the runtime dir, one per name ever tried."""
+    runtime = env.home / "run"
+    before = set(runtime.iterdir()) if runtime.exists() else set()
+    out = env.podctl("restart", "nope")
+    assert out.returncode == 3 and "not running" in out.stderr, out.stderr
+    assert set(runtime.iterdir()) == before if runtime.exists() else not before
+
+
 def test_send_starts_each_model_rounds_text_on_a_line_of_its_own(env: Env) -> None:
     """Text before a tool call and the answer after it are two messages, not one run-on line."""
     env.start("rounds")
