@@ -155,7 +155,8 @@ def test_a_fork_carries_the_tree_state_on() -> None:
     assert "ev-9" in after.report_ids
 
 
-def test_a_run_the_spawner_asked_for_that_a_crash_interrupted_is_reported() -> None:
+def restored_mid_task() -> Driver:
+    """A child restored from the log of a crash in the middle of its spawner's task."""
     d = child_driver()
     d.call("run", "long task", client_key=f"{SPAWNER_KEY}task")
     d.sync()
@@ -163,7 +164,11 @@ def test_a_run_the_spawner_asked_for_that_a_crash_interrupted_is_reported() -> N
     again.entries, again.lines, again.prev = list(d.entries), list(d.lines), d.prev
     again.durable = len(again.lines)
     again.feed(again.machine.restore(d.entries))
-    (report,) = outbox(again)
+    return again
+
+
+def test_a_run_the_spawner_asked_for_that_a_crash_interrupted_is_reported() -> None:
+    (report,) = outbox(restored_mid_task())
     assert report["event_kind"] == "run.finished" and report["outcome"] == "error"
     assert "interrupted" in report["text"]
 
@@ -172,13 +177,7 @@ def test_the_run_that_takes_up_an_interrupted_spawner_run_is_reported_too() -> N
     """Restored after a crash mid-task: the task's run is reported interrupted, and the run
     its restart note wakes takes the work up; that one's end is reported as well (it went
     unreported, so the spawner heard only of the failure). A fork between carries it on."""
-    d = child_driver()
-    d.call("run", "long task", client_key=f"{SPAWNER_KEY}task")
-    d.sync()
-    again = Driver(cfg=d.cfg, n=d.n + 1000)
-    again.entries, again.lines, again.prev = list(d.entries), list(d.lines), d.prev
-    again.durable = len(again.lines)
-    again.feed(again.machine.restore(d.entries))
+    again = restored_mid_task()
     (cut,) = outbox(again)
     snap = again.machine.state.tree_snapshot()  # what a fork or a compaction carries on
     carried = SessionStart(session_id="s2", pod="kid", system_prompt="", seq=1, ts=1.0, tree=snap)
