@@ -22,6 +22,7 @@ from poddaemon.llm import (
 )
 from poddaemon.llm.incremental import IncrementalRender
 from poddaemon.llm.retry import (
+    KEEP_ALIVE,
     AttemptEvent,
     ProviderSettings,
     RetryingClient,
@@ -292,6 +293,8 @@ class AnthropicClient(RetryingClient):
                 elif kind == "message_stop":
                     stopped = True
                     break
+                elif kind == "ping":
+                    yield KEEP_ALIVE
                 else:
                     yield None
             if not stopped and stop_raw is None:  # a cut after message_delta keeps the answer

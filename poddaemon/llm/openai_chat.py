@@ -28,6 +28,7 @@ from poddaemon.llm.incremental import (
     json_encode,
 )
 from poddaemon.llm.retry import (
+    KEEP_ALIVE,
     AttemptEvent,
     ProviderSettings,
     RetryingClient,
@@ -241,7 +242,7 @@ class OpenAIChatClient(RetryingClient):
                 raw_usage = field(chunk, "usage")
                 if raw_usage is not None:
                     usage = usage_from(raw_usage)
-                produced = False
+                produced = moved = False
                 for choice in field(chunk, "choices", []):
                     if int_field(choice, "index") != 0:
                         continue
@@ -266,9 +267,11 @@ class OpenAIChatClient(RetryingClient):
                         fn = field(tc, "function")
                         acc.name = text_field(fn, "name", acc.name) if not acc.name else acc.name
                         acc.args.append(text_field(fn, "arguments"))
+                        moved = True
                     finish = field(choice, "finish_reason", finish)
-                if not produced:
-                    yield None
+                if not produced:  # a tool call's arguments, the finish: the answer moves on
+                    moved = moved or finish is not None or raw_usage is not None
+                    yield None if moved else KEEP_ALIVE
             if finish is None:
                 raise ProviderError("transient", "stream ended without a finish_reason")
             calls = tuple(

@@ -269,9 +269,17 @@ def classify(exc: BaseException) -> ProviderError:
 # ---------------------------------------------------------------------------------------------
 # The retrying stream
 
-# What one attempt yields: content deltas, the final response, or ``None`` as a keep-alive for
-# SDK events that carry nothing for the caller (pings, block starts) but prove the stream lives.
-AttemptEvent = TextDelta | ReasoningDelta | ModelResponse | None
+class KeepAlive:
+    """An event that is no part of the answer (a ping, an OpenAI chunk with an empty delta)."""
+
+
+KEEP_ALIVE = KeepAlive()
+
+# What one attempt yields: content deltas, the final response, ``None`` for SDK events that
+# carry nothing for the caller yet are part of the answer (a tool call's arguments, a block's
+# start), or KEEP_ALIVE. Only the first three hold off ``stream_idle_timeout``: a server that
+# sent empty chunks for ever held the run for ever.
+AttemptEvent = TextDelta | ReasoningDelta | ModelResponse | KeepAlive | None
 AttemptFn = Callable[[], AsyncIterator[AttemptEvent]]
 Sleep = Callable[[float], Awaitable[None]]
 
@@ -329,8 +337,9 @@ async def with_retries(
     ``retry_total_timeout``) and counts as a transient, retryable failure; keep-alive events
     stretch that phase to ``max(first_byte_timeout, retry_total_timeout)`` at most, from the
     first attempt (a stream that only keeps itself alive would hold the run for ever). After
-    the first delta, every gap between deltas is bounded by ``stream_idle_timeout`` (keep-alive
-    events in it do not restart it) and ends the call as ``stalled``.
+    the first delta, every gap in the answer is bounded by ``stream_idle_timeout`` (KEEP_ALIVE
+    events do not restart it; a tool call's streamed arguments do) and ends the call as
+    ``stalled``.
     """
     started = clock()
     patience = max(cfg.first_byte_timeout, cfg.retry_total_timeout)
@@ -338,7 +347,7 @@ async def with_retries(
     while True:
         attempts += 1
         output_started = False
-        last_output = 0.0  # when the last delta came: keep-alives do not count
+        last_output = 0.0  # when the answer last moved on: keep-alives do not count
         it = attempt_fn()
         try:
             while True:
@@ -372,13 +381,16 @@ async def with_retries(
                     raise ProviderError(
                         "transient", "provider stream ended without a final response"
                     ) from None
+                if event is KEEP_ALIVE:
+                    continue
+                last_output = clock()
                 if event is None:
                     continue
                 if isinstance(event, ModelResponse):
                     yield event
                     return
+                assert not isinstance(event, KeepAlive)
                 output_started = True
-                last_output = clock()
                 yield event
         except Exception as exc:
             err = classify(exc)

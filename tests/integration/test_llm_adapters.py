@@ -377,6 +377,22 @@ async def test_stall_after_output(fake: FakeModel, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_tool_arguments_streaming_slowly_after_text_are_no_stall(
+    fake: FakeModel, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After some text, a tool call's arguments arrive piece by piece, each within the idle
+    timeout, the whole taking longer than it: the answer moves on, so no `stalled` (a slow
+    model writing a file through write_file was cut off when only deltas counted)."""
+    monkeypatch.setattr(fake, "chunk_size", 8)
+    path = "p" * 40  # arguments of ~50 characters: several pieces 0.1 s apart
+    call = {"name": "list_dir", "arguments": {"path": path}}
+    fake.script({"text": "Writing.", "tool_calls": [call], "delay": 0.1})
+    events, err = await run(make_client(config(fake, kind, stream_idle_timeout=0.25)))
+    assert err is None, err
+    assert json.loads(final(events).message.tool_calls[0].arguments) == {"path": path}
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_missing_key_is_an_auth_error(
     fake: FakeModel, kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

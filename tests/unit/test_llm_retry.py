@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from poddaemon.history import AssistantMessage, Usage
 from poddaemon.llm.retry import (
+    KEEP_ALIVE,
     AttemptEvent,
     backoff_delay,
     classify,
@@ -448,13 +449,22 @@ async def test_idle_timeout_after_output_stalls() -> None:
 async def test_keep_alives_after_output_do_not_hold_off_the_idle_timeout() -> None:
     """Chunks that carry nothing (OpenAI chunks with an empty delta) after the first text: a
     server that sent them for ever held the run for ever, each one restarting the timer."""
-    forever = [item for _ in range(1000) for item in (("wait", 0.02), None)]
+    forever = [item for _ in range(1000) for item in (("wait", 0.02), KEEP_ALIVE)]
     script = Script([[TextDelta("a"), *forever, FINAL]])
     started = time.monotonic()
     events, err = await collect(script, Cfg(stream_idle_timeout=0.2), RealTime())
     assert events == [TextDelta("a")]
     assert err is not None and err.kind == "stalled", err
     assert "0.2s" in err.message and time.monotonic() - started < 5
+
+
+async def test_parts_of_the_answer_with_nothing_to_show_hold_off_the_idle_timeout() -> None:
+    """A tool call's arguments streaming (None: part of the answer, nothing to show yet), each
+    piece well within the timeout, all of them longer than it: no stall."""
+    pieces = [item for _ in range(10) for item in (("wait", 0.05), None)]
+    script = Script([[TextDelta("a"), *pieces, FINAL]])
+    events, err = await collect(script, Cfg(stream_idle_timeout=0.2), RealTime())
+    assert err is None and events == [TextDelta("a"), FINAL]
 
 
 async def test_timeout_error_raised_by_the_stream_is_not_ours() -> None:
