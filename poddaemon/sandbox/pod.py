@@ -14,7 +14,7 @@ import msgspec
 from poddaemon.sandbox import NO_SANDBOX, SandboxUnavailable, available, build_policy, describe
 from poddaemon.sandbox.landlock import FS
 from poddaemon.sandbox.policy import Grant, Mode, system_grants
-from poddaemon.scope import Scope
+from poddaemon.scope import Access, Scope
 from protocol.paths import write_private
 
 
@@ -57,6 +57,22 @@ def replace_leftover(record: Path, name: str, tmpdir: str | None) -> None:
         write_private(record, tmpdir + "\n")
 
 
+def script_grants(scripts: Sequence[str], scope: Scope) -> list[Grant]:
+    """Hook scripts run wherever they are (outside the scope, in a denied directory, in the
+    spawner's tree for a child): that one file is readable and executable, nothing around it.
+    A grant holds the file itself, never a symlink to it (Landlock rules are opened without
+    following one): a script that is a link is granted the file it points to now, unless the
+    pod could repoint the link (it lies where it may write) and have any file granted."""
+    grants = []
+    for path in scripts:
+        target = path
+        where = os.path.realpath(os.path.dirname(path))  # the dir the link lies in
+        if os.path.islink(path) and scope.access(where) < Access.WRITE:
+            target = os.path.realpath(path)
+        grants.append(Grant(target, FS.READ_FILE | FS.EXECUTE, exempt=True))
+    return grants
+
+
 def pod_sandbox(
     *,
     name: str,
@@ -87,11 +103,14 @@ def pod_sandbox(
     if not commands:
         return box
     box.tmpdir = tempfile.mkdtemp(prefix=_tmpdir_prefix(name))
-    # Hook scripts run wherever they are (outside the scope, in a denied directory, in the
-    # spawner's tree for a child): that one file is readable and executable, nothing around it.
-    extra = system_grants() + [Grant(p, FS.READ_FILE | FS.EXECUTE, exempt=True) for p in scripts]
     policy = build_policy(
-        scope, pwd=pwd, tmpdir=box.tmpdir, network=network, mode=mode, protect=protect, extra=extra
+        scope,
+        pwd=pwd,
+        tmpdir=box.tmpdir,
+        network=network,
+        mode=mode,
+        protect=protect,
+        extra=system_grants() + script_grants(scripts, scope),
     )
     box.policy = policy.encode()
     box.files = tuple(scripts)
@@ -105,6 +124,7 @@ def pod_sandbox(
     tmpdir = box.tmpdir
 
     def rebuild(live: Scope) -> bytes:
+        extra = system_grants() + script_grants(scripts, live)  # links as they point now
         again = build_policy(
             live, pwd=pwd, tmpdir=tmpdir, network=network, mode=mode, protect=protect, extra=extra
         )

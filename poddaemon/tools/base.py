@@ -103,6 +103,7 @@ class ToolContext(msgspec.Struct):
     _runner_stale: bool = False
     _runner_files: tuple[tuple[int, int] | None, ...] = ()  # granted_files at its start
     _retired: "list[CommandRunner]" = msgspec.field(default_factory=list)
+    _closing: "set[asyncio.Task[None]]" = msgspec.field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._note_denies()
@@ -129,16 +130,19 @@ class ToolContext(msgspec.Struct):
         made or replaced since, renamed by the command, stays denied to the file tools."""
         self._note_denies()
         async with self._runner_lock:
-            for old in [r for r in self._retired if not r.busy]:
-                self._retired.remove(old)
-                await old.aclose()
             files = _identities(self.granted_files)
             if self._runner is not None and self._runner.alive and files != self._runner_files:
-                # Same policy, another file at a granted name: the commands still running in
-                # the old runner finish there (a scope change, below, cuts them short).
-                self._retired.append(self._runner)
+                # Another file at a granted name (a link repointed too: the policy follows it
+                # now). The commands still running in the old runner finish there, then it goes
+                # (a scope change, below, cuts them short).
+                if self.policy_for_scope is not None:
+                    self.sandbox_policy = self.policy_for_scope()
+                self._retire(self._runner)
                 self._runner = None
             if self._runner is None or not self._runner.alive or self._runner_stale:
+                if self._runner_stale:  # none may keep the wider access: retired ones too
+                    for old in list(self._retired):
+                        await old.aclose()
                 self._runner_stale = False
                 from poddaemon.tools.runner_client import CommandRunner, clean_env
 
@@ -148,6 +152,22 @@ class ToolContext(msgspec.Struct):
                 self._runner_files = files  # taken before: a file replaced meanwhile is seen
                 self._runner = await CommandRunner.start(env, self.sandbox_policy)
             return self._runner
+
+    def _retire(self, runner: "CommandRunner") -> None:
+        """Close `runner` once the commands it runs are done."""
+        self._retired.append(runner)
+
+        async def close_when_idle() -> None:
+            try:
+                await runner.idle()
+            finally:
+                await runner.aclose()
+                if runner in self._retired:
+                    self._retired.remove(runner)
+
+        task = asyncio.ensure_future(close_when_idle())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def aclose(self) -> None:
         """Stop the command runner, if any: every command still running is killed."""

@@ -68,6 +68,7 @@ class CommandRunner:
         self._ready: asyncio.Future[dict[str, Any]] = self._loop.create_future()
         self._replies: dict[tuple[str, int], asyncio.Future[dict[str, Any]]] = {}
         self._commands: dict[int, Command] = {}
+        self._idle: asyncio.Future[None] | None = None  # set once _commands is empty
         self._next_id = 0
         self._send_lock = asyncio.Lock()
         self._closed = False
@@ -81,6 +82,17 @@ class CommandRunner:
     def busy(self) -> bool:
         """Commands it started are not yet done with (killed and forgotten)."""
         return bool(self._commands)
+
+    async def idle(self) -> None:
+        """Return once no command it started is left (at once if none is), or it is gone."""
+        while self._commands and not self._closed:
+            self._idle = self._loop.create_future()
+            await self._idle
+
+    def _forget(self, cid: int) -> None:
+        self._commands.pop(cid, None)
+        if not self._commands and self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
 
     @classmethod
     async def start(
@@ -149,14 +161,14 @@ class CommandRunner:
             await self._send(msg, fds)
             done, _ = await asyncio.wait({reply, failed}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
-            self._commands.pop(cid, None)
+            self._forget(cid)
             raise
         finally:
             for kind in ("started", "failed"):
                 self._replies.pop((kind, cid), None)
         if failed in done:
             reply.cancel()
-            self._commands.pop(cid, None)
+            self._forget(cid)
             raise RunnerError(f"could not start the command: {failed.result()['error']}")
         failed.cancel()
         command.pid = int(reply.result()["pid"])
@@ -174,7 +186,7 @@ class CommandRunner:
             msg = await reply
         finally:
             self._replies.pop(("killed", command.id), None)
-            self._commands.pop(command.id, None)
+            self._forget(command.id)
         return int(msg.get("count", 0))
 
     # --- lifetime ------------------------------------------------------------------------------
@@ -282,6 +294,8 @@ class CommandRunner:
         """The runner is gone (or closed): fail everything waiting on it. It kills its commands
         as it exits; if it was itself killed, kill the groups it told us about."""
         self._closed = True
+        if self._idle is not None and not self._idle.done():
+            self._idle.set_result(None)
         error = RunnerError("the command runner exited")
         waiting: list[asyncio.Future[Any]] = [self._ready, *self._replies.values()]
         waiting += [c.exited for c in self._commands.values()]

@@ -287,6 +287,39 @@ def test_a_guard_script_saved_anew_still_guards(env: Env) -> None:
     assert "guarded: still no writes" in results[1]["output"]
 
 
+@pytest.mark.parametrize("when", ["from the start", "linked anew"])
+def test_a_guard_script_that_is_a_symlink_still_guards(env: Env, when: str) -> None:
+    """A hook script that is a symlink (a dotfile manager, stow, `ln -sf`) to a file outside
+    the scope: the sandbox grants a file it opens without following links, so the link granted
+    nothing, the script could not run (exit 126, a warning) and the call it guards went ahead.
+    The link lies where the pod cannot write (it could repoint it): its file is the grant."""
+    hooks, real = env.home / "hooks", env.home / "real"
+    hooks.mkdir()
+    real.mkdir()
+    for name, words in (("v1.sh", "no writes here"), ("v2.sh", "still no writes")):
+        (real / name).write_text(SH_GUARD.replace("no writes here", words))
+        (real / name).chmod(0o755)
+    guard = hooks / "guard.sh"
+    if when == "from the start":
+        guard.symlink_to(real / "v1.sh")
+    else:
+        guard.write_text(SH_GUARD)
+        guard.chmod(0o755)
+    write = {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]}
+    env.model.script(write, {"text": "done"}, write, {"text": "done"})
+    extra = hooks_toml("PreToolUse", str(guard), matcher="write_file")
+    pod = env.start("linked", tools=["write_file", "bash"], extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("write").outcome == "finished"
+        (hooks / "new.sh").symlink_to(real / "v2.sh")
+        (hooks / "new.sh").rename(guard)  # `ln -sf`: a link renamed over the script
+        assert c.run_wait("write again").outcome == "finished"
+    assert not (env.work / "x.txt").exists()
+    results = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert [r["is_error"] for r in results] == [True, True], results
+    assert "guarded: still no writes" in results[1]["output"]
+
+
 @pytest.mark.parametrize(
     ("command", "problem"),
     [

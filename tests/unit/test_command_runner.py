@@ -138,8 +138,39 @@ async def test_a_granted_file_saved_anew_gets_a_new_runner_and_the_old_one_finis
         new = await ctx.command_runner()
         assert new is not old and old.alive
         assert (await long).output == "finished"  # not cut short
-        assert (await bash(ctx, "echo next")).output == "next"
+        end = time.monotonic() + 10  # and gone once done, with no command after it
+        while old.alive and time.monotonic() < end:
+            await asyncio.sleep(0.01)
         assert not old.alive and await ctx.command_runner() is new
+    finally:
+        await ctx.aclose()
+
+
+async def test_a_scope_change_cuts_short_the_commands_of_a_retired_runner_too(
+    tmp_path: Path,
+) -> None:
+    """A runner retired for a hook script saved anew still runs a command under the policy of
+    its start; a delegation to a child then narrows the scope: that command must not keep the
+    wider access any more than the current runner's (it finished in peace before)."""
+    hook = tmp_path / "hook.sh"
+    hook.write_text("#!/bin/sh\n")
+    scope = Scope.from_config([(str(tmp_path), "write", True)])
+    ctx = ToolContext(
+        scope=scope, pwd=str(tmp_path), granted_files=(str(hook),), policy_for_scope=lambda: None
+    )
+    try:
+        started = tmp_path / "started"
+        long = asyncio.create_task(bash(ctx, f"touch {started}; sleep 30; echo finished"))
+        await asyncio.to_thread(lambda: wait_until_exists(started))
+        old = await ctx.command_runner()
+        saved = tmp_path / "hook.sh.new"
+        saved.write_text("#!/bin/sh\n")
+        saved.rename(hook)
+        assert await ctx.command_runner() is not old and old.alive
+        ctx.scope_changed()
+        await ctx.command_runner()
+        assert not old.alive
+        assert (await long).is_error
     finally:
         await ctx.aclose()
 
