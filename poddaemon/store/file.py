@@ -26,7 +26,6 @@ fsync "succeeding" would prove nothing. The owner should stop or fork into a new
 import asyncio
 import contextlib
 import errno
-import mmap
 import os
 import re
 import stat
@@ -722,42 +721,55 @@ def read_page(
     holds seq N, so the page starts after the since-th newline. A long-lived pod's `history`
     read and hashed its whole log per page (0.4 s at 100,000 entries, and `podctl history`
     asked for every page to show the newest 50). An entry whose seq is not its line's raises
-    ``LogCorrupt`` (``read_session`` and ``SessionScan`` verify the whole chain)."""
+    ``LogCorrupt`` (``read_session`` and ``SessionScan`` verify the whole chain). Read by
+    offset: a file that shrinks meanwhile reads short (a mapping of it was a SIGBUS)."""
     path = session_path(sessions_dir, session_id)
     with _open_log(path, session_id) as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
+        first = next(_lines_from(fd, 0, size), None)
+        if first is None:
             _check_first(None, path)
-        with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as log:
-            first = _page_entry(log, 0, 1, path)
-            if first is None:
-                _check_first(None, path)
-            assert first is not None
-            _check_first(first.get("kind"), path)
-            last_nl = log.rfind(b"\n")  # a torn last line (no newline) is no entry
-            last = _page_entry(log, log.rfind(b"\n", 0, last_nl) + 1, None, path)
-            assert last is not None
-            pos = _after_lines(log, max(0, since), size)
-            entries: list[dict[str, Any]] = []
-            used = 0
-            seq = max(0, since) + 1
-            while pos < size and len(entries) < limit:
-                end = log.find(b"\n", pos)
-                if end < 0 or (entries and used + end - pos + 1 > max_bytes):
-                    break
-                entry = _page_entry(log, pos, seq, path)
-                assert entry is not None
-                entries.append(entry)
-                used += end - pos + 1
-                pos, seq = end + 1, seq + 1
-    return SessionPage(first=first, entries=entries, last=int(last["seq"]))
+        assert first is not None
+        start = _page_entry(first[0], 1, path)
+        _check_first(start.get("kind"), path)
+        last = _page_entry(_last_line(fd, size), None, path)
+        entries: list[dict[str, Any]] = []
+        used = 0
+        seq = max(0, since) + 1
+        for line, _ in _lines_from(fd, _after_lines(fd, seq - 1, size), size):
+            if len(entries) >= limit or (entries and used + len(line) + 1 > max_bytes):
+                break
+            entries.append(_page_entry(line, seq, path))
+            used += len(line) + 1
+            seq += 1
+    return SessionPage(first=start, entries=entries, last=int(last["seq"]))
 
 
-def _after_lines(log: mmap.mmap, count: int, size: int) -> int:
-    """The offset just after the `count`-th newline (the end of the log if it has fewer)."""
+def _lines_from(fd: int, pos: int, size: int) -> Iterator[tuple[bytes, int]]:
+    """The complete lines (without their newline) from offset `pos` up to `size`, each with the
+    offset after it. A last line without its newline (torn) is none."""
+    buf = b""
+    while pos < size:
+        chunk = os.pread(fd, min(_CHUNK, size - pos), pos)
+        if not chunk:
+            return  # the file shrank
+        pos += len(chunk)
+        buf += chunk
+        begin = 0
+        while (nl := buf.find(b"\n", begin)) >= 0:
+            yield buf[begin:nl], pos - len(buf) + nl + 1
+            begin = nl + 1
+        buf = buf[begin:]
+
+
+def _after_lines(fd: int, count: int, size: int) -> int:
+    """The offset just after the `count`-th newline (`size` if the log has fewer)."""
     pos = 0
     while count and pos < size:
-        chunk = log[pos : pos + _PAGE_CHUNK]
+        chunk = os.pread(fd, min(_PAGE_CHUNK, size - pos), pos)
+        if not chunk:
+            return size
         found = chunk.count(b"\n")
         if found < count:
             count -= found
@@ -770,14 +782,26 @@ def _after_lines(log: mmap.mmap, count: int, size: int) -> int:
     return pos if not count else size
 
 
-def _page_entry(log: mmap.mmap, pos: int, seq: int | None, path: Path) -> dict[str, Any] | None:
-    """The entry on the complete line at `pos` (None if there is none); `seq` what it must
-    hold."""
-    end = log.find(b"\n", pos)
-    if end < 0:
-        return None
+def _last_line(fd: int, size: int) -> bytes:
+    """The last complete line (a torn one after it left out), without its newline."""
+    window = _CHUNK
+    while True:
+        begin = max(0, size - window)
+        data = os.pread(fd, size - begin, begin)
+        end = data.rfind(b"\n")
+        if end >= 0:
+            start = data.rfind(b"\n", 0, end)
+            if start >= 0 or begin == 0:
+                return data[start + 1 : end]
+        elif begin == 0:
+            return b""
+        window *= 2
+
+
+def _page_entry(line: bytes, seq: int | None, path: Path) -> dict[str, Any]:
+    """The entry `line` holds; `seq` what it must hold (None: the last line, number unknown)."""
     try:
-        entry = _page_decoder.decode(log[pos:end])
+        entry = _page_decoder.decode(line)
     except msgspec.DecodeError as exc:
         if seq is None:  # its number is not known without counting every line
             raise LogCorrupt(0, f"the last line is not a JSON object: {exc}", str(path)) from None

@@ -783,3 +783,24 @@ def test_read_page_of_a_log_without_session_start_is_refused(sessions: Path) -> 
     path.write_bytes(b"")
     with pytest.raises(LogCorrupt):
         read_page(sessions, sid, 0, 10, 1 << 20)
+
+
+def test_read_page_of_a_file_that_shrank_since_its_size_was_taken(
+    sessions: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer cut the file back after read_page took its size (an append that failed
+    is truncated away; a restore cuts a torn tail). It reads short and says what it found: a
+    mapping of the file killed the process with SIGBUS when it touched the lost pages."""
+    sid = _log_of(sessions, 50)
+    real_size = (sessions / f"{sid}.jsonl").stat().st_size
+    real_fstat = os.fstat
+
+    def grown(fd: int) -> os.stat_result:
+        st = real_fstat(fd)
+        fields = list(st)
+        fields[stat.ST_SIZE] = real_size + 3 * 4096  # what it was before it shrank
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(os, "fstat", grown)
+    page = read_page(sessions, sid, 45, 100, 1 << 20)
+    assert [e["seq"] for e in page.entries] == [46, 47, 48, 49, 50] and page.last == 50
