@@ -153,12 +153,14 @@ def _one_restart_at_a_time(pod: str) -> Iterator[None]:
     from protocol import paths
 
     name = _name_of(pod)
-    # In the pod's own runtime dir, which every pod that ever ran here made (its stderr.log
-    # stays there): a name that never ran has nothing to restart, and leaves nothing behind.
+    # In the pod's own runtime dir (its stderr.log stays there too), made if it ran here
+    # before a reboot emptied the runtime dir: a name with neither has nothing to restart,
+    # and leaves nothing behind.
     home = paths.socket_path(name).parent if name is not None else None
-    if home is None or not home.is_dir():
+    if home is None or not (home.is_dir() or kept_config(str(name)).exists()):
         yield
         return
+    paths.ensure_dir(home, "pod directory")
     lock = filelock.FileLock(home / "restart.lock", timeout=RESTART_WAIT, mode=0o600)
     try:
         lock.acquire()

@@ -483,6 +483,13 @@ def test_restarts_of_one_pod_at_once_all_succeed_and_leave_one_pod(cleanup: Env)
     restarts = [env.podctl_popen("restart", target) for target in ("busy", sock) * 3]
     results = [(p.wait(60), *p.communicate()) for p in restarts]
     assert [code for code, _, _ in results] == [0] * 6, results
+    # Stopped, its runtime dir gone (a reboot empties it), its kept configuration left:
+    # restarts at once still take turns (the lock lives in that dir, which is made again).
+    assert env.podctl("stop", "busy").returncode == 0
+    shutil.rmtree(env.home / "run" / "pods" / "busy")
+    restarts = [env.podctl_popen("restart", "busy") for _ in range(4)]
+    results = [(p.wait(60), *p.communicate()) for p in restarts]
+    assert [code for code, _, _ in results] == [0] * 4, results
     live = Registry(env.home / "run").get("busy")
     assert live is not None
     assert all(out.splitlines()[-1] == f"busy\t{live.socket}" for _, out, _ in results), results
