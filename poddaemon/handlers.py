@@ -180,7 +180,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         # since 0, "everything": all this life of the pod holds (see EventBus)
         cursor = pod.bus.seq if p.since is None else p.since or pod.bus.first_seq
         # Start streaming right after this reply is written (the reply goes out synchronously).
-        asyncio.get_running_loop().call_soon(conn.start_events, cursor)
+        conn.subscribe_after_reply(cursor)
         return SubscribeResult(cursor=pod.bus.seq)
 
     def compact(p: NoParams, conn: Any) -> Any:

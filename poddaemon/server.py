@@ -171,6 +171,7 @@ class Connection(asyncio.Protocol):
         self._backlog: deque[Callable[[], None]] = deque()
         self._draining = False  # a drain of the backlog is scheduled
         self._reading_paused = False
+        self._subscribing = False  # its subscription begins once the subscribe reply is out
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -298,7 +299,7 @@ class Connection(asyncio.Protocol):
             or self.transport.is_closing()
         ):
             return
-        if self.subscription is None or self.peer_closed():
+        if (self.subscription is None and not self._subscribing) or self.peer_closed():
             self.transport.close()  # after the buffered replies are written
         else:  # it still reads its events: let go of it once it closes (nothing else tells)
             self.server.watch_half_closed(self)
@@ -514,8 +515,15 @@ class Connection(asyncio.Protocol):
 
     # --- events ----------------------------------------------------------------------------
 
+    def subscribe_after_reply(self, cursor: int) -> None:
+        """Stream events after `cursor` once the subscribe reply now being sent is written (a
+        client that half-closes meanwhile still gets them)."""
+        self._subscribing = True
+        asyncio.get_running_loop().call_soon(self.start_events, cursor)
+
     def start_events(self, cursor: int) -> None:
         """Begin streaming events after `cursor` (called once the subscribe reply is written)."""
+        self._subscribing = False
         if self.transport is None or self.transport.is_closing():
             return  # closed meanwhile: a subscription now would never be removed
         if self.subscription is not None:

@@ -196,6 +196,33 @@ def test_a_half_closed_subscriber_gets_events_and_is_let_go_once_it_closes(env: 
     env.model.open_gate("g")
 
 
+@pytest.mark.parametrize("how", ["no newline", "behind 128 requests"])
+def test_a_subscribe_read_with_the_eof_still_streams_events(env: Env, how: str) -> None:
+    """`printf '{...subscribe...}' | socat` (no newline: the EOF ends the line), or a subscribe
+    read behind a full pipeline: the connection was closed right after the subscribe reply,
+    before the subscription began, and the client got no event."""
+    pod = env.start()
+    sock = raw(pod)
+    line = SUBSCRIBE_LINE.replace(b'"id":1', b'"id":999')
+    if how == "no newline":
+        sock.sendall(line.rstrip(b"\n"))
+    else:
+        sock.sendall(NOTIFY_LINE * 128 + line)
+    sock.shutdown(socket.SHUT_WR)
+    got = b""
+    while b'"id":999' not in got:
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"closed before the subscribe reply: {got[-300:]!r}"
+        got += chunk
+    with pod.client() as c:
+        c.notify("still streaming?")
+    while b"still streaming?" not in got:
+        chunk = sock.recv(1 << 16)
+        assert chunk, "the pod closed a half-closed subscriber before its first event"
+        got += chunk
+    sock.close()
+
+
 @pytest.mark.parametrize(
     ("first", "answer", "run_reply"),
     [
