@@ -4,6 +4,7 @@ import json
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -261,6 +262,27 @@ def test_a_guard_script_outside_the_scope_still_guards(env: Env) -> None:
     assert any("a hook script" in n for n in pod.call("status")["sandbox_notes"])
 
 
+def _guards_before_and_after(env: Env, name: str, guard: Path, replace: Callable[[], None]) -> None:
+    """A pod whose PreToolUse guard `guard` blocks write_file: a write is blocked, `replace`
+    puts the guard's second version ("still no writes") in place, and a write is blocked by
+    that one."""
+    write = {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]}
+    env.model.script(write, {"text": "done"}, write, {"text": "done"})
+    extra = hooks_toml("PreToolUse", str(guard), matcher="write_file")
+    pod = env.start(name, tools=["write_file", "bash"], extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("write").outcome == "finished"
+        replace()
+        assert c.run_wait("write again").outcome == "finished"
+    assert not (env.work / "x.txt").exists()
+    results = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert [r["is_error"] for r in results] == [True, True], results
+    assert "guarded: still no writes" in results[1]["output"]
+
+
+SH_GUARD_V2 = SH_GUARD.replace("no writes here", "still no writes")
+
+
 def test_a_guard_script_saved_anew_still_guards(env: Env) -> None:
     """An editor's save, `sed -i`, `git checkout`: a new file renamed over the script. The
     sandbox's grant held the old file, so the new one could not run (exit 126, a warning) and
@@ -270,21 +292,14 @@ def test_a_guard_script_saved_anew_still_guards(env: Env) -> None:
     guard = hooks / "guard.sh"
     guard.write_text(SH_GUARD)
     guard.chmod(0o755)
-    write = {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]}
-    env.model.script(write, {"text": "done"}, write, {"text": "done"})
-    extra = hooks_toml("PreToolUse", str(guard), matcher="write_file")
-    pod = env.start("resaved", tools=["write_file", "bash"], extra=extra)
-    with pod.client() as c:
-        assert c.run_wait("write").outcome == "finished"
+
+    def save_anew() -> None:
         saved = hooks / "guard.sh.new"
-        saved.write_text(SH_GUARD.replace("no writes here", "still no writes"))
+        saved.write_text(SH_GUARD_V2)
         saved.chmod(0o755)
         saved.rename(guard)
-        assert c.run_wait("write again").outcome == "finished"
-    assert not (env.work / "x.txt").exists()
-    results = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
-    assert [r["is_error"] for r in results] == [True, True]
-    assert "guarded: still no writes" in results[1]["output"]
+
+    _guards_before_and_after(env, "resaved", guard, save_anew)
 
 
 @pytest.mark.parametrize("when", ["from the start", "linked anew"])
@@ -296,8 +311,8 @@ def test_a_guard_script_that_is_a_symlink_still_guards(env: Env, when: str) -> N
     hooks, real = env.home / "hooks", env.home / "real"
     hooks.mkdir()
     real.mkdir()
-    for name, words in (("v1.sh", "no writes here"), ("v2.sh", "still no writes")):
-        (real / name).write_text(SH_GUARD.replace("no writes here", words))
+    for name, text in (("v1.sh", SH_GUARD), ("v2.sh", SH_GUARD_V2)):
+        (real / name).write_text(text)
         (real / name).chmod(0o755)
     guard = hooks / "guard.sh"
     if when == "from the start":
@@ -305,19 +320,12 @@ def test_a_guard_script_that_is_a_symlink_still_guards(env: Env, when: str) -> N
     else:
         guard.write_text(SH_GUARD)
         guard.chmod(0o755)
-    write = {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]}
-    env.model.script(write, {"text": "done"}, write, {"text": "done"})
-    extra = hooks_toml("PreToolUse", str(guard), matcher="write_file")
-    pod = env.start("linked", tools=["write_file", "bash"], extra=extra)
-    with pod.client() as c:
-        assert c.run_wait("write").outcome == "finished"
+
+    def link_anew() -> None:  # `ln -sf`: a link renamed over the script
         (hooks / "new.sh").symlink_to(real / "v2.sh")
-        (hooks / "new.sh").rename(guard)  # `ln -sf`: a link renamed over the script
-        assert c.run_wait("write again").outcome == "finished"
-    assert not (env.work / "x.txt").exists()
-    results = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
-    assert [r["is_error"] for r in results] == [True, True], results
-    assert "guarded: still no writes" in results[1]["output"]
+        (hooks / "new.sh").rename(guard)
+
+    _guards_before_and_after(env, "linked", guard, link_anew)
 
 
 @pytest.mark.parametrize(
