@@ -283,6 +283,7 @@ def wait(
         fail(f"--until: only 'idle' is supported, not {until!r}", EXIT_USAGE)
     deadline = None if timeout is None else time.monotonic() + timeout
     status: dict[str, Any] | None = None
+    told_paused = False
     with rpc_errors(pod, WAIT_CALL_TIMEOUT):
         paths.check_private_dirs()
         while True:
@@ -299,6 +300,13 @@ def wait(
                 status = None
             if status is not None and _idle(status):
                 break
+            if status is not None and status.get("state") == "paused" and not told_paused:
+                told_paused = True  # it is idle only once resumed: a silent wait looks hung
+                sys.stderr.write(
+                    f"podctl: pod '{status.get('name', pod)}' is paused: it is idle once "
+                    "resumed (or its paused run cancelled) and done\n"
+                )
+                sys.stderr.flush()
             if deadline is not None and time.monotonic() >= deadline:
                 if as_json:
                     print_json({"idle": False, "status": status})

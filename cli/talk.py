@@ -116,6 +116,13 @@ def send(
         if result.state == "queued" and sys.stderr.isatty():
             position = f" (position {result.position})" if result.position is not None else ""
             sys.stderr.write(f"podctl: run {run_id} queued{position}\n")
+        if result.state == "queued" and client.status().state == "paused":
+            # Nothing starts until then: a silent wait would look like a hang.
+            sys.stderr.write(
+                f"podctl: pod '{pod}' is paused: the run waits for `podctl resume {pod}`"
+                " (or a cancel of the paused run)\n"
+            )
+            sys.stderr.flush()
         wrote, ends_nl = False, True
         if ended is not None and ended["text"] and not as_json:  # its reply, as it streamed
             sys.stdout.write(ended["text"])

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -506,6 +507,39 @@ def test_restart_of_a_name_never_run_leaves_nothing_behind(env: Env) -> None:
     out = env.podctl("restart", "nope")
     assert out.returncode == 3 and "not running" in out.stderr, out.stderr
     assert set(runtime.iterdir()) == before if runtime.exists() else not before
+
+
+def test_send_to_a_paused_pod_says_why_it_waits(env: Env) -> None:
+    """A paused pod starts nothing: `podctl send` and `podctl wait` wait for a resume, and
+    say so at once instead of hanging silently; the run's answer comes once it is resumed."""
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"},
+        {"text": "first done"},
+        {"text": "second done"},
+    )
+    pod = env.start("held")
+    with pod.client() as c:
+        c.run("first")
+        env.model.wait_for_requests(1)
+        assert c.pause().paused
+        env.model.open_gate("g")
+        wait_until(lambda: c.status().state == "paused", what="the pod paused")
+    send = env.podctl_popen("send", "held", "second")
+    assert send.stderr is not None
+    ready, _, _ = select.select([send.stderr], [], [], 20)
+    assert ready, "podctl send said nothing while it waits"
+    note = send.stderr.readline()
+    assert note == (
+        "podctl: pod 'held' is paused: the run waits for `podctl resume held`"
+        " (or a cancel of the paused run)\n"
+    )
+    wait = env.podctl("wait", "held", "--timeout", "0.3")  # as quick to say so
+    assert wait.returncode == 4, wait.stderr
+    assert wait.stderr.startswith("podctl: pod 'held' is paused: it is idle once resumed")
+    with pod.client() as c:
+        c.resume()
+    out, _ = send.communicate(timeout=30)
+    assert send.returncode == 0 and out == "second done\n"
 
 
 def test_send_starts_each_model_rounds_text_on_a_line_of_its_own(env: Env) -> None:
