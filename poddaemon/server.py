@@ -598,7 +598,10 @@ class RpcServer:
 
     def watch_half_closed(self, conn: Connection) -> None:
         self.half_closed.add(conn)
-        if self._half_closed_check is None:
+        self._check_half_closed_later()
+
+    def _check_half_closed_later(self) -> None:
+        if self._half_closed_check is None and self.half_closed:
             loop = asyncio.get_running_loop()
             self._half_closed_check = loop.call_later(HALF_CLOSED_CHECK, self._let_go_of_closed)
 
@@ -610,9 +613,7 @@ class RpcServer:
             elif conn.peer_closed():
                 self.half_closed.discard(conn)
                 conn.transport.close()
-        if self.half_closed:
-            loop = asyncio.get_running_loop()
-            self._half_closed_check = loop.call_later(HALF_CLOSED_CHECK, self._let_go_of_closed)
+        self._check_half_closed_later()
 
     def give_back_memory_soon(self) -> None:
         """One trim for all the clients that go in the same loop pass (a heap walk each)."""
