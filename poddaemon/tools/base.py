@@ -101,7 +101,10 @@ class ToolContext(msgspec.Struct):
     _runner: "CommandRunner | None" = None
     _runner_lock: asyncio.Lock = msgspec.field(default_factory=asyncio.Lock)
     _runner_stale: bool = False
-    _runner_files: tuple[tuple[int, int] | None, ...] = ()  # granted_files at its start
+    # What granted_files named when sandbox_policy was built (None: before the first command,
+    # the pod's start-up policy, whose links may have been repointed since). Taken before the
+    # build: a file replaced meanwhile is seen at the next command.
+    _policy_files: tuple[tuple[int, int] | None, ...] | None = None
     _retired: "list[CommandRunner]" = msgspec.field(default_factory=list)
     _closing: "set[asyncio.Task[None]]" = msgspec.field(default_factory=set)
 
@@ -120,6 +123,7 @@ class ToolContext(msgspec.Struct):
         (commands run one at a time, so none is cut short)."""
         self._note_denies()
         if self.policy_for_scope is not None:
+            self._policy_files = _identities(self.granted_files)
             self.sandbox_policy = self.policy_for_scope()
             self._runner_stale = True
 
@@ -131,13 +135,14 @@ class ToolContext(msgspec.Struct):
         self._note_denies()
         async with self._runner_lock:
             files = _identities(self.granted_files)
-            if self._runner is not None and self._runner.alive and files != self._runner_files:
-                # Another file at a granted name (a link repointed too: the policy follows it
-                # now). The commands still running in the old runner finish there, then it goes
-                # (a scope change, below, cuts them short).
-                if self.policy_for_scope is not None:
-                    self.sandbox_policy = self.policy_for_scope()
-                self._retire(self._runner)
+            if files != self._policy_files and self.policy_for_scope is not None:
+                # Another file at a granted name than when the policy was built (a link
+                # repointed too: the policy follows it now). The commands still running in the
+                # old runner finish there, then it goes (a scope change, below, cuts them short).
+                self.sandbox_policy = self.policy_for_scope()
+                self._policy_files = files
+                if self._runner is not None and self._runner.alive:
+                    self._retire(self._runner)
                 self._runner = None
             if self._runner is None or not self._runner.alive or self._runner_stale:
                 if self._runner_stale:  # none may keep the wider access: retired ones too
@@ -149,7 +154,6 @@ class ToolContext(msgspec.Struct):
                 if self._runner is not None:
                     await self._runner.aclose()
                 env = clean_env(os.environ, self.env_passthrough, self.env_hidden)
-                self._runner_files = files  # taken before: a file replaced meanwhile is seen
                 self._runner = await CommandRunner.start(env, self.sandbox_policy)
             return self._runner
 

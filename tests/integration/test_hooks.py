@@ -328,6 +328,31 @@ def test_a_guard_script_that_is_a_symlink_still_guards(env: Env, when: str) -> N
     _guards_before_and_after(env, "linked", guard, link_anew)
 
 
+def test_a_guard_link_repointed_before_its_first_use_guards(env: Env) -> None:
+    """The policy the pod starts with grants the file its guard's link pointed to then; a link
+    repointed before the first command ran the new file unguarded (exit 126, the call went
+    ahead) until it changed again."""
+    hooks, real = env.home / "hooks", env.home / "real"
+    hooks.mkdir()
+    real.mkdir()
+    for name, text in (("v1.sh", SH_GUARD), ("v2.sh", SH_GUARD_V2)):
+        (real / name).write_text(text)
+        (real / name).chmod(0o755)
+    guard = hooks / "guard.sh"
+    guard.symlink_to(real / "v1.sh")
+    write = {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]}
+    env.model.script(write, {"text": "done"})
+    extra = hooks_toml("PreToolUse", str(guard), matcher="write_file")
+    pod = env.start("repointed", tools=["write_file", "bash"], extra=extra)
+    (hooks / "new.sh").symlink_to(real / "v2.sh")
+    (hooks / "new.sh").rename(guard)
+    with pod.client() as c:
+        assert c.run_wait("write").outcome == "finished"
+    assert not (env.work / "x.txt").exists()
+    (result,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert result["is_error"] and "guarded: still no writes" in result["output"], result
+
+
 @pytest.mark.parametrize(
     ("command", "problem"),
     [

@@ -125,7 +125,9 @@ async def test_a_granted_file_saved_anew_gets_a_new_runner_and_the_old_one_finis
     hook = tmp_path / "hook.sh"
     hook.write_text("#!/bin/sh\n")
     scope = Scope.from_config([(str(tmp_path), "write", True)])
-    ctx = ToolContext(scope=scope, pwd=str(tmp_path), granted_files=(str(hook),))
+    ctx = ToolContext(
+        scope=scope, pwd=str(tmp_path), granted_files=(str(hook),), policy_for_scope=lambda: None
+    )
     try:
         started = tmp_path / "started"
         long = asyncio.create_task(bash(ctx, f"touch {started}; sleep 1; echo finished"))
