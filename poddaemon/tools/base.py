@@ -135,7 +135,11 @@ class ToolContext(msgspec.Struct):
         self._note_denies()
         async with self._runner_lock:
             files = _identities(self.granted_files)
-            if files != self._policy_files and self.policy_for_scope is not None:
+            if (
+                self.granted_files
+                and files != self._policy_files
+                and self.policy_for_scope is not None
+            ):
                 # Another file at a granted name than when the policy was built (a link
                 # repointed too: the policy follows it now). The commands still running in the
                 # old runner finish there, then it goes (a scope change, below, cuts them short).
