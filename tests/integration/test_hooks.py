@@ -302,18 +302,32 @@ def test_a_guard_script_saved_anew_still_guards(env: Env) -> None:
     _guards_before_and_after(env, "resaved", guard, save_anew)
 
 
-@pytest.mark.parametrize("when", ["from the start", "linked anew"])
-def test_a_guard_script_that_is_a_symlink_still_guards(env: Env, when: str) -> None:
-    """A hook script that is a symlink (a dotfile manager, stow, `ln -sf`) to a file outside
-    the scope: the sandbox grants a file it opens without following links, so the link granted
-    nothing, the script could not run (exit 126, a warning) and the call it guards went ahead.
-    The link lies where the pod cannot write (it could repoint it): its file is the grant."""
+def _guard_versions(env: Env) -> tuple[Path, Path]:
+    """An empty hooks dir, and a dir outside the scope holding the guard's two versions
+    (v1.sh, v2.sh)."""
     hooks, real = env.home / "hooks", env.home / "real"
     hooks.mkdir()
     real.mkdir()
     for name, text in (("v1.sh", SH_GUARD), ("v2.sh", SH_GUARD_V2)):
         (real / name).write_text(text)
         (real / name).chmod(0o755)
+    return hooks, real
+
+
+def _link_anew(guard: Path, target: Path) -> None:
+    """`ln -sf`: a link made beside `guard`, renamed over it."""
+    new = guard.with_name("new.sh")
+    new.symlink_to(target)
+    new.rename(guard)
+
+
+@pytest.mark.parametrize("when", ["from the start", "linked anew"])
+def test_a_guard_script_that_is_a_symlink_still_guards(env: Env, when: str) -> None:
+    """A hook script that is a symlink (a dotfile manager, stow, `ln -sf`) to a file outside
+    the scope: the sandbox grants a file it opens without following links, so the link granted
+    nothing, the script could not run (exit 126, a warning) and the call it guards went ahead.
+    The link lies where the pod cannot write (it could repoint it): its file is the grant."""
+    hooks, real = _guard_versions(env)
     guard = hooks / "guard.sh"
     if when == "from the start":
         guard.symlink_to(real / "v1.sh")
@@ -321,31 +335,21 @@ def test_a_guard_script_that_is_a_symlink_still_guards(env: Env, when: str) -> N
         guard.write_text(SH_GUARD)
         guard.chmod(0o755)
 
-    def link_anew() -> None:  # `ln -sf`: a link renamed over the script
-        (hooks / "new.sh").symlink_to(real / "v2.sh")
-        (hooks / "new.sh").rename(guard)
-
-    _guards_before_and_after(env, "linked", guard, link_anew)
+    _guards_before_and_after(env, "linked", guard, lambda: _link_anew(guard, real / "v2.sh"))
 
 
 def test_a_guard_link_repointed_before_its_first_use_guards(env: Env) -> None:
     """The policy the pod starts with grants the file its guard's link pointed to then; a link
     repointed before the first command ran the new file unguarded (exit 126, the call went
     ahead) until it changed again."""
-    hooks, real = env.home / "hooks", env.home / "real"
-    hooks.mkdir()
-    real.mkdir()
-    for name, text in (("v1.sh", SH_GUARD), ("v2.sh", SH_GUARD_V2)):
-        (real / name).write_text(text)
-        (real / name).chmod(0o755)
+    hooks, real = _guard_versions(env)
     guard = hooks / "guard.sh"
     guard.symlink_to(real / "v1.sh")
     write = {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]}
     env.model.script(write, {"text": "done"})
     extra = hooks_toml("PreToolUse", str(guard), matcher="write_file")
     pod = env.start("repointed", tools=["write_file", "bash"], extra=extra)
-    (hooks / "new.sh").symlink_to(real / "v2.sh")
-    (hooks / "new.sh").rename(guard)
+    _link_anew(guard, real / "v2.sh")
     with pod.client() as c:
         assert c.run_wait("write").outcome == "finished"
     assert not (env.work / "x.txt").exists()

@@ -116,27 +116,43 @@ async def test_a_dead_runner_is_replaced(ctx: ToolContext) -> None:
     assert (await ctx.command_runner()).pid != first.pid
 
 
+def _hooked_context(tmp_path: Path) -> ToolContext:
+    """A tool context whose policy grants the hook script tmp_path/hook.sh by name."""
+    hook = tmp_path / "hook.sh"
+    hook.write_text("#!/bin/sh\n")
+    scope = Scope.from_config([(str(tmp_path), "write", True)])
+    return ToolContext(
+        scope=scope, pwd=str(tmp_path), granted_files=(str(hook),), policy_for_scope=lambda: None
+    )
+
+
+async def _running(ctx: ToolContext, tmp_path: Path, seconds: int) -> "asyncio.Task[ToolOutcome]":
+    """A bash command under way (it has started) that sleeps `seconds`, then says finished."""
+    started = tmp_path / "started"
+    task = asyncio.create_task(bash(ctx, f"touch {started}; sleep {seconds}; echo finished"))
+    await asyncio.to_thread(lambda: wait_until_exists(started))
+    return task
+
+
+def _save_anew(path: Path) -> None:
+    """An editor's save: a new file renamed over `path`."""
+    saved = path.with_name(path.name + ".new")
+    saved.write_text("#!/bin/sh\n")
+    saved.rename(path)
+
+
 async def test_a_granted_file_saved_anew_gets_a_new_runner_and_the_old_one_finishes_first(
     tmp_path: Path,
 ) -> None:
     """A hook script renamed over (an editor's save): the runner's grant holds the old file,
     so the next command starts in a new runner; a command running in the old one is not cut
     short, and the old runner goes once it is done."""
-    hook = tmp_path / "hook.sh"
-    hook.write_text("#!/bin/sh\n")
-    scope = Scope.from_config([(str(tmp_path), "write", True)])
-    ctx = ToolContext(
-        scope=scope, pwd=str(tmp_path), granted_files=(str(hook),), policy_for_scope=lambda: None
-    )
+    ctx = _hooked_context(tmp_path)
     try:
-        started = tmp_path / "started"
-        long = asyncio.create_task(bash(ctx, f"touch {started}; sleep 1; echo finished"))
-        await asyncio.to_thread(lambda: wait_until_exists(started))
+        long = await _running(ctx, tmp_path, 1)
         old = await ctx.command_runner()
         assert await ctx.command_runner() is old  # nothing changed: the same runner
-        saved = tmp_path / "hook.sh.new"
-        saved.write_text("#!/bin/sh\n")
-        saved.rename(hook)
+        _save_anew(tmp_path / "hook.sh")
         new = await ctx.command_runner()
         assert new is not old and old.alive
         assert (await long).output == "finished"  # not cut short
@@ -154,20 +170,11 @@ async def test_a_scope_change_cuts_short_the_commands_of_a_retired_runner_too(
     """A runner retired for a hook script saved anew still runs a command under the policy of
     its start; a delegation to a child then narrows the scope: that command must not keep the
     wider access any more than the current runner's (it finished in peace before)."""
-    hook = tmp_path / "hook.sh"
-    hook.write_text("#!/bin/sh\n")
-    scope = Scope.from_config([(str(tmp_path), "write", True)])
-    ctx = ToolContext(
-        scope=scope, pwd=str(tmp_path), granted_files=(str(hook),), policy_for_scope=lambda: None
-    )
+    ctx = _hooked_context(tmp_path)
     try:
-        started = tmp_path / "started"
-        long = asyncio.create_task(bash(ctx, f"touch {started}; sleep 30; echo finished"))
-        await asyncio.to_thread(lambda: wait_until_exists(started))
+        long = await _running(ctx, tmp_path, 30)
         old = await ctx.command_runner()
-        saved = tmp_path / "hook.sh.new"
-        saved.write_text("#!/bin/sh\n")
-        saved.rename(hook)
+        _save_anew(tmp_path / "hook.sh")
         assert await ctx.command_runner() is not old and old.alive
         ctx.scope_changed()
         await ctx.command_runner()
