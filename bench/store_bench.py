@@ -146,8 +146,6 @@ def run(sec: Section) -> None:
             value_le(2, "s"),
         )
     )
-    sec.add(Row("  of which SessionLog.open (verify)", restore["open"], "s"))
-    sec.add(Row("  of which session.fold", restore["fold"], "s"))
     sec.add(
         Row(
             "restore peak RSS (VmHWM)",

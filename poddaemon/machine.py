@@ -13,7 +13,7 @@ the next decision already sees them; the executor writes them in the same order.
 them.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
 import msgspec
@@ -704,14 +704,16 @@ class Machine:
 
     # --- sessions -------------------------------------------------------------------------------
 
-    def restore(self, entries: list[dict[str, Any]]) -> list[Effect]:
-        """Continue a session from its log: close what a crash left open, then go on."""
+    def restore(self, entries: Iterable[dict[str, Any]]) -> list[Effect]:
+        """Continue a session from its log (its entries, read once as they come): close what a
+        crash left open, then go on."""
 
         def go() -> None:
-            self.state = fold(entries)
+            calls = _LastCall(entries)
+            self.state = fold(calls)
             self.system_prompt = self.state.system_prompt
             # A compaction the last call made due, which a crash cut short, is made again.
-            self._last_input = _last_context_size(entries, self.cfg.provider_kind)
+            self._last_input = calls.context_size(self.cfg.provider_kind)
             stale = [i for i, o in self.state.outbox.items() if o.event_kind in FINAL_REPORTS]
             if stale:  # "this pod stopped", from an earlier life: not true now it runs again
                 self._commit(OutboxAcked(ids=stale))
@@ -1336,12 +1338,25 @@ class Machine:
         return self.turn
 
 
-def _last_context_size(entries: list[dict[str, Any]], provider_kind: str) -> int | None:
-    """The request size the session's last model call reported (None: none reported one)."""
-    for e in reversed(entries):
-        if e.get("kind") == "llm_usage" and isinstance(last := from_log(e), LlmUsage):
+class _LastCall:
+    """The entries passed through, noting the session's last `llm_usage` on the way."""
+
+    def __init__(self, entries: Iterable[dict[str, Any]]) -> None:
+        self._entries = entries
+        self._last: dict[str, Any] | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for e in self._entries:
+            if e.get("kind") == "llm_usage":
+                self._last = e
+            yield e
+
+    def context_size(self, provider_kind: str) -> int | None:
+        """The request size the last model call reported (None: none reported one)."""
+        last = from_log(self._last) if self._last is not None else None
+        if isinstance(last, LlmUsage):
             return compaction.context_tokens(last.usage(), provider_kind) or None
-    return None
+        return None
 
 
 def _final_answer(item: Item | None) -> bool:

@@ -603,9 +603,8 @@ class Pod:
 
     async def restore(self, session_id: str) -> list[str]:
         """Reopen a session: fold its log, close what a crash left open. Returns warnings."""
-        entries, warnings = self.plog.restore(session_id)
-        self.feed(self.machine.restore(entries))
-        del entries  # the folded state is all we keep; a long session's entries are large
+        effects, warnings = self.plog.restore(session_id, self.machine.restore)
+        self.feed(effects)
         await self._synced()
         return warnings
 

@@ -16,14 +16,16 @@ import contextlib
 import errno
 import os
 import signal
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import msgspec
 
 from poddaemon.entries import Entry, RunStart, SessionStart, SystemItem, UserInput, body_of
 from poddaemon.store.file import HeadMoved, Reservation, SessionLog
 from poddaemon.store.log import new_session_id
+
+T = TypeVar("T")
 
 
 class PodLog:
@@ -54,9 +56,13 @@ class PodLog:
     def path(self) -> str:
         return str(self.log.path) if self.log is not None else ""
 
-    def restore(self, session_id: str) -> tuple[list[dict[str, Any]], list[str]]:
-        self.log, entries, warnings = SessionLog.open(self.sessions_dir, session_id)
-        return entries, warnings
+    def restore(
+        self, session_id: str, fold: Callable[[Iterator[dict[str, Any]]], T]
+    ) -> tuple[T, list[str]]:
+        """Reopen a session: its entries, verified as they are read, go to `fold`, whose
+        result is returned with the warnings."""
+        self.log, folded, warnings = SessionLog.open(self.sessions_dir, session_id, fold)
+        return folded, warnings
 
     def reserve(self) -> Reservation:
         """Make the first session's file ahead of it (blocking: call it in a thread, while the

@@ -32,7 +32,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import msgspec
 
@@ -69,6 +69,7 @@ _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 _CHUNK = 64 * 1024
 
 StrPath = str | os.PathLike[str]
+T = TypeVar("T")
 
 
 class HeadMoved(OSError):
@@ -152,18 +153,6 @@ def _still_named(path: Path, fd: int) -> bool:
         return False
     held = os.fstat(fd)
     return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
-
-
-def _read_all(fd: int) -> bytes:
-    size = os.fstat(fd).st_size
-    parts: list[bytes] = []
-    offset = 0
-    while True:
-        chunk = os.pread(fd, max(size - offset, _CHUNK), offset)
-        if not chunk:
-            return b"".join(parts)
-        parts.append(chunk)
-        offset += len(chunk)
 
 
 class Reservation:
@@ -335,13 +324,20 @@ class SessionLog:
 
     @classmethod
     def open(
-        cls, sessions_dir: StrPath, session_id: str
-    ) -> tuple["SessionLog", list[dict[str, Any]], list[str]]:
+        cls,
+        sessions_dir: StrPath,
+        session_id: str,
+        consume: Callable[[Iterator[dict[str, Any]]], T],
+    ) -> tuple["SessionLog", T, list[str]]:
         """Open an existing session to continue it.
 
-        Verifies the whole file. A torn last line is cut off the file (and the cut fsync'd) with
-        a warning in the returned list; any other damage raises ``LogCorrupt`` naming the line
-        and the file is left untouched. Returns the log, its entries and the warnings.
+        Verifies the whole file, a line at a time: `consume` is handed the entries as they are
+        read and what it returns is returned (a fold keeps what it needs of each entry, so a
+        long log is never in memory whole: the list of every entry, and the file's bytes,
+        outlived a restore as a heap ~1.7x the pod's). Damage raises ``LogCorrupt`` naming the
+        line, out of `consume`, and leaves the file untouched. A torn last line is cut off the
+        file (and the cut fsync'd) with a warning in the returned list. Returns the log, what
+        `consume` returned and the warnings.
         """
         path = session_path(sessions_dir, session_id)
         try:
@@ -352,27 +348,24 @@ class SessionLog:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise OSError(errno.EINVAL, f"not a regular file: {path}")
-            data = _read_all(fd)
-            try:
-                result = verify(data)
-            except LogCorrupt as exc:
-                raise LogCorrupt(exc.line, exc.reason, str(path)) from None
-            _check_start(result, path)
-            if result.torn:
-                cut = len(data) - result.end_offset
-                os.ftruncate(fd, result.end_offset)
+            scan = SessionScan(sessions_dir, session_id, fd)
+            entries = iter(scan)
+            consumed = consume(entries)
+            for _ in entries:  # what `consume` left: the end must be known to append after it
+                pass
+            if scan.torn:
+                cut = os.fstat(fd).st_size - scan.end_offset
+                os.ftruncate(fd, scan.end_offset)
                 os.fsync(fd)
                 warnings.append(
                     f"session {session_id}: cut a torn last line ({cut} bytes)"
-                    f" at line {len(result.entries) + 1}"
+                    f" at line {scan.count + 1}"
                 )
-            start = data.rfind(b"\n", 0, result.end_offset - 1) + 1
-            last = data[start : result.end_offset]
         except BaseException:
             os.close(fd)
             raise
-        log = cls(path, session_id, fd, len(result.entries), result.head, result.end_offset, last)
-        return log, result.entries, warnings
+        log = cls(path, session_id, fd, scan.count, scan.head, scan.end_offset, scan.last)
+        return log, consumed, warnings
 
     def fork(
         self,
@@ -672,19 +665,26 @@ def _open_log(path: Path, session_id: str) -> BinaryIO:
 class SessionScan:
     """A session log verified read-only one line at a time, in little memory whatever its
     size (``read_session`` holds all of it). Iterate it for the entries (``LogCorrupt`` naming
-    the file and line for damage); then ``count``, ``head``, ``torn`` and ``end_offset`` say
-    what ``read_session``'s result would."""
+    the file and line for damage); then ``count``, ``head``, ``torn``, ``end_offset`` and
+    ``last`` (the last complete line, its newline included) say what was read. Given `fd` (at
+    offset 0), it reads that descriptor and leaves it open."""
 
-    def __init__(self, sessions_dir: StrPath, session_id: str) -> None:
+    def __init__(self, sessions_dir: StrPath, session_id: str, fd: int | None = None) -> None:
         self.path = session_path(sessions_dir, session_id)
         self.session_id = session_id
         self.count = 0
         self.head = GENESIS
         self.torn = False
         self.end_offset = 0
+        self.last = b""
+        self._fd = fd
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        with _open_log(self.path, self.session_id) as f:
+        if self._fd is None:
+            f = _open_log(self.path, self.session_id)
+        else:
+            f = os.fdopen(self._fd, "rb", closefd=False)
+        with f:
             for line in f:
                 if not line.endswith(b"\n"):
                     self.torn = True  # an append cut short (see verify)
@@ -698,6 +698,7 @@ class SessionScan:
                 self.count += 1
                 self.head = entry["hash"]
                 self.end_offset += len(line)
+                self.last = line
                 yield entry
         if self.count == 0:
             _check_first(None, self.path)

@@ -593,7 +593,7 @@ def test_second_writer_forks_into_a_linked_session(env: Env) -> None:
         first = c.run_wait("before the intruder")
         assert first.outcome == "finished"
         old = c.status().session_id
-        intruder, _, _ = SessionLog.open(sessions_dir(env), old)
+        intruder, _, _ = SessionLog.open(sessions_dir(env), old, list)
         with intruder:
             intruder.append("system_item", {"id": "x1", "source": "other", "text": "intruder"})
         second = c.run_wait("after the intruder")
@@ -626,7 +626,7 @@ def test_second_writer_forks_into_a_linked_session(env: Env) -> None:
 
 def intrude(env: Env, session_id: str) -> None:
     """Another writer appends a valid entry to the session."""
-    intruder, _, _ = SessionLog.open(sessions_dir(env), session_id)
+    intruder, _, _ = SessionLog.open(sessions_dir(env), session_id, list)
     with intruder:
         intruder.append("system_item", {"id": "x1", "source": "other", "text": "intruder"})
 

@@ -8,6 +8,7 @@ import stat
 import tempfile
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def test_create_append_reopen(sessions: Path) -> None:
     assert [e["seq"] for e in written] == [2, 3, 4, 5, 6]
     log.close()
 
-    log2, entries, warnings = SessionLog.open(sessions, sid)
+    log2, entries, warnings = SessionLog.open(sessions, sid, list)
     assert warnings == []
     assert entries[0]["kind"] == "session_start"
     assert {k: entries[0][k] for k in START} == START
@@ -91,7 +92,7 @@ def test_bad_session_ids_are_refused(sessions: Path, bad: str) -> None:
 
 def test_open_missing_session(sessions: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no session"):
-        SessionLog.open(sessions, "0190a0b0-0000-7000-8000-000000000000")
+        SessionLog.open(sessions, "0190a0b0-0000-7000-8000-000000000000", list)
 
 
 def test_torn_tail_is_cut_and_the_chain_continues(sessions: Path) -> None:
@@ -105,7 +106,7 @@ def test_torn_tail_is_cut_and_the_chain_continues(sessions: Path) -> None:
     cut_to = len(data) - 7  # leave a partial third line
     os.truncate(log.path, cut_to)
 
-    log2, entries, warnings = SessionLog.open(sessions, sid)
+    log2, entries, warnings = SessionLog.open(sessions, sid, list)
     assert [e["seq"] for e in entries] == [1, 2]
     assert entries[-1] == kept
     assert warnings == [f"session {sid}: cut a torn last line ({torn_len - 7} bytes) at line 3"]
@@ -115,9 +116,46 @@ def test_torn_tail_is_cut_and_the_chain_continues(sessions: Path) -> None:
     assert again["seq"] == 3 and again["prev"] == kept["hash"]
     log2.close()
 
-    log3, entries3, warnings3 = SessionLog.open(sessions, sid)
+    log3, entries3, warnings3 = SessionLog.open(sessions, sid, list)
     assert warnings3 == [] and entries3[-1] == again
     log3.close()
+
+
+def test_open_hands_the_entries_over_as_it_reads_them_and_never_holds_the_log(
+    sessions: Path,
+) -> None:
+    """A restore folds each entry as it is read: the file's bytes and a list of every entry
+    outlived a long session's restore, a heap ~1.7x the pod's."""
+    sid = new_session_id()
+    with SessionLog.create(sessions, sid, START) as log:
+        for i in range(4000):
+            log.append("tool_result", {"output": f"{i:04d} " + "x" * 2000})
+    size = log.path.stat().st_size
+
+    def count(entries: Iterator[dict[str, Any]]) -> int:
+        return sum(1 for _ in entries)
+
+    tracemalloc.start()
+    try:
+        opened, counted, warnings = SessionLog.open(sessions, sid, count)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert size > 8_000_000 and peak < size / 20
+    assert counted == 4001 and warnings == []
+    assert opened.seq == 4001 and opened.head_is_mine()
+    opened.close()
+
+
+def test_open_reads_to_the_end_whatever_the_fold_took(sessions: Path) -> None:
+    sid = new_session_id()
+    with SessionLog.create(sessions, sid, START) as log:
+        last = [log.append("user_input", {"text": f"m{i}"}) for i in range(3)][-1]
+    opened, first, _ = SessionLog.open(sessions, sid, next)
+    assert first["kind"] == "session_start"
+    assert opened.seq == 4 and opened.head == last["hash"] and opened.head_is_mine()
+    assert opened.append("run_start", {"run_id": "r"})["prev"] == last["hash"]
+    opened.close()
 
 
 def test_corruption_refuses_with_the_line_and_leaves_the_file(sessions: Path) -> None:
@@ -130,7 +168,7 @@ def test_corruption_refuses_with_the_line_and_leaves_the_file(sessions: Path) ->
     bad = data.replace(b"message 1", b"message X")
     log.path.write_bytes(bad)
     with pytest.raises(LogCorrupt) as info:
-        SessionLog.open(sessions, sid)
+        SessionLog.open(sessions, sid, list)
     assert info.value.line == 3
     assert "line 3:" in str(info.value) and str(log.path) in str(info.value)
     assert log.path.read_bytes() == bad
@@ -143,7 +181,7 @@ def test_a_log_without_session_start_is_refused(sessions: Path) -> None:
     path = sessions / "abc.jsonl"
     path.write_bytes(b'{"seq":1,"ts":1.0')  # crashed during create: torn first line
     with pytest.raises(LogCorrupt, match="line 1: "):
-        SessionLog.open(sessions, "abc")
+        SessionLog.open(sessions, "abc", list)
     assert path.read_bytes() == b'{"seq":1,"ts":1.0'
 
 
@@ -203,7 +241,7 @@ def test_head_is_mine_false_after_a_second_writer(sessions: Path) -> None:
     log = SessionLog.create(sessions, sid, START)
     log.append("user_input", {"text": "a"})
     assert log.head_is_mine()
-    other, _, _ = SessionLog.open(sessions, sid)
+    other, _, _ = SessionLog.open(sessions, sid, list)
     other.append("user_input", {"text": "from elsewhere"})
     other.close()
     assert not log.head_is_mine()
@@ -230,7 +268,7 @@ def test_fork_links_to_the_old_session(sessions: Path) -> None:
     old = SessionLog.create(sessions, new_session_id(), START)
     new = old.fork(None, None, {**START, "history": [{"type": "user", "text": "x"}]})
     assert new.session_id != old.session_id
-    _, entries, _ = SessionLog.open(sessions, new.session_id)
+    _, entries, _ = SessionLog.open(sessions, new.session_id, list)
     assert entries[0]["forked_from"] == old.session_id
     assert entries[0]["history"] == [{"type": "user", "text": "x"}]
     [info] = [i for i in list_sessions(sessions) if i.id == new.session_id]
@@ -576,7 +614,7 @@ def test_damaged_complete_last_line_is_refused_not_cut(sessions: Path) -> None:
     data[-2] ^= 0x01  # the closing brace of the last line: no longer JSON
     log.path.write_bytes(bytes(data))
     with pytest.raises(LogCorrupt) as info:
-        SessionLog.open(sessions, sid)
+        SessionLog.open(sessions, sid, list)
     assert info.value.line == 2 and str(log.path) in str(info.value)
     with pytest.raises(LogCorrupt):
         read_session(sessions, sid)
@@ -706,7 +744,7 @@ def test_a_flush_after_another_writer_moved_the_head_writes_nothing_and_poisons(
     sid = new_session_id()
     log = SessionLog.create(sessions, sid, START)
     log.stage_record(_record("ours"))
-    other, _, _ = SessionLog.open(sessions, sid)
+    other, _, _ = SessionLog.open(sessions, sid, list)
     other.append("user_input", {"text": "from elsewhere"})
     other.close()
     with pytest.raises(HeadMoved):
