@@ -22,6 +22,7 @@ import msgspec
 
 from poddaemon.scope import Mount, Rule, Scope, on_devices, write_overlap
 from protocol import paths
+from protocol.framing import UNREADABLE
 
 if TYPE_CHECKING:
     import filelock  # imported when a transaction first locks: readers (podctl ls) skip ~10 ms
@@ -233,7 +234,7 @@ class Registry:
             return {}  # nothing was ever claimed in it; our writes are never empty
         try:
             doc = _decoder.decode(data)
-        except msgspec.DecodeError as e:
+        except UNREADABLE as e:
             # Never wipe it: other pods' claims would silently vanish.
             raise RegistryError(
                 f"{self.path}: corrupt pod registry ({e}); fix or remove it by hand "

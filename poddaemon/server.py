@@ -29,7 +29,13 @@ from poddaemon.acks import Pending
 from poddaemon.events import EventBus, Subscription
 from protocol import errors
 from protocol.errors import RpcError
-from protocol.framing import DEFAULT_MAX_FRAME_BYTES, HEAD_BYTES, LineFramer, Oversize
+from protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    HEAD_BYTES,
+    UNREADABLE,
+    LineFramer,
+    Oversize,
+)
 from protocol.methods import METHODS
 from protocol.types import NoParams, Request, Result
 
@@ -59,9 +65,6 @@ TRIM_AFTER_PARTIAL_BYTES = 1024 * 1024
 MAX_IN_FLIGHT = 128
 # Seconds between looks at subscribers that half-closed: whether they have closed for good.
 HALF_CLOSED_CHECK = 2.0
-# What msgspec raises for bytes that are not JSON: a nesting deeper than its limit is a
-# RecursionError, invalid UTF-8 inside a string a UnicodeDecodeError.
-_UNREADABLE = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
 _ID_VALUE = re.compile(rb'\s*:\s*(-?\d{1,18}|"[^"\\\x00-\x1f]{0,200}")\s*[,}]')
 
 
@@ -98,7 +101,7 @@ def _guess_id(line: bytes) -> Any:
     """The id of an invalid request, when one can be read (JSON-RPC allows null otherwise)."""
     try:
         obj = msgspec.json.decode(line)
-    except _UNREADABLE:
+    except UNREADABLE:
         return id_from_head(line[:HEAD_BYTES])
     if isinstance(obj, dict):
         rid = obj.get("id")
@@ -127,7 +130,7 @@ def id_from_head(head: bytes) -> int | str | None:
                 if m:
                     try:
                         rid: int | str = msgspec.json.decode(m.group(1))
-                    except _UNREADABLE:  # a string that is not UTF-8: no id to give back
+                    except UNREADABLE:  # a string that is not UTF-8: no id to give back
                         return None
                     return rid
             i = j + 1
@@ -345,7 +348,7 @@ class Connection(asyncio.Protocol):
         except msgspec.ValidationError as exc:
             self._send(_error(_guess_id(line), errors.INVALID_REQUEST, f"invalid request: {exc}"))
             return
-        except _UNREADABLE as exc:
+        except UNREADABLE as exc:
             self._send(_error(_guess_id(line), errors.PARSE_ERROR, f"parse error: {exc}"))
             return
         if isinstance(msg, Request):
@@ -378,7 +381,7 @@ class Connection(asyncio.Protocol):
         def handle(i: int, raw: msgspec.Raw) -> None:
             try:
                 req = _request_decoder.decode(raw)
-            except (msgspec.ValidationError, *_UNREADABLE) as exc:
+            except (msgspec.ValidationError, *UNREADABLE) as exc:
                 message = f"invalid request: {exc}"
                 collect(i)(_error(_guess_id(bytes(raw)), errors.INVALID_REQUEST, message))
                 return
@@ -419,7 +422,7 @@ class Connection(asyncio.Protocol):
                     return
                 answer(_error(rid, errors.INVALID_PARAMS, _params_message(exc)))
                 return
-            except _UNREADABLE as exc:  # params are only skipped, not parsed, by the envelope
+            except UNREADABLE as exc:  # params are only skipped, not parsed, by the envelope
                 answer(_error(rid, errors.PARSE_ERROR, f"parse error in params: {exc}"))
                 return
         try:

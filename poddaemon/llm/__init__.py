@@ -24,6 +24,7 @@ from poddaemon.llm.types import (
     TextDelta,
     ToolSpec,
 )
+from protocol.framing import UNREADABLE
 
 if TYPE_CHECKING:
     from poddaemon.config.manifest import Manifest
@@ -223,7 +224,7 @@ async def whole_body(stream: Any) -> dict[str, Any] | None:
         return None
     try:
         body = msgspec.json.decode(await response.aread())
-    except msgspec.DecodeError:
+    except UNREADABLE:
         return None
     if not isinstance(body, dict):
         return None
@@ -299,6 +300,6 @@ def sendable_arguments(arguments: str) -> str:
 def _json_object(text: str) -> dict[str, Any] | None:
     try:
         value = msgspec.json.decode(text)
-    except (msgspec.DecodeError, RecursionError):  # RecursionError: nested past the limit
+    except UNREADABLE:
         return None
     return value if isinstance(value, dict) else None

@@ -14,6 +14,7 @@ import msgspec
 
 import poddaemon
 from poddaemon.mcp.stdio import StdioProcess
+from protocol.framing import UNREADABLE
 
 # The newest revision reachable with `initialize` (mcp_types.version.LATEST_HANDSHAKE_VERSION).
 PROTOCOL_VERSION = "2025-11-25"
@@ -95,7 +96,7 @@ class _Lines:
                 raise HandshakeError(f"the server closed its output during {method}")
             try:
                 msg = msgspec.json.decode(line)
-            except msgspec.DecodeError:
+            except UNREADABLE:
                 continue  # a stray line on stdout; the SDK's transport skips them too
             if not isinstance(msg, dict):
                 continue

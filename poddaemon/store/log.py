@@ -23,6 +23,8 @@ from typing import Any
 
 import msgspec
 
+from protocol.framing import UNREADABLE
+
 __all__ = [
     "GENESIS",
     "RESERVED_KEYS",
@@ -200,7 +202,7 @@ def verify_line(line: bytes, lineno: int, prev: str) -> dict[str, Any]:
     hash is ``prev``; ``LogCorrupt`` naming the line if it is not."""
     try:
         obj = _decoder.decode(line)
-    except msgspec.DecodeError as exc:
+    except UNREADABLE as exc:
         # A complete line was written whole (one write, then acknowledged): if it does not
         # parse, the disk or someone damaged it. That is corruption even on the last line.
         raise LogCorrupt(lineno, f"not valid JSON ({exc})") from None

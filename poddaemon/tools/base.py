@@ -405,7 +405,7 @@ def decode_arguments(arguments: str) -> Any:
         value = msgspec.json.decode(arguments)
     except RecursionError:
         raise ToolError(too_deep) from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, UnicodeError) as e:  # (a lone surrogate: UnicodeEncodeError)
         raise ToolError(f"arguments are not valid JSON: {e}") from None
     if isinstance(value, dict | list) and _depth_exceeds(value, MAX_ARGUMENT_DEPTH):
         raise ToolError(too_deep)

@@ -95,6 +95,12 @@ def reply(id_: object, result: object = None, error: object = None) -> None:
 # revision would answer it; a client must then negotiate on the same pipes.
 refuse = "--refuse-first-initialize" in sys.argv[1:]
 
+# `--banner`: lines on stdout that are no JSON-RPC, one of them not even UTF-8, before any
+# reply (servers print banners and progress there); a client skips them.
+if "--banner" in sys.argv[1:]:
+    sys.stdout.buffer.write(b'legacy server 1.0\n{"log": "\xa9 ACME"}\nready.\n')
+    sys.stdout.buffer.flush()
+
 for line in sys.stdin:
     msg = json.loads(line)
     if "id" not in msg:

@@ -354,14 +354,19 @@ def test_cancelling_a_run_interrupts_an_mcp_call_and_the_server_stays_usable(env
     assert (add["output"], add["is_error"]) == ("10", False)
 
 
-@pytest.mark.parametrize("refuse", [False, True], ids=["plain", "refuses-first-initialize"])
-def test_a_hand_written_2025_era_server_works_too(env: Env, refuse: bool) -> None:
-    """Also one that refuses the pod's own `initialize`: the SDK negotiates on the same pipes."""
+@pytest.mark.parametrize(
+    "args",
+    [(), ("--refuse-first-initialize",), ("--banner",)],
+    ids=["plain", "refuses-first-initialize", "banner-not-utf8"],
+)
+def test_a_hand_written_2025_era_server_works_too(env: Env, args: tuple[str, ...]) -> None:
+    """Also one that refuses the pod's own `initialize` (the SDK negotiates on the same pipes),
+    and one that prints a banner, not even UTF-8, on stdout first (the start-up handshake
+    failed on it, where it skips other stray lines)."""
     env.model.script(
         {"tool_calls": [{"name": "old__shout", "arguments": {"text": "quiet please"}}]},
         {"text": "heard"},
     )
-    args = ("--refuse-first-initialize",) if refuse else ()
     extra = server_toml("old", script=LEGACY, args=args)
     pod = env.start("legacyuser", extra=extra)
     with pod.client() as c:

@@ -199,6 +199,7 @@ def test_file_modes(reg: Registry, runtime: Path) -> None:
     "content",
     [
         b"{not json",
+        b'{"version": 1, "pods": {"\xff": {}}}',  # not UTF-8: msgspec's UnicodeDecodeError
         b'{"version": 1, "pods": {"a": {"name": "a"}}}',
         b'{"version": 9, "pods": {}}',
         b'{"version": 1, "pods": {"a": {"name": "a", "pid": 1, "start_time": 1, "socket": "s", '

@@ -820,6 +820,7 @@ async def test_execute_caps_output_per_tool(root: Path) -> None:
     [
         ("nope", "{}", "unknown tool: nope"),
         ("read_file", "{not json", "arguments are not valid JSON"),
+        ("read_file", '{"path": "\ud800"}', "arguments are not valid JSON"),  # lone surrogate
         ("read_file", "[1, 2]", "arguments must be a JSON object, got array"),
         ("read_file", "{}", "missing required argument: path"),
         ("read_file", '{"path": null}', "missing required argument: path"),
