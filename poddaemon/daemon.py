@@ -550,9 +550,16 @@ def _session_to_restore(args: "argparse.Namespace", name: str) -> str | None:
             raise StartupError(f"--session: no session {sid} under {sessions}")
         return sid
     if args.resume:
-        from poddaemon.store.file import newest_session_for
+        from poddaemon.store.file import session_to_resume
 
-        found = newest_session_for(paths.sessions_dir(), name)
+        found, unreadable = session_to_resume(paths.sessions_dir(), name)
+        if unreadable:
+            which = f"continuing {found}, but" if found else "no session of this pod, and"
+            _warn(
+                f"--resume: {which} session log(s) {', '.join(unreadable)} written since name "
+                "no pod (a damaged first line, or not a readable file): if one is this pod's, "
+                "what it acknowledged is there; repair it, or start with --session ID"
+            )
         return found  # None: no session yet, so start one (a unit always passes --resume)
     return None
 

@@ -32,7 +32,7 @@ import stat
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO, NamedTuple, TypeVar
 
 import msgspec
 
@@ -48,10 +48,12 @@ from poddaemon.store.log import (
     verify_line,
 )
 from protocol import paths
+from protocol.framing import UNREADABLE
 
 __all__ = [
     "HeadMoved",
     "Reservation",
+    "ResumeChoice",
     "SessionInfo",
     "SessionLog",
     "SessionNotFound",
@@ -62,6 +64,7 @@ __all__ = [
     "read_page",
     "read_session",
     "session_path",
+    "session_to_resume",
 ]
 
 SUFFIX = ".jsonl"
@@ -335,7 +338,8 @@ class SessionLog:
         read and what it returns is returned (a fold keeps what it needs of each entry, so a
         long log is never in memory whole: the list of every entry, and the file's bytes,
         outlived a restore as a heap ~1.7x the pod's). Damage raises ``LogCorrupt`` naming the
-        line, out of `consume`, and leaves the file untouched. A torn last line is cut off the
+        line, out of `consume`, and leaves the file untouched; so does a line `consume` finds
+        no entry it can read in (``msgspec.ValidationError``). A torn last line is cut off the
         file (and the cut fsync'd) with a warning in the returned list. Returns the log, what
         `consume` returned and the warnings.
         """
@@ -350,7 +354,11 @@ class SessionLog:
                 raise OSError(errno.EINVAL, f"not a regular file: {path}")
             scan = SessionScan(sessions_dir, session_id, fd)
             entries = iter(scan)
-            consumed = consume(entries)
+            try:
+                consumed = consume(entries)
+            except msgspec.ValidationError as exc:  # a sound line, but no entry `consume` reads
+                reason = f"not an entry this version can read ({exc})"
+                raise LogCorrupt(scan.count, reason, str(path)) from None
             for _ in entries:  # what `consume` left: the end must be known to append after it
                 pass
             if scan.torn:
@@ -803,7 +811,7 @@ def _page_entry(line: bytes, seq: int | None, path: Path) -> dict[str, Any]:
     """The entry `line` holds; `seq` what it must hold (None: the last line, number unknown)."""
     try:
         entry = _page_decoder.decode(line)
-    except msgspec.DecodeError as exc:
+    except UNREADABLE as exc:
         if seq is None:  # its number is not known without counting every line
             raise LogCorrupt(0, f"the last line is not a JSON object: {exc}", str(path)) from None
         raise LogCorrupt(seq, f"not a JSON object: {exc}", str(path)) from None
@@ -827,13 +835,22 @@ def _first_line(path: Path) -> bytes:
     return b"".join(parts)
 
 
+def _head(first: bytes) -> _Head:
+    try:
+        head = _head_decoder.decode(first)
+    except UNREADABLE:
+        return _Head()
+    return head if head.kind == "session_start" else _Head()
+
+
 def list_sessions(sessions_dir: StrPath) -> list[SessionInfo]:
     """Every session log in ``sessions_dir``, newest first (UUIDv7 ids sort by creation time).
 
     Reads only each file's first line; files that vanish meanwhile are skipped, and so are
     empty ones (a session created without fsync whose first commit a power cut prevented:
-    nothing in it was ever acknowledged). A first line that cannot be decoded leaves ``pod``
-    (and the link fields) None.
+    nothing in it was ever acknowledged). A first line that cannot be decoded, and a name that
+    is no readable file (a dangling link, a link loop, a directory, no permission), leave
+    ``pod`` (and the link fields) None: listed as no pod's, never a reason to fail.
     """
     root = Path(sessions_dir)
     try:
@@ -848,19 +865,18 @@ def list_sessions(sessions_dir: StrPath) -> list[SessionInfo]:
         if not _ID_RE.fullmatch(sid):
             continue
         path = root / name
+        head = _Head()
         try:
             st = os.stat(path)
-            if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-                continue
-            first = _first_line(path)
-        except FileNotFoundError:
-            continue
-        try:
-            head = _head_decoder.decode(first)
-        except msgspec.DecodeError:
-            head = _Head()
-        if head.kind != "session_start":
-            head = _Head()
+            if stat.S_ISREG(st.st_mode):
+                if st.st_size == 0:
+                    continue
+                head = _head(_first_line(path))
+        except OSError:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # gone
         infos.append(
             SessionInfo(
                 id=sid,
@@ -896,6 +912,18 @@ def continued_sessions(sessions_dir: StrPath, session_id: str) -> list[str]:
 
 
 def newest_session_for(sessions_dir: StrPath, pod_name: str) -> str | None:
+    """The session ``pod_name`` continues with `--resume`, if any (see ``session_to_resume``)."""
+    return session_to_resume(sessions_dir, pod_name).session_id
+
+
+class ResumeChoice(NamedTuple):
+    session_id: str | None
+    # Sessions written since that one (or ever, with none) whose file names no pod: one may be
+    # this pod's, its first line damaged, and hold acknowledged input.
+    unreadable: list[str]
+
+
+def session_to_resume(sessions_dir: StrPath, pod_name: str) -> ResumeChoice:
     """The session ``pod_name`` continues with `--resume`, if any: the end of a chain (one no
     compaction or fork continued), and of those the one written last, not the one created
     last: a pod restored from an older session (`--session`) writes on in that one, and
@@ -903,6 +931,7 @@ def newest_session_for(sessions_dir: StrPath, pod_name: str) -> str | None:
     infos = list_sessions(sessions_dir)
     continued = {i.compacted_from or i.forked_from for i in infos}
     ends = [i for i in infos if i.pod == pod_name and i.id not in continued]
-    if not ends:
-        return None
-    return max(ends, key=lambda info: (info.mtime, info.id)).id
+    found = max(ends, key=lambda info: (info.mtime, info.id)) if ends else None
+    since = found.mtime if found is not None else 0.0
+    unreadable = [i.id for i in infos if i.pod is None and i.mtime >= since]
+    return ResumeChoice(found.id if found is not None else None, unreadable)

@@ -317,6 +317,22 @@ def test_resume_continues_the_session_the_pod_wrote_last(env: Env) -> None:
     assert queued["run_id"] in runs
 
 
+def test_resume_names_the_newer_sessions_that_name_no_pod(env: Env) -> None:
+    """Its session's first line damaged, the pod's --resume started afresh in silence, leaving
+    what that session acknowledged; now it says which files name no pod."""
+    first = env.start("dmg")
+    first.call("run", input="remember this", wait=True)
+    sid = first.call("status")["session_id"]
+    assert first.stop() == 0
+    path = env.home / "data" / "sessions" / f"{sid}.jsonl"
+    path.write_bytes(b"#" + path.read_bytes()[1:])
+    again = env.restart(first, "--resume")
+    assert again.call("status")["session_id"] != sid
+    said = f"--resume: no session of this pod, and session log(s) {sid} written since name no pod"
+    assert said in again.text()
+    assert again.stop() == 0
+
+
 # --- item 21: one clear line for a missing session or pwd ----------------------------------------
 
 

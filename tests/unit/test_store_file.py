@@ -15,14 +15,17 @@ from typing import Any
 
 import pytest
 
+from poddaemon.session import fold
 from poddaemon.store.file import (
     HeadMoved,
     Reservation,
     SessionLog,
+    SessionScan,
     list_sessions,
     newest_session_for,
     read_page,
     read_session,
+    session_to_resume,
 )
 from poddaemon.store.log import LogCorrupt, new_session_id, verify
 
@@ -176,6 +179,35 @@ def test_corruption_refuses_with_the_line_and_leaves_the_file(sessions: Path) ->
         read_session(sessions, sid)
 
 
+def test_a_line_that_is_not_utf8_is_corruption_naming_its_line(sessions: Path) -> None:
+    sid = new_session_id()
+    with SessionLog.create(sessions, sid, START) as log:
+        log.append("user_input", {"text": "caf\u00e9"})
+        log.append("user_input", {"text": "after"})
+    data = log.path.read_bytes()
+    bad = data.replace("caf\u00e9".encode(), b"caf\xff")
+    log.path.write_bytes(bad)
+    with pytest.raises(LogCorrupt, match="line 2: not valid JSON"):
+        SessionLog.open(sessions, sid, list)
+    with pytest.raises(LogCorrupt, match="line 2: not valid JSON"):
+        list(SessionScan(sessions, sid))
+    assert log.path.read_bytes() == bad
+
+
+def test_a_sound_line_holding_no_entry_the_fold_reads_is_corruption_naming_its_line(
+    sessions: Path,
+) -> None:
+    """Hash-valid but not an entry (a hand-made or foreign line): the restore said only the
+    schema's complaint, without the file or the line."""
+    sid = new_session_id()
+    with SessionLog.create(sessions, sid, START) as log:
+        log.append("user_input", {"run_id": "r", "text": "fine", "mode": "queue"})
+        log.append("llm_usage", {"input": "lots"})
+    with pytest.raises(LogCorrupt, match="line 3: not an entry this version can read") as info:
+        SessionLog.open(sessions, sid, fold)
+    assert info.value.path == str(log.path)
+
+
 def test_a_log_without_session_start_is_refused(sessions: Path) -> None:
     sessions.mkdir(parents=True)
     path = sessions / "abc.jsonl"
@@ -296,6 +328,39 @@ def test_list_sessions_and_newest_for(sessions: Path) -> None:
     assert newest_session_for(sessions, "a") == made[4][0]
     assert newest_session_for(sessions, "b") == made[5][0]
     assert newest_session_for(sessions, "zzz") is None
+
+
+def test_names_that_are_no_readable_file_are_listed_as_no_pods_and_never_fail(
+    sessions: Path,
+) -> None:
+    """One link loop in the sessions dir made every pod's --resume, and `podctl sessions
+    list`, fail ("Too many levels of symbolic links")."""
+    sessions.mkdir(parents=True)
+    loop, dangling, folder, first = (new_session_id() for _ in range(4))
+    os.symlink(f"{loop}.jsonl", sessions / f"{loop}.jsonl")
+    os.symlink("/nonexistent/x.jsonl", sessions / f"{dangling}.jsonl")
+    (sessions / f"{folder}.jsonl").mkdir()
+    (sessions / f"{first}.jsonl").write_bytes(b'{"kind":"session_start","pod":"\xff"}\n')
+    infos = {i.id: i for i in list_sessions(sessions)}
+    assert set(infos) == {loop, dangling, folder, first}
+    assert all(i.pod is None for i in infos.values())
+
+
+def test_resume_names_the_sessions_written_since_that_name_no_pod(sessions: Path) -> None:
+    """A pod's newest session with a damaged first line names no pod: --resume took an older
+    one (or a new session), silently leaving what the damaged one acknowledged."""
+    older, damaged = new_session_id(), new_session_id()
+    SessionLog.create(sessions, older, {**START, "pod": "a"}).close()
+    assert session_to_resume(sessions, "a") == (older, [])
+    with SessionLog.create(sessions, damaged, {**START, "pod": "a"}) as log:
+        log.append("user_input", {"text": "acknowledged"})
+    os.utime(sessions / f"{older}.jsonl", (1, 1))  # written long before the damaged one
+    data = log.path.read_bytes()
+    log.path.write_bytes(b"#" + data[1:])
+    assert session_to_resume(sessions, "a") == (older, [damaged])
+    assert session_to_resume(sessions, "b") == (None, [damaged])
+    os.utime(log.path, (0, 0))  # older than the one resumed: not this pod's newest
+    assert session_to_resume(sessions, "a") == (older, [])
 
 
 def test_list_sessions_reads_only_the_first_line(sessions: Path) -> None:
