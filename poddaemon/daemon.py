@@ -161,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(float(os.environ.get("PODDAEMON_SWITCH", "0.00005")))
     logging.basicConfig(
         level=os.environ.get("PODDAEMON_LOG_LEVEL", "INFO").upper(),
-        format="poddaemon[%(process)d] %(levelname)s %(message)s",
+        format="%(levelname)s %(message)s",
         stream=sys.stderr,
     )
     for noisy in ("httpx", "httpx2", "openai", "anthropic"):  # one INFO line per request
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    sdnotify.use_journal_prefixes()
+    sdnotify.use_journal_prefixes("poddaemon[%(process)d]")
     if args.stderr_log:
         _said_before_ready.start()
     try:

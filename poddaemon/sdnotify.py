@@ -4,7 +4,7 @@
 - `supervise(pod)`: a task on the pod's event loop that pings `WATCHDOG=1` at half of
   `$WATCHDOG_USEC` (so a loop that stops turning is killed by systemd and restarted) and sends a
   `STATUS=` line whenever the pod's state changes (idle / running run X / paused).
-- `use_journal_prefixes()`: when stderr is the journal (`$JOURNAL_STREAM` names stderr's
+- `use_journal_prefixes(ident)`: when stderr is the journal (`$JOURNAL_STREAM` names stderr's
   device:inode), log lines start with a syslog priority (`<3>` …) so `journalctl -p err` works.
 - Test hook: with `$PODDAEMON_TEST_WEDGE_FILE` set, the supervising task blocks the whole event
   loop (a wedged pod) once that file exists, deleting it first so the restarted pod runs normally.
@@ -182,12 +182,13 @@ class JournalFormatter(logging.Formatter):
         return "\n".join(prefix + line for line in super().format(record).split("\n"))
 
 
-def use_journal_prefixes() -> bool:
+def use_journal_prefixes(ident: str) -> bool:
     """Format the stderr log handlers for where stderr goes.
 
-    The journal: `<N>`-prefixed lines (it stamps the time itself). Anything else (a terminal,
-    `stderr.log`): lines start with an ISO timestamp, so `podctl logs` can show when.
-    Returns True for the journal.
+    The journal: `<N>`-prefixed lines (it stamps the time and names the process itself: the
+    name and pid again made every line `poddaemon[7]: poddaemon[7] INFO …`). Anything else (a
+    terminal, `stderr.log`): lines start with an ISO timestamp and `ident`, so `podctl logs`
+    can show when, and whose. Returns True for the journal.
     """
     journal = stderr_is_journal()
     for handler in logging.getLogger().handlers:
@@ -199,7 +200,7 @@ def use_journal_prefixes() -> bool:
             if journal:
                 handler.setFormatter(JournalFormatter(fmt))
             else:
-                stamped = logging.Formatter(f"%(asctime)s {fmt or '%(message)s'}")
+                stamped = logging.Formatter(f"%(asctime)s {ident} {fmt or '%(message)s'}")
                 stamped.default_msec_format = "%s.%03d"
                 handler.setFormatter(stamped)
     return journal
