@@ -6,6 +6,7 @@ shows status and history, and stops it. Everything lives in a throwaway PODDAEMO
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -31,7 +32,7 @@ def podctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]
     """Run and show one podctl command. The demo's commands run in sessions of their own (here
     and below): Ctrl-C reaches the demo alone, which ends the command it waits for and stops
     the pod; a podctl hit by it while starting up would print a traceback into the output."""
-    print(f"$ podctl {' '.join(args)}", flush=True)
+    print(f"$ podctl {shlex.join(args)}", flush=True)  # pasted, it runs the same
     cmd = [sys.executable, "-m", "cli.main", *args]
     return subprocess.run(cmd, check=check, start_new_session=True)
 

@@ -379,6 +379,8 @@ def test_demo_prints_no_escape_codes_into_a_pipe(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "== spawn the pod" in proc.stdout and "[x] review the README" in proc.stdout
     assert "\x1b" not in proc.stdout + proc.stderr
+    # The commands it shows run as shown when pasted (the message was shown unquoted).
+    assert "$ podctl send demo 'Tick off the README review in TODO.md.'\n" in proc.stdout
 
 
 def alive(pid: int) -> bool:
