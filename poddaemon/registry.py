@@ -10,9 +10,11 @@ write there) in the same transaction, and handed back when the child's entry goe
 """
 
 import contextlib
+import errno
 import functools
 import os
 import re
+import stat
 import time
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
@@ -41,6 +43,7 @@ __all__ = [
 
 LOCK_TIMEOUT = 10.0  # seconds; a transaction takes milliseconds, so this means a stuck holder
 _VERSION = 1
+MAX_REGISTRY_BYTES = 64 << 20  # ~100,000 pods' entries; past it, the file is not ours
 _T = TypeVar("_T")
 
 
@@ -83,6 +86,23 @@ class RegistryError(Exception):
 
 class RegistryConflict(RegistryError):
     """A live pod already holds the name or an overlapping write claim."""
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """A regular file's bytes, up to `limit`. Anything else there is an OSError at once: a FIFO
+    in the registry's place blocked every pod's loop in open(), a link to /dev/zero filled its
+    memory (every pod reads the registry every few seconds)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file; remove it by hand", str(path))
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{st.st_size} bytes, past any registry's size", str(path))
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
 
 
 def _reason(e: OSError) -> str:
@@ -225,7 +245,7 @@ class Registry:
 
     def _read(self) -> dict[str, PodEntry]:
         try:
-            data = self.path.read_bytes()
+            data = _read_regular(self.path, MAX_REGISTRY_BYTES)
         except FileNotFoundError:
             return {}
         except OSError as e:

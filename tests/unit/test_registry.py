@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,6 +194,36 @@ def test_file_modes(reg: Registry, runtime: Path) -> None:
     assert stat.S_IMODE((runtime / "pods.json.lock").stat().st_mode) == 0o600
     assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
     assert [p.name for p in runtime.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("make", ["fifo", "dev-zero"])
+def test_a_registry_that_is_no_regular_file_is_an_error_at_once(
+    reg: Registry, runtime: Path, make: str
+) -> None:
+    """A FIFO there blocked every reader in open() (each live pod's loop, every podctl), a link
+    to /dev/zero read without end."""
+    runtime.mkdir(parents=True)
+    path = runtime / "pods.json"
+    if make == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    outcome: list[BaseException | None] = []
+
+    def read() -> None:
+        try:
+            reg.live()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "the registry read blocked"
+    [err] = outcome
+    assert isinstance(err, RegistryError) and "not a regular file" in str(err)
+    assert str(path) in str(err)
 
 
 @pytest.mark.parametrize(
