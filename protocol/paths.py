@@ -121,6 +121,17 @@ def check_dir(path: Path, what: str = "directory") -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeDirectory(f"{what} {path} is not a directory")
     _check_ours(st, path, what, _WHY)
+    written = Path(os.path.abspath(path))
+    for step in (written, *written.parents):  # a link its owner may repoint, even in /tmp
+        try:
+            lst = os.lstat(step)
+        except OSError:
+            continue  # (stat above reached it: a parent we may not look into)
+        if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (0, me):
+            raise UnsafeDirectory(
+                f"{what} {path} is reached through the symlink {step}, owned by uid "
+                f"{lst.st_uid}, who could repoint it: refusing it"
+            )
     for parent in _ancestors(path):
         pst = os.stat(parent)
         if pst.st_uid not in (0, me):

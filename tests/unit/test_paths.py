@@ -112,6 +112,26 @@ def test_a_symlink_is_judged_where_it_points_and_where_it_lies(tmp: Path) -> Non
         check_dir(shared / "link")  # whoever can write `shared` can repoint the link
 
 
+@needs_root
+def test_a_symlink_another_user_owns_is_refused_even_in_a_sticky_dir(tmp: Path) -> None:
+    """Where links are not protected (fs.protected_symlinks = 0, as on these machines), the
+    link's owner can repoint it at a tree of theirs while the pod runs: its sessions went
+    there, acknowledged, for them to delete."""
+    (tmp / "real").mkdir(mode=0o700)
+    shared = tmp / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    link = shared / "link"
+    link.symlink_to(tmp / "real")
+    check_dir(link)  # ours: fine
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    with pytest.raises(UnsafeDirectory, match=f"through the symlink {link}, owned by uid"):
+        check_dir(link)
+    (tmp / "real" / "sub").mkdir(mode=0o700)
+    with pytest.raises(UnsafeDirectory, match="through the symlink"):
+        check_dir(link / "sub")  # a link on the way counts too
+
+
 def test_ensure_private_dirs_and_the_client_check(
     tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
