@@ -50,9 +50,11 @@ _encoder = msgspec.json.Encoder()
 _NO_PARAMS = NoParams()
 _PEERCRED = struct.Struct("3i")
 
-# Stop writing events to a subscriber once this much is queued in its socket buffer.
+# Once this much is queued in a client's socket buffer, stop writing it events and stop reading
+# its requests, until it has read its replies.
 EVENT_HIGH_WATER = 1 << 20
-# A client that has left this much of its replies unread is disconnected (it never reads).
+# A client that has left this much of its replies unread is disconnected: replies to requests
+# read before the push-back began (a batch, `history` pages) can still pass the mark above.
 MAX_UNREAD_BYTES = 16 * 1024 * 1024
 # Incomplete request lines held for all connections together: 40 clients each sending most of
 # an 8 MiB frame must not cost 320 MB.
@@ -209,12 +211,18 @@ class Connection(asyncio.Protocol):
             self.server.give_back_memory_soon()
 
     def pause_writing(self) -> None:
+        # Its replies pile up unread: no more of its requests are handled or read until they
+        # drain. A client that pipelines faster than it reads is slowed down, as a socket
+        # would; it was disconnected once MAX_UNREAD_BYTES of replies piled up.
         self._paused = True
+        self._hold()
 
     def resume_writing(self) -> None:
         self._paused = False
         if self.subscription is not None:
             self.server.bus.catch_up(self.subscription)
+        if self._reading_paused:
+            self._drain_soon()
 
     def data_received(self, data: bytes) -> None:
         self._lines(self.framer.feed(data))
@@ -232,7 +240,7 @@ class Connection(asyncio.Protocol):
     def _lines(self, lines: list[bytes | Oversize]) -> None:
         backlog = self._backlog
         for line in lines:
-            if backlog or len(self._tasks) >= MAX_IN_FLIGHT:
+            if backlog or self._paused or len(self._tasks) >= MAX_IN_FLIGHT:
                 backlog.append(functools.partial(self._line, line))
             else:
                 self._line(line)
@@ -240,23 +248,28 @@ class Connection(asyncio.Protocol):
             self._hold()
 
     def _hold(self) -> None:
-        """Stop reading this client until its backlog is handled (see _drain)."""
+        """Stop reading this client until its backlog is handled and its replies are read
+        (see _drain)."""
         if not self._reading_paused and self.transport is not None:
             self._reading_paused = True
             self.transport.pause_reading()
 
     def _answered(self) -> None:
         """A reply owed was given: requests waiting for room are handled in a coming pass."""
-        if self._backlog and not self._draining:
+        if self._backlog:
+            self._drain_soon()
+
+    def _drain_soon(self) -> None:
+        if not self._draining:
             self._draining = True
             asyncio.get_running_loop().call_soon(self._drain)
 
     def _drain(self) -> None:
         self._draining = False
         backlog = self._backlog
-        while backlog and len(self._tasks) < MAX_IN_FLIGHT:
+        while backlog and not self._paused and len(self._tasks) < MAX_IN_FLIGHT:
             backlog.popleft()()
-        if backlog or self.transport is None or self.transport.is_closing():
+        if backlog or self._paused or self.transport is None or self.transport.is_closing():
             return
         if self._reading_paused:
             self._reading_paused = False

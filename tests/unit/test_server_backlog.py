@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from poddaemon.events import EventBus
+from poddaemon.events import EventBus, Subscription
 from poddaemon.server import MAX_IN_FLIGHT, Connection, RpcServer
 from protocol.methods import METHODS
 
@@ -129,3 +129,65 @@ async def test_requests_under_the_limit_are_answered_at_once_and_reading_goes_on
     history.release.set()
     await _passes()
     assert [f["id"] for f in transport.frames] == [2, 1]
+
+
+class FullTransport(Transport):
+    """Its buffer passes the high-water mark at the `full_at`-th reply (as uvloop's write then
+    calls `pause_writing`) and holds `unread` bytes from then on."""
+
+    def __init__(self, conn: Connection, full_at: int, unread: int = 0) -> None:
+        super().__init__()
+        self.conn, self.full_at, self.unread = conn, full_at, unread
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        if len(self.frames) == self.full_at:
+            self.conn.pause_writing()
+
+    def get_write_buffer_size(self) -> int:
+        return self.unread if len(self.frames) >= self.full_at else 0
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+async def test_replies_piling_up_unread_hold_its_requests_until_it_reads_them() -> None:
+    """A client pipelining faster than it reads is slowed down; it was disconnected once 16 MiB
+    of replies piled up, though it read them all along."""
+    conn = Connection(_server(SlowHistory()))
+    transport = FullTransport(conn, full_at=3)
+    conn.transport = transport  # type: ignore[assignment]
+    conn.data_received(b"".join(_request(i, "status") for i in range(10)))
+    await _passes()
+    assert [f["id"] for f in transport.frames] == [0, 1, 2]  # the rest wait, unhandled
+    assert not transport.reading
+    conn.data_received(_request(10, "status"))  # (what uvloop had read before pausing)
+    await _passes()
+    assert len(transport.frames) == 3
+
+    transport.full_at = -1
+    conn.resume_writing()  # it read its replies
+    await _passes()
+    assert [f["id"] for f in transport.frames] == list(range(11))
+    assert transport.reading and not transport.aborted
+
+
+async def test_a_client_past_max_unread_bytes_is_still_dropped_with_an_alert() -> None:
+    """Replies to requests read before the push-back began (`history` pages being read) can
+    still pass the bound."""
+    history = SlowHistory()
+    server = _server(history)
+    server.max_unread_bytes = 100
+    events: list[Any] = []
+    server.bus.subscribe(Subscription(events.append, lambda: False, 0))
+    conn = Connection(server)
+    transport = FullTransport(conn, full_at=1, unread=1000)
+    conn.transport = transport  # type: ignore[assignment]
+    conn.data_received(_request(1) + _request(2))
+    await _passes()
+    assert history.waiting == 2
+    history.release.set()
+    await _passes()
+    assert len(transport.frames) == 1 and transport.aborted
+    assert any(b"disconnected client" in frame and b"unread" in frame for frame in events)
