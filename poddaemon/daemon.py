@@ -775,8 +775,9 @@ def _follow_spawner(
 
         def parent_gone() -> None:
             log.info("spawner %s (pid %d) is gone; stopping with it", parent.name, parent.pid)
-            pod.outbox.enabled = False  # reporting to nobody
-            pod.machine.final_report = None
+            # Nobody to deliver to: its shutdown report (what it spent) waits in its log for
+            # the restored spawner, which charged it its whole grant as "errored" without it.
+            pod.outbox.enabled = False
             ending.request("parent exited")
 
         if is_alive(parent):

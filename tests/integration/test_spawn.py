@@ -567,6 +567,37 @@ def test_kill9_parent_stops_the_tree(tree: Env) -> None:
     assert Registry(tree.home / "run").live() == []
 
 
+def test_a_child_stopped_by_its_spawners_kill9_reports_its_shutdown_on_restore(tree: Env) -> None:
+    """A child that stops because its spawner was killed (on_parent_exit = "stop") leaves its
+    `shutdown` report, with what it spent, in its log for the restored spawner. It used to
+    leave none: the restored spawner told its model the child "errored" and charged it its
+    whole grant, for good (a budget used up by crashes, not by work)."""
+    env = tree
+    call = {"input": 200, "output": 100}
+    (env.work / "kid").mkdir()
+    env.model.script_model("m-kid", {"text": "kid done", "usage": call})
+    env.model.script(
+        {"tool_calls": [spawn_call("kid", "a task", [str(env.work / "kid")])], "usage": call},
+        {"text": "spawned", "usage": call},
+    )
+    parent = start_parent(env, extra="[budget]\nmax_total_tokens = 100000\n")
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: _finished_reports(parent, "kid"), 20, "the kid's report")
+    parent.kill9()
+    registry = Registry(env.home / "run")
+    wait_until(lambda: registry.get("kid") is None, 10, "the kid to stop with its spawner")
+    again = env.restart(parent, "--resume")
+    wait_until(
+        lambda: [r for r in reports(again) if r["event_kind"] != "run.finished"],
+        20,
+        "the kid's end",
+    )
+    kinds = [r["event_kind"] for r in reports(again) if r["pod"] == "kid"]
+    assert kinds == ["run.finished", "shutdown"], kinds
+    budget = again.call("status")["budget"]
+    assert budget["tree_spent"] == budget["spent"] + 300, budget
+
+
 def test_a_child_restarted_while_its_spawner_was_down_stops_with_it_later(tree: Env) -> None:
     """on_parent_exit = "stop" still holds for a child restarted (podctl restart) while its
     spawner was down: once the restored spawner has taken it back, a kill -9 of the spawner
