@@ -350,7 +350,8 @@ def status_text(st: Mapping[str, Any]) -> str:
             (
                 "budget",
                 f"limit={limit if limit is not None else '-'} spent={budget.get('spent', 0)} "
-                f"tree_spent={budget.get('tree_spent', 0)}",
+                f"tree_spent={budget.get('tree_spent', 0)}"
+                + (f" left={budget['left']}" if budget.get("left") is not None else ""),
             )
         )
     children = st.get("children") or []

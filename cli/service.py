@@ -283,7 +283,7 @@ def wait(
         fail(f"--until: only 'idle' is supported, not {until!r}", EXIT_USAGE)
     deadline = None if timeout is None else time.monotonic() + timeout
     status: dict[str, Any] | None = None
-    told_paused = False
+    told: str | None = None
     with rpc_errors(pod, WAIT_CALL_TIMEOUT):
         paths.check_private_dirs()
         while True:
@@ -300,18 +300,16 @@ def wait(
                 status = None
             if status is not None and _idle(status):
                 break
-            if status is not None and status.get("state") == "paused" and not told_paused:
-                told_paused = True  # it is idle only once resumed: a silent wait looks hung
-                sys.stderr.write(
-                    f"podctl: pod '{status.get('name', pod)}' is paused: it is idle once "
-                    "resumed (or its paused run cancelled) and done\n"
-                )
+            why = _why_not_idle(status) if status is not None else None
+            if status is not None and why is not None and why != told:
+                told = why  # it may wait for a long time, or forever: a silent wait looks hung
+                sys.stderr.write(f"podctl: pod '{status.get('name', pod)}' {why}\n")
                 sys.stderr.flush()
             if deadline is not None and time.monotonic() >= deadline:
                 if as_json:
                     print_json({"idle": False, "status": status})
                 name = status.get("name", pod) if status else pod
-                doing = f"still {status.get('state')}" if status else "not answering"
+                doing = f"still {_doing(status)}" if status else "not answering"
                 sys.stderr.write(f"podctl: pod '{name}' {doing} after {timeout:g} s\n")
                 raise typer.Exit(EXIT_TIMEOUT)
             time.sleep(WAIT_POLL)  # polling a condition: status is cheap and always answered
@@ -320,10 +318,33 @@ def wait(
 
 
 def _idle(status: dict[str, Any]) -> bool:
+    return status.get("state") == "idle" and not _queued(status)
+
+
+def _queued(status: dict[str, Any]) -> int:
     queue = status.get("queue") or {}
-    return (
-        status.get("state") == "idle" and not queue.get("runs") and not queue.get("notifications")
-    )
+    return int(queue.get("runs") or 0) + int(queue.get("notifications") or 0)
+
+
+def _doing(status: dict[str, Any]) -> str:
+    """What keeps it from being idle: "running", "idle with 2 inputs queued", ..."""
+    queued = _queued(status)
+    state = str(status.get("state"))
+    return f"{state} with {queued} input{'s' * (queued != 1)} queued" if queued else state
+
+
+def _why_not_idle(status: dict[str, Any]) -> str | None:
+    """Why `wait` may wait long, or forever, when the pod will not get there by itself."""
+    if status.get("state") == "paused":
+        return "is paused: it is idle once resumed (or its paused run cancelled) and done"
+    budget = status.get("budget") or {}
+    if status.get("state") == "idle" and _queued(status) and budget.get("left") == 0:
+        return (
+            f"has no token budget left (budget.max_total_tokens = {budget.get('limit')}): "
+            "its queued inputs wait until a child's unused grant comes back, or until it "
+            "restarts with a larger budget"
+        )
+    return None
 
 
 # --- logs -----------------------------------------------------------------------------------

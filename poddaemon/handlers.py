@@ -262,6 +262,7 @@ def status(pod: "Pod", scope: list[ScopeEntry]) -> StatusResult:
             limit=pod.m.budget.max_total_tokens,
             spent=st.usage.total,
             tree_spent=pod.machine.tree_spent(),
+            left=pod.machine.budget_remaining(),
         ),
         started_at=pod.started_at,
         version=poddaemon.__version__,

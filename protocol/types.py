@@ -186,6 +186,9 @@ class BudgetInfo(Result):
     limit: int | None = None  # budget.max_total_tokens
     spent: int = 0  # this pod's own model calls
     tree_spent: int = 0  # this pod and its descendants, as their reports tell
+    # What it may still spend or grant (None without a limit): live children's grants count as
+    # spent. At 0 no run starts, so queued inputs wait (an addition to SPEC §5).
+    left: int | None = None
 
 
 class StatusResult(Result):

@@ -544,6 +544,26 @@ def test_send_to_a_paused_pod_says_why_it_waits(env: Env) -> None:
     assert send.returncode == 0 and out == "second done\n"
 
 
+def test_wait_on_a_pod_out_of_budget_says_why_its_queue_does_not_empty(env: Env) -> None:
+    """A pod with no budget left takes a notification and starts no run for it: `podctl wait`
+    waited forever, and at its timeout said the pod was "still idle", what it waits for."""
+    env.model.script({"text": "spent", "usage": {"input": 100, "output": 10}})
+    pod = env.start("broke", extra="[budget]\nmax_total_tokens = 50\n")
+    with pod.client() as c:
+        assert c.run_wait("spend it").outcome == "finished"
+        c.notify("anyone there?", source="ops")
+    status = json.loads(env.podctl("status", "broke", "--json").stdout)
+    assert status["budget"] == {"limit": 50, "spent": 110, "tree_spent": 110, "left": 0}
+    wait = env.podctl("wait", "broke", "--timeout", "0.3")
+    assert wait.returncode == 4, wait.stderr
+    assert wait.stderr == (
+        "podctl: pod 'broke' has no token budget left (budget.max_total_tokens = 50): its "
+        "queued inputs wait until a child's unused grant comes back, or until it restarts "
+        "with a larger budget\n"
+        "podctl: pod 'broke' still idle with 1 input queued after 0.3 s\n"
+    )
+
+
 def test_send_starts_each_model_rounds_text_on_a_line_of_its_own(env: Env) -> None:
     """Text before a tool call and the answer after it are two messages, not one run-on line."""
     env.start("rounds")
