@@ -91,25 +91,62 @@ def stop_unit_pod(
     target: str, timeout: float, before: Callable[[str, list[str]], None] | None = None
 ) -> bool:
     """`podctl stop` of a unit-managed pod: stop its unit (after `before(name, children)`,
-    for `--tree`). False when it is not one; TimeoutError when it does not answer within
-    `timeout` (asking it again would only wait as long again)."""
+    for `--tree`), also when the pod does not answer (systemd kills it and keeps it down) or
+    is between a crash and its restart. False when it is not one; TimeoutError when it does
+    not answer within `timeout` and is no unit's (asking again would only wait as long)."""
     from protocol import oneshot
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     try:
         status: dict[str, Any] = oneshot.call(target, "status", timeout=timeout)
     except TimeoutError:
-        raise
+        # Wedged or stopped: SIGTERM to its pid would leave systemd to restart it (watchdog).
+        name, unit = _unanswering_unit(target)
+        if unit is None:
+            raise
+        return _stop_unit(name, unit, [], before)
     except (PodNotRunning, ConnectionClosed, RpcError, OSError):
-        return False
+        # Between a crash and systemd's restart (activating, auto-restart): still its unit's.
+        unit = pod_unit(target, None)
+        if unit is None or not _unit_starting(unit):
+            return False
+        return _stop_unit(target, unit, [], before)
     unit = _own_unit(status)
     if unit is None:
         return False
+    children = [str(c["name"]) for c in status.get("children") or []]
+    return _stop_unit(str(status["name"]), unit, children, before)
+
+
+def _stop_unit(
+    name: str, unit: str, children: list[str], before: Callable[[str, list[str]], None] | None
+) -> bool:
     if before is not None:
-        before(str(status["name"]), [str(c["name"]) for c in status.get("children") or []])
+        before(name, children)
     _systemctl_or_fail("stop", unit)
-    sys.stdout.write(f"stopped {status['name']} (unit {unit})\n")
+    sys.stdout.write(f"stopped {name} (unit {unit})\n")
     return True
+
+
+def _unit_starting(unit: str) -> bool:
+    """The unit is on its way to running its pod again (`activating`: auto-restart)."""
+    from cli.unit import UnitError, systemctl
+
+    try:
+        state = systemctl("is-active", unit, check=False).stdout.strip()
+    except UnitError:
+        return False
+    return state in ("activating", "reloading")
+
+
+def _unanswering_unit(target: str) -> tuple[str, str | None]:
+    """The name and own unit of a pod that does not answer, from its registry entry."""
+    from cli.pods import _live_entry
+
+    entry = _live_entry(target)
+    if entry is None:
+        return target, None
+    return str(entry.name), _own_unit({"name": entry.name, "pid": entry.pid})
 
 
 def _systemctl_or_fail(*args: str) -> None:

@@ -242,14 +242,18 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
         _refuse_if_running_elsewhere(pod)
     executable = poddaemon_executable()
     manager_env = manager_environment()
-    config = paths.config_dir()
-    problem = env_file_problem(config / "env") or key_problem(
-        m.provider.api_key_var, config / "env", manager_env
+    config = Path(os.path.abspath(paths.config_dir()))
+    key_vars = [m.provider.api_key_var]
+    if m.compaction is not None and m.compaction.provider is not None:
+        key_vars.append(m.compaction.provider.api_key_var)
+    problem = env_file_problem(config / "env") or next(
+        (p for v in key_vars if (p := key_problem(v, config / "env", manager_env))), None
     )
     if problem:
         raise UnitError(problem)
     running = now and _unit_running(unit_name(pod))
-    environment = {k: os.environ[k] for k in DIR_VARS if os.environ.get(k)}
+    # Absolute: systemd ignores a relative EnvironmentFile= and runs the pod from another cwd.
+    environment = {k: os.path.abspath(os.environ[k]) for k in DIR_VARS if os.environ.get(k)}
     text = render_unit(pod, path, executable, config, environment, watchdog_sec)
     target = unit_path(pod)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -172,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = run_pod(args)
     except StartupError as exc:
-        print(f"poddaemon: {exc}", file=sys.stderr, flush=True)
+        print(f"{_err_prefix()}poddaemon: {exc}", file=sys.stderr, flush=True)
         code = readyline.EXIT_REFUSED if exc.lasting else EXIT_FAILURE
     except OSError as exc:  # e.g. a permission problem nobody foresaw: one line, no traceback
-        print(f"poddaemon: {os_error_line(exc)}", file=sys.stderr, flush=True)
+        print(f"{_err_prefix()}poddaemon: {os_error_line(exc)}", file=sys.stderr, flush=True)
         code = EXIT_FAILURE
     except KeyboardInterrupt:  # a stop signal before the event loop ran (see above)
         log.info("stopped while starting")
@@ -184,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.SIG_IGN)
     _exit_at_once(code)
     return code
+
+
+def _err_prefix() -> str:
+    """`<3>` (err) where stderr is the journal, so `journalctl -p err` shows why it ended."""
+    return "<3>" if sdnotify.stderr_is_journal() else ""
 
 
 TAKE_BACK_TRIES = 6  # passes (CLAIM_CHECK_INTERVAL apart) a pod tries to register again

@@ -155,6 +155,42 @@ def test_install_now_is_active_only_once_ready_and_serves(sd: Sd) -> None:
         assert c.status().pid == sd.main_pid("unitpod")
 
 
+def test_install_with_a_relative_home_writes_absolute_paths(sd: Sd) -> None:
+    """`PODDAEMON_HOME=rel podctl unit install`: the unit said `EnvironmentFile=-rel/config/env`,
+    which systemd ignores (not absolute), and a home relative to a cwd the pod does not have;
+    the pod exited 78 without its key."""
+    home = sd.env.home
+    path = sd.env.manifest("relhome")
+    env = {**sd.podenv, "PODDAEMON_HOME": home.name}
+    install = [sys.executable, "-m", "cli.main", "unit", "install", str(path), "--now"]
+    out = sd.m.run(["env", "-C", str(home.parent), *install], env)  # (nsenter starts in /)
+    assert out.returncode == 0, out.stderr + sd.journal("relhome")
+    text = (units_dir(sd) / "poddaemon-relhome.service").read_text()
+    assert f"EnvironmentFile=-{home}/config/env\n" in text
+    assert f"Environment=PODDAEMON_HOME={home}\n" in text
+    with sd.client("relhome") as c:
+        assert c.status().pid == sd.main_pid("relhome")
+
+
+def test_install_checks_the_compaction_providers_key_too(sd: Sd) -> None:
+    """Only the main provider's key was checked: the unit was installed and enabled, then
+    its pod refused to start without the compaction provider's key, with no word on how to
+    set it."""
+    extra = (
+        "[compaction]\ncompact_threshold = 1500\n"
+        '[compaction.provider]\nkind = "anthropic"\nmodel = "s"\napi_key_env = "SUMMARY_KEY"\n'
+    )
+    path = sd.env.manifest("summarized", extra=extra)
+    refused = sd.podctl("unit", "install", str(path), "--now")
+    assert refused.returncode == 1
+    assert "SUMMARY_KEY" in refused.stderr and "set-environment" in refused.stderr
+    assert not (units_dir(sd) / "poddaemon-summarized.service").exists()
+    sd.write_env(FAKE_API_KEY="test-key", SUMMARY_KEY="other-key")
+    installed = sd.podctl("unit", "install", str(path), "--now")
+    assert installed.returncode == 0, installed.stderr
+    assert sd.prop("summarized", "ActiveState") == "active"
+
+
 def test_install_now_refuses_a_pod_running_outside_its_unit(sd: Sd) -> None:
     path = sd.env.manifest("twice")
     assert sd.podctl("spawn", str(path)).returncode == 1  # no key in podctl's own env
@@ -183,6 +219,11 @@ def test_a_pod_that_refuses_to_start_is_not_restarted_and_install_says_why(sd: S
     sd.wait_prop("taker", "ActiveState", "failed")
     assert sd.prop("taker", "NRestarts") == "0"
     assert holder.call("status")["state"] == "idle"
+    # Why it refused is an error to the journal too (it was logged at info priority).
+    errors = sd.m.run(
+        ["journalctl", f"_SYSTEMD_USER_UNIT={sd.unit('taker')}", "-p", "err", "-o", "cat"]
+    ).stdout
+    assert "poddaemon: cannot start pod 'taker'" in errors, errors
 
 
 def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socket(
@@ -341,6 +382,43 @@ def test_podctl_stop_stops_the_unit_and_logs_show_the_journal(sd: Sd) -> None:
     leftovers = [str(p) for p in units_dir(sd).rglob("*") if "poddaemon" in p.name]
     assert leftovers == []
     assert sd.podctl("status", "stopme").returncode == 3
+
+
+def test_podctl_stop_between_a_crash_and_its_restart_stops_the_unit(sd: Sd) -> None:
+    """kill -9, then `podctl stop` while systemd waits RestartSec to start it again: stop said
+    "not running" (exit 3) and the pod came back 2 s later; a crash-looping pod could not be
+    stopped with podctl."""
+    sd.install("crashing")
+    os.kill(sd.main_pid("crashing"), 9)
+    sd.wait_prop("crashing", "SubState", "auto-restart")
+    stopped = sd.podctl("stop", "crashing")
+    assert stopped.returncode == 0, stopped.stderr
+    assert "unit poddaemon-crashing.service" in stopped.stdout
+    assert sd.prop("crashing", "SubState") == "dead"  # not auto-restart: nothing will start it
+    assert sd.prop("crashing", "NRestarts") == "0"
+    assert sd.m.systemctl("list-jobs").stdout.strip().startswith("No jobs")
+
+
+def test_podctl_stop_of_a_wedged_unit_pod_goes_through_systemd(sd: Sd) -> None:
+    """A unit pod that does not answer: `podctl stop` sent its pid SIGTERM, which a wedged loop
+    never handles, gave up after 10 s (exit 1), and the watchdog then had systemd restart it.
+    Stopping the unit makes systemd kill it (TimeoutStopSec, here 2 s) and keep it down."""
+    wedge = sd.env.home / "wedge"
+    sd.write_env(FAKE_API_KEY="test-key", PODDAEMON_TEST_WEDGE_FILE=str(wedge))
+    sd.install("stuck", "--watchdog", "0")
+    drop_in = units_dir(sd) / "poddaemon-stuck.service.d"
+    drop_in.mkdir()
+    (drop_in / "quick-stop.conf").write_text("[Service]\nTimeoutStopSec=2\n")
+    sd.m.systemctl("daemon-reload")
+    wedge.touch()
+    wait_until(lambda: not wedge.exists(), 10, "the pod to take the wedge")
+    stopped = sd.podctl("stop", "stuck")
+    assert stopped.returncode == 0, stopped.stderr
+    assert "unit poddaemon-stuck.service" in stopped.stdout
+    assert sd.prop("stuck", "ActiveState") in ("inactive", "failed")
+    assert sd.prop("stuck", "Result") == "timeout"  # killed by systemd, not restarted
+    assert sd.prop("stuck", "NRestarts") == "0"
+    assert sd.m.systemctl("list-jobs").stdout.strip().startswith("No jobs")
 
 
 SPAWN_TOOLS = ["read_file", "spawn_pod", "send_to_pod", "wait_pods", "list_pods", "stop_pod"]
