@@ -119,6 +119,9 @@ def _judge(
     permission = specific.get("permissionDecision") if isinstance(specific, dict) else None
     if permission == "deny":
         return "block", str(specific.get("permissionDecisionReason") or "denied by a hook"), ""
+    if permission == "ask":  # Claude Code asks its user; a pod has nobody to confirm it
+        why = specific.get("permissionDecisionReason") or "the hook asks for confirmation"
+        return "block", f"{why} (a pod has nobody to ask: not run)", ""
     if out.get("decision") == "block" or out.get("continue") is False:
         reason = out.get("reason") or out.get("stopReason") or NO_REASON
         return "block", str(reason), ""

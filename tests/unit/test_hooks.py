@@ -33,6 +33,23 @@ def test_permission_decisions_of_pre_tool_use() -> None:
     assert judge("PreToolUse", 0, json.dumps(allow), "") == ("allow", "", "")
 
 
+def test_a_guard_that_asks_for_confirmation_blocks_where_nobody_can_give_it() -> None:
+    """Claude Code's "ask" puts the call to its user; a pod has none, and running the tool
+    (as any unknown value did) would let through what the guard wanted a person to see."""
+    ask = {"hookSpecificOutput": {"permissionDecision": "ask", "permissionDecisionReason": "rm?"}}
+    assert judge("PreToolUse", 0, json.dumps(ask), "") == (
+        "block",
+        "rm? (a pod has nobody to ask: not run)",
+        "",
+    )
+    del ask["hookSpecificOutput"]["permissionDecisionReason"]
+    decision, reason, _ = judge("PreToolUse", 0, json.dumps(ask), "")
+    assert (decision, reason) == (
+        "block",
+        "the hook asks for confirmation (a pod has nobody to ask: not run)",
+    )
+
+
 def test_plain_stdout_is_context_only_where_the_event_takes_context() -> None:
     assert judge("UserPromptSubmit", 0, "note\n", "") == ("ok", "", "note")
     assert judge("Stop", 0, "note\n", "") == ("ok", "", "")
