@@ -281,17 +281,27 @@ def start_unit(unit: str, *how: str, then: str) -> None:
     try:
         systemctl(*how, unit)
     except UnitError as exc:
-        why = _why_not_started(unit, since)
-        raise UnitError(f"{why}\n{then}" if why else str(exc)) from None
+        said = _journal_since(unit, since)
+        if any("Start request repeated too quickly" in line for line in said):
+            raise UnitError(  # systemctl blames the last failure ("a fatal signal was ...")
+                f"{unit} was started too often (StartLimitBurst= starts within "
+                f"StartLimitIntervalSec=) and systemd gave up on it: run `systemctl --user "
+                f"reset-failed {unit}`, then start it again"
+            ) from None
+        errors = [line for line in said if line.startswith("poddaemon: ")]
+        if not errors:
+            raise UnitError(str(exc)) from None
+        # The pod's own error (what `podctl spawn` would have shown), this start's only.
+        why = f"{unit} did not start: {errors[-1].removeprefix('poddaemon: ')}"
+        raise UnitError(f"{why}\n{then}") from None
 
 
-def _why_not_started(unit: str, since: float) -> str | None:
-    """The pod's own error from the unit's journal ('poddaemon: …', what `podctl spawn` would
-    have shown) logged since `since` (an older start's error is not this one's); None when the
-    journal does not say."""
+def _journal_since(unit: str, since: float) -> list[str]:
+    """The unit's journal lines (its pod's and the manager's about it) since `since`; none
+    when the journal cannot be read."""
     exe = shutil.which("journalctl")
     if exe is None:
-        return None
+        return []
     try:
         out = subprocess.run(
             [
@@ -309,11 +319,8 @@ def _why_not_started(unit: str, since: float) -> str | None:
             stdin=subprocess.DEVNULL,
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
-        return None
-    said = [line for line in out.splitlines() if line.startswith("poddaemon: ")]
-    if not said:
-        return None
-    return f"{unit} did not start: {said[-1].removeprefix('poddaemon: ')}"
+        return []
+    return out.splitlines()
 
 
 def _unit_running(unit: str) -> bool:

@@ -399,6 +399,31 @@ def test_podctl_stop_between_a_crash_and_its_restart_stops_the_unit(sd: Sd) -> N
     assert sd.m.systemctl("list-jobs").stdout.strip().startswith("No jobs")
 
 
+def test_restart_of_a_unit_systemd_gave_up_on_says_so_and_how(sd: Sd) -> None:
+    """Started too often, systemd stops trying (start-limit-hit): `podctl restart` passed on
+    systemd's "a fatal signal was delivered to the control process", which says neither."""
+    sd.install("flaky")
+    drop_in = units_dir(sd) / "poddaemon-flaky.service.d"
+    drop_in.mkdir()
+    (drop_in / "limit.conf").write_text("[Unit]\nStartLimitBurst=1\n[Service]\nRestartSec=0.1\n")
+    sd.m.systemctl("daemon-reload")
+    os.kill(sd.main_pid("flaky"), 9)  # restarted: the one start the limit allows now
+    sd.wait_prop("flaky", "NRestarts", "1")
+    sd.wait_prop("flaky", "ActiveState", "active")
+    os.kill(sd.main_pid("flaky"), 9)  # one start too many
+    sd.wait_prop("flaky", "ActiveState", "failed")
+    out = sd.podctl("restart", "flaky")
+    assert out.returncode == 1
+    assert out.stderr == (
+        "podctl: poddaemon-flaky.service was started too often (StartLimitBurst= starts within "
+        "StartLimitIntervalSec=) and systemd gave up on it: run `systemctl --user reset-failed "
+        "poddaemon-flaky.service`, then start it again\n"
+    )
+    assert sd.m.systemctl("reset-failed", sd.unit("flaky")).returncode == 0
+    again = sd.podctl("restart", "flaky")
+    assert again.returncode == 0, again.stderr
+
+
 def test_podctl_stop_of_a_wedged_unit_pod_goes_through_systemd(sd: Sd) -> None:
     """A unit pod that does not answer: `podctl stop` sent its pid SIGTERM, which a wedged loop
     never handles, gave up after 10 s (exit 1), and the watchdog then had systemd restart it.
