@@ -981,22 +981,23 @@ _said_before_ready = _SaidBeforeReady()
 def _dump_tasks() -> None:
     """Every task and where it waits, to the pod's log: for a pod that seems stuck. The whole
     chain of awaits (`Task.print_stack` shows only the task's outermost coroutine). Then the
-    other threads' stacks, and the collector's state (for a pod that seems to grow)."""
+    other threads' stacks, and the collector's state (for a pod that seems to grow). One log
+    record: stamped like every other line, so `podctl logs --since` shows it."""
+    lines = []
     for task in asyncio.all_tasks():
-        print(f"{task!r} waits in:", file=sys.stderr)
-        for where in await_chain(task.get_coro()):
-            print(f"  {where}", file=sys.stderr)
+        lines.append(f"{task!r} waits in:")
+        lines.extend(f"  {where}" for where in await_chain(task.get_coro()))
     import threading
     import traceback
 
     names = {t.ident: t.name for t in threading.enumerate()}
     for ident, frame in sys._current_frames().items():  # the model thread, an SDK import...
         if ident != threading.get_ident():
-            print(f"thread {names.get(ident, ident)}:", file=sys.stderr)
-            traceback.print_stack(frame, file=sys.stderr)
+            lines.append(f"thread {names.get(ident, ident)}:")
+            lines.append("".join(traceback.format_stack(frame)).rstrip("\n"))
     state = "on" if gc.isenabled() else "OFF"
-    print(f"collector {state}, {gc.get_freeze_count()} objects frozen", file=sys.stderr)
-    sys.stderr.flush()
+    lines.append(f"collector {state}, {gc.get_freeze_count()} objects frozen")
+    log.warning("kill -USR1: where the pod's tasks and threads are\n%s", "\n".join(lines))
 
 
 def await_chain(coro: Any) -> list[str]:

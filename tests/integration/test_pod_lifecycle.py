@@ -51,6 +51,11 @@ def test_the_collector_is_back_on_after_ready(env: Env) -> None:
         lambda: next((x for x in pod.stderr if x.startswith("collector ")), None),
         what="the collector line of the USR1 dump",
     )
+    # One log record, stamped as every line is (its lines were bare prints: `podctl logs
+    # --since` hid them).
+    heads = [x for x in pod.stderr if "WARNING kill -USR1: where the pod's tasks" in x]
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d"
+    assert len(heads) == 1 and re.match(stamp, heads[0]), pod.stderr
     match = re.fullmatch(r"collector (on|OFF), (\d+) objects frozen\n", line)
     assert match is not None, line
     assert match[1] == "on"
