@@ -46,6 +46,10 @@ CONTEXT_SOURCE = "hook:UserPromptSubmit"  # where a prompt's hook context is sho
 # into every new session: disk grew with the square of its age.
 KEPT_CLIENT_KEYS = 1000
 KEPT_USAGE_CALLS = 500
+# The newest ids of child reports a spawner accepted: a child redelivers a report until it is
+# acknowledged, which takes moments (or until the spawner is back, when no others arrive), so
+# an id is never needed again this many reports later.
+KEPT_REPORT_IDS = 10_000
 
 
 def input_digest(text: str) -> str:
@@ -114,7 +118,9 @@ class SessionState(msgspec.Struct):
     usage: Usage = msgspec.field(default_factory=Usage)
     run_usage: Usage = msgspec.field(default_factory=Usage)  # of the active (or paused) run
     run_calls: int = 0  # model calls of the active (or paused) run
-    report_ids: set[str] = msgspec.field(default_factory=set)  # child reports accepted (dedup)
+    # Child reports accepted (dedup): the newest KEPT_REPORT_IDS, oldest first (a dict as an
+    # ordered set).
+    report_ids: dict[str, None] = msgspec.field(default_factory=dict)
     active_run: str | None = None
     rounds: int = 0  # model rounds of the active (or paused) run
     run_from: int = 0  # index in `history` of the active (or paused) run's first item
@@ -169,6 +175,11 @@ class SessionState(msgspec.Struct):
             else:
                 self.run_outcomes.pop(run_id, None)
 
+    def add_report_id(self, event_id: str) -> None:
+        self.report_ids[event_id] = None
+        if len(self.report_ids) > KEPT_REPORT_IDS:
+            del self.report_ids[next(iter(self.report_ids))]
+
     def add_notify_key(self, key: str, value: tuple[str, str, bool]) -> None:
         self.notify_keys[key] = value
         if len(self.notify_keys) > KEPT_CLIENT_KEYS:
@@ -200,7 +211,7 @@ class SessionState(msgspec.Struct):
             "children": [msgspec.structs.asdict(c) for c in self.children.values()],
             "spawner_runs": sorted(self.spawner_runs),
             "owed_runs": sorted(self.owed_runs),
-            "report_ids": sorted(self.report_ids),
+            "report_ids": list(self.report_ids),
         }
 
     def apply(self, entry: Mapping[str, Any] | Entry) -> None:
@@ -269,7 +280,7 @@ def _apply(s: SessionState, e: Entry) -> None:
             if e.client_key:
                 s.add_notify_key(e.client_key, (input_digest(e.text), e.id, e.wakes))
             if e.event_id is not None:
-                s.report_ids.add(e.event_id)
+                s.add_report_id(e.event_id)
             child = s.children.get(e.pod) if e.pod is not None else None
             if child is not None:
                 _child_report(child, e)
@@ -429,7 +440,9 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
             s.children[c["name"]] = ChildRecord(**c)
         s.spawner_runs = set(tree.get("spawner_runs", []))
         s.owed_runs = set(tree.get("owed_runs", []))
-        s.report_ids = set(tree.get("report_ids", []))
+        s.report_ids = {}
+        for event_id in tree.get("report_ids", []):
+            s.add_report_id(event_id)
 
 
 def fold(entries: Iterable[Mapping[str, Any] | Entry]) -> SessionState:

@@ -24,6 +24,7 @@ from poddaemon.history import (
 from poddaemon.llm.types import ModelResponse, StopReason
 from poddaemon.session import (
     KEPT_CLIENT_KEYS,
+    KEPT_REPORT_IDS,
     KEPT_USAGE_CALLS,
     MAX_NOTIFICATIONS_PER_REQUEST,
     PendingInput,
@@ -605,6 +606,24 @@ def test_a_long_lived_pod_keeps_a_bounded_past_and_each_new_session_starts_small
     assert (again.run_keys, again.notify_keys) == (s.run_keys, s.notify_keys)
     assert (again.run_outcomes, again.usage_calls) == (s.run_outcomes, s.usage_calls)
     assert again.call_count == s.call_count
+
+
+def test_a_spawner_keeps_the_newest_report_ids_and_a_new_session_carries_no_more() -> None:
+    """A spawner remembers the child reports it accepted (a redelivery is accepted once):
+    the newest KEPT_REPORT_IDS of them. Kept all, every compaction of a long-lived spawner
+    rewrote its whole past of reports into the new session's first entry."""
+    extra = 5
+    log = Log()
+    log.start()
+    for i in range(KEPT_REPORT_IDS + extra):
+        log.add("system_item", id=f"n{i}", source="pod:kid", text="[shutdown]", event_id=f"e{i}")
+    s = state_of(log)
+    assert list(s.report_ids) == [f"e{i}" for i in range(extra, KEPT_REPORT_IDS + extra)]
+    forked = Log()
+    forked.start(tree=s.tree_snapshot())
+    again = state_of(forked)
+    assert again.report_ids == s.report_ids
+    assert "e0" not in again.report_ids and f"e{extra}" in again.report_ids
 
 
 def test_a_run_keeps_its_outcome_while_any_key_naming_it_is_kept() -> None:
