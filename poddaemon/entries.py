@@ -69,7 +69,8 @@ class SessionStart(Entry, tag="session_start"):
     run_from: int | None = None  # index in `history` where the active run's items begin
     run_usage: Usage | None = None  # the active (or paused) run's usage and calls so far
     run_calls: int = 0
-    # Spawn trees: {outbox, children, spawner_runs, report_ids} (SessionState.tree_snapshot).
+    # Spawn trees: {outbox, children, spawner_runs, owed_runs, report_ids, ended_spent}
+    # (SessionState.tree_snapshot).
     tree: dict[str, Any] = {}
 
 

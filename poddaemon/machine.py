@@ -289,13 +289,13 @@ class Machine:
     def tree_spent(self) -> int:
         """Tokens this pod and its descendants spent, as far as their reports tell."""
         s = self.state
-        return s.usage.total + sum(c.earlier + c.spent for c in s.children.values())
+        return s.usage.total + s.ended_spent + sum(c.earlier + c.spent for c in s.children.values())
 
     def budget_charged(self) -> int:
         """What counts against the cap: own spending, children's grants while they live (so
         the tree cannot overspend), their actual spending once they are gone."""
         s = self.state
-        return s.usage.total + sum(c.charged() for c in s.children.values())
+        return s.usage.total + s.ended_spent + sum(c.charged() for c in s.children.values())
 
     def budget_remaining(self) -> int | None:
         cap = self.cfg.budget_cap

@@ -50,6 +50,9 @@ KEPT_USAGE_CALLS = 500
 # acknowledged, which takes moments (or until the spawner is back, when no others arrive), so
 # an id is never needed again this many reports later.
 KEPT_REPORT_IDS = 10_000
+# Children that ended, as their spawner keeps them (`list_pods`, `wait_pods` name them): the
+# newest KEPT_ENDED_CHILDREN; what an older one spent is still counted (`ended_spent`).
+KEPT_ENDED_CHILDREN = 1000
 
 
 def input_digest(text: str) -> str:
@@ -137,6 +140,7 @@ class SessionState(msgspec.Struct):
     owed_runs: set[str] = msgspec.field(default_factory=set)
     outbox: dict[str, OutboxItem] = msgspec.field(default_factory=dict)
     children: dict[str, ChildRecord] = msgspec.field(default_factory=dict)
+    ended_spent: int = 0  # by the ended children no longer kept (KEPT_ENDED_CHILDREN)
     # Kept as counters: `notify` checks max_pending on every request, so this must be O(1).
     pending_notifications: int = 0
     pending_steers: int = 0
@@ -175,6 +179,14 @@ class SessionState(msgspec.Struct):
             else:
                 self.run_outcomes.pop(run_id, None)
 
+    def forget_ended_children(self) -> None:
+        """Keep the newest KEPT_ENDED_CHILDREN ended children (the first spawned go first);
+        what the others spent still counts."""
+        ended = [name for name, c in self.children.items() if not c.live]
+        for name in ended[: max(0, len(ended) - KEPT_ENDED_CHILDREN)]:
+            gone = self.children.pop(name)
+            self.ended_spent += gone.earlier + gone.spent
+
     def add_report_id(self, event_id: str) -> None:
         self.report_ids[event_id] = None
         if len(self.report_ids) > KEPT_REPORT_IDS:
@@ -212,6 +224,7 @@ class SessionState(msgspec.Struct):
             "spawner_runs": sorted(self.spawner_runs),
             "owed_runs": sorted(self.owed_runs),
             "report_ids": list(self.report_ids),
+            "ended_spent": self.ended_spent,
         }
 
     def apply(self, entry: Mapping[str, Any] | Entry) -> None:
@@ -383,6 +396,7 @@ def _apply(s: SessionState, e: Entry) -> None:
             if child is not None:
                 child.live = False
                 child.spent = e.spent
+                s.forget_ended_children()
 
 
 def _child_report(child: ChildRecord, e: SystemItem) -> None:
@@ -443,6 +457,7 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
         s.report_ids = {}
         for event_id in tree.get("report_ids", []):
             s.add_report_id(event_id)
+        s.ended_spent = int(tree.get("ended_spent", 0))
 
 
 def fold(entries: Iterable[Mapping[str, Any] | Entry]) -> SessionState:

@@ -4,7 +4,7 @@ charges its children against its budget, and `errored` for a child that died sil
 
 from poddaemon.entries import SPAWNER_KEY, OutboxItem, SessionStart
 from poddaemon.machine import MachineConfig
-from poddaemon.session import fold
+from poddaemon.session import KEPT_ENDED_CHILDREN, fold
 from protocol import errors
 from tests.unit.machine_driver import Driver
 
@@ -139,6 +139,27 @@ def test_a_reused_child_name_keeps_the_ended_childs_spending_charged() -> None:
     d.feed(d.machine.child_ended("w", "gone"))
     assert d.machine.budget_charged() == 750
     assert fold(d.entries).children["w"].charged() == 750
+
+
+def test_a_spawner_keeps_its_newest_ended_children_and_counts_what_all_of_them_spent() -> None:
+    """Each child that ended stayed in the spawner's state, and in every new session's first
+    entry, for good. The oldest beyond KEPT_ENDED_CHILDREN are dropped; their spending stays
+    in the budget and in tree_spent, across a fork too."""
+    cfg = MachineConfig(name="p", model="m", max_turns=4, budget_cap=10**9, max_pending=10**6)
+    d = Driver(cfg=cfg)
+    n = KEPT_ENDED_CHILDREN + 3
+    for i in range(n):
+        d.feed(d.machine.child_started(f"c{i}", f"/s{i}", 50, []))
+        d.call("child_report", f"c{i}", "shutdown", f"e{i}", None, None, None, 10)
+        d.feed(d.machine.child_ended(f"c{i}", "gone"))
+    d.feed(d.machine.child_started("live", "/s", 500, []))
+    state = d.machine.state
+    assert list(state.children) == [f"c{i}" for i in range(3, n)] + ["live"]
+    assert d.machine.tree_spent() == 10 * n
+    assert d.machine.budget_charged() == 10 * n + 500  # the live child's grant is reserved
+    again = fold([d.machine.fork()])
+    assert again.children.keys() == state.children.keys()
+    assert again.ended_spent == 30 == fold(d.entries).ended_spent
 
 
 def test_a_fork_carries_the_tree_state_on() -> None:
