@@ -31,6 +31,9 @@ STDERR_TAIL = 20  # lines kept for error messages
 LOG_BURST = 256 * 1024
 LOG_RATE = 4096
 LOG_LINE = 4096  # characters of one line logged
+# While a flood is cut, how many lines were dropped is logged at most this often (a report per
+# line let through, two lines each time, logged more than the flood's own lines).
+DROPS_REPORT_EVERY = 10.0
 STOP_GRACE = 2.0  # seconds a server gets to exit after EOF on stdin (the SDK's own grace)
 
 
@@ -49,7 +52,9 @@ class StdioProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL)
         self._allowance = float(LOG_BURST)  # bytes that may be logged now
         self._refilled = time.monotonic()
-        self._dropped = 0  # lines not logged since the last one that was
+        self._dropped = 0  # lines not logged since the last report
+        self._flooding = False  # lines are being dropped: said once, when it began
+        self._reported = 0.0  # when dropped lines were last reported (monotonic)
         # Set when stderr reaches EOF: the guard has exited, so has the server's whole group.
         self.gone = asyncio.Event()
         self._stderr_transport = stderr_transport
@@ -107,6 +112,7 @@ class StdioProcess:
                     pending = b""
             if pending:
                 self._line(pending)
+            self._report_drops()  # the server is gone: the last count of its flood
         finally:
             self.gone.set()
 
@@ -119,17 +125,25 @@ class StdioProcess:
         self._allowance = min(LOG_BURST, self._allowance + (now - self._refilled) * LOG_RATE)
         self._refilled = now
         if self._allowance < len(text):
-            if not self._dropped:
+            if not self._flooding:
+                self._flooding = True
+                self._reported = now
                 log.warning(
                     "mcp[%s] writes to stderr faster than it is logged: lines dropped", self.name
                 )
             self._dropped += 1
             return
-        if self._dropped:
-            log.warning("mcp[%s] %d lines of stderr were not logged", self.name, self._dropped)
-            self._dropped = 0
+        if self._dropped and now - self._reported >= DROPS_REPORT_EVERY:
+            self._report_drops()
         self._allowance -= len(text)
         log.info("mcp[%s] %s", self.name, text)
+
+    def _report_drops(self) -> None:
+        if self._dropped:
+            log.warning("mcp[%s] %d lines of stderr were not logged", self.name, self._dropped)
+        self._dropped = 0
+        self._flooding = False
+        self._reported = time.monotonic()
 
     def stderr_tail(self, lines: int = 3, limit: int = 400) -> str:
         text = " | ".join(list(self.tail)[-lines:])

@@ -1,6 +1,8 @@
 """The pure parts of MCP support: `[[mcp.servers]]` validation, env expansion, tool names and
 results. (The servers themselves are exercised in tests/integration/test_mcp.py.)"""
 
+import collections
+import logging
 import os
 import signal
 import subprocess
@@ -278,3 +280,33 @@ def test_guard_reports_the_server_exit_on_stderr() -> None:
 
 
 SLEEPER = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)"
+
+
+def test_a_stderr_flood_is_logged_at_the_rate_with_a_few_reports_of_what_was_dropped(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server writing 200-character lines to stderr 500 times a second for 20 s: what is
+    logged stays within the burst and the rate, and the drops are reported every
+    DROPS_REPORT_EVERY seconds, not twice per line let through (which logged more than the
+    flood's own lines), and once more when the server is gone."""
+    from poddaemon.mcp import stdio
+
+    clock = [1000.0]
+    monkeypatch.setattr(stdio.time, "monotonic", lambda: clock[0])
+    server = object.__new__(stdio.StdioProcess)
+    server.name = "flood"
+    server.tail = collections.deque(maxlen=stdio.STDERR_TAIL)
+    server._allowance, server._refilled = float(stdio.LOG_BURST), clock[0]
+    server._dropped, server._flooding, server._reported = 0, False, 0.0
+    line, sent = b"x" * 200, 10_000
+    with caplog.at_level(logging.INFO, logger=stdio.log.name):
+        for _ in range(sent):
+            clock[0] += 0.002
+            server._line(line)
+        server._report_drops()  # as at the server's EOF
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().endswith("x" * 200)]
+    reports = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert 200 * len(logged) <= stdio.LOG_BURST + 20 * stdio.LOG_RATE
+    assert len(reports) <= 2 + 20 / stdio.DROPS_REPORT_EVERY, reports
+    dropped = sum(int(m.split()[1]) for m in reports if "were not logged" in m)
+    assert dropped + len(logged) == sent  # every line is either logged or counted
