@@ -134,17 +134,15 @@ async def _list_pods() -> list[dict[str, Any]]:
 
     from mcp.server.mcpserver.exceptions import ToolError
 
+    from poddaemon.registry import Registry, RegistryError
     from protocol import paths
 
     try:
         paths.check_private_dirs()  # as podctl: nobody else may swap what we talk to
-    except OSError as exc:
+        # The registry's live pods, as `podctl ls`: a killed pod leaves its socket file.
+        names = sorted(entry.name for entry in Registry(paths.runtime_dir()).live())
+    except (OSError, RegistryError) as exc:
         raise ToolError(str(exc)) from None
-    pods = paths.runtime_dir() / "pods"
-    try:
-        names = sorted(entry.name for entry in pods.iterdir() if (entry / "sock").exists())
-    except (FileNotFoundError, NotADirectoryError):
-        return []
     return list(await asyncio.gather(*(_summary(name) for name in names)))
 
 
@@ -155,8 +153,8 @@ async def _summary(name: str) -> dict[str, Any]:
 
     try:
         client = await AsyncPodClient.connect(name)
-    except Exception:
-        return {"name": name, "state": "not running"}
+    except Exception:  # registered, and its socket does not listen yet (or no more)
+        return {"name": name, "state": "starting"}
     try:
         status = await asyncio.wait_for(client.status(), STATUS_TIMEOUT)
     except Exception:

@@ -144,6 +144,22 @@ async def test_a_stopped_pod_is_a_tool_error_after_the_timeout_not_a_hang(env: E
         os.kill(pod.proc.pid, signal.SIGCONT)
 
 
+async def test_list_pods_lists_live_pods_not_the_sockets_killed_ones_left(env: Env) -> None:
+    """A pod killed with -9 leaves its socket file: list_pods showed it as "not running",
+    where `podctl ls` (and the tool's own description) list live pods only."""
+    from mcp import Client
+
+    for name in ("alive", "dead"):
+        (env.work / name).mkdir()
+    env.start("alive", write=[str(env.work / "alive")])
+    dead = env.start("dead", write=[str(env.work / "dead")])
+    dead.kill9()
+    assert os.path.exists(dead.socket)
+    async with Client(serve(env)) as client:
+        listed = result_data(await client.call_tool("list_pods", {}))
+    assert [(p["name"], p["state"]) for p in listed] == [("alive", "idle")]
+
+
 async def test_a_pod_that_dies_during_send_to_pod_is_a_tool_error(env: Env) -> None:
     from mcp import Client
 
