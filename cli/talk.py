@@ -411,7 +411,7 @@ def cancel(
         str | None, typer.Option("--run-id", metavar="ID", help="Only this run.")
     ] = None,
 ) -> None:
-    """Cancel the active run (or the given one)."""
+    """Cancel the active run (or the given one); with no run, a `podctl compact` at work."""
     result = call(pod, "cancel", None if run_id is None else {"run_id": run_id})
     _say("cancelled" if result["cancelled"] else "nothing to cancel")
 

@@ -222,6 +222,7 @@ class _Compaction(msgspec.Struct):
     token: int | None  # of a manual `compact`, answered when it ends
     before_tokens: int
     estimate_before: int
+    cancelled: bool = False  # a manual one a `cancel` interrupted
 
 
 class Machine:
@@ -493,6 +494,13 @@ class Machine:
             active, paused = self.state.active_run, self.state.paused_run
             if active is None and paused is not None and run_id in (None, paused):
                 self._finish_run(paused, Finished("cancelled", ""))  # its final report
+                self._reply(token, CancelResult(cancelled=True))
+                return
+            compacting = self._compacting
+            if run_id is None and self.turn is None and compacting is not None:
+                # A manual compaction (no run): what keeps the pod "running" is what stops.
+                compacting.cancelled = True
+                self._emit(Interrupt())
                 self._reply(token, CancelResult(cancelled=True))
                 return
             if run_id is not None and run_id != active:
@@ -858,7 +866,11 @@ class Machine:
 
         def go() -> None:
             c = self._end_compaction()
-            if error is None:
+            if error is None and c.cancelled:  # asked for: no failure the breaker counts
+                self._publish("compaction.failed", {"error": "cancelled"}, c.run_id)
+                if c.token is not None:
+                    self._error(c.token, errors.INTERNAL_ERROR, "compaction failed: cancelled")
+            elif error is None:
                 self._publish("compaction.failed", {"error": "interrupted"}, c.run_id)
                 if c.token is not None:
                     self._error(c.token, errors.SHUTTING_DOWN, "compaction interrupted")

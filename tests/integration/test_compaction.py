@@ -314,6 +314,24 @@ def test_compact_of_a_pod_with_no_history_says_there_is_nothing_to_compact(env: 
     assert json.loads(as_json.stdout) == {"session_id": None}
 
 
+def test_podctl_cancel_stops_a_compact_whose_summary_hangs(env: Env) -> None:
+    """The pod said "running" and `podctl cancel` "nothing to cancel": only a stop ended a
+    `podctl compact` whose summary call hung (up to its timeouts times its retries)."""
+    pod = env.start()
+    with pod.client() as c:
+        assert c.run_wait("some history").outcome == "finished"
+        sid = c.status().session_id
+    env.model.script_when(MARKER, {"text": "never", "gate": "never"})
+    compact = env.podctl_popen("compact", "pod")
+    env.model.wait_for_requests(2)  # the run's, then the summary's, held at its gate
+    cancelled = env.podctl("cancel", "pod")
+    assert (cancelled.returncode, cancelled.stdout) == (0, "cancelled\n"), cancelled.stderr
+    _, err = compact.communicate(timeout=30)
+    assert compact.returncode == 1 and "compaction failed: cancelled" in err, err
+    status = pod.call("status")
+    assert (status["state"], status["session_id"]) == ("idle", sid)
+
+
 def test_compact_is_busy_during_a_run_and_resume_picks_the_newest_of_the_chain(
     env: Env,
 ) -> None:

@@ -241,6 +241,27 @@ def test_cancel_during_a_compaction_ends_the_run_cancelled_in_the_old_session() 
     assert events(d, "compaction.failed") == [{"error": "interrupted"}]
 
 
+def test_cancel_stops_a_manual_compaction_and_the_queued_run_starts_in_the_old_session() -> None:
+    """A `podctl compact` whose summary call hangs kept the pod "running" with nothing
+    `cancel` would act on ("nothing to cancel"): only a stop ended it."""
+    d = driver(threshold=None)
+    d.call("run", "task")
+    d.model("done")
+    sid = d.machine.state.session_id
+    compact = d.call("compact")
+    queued = d.call("run", "after it")
+    cancel = d.call("cancel")
+    assert d.answer(cancel).result.cancelled and d.interrupted
+    d.summarize_fails(None)
+    error = d.answer(compact).error
+    assert error is not None and error.code == errors.INTERNAL_ERROR
+    assert error.message == "compaction failed: cancelled"
+    assert events(d, "compaction.failed") == [{"error": "cancelled"}]
+    assert d.machine.state.session_id == sid and not d.old_sessions
+    assert d.answer(queued).result.state == "queued"
+    assert isinstance(d.inflight, CallModel)  # the queued run goes on, in the old session
+
+
 def test_shutdown_during_a_compaction_keeps_the_old_session() -> None:
     d = driver(threshold=100)
     d.call("run", "task")
