@@ -308,6 +308,8 @@ class CommandRunner:
 
     @staticmethod
     def _kill_group(command: Command) -> None:
+        if command.pid <= 0:  # not started yet (no `started` reply): killpg(0) is our own group
+            return
         if not command.exited.done() or command.exited.exception() is not None:
             with contextlib.suppress(OSError):
                 os.killpg(command.pid, signal.SIGKILL)

@@ -177,6 +177,27 @@ if json.load(sys.stdin)["prompt"] == "first":
     assert inputs == ["first", "second"]
 
 
+def test_a_stop_while_a_prompts_hook_is_starting_is_a_clean_shutdown(env: Env) -> None:
+    """`run` then `shutdown` in one write, the prompt's hook slow: the stop closed the command
+    runner before it said the hook had started, and the pod SIGKILLed process group 0, its
+    own (and with it `podctl spawn`'s, a unit's, a `timeout`'s): exit 137 where a requested
+    shutdown exits 0."""
+    slow = env.work / "slow.sh"
+    slow.write_text("#!/bin/sh\nsleep 0.5\n")
+    slow.chmod(0o755)
+    pod = env.start("stopped", extra=hooks_toml("UserPromptSubmit", str(slow)))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(pod.socket)
+    run = '{"jsonrpc":"2.0","id":"run","method":"run","params":{"input":"x","wait":true}}\n'
+    sock.sendall((run + '{"jsonrpc":"2.0","id":"sd","method":"shutdown"}\n').encode())
+    sock.shutdown(socket.SHUT_WR)
+    with sock.makefile("rb") as lines:
+        replies = {r["id"]: r for r in map(json.loads, lines)}
+    sock.close()
+    assert pod.proc.wait(20) == 0, pod.text()
+    assert replies["sd"]["result"] == {"ok": True}
+
+
 def test_stop_hook_sees_the_outcome_and_a_hanging_hook_is_killed(env: Env) -> None:
     seen = env.work / "stop.json"
     stop = f"cat > {seen}"
