@@ -67,6 +67,9 @@ TRIM_AFTER_PARTIAL_BYTES = 1024 * 1024
 MAX_IN_FLIGHT = 128
 # Seconds between looks at subscribers that half-closed: whether they have closed for good.
 HALF_CLOSED_CHECK = 2.0
+# Seconds a stopping pod waits for the replies it owes to be written (a client that does not
+# read is not waited for longer): the process exits right after, with what is still buffered.
+CLOSE_FLUSH = 1.0
 _ID_VALUE = re.compile(rb'\s*:\s*(-?\d{1,18}|"[^"\\\x00-\x1f]{0,200}")\s*[,}]')
 
 
@@ -199,6 +202,8 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._backlog.clear()
         self.server.connections.discard(self)
+        if not self.server.connections and self.server.all_closed is not None:
+            self.server.all_closed.set()
         self.server.half_closed.discard(self)
         self.server.partial_bytes -= self._held
         self._held = 0
@@ -476,6 +481,10 @@ class Connection(asyncio.Protocol):
     ) -> None:
         try:
             result = await pending
+        except asyncio.CancelledError:
+            if self.server.closing:  # the pod stops: an answer, not a connection closed on it
+                answer(_error(rid, errors.SHUTTING_DOWN, "the pod is shutting down"))
+            raise
         except RpcError as exc:
             answer(_error(rid, exc.code, exc.message, exc.data))
         except Exception as exc:
@@ -586,6 +595,8 @@ class RpcServer:
         # At least two maximal frames in flight at once, whatever the limit.
         self.max_partial_bytes = max_partial_bytes or max(MAX_PARTIAL_BYTES, 2 * max_frame_bytes)
         self.partial_bytes = 0
+        self.closing = False  # the pod stops: what is still owed is answered -32004
+        self.all_closed: asyncio.Event | None = None  # set by the last connection_lost, closing
         self._trim_scheduled = False
         self.connections: set[Connection] = set()
         # Subscribers that half-closed. A client that then closes its socket is never read
@@ -651,23 +662,53 @@ class RpcServer:
                 sock.bind(str(path))
             finally:
                 os.umask(old_umask)
-            sock.listen(128)
+            sock.listen(socket.SOMAXCONN)
             sock.setblocking(False)
         except BaseException:
             sock.close()
             raise
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_unix_server(lambda: Connection(self), sock=sock)
+        # The backlog again: the loop listens once more, with its own default of 100, and a
+        # burst of more clients than that (a CI fan-out) got EAGAIN while the pod was busy.
+        self._server = await loop.create_unix_server(
+            lambda: Connection(self), sock=sock, backlog=socket.SOMAXCONN
+        )
         self._path, self._ino = path, os.stat(path).st_ino
 
     async def close(self) -> None:
+        """Stop listening; answer every request read and still owed (a history page at work,
+        a prompt waiting on its hook) with -32004, as JSON-RPC wants an answer for each;
+        close the connections once their replies are written (within CLOSE_FLUSH)."""
         if self._half_closed_check is not None:
             self._half_closed_check.cancel()
         if self._server is not None:
             self._server.close()
+        self.closing = True
+        gone = RpcError(errors.SHUTTING_DOWN, "the pod is shutting down")
+        owed = [reply for conn in self.connections for reply in conn._tasks]
+        futures: list[asyncio.Future[Any]] = []
+        for reply in owed:
+            if isinstance(reply, Pending):
+                reply.settle(gone)
+                continue
+            futures.append(reply)
+            if isinstance(reply, asyncio.Task):
+                reply.cancel()  # _finish answers, once the task has unwound (a hook killed)
+            elif not reply.done():
+                reply.set_exception(gone)  # _future_done answers
+        if futures:
+            await asyncio.wait(futures, timeout=CLOSE_FLUSH)
+            await asyncio.sleep(0)  # done callbacks (the futures' answers) run a pass later
+        self.all_closed = asyncio.Event()
         for conn in list(self.connections):
             if conn.transport is not None:
-                conn.transport.close()
+                conn.transport.close()  # once what is buffered is written
+        if self.connections:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.all_closed.wait(), CLOSE_FLUSH)
+        for conn in list(self.connections):
+            if conn.transport is not None:
+                conn.transport.abort()  # a client that does not read its replies
         if self._path is not None:
             # Python 3.11 leaves the file behind. Only ours: once our registry entry went, a
             # new pod of this name may have bound the path, and must keep its socket.

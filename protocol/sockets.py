@@ -5,6 +5,7 @@ one-call client of podctl (`protocol.oneshot`) uses this without the rest of the
 """
 
 import _socket
+import errno
 import os
 from pathlib import Path
 
@@ -44,6 +45,10 @@ def check_peer(sock: _socket.socket, path: Path) -> None:
     """Refuse a connection whose listening process runs as another user (no race with a swap)."""
     raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED_SIZE)
     pid, uid, _ = memoryview(raw).cast("i")
+    if pid == 0:  # no peer: an asyncio connect that met a full backlog (EAGAIN) looks done
+        raise ConnectionError(
+            errno.EAGAIN, f"{path}: the pod did not take the connection (too many at once)"
+        )
     _check_uid(uid, f"the process (pid {pid}) behind socket {path}")
 
 

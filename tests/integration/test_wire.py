@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -809,3 +810,39 @@ def test_readme_shell_recipes_work_as_printed(env: Env) -> None:
         assert reply["result"]["outcome"] == "finished", (out, err)
     finally:
         env.podctl("stop", "shell")
+
+
+def test_a_burst_of_clients_waits_in_the_backlog_of_a_pod_that_is_busy(env: Env) -> None:
+    """The pod listened with the loop's default backlog of 100: while it was busy (stopped
+    here), the 102nd connection of a burst failed with EAGAIN, and the project's own async
+    client took such a socket for one served by another user (found by a QA pass)."""
+    pod = env.start("popular")
+    clients = []
+    os.kill(pod.proc.pid, signal.SIGSTOP)
+    try:
+        for _ in range(300):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.setblocking(False)
+            sock.connect(pod.socket)  # queued, not accepted yet: BlockingIOError past the backlog
+            clients.append(sock)
+    finally:
+        os.kill(pod.proc.pid, signal.SIGCONT)
+    for sock in clients[::50] + clients[-1:]:
+        sock.setblocking(True)
+        sock.settimeout(30)
+        sock.sendall(b'{"jsonrpc":"2.0","id":1,"method":"status"}\n')
+        assert json.loads(sock.makefile("rb").readline())["result"]["name"] == "popular"
+    for sock in clients:
+        sock.close()
+
+
+def test_a_socket_with_no_peer_is_a_failed_connection_not_another_users(tmp_path: Path) -> None:
+    """An asyncio connect that meets a full backlog (EAGAIN) looks done, with no peer behind
+    it: SO_PEERCRED then says pid 0, uid -1, and the client refused the pod's socket as
+    served by another user."""
+    from protocol.sockets import check_peer
+
+    with socket.socket(socket.AF_UNIX) as unconnected, pytest.raises(ConnectionError) as err:
+        check_peer(unconnected, tmp_path / "sock")
+    assert not isinstance(err.value, UnsafeSocket)
+    assert "the pod did not take the connection (too many at once)" in str(err.value)

@@ -191,3 +191,40 @@ async def test_a_client_past_max_unread_bytes_is_still_dropped_with_an_alert() -
     await _passes()
     assert len(transport.frames) == 1 and transport.aborted
     assert any(b"disconnected client" in frame and b"unread" in frame for frame in events)
+
+
+async def test_a_stop_answers_every_request_still_owed_then_closes() -> None:
+    """JSON-RPC owes an answer to each request read: a stop closed the connection on a history
+    page still at work, a prompt still waiting on its hook and a reply waiting for the log,
+    and their clients got EOF instead (found by a QA pass)."""
+    from poddaemon.acks import Pending
+
+    history = SlowHistory()
+    server = _server(history)
+    never: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    server.handlers["run"] = lambda p, conn: Pending()  # settled by the machine, one day
+    server.handlers["usage"] = lambda p, conn: never  # a bare future (a durable ack)
+    conn = Connection(server)
+    closed: list[str] = []
+
+    class Closing(Transport):
+        def close(self) -> None:
+            closed.append("close")
+            asyncio.get_running_loop().call_soon(conn.connection_lost, None)
+
+        def abort(self) -> None:
+            closed.append("abort")
+
+    transport = Closing()
+    conn.transport = transport  # type: ignore[assignment]
+    server.connections.add(conn)
+    conn.data_received(
+        _request(1) + b'{"jsonrpc":"2.0","id":2,"method":"run","params":{"input":"x"}}\n'
+        b'{"jsonrpc":"2.0","id":3,"method":"usage"}\n'
+    )
+    await _passes()
+    assert transport.frames == [] and history.waiting == 1
+    await server.close()
+    answers = {f["id"]: f["error"]["code"] for f in transport.frames}
+    assert answers == {1: -32004, 2: -32004, 3: -32004}
+    assert closed == ["close"] and server.connections == set()
