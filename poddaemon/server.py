@@ -180,6 +180,8 @@ class Connection(asyncio.Protocol):
         self._draining = False  # a drain of the backlog is scheduled
         self._reading_paused = False
         self._subscribing = False  # its subscription begins once the subscribe reply is out
+        # While a batch item is dispatched: the batch's [subscribe cursor] (see _handle_batch).
+        self._batch_subscribe: list[int] | None = None
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -380,6 +382,7 @@ class Connection(asyncio.Protocol):
             return
         replies: list[bytes | None] = [None] * len(items)
         pending = len(items)
+        subscribe: list[int] = []  # a subscribe in it streams once the batch's reply is out
 
         def collect(index: int) -> Callable[[bytes], None]:
             def put(frame: bytes) -> None:
@@ -395,6 +398,8 @@ class Connection(asyncio.Protocol):
                 frames = [r for r in replies if r is not None]
                 if frames:
                     self._send(b"[" + b",".join(frames) + b"]")
+                if subscribe:
+                    asyncio.get_running_loop().call_soon(self.start_events, subscribe[-1])
 
         def handle(i: int, raw: msgspec.Raw) -> None:
             try:
@@ -403,11 +408,15 @@ class Connection(asyncio.Protocol):
                 message = f"invalid request: {exc}"
                 collect(i)(_error(_guess_id(bytes(raw)), errors.INVALID_REQUEST, message))
                 return
-            if req.is_notification:
-                self._dispatch(req, lambda _frame: None)
-                done()
-            else:
-                self._dispatch(req, collect(i))
+            self._batch_subscribe = subscribe
+            try:
+                if req.is_notification:
+                    self._dispatch(req, lambda _frame: None)
+                    done()
+                else:
+                    self._dispatch(req, collect(i))
+            finally:
+                self._batch_subscribe = None
 
         for i, raw in enumerate(items):
             if len(self._tasks) >= MAX_IN_FLIGHT:  # the rest waits as lines do, before them
@@ -544,6 +553,9 @@ class Connection(asyncio.Protocol):
         """Stream events after `cursor` once the subscribe reply now being sent is written (a
         client that half-closes meanwhile still gets them)."""
         self._subscribing = True
+        if self._batch_subscribe is not None:  # its reply goes out with the whole batch's
+            self._batch_subscribe.append(cursor)
+            return
         asyncio.get_running_loop().call_soon(self.start_events, cursor)
 
     def start_events(self, cursor: int) -> None:

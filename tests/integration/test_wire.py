@@ -846,3 +846,28 @@ def test_a_socket_with_no_peer_is_a_failed_connection_not_another_users(tmp_path
         check_peer(unconnected, tmp_path / "sock")
     assert not isinstance(err.value, UnsafeSocket)
     assert "the pod did not take the connection (too many at once)" in str(err.value)
+
+
+def test_a_subscribe_in_a_batch_streams_after_the_batchs_reply(env: Env) -> None:
+    """SPEC §5: subscribe answers `{cursor}`, then events follow. In a batch the reply waits
+    for every item (here a run with wait), and the events came first, before the cursor."""
+    env.model.script({"text": "batched"})
+    pod = env.start("batcher")
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(pod.socket)
+        sock.settimeout(30)
+        batch = [
+            {"jsonrpc": "2.0", "id": "s", "method": "subscribe"},
+            {"jsonrpc": "2.0", "id": "w", "method": "run", "params": {"input": "b", "wait": True}},
+        ]
+        sock.sendall(json.dumps(batch).encode() + b"\n")
+        lines = sock.makefile("rb")
+        first = json.loads(lines.readline())
+        assert isinstance(first, list), first  # the batch's reply, before any event
+        replies = {r["id"]: r["result"] for r in first}
+        assert replies["w"]["text"] == "batched"
+        events = []
+        while not events or events[-1]["params"]["type"] != "run.finished":
+            events.append(json.loads(lines.readline()))
+    assert all(e["method"] == "event" for e in events)
+    assert events[0]["params"]["seq"] > replies["s"]["cursor"]
