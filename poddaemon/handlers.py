@@ -67,23 +67,30 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         # was judged when it was committed, and a refusal now would say nothing was.
         retried = p.client_key is not None and p.client_key in m.state.run_keys
         if hooks is not None and not retried and hooks.wants("UserPromptSubmit"):
-            return _run_hooked(p)
+            decided = asyncio.get_running_loop().create_future()
+            conn.decide_before_next(decided)  # its later requests wait for the hook
+            return _run_hooked(p, decided)
         # The server answers from the Pending: no task per acknowledgement.
         return pod.request_pending(lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait))
 
-    async def _run_hooked(p: RunParams) -> Any:
+    async def _run_hooked(p: RunParams, decided: "asyncio.Future[None]") -> Any:
         assert hooks is not None
         # One prompt at a time, in the order they came (the lock is fair): a second prompt's
-        # hook may finish first, and its run must not be queued before the first one's.
-        async with prompts_in_order:
-            if not m.state.session_id and pod.plog.reserved is None:
-                await pod.reserve_session()  # the hook is told the session this prompt starts
-            refused, context = await hooks.user_prompt(p.input)
-            if refused is not None:  # nothing is committed
-                raise RpcError(errors.HOOK_REFUSED, refused)
-            reply = pod.request_future(
-                lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait, context)
-            )
+        # hook may finish first (from another connection), and its run must not be queued
+        # before the first one's.
+        try:
+            async with prompts_in_order:
+                if not m.state.session_id and pod.plog.reserved is None:
+                    await pod.reserve_session()  # the hook is told the session this prompt starts
+                refused, context = await hooks.user_prompt(p.input)
+                if refused is not None:  # nothing is committed
+                    raise RpcError(errors.HOOK_REFUSED, refused)
+                reply = pod.request_future(
+                    lambda t: m.run(t, p.input, p.mode, p.client_key, p.wait, context)
+                )
+        finally:
+            if not decided.done():  # committed (or refused): the connection reads on
+                decided.set_result(None)
         return await reply
 
     def notify(p: NotifyParams, conn: Any) -> Any:
@@ -104,7 +111,8 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     # Every command reaches the machine as its request is read, never from a task that runs
     # later: requests pipelined on one connection are decided in the order they were sent (a
-    # `cancel` then a `run` cancels nothing; a `run` after a `shutdown` is refused).
+    # `cancel` then a `run` cancels nothing; a `run` after a `shutdown` is refused). A prompt
+    # with a UserPromptSubmit hook is decided after its hook: its connection waits meanwhile.
 
     def pod_event(p: PodEventParams, conn: Any) -> Any:
         event_id = p.event_id or new_session_id()

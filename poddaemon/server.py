@@ -182,6 +182,8 @@ class Connection(asyncio.Protocol):
         self._subscribing = False  # its subscription begins once the subscribe reply is out
         # While a batch item is dispatched: the batch's [subscribe cursor] (see _handle_batch).
         self._batch_subscribe: list[int] | None = None
+        # A request decided later than it was read (see decide_before_next): later ones wait.
+        self._undecided: asyncio.Future[Any] | None = None
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -247,12 +249,25 @@ class Connection(asyncio.Protocol):
     def _lines(self, lines: list[bytes | Oversize]) -> None:
         backlog = self._backlog
         for line in lines:
-            if backlog or self._paused or len(self._tasks) >= MAX_IN_FLIGHT:
+            if backlog or self._paused or self._undecided or len(self._tasks) >= MAX_IN_FLIGHT:
                 backlog.append(functools.partial(self._line, line))
             else:
                 self._line(line)
         if backlog:
             self._hold()
+
+    def decide_before_next(self, decided: "asyncio.Future[Any]") -> None:
+        """The request being handled reaches the machine only once `decided` is done (a
+        prompt's hook runs first): this connection's later requests wait until then, so that
+        requests pipelined on one connection are decided in the order they were sent."""
+        self._undecided = decided
+        self._hold()
+        decided.add_done_callback(self._decided)
+
+    def _decided(self, decided: "asyncio.Future[Any]") -> None:
+        if self._undecided is decided:
+            self._undecided = None
+            self._drain_soon()
 
     def _hold(self) -> None:
         """Stop reading this client until its backlog is handled and its replies are read
@@ -274,7 +289,12 @@ class Connection(asyncio.Protocol):
     def _drain(self) -> None:
         self._draining = False
         backlog = self._backlog
-        while backlog and not self._paused and len(self._tasks) < MAX_IN_FLIGHT:
+        while (
+            backlog
+            and not self._paused
+            and not self._undecided
+            and len(self._tasks) < MAX_IN_FLIGHT
+        ):
             backlog.popleft()()
         if backlog or self._paused or self.transport is None or self.transport.is_closing():
             return

@@ -178,26 +178,58 @@ if json.load(sys.stdin)["prompt"] == "first":
 
 
 def test_a_stop_while_a_prompts_hook_is_starting_is_a_clean_shutdown(env: Env) -> None:
-    """`run` then `shutdown` in one write, the prompt's hook slow: the stop closed the command
-    runner before it said the hook had started, and the pod SIGKILLed process group 0, its
-    own (and with it `podctl spawn`'s, a unit's, a `timeout`'s): exit 137 where a requested
-    shutdown exits 0."""
+    """A `run` and a `shutdown` in one batch (whose items are not decided in order), the
+    prompt's hook slow: the stop closed the command runner before it said the hook had
+    started, and the pod SIGKILLed process group 0, its own (and with it `podctl spawn`'s,
+    a unit's, a `timeout`'s): exit 137 where a requested shutdown exits 0. The run, read
+    before the stop, is answered (it was dropped with the connection)."""
     slow = env.work / "slow.sh"
     slow.write_text("#!/bin/sh\nsleep 0.5\n")
     slow.chmod(0o755)
     pod = env.start("stopped", extra=hooks_toml("UserPromptSubmit", str(slow)))
+    batch = [
+        {"jsonrpc": "2.0", "id": "run", "method": "run", "params": {"input": "x", "wait": True}},
+        {"jsonrpc": "2.0", "id": "sd", "method": "shutdown"},
+    ]
     sock = socket.socket(socket.AF_UNIX)
     sock.connect(pod.socket)
-    run = '{"jsonrpc":"2.0","id":"run","method":"run","params":{"input":"x","wait":true}}\n'
-    sock.sendall((run + '{"jsonrpc":"2.0","id":"sd","method":"shutdown"}\n').encode())
-    sock.shutdown(socket.SHUT_WR)
+    sock.sendall(json.dumps(batch).encode() + b"\n")
     with sock.makefile("rb") as lines:
-        replies = {r["id"]: r for r in map(json.loads, lines)}
+        (reply,) = [json.loads(line) for line in lines]
     sock.close()
     assert pod.proc.wait(20) == 0, pod.text()
+    replies = {r["id"]: r for r in reply}
     assert replies["sd"]["result"] == {"ok": True}
-    # Read before the stop, it is answered (it was dropped with the connection): not committed.
-    assert replies["run"]["error"]["code"] == -32004, replies
+    assert replies["run"]["error"]["code"] == -32004, replies  # shutting down: not committed
+
+
+def test_requests_pipelined_after_a_hooked_prompt_are_decided_after_it(env: Env) -> None:
+    """`run A`, `cancel`, `notify N` in one write to an idle pod whose prompt hook is slow:
+    the cancel and the notify were decided while the hook ran, so the cancel found nothing,
+    the notification woke a turn of its own and A was queued behind it (found by a QA pass)."""
+    slow = env.work / "slow.sh"
+    slow.write_text("#!/bin/sh\nsleep 0.3\n")
+    slow.chmod(0o755)
+    env.model.script({"text": "never", "gate": "never"}, {"text": "after"})
+    pod = env.start("inorder", extra=hooks_toml("UserPromptSubmit", str(slow)))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(pod.socket)
+    line = '{"jsonrpc":"2.0","id":"%s","method":"%s","params":%s}\n'
+    sock.sendall(
+        (
+            line % ("run", "run", '{"input":"A"}')
+            + line % ("cancel", "cancel", "{}")
+            + line % ("note", "notify", '{"message":"N"}')
+        ).encode()
+    )
+    sock.shutdown(socket.SHUT_WR)
+    with sock.makefile("rb") as lines:
+        replies = {r["id"]: r["result"] for r in map(json.loads, lines)}
+    sock.close()
+    assert replies["run"]["state"] == "started", replies
+    assert replies["cancel"] == {"cancelled": True}
+    kinds = [(e["kind"], e.get("text")) for e in entries(pod)]
+    assert kinds.index(("user_input", "A")) < kinds.index(("system_item", "N")), kinds
 
 
 def test_stop_hook_sees_the_outcome_and_a_hanging_hook_is_killed(env: Env) -> None:

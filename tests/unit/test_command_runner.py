@@ -368,3 +368,19 @@ async def test_a_command_that_cannot_start_is_a_tool_error_and_the_runner_lives_
     first = (await ctx.command_runner()).pid
     assert (await bash(ctx, "echo fine")).output == "fine"
     assert (await ctx.command_runner()).pid == first
+
+
+async def test_a_command_not_started_yet_has_no_group_to_kill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A command is known with pid 0 until the runner says it started. A runner closed in that
+    window (a stop while a hook was starting) killed process group 0, the pod's own."""
+    from poddaemon.tools.runner_client import Command
+
+    killed: list[int] = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: killed.append(pgid))
+    loop = asyncio.get_running_loop()
+    CommandRunner._kill_group(Command(id=1, pid=0, exited=loop.create_future()))
+    assert killed == []
+    CommandRunner._kill_group(Command(id=2, pid=4242, exited=loop.create_future()))
+    assert killed == [4242]
