@@ -802,7 +802,8 @@ def test_a_tree_whose_registry_went_registers_again_in_any_order(tree: Env, firs
             os.kill(pids[name], signal.SIGCONT)
     wait_until(lambda: {e.name for e in registry.live()} == everyone, 20, "the whole tree back")
     assert {e.name: e.pid for e in registry.live()} == pids
-    assert parent.call("status")["state"] == "idle"
+    # Alive and well: it goes idle (a report of mid's, late for the stops, may wake a turn).
+    drained(parent)
     assert str(env.work / "mid") in (registry.get("parent") or registry.live()[0]).delegated
 
 
