@@ -728,6 +728,8 @@ def test_a_stopped_leaf_does_not_make_ls_call_its_answering_ancestors_unresponsi
     wait_until(lambda: Registry(env.home / "run").get("leaf") is not None, 30, "the leaf")
     leaf = Registry(env.home / "run").get("leaf")
     assert leaf is not None
+    # Serving: stopped after its claim but before it listens, it is `starting` (CI caught it).
+    wait_until(lambda: env.podctl("status", "leaf").returncode == 0, 30, "the leaf to answer")
     os.kill(leaf.pid, signal.SIGSTOP)
     try:
         listed = env.podctl("ls", "--json")
