@@ -727,9 +727,11 @@ def _serve(
             if tree is not None:
                 tree.cancel()
             sdnotify.stopping()
-            # The run is stopped and the log closed: give the name up before anything slower.
-            await server.close()
+            # The run is stopped and the log closed: give the name up before anything slower
+            # (the last replies' writing, MCP servers' exits).
+            server.close()
             claim.release()
+            await server.drain()
             await mcp.aclose()
         if ending.code != EXIT_OK:
             log.error("exiting with status %d: %s", ending.code, ending.why())

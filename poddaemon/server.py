@@ -629,6 +629,7 @@ class RpcServer:
         self.partial_bytes = 0
         self.closing = False  # the pod stops: what is still owed is answered -32004
         self.all_closed: asyncio.Event | None = None  # set by the last connection_lost, closing
+        self._owed: list[asyncio.Future[Any]] = []  # tasks and futures close() settled (drain)
         self._trim_scheduled = False
         self.connections: set[Connection] = set()
         # Subscribers that half-closed. A client that then closes its socket is never read
@@ -707,29 +708,39 @@ class RpcServer:
         )
         self._path, self._ino = path, os.stat(path).st_ino
 
-    async def close(self) -> None:
-        """Stop listening; answer every request read and still owed (a history page at work,
-        a prompt waiting on its hook) with -32004, as JSON-RPC wants an answer for each;
-        close the connections once their replies are written (within CLOSE_FLUSH)."""
+    def close(self) -> None:
+        """Stop listening and give the socket's path up (a new pod of this name may bind it
+        once our claim goes); settle every request read and still owed (a history page at
+        work, a prompt waiting on its hook) with -32004, as JSON-RPC wants an answer for each.
+        `drain` then writes those answers and closes the connections."""
         if self._half_closed_check is not None:
             self._half_closed_check.cancel()
         if self._server is not None:
             self._server.close()
+        if self._path is not None:
+            # Python 3.11 leaves the file behind. Only ours: once our registry entry went, a
+            # new pod of this name may have bound the path, and must keep its socket.
+            with contextlib.suppress(OSError):
+                if os.stat(self._path).st_ino == self._ino:
+                    self._path.unlink()
+            self._path = None
         self.closing = True
         gone = RpcError(errors.SHUTTING_DOWN, "the pod is shutting down")
-        owed = [reply for conn in self.connections for reply in conn._tasks]
-        futures: list[asyncio.Future[Any]] = []
-        for reply in owed:
+        for reply in [reply for conn in self.connections for reply in conn._tasks]:
             if isinstance(reply, Pending):
                 reply.settle(gone)
                 continue
-            futures.append(reply)
+            self._owed.append(reply)
             if isinstance(reply, asyncio.Task):
                 reply.cancel()  # _finish answers, once the task has unwound (a hook killed)
             elif not reply.done():
                 reply.set_exception(gone)  # _future_done answers
-        if futures:
-            await asyncio.wait(futures, timeout=CLOSE_FLUSH)
+
+    async def drain(self) -> None:
+        """After `close`: let the answers owed be given and written, within CLOSE_FLUSH each
+        (a client that does not read is not waited for longer), and close every connection."""
+        if self._owed:
+            await asyncio.wait(self._owed, timeout=CLOSE_FLUSH)
             await asyncio.sleep(0)  # done callbacks (the futures' answers) run a pass later
         self.all_closed = asyncio.Event()
         for conn in list(self.connections):
@@ -741,10 +752,3 @@ class RpcServer:
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.abort()  # a client that does not read its replies
-        if self._path is not None:
-            # Python 3.11 leaves the file behind. Only ours: once our registry entry went, a
-            # new pod of this name may have bound the path, and must keep its socket.
-            with contextlib.suppress(OSError):
-                if os.stat(self._path).st_ino == self._ino:
-                    self._path.unlink()
-            self._path = None

@@ -224,7 +224,8 @@ async def test_a_stop_answers_every_request_still_owed_then_closes() -> None:
     )
     await _passes()
     assert transport.frames == [] and history.waiting == 1
-    await server.close()
+    server.close()
+    await server.drain()
     answers = {f["id"]: f["error"]["code"] for f in transport.frames}
     assert answers == {1: -32004, 2: -32004, 3: -32004}
     assert closed == ["close"] and server.connections == set()
