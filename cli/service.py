@@ -425,7 +425,12 @@ def logs(
     ] = False,
     since: Annotated[
         str | None,
-        typer.Option("--since", metavar="WHEN", help="Only lines since: 30s, 10m, 2h, or a time."),
+        typer.Option(
+            "--since",
+            metavar="WHEN",
+            help="Only lines since: an age (30s, 10m, 2h, 1d; a bare number is seconds) "
+            "or an ISO date/time (2026-11-29T08:00).",
+        ),
     ] = None,
 ) -> None:
     """The pod's own log lines, with timestamps.

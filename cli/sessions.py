@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.app import JsonOpt, app, fail, print_json, sub_app
+from cli.app import EXIT_USAGE, JsonOpt, app, fail, print_json, sub_app
 
 sessions_app = sub_app("Browse and check session logs.")
 app.add_typer(sessions_app, name="sessions")
@@ -60,8 +60,8 @@ def _scan(session_id: str) -> Any:
 
     try:
         return SessionScan(_sessions_dir(), session_id)
-    except ValueError as exc:  # not a session id
-        fail(str(exc))
+    except ValueError as exc:  # not a session id: a usage error, unlike a damaged log (1)
+        fail(str(exc), EXIT_USAGE)
 
 
 def _entries(scan: Any) -> Iterator[dict[str, Any]]:

@@ -10,6 +10,7 @@ from cli.app import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_LIMIT,
+    EXIT_USAGE,
     UNANSWERED_INPUT,
     JsonOpt,
     PodArg,
@@ -358,6 +359,8 @@ def history(
     `earlier`). After a compaction the pod's session continues an earlier one: stderr names
     it (in `--json`: `previous`), and `--session ID` pages it.
     """
+    if all_ and limit is not None:
+        fail("--all and --limit exclude each other", EXIT_USAGE)
     keep = limit if limit is not None else (None if all_ or since is not None else HISTORY_TAIL)
     start = since or 0
     links: list[str] = []

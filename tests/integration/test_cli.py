@@ -238,6 +238,9 @@ def test_sessions_verify_and_show(home: Path) -> None:
     assert bad.returncode == 1 and "line 2" in bad.stderr and bad.stderr.startswith("podctl: ")
     missing = podctl(home, "sessions", "verify", "nope")
     assert missing.returncode == 1 and "nope" in missing.stderr
+    # Not a session id at all (a path): a usage error, not a damaged log (both exited 1).
+    malformed = podctl(home, "sessions", "verify", str(path))
+    assert malformed.returncode == 2 and "invalid session id" in malformed.stderr
 
 
 @pytest.mark.parametrize("kind", ["directory", "fifo"])

@@ -67,6 +67,9 @@ def test_history_shows_the_newest_and_says_how_many_are_cut(env: Env) -> None:
     )
     assert " run_end " in tail.stdout.splitlines()[-1]
 
+    both = env.podctl("history", "hist", "--all", "--limit", "3")  # --all was dropped quietly
+    assert both.returncode == 2 and "--all and --limit exclude each other" in both.stderr
+
     default = env.podctl("history", "hist")  # fewer than 50 entries: all of them, no note
     assert seqs(default.stdout) == all_seqs and default.stderr == ""
 
