@@ -290,7 +290,7 @@ def _stop(target: str, tree: bool, top: bool, unanswered: bool = False) -> list[
                         if exc.code != SHUTTING_DOWN:
                             raise
             except (PodNotRunning, ConnectionClosed, TimeoutError) as exc:
-                entry = _live_entry(target)
+                entry = live_entry(target)
                 if entry is None and not top and not isinstance(exc, TimeoutError):
                     return left  # it went already (another stop, a restart): not left running
                 if entry is None:
@@ -318,7 +318,7 @@ def _stop(target: str, tree: bool, top: bool, unanswered: bool = False) -> list[
     return left
 
 
-def _live_entry(target: str) -> Any:
+def live_entry(target: str) -> Any:
     """The live registry entry of the pod `target` names (a name, or a socket path or a
     symlink to one); None if no live process holds it. What is known of a pod that cannot be
     asked on its socket."""

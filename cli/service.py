@@ -107,8 +107,10 @@ def stop_unit_pod(
         return _stop_unit(name, unit, [], before)
     except (PodNotRunning, ConnectionClosed, RpcError, OSError):
         # Between a crash and systemd's restart (activating, auto-restart): still its unit's.
+        from cli.unit import active_state
+
         unit = pod_unit(target, None)
-        if unit is None or not _unit_starting(unit):
+        if unit is None or active_state(unit) not in ("activating", "reloading"):
             return False
         return _stop_unit(target, unit, [], before)
     unit = _own_unit(status)
@@ -128,22 +130,11 @@ def _stop_unit(
     return True
 
 
-def _unit_starting(unit: str) -> bool:
-    """The unit is on its way to running its pod again (`activating`: auto-restart)."""
-    from cli.unit import UnitError, systemctl
-
-    try:
-        state = systemctl("is-active", unit, check=False).stdout.strip()
-    except UnitError:
-        return False
-    return state in ("activating", "reloading")
-
-
 def _unanswering_unit(target: str) -> tuple[str, str | None]:
     """The name and own unit of a pod that does not answer, from its registry entry."""
-    from cli.pods import _live_entry
+    from cli.pods import live_entry
 
-    entry = _live_entry(target)
+    entry = live_entry(target)
     if entry is None:
         return target, None
     return str(entry.name), _own_unit({"name": entry.name, "pid": entry.pid})
@@ -219,9 +210,9 @@ def _name_of(pod: str) -> str | None:
     path = Path(os.path.abspath(pod))
     if path.name == "sock" and path == paths.socket_path(path.parent.name):
         return path.parent.name
-    from cli.pods import _live_entry
+    from cli.pods import live_entry
 
-    entry = _live_entry(pod)
+    entry = live_entry(pod)
     return None if entry is None else str(entry.name)
 
 

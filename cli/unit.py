@@ -323,10 +323,18 @@ def _journal_since(unit: str, since: float) -> list[str]:
     return out.splitlines()
 
 
+def active_state(unit: str) -> str:
+    """`systemctl --user is-active UNIT`: active, activating (an auto-restart too), ...; ""
+    when systemctl cannot say."""
+    try:
+        return systemctl("is-active", unit, check=False).stdout.strip()
+    except UnitError:
+        return ""
+
+
 def _unit_running(unit: str) -> bool:
     """Whether the unit runs or is starting: `enable --now` would then start nothing."""
-    state = systemctl("is-active", unit, check=False).stdout.strip()
-    return state in ("active", "activating", "reloading")
+    return active_state(unit) in ("active", "activating", "reloading")
 
 
 def _refuse_if_running_elsewhere(pod: str) -> None:
