@@ -227,7 +227,8 @@ class OpenAIResponsesClient(RetryingClient):
                                 text_field(item, "call_id"), text_field(item, "name")
                             )
                         if kind == "response.output_item.done":
-                            acc.final = field(item, "arguments")
+                            final = field(item, "arguments")  # None: not given, use the deltas
+                            acc.final = None if final is None else text_field(item, "arguments")
                     yield None
                 elif kind == "response.function_call_arguments.delta":
                     acc = tools.get(int_field(event, "output_index"))

@@ -468,3 +468,60 @@ def test_first_request_after_warm_up_imports_and_spawns_nothing(fake: FakeModel,
     got = json.loads(out)
     assert got == {"imported": [], "spawned": []}
     assert len(fake.requests) == 1
+
+
+WHOLE_WITH_OBJECT_ARGUMENTS = {
+    "openai": {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "tool_calls",
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_7",
+                            "type": "function",
+                            "function": {"name": "read_file", "arguments": {"path": "a.txt"}},
+                        }
+                    ],
+                },
+            }
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 5},
+    },
+    "openai_responses": {
+        "id": "resp_1",
+        "object": "response",
+        "status": "completed",
+        "output": [
+            {
+                "type": "function_call",
+                "call_id": "call_7",
+                "name": "read_file",
+                "arguments": {"path": "a.txt"},
+            }
+        ],
+        "usage": {"input_tokens": 10, "output_tokens": 5},
+    },
+}
+
+
+@pytest.mark.parametrize("kind", ["openai", "openai_responses"])
+async def test_tool_arguments_sent_as_a_json_object_are_read_as_its_text(
+    fake: FakeModel, kind: str
+) -> None:
+    """A compatible server that sends a call's `arguments` as a JSON object rather than the
+    string the API specifies: the call keeps them, as their JSON text (openai_responses ended
+    the run with "AttributeError: 'dict' object has no attribute 'strip'")."""
+    body = json.dumps(WHOLE_WITH_OBJECT_ARGUMENTS[kind])
+    fault = {"kind": "status", "status": 200, "body": body, "content_type": "application/json"}
+    fake.script({"fault": fault})
+    events, err = await run(make_client(config(fake, kind)))
+    assert err is None, err
+    (tool_call,) = final(events).message.tool_calls
+    assert (tool_call.id, tool_call.name) == ("call_7", "read_file")
+    assert json.loads(tool_call.arguments) == {"path": "a.txt"}
