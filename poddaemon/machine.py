@@ -621,6 +621,30 @@ class Machine:
         guess = compaction.estimated_usage(self.system_prompt, self.state.history, response.message)
         return msgspec.structs.replace(response, usage=guess)
 
+    def _charge_cut_call(self, run_id: str, error: ProviderError | None, partial: str) -> None:
+        """A call cut short once the provider answered (a broken or stalled stream, a cancel
+        mid-answer) cost its request and what it produced, yet no usage came (it comes last):
+        a capped pod counts it by the bytes / 4 estimate, or a provider that keeps cutting its
+        streams (or a client that keeps cancelling) would spend without limit."""
+        if self.cfg.budget_cap is None:
+            return
+        answered = bool(partial) or (error is not None and error.kind in ("interrupted", "stalled"))
+        if not answered:
+            return
+        u = compaction.estimated_usage(
+            self.system_prompt, self.state.history, AssistantMessage(text=partial)
+        )
+        self._commit(
+            LlmUsage(
+                run_id=run_id,
+                model=self.cfg.model,
+                input=u.input,
+                output=u.output,
+                cache_read=0,
+                cache_write=0,
+            )
+        )
+
     def model_retrying(self, retrying: bool) -> list[Effect]:
         """The model call in flight failed before any output and waits to try again (True), or
         its output started streaming after all (False). While it only waits, a pause need not
@@ -650,6 +674,7 @@ class Machine:
 
         def go() -> None:
             turn = self._expect("model")
+            self._charge_cut_call(turn.run_id, error, partial)
             failure = error
             if failure is not None and failure.kind == "context_overflow" and self._compaction_on():
                 message = f"context full: {failure.message}"

@@ -159,3 +159,33 @@ def test_input_steered_into_a_run_the_provider_failed_is_still_answered(env: Env
     assert followed[-1].data["outcome"] == "finished"
     assert followed[-1].data["text"] == "ok: also this"
     assert pod.call("status")["state"] == "idle"
+
+
+@pytest.mark.parametrize("how", ["cut", "cancel"])
+def test_calls_cut_short_count_against_the_budget(env: Env, how: str) -> None:
+    """A call whose stream breaks (or is cancelled) after the answer started cost the provider
+    its request, yet brings no usage (it comes last): a capped pod counts it by estimate, so
+    a provider that keeps cutting its streams cannot spend past `max_total_tokens` (every
+    such run used to leave the budget untouched: `spent` stayed 0)."""
+    answer = "a partial answer that goes on and on " * 4
+    if how == "cut":
+        env.model.script(*[{"text": answer, "fault": {"kind": "cut", "after_chunks": 1}}] * 3)
+    else:
+        env.model.script(*[{"text": answer, "delay": 0.2}] * 3)
+    pod = env.start("cutter", kind="anthropic", extra="[budget]\nmax_total_tokens = 50\n")
+    task = "a task long enough to cost tokens: " + "x" * 400
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run(task)
+        if how == "cancel":
+            events_until(c, lambda e: e.type == "text.delta")
+            assert c.cancel().cancelled
+        events = collect_run(c, run.run_id)
+    assert events[-1].data["outcome"] == ("error" if how == "cut" else "cancelled")
+    budget = pod.call("status")["budget"]
+    assert budget["spent"] >= 100, budget  # the 400-byte input alone is ~100 tokens
+    assert pod.call("usage")["totals"]["calls"] == 1
+    with pod.client() as c, pytest.raises(Exception) as info:
+        c.run("again")
+    assert getattr(info.value, "code", None) == -32007
+    assert len(env.model.requests) == 1
