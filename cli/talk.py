@@ -179,13 +179,14 @@ def send(
     outcome = finished.get("outcome")
     if outcome == "finished":
         return
+    error = finished.get("error")  # for limit_reached, which limit: max_turns, the budget
+    said = f": {error}" if error else ""
     if outcome == "limit_reached":
         if not as_json:
-            sys.stderr.write(f"podctl: run {run_id} reached its limit\n")
+            sys.stderr.write(f"podctl: run {run_id} reached its limit{said}\n")
         raise typer.Exit(EXIT_LIMIT)
     if not as_json:
-        error = finished.get("error")
-        sys.stderr.write(f"podctl: run {run_id} {outcome}" + (f": {error}" if error else "") + "\n")
+        sys.stderr.write(f"podctl: run {run_id} {outcome}{said}\n")
     raise typer.Exit(EXIT_ERROR)
 
 

@@ -589,3 +589,14 @@ def test_send_says_on_stderr_that_the_model_call_is_retried(env: Env) -> None:
     out = env.podctl("send", "retries", "try hard")
     assert (out.returncode, out.stdout) == (0, "made it\n"), out.stderr
     assert re.search(r"^podctl: model call failed; retry #1 in \d+\.\ds: .*503", out.stderr, re.M)
+
+
+def test_send_says_which_limit_the_run_reached(env: Env) -> None:
+    """`podctl send` exits 2 on `limit_reached` and says which limit it was (max_turns here,
+    the budget elsewhere), as it says an error's message: "reached its limit" alone left the
+    user to look for it in `podctl history`."""
+    env.model.script(*[{"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}] * 3)
+    env.start("limited", "--set", "worker.max_turns=2")
+    result = env.podctl("send", "limited", "loop")
+    assert result.returncode == 2, result.stderr
+    assert "reached its limit: reached max_turns (2)" in result.stderr, result.stderr
