@@ -211,7 +211,10 @@ def restrict_scope() -> None:
 # process read /proc/<pid>/environ of processes outside it (the pod's API key), CAP_NET_RAW and
 # CAP_NET_ADMIN reach the network without TCP, CAP_DAC_READ_SEARCH opens files by handle,
 # CAP_SYS_ADMIN/SYS_MODULE/SYS_RAWIO/BPF/PERFMON/MKNOD reach the kernel or devices directly.
-_ROOT_ESCAPE_CAPS = (2, 12, 13, 16, 17, 19, 21, 27, 38, 39)
+# Landlock knows no files in these either: CAP_IPC_OWNER reads and writes every user's SysV
+# shared memory and message queues, CAP_SYSLOG the kernel's log (syslog(2)), CAP_SYS_BOOT
+# reboots the machine or kexecs another kernel, CAP_SYS_TIME sets its clock.
+_ROOT_ESCAPE_CAPS = (2, 12, 13, 15, 16, 17, 19, 21, 22, 25, 27, 34, 38, 39)
 
 
 def drop_escape_caps() -> None:

@@ -53,6 +53,16 @@ def test_seam_only_lowers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_landlock
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root has capabilities to drop")
+def test_root_commands_lose_the_capabilities_landlock_cannot_see(work: Path) -> None:
+    # SysV IPC, the kernel log, reboot/kexec and the clock have no path Landlock could judge.
+    r = launch(work, policy_file(work), "grep CapBnd /proc/self/status")
+    bounding = int(r.stdout.split()[1], 16)
+    named = {"IPC_OWNER": 15, "SYS_BOOT": 22, "SYS_TIME": 25, "SYSLOG": 34, "SYS_ADMIN": 21}
+    assert {n for n, bit in named.items() if bounding >> bit & 1} == set()
+
+
+@needs_landlock
 def test_confines_and_says_which_abi(work: Path) -> None:
     r = launch(work, policy_file(work), 'echo "$PODDAEMON_SANDBOX"; cat in.txt; cat ../out.txt')
     assert r.stdout.splitlines()[:2] == [f"landlock-abi-{ABI}", "inside"]
