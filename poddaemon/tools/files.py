@@ -206,7 +206,9 @@ def lstat_at(dfd: int, name: str, shown: str) -> os.stat_result | None:
 
 def atomic_write_at(dfd: int, name: str, data: bytes, old: os.stat_result | None) -> os.stat_result:
     """Replace entry `name` of directory `dfd` with `data` via a temp file beside it (fsync'd),
-    keeping an existing file's mode. On any failure the old file is untouched."""
+    keeping an existing file's mode, and its owner and group as far as we may set them (root
+    may: a pod of root's editing another user's file in a shared tree would otherwise hand it
+    to root, and its owner could no longer write it). On any failure the old file is untouched."""
     mode = stat.S_IMODE(old.st_mode) if old is not None else 0o666 & ~_umask()
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     while True:
@@ -220,6 +222,8 @@ def atomic_write_at(dfd: int, name: str, data: bytes, old: os.stat_result | None
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
+            if old is not None:
+                _keep_owner(f.fileno(), old)  # before fchmod: a chown clears set-id bits
             os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -230,6 +234,20 @@ def atomic_write_at(dfd: int, name: str, data: bytes, old: os.stat_result | None
     with contextlib.suppress(OSError):
         os.fsync(dfd)
     return os.stat(name, dir_fd=dfd, follow_symlinks=False)
+
+
+def _keep_owner(fd: int, old: os.stat_result) -> None:
+    """Give the file at `fd` the owner and group of `old`, or its group alone, or neither:
+    whatever this process may (a chown to another user needs root, a group needs membership)."""
+    st = os.fstat(fd)
+    for uid, gid in ((old.st_uid, old.st_gid), (-1, old.st_gid)):
+        if (uid in (-1, st.st_uid)) and gid == st.st_gid:
+            return
+        try:
+            os.fchown(fd, uid, gid)
+            return
+        except PermissionError:
+            continue
 
 
 def _encode(text: str) -> bytes:

@@ -171,6 +171,27 @@ async def test_write_file_keeps_mode(ctx: ToolContext, root: Path) -> None:
     assert stat.S_IMODE(f.stat().st_mode) == 0o751
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+@pytest.mark.parametrize("tool", ["write_file", "edit_file"])
+async def test_write_keeps_another_users_file_theirs(
+    ctx: ToolContext, root: Path, tool: str
+) -> None:
+    # A pod of root's in a shared tree: the file stays its owner's, who can still write it.
+    f = root / "notes.txt"
+    f.write_text("hello\n")
+    f.chmod(0o664)
+    os.chown(f, 65534, 65534)
+    await read(ctx, "notes.txt")
+    if tool == "write_file":
+        out = await call(ctx, "write_file", path="notes.txt", content="bye\n")
+    else:
+        out = await call(ctx, "edit_file", path="notes.txt", old_string="hello", new_string="bye")
+    assert not out.is_error, out.output
+    st = f.stat()
+    assert f.read_text() == "bye\n"
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65534, 65534, 0o664)
+
+
 async def test_write_file_is_atomic_when_replace_fails(
     ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
