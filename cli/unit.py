@@ -212,6 +212,21 @@ def env_file_problem(env_file: Path) -> str | None:
     return None
 
 
+def manifest_problem(manifest: Path) -> str | None:
+    """Why the unit must not run `manifest`, or None. The unit reads it at every start,
+    unattended, as you: one another user owns or could change (or swap, through a directory
+    or a symlink of theirs) would let them pick the pod's scope, sandbox and hook commands."""
+    from protocol import paths
+
+    why = "as they could pick the scope, sandbox and hooks the unit runs as you"
+    try:
+        for path in dict.fromkeys((manifest, manifest.resolve())):  # the link and its target
+            paths.check_file(path, "manifest", why)
+    except paths.UnsafeDirectory as exc:
+        return str(exc)
+    return None
+
+
 def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | None:
     """None when the pod's API key variable reaches the unit; else how to make it so."""
     if read_env_file(env_file).get(var) or manager_env.get(var):
@@ -237,6 +252,9 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
         m = load_manifest(str(path), (), paths.defaults_path())
     except ManifestError as exc:
         raise UnitError(str(exc)) from None
+    problem = manifest_problem(path)
+    if problem:
+        raise UnitError(problem)
     pod = m.pod.name
     if now:
         _refuse_if_running_elsewhere(pod)

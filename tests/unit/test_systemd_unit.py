@@ -122,6 +122,55 @@ def test_env_file_others_may_neither_write_nor_read(tmp_path: Path) -> None:
         assert problem is not None and "owned by uid 65534" in problem
 
 
+def test_manifest_others_may_not_change(tmp_path: Path) -> None:
+    # The unit reads its manifest at every start: another user who can change it picks the
+    # pod's scope, sandbox and hooks, run as you (judged as defaults.toml and the env file).
+    project = tmp_path / "project"
+    project.mkdir(mode=0o755)
+    manifest = project / "m.toml"
+    manifest.write_text("[pod]\n")
+    manifest.chmod(0o644)
+    assert unit.manifest_problem(manifest) is None
+    manifest.chmod(0o666)
+    problem = unit.manifest_problem(manifest)
+    assert problem is not None and "writable by group or others (mode 0666)" in problem
+    manifest.chmod(0o644)
+    project.chmod(0o777)  # a shared directory, not sticky: anyone may swap the file
+    problem = unit.manifest_problem(manifest)
+    assert problem is not None and f"{project} is writable by group or others" in problem
+    project.chmod(0o1777)  # sticky: others cannot swap it, but they can add files beside it
+    problem = unit.manifest_problem(manifest)
+    assert problem is not None and f"{project} is writable by group or others" in problem
+    project.chmod(0o755)
+    link = tmp_path / "link.toml"
+    link.symlink_to(manifest)
+    assert unit.manifest_problem(link) is None
+    if os.geteuid() == 0:
+        os.chown(manifest, 65534, 65534)
+        problem = unit.manifest_problem(manifest)
+        assert problem is not None and "owned by uid 65534" in problem
+
+
+def test_install_refuses_a_manifest_another_user_may_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(
+        '[pod]\nname = "shared"\npwd = "/tmp"\n[provider]\nkind = "openai"\nmodel = "m"\n'
+        '[worker]\ninstruction = "x"\n[[scope.allow]]\ntarget = "/tmp"\npermission = "read"\n'
+    )
+    manifest.chmod(0o666)
+    home = tmp_path / "home"
+    monkeypatch.setenv("PODDAEMON_HOME", str(home))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(
+        unit, "manager_environment", lambda: pytest.fail("asked the manager about a bad manifest")
+    )
+    with pytest.raises(unit.UnitError, match="writable by group or others"):
+        unit.install(str(manifest), now=False)
+    assert not (tmp_path / "xdg").exists()  # no unit written
+
+
 def test_install_without_a_user_manager_says_how(tmp_path: Path) -> None:
     if shutil.which("systemctl") is None:
         pytest.skip("systemctl not installed")
