@@ -14,7 +14,7 @@ Baseline: `--state FILE` holds the last snapshot (read at start, rewritten after
 missing file counts as an empty directory, so everything present is reported as added).
 `--since EPOCH` instead treats files modified after EPOCH as modified and nothing as removed.
 Without either, the first scan is the baseline. With `--once`, it scans once, notifies if
-anything changed, and exits 0 (printing the notification id, or "no changes").
+anything changed, and exits 0, printing "ID<TAB>N change(s)" (the notification id) or "no changes".
 """
 
 import argparse
