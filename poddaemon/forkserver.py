@@ -430,26 +430,37 @@ def _peer(conn: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+MAX_ANCESTORS = 1024  # deeper than any client's process tree: a longer chain is a command's
+
+
 def _from_a_pods_command(pid: int) -> bool:
     """Is `pid` a pod's command runner or below one (a bash call, a hook, what they started)?
     Those run sandboxed; forked from here, a pod of theirs would not be. Their orphans stay
     below the runner (a child subreaper) while it lives, and it outlives them. Besides the
     token: a command whose write scope covers the runtime dir can put a socket of its own in
-    this one's place and be sent a client's token."""
-    seen = 0
-    while pid > 1 and seen < 64:
+    this one's place and be sent a client's token.
+
+    Fails closed: a chain of ancestors too long to be a client's (a command nested 64 shells
+    deep was not followed up to its runner), or one that changes under the walk (an ancestor
+    reaped meanwhile), counts as a command's."""
+    first = True
+    for _ in range(MAX_ANCESTORS):
+        if pid <= 1:
+            return False
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
             with open(f"/proc/{pid}/stat", "rb") as f:
                 stat = f.read()
         except OSError:
-            return False  # gone: its request is not forked either way (it hung up)
+            # The client gone: its request is not forked either way (it hung up). An ancestor
+            # gone: its children now hang below a subreaper (the runner?) the walk missed.
+            return not first
         if any(arg.endswith(b"/poddaemon/runner.py") for arg in argv):  # any installation's
             return True
         pid = int(stat[stat.rindex(b")") + 2 :].split()[1])  # the parent
-        seen += 1
-    return False
+        first = False
+    return True
 
 
 def _write_token(path: str) -> str:

@@ -476,18 +476,25 @@ def test_a_sandboxed_command_cannot_have_the_server_fork_a_pod(env: Env) -> None
     # Then as if it had the token (a socket of its own put in the server's place, where the
     # write scope covers the runtime dir, is sent one by a client): a pod's command all the same.
     stolen = f"{command} {Path(token).read_text().strip()}"
+    # And from 70 shells down: the walk up to the runner gave up after 64 ancestors.
+    (cell / "deep.sh").write_text('if [ "$1" -gt 0 ]; then bash "$0" $(($1 - 1)); true; else ')
+    with (cell / "deep.sh").open("a") as f:
+        f.write(f"{stolen}; fi\n")
+    deep = f"bash {cell / 'deep.sh'} 70"
     env.model.script(
         {"tool_calls": [{"name": "bash", "arguments": {"command": c}} for c in (command, stolen)]},
+        {"tool_calls": [{"name": "bash", "arguments": {"command": deep}}]},
         {"text": "done"},
     )
     jail = env.start("jail", tools=["bash"], write=[str(cell)])
     with jail.client() as c:
         assert c.run_wait("escape").outcome == "finished"
         entries = c.history(since=0, limit=1000).entries
-    without, within = [e["item"]["output"] for e in entries if e["kind"] == "tool_result"]
+    without, within, nested = [e["item"]["output"] for e in entries if e["kind"] == "tool_result"]
     assert "token unreadable: PermissionError" in without, without
     assert "refused: the request does not carry this server's token" in without, without
     assert "refused: the request comes from a command a pod started" in within, within
+    assert "refused: the request comes from a command a pod started" in nested, nested
     assert Registry(env.home / "run").get("evil") is None
     assert ppid(spawn(env, "two")) == server_pid(env)  # podctl has the token: it serves on
 
