@@ -211,10 +211,14 @@ def restrict_scope() -> None:
 # process read /proc/<pid>/environ of processes outside it (the pod's API key), CAP_NET_RAW and
 # CAP_NET_ADMIN reach the network without TCP, CAP_DAC_READ_SEARCH opens files by handle,
 # CAP_SYS_ADMIN/SYS_MODULE/SYS_RAWIO/BPF/PERFMON/MKNOD reach the kernel or devices directly.
-# Landlock knows no files in these either: CAP_IPC_OWNER reads and writes every user's SysV
-# shared memory and message queues, CAP_SYSLOG the kernel's log (syslog(2)), CAP_SYS_BOOT
-# reboots the machine or kexecs another kernel, CAP_SYS_TIME sets its clock.
-_ROOT_ESCAPE_CAPS = (2, 12, 13, 15, 16, 17, 19, 21, 22, 25, 27, 34, 38, 39)
+# No path names what the rest act on, so Landlock cannot confine them: CAP_IPC_OWNER reads and
+# writes every user's SysV shared memory and message queues, CAP_SYS_BOOT reboots the machine or
+# kexecs another kernel, CAP_SYS_TIME sets its clock, CAP_SYS_NICE starves it with real-time
+# priority, CAP_LINUX_IMMUTABLE makes files immutable (read-only ones in the scope, even), and
+# CAP_SYSLOG, CAP_SYS_PACCT, CAP_AUDIT_CONTROL, CAP_MAC_ADMIN/MAC_OVERRIDE, CAP_SYS_TTY_CONFIG,
+# CAP_WAKE_ALARM and CAP_BLOCK_SUSPEND read or change machine-wide state.
+_ROOT_ESCAPE_CAPS = (2, 9, 12, 13, 15, 16, 17, 19, 20, 21, 22, 23, 25, 26, 27, 30, 32, 33, 34,
+                     35, 36, 38, 39)  # fmt: skip
 
 
 def drop_escape_caps() -> None:

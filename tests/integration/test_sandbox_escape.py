@@ -7,6 +7,7 @@ a typo). Then the ordinary work a command does inside its scope must still work.
 
 import hashlib
 import os
+import platform
 import socket
 import subprocess
 import sys
@@ -230,6 +231,29 @@ def test_cannot_read_or_signal_processes_outside(world: World, outsider: int) ->
         kill = f"kill -TERM {outsider}"
         assert world.run(kill).returncode != 0
         os.kill(outsider, 0)  # still alive
+
+
+# Capabilities that act on the machine, not on a path (reboot, kexec, the clock, real-time
+# scheduling, immutable files, the kernel log): no Landlock rule can confine them.
+HOST_CAPS = {"cap_sys_boot": 22, "cap_sys_time": 25, "cap_sys_nice": 23, "cap_linux_immutable": 9,
+             "cap_syslog": 34, "cap_sys_pacct": 20, "cap_ipc_owner": 15}  # fmt: skip
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root holds capabilities to drop")
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="reboot(2) is syscall 169 on x86_64")
+def test_root_commands_keep_no_capability_that_acts_on_the_machine(world: World) -> None:
+    # A root pod's command could reboot the host or kexec another kernel (CAP_SYS_BOOT; checked
+    # harmlessly: reboot(2) with a wrong magic says EINVAL when permitted, EPERM when not).
+    show = "grep CapBnd /proc/self/status | cut -f2"
+    reboot = (
+        "python3 -c 'import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+        "libc.syscall(169, 0, 0, 0, 0); print(os.strerror(ctypes.get_errno()))'"
+    )
+    confined = int(world.run(show).stdout, 16)
+    held = [name for name, bit in HOST_CAPS.items() if confined >> bit & 1]
+    assert not held, held
+    assert world.run(reboot).stdout.strip() == "Operation not permitted"
+    assert world.run(reboot, confined=False).stdout.strip() == "Invalid argument"
 
 
 CONNECT = (
