@@ -108,15 +108,21 @@ class ReadFile:
 
 
 def open_regular(ctx: ToolContext, path: str, shown: str) -> tuple[int, os.stat_result]:
-    """A checked file opened for reading (O_NONBLOCK: a FIFO must not hang us), and its stat;
-    ToolError if it is not a regular file."""
-    fd = ctx.open_checked(path, Access.READ, os.O_RDONLY | os.O_NONBLOCK)
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        if stat.S_ISDIR(st.st_mode):
-            raise ToolError(f"{shown} is a directory; use list_dir")
-        raise ToolError(f"{shown} is not a regular file")
+    """A checked file opened for reading, and its stat; ToolError if it is not a regular file.
+    What it is is looked at before it is opened for reading (an `O_PATH` handle, then reopened
+    through it): opening a FIFO releases a writer blocked on it, opening a device node acts on
+    the device (a watchdog starts, a tape rewinds, a tty becomes ours)."""
+    handle = ctx.open_checked(path, Access.READ, os.O_PATH)
+    try:
+        st = os.fstat(handle)
+        if not stat.S_ISREG(st.st_mode):
+            if stat.S_ISDIR(st.st_mode):
+                raise ToolError(f"{shown} is a directory; use list_dir")
+            raise ToolError(f"{shown} is not a regular file")
+        # The same inode, not the path again (O_NONBLOCK: a mandatory lock must not hang us).
+        fd = os.open(f"/proc/self/fd/{handle}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    finally:
+        os.close(handle)
     return fd, st
 
 

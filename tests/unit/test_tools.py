@@ -65,6 +65,29 @@ async def read(ctx: ToolContext, path: str) -> ToolOutcome:
 # --- read_file ---------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("tool", ["read_file", "grep"])
+async def test_a_fifo_is_refused_without_being_opened(
+    ctx: ToolContext, root: Path, tool: str
+) -> None:
+    # Opened to find out what it was: a writer blocked on the FIFO was released (and a device
+    # node in a scope, /dev under a read scope of /, would have been opened: a watchdog armed).
+    os.mkfifo(root / "f")
+    released = threading.Event()
+
+    def writer() -> None:
+        fd = os.open(root / "f", os.O_WRONLY)
+        released.set()
+        os.close(fd)
+
+    threading.Thread(target=writer, daemon=True).start()
+    args = {"path": "f"} if tool == "read_file" else {"pattern": "x", "path": "f"}
+    out = await call(ctx, tool, **args)
+    assert not released.wait(0.5)
+    assert out.output == ("f is not a regular file" if tool == "read_file" else "no matches")
+    os.close(os.open(root / "f", os.O_RDONLY | os.O_NONBLOCK))  # let the writer go
+    assert released.wait(5)
+
+
 async def test_read_file_numbers_lines_and_records_stamp(ctx: ToolContext, root: Path) -> None:
     f = root / "a.txt"
     f.write_text("alpha\nbeta\ngamma\n")
