@@ -133,7 +133,9 @@ def glob_paths(
         if part == "**":
             yield from walk(directory, i + 1)
             for sub in _entries(directory, dirs_only=True):
-                yield from walk(os.path.join(directory, sub), i)
+                path = os.path.join(directory, sub)
+                if enter(path):  # (a denied tree may be huge: never listed, never shown)
+                    yield from walk(path, i)
             return
         last, match = i + 1 == len(parts), matchers[i]
         for name in _entries(directory) if _MAGIC.search(part) else [part]:

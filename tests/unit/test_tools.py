@@ -450,6 +450,28 @@ async def test_glob_never_walks_through_a_symlink_out_of_the_scope(
     assert listed and not [d for d in listed if d.startswith(str(outside))]
 
 
+def test_glob_double_star_never_walks_into_a_directory_the_scope_hides(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `**` listed every directory of a denied tree (a deny-read `data/` of millions of files
+    # cost a glob its 60 s, and the matches it would have found after) only to drop the names.
+    (root / "secret" / "a" / "b").mkdir(parents=True)
+    (root / "pub").mkdir()
+    (root / "pub" / "x.txt").write_text("x")
+    listed: list[str] = []
+    entries = search_mod._entries
+
+    def recording(directory: str, dirs_only: bool = False) -> list[str]:
+        listed.append(directory)
+        return entries(directory, dirs_only)
+
+    monkeypatch.setattr(search_mod, "_entries", recording)
+    hidden = str(root / "secret")
+    found = list(search_mod.glob_paths(str(root), ("**", "*.txt"), lambda p: p != hidden, Stop()))
+    assert found == [str(root / "pub" / "x.txt")]
+    assert not [d for d in listed if d.startswith(hidden)], listed
+
+
 @pytest.mark.parametrize(
     "pattern",
     ["*", "**", "**/*.py", "src/*", "src/**/*.py", "*/*.py", ".*", "src/pkg", "**/pkg/*",
