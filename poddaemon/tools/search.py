@@ -15,6 +15,7 @@ from poddaemon.scope import Access, ScopeDenied
 from poddaemon.tools.base import Stop, ToolContext, ToolError, ToolOutcome, in_thread, schema
 from poddaemon.tools.files import (
     BINARY_SNIFF_BYTES,
+    SKIP_MAX_BYTES,
     is_binary,
     lines_of,
     open_regular,
@@ -180,8 +181,9 @@ class Grep:
         search = compile_search(pattern, bool(args.get("ignore_case")))
         base = ctx.check(args.get("path", "."), Access.READ)
         stop = Stop(SEARCH_SECONDS)
+        unread: list[str] = []  # files whose search ended at a line over SKIP_MAX_BYTES
         matches, files, capped, long_lines = await in_thread(
-            _grep, ctx, base, search, args.get("glob"), stop=stop
+            _grep, ctx, base, search, args.get("glob"), unread, stop=stop
         )
         what = f"{plural(len(matches), 'match', 'matches')} in {plural(files, 'file')}"
         notes = []
@@ -192,6 +194,12 @@ class Grep:
             mib = GREP_LINE_BYTES >> 20
             lines = plural(long_lines, "line")
             notes.append(f"[{lines} over {mib} MiB: searched in their first {mib} MiB only]")
+        if unread:
+            mib = SKIP_MAX_BYTES >> 20
+            notes.append(
+                f"[not searched past a line over {mib} MiB: {', '.join(unread[:5])}"
+                + (" …]" if len(unread) > 5 else "]")
+            )
         note = "\n".join(notes) + _out_of_time_note(stop)
         return ToolOutcome(
             output="\n".join(matches) or "no matches",
@@ -260,6 +268,7 @@ def _grep(
     base: str,
     search: Search,
     name_glob: str | None,
+    unread: list[str],
     stop: Stop,
 ) -> tuple[list[str], int, bool, int]:
     """(match lines, files with matches, whether the match cap was hit, lines searched only in
@@ -281,7 +290,9 @@ def _grep(
                 f.seek(0)
                 shown = ctx.display(full)
                 hit = False
-                for lineno, raw in enumerate(lines_of(f, st.st_size, GREP_LINE_BYTES, cut), 1):
+                gave_up: list[int] = []
+                lines = lines_of(f, st.st_size, GREP_LINE_BYTES, cut, gave_up)
+                for lineno, raw in enumerate(lines, 1):
                     if stop.cancelled:
                         break
                     line = raw.decode("utf-8", "replace").rstrip("\r\n")
@@ -302,6 +313,8 @@ def _grep(
                     if not hit:
                         hit = True
                         files += 1
+                if gave_up:
+                    unread.append(f"{shown}:{gave_up[0]}")
         except _TooSlow:
             raise
         except (OSError, ToolError, ScopeDenied):  # (TimeoutError is an OSError)

@@ -782,6 +782,27 @@ def test_bounded_lines_cut_long_lines_and_keep_the_next(
     assert cut == [sum(was_cut for _, was_cut in lines)]
 
 
+async def test_a_line_that_never_ends_is_not_read_to_its_end(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Text, then a hole: one endless line of NULs past the binary sniff. read_file and grep read
+    # all of it to find the next line (1 TiB, sparse, made by `truncate`: 45 minutes of
+    # read_file, grep 20 minutes past its 60 s, neither stoppable). Scaled down here.
+    monkeypatch.setattr(files_mod, "SKIP_MAX_BYTES", 1 << 20, raising=False)
+    monkeypatch.setattr(search_mod, "SKIP_MAX_BYTES", 1 << 20, raising=False)
+    with open(root / "big.log", "wb") as f:
+        f.write(b"needle " * 2000)
+        f.truncate(64 << 20)
+        f.seek(60 << 20)
+        f.write(b"\nneedle after\n")
+    out = await call(ctx, "read_file", path="big.log")
+    assert not out.is_error and "the rest of the file is not read" in out.output, out.output[-200:]
+    out = await call(ctx, "grep", pattern="needle", path="big.log")
+    assert out.output.startswith("big.log:1:needle")
+    assert "needle after" not in out.output
+    assert "[not searched past a line over 1 MiB: big.log:1]" in out.output
+
+
 # --- scope -------------------------------------------------------------------------------------
 
 
