@@ -397,7 +397,7 @@ class Claim:
         delegated = sorted({t for targets in children.values() for t in targets})
         entry = msgspec.structs.replace(self.entry, session=session, delegated=delegated)
         try:
-            self.entry = self.registry.register(entry, kin=list(children))
+            self.entry = self.registry.register(entry, kin=list(children), returning=True)
         except RegistryError as exc:
             log.warning("cannot register the pod again (yet): %s", exc)
             return False

@@ -165,6 +165,19 @@ def is_alive(entry: PodEntry) -> bool:
     return start is not None and start == entry.start_time
 
 
+def _started_at(pid: int) -> float | None:
+    """When `pid` started, in seconds since the epoch (None: no such live process)."""
+    ticks = process_start_time(pid)
+    if ticks is None:
+        return None
+    try:
+        with open("/proc/stat") as f:
+            btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    except (OSError, ValueError, StopIteration):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
 @functools.cache
 def boot_id() -> str:
     """This boot's random id (empty where the kernel does not say)."""
@@ -395,8 +408,14 @@ class Registry:
 
     # -- the operations ------------------------------------------------------------------------
 
-    def register(self, entry: PodEntry, kin: Collection[str] = ()) -> PodEntry:
+    def register(
+        self, entry: PodEntry, kin: Collection[str] = (), *, returning: bool = False
+    ) -> PodEntry:
         """Claim `entry.name` and its write scope; RegistryConflict names who holds them.
+
+        A live pod whose entry went (pods.json removed or rewritten by hand, as the message for
+        a corrupt registry advises) registers itself again (`returning`) within a second; until
+        then a new pod is refused, since its scope is unknown: it could not be checked.
 
         With a live parent, write rules inside the parent's writable area are a delegation:
         allowed, and recorded in the parent's `delegated`. Live descendants found registered
@@ -411,9 +430,38 @@ class Registry:
                 raise RegistryConflict(
                     f"a pod named {entry.name!r} is already running (pid {held.pid})"
                 )
+            if not returning:
+                self._refuse_while_unlisted(pods, entry)
             return self._admit(pods, entry, kin)
 
         return self._transact(change)
+
+    def _refuse_while_unlisted(self, pods: dict[str, PodEntry], entry: PodEntry) -> None:
+        """RegistryConflict when a pod runs (its `<runtime>/pods/<name>/pid` names a process
+        started before that file was written, and its socket is there) without an entry."""
+        pods_dir = self.runtime_dir / "pods"
+        try:
+            names = os.listdir(pods_dir)
+        except OSError:
+            return
+        for name in names:
+            if name in pods or name == entry.name:
+                continue
+            pid_file = pods_dir / name / "pid"
+            try:
+                pid = int(pid_file.read_text().strip())
+                written = pid_file.stat().st_mtime
+                if not stat.S_ISSOCK((pods_dir / name / "sock").lstat().st_mode):
+                    continue
+            except (OSError, ValueError):
+                continue
+            started = _started_at(pid)
+            if pid == entry.pid or started is None or started > written + 1:
+                continue  # gone, or a later process that reused the pid of a dead pod
+            raise RegistryConflict(
+                f"pod {name!r} (pid {pid}) is running but has no entry in {self.path} (removed "
+                "or rewritten?); it registers itself again within seconds: try again then"
+            )
 
     def _admit(
         self, pods: dict[str, PodEntry], entry: PodEntry, kin: Collection[str] = ()

@@ -199,6 +199,18 @@ def test_a_pod_whose_entry_went_registers_again(env: Env, how: str) -> None:
     assert "claimed" in refused.value.stderr
 
 
+def test_a_pod_started_before_a_live_one_registers_again_is_refused(env: Env) -> None:
+    """pods.json removed by hand, and a pod for the same scope started at once: it took the
+    live pod's write scope before that one could register again, and the live one stopped."""
+    pod = env.start("claimed")
+    (env.home / "run" / "pods.json").unlink()
+    with pytest.raises(StartFailed) as refused:
+        env.start("rival", write=[str(env.work)])
+    assert "claimed" in refused.value.stderr
+    wait_until(lambda: registry_entries(env).get("claimed"), 20, "the entry back")
+    assert pod.proc.poll() is None and pod.call("status")["state"] == "idle"
+
+
 def test_a_pod_whose_socket_is_removed_stops_with_status_1(env: Env) -> None:
     # Nobody could reach it any more (not even `podctl stop`), while it kept its name and
     # scope: a failure, so that a supervisor starts it again on a new socket.

@@ -407,3 +407,43 @@ def test_a_writer_killed_before_its_rename_leaves_nothing_behind(runtime: Path) 
     reg.register(entry("alive", scope("/w/alive")))
     assert [e.name for e in reg.live()] == ["alive"]
     assert sorted(p.name for p in runtime.iterdir() if p.name.startswith(".")) == []
+
+
+def _pod_files(runtime: Path, name: str, pid: int) -> None:
+    """What a running pod keeps in the runtime dir: its pid file and its bound socket."""
+    pod_dir = runtime / "pods" / name
+    pod_dir.mkdir(parents=True)
+    (pod_dir / "pid").write_text(f"{pid}\n")
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(pod_dir / "sock"))
+
+
+def test_a_live_pod_without_an_entry_holds_off_new_pods_until_it_returns(
+    reg: Registry, runtime: Path
+) -> None:
+    # pods.json removed by hand (as the corrupt-registry message advises): a pod started in
+    # the second before the live one registered again took its write scope, and the live one
+    # then stopped ("lost the registry claim").
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        _pod_files(runtime, "ghost", holder.pid)
+        with pytest.raises(RegistryConflict, match=r"'ghost'.*has no entry"):
+            reg.register(entry("rival", scope("/w")))
+        ghost = entry("ghost", scope("/w"), pid=holder.pid)
+        reg.register(ghost, returning=True)  # the live pod itself comes back
+        with pytest.raises(RegistryConflict, match="already holds write access to /w"):
+            reg.register(entry("rival", scope("/w")))
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_the_files_of_a_dead_pod_hold_nobody_off(reg: Registry, runtime: Path) -> None:
+    pid, _ = _dead_pid()
+    _pod_files(runtime, "dead", pid)
+    reg.register(entry("alive", scope("/w")))
+    _pod_files(runtime, "reused", os.getppid())  # a pid file older than the process: reused
+    os.utime(runtime / "pods" / "reused" / "pid", (0, 0))
+    reg.register(entry("alive2", scope("/x")))
