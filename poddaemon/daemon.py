@@ -522,6 +522,7 @@ def _sandbox(manifest: "Manifest", scope: "Scope", pwd: str, scripts: list[str])
     `scripts`: hook scripts its commands may read and run wherever they are."""
     from poddaemon.sandbox import SandboxUnavailable
     from poddaemon.sandbox.pod import pod_sandbox
+    from poddaemon.sandbox.policy import root_secrets
 
     tools = manifest.worker.tools
     try:
@@ -532,8 +533,8 @@ def _sandbox(manifest: "Manifest", scope: "Scope", pwd: str, scripts: list[str])
             scope=scope,
             pwd=pwd,
             # Commands never touch this user's session logs, registry, sockets' directories
-            # and keys (the config directory's env file).
-            protect=list(_own_dirs()),
+            # and keys (the config directory's env file), nor root's secrets in /etc.
+            protect=[*_own_dirs(), *root_secrets()],
             commands="bash" in tools or manifest.hooks.any(),
             scripts=scripts,
         )

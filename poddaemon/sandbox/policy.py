@@ -9,6 +9,7 @@ entries need (listing, creating, removing), and each sibling on the way down to 
 gets the full rule. What that cannot express is returned as `Policy.notes` (SPEC §3 [sandbox]).
 """
 
+import glob
 import hashlib
 import os
 import sys
@@ -187,6 +188,16 @@ def system_grants(*, home: str | None = None) -> list[Grant]:
     git_config = [os.path.join(home, ".gitconfig"), os.path.join(xdg, "git", "config")]
     grants += [Grant(p, FS.READ_FILE) for p in _existing(git_config) if os.path.isfile(p)]
     return grants
+
+
+def root_secrets() -> list[str]:
+    """For a pod run as root: what the read grant of /etc would show its commands and no other
+    user can read (password hashes, host and TLS private keys), to be protected."""
+    if os.geteuid() != 0:
+        return []
+    found = ["/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/ssl/private"]
+    found += glob.glob("/etc/ssh/ssh_host_*_key")
+    return list(_existing(found))
 
 
 class _Deny(msgspec.Struct, frozen=True):

@@ -122,6 +122,17 @@ def test_commands_cannot_read_poddaemons_own_files_under_a_scope_over_them(env: 
     assert f"covers poddaemon's own directory {env.home / 'run'}" in pod.text()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can read /etc/shadow at all")
+def test_a_root_pods_commands_cannot_read_roots_secrets_in_etc(env: Env) -> None:
+    """/etc is granted read for commands to run at all; for root that showed the password
+    hashes (and host keys) to a pod whose scope is elsewhere. The rest of /etc stays readable."""
+    commands = ["cat /etc/shadow", "cat /etc/passwd >/dev/null"]
+    outputs = bash_results(env, "rooted", commands, pwd=str(env.work))
+    assert status_of(outputs[0]) != 0 and "Permission denied" in outputs[0], outputs[0]
+    assert status_of(outputs[1]) == 0, outputs[1]
+    assert subprocess.run(["cat", "/etc/shadow"], capture_output=True).returncode == 0
+
+
 def test_network_false_cuts_commands_off_but_not_the_pods_model_calls(env: Env) -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
