@@ -378,15 +378,17 @@ class Pod:
     def sandbox_notes(self) -> list[str]:
         """What the sandbox does not confine, for `status`: the live scope's notes (an area
         delegated to a child is denied to this pod's commands, but inside its writable tree only
-        file contents are), and the stdio MCP servers, which run outside it."""
+        file contents are), what the command runner could not do where it runs (known once it
+        started), and the stdio MCP servers, which run outside it."""
         if self.s.sandbox.rebuild is not None and self.scope is not self._noted_scope:
             self._policy_for_scope()
-        return list(self.s.sandbox.notes) + [
+        mcp = [
             f"MCP server '{server.name}' (stdio) runs outside the sandbox, as in Claude Code and "
             "Codex: its tools reach what this user can"
             for server in self.m.mcp.servers
             if server.command is not None
         ]
+        return [*self.s.sandbox.notes, *self.tool_ctx.runner_notes, *mcp]
 
     async def _synced(self) -> None:
         await self.plog.synced()

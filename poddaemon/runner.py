@@ -17,7 +17,8 @@ runner applies to itself before any command starts: `poddaemon.sandbox.apply_pol
 only when a policy is given); `{"op": "start", "id", "argv", "cwd", "fds"?}` + one fd (stdout
 and stderr) or three (stdin, stdout, stderr: `"fds": 3`);
 `{"op": "kill", "id"}`: kill the command's process group, its whole process tree and the orphans
-it left, then forget it. Runner -> pod: `ready {pid, sandbox}` | `fatal {error}`, `started {id,
+it left, then forget it. Runner -> pod: `ready {pid, sandbox, notes}` (notes: what the sandbox
+could not do here, for `podctl status`) | `fatal {error}`, `started {id,
 pid}` | `failed {id, error}`, `exited {id, status}` (a returncode: negative = signal), `killed
 {id, count}`.
 """
@@ -289,24 +290,49 @@ class Runner:
         self.kill_everything()
 
 
-def apply_policy(policy: str) -> tuple[str, Callable[[], None] | None]:
+def apply_policy(policy: str) -> tuple[str, Callable[[], None] | None, list[str]]:
     """Confine this process (and so every command) by the pod's sandbox policy. Also returns,
     where the kernel scopes signals (Landlock ABI >= 6), what puts a process one layer below
-    (see `guard`)."""
+    (see `guard`), and notes for `podctl status` on what the read-only view could not cover."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:
         sys.path.append(root)  # -I left the package off the path; add it only now, last
     from poddaemon.sandbox import apply_policy as apply  # type: ignore[import-not-found,unused-ignore]
     from poddaemon.sandbox import landlock  # type: ignore[import-not-found,unused-ignore]
 
+    fields = json.loads(policy)
+    notes: list[str] = []
+    if fields.get("mode") != "off":  # before Landlock: a domain forbids mount(2)
+        notes = read_only_view(fields.get("writable", []))
     effective = str(apply(policy.encode()))
     scoped = effective != "none" and landlock.abi_version() >= 6
     # Commands inherit this environment: their private temp dir, and what confines them.
-    tmpdir = json.loads(policy).get("tmpdir")
+    tmpdir = fields.get("tmpdir")
     if tmpdir:
         os.environ["TMPDIR"] = tmpdir
     os.environ["PODDAEMON_SANDBOX"] = effective
-    return effective, (landlock.restrict_scope if scoped else None)
+    return effective, (landlock.restrict_scope if scoped else None), notes
+
+
+def read_only_view(writable: list[str]) -> list[str]:
+    """Mount everything but the write grants read-only for this process and its commands:
+    Landlock has no right for file metadata (chmod, chown, utimes). Never fails the pod: what
+    is left unprotected, and why, becomes a note."""
+    from poddaemon.sandbox import mounts  # type: ignore[import-not-found,unused-ignore]
+
+    try:
+        left = mounts.isolate(writable)
+    except OSError as e:
+        return [
+            "file modes, owners and times outside the write scope are not protected (Landlock "
+            f"has no right for them; the read-only mount namespace failed: {e.strerror})"
+        ]
+    if not left:
+        return []
+    return [
+        "file modes, owners and times stay changeable on these mounts (they could not be made "
+        f"read-only): {', '.join(left)}"
+    ]
 
 
 def guard(scope_below: Callable[[], None], sock: socket.socket) -> int | None:
@@ -364,9 +390,9 @@ def main() -> int:
         if not first or first[0].get("op") != "init":
             return 1
         policy = first[0].get("policy")
-        sandbox, scope_below = "none", None
+        sandbox, scope_below, notes = "none", None, list[str]()
         if policy is not None:
-            sandbox, scope_below = apply_policy(policy)
+            sandbox, scope_below, notes = apply_policy(policy)
         if scope_below is not None:
             code = guard(scope_below, runner.sock)
             if code is not None:
@@ -374,7 +400,7 @@ def main() -> int:
     except Exception as e:  # the pod must hear why, whatever it was
         runner.send(op="fatal", error=f"{type(e).__name__}: {e}")
         return 1
-    runner.send(op="ready", pid=os.getpid(), sandbox=sandbox)
+    runner.send(op="ready", pid=os.getpid(), sandbox=sandbox, notes=notes)
     for msg in first[1:]:
         runner.handle(msg)
     runner.loop()

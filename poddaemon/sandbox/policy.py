@@ -12,6 +12,7 @@ gets the full rule. What that cannot express is returned as `Policy.notes` (SPEC
 import glob
 import hashlib
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal
@@ -78,6 +79,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     # Directories whose entries were enumerated (carved around a deny, or non-recursive), with a
     # digest of their names then: an entry added later is not covered until a rebuild.
     listed: tuple[tuple[str, str], ...] = ()
+    # What the rules let commands write in (scope write paths, the private $TMPDIR): the command
+    # runner keeps these writable and mounts everything else read-only (sandbox/mounts.py).
+    writable: tuple[str, ...] = ()
 
     def stale(self) -> bool:
         """An enumerated directory gained or lost entries since the build: a rebuilt policy
@@ -347,6 +351,24 @@ def _minimal(rules: dict[str, int]) -> list[tuple[str, int]]:
     return out
 
 
+def _writable(rules: Iterable[PathRule]) -> tuple[str, ...]:
+    """The rules' paths with a write right, not nested, devices left out (a device node stays
+    writable on a read-only mount; binding /dev/null on itself would only cost a mount)."""
+    out: list[str] = []
+    for rule in sorted(rules, key=lambda r: r.path):
+        if not rule.access & (FS.WRITE_FILE | FS.TRUNCATE | ENTRY_WRITE):
+            continue
+        if any(_within(rule.path, top) for top in out):
+            continue
+        try:
+            mode = os.stat(rule.path).st_mode
+        except OSError:
+            continue  # gone since the build: nothing to keep writable
+        if not (stat.S_ISCHR(mode) or stat.S_ISBLK(mode)):
+            out.append(rule.path)
+    return tuple(out)
+
+
 def build_policy(
     scope: Scope,
     *,
@@ -391,6 +413,7 @@ def build_policy(
         )
     rules = tuple(PathRule(p, bits) for p, bits in _minimal(b.rules))
     return Policy(
+        writable=_writable(rules),
         rules=rules,
         network=network,
         mode=mode,

@@ -98,6 +98,9 @@ class ToolContext(msgspec.Struct):
     # files the policy grants by name (hook scripts): a runner's grant holds the file there at
     # its start, so one saved anew since (renamed over) is run by a new runner
     granted_files: tuple[str, ...] = ()
+    # what the latest runner's sandbox could not do where it runs (no mount namespace: file
+    # metadata outside the scope unprotected), known once it started; for `status`
+    runner_notes: list[str] = msgspec.field(default_factory=list)
     _runner: "CommandRunner | None" = None
     _runner_lock: asyncio.Lock = msgspec.field(default_factory=asyncio.Lock)
     _runner_stale: bool = False
@@ -159,6 +162,7 @@ class ToolContext(msgspec.Struct):
                     await self._runner.aclose()
                 env = clean_env(os.environ, self.env_passthrough, self.env_hidden)
                 self._runner = await CommandRunner.start(env, self.sandbox_policy)
+                self.runner_notes = self._runner.notes
             return self._runner
 
     def _retire(self, runner: "CommandRunner") -> None:

@@ -63,6 +63,7 @@ class CommandRunner:
     def __init__(self, sock: socket.socket, pid: int) -> None:
         self.pid = pid
         self.sandbox = "none"  # what the runner's policy amounted to (issue 13 fills it in)
+        self.notes: list[str] = []  # what its sandbox could not do there, for `status`
         self._sock = sock
         self._loop = asyncio.get_running_loop()
         self._ready: asyncio.Future[dict[str, Any]] = self._loop.create_future()
@@ -134,6 +135,7 @@ class CommandRunner:
             await runner.aclose()
             raise
         runner.sandbox = str(ready.get("sandbox", "none"))
+        runner.notes = [str(n) for n in ready.get("notes", [])]
         return runner
 
     # --- commands ------------------------------------------------------------------------------
