@@ -1,0 +1,232 @@
+"""File metadata outside the scope: Landlock has no right for chmod, chown or utimes, so the
+command runner mounts everything but the write grants read-only in a namespace of its own
+(poddaemon/sandbox/mounts.py). Real pods, real bash; the fallback (no namespace) is the control
+that shows the refusals came from the read-only view."""
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from poddaemon.sandbox import available
+from poddaemon.sandbox.mounts import TEST_SEAM
+from tests.conftest import Env, wait_until
+from tests.integration.test_pod_sandbox import bash_results, status_of
+from tests.integration.test_private_dirs import OTHER_UID
+
+pytestmark = pytest.mark.skipif(available() == 0, reason="this kernel has no Landlock")
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown; a second uid)")
+
+OLD = 946_684_800  # 2000-01-01: a time no command here sets
+
+
+def metadata(path: Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_mode, st.st_uid, st.st_gid, int(st.st_mtime)
+
+
+def changes(target: Path) -> list[str]:
+    return [
+        f"chmod 0666 {target}",
+        f"chown {OTHER_UID} {target}",
+        f"chgrp {OTHER_UID} {target}",
+        f"touch -d 2001-02-03 {target}",
+        f"chmod u+s {target}",
+    ]
+
+
+@pytest.fixture
+def victim(env: Env) -> Iterator[Path]:
+    """A file outside every scope, like ~/.bashrc or a system file."""
+    outside = env.home / "outside"
+    outside.mkdir()
+    path = outside / "victim"
+    path.write_text("untouched\n")
+    os.chmod(path, 0o644)
+    os.utime(path, (OLD, OLD))
+    yield path
+
+
+@needs_root
+def test_metadata_outside_the_scope_cannot_change_and_inside_it_can(env: Env, victim: Path) -> None:
+    project = env.work / "project"
+    project.mkdir()
+    mine = project / "mine.txt"
+    mine.write_text("in scope\n")
+    os.utime(mine, (OLD, OLD))
+    before = metadata(victim)
+    dir_before = metadata(victim.parent)
+    attacks = [*changes(victim), f"chmod 0777 {victim.parent}"]
+    inside = [
+        *changes(mine),
+        f"cat {mine}",
+        f"echo made > {project}/made.txt && cat {project}/made.txt",
+        'echo tmp > "$TMPDIR/t" && chmod 0600 "$TMPDIR/t" && cat "$TMPDIR/t"',
+        "echo x > /dev/null && head -c1 /dev/zero | wc -c",
+        f"cat {victim}",  # contents outside: refused as before (Landlock; a write now EROFS)
+        f"echo x >> {victim}",
+    ]
+    outputs = bash_results(env, "metadata", attacks + inside, pwd=str(project))
+    for command, output in zip(attacks, outputs, strict=False):
+        assert status_of(output) != 0, f"changed outside the scope: {command!r}: {output}"
+        assert "Read-only file system" in output, output
+    assert metadata(victim) == before and metadata(victim.parent) == dir_before
+    done = outputs[len(attacks) :]
+    for command, output in zip(inside[:-2], done, strict=False):
+        assert status_of(output) == 0, f"failed inside the scope: {command!r}: {output}"
+    st = os.stat(mine)
+    assert (st.st_uid, st.st_gid) == (OTHER_UID, OTHER_UID)
+    assert st.st_mode & 0o7777 == 0o4666 and int(st.st_mtime) != OLD
+    assert "made" in done[6] and "tmp" in done[7] and done[8].split()[0] == "1"
+    assert status_of(done[-2]) != 0 and "Permission denied" in done[-2], done[-2]
+    assert status_of(done[-1]) != 0, done[-1]
+    assert victim.read_text() == "untouched\n"
+    # Nothing to report: the read-only view was made.
+    status = " ".join(env.podctl("status", "metadata").stdout.split())
+    assert "not protected" not in status and "stay changeable" not in status, status
+
+
+def test_without_the_namespace_the_pod_runs_and_status_says_what_is_unprotected(
+    env: Env, victim: Path
+) -> None:
+    """The fallback (user namespaces disabled, seccomp, a runner already in a Landlock
+    domain): Landlock alone, and `podctl status` says so. Also the control for the test above:
+    the same chmod then goes through."""
+    env.env[TEST_SEAM] = "1"
+    outputs = bash_results(env, "fallback", [f"chmod 0600 {victim}", f"cat {victim}"])
+    assert status_of(outputs[0]) == 0, outputs[0]
+    assert os.stat(victim).st_mode & 0o777 == 0o600
+    assert status_of(outputs[1]) != 0  # contents stay refused
+    status = " ".join(env.podctl("status", "fallback").stdout.split())
+    assert "file modes, owners and times outside the write scope are not protected" in status
+    assert f"refused by the test seam {TEST_SEAM}" in status
+
+
+def test_mode_off_makes_no_namespace(env: Env, victim: Path) -> None:
+    extra = '[sandbox]\nmode = "off"\n'
+    (output,) = bash_results(env, "unboxed", [f"chmod 0600 {victim}"], extra=extra)
+    assert status_of(output) == 0, output
+    assert os.stat(victim).st_mode & 0o777 == 0o600
+
+
+# --- as a second uid (a user namespace maps only that uid) ---------------------------------------
+
+
+@pytest.fixture
+def guest(env: Env) -> Iterator[tuple[Path, str]]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the pod as a second uid")
+    # This interpreter, not the system one with PYTHONPATH (as test_private_dirs does): the
+    # command runner starts with `python -I`, which ignores PYTHONPATH.
+    python = sys.executable
+    probe = [python, "-I", "-c", "import msgspec, poddaemon"]
+    if subprocess.run(probe, user=OTHER_UID, capture_output=True, cwd="/").returncode != 0:
+        pytest.skip(f"uid {OTHER_UID} cannot run {python} with this checkout")
+    os.chmod(env.home, 0o755)  # let the guest reach its own tree (root still owns the path)
+    mine = env.home / "guest"
+    (mine / "work").mkdir(parents=True)
+    (mine / ".bashrc").write_text("# rc\n")
+    os.chmod(mine / ".bashrc", 0o644)
+    (mine / "work" / "notes.txt").write_text("notes\n")
+    for p in [mine, *mine.rglob("*")]:
+        os.chown(p, OTHER_UID, OTHER_UID)
+    os.chmod(mine, 0o755)
+    yield mine, python
+
+
+def test_a_user_pod_cannot_open_up_its_own_files_outside_the_scope(
+    env: Env, guest: tuple[Path, str]
+) -> None:
+    """`chmod 0666 ~/.bashrc` or `chmod 777 ~` would let another local user plant code."""
+    mine, python = guest
+    bashrc, work = mine / ".bashrc", mine / "work"
+    commands = [
+        f"chmod 0666 {bashrc}",
+        f"chmod 0777 {mine}",
+        f"touch -d 2001-02-03 {bashrc}",
+        f"chmod 0600 {work}/notes.txt",  # inside the scope: works
+        "id -u",
+    ]
+    calls = [
+        {"name": "bash", "arguments": {"command": f"{c}; echo EXIT-STATUS:$?"}} for c in commands
+    ]
+    env.model.script({"tool_calls": calls}, {"text": "done"})
+    manifest = mine / "pod.toml"
+    manifest.write_text(
+        "[pod]\n"
+        'name = "guest"\n'
+        f'pwd = "{work}"\n'
+        "[provider]\n"
+        'kind = "openai"\n'
+        'model = "fake-model"\n'
+        f'base_url = "{env.model.openai_base_url}"\n'
+        'api_key_env = "FAKE_API_KEY"\n'
+        "[worker]\n"
+        'instruction = "test"\n'
+        'tools = ["bash"]\n'
+        "[[scope.allow]]\n"
+        f'target = "{work}"\n'
+        'permission = "write"\n'
+    )
+    os.chown(manifest, OTHER_UID, OTHER_UID)
+    before = metadata(bashrc), metadata(mine)[:3]  # the pod adds its home there: a new mtime
+    as_guest = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(mine),
+        "FAKE_API_KEY": "test-key",
+        "PODDAEMON_HOME": str(mine / "home"),
+    }
+    pod = subprocess.Popen(
+        [python, "-m", "poddaemon", "run", str(manifest)],
+        env=as_guest,
+        cwd=mine,
+        user=OTHER_UID,
+        group=OTHER_UID,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert pod.stderr is not None
+        line = pod.stderr.readline()
+        assert line.startswith("PODDAEMON-READY"), line + pod.stderr.read()
+
+        def podctl(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [python, "-m", "cli.main", *args],
+                env=as_guest,
+                cwd=mine,
+                user=OTHER_UID,
+                group=OTHER_UID,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+
+        sent = podctl("send", "guest", "attack")
+        assert sent.returncode == 0, sent.stderr
+        status = " ".join(podctl("status", "guest").stdout.split())
+    finally:
+        os.killpg(pod.pid, 15)
+        pod.wait(20)
+    outputs = [
+        entry["item"]["output"]
+        for log in (mine / "home").rglob("*.jsonl")
+        for entry in map(json.loads, log.read_text().splitlines())
+        if entry.get("kind") == "tool_result"
+    ]
+    assert len(outputs) == len(commands), outputs
+    for command, output in zip(commands[:3], outputs, strict=False):
+        assert status_of(output) != 0 and "Read-only file system" in output, (command, output)
+    assert status_of(outputs[3]) == 0 and outputs[4].split()[0] == str(OTHER_UID), outputs
+    assert metadata(bashrc) == before[0] and metadata(mine)[:3] == before[1]
+    assert os.stat(work / "notes.txt").st_mode & 0o777 == 0o600
+    assert "not protected" not in status, status
+    wait_until(lambda: pod.poll() is not None)
