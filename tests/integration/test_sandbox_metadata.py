@@ -150,7 +150,7 @@ def test_a_user_pod_cannot_open_up_its_own_files_outside_the_scope(
         f"chmod 0777 {mine}",
         f"touch -d 2001-02-03 {bashrc}",
         f"chmod 0600 {work}/notes.txt",  # inside the scope: works
-        "id -u",
+        "id -u && grep CapEff /proc/self/status",  # its uid, no capability left
     ]
     calls = [
         {"name": "bash", "arguments": {"command": f"{c}; echo EXIT-STATUS:$?"}} for c in commands
@@ -226,6 +226,7 @@ def test_a_user_pod_cannot_open_up_its_own_files_outside_the_scope(
     for command, output in zip(commands[:3], outputs, strict=False):
         assert status_of(output) != 0 and "Read-only file system" in output, (command, output)
     assert status_of(outputs[3]) == 0 and outputs[4].split()[0] == str(OTHER_UID), outputs
+    assert "CapEff:\t0000000000000000" in outputs[4], outputs[4]
     assert metadata(bashrc) == before[0] and metadata(mine)[:3] == before[1]
     assert os.stat(work / "notes.txt").st_mode & 0o777 == 0o600
     assert "not protected" not in status, status
