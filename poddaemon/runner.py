@@ -4,6 +4,9 @@
 It is started by `poddaemon.tools.runner_client` as `python -I <this file>`, so it imports only
 the standard library (fast, ~12 MB) and the caller's cwd can never shadow a module. It:
 
+- given a policy, takes a mount namespace of its own in which everything but the policy's
+  write grants is read-only (`poddaemon.sandbox.mounts`: Landlock cannot refuse chmod, chown,
+  utimes), then confines itself with Landlock;
 - makes itself a child subreaper, so every orphan of a command (`setsid`, double forks, a shell
   that exited before its background jobs) is re-parented to it and stays findable;
 - talks to the pod over one Unix stream socket (fd 3): newline-delimited JSON, the pipe a
