@@ -22,6 +22,7 @@ from typing import NamedTuple
 __all__ = ["Mount", "MountError", "isolate", "parse_mountinfo", "remount_flags", "to_remount"]
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 MS_RDONLY = 1
 MS_NOSUID = 2
@@ -149,12 +150,16 @@ def isolate(writable: Iterable[str]) -> list[str]:
     if os.environ.get(TEST_SEAM):
         raise MountError(errno.EPERM, f"unshare: refused by the test seam {TEST_SEAM}")
     uid, gid = os.getuid(), os.getgid()
+    # An IPC namespace too: System V shared memory, queues and semaphores have no path for
+    # Landlock to judge (a command could attach to another process's 0600 segment, any
+    # process's as root); the commands share theirs with each other, with nothing else.
     if os.geteuid() == 0:
-        _call("unshare(CLONE_NEWNS)", "unshare", CLONE_NEWNS)
+        _call("unshare(CLONE_NEWNS|CLONE_NEWIPC)", "unshare", CLONE_NEWNS | CLONE_NEWIPC)
     else:
         # The identity map: files keep their owners and commands their uid; the namespace's
         # capabilities (what lets us mount) are lost at exec.
-        _call("unshare(CLONE_NEWUSER|CLONE_NEWNS)", "unshare", CLONE_NEWUSER | CLONE_NEWNS)
+        flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC
+        _call("unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWIPC)", "unshare", flags)
         _write("/proc/self/setgroups", "deny")  # required before gid_map without CAP_SETGID
         _write("/proc/self/uid_map", f"{uid} {uid} 1")
         _write("/proc/self/gid_map", f"{gid} {gid} 1")

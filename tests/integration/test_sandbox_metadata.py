@@ -3,6 +3,7 @@ command runner mounts everything but the write grants read-only in a namespace o
 (poddaemon/sandbox/mounts.py). Real pods, real bash; the fallback (no namespace) is the control
 that shows the refusals came from the read-only view."""
 
+import ctypes
 import json
 import os
 import subprocess
@@ -231,3 +232,31 @@ def test_a_user_pod_cannot_open_up_its_own_files_outside_the_scope(
     assert os.stat(work / "notes.txt").st_mode & 0o777 == 0o600
     assert "not protected" not in status, status
     wait_until(lambda: pod.poll() is not None)
+
+
+SHM_KEY = 0x5EED_0D0D
+SHMGET = (
+    "python3 -c 'import ctypes, os; libc = ctypes.CDLL(None, use_errno=True); "
+    f"print(libc.shmget({SHM_KEY}, 0, 0) >= 0, os.strerror(ctypes.get_errno()))'"
+)
+
+
+@pytest.fixture
+def segment() -> Iterator[int]:
+    """A 0600 System V shared memory segment of the test process (unconfined), by a known key."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    shmid = libc.shmget(SHM_KEY, 4096, 0o1000 | 0o600)  # IPC_CREAT
+    assert shmid >= 0, os.strerror(ctypes.get_errno())
+    yield shmid
+    libc.shmctl(shmid, 0, None)  # IPC_RMID
+
+
+def test_commands_cannot_reach_system_v_ipc_outside_their_own(env: Env, segment: int) -> None:
+    # No path for Landlock to judge: a command attached to an unconfined process's 0600
+    # segment (any process's, as root) and read and wrote it. The runner has an IPC namespace.
+    shared = "ipcmk -M 4096 >/dev/null && ipcs -m | grep -c 4096"  # their own still works
+    outputs = bash_results(env, "ipc", [SHMGET, shared], pwd=str(env.work))
+    assert outputs[0].startswith("False No such file or directory"), outputs[0]
+    assert status_of(outputs[1]) == 0 and outputs[1].split()[0] == "1", outputs[1]
+    control = subprocess.run(SHMGET, shell=True, capture_output=True, text=True)
+    assert control.stdout.startswith("True"), control
