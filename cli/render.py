@@ -18,9 +18,16 @@ SCOPE_WIDTH = 40
 ENTRY_KEYS = frozenset({"seq", "ts", "kind", "prev", "hash"})
 
 
+# C0 and C1 control characters (ESC, BEL, CSI, ...) shown as \xNN: what a summary quotes
+# (a file a tool read, a command's output, the model's text) must not reach the terminal as
+# escape sequences that retitle it, clear it or write the clipboard (OSC 52).
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
+
+
 def one_line(text: str, width: int = SUMMARY_WIDTH) -> str:
-    """Collapse whitespace (newlines included) and cut to `width` characters with an ellipsis."""
-    flat = " ".join(text.split())
+    """Collapse whitespace (newlines included), show control characters as ``\\xNN`` and cut
+    to `width` characters with an ellipsis."""
+    flat = " ".join(text.split()).translate(_CONTROLS)
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 

@@ -48,6 +48,30 @@ def seqs(stdout: str) -> list[int]:
     return [int(line.split()[0]) for line in stdout.splitlines()]
 
 
+def test_history_and_sessions_show_never_pass_escape_sequences_to_the_terminal(
+    env: Env,
+) -> None:
+    """A file the pod read (a repository under review, say) holds terminal escape sequences:
+    `podctl history` and `podctl sessions show` print what the tool returned, and printed them
+    raw, so the file could retitle the user's terminal, clear it or write its clipboard (OSC
+    52). Control characters are shown as \\xNN instead."""
+    hostile = "hello \x1b]0;PWNED\x07 \x1b[2J \x1b]52;c;ZWNobyBwd25lZA==\x07 \x9b31m end"
+    (env.work / "README.md").write_text(hostile + "\n")
+    env.model.script(
+        {"tool_calls": [{"name": "read_file", "arguments": {"path": "README.md"}}]},
+        {"text": "read it \x1b[8m"},
+    )
+    pod = env.start("esc", tools=["read_file"])
+    assert pod.call("run", input="review \x07 this", wait=True)["outcome"] == "finished"
+    sid = pod.call("status")["session_id"]
+    for args in (("history", "esc", "--all"), ("sessions", "show", sid)):
+        shown = env.podctl(*args)
+        assert shown.returncode == 0, shown.stderr
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", shown.stdout), args
+        assert "hello \\x1b]0;PWNED\\x07" in shown.stdout, args  # shown, not hidden
+        assert "read it \\x1b[8m" in shown.stdout and "review \\x07 this" in shown.stdout
+
+
 def test_history_shows_the_newest_and_says_how_many_are_cut(env: Env) -> None:
     env.start("hist")
     for text in ("one", "two"):
