@@ -605,9 +605,18 @@ class Pod:
 
     async def restore(self, session_id: str) -> list[str]:
         """Reopen a session: fold its log, close what a crash left open. Returns warnings."""
+        from poddaemon.store.file import continued_by
+
         effects, warnings = self.plog.restore(session_id, self.machine.restore)
         self.feed(effects)
         await self._synced()
+        # A session another one continues already (`--session` of one compacted or forked
+        # since) is no chain end: `--resume` never picks it, so what this pod would write on in
+        # it (an acknowledged input, say) would be passed over by the next `--resume`.
+        # Continue in a fork of it instead, an end `--resume` finds.
+        if later := continued_by(self.s.sessions_dir, session_id):
+            self.plog.fork_now(f"was continued already by session {later[0]}")
+            await self._synced()
         return warnings
 
     async def _close(self) -> None:

@@ -162,6 +162,14 @@ class PodLog:
         except OSError as exc:
             self._failed(f"session log {log.path} write failed: {exc}")
 
+    def fork_now(self, why: str) -> None:
+        """Continue in a new session forked from this one now, as when another writer moved
+        the head (`why` completes "session <id> ..." in the alert)."""
+        if self.log is not None and not self.failed:
+            self.flush()
+            if not self.failed:
+                self._fork(why)
+
     def _fork(self, why: str = "was written by someone else") -> None:
         start = self.fork()
         assert self.log is not None

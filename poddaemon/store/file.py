@@ -59,6 +59,7 @@ __all__ = [
     "SessionNotFound",
     "SessionPage",
     "SessionScan",
+    "continued_by",
     "list_sessions",
     "newest_session_for",
     "read_page",
@@ -909,6 +910,16 @@ def continued_sessions(sessions_dir: StrPath, session_id: str) -> list[str]:
             return found
         found.append(link)
         sid = link
+
+
+def continued_by(sessions_dir: StrPath, session_id: str) -> list[str]:
+    """The sessions that continue ``session_id`` (compacted or forked from it), newest first:
+    none for the end of a chain, the only kind `--resume` picks."""
+    return [
+        i.id
+        for i in list_sessions(sessions_dir)
+        if session_id in (i.compacted_from, i.forked_from)
+    ]
 
 
 def newest_session_for(sessions_dir: StrPath, pod_name: str) -> str | None:

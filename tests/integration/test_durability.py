@@ -690,6 +690,44 @@ def test_a_session_file_removed_under_the_pod_takes_no_acknowledgement_with_it(
     assert text in requests_since(env, before)
 
 
+def test_restoring_a_session_compacted_since_forks_so_resume_finds_what_it_acknowledged(
+    env: Env,
+) -> None:
+    """`--session OLD` where OLD was compacted into NEW since: what the pod acknowledges now
+    must be where the next `--resume` looks. Writing on in OLD (a session NEW continues, so no
+    chain end) left a queued run acknowledged there that `--resume` (a unit, `podctl restart`)
+    passed over for NEW: never processed, and no word said."""
+    pod = env.start("goback", extra="[compaction]\ncompact_threshold = 100000\n")
+    with pod.client() as c:
+        c.run_wait("before the compaction")
+        old = c.status().session_id
+    new = pod.call("compact")["session_id"]
+    assert pod.stop() == 0
+    env.model.script({"text": "never delivered", "gate": "hold"})
+    back = env.restart(pod, "--session", old)
+    text = "queued in the restored old session"
+    asked = len(env.model.requests)
+    with back.client() as c:
+        c.run("a run in flight")
+        env.model.wait_for_requests(asked + 1)
+        queued = c.run(text)
+        assert queued.state == "queued"
+        forked = c.status().session_id
+    back.kill9()
+    before = len(env.model.requests)
+    env.model.open_gate("hold")
+    again = env.restart(back, "--resume")
+    wait_until(lambda: settled(again), what="the acknowledged queued run")
+    assert text in requests_since(env, before)
+    assert again.call("status")["session_id"] == forked
+    assert forked not in (old, new)
+    entries = all_history(again)
+    assert entries[0]["forked_from"] == old
+    check_pairing(entries)
+    check_runs_end_once(entries)
+    verify_ok(env, forked)
+
+
 def test_fork_keeps_client_keys(env: Env) -> None:
     pod = env.start("keyfork")
     with pod.client() as c:
