@@ -170,7 +170,12 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
             page = await asyncio.to_thread(
                 read_page, pod.s.sessions_dir, sid, p.since, limit, MAX_HISTORY_PAGE_BYTES
             )
-        except (OSError, ValueError, LogCorrupt) as exc:  # no such session, a bad id, damage
+        except LogCorrupt as exc:  # damage: the log's fault, not the caller's params
+            where = "session_id: " if p.session_id else ""
+            raise RpcError(errors.INTERNAL_ERROR, f"{where}session log damaged: {exc}") from None
+        except (OSError, ValueError) as exc:  # no such session, a bad id
+            if not p.session_id:  # the pod's own session: not a parameter the caller gave
+                raise RpcError(errors.INTERNAL_ERROR, f"session log unreadable: {exc}") from None
             raise RpcError(errors.INVALID_PARAMS, f"session_id: {exc}") from None
         start = page.first
         if start.get("pod") != pod.name and not await _continued(sid):

@@ -814,7 +814,7 @@ def _page_entry(line: bytes, seq: int | None, path: Path) -> dict[str, Any]:
         entry = _page_decoder.decode(line)
     except UNREADABLE as exc:
         if seq is None:  # its number is not known without counting every line
-            raise LogCorrupt(0, f"the last line is not a JSON object: {exc}", str(path)) from None
+            raise LogCorrupt(0, f"not a JSON object: {exc}", str(path)) from None
         raise LogCorrupt(seq, f"not a JSON object: {exc}", str(path)) from None
     if seq is not None and entry.get("seq") != seq:
         raise LogCorrupt(seq, f"seq {entry.get('seq')!r} where {seq} belongs", str(path))

@@ -48,8 +48,9 @@ _decoder = msgspec.json.Decoder()
 class LogCorrupt(Exception):
     """The log is damaged somewhere other than a torn last line.
 
-    ``line`` is 1-based. The message is ``line N: <reason>``, prefixed by ``path: `` when the
-    file is known.
+    ``line`` is 1-based, 0 for the last line when its number is not known (a reader that did
+    not count the lines before it). The message is ``line N: <reason>`` (``last line:
+    <reason>`` for 0), prefixed by ``path: `` when the file is known.
     """
 
     def __init__(self, line: int, reason: str, path: str | None = None) -> None:
@@ -57,7 +58,7 @@ class LogCorrupt(Exception):
         self.reason = reason
         self.path = path
         prefix = f"{path}: " if path else ""
-        super().__init__(f"{prefix}line {line}: {reason}")
+        super().__init__(f"{prefix}{f'line {line}' if line else 'last line'}: {reason}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.line, self.reason, self.path))

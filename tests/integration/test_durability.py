@@ -965,3 +965,22 @@ def test_two_pods_restoring_one_session_at_once(env: Env) -> None:
     winner = a if ready[0] == "first" else b
     wait_until(lambda: settled(winner), what="the pending run to be processed")
     assert requests_since(env, 0).count("do it once") == 1
+
+
+def test_history_of_a_damaged_live_log_says_what_is_wrong(env: Env) -> None:
+    """Someone appends a line to the live session's file. `podctl history POD` (no session
+    given) said `session_id: <path>: line 0: the last line is not a JSON object` with -32602
+    (invalid params): blaming a parameter the user never gave, and naming a line 0."""
+    pod = env.start("damaged")
+    with pod.client() as c:
+        c.run_wait("make a session")
+        sid = c.status().session_id
+    with open(sessions_dir(env) / f"{sid}.jsonl", "ab") as f:
+        f.write(b"junk\n")
+    shown = env.podctl("history", "damaged")
+    assert shown.returncode == 1
+    assert "session log damaged" in shown.stderr and "last line: not a JSON object" in shown.stderr
+    assert "line 0" not in shown.stderr and "session_id" not in shown.stderr
+    assert "(-32603)" in shown.stderr
+    given = env.podctl("history", "damaged", "--session", sid)  # asked for it by name
+    assert given.returncode == 1 and "session_id: session log damaged" in given.stderr
