@@ -64,6 +64,7 @@ class SessionStart(Entry, tag="session_start"):
     active_run: str | None = None
     rounds: int = 0
     paused_run: str | None = None
+    pause_requested: str | None = None  # the active run a `pause` was acknowledged for
     open_calls: list[ToolCall] = []
     run_outcomes: dict[str, dict[str, Any]] = {}
     run_from: int | None = None  # index in `history` where the active run's items begin
@@ -204,6 +205,13 @@ class RunEnd(Entry, tag="run_end"):
     usage: Usage | None = None  # this run's own usage (absent in sessions of before 0.2)
 
 
+class PauseRequested(Entry, tag="pause_requested"):
+    """A `pause` acknowledged for the active run, before it reached its safe point: a restore
+    ends that run `paused` (and starts nothing), not interrupted and taken up again."""
+
+    run_id: str
+
+
 class HookRunEntry(Entry, tag="hook_run"):
     """A command hook ran (SPEC §10): what policy decided, for a restore or an audit."""
 
@@ -230,6 +238,7 @@ AnyEntry = (
     | OutboxAcked
     | ChildStarted
     | ChildEnded
+    | PauseRequested
     | HookRunEntry
 )
 
@@ -250,6 +259,7 @@ BY_KIND: dict[str, type[Entry]] = {
         OutboxAcked,
         ChildStarted,
         ChildEnded,
+        PauseRequested,
         HookRunEntry,
     )
 }

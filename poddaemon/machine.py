@@ -29,6 +29,7 @@ from poddaemon.entries import (
     LlmUsage,
     OutboxAcked,
     OutboxItem,
+    PauseRequested,
     PendingInputSnap,
     PendingRunSnap,
     RunEnd,
@@ -251,6 +252,9 @@ class Machine:
         self._model_retrying = False
         self._resume_requested = False
         self._waiters: dict[str, list[int]] = {}  # run_id -> tokens of `run {wait}`
+        # run_id -> tokens of `cancel`s of that active run: answered once its end is committed,
+        # so a crash after `{cancelled: true}` cannot restore it as interrupted and resume it.
+        self._cancels: dict[str, list[int]] = {}
         self._burst_start: float | None = None
         self._last_notify = 0.0
         self._timer_at: float | None = None
@@ -471,7 +475,9 @@ class Machine:
                 self._reply(token, PauseResult(paused=False))
             else:  # even a final answer in flight ends the run `paused` (see _start_run)
                 turn.request_pause()
-                self._reply(token, PauseResult(paused=True))
+                if self.state.pause_requested != turn.run_id:  # kept, so a crash keeps it
+                    self._commit(PauseRequested(run_id=turn.run_id))
+                self._reply(token, PauseResult(paused=True), durable=True)
                 self._pause_retrying_call()
 
         return self._handle(go)
@@ -514,9 +520,9 @@ class Machine:
                 return
             self.turn.request_cancel()
             self._cancelled_run = self.turn.run_id
+            self._cancels.setdefault(self.turn.run_id, []).append(token)
             if self.in_flight is not None:
                 self._emit(Interrupt())
-            self._reply(token, CancelResult(cancelled=True))
 
         return self._handle(go)
 
@@ -751,7 +757,21 @@ class Machine:
             if stale:  # "this pod stopped", from an earlier life: not true now it runs again
                 self._commit(OutboxAcked(ids=stale))
             run_id = self.state.active_run
-            if run_id is not None:
+            if run_id is not None and run_id == self.state.pause_requested:
+                # Paused by a client before the crash, short of its safe point: it stays
+                # paused (its open calls closed as interrupted) and nothing takes it up until
+                # `resume`.
+                self._commit_all(interrupted_results(self.state.open_calls, run_id))
+                self._commit(
+                    RunEnd(
+                        run_id=run_id,
+                        outcome="paused",
+                        text="",
+                        interrupted=True,
+                        usage=self.state.run_usage,
+                    )
+                )
+            elif run_id is not None:
                 self._commit_all(interrupted_results(self.state.open_calls, run_id))
                 self._commit(
                     RunEnd(
@@ -796,6 +816,7 @@ class Machine:
             rounds=old.rounds,
             run_from=old.run_from,
             paused_run=old.paused_run,
+            pause_requested=old.pause_requested,
             open_calls=list(old.open_calls),
             run_outcomes=snap["run_outcomes"],
             tree=old.tree_snapshot(),
@@ -1259,6 +1280,8 @@ class Machine:
         )
         for token in self._waiters.pop(run_id, []):
             self._reply(token, result, durable=True)
+        for token in self._cancels.pop(run_id, []):
+            self._reply(token, CancelResult(cancelled=outcome == "cancelled"), durable=True)
         if self.cfg.reports and run_id in self.state.spawner_runs and outcome != "paused":
             run_usage_dict = {**msgspec.structs.asdict(run_usage), "calls": calls}
             self._report(
@@ -1283,6 +1306,10 @@ class Machine:
             for token in tokens:
                 self._error(token, errors.SHUTTING_DOWN, "the pod shut down")
         self._waiters.clear()
+        for tokens in self._cancels.values():
+            for token in tokens:
+                self._reply(token, CancelResult(cancelled=True))
+        self._cancels.clear()
         self._publish("shutdown", {"reason": self.stop_reason})
         self._emit(Sync())
         self._emit(Stopped())

@@ -26,6 +26,7 @@ from poddaemon.entries import (
     LlmUsage,
     OutboxAcked,
     OutboxItem,
+    PauseRequested,
     RunEnd,
     RunStart,
     SessionStart,
@@ -128,6 +129,7 @@ class SessionState(msgspec.Struct):
     rounds: int = 0  # model rounds of the active (or paused) run
     run_from: int = 0  # index in `history` of the active (or paused) run's first item
     paused_run: str | None = None
+    pause_requested: str | None = None  # the active run a `pause` was acknowledged for
     open_calls: list[ToolCall] = msgspec.field(default_factory=list)
     run_outcomes: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # keyed runs
     last_seq: int = 0
@@ -350,7 +352,12 @@ def _apply(s: SessionState, e: Entry) -> None:
                     "cache_write": u.cache_write,
                 }
             )
+        case PauseRequested(run_id=run_id):
+            if run_id == s.active_run:
+                s.pause_requested = run_id
         case RunEnd(run_id=run_id):
+            if s.pause_requested == run_id:
+                s.pause_requested = None
             if e.interrupted and run_id in s.spawner_runs:
                 s.owed_runs.add(run_id)
             s.pending_runs.pop(run_id, None)  # a queued run cancelled before it started
@@ -439,6 +446,7 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     s.call_count = len(e.usage_calls) if e.usage_call_count is None else e.usage_call_count
     s.active_run = e.active_run
     s.paused_run = e.paused_run
+    s.pause_requested = e.pause_requested
     s.rounds = e.rounds
     s.run_from = e.run_from or 0
     if e.run_usage is not None:

@@ -291,6 +291,34 @@ def test_kill_right_after_notify_ack(env: Env, rep: int) -> None:
     assert note["id"] in delivered
 
 
+def test_kill_right_after_a_cancel_ack_does_not_resume_the_cancelled_run(env: Env) -> None:
+    """`cancel` answered `{cancelled: true}` while the run's command was still being killed
+    (~0.3 s): a crash then restored the run as interrupted, and the restored pod told the model
+    to "continue where you left off", the very work the user had just cancelled."""
+    pidfile = env.work / "tool.pid"
+    command = f"echo $$ > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; exec sleep 300"
+    env.model.script({"tool_calls": [{"name": "bash", "arguments": {"command": command}}]})
+    pod = env.start("canceller", tools=["bash"])
+    with reap_group(pidfile):
+        with pod.client() as c:
+            c.subscribe()
+            run = c.run("a job the user will cancel")
+            next(e for e in c.events() if e.type == "tool.started")
+            sid = c.status().session_id
+        with pod.client() as c:
+            assert c.cancel().cancelled
+        pod.kill9()
+    before = len(env.model.requests)
+    again = restart(env, pod, "resume", sid)
+    wait_until(lambda: settled(again), what="the restored pod to settle")
+    entries = all_history(again)
+    check_pairing(entries)
+    check_runs_end_once(entries)
+    (end,) = [e for e in entries if e["kind"] == "run_end" and e["run_id"] == run.run_id]
+    assert end["outcome"] == "cancelled" and not end.get("interrupted")
+    assert len(env.model.requests) == before  # no run was started to pick the work up
+
+
 def notify_until_the_pod_dies(sock_path: str, tag: str, acked: list[tuple[str, str]]) -> None:
     """One client: notify, wait for the ack, repeat, until the connection breaks. Records
     (message, notification_id) of every acknowledgement it received."""
@@ -791,6 +819,46 @@ def test_paused_run_is_restored_paused_and_resumes(env: Env, stop: str) -> None:
     check_pairing(entries)
     check_runs_end_once(entries)
     assert [e["outcome"] for e in entries if e["kind"] == "run_end"] == ["paused", "finished"]
+    verify_ok(env, sid)
+
+
+@pytest.mark.parametrize("fork", [False, True], ids=["same-session", "forked"])
+def test_a_pause_acknowledged_before_a_crash_keeps_the_run_paused(env: Env, fork: bool) -> None:
+    """`pause` answered `{paused: true}` while the model call was still out (the safe point
+    comes after it): a crash then lost the pause. The restored pod ended the run interrupted
+    and went on working at once, where the user had asked it to stop. (`fork`: the session
+    moves to a fork between the pause and the crash; the pause goes with it.)"""
+    env.model.script({"text": "never delivered", "gate": "hold"}, {"text": "resumed at last"})
+    pod = env.start("pauser")
+    with pod.client() as c:
+        run = c.run("work the user will pause")
+        env.model.wait_for_requests(1)
+        assert c.pause().paused
+        assert c.status().state == "running"  # short of its safe point
+        if fork:
+            (sessions_dir(env) / f"{c.status().session_id}.jsonl").unlink()
+            c.notify("a note that moves the session to a fork", source="ci")
+        sid = c.status().session_id
+    pod.kill9()
+    env.model.open_gate("hold")
+    before = len(env.model.requests)
+    again = env.restart(pod, "--resume")
+    with again.client() as c:
+        status = c.status()
+        assert (status.state, status.run_id, status.session_id) == ("paused", run.run_id, sid)
+        assert len(env.model.requests) == before  # nothing started
+        c.subscribe()
+        assert c.resume().run_id == run.run_id
+        events = collect_run(c, run.run_id)
+    assert events[-1].data["outcome"] == "finished"
+    entries = all_history(again)
+    check_pairing(entries)
+    check_runs_end_once(entries)
+    ends = [e for e in entries if e["kind"] == "run_end" and e["run_id"] == run.run_id]
+    assert [(e["outcome"], e.get("interrupted")) for e in ends] == [
+        ("paused", True),
+        ("finished", None),
+    ]
     verify_ok(env, sid)
 
 

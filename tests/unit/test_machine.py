@@ -380,10 +380,11 @@ def test_cancel_during_the_model_call_interrupts_it() -> None:
     d.call("run", "work")
     t = d.call("cancel")
     assert any(isinstance(e, Interrupt) for e in d.effects)
-    assert d.answer(t).result.cancelled
+    assert t not in d.answers  # answered once the run's end is committed, not before
     d.model_fails(None)
     (finished,) = [data for t_, data, _ in d.events if t_ == "run.finished"]
     assert finished["outcome"] == "cancelled"
+    assert d.answer(t).result.cancelled
 
 
 def test_cancel_during_a_tool_closes_the_rest_of_the_batch() -> None:
