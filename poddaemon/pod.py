@@ -605,18 +605,25 @@ class Pod:
 
     async def restore(self, session_id: str) -> list[str]:
         """Reopen a session: fold its log, close what a crash left open. Returns warnings."""
-        from poddaemon.store.file import continued_by
+        from poddaemon.store.file import continued_by, session_pod
 
         effects, warnings = self.plog.restore(session_id, self.machine.restore)
         self.feed(effects)
         await self._synced()
-        # A session another one continues already (`--session` of one compacted or forked
-        # since) is no chain end: `--resume` never picks it, so what this pod would write on in
-        # it (an acknowledged input, say) would be passed over by the next `--resume`.
-        # Continue in a fork of it instead, an end `--resume` finds.
-        if later := continued_by(self.s.sessions_dir, session_id):
-            self.plog.fork_now(f"was continued already by session {later[0]}")
-            await self._synced()
+        # Another pod's session (`--session`): what this pod acknowledges goes to a session of
+        # its own, forked from it, where its `--resume` looks, and not where the other pod's
+        # `--resume` would run it. A session another one continues already (`--session` of one
+        # compacted or forked since) is no chain end: `--resume` never picks it, so what this
+        # pod would write on in it would be passed over too. Continue in a fork in both cases.
+        owner = session_pod(self.s.sessions_dir, session_id)
+        if owner is not None and owner != self.name:
+            why = f"is pod {owner!r}'s"
+        elif later := continued_by(self.s.sessions_dir, session_id, self.name):
+            why = f"was continued already by session {later[0]}"
+        else:
+            return warnings
+        self.plog.fork_now(why)
+        await self._synced()
         return warnings
 
     async def _close(self) -> None:

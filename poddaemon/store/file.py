@@ -65,6 +65,7 @@ __all__ = [
     "read_page",
     "read_session",
     "session_path",
+    "session_pod",
     "session_to_resume",
 ]
 
@@ -912,14 +913,23 @@ def continued_sessions(sessions_dir: StrPath, session_id: str) -> list[str]:
         sid = link
 
 
-def continued_by(sessions_dir: StrPath, session_id: str) -> list[str]:
-    """The sessions that continue ``session_id`` (compacted or forked from it), newest first:
-    none for the end of a chain, the only kind `--resume` picks."""
+def continued_by(sessions_dir: StrPath, session_id: str, pod_name: str) -> list[str]:
+    """The sessions of ``pod_name`` that continue ``session_id`` (compacted or forked from it),
+    newest first: none for the end of its chain, the only kind its `--resume` picks (another
+    pod's fork does not count; see ``session_to_resume``)."""
     return [
         i.id
         for i in list_sessions(sessions_dir)
-        if session_id in (i.compacted_from, i.forked_from)
+        if i.pod == pod_name and session_id in (i.compacted_from, i.forked_from)
     ]
+
+
+def session_pod(sessions_dir: StrPath, session_id: str) -> str | None:
+    """The pod a session's first line names (None if it cannot be read)."""
+    try:
+        return _head(_first_line(session_path(sessions_dir, session_id))).pod
+    except OSError:
+        return None
 
 
 def newest_session_for(sessions_dir: StrPath, pod_name: str) -> str | None:
@@ -940,7 +950,9 @@ def session_to_resume(sessions_dir: StrPath, pod_name: str) -> ResumeChoice:
     last: a pod restored from an older session (`--session`) writes on in that one, and
     acknowledged input may wait there after a crash."""
     infos = list_sessions(sessions_dir)
-    continued = {i.compacted_from or i.forked_from for i in infos}
+    # Continued by this pod (a compaction, a fork): no longer its end. Another pod's fork of
+    # one of its sessions (`--session`) leaves this pod's own where it was.
+    continued = {i.compacted_from or i.forked_from for i in infos if i.pod == pod_name}
     ends = [i for i in infos if i.pod == pod_name and i.id not in continued]
     found = max(ends, key=lambda info: (info.mtime, info.id)) if ends else None
     since = found.mtime if found is not None else 0.0

@@ -756,6 +756,41 @@ def test_restoring_a_session_compacted_since_forks_so_resume_finds_what_it_ackno
     verify_ok(env, forked)
 
 
+def test_a_pod_restored_from_another_pods_session_keeps_what_it_acknowledged_its_own(
+    env: Env,
+) -> None:
+    """`b --session <a's session>` wrote on in a's session: after a crash `b --resume` looked
+    for sessions naming b, found none and started empty (its acknowledged queued run never
+    ran), and `a --resume` then ran b's input as a, with a's scope and tools."""
+    a = env.start("a")
+    with a.client() as c:
+        c.run_wait("a's own work")
+        sid = c.status().session_id
+    assert a.stop() == 0
+    env.model.script({"text": "never delivered", "gate": "hold"})
+    b = env.start("b", "--session", sid, write=[str(env.home / "b")])
+    text = "b's queued input"
+    with b.client() as c:
+        c.run("b's run in flight")
+        env.model.wait_for_requests(2)
+        assert c.run(text).state == "queued"
+        forked = c.status().session_id
+    b.kill9()
+    env.model.open_gate("hold")
+    before = len(env.model.requests)
+    again = env.restart(b, "--resume")
+    wait_until(lambda: settled(again), what="b's acknowledged queued run")
+    assert text in requests_since(env, before)
+    assert again.call("status")["session_id"] == forked != sid
+    check_pairing(all_history(again))
+    assert again.stop() == 0
+    before = len(env.model.requests)
+    a_again = env.restart(a, "--resume")
+    wait_until(lambda: settled(a_again), what="a to settle")
+    assert a_again.call("status")["session_id"] == sid  # a's own session, as it left it
+    assert text not in requests_since(env, before)
+
+
 def test_fork_keeps_client_keys(env: Env) -> None:
     pod = env.start("keyfork")
     with pod.client() as c:
@@ -896,13 +931,17 @@ def test_a_pod_restored_from_another_pods_session_shows_its_history(env: Env) ->
     env.start("second", "--session", sid, write=[str(env.home / "s")])
     shown = env.podctl("history", "second", "--all", "--json")
     assert shown.returncode == 0, shown.stderr
-    assert "remember 42" in [e.get("text") for e in json.loads(shown.stdout)["entries"]]
+    # second goes on in a session of its own, forked from first's, which it pages back to.
+    assert json.loads(shown.stdout)["previous"] == sid
+    back = env.podctl("history", "second", "--session", sid, "--json")
+    assert back.returncode == 0, back.stderr
+    assert "remember 42" in [e.get("text") for e in json.loads(back.stdout)["entries"]]
 
     compacted = env.podctl("compact", "second", "--json")
     assert compacted.returncode == 0, compacted.stderr
     shown = env.podctl("history", "second", "--all", "--json")
     assert shown.returncode == 0, shown.stderr
-    assert json.loads(shown.stdout)["previous"] == sid
+    assert json.loads(shown.stdout)["previous"] != sid  # the fork, which continues first's
     back = env.podctl("history", "second", "--session", sid, "--json")
     assert back.returncode == 0, back.stderr
     assert "remember 42" in [e.get("text") for e in json.loads(back.stdout)["entries"]]
