@@ -207,9 +207,11 @@ class RunEnd(Entry, tag="run_end"):
 
 class PauseRequested(Entry, tag="pause_requested"):
     """A `pause` acknowledged for the active run, before it reached its safe point: a restore
-    ends that run `paused` (and starts nothing), not interrupted and taken up again."""
+    ends that run `paused` (and starts nothing), not interrupted and taken up again. With
+    `taken_back`, a `resume` acknowledged before that point: the run goes on after all."""
 
     run_id: str
+    taken_back: bool = False
 
 
 class HookRunEntry(Entry, tag="hook_run"):

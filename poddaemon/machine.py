@@ -475,6 +475,7 @@ class Machine:
                 self._reply(token, PauseResult(paused=False))
             else:  # even a final answer in flight ends the run `paused` (see _start_run)
                 turn.request_pause()
+                self._resume_requested = False  # a resume before this pause is taken back
                 if self.state.pause_requested != turn.run_id:  # kept, so a crash keeps it
                     self._commit(PauseRequested(run_id=turn.run_id))
                 self._reply(token, PauseResult(paused=True), durable=True)
@@ -487,6 +488,16 @@ class Machine:
             if self._refuse_if_stopping(token):
                 return
             run_id = self.state.paused_run
+            turn = self.turn
+            if run_id is None and turn is not None and not turn.done and turn.pause_requested:
+                # A pause asked for and not reached yet: the run still pauses at its safe
+                # point (it may have been interrupted there already) and goes on at once. Told
+                # "not paused", a client that paused and resumed left the pod paused for good.
+                self._resume_requested = True
+                if self.state.pause_requested == turn.run_id:  # a crash now must not pause it
+                    self._commit(PauseRequested(run_id=turn.run_id, taken_back=True))
+                self._reply(token, ResumeResult(run_id=turn.run_id), durable=True)
+                return
             if run_id is None or self.state.active_run is not None:
                 self._error(token, errors.NOT_PAUSED, "the pod is not paused")
                 return

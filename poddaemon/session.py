@@ -352,9 +352,9 @@ def _apply(s: SessionState, e: Entry) -> None:
                     "cache_write": u.cache_write,
                 }
             )
-        case PauseRequested(run_id=run_id):
+        case PauseRequested(run_id=run_id, taken_back=taken_back):
             if run_id == s.active_run:
-                s.pause_requested = run_id
+                s.pause_requested = None if taken_back else run_id
         case RunEnd(run_id=run_id):
             if s.pause_requested == run_id:
                 s.pause_requested = None

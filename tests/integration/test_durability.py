@@ -897,6 +897,32 @@ def test_a_pause_acknowledged_before_a_crash_keeps_the_run_paused(env: Env, fork
     verify_ok(env, sid)
 
 
+def test_a_resume_acknowledged_before_the_pause_was_reached_holds_across_a_crash(
+    env: Env,
+) -> None:
+    """`pause`, then `resume` while the model call is still out: the resume takes the pause
+    back (it was refused as "not paused", and the run then paused for good), and a crash
+    before the safe point must not bring the pause back: the run is taken up again."""
+    env.model.script({"text": "never delivered", "gate": "hold"}, {"text": "went on"})
+    pod = env.start("changed-mind")
+    with pod.client() as c:
+        run = c.run("work paused and resumed")
+        env.model.wait_for_requests(1)
+        assert c.pause().paused
+        assert c.resume().run_id == run.run_id
+        assert c.status().state == "running"
+    pod.kill9()
+    env.model.open_gate("hold")
+    before = len(env.model.requests)
+    again = env.restart(pod, "--resume")
+    wait_until(lambda: settled(again), what="the interrupted run taken up and finished")
+    assert len(env.model.requests) > before  # taken up, not left paused
+    entries = all_history(again)
+    check_pairing(entries)
+    check_runs_end_once(entries)
+    assert again.call("status")["state"] == "idle"
+
+
 # --- one session, one writer --------------------------------------------------------------------
 
 

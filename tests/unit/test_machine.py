@@ -267,6 +267,31 @@ def test_pause_during_the_final_answer_holds_and_resume_finishes_without_a_call(
     assert finished[-1]["text"] == "the answer"
 
 
+def test_resume_before_the_pause_is_reached_takes_the_pause_back() -> None:
+    """`pause` then `resume` while the model still streams (the safe point not reached): the
+    resume is not refused as "not paused" leaving the pod to pause for good a moment later;
+    the run pauses at its safe point and goes on at once. A later pause holds again."""
+    d = Driver()
+    run_id = d.answer(d.call("run", "work")).result.run_id
+    assert d.answer(d.call("pause")).result.paused
+    resume = d.answer(d.call("resume"))
+    assert resume.error is None and resume.result.run_id == run_id
+    d.model(calls=1)  # the safe point: it pauses and resumes
+    assert d.machine.pod_state == "running"
+    assert isinstance(d.inflight, CallModel) and d.inflight.run_id == run_id
+    d.model("done")
+    assert d.machine.pod_state == "idle"
+    finished = [data["outcome"] for t, data, _ in d.events if t == "run.finished"]
+    assert finished == ["paused", "finished"]
+    # pause, resume, pause: the last word holds
+    d.call("run", "again")
+    d.call("pause")
+    d.call("resume")
+    d.call("pause")
+    d.model("the answer")
+    assert d.machine.pod_state == "paused"
+
+
 def test_pause_while_the_model_call_waits_to_retry_withdraws_it() -> None:
     d = Driver()
     d.call("run", "work")
