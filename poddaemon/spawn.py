@@ -31,6 +31,7 @@ from poddaemon.entries import SPAWNER_KEY, Entry, OutboxItem, SystemItem
 from poddaemon.machine import FINAL_REPORTS
 from poddaemon.readyline import parse_ready, parse_starting
 from poddaemon.scope import Access, Rule, resolve
+from poddaemon.session import KEPT_REPORT_IDS
 from poddaemon.store.log import new_session_id
 from poddaemon.tools.base import ToolError
 from protocol import paths
@@ -137,7 +138,10 @@ class Children:
         self.outstanding: dict[str, set[str]] = {}  # child -> runs we asked for, not reported
         self.changed = asyncio.Event()  # a report arrived or a child went
         self._spawning: set[str] = set()
-        self._reported: set[str] = set()  # runs whose run.finished arrived
+        # Runs whose run.finished arrived before `_expect` saw them (the report may come
+        # before the run's ack reaches us): taken by `_expect`; the newest KEPT_REPORT_IDS
+        # (an ordered set: a report of a run nobody expects in this life is never taken).
+        self._reported: dict[str, None] = {}
         # Children taken back after our restart: which runs we gave them died with our memory,
         # so `wait_pods` waits for them while they are running.
         self._taken_back: set[str] = set()
@@ -168,7 +172,9 @@ class Children:
         if isinstance(entry, SystemItem) and entry.pod is not None:
             if entry.event_kind == "run.finished" and entry.run_id is not None:
                 self.outstanding.get(entry.pod, set()).discard(entry.run_id)
-                self._reported.add(entry.run_id)  # may come before the run's ack reached us
+                self._reported[entry.run_id] = None  # may come before the run's ack reached us
+                if len(self._reported) > KEPT_REPORT_IDS:
+                    del self._reported[next(iter(self._reported))]
             self.changed.set()
 
     def heard_from(self, name: str) -> None:
@@ -359,7 +365,9 @@ class Children:
 
     def _expect(self, name: str, run_id: str) -> None:
         """`wait_pods` waits for this run's report (unless it is here already)."""
-        if run_id not in self._reported:
+        if run_id in self._reported:
+            del self._reported[run_id]  # its report came first: nothing to wait for
+        else:
             self.outstanding.setdefault(name, set()).add(run_id)
 
     def _grant(self, asked: Any) -> int | None:

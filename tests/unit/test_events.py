@@ -121,6 +121,30 @@ def test_no_gap_when_exactly_the_oldest_held_is_next() -> None:
     assert conn.gaps == [] and conn.seqs == [8, 9, 10]
 
 
+def test_the_buffer_holds_at_most_max_bytes_of_frames_the_oldest_dropped_first() -> None:
+    """Events carry notification messages, tool arguments and final texts (up to a frame
+    each): the replay buffer is bounded in bytes too, not only in events, or a long-lived pod
+    holds `capacity` times its largest events. What it dropped is a `gap`, as for the count."""
+    bus = EventBus(capacity=10_000, max_bytes=100_000)
+    for i in range(1000):
+        bus.publish("notification.committed", {"message": "x" * 10_000, "n": i})
+    assert sum(len(frame) for _, frame in bus._held) <= 100_000
+    assert len(bus._held) >= 9  # as many as fit
+    conn = Conn()
+    bus.subscribe(conn.sub(bus.first_seq))
+    assert len(conn.gaps) == 1
+    assert conn.seqs == [seq for seq, _ in bus._held] and conn.seqs[-1] == bus.seq
+    big = bus.publish("run.finished", {"text": "y" * 200_000}, "r1")  # the newest is held
+    assert conn.seqs[-1] == big.seq and [s for s, _ in bus._held] == [big.seq]
+    small = EventBus(capacity=500, max_bytes=100_000)
+    for _ in range(5000):  # small events: the count bounds them, as before
+        small.publish("text.delta", {"text": "z"})
+        bus.publish("text.delta", {"text": "z"})
+    assert len(small._held) == 500
+    for b in (small, bus):  # the running total stays exact as the deque drops and pops
+        assert b._held_bytes == sum(len(frame) for _, frame in b._held) <= 100_000
+
+
 def test_congested_subscriber_is_skipped_and_catches_up_without_duplicates() -> None:
     bus = EventBus(capacity=100)
     fast, slow = Conn(), Conn()

@@ -13,9 +13,11 @@ import msgspec
 import pytest
 
 from poddaemon.config.manifest import Manifest
+from poddaemon.entries import SystemItem
 from poddaemon.mcp.tool import McpTool
 from poddaemon.registry import Registry, make_entry
 from poddaemon.scope import Scope
+from poddaemon.session import KEPT_REPORT_IDS
 from poddaemon.spawn import Children, _Live, narrow_tools
 from poddaemon.tools.base import ToolError, ToolOutcome
 from poddaemon.toolset import Toolset
@@ -186,3 +188,37 @@ def test_the_child_gets_the_mcp_tools_named_as_the_spawners_model_sees_them(
     child = Children(pod)._child_manifest("kid", args, None)
     assert child.worker.tools == ["grep"]
     assert servers(child) == {"db": ["schema.get"]}
+
+
+# --- a long-lived spawner keeps a bounded past (README: "A pod keeps a bounded past") --------
+
+
+def _run_finished(pod: str, run_id: str) -> SystemItem:
+    return SystemItem(
+        id=f"n-{run_id}",
+        text="done",
+        source=f"pod:{pod}",
+        pod=pod,
+        event_kind="run.finished",
+        event_id=f"e-{run_id}",
+        run_id=run_id,
+        outcome="finished",
+    )
+
+
+def test_the_reports_a_spawner_remembers_for_runs_it_has_not_expected_yet_are_bounded() -> None:
+    """`run.finished` of a child's run may arrive before the run's ack (then `_expect` must
+    not wait for it); what is kept for that race is taken by `_expect` and is at most the
+    newest KEPT_REPORT_IDS, however many runs the spawner's children ever finished."""
+    children = Children(SimpleNamespace())
+    for i in range(KEPT_REPORT_IDS + 500):  # a child's runs, reported after their ack
+        children._expect("kid", f"r{i}")
+        children.observe(_run_finished("kid", f"r{i}"))
+    for i in range(KEPT_REPORT_IDS + 500):  # runs reported that this life never expects
+        children.observe(_run_finished("kid", f"orphan{i}"))
+    assert len(children._reported) <= KEPT_REPORT_IDS
+    assert not children.outstanding.get("kid")
+    children.observe(_run_finished("kid", "early"))  # the report before the ack
+    children._expect("kid", "early")
+    assert not children.outstanding.get("kid")  # nothing to wait for
+    assert "early" not in children._reported  # and nothing kept once taken
