@@ -34,14 +34,25 @@ class Subscription:
         self.cursor = cursor  # seq of the last event this subscriber has been given
 
 
+# What the replay buffer may hold in frames' bytes, whatever `capacity` says: an event carries
+# a notification's message, a tool call's arguments or a run's final text, each up to a frame
+# (8 MiB), so 10,000 of them could hold gigabytes in a long-lived pod. The oldest go first
+# (a subscriber that asks for them is told `gap`); the newest is always held.
+MAX_HELD_BYTES = 32 * 1024 * 1024
+
+
 class EventBus:
-    def __init__(self, capacity: int = 10_000, first_seq: int = 0) -> None:
+    def __init__(
+        self, capacity: int = 10_000, first_seq: int = 0, max_bytes: int = MAX_HELD_BYTES
+    ) -> None:
         # Events are numbered from first_seq + 1. A pod numbers from the µs it started: a
         # cursor a client kept from an earlier life of the pod is then below everything this
         # one holds, so it is told `gap` (numbered from 1 each time, an old cursor read as a
         # position in the new numbering and skipped what the client never saw).
         self.first_seq = self.seq = first_seq
         self._held: deque[tuple[int, bytes]] = deque(maxlen=capacity)
+        self._held_bytes = 0  # the frames' bytes in _held
+        self._max_bytes = max_bytes
         self._subs: set[Subscription] = set()
 
     def publish(self, type: str, data: dict[str, Any], run_id: str | None = None) -> Event:
@@ -49,7 +60,13 @@ class EventBus:
         seq = self.seq
         event = Event(seq=seq, ts=time.time(), type=type, data=data, run_id=run_id)
         frame = event_frame(event)
-        self._held.append((seq, frame))
+        held = self._held
+        if len(held) == held.maxlen:
+            self._held_bytes -= len(held[0][1])  # append drops it
+        held.append((seq, frame))
+        self._held_bytes += len(frame)
+        while self._held_bytes > self._max_bytes and len(held) > 1:
+            self._held_bytes -= len(held.popleft()[1])
         for sub in self._subs:
             if sub.cursor == seq - 1 and not sub.congested():
                 sub.write(frame)
@@ -66,6 +83,7 @@ class EventBus:
     def forget(self) -> None:
         """Hold nothing published so far: a subscriber that asks for it is told `gap`."""
         self._held.clear()
+        self._held_bytes = 0
 
     def subscribe(self, sub: Subscription) -> None:
         if sub.cursor > self.seq:
