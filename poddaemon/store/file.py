@@ -150,6 +150,16 @@ def _close_and_remove(fd: int, path: Path) -> None:
         path.unlink()
 
 
+def _remove_leftovers(sessions_dir: Path, pod: str) -> None:
+    """Remove the ``.tmp`` files an earlier life of `pod` left when it crashed before their
+    rename (a compaction cut short): nothing reads them, and only one pod of a name lives at
+    a time, so no other writer is making one of them now."""
+    for tmp in sessions_dir.glob("*.jsonl.tmp"):
+        with contextlib.suppress(OSError):
+            if _head(_first_line(tmp)).pod == pod:
+                tmp.unlink()
+
+
 def _still_named(path: Path, fd: int) -> bool:
     """`path` still names the open file `fd`."""
     try:
@@ -325,6 +335,9 @@ class SessionLog:
         except BaseException:
             _close_and_remove(fd, tmp)
             raise
+        pod = start_body.get("pod")
+        if isinstance(pod, str):
+            _remove_leftovers(path.parent, pod)
         return cls(path, session_id, fd, 1, entry["hash"], len(line), line)
 
     @classmethod

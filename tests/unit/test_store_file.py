@@ -907,3 +907,24 @@ def test_read_page_of_a_file_that_shrank_since_its_size_was_taken(
     monkeypatch.setattr(os, "fstat", grown)
     page = read_page(sessions, sid, 45, 100, 1 << 20)
     assert [e["seq"] for e in page.entries] == [46, 47, 48, 49, 50] and page.last == 50
+
+
+def test_a_new_complete_session_removes_the_tmp_files_its_pod_left_in_a_crash(
+    sessions: Path,
+) -> None:
+    # A compaction cut short by a crash left `<id>.jsonl.tmp` (nothing reads it) for good.
+    def leftover(pod: str) -> Path:
+        sid = new_session_id()
+        log = SessionLog.create(sessions, sid, {"pod": pod})
+        log.close()
+        tmp = sessions / f"{sid}.jsonl.tmp"
+        (sessions / f"{sid}.jsonl").rename(tmp)
+        return tmp
+
+    mine, theirs = leftover("p"), leftover("q")
+    garbage = sessions / f"{new_session_id()}.jsonl.tmp"
+    garbage.write_bytes(b"\x00 not a line")
+    log = SessionLog.create_complete(sessions, new_session_id(), {"pod": "p"})
+    log.close()
+    assert not mine.exists()
+    assert theirs.exists() and garbage.exists()  # another pod's, and one nobody names
