@@ -768,37 +768,27 @@ class Machine:
             if stale:  # "this pod stopped", from an earlier life: not true now it runs again
                 self._commit(OutboxAcked(ids=stale))
             run_id = self.state.active_run
-            if run_id is not None and run_id == self.state.pause_requested:
-                # Paused by a client before the crash, short of its safe point: it stays
-                # paused (its open calls closed as interrupted) and nothing takes it up until
-                # `resume`.
+            if run_id is not None:
+                # Paused by a client before the crash, short of its safe point, it stays paused
+                # (its open calls closed as interrupted) and nothing takes it up until `resume`.
+                paused = run_id == self.state.pause_requested
                 self._commit_all(interrupted_results(self.state.open_calls, run_id))
                 self._commit(
                     RunEnd(
                         run_id=run_id,
-                        outcome="paused",
+                        outcome="paused" if paused else "error",
                         text="",
+                        error=None if paused else "interrupted: the pod stopped during this run",
                         interrupted=True,
                         usage=self.state.run_usage,
                     )
                 )
-            elif run_id is not None:
-                self._commit_all(interrupted_results(self.state.open_calls, run_id))
-                self._commit(
-                    RunEnd(
-                        run_id=run_id,
-                        outcome="error",
-                        text="",
-                        error="interrupted: the pod stopped during this run",
-                        interrupted=True,
-                        usage=self.state.run_usage,
-                    )
-                )
-                if self.cfg.reports and run_id in self.state.spawner_runs:
-                    error = "interrupted: the pod stopped during this run"
-                    self._report("run.finished", run_id=run_id, text=error, outcome="error")
-                self._note_arrived()
-                self._commit(_restart_note(run_id))
+                if not paused:
+                    if self.cfg.reports and run_id in self.state.spawner_runs:
+                        error = "interrupted: the pod stopped during this run"
+                        self._report("run.finished", run_id=run_id, text=error, outcome="error")
+                    self._note_arrived()
+                    self._commit(_restart_note(run_id))
             self._announced = self.pod_state  # (paused, say) what later changes are told against
             self._emit(Sync())
 
