@@ -141,6 +141,27 @@ def _python_for_other_uid() -> str | None:
     return None
 
 
+def guest_manifest(work: Path, base_url: str, tools: tuple[str, ...] = ()) -> str:
+    """The manifest of pod "guest" (run as OTHER_UID): `work` its pwd and its write scope."""
+    listed = "tools = [" + ", ".join(f'"{t}"' for t in tools) + "]\n" if tools else ""
+    return (
+        "[pod]\n"
+        'name = "guest"\n'
+        f'pwd = "{work}"\n'
+        "[provider]\n"
+        'kind = "openai"\n'
+        'model = "fake-model"\n'
+        f'base_url = "{base_url}"\n'
+        'api_key_env = "FAKE_API_KEY"\n'
+        "[worker]\n"
+        'instruction = "test"\n'
+        f"{listed}"
+        "[[scope.allow]]\n"
+        f'target = "{work}"\n'
+        'permission = "write"\n'
+    )
+
+
 class Other:
     """A directory tree owned by uid 65534 holding a manifest, and a way to run the pod as it."""
 
@@ -151,21 +172,7 @@ class Other:
         self.mine = base / "nobody"
         (self.mine / "work").mkdir(parents=True, mode=0o700)
         self.manifest = self.mine / "pod.toml"
-        self.manifest.write_text(
-            "[pod]\n"
-            'name = "guest"\n'
-            f'pwd = "{self.mine / "work"}"\n'
-            "[provider]\n"
-            'kind = "openai"\n'
-            'model = "fake-model"\n'
-            f'base_url = "{env.model.openai_base_url}"\n'
-            'api_key_env = "FAKE_API_KEY"\n'
-            "[worker]\n"
-            'instruction = "test"\n'
-            "[[scope.allow]]\n"
-            f'target = "{self.mine / "work"}"\n'
-            'permission = "write"\n'
-        )
+        self.manifest.write_text(guest_manifest(self.mine / "work", env.model.openai_base_url))
         for p in [self.mine, *self.mine.rglob("*")]:
             os.chown(p, OTHER_UID, OTHER_UID)
 

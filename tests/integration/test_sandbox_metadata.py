@@ -17,7 +17,7 @@ from poddaemon.sandbox import available
 from poddaemon.sandbox.mounts import TEST_SEAM
 from tests.conftest import Env, wait_until
 from tests.integration.test_pod_sandbox import bash_results, status_of
-from tests.integration.test_private_dirs import OTHER_UID
+from tests.integration.test_private_dirs import OTHER_UID, guest_manifest
 
 pytestmark = pytest.mark.skipif(available() == 0, reason="this kernel has no Landlock")
 
@@ -158,22 +158,7 @@ def test_a_user_pod_cannot_open_up_its_own_files_outside_the_scope(
     ]
     env.model.script({"tool_calls": calls}, {"text": "done"})
     manifest = mine / "pod.toml"
-    manifest.write_text(
-        "[pod]\n"
-        'name = "guest"\n'
-        f'pwd = "{work}"\n'
-        "[provider]\n"
-        'kind = "openai"\n'
-        'model = "fake-model"\n'
-        f'base_url = "{env.model.openai_base_url}"\n'
-        'api_key_env = "FAKE_API_KEY"\n'
-        "[worker]\n"
-        'instruction = "test"\n'
-        'tools = ["bash"]\n'
-        "[[scope.allow]]\n"
-        f'target = "{work}"\n'
-        'permission = "write"\n'
-    )
+    manifest.write_text(guest_manifest(work, env.model.openai_base_url, ("bash",)))
     os.chown(manifest, OTHER_UID, OTHER_UID)
     before = metadata(bashrc), metadata(mine)[:3]  # the pod adds its home there: a new mtime
     as_guest = {
