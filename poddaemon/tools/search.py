@@ -219,10 +219,10 @@ def _name_filter(name_glob: str | None) -> Any:
 
 def _walk_files(ctx: ToolContext, base: str) -> Any:
     """Files under base (sorted, not following directory symlinks, pruning SKIP_DIRS and
-    directories the scope hides), as (path as walked, resolved path)."""
+    directories the scope hides), as (path as walked, resolved path, its lstat or None)."""
     st = os.stat(base)
     if not stat.S_ISDIR(st.st_mode):
-        yield base, base
+        yield base, base, None
         return
     for root, dirs, names in os.walk(base):
         dirs[:] = sorted(
@@ -232,9 +232,16 @@ def _walk_files(ctx: ToolContext, base: str) -> Any:
         )
         for name in sorted(names):
             full = os.path.join(root, name)
-            real = os.path.realpath(full) if os.path.islink(full) else full
+            try:
+                lst = os.lstat(full)
+            except OSError:
+                continue  # gone meanwhile
+            if stat.S_ISLNK(lst.st_mode):  # judged, and looked at, where it leads
+                real, looked = os.path.realpath(full), None
+            else:
+                real, looked = full, lst
             if ctx.scope.access(real) >= Access.READ:
-                yield full, real
+                yield full, real, looked
 
 
 # Without repetition or alternation a pattern matches in time linear in the line: `re` runs it
@@ -277,13 +284,13 @@ def _grep(
     out: list[str] = []
     files = 0
     cut = [0]  # lines searched in their first GREP_LINE_BYTES only
-    for full, real in _walk_files(ctx, base):
+    for full, real, looked in _walk_files(ctx, base):
         if stop.stopped():
             break
         if not accept(os.path.relpath(full, base), os.path.basename(full)):
             continue
         try:
-            fd, st = open_regular(ctx, real, real)  # O_NONBLOCK: a FIFO cannot hang us
+            fd, st = open_regular(ctx, real, real, looked)
             with os.fdopen(fd, "rb") as f:
                 if is_binary(f.read(BINARY_SNIFF_BYTES)):
                     continue

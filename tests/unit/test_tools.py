@@ -716,7 +716,7 @@ async def test_a_cancelled_grep_stops_its_thread(
                 if i == 1:
                     walking.set()
                     resume.wait(10)
-                yield str(root / f"none{i}"), str(root / f"none{i}")
+                yield str(root / f"none{i}"), str(root / f"none{i}"), None
         finally:
             ended.set()
 
