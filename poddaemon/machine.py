@@ -251,6 +251,7 @@ class Machine:
         # The model call in flight only waits to retry (nothing streamed): a pause may end it.
         self._model_retrying = False
         self._resume_requested = False
+        self._pause_withdrawn_call: str | None = None  # a run whose call a pause interrupted
         self._waiters: dict[str, list[int]] = {}  # run_id -> tokens of `run {wait}`
         # run_id -> tokens of `cancel`s of that active run: answered once its end is committed,
         # so a crash after `{cancelled: true}` cannot restore it as interrupted and resume it.
@@ -493,7 +494,10 @@ class Machine:
                 # A pause asked for and not reached yet: the run still pauses at its safe
                 # point (it may have been interrupted there already) and goes on at once. Told
                 # "not paused", a client that paused and resumed left the pod paused for good.
-                self._resume_requested = True
+                if self._pause_withdrawn_call == turn.run_id:
+                    self._resume_requested = True  # its call is withdrawn: it ends paused
+                else:  # nothing done for the pause yet: the run goes on, never reported paused
+                    turn.withdraw_pause()
                 if self.state.pause_requested == turn.run_id:  # a crash now must not pause it
                     self._commit(PauseRequested(run_id=turn.run_id, taken_back=True))
                 self._reply(token, ResumeResult(run_id=turn.run_id), durable=True)
@@ -511,7 +515,9 @@ class Machine:
             active, paused = self.state.active_run, self.state.paused_run
             if active is None and paused is not None and run_id in (None, paused):
                 self._finish_run(paused, Finished("cancelled", ""))  # its final report
-                self._reply(token, CancelResult(cancelled=True))
+                # Sent once its end is fsync'd: a power cut after `{cancelled: true}` must not
+                # bring the run back paused (or queued, below), to be resumed or started.
+                self._reply(token, CancelResult(cancelled=True), durable=True)
                 return
             compacting = self._compacting
             if run_id is None and self.turn is None and compacting is not None:
@@ -524,7 +530,7 @@ class Machine:
                 queued = run_id in self.state.pending_runs
                 if queued:
                     self._finish_run(run_id, Finished("cancelled", ""), started=False)
-                self._reply(token, CancelResult(cancelled=queued))
+                self._reply(token, CancelResult(cancelled=queued), durable=queued)
                 return
             if self.turn is None or self.turn.done:
                 self._reply(token, CancelResult(cancelled=False))
@@ -683,6 +689,7 @@ class Machine:
             and turn.pause_requested
         ):
             self._model_retrying = False
+            self._pause_withdrawn_call = turn.run_id
             self._emit(Interrupt())  # model_failed(None) follows: the run ends `paused`
 
     def model_failed(self, error: ProviderError | None, partial: str = "") -> list[Effect]:
@@ -1254,6 +1261,8 @@ class Machine:
     def _finish_run(self, run_id: str, end: Finished, started: bool = True) -> None:
         # Cut short by the stop, not by a `cancel` that came first: picked up at the next start.
         cancelled = run_id == self._cancelled_run
+        if started and self._pause_withdrawn_call == run_id:
+            self._pause_withdrawn_call = None
         interrupted = self.stopping and end.outcome == "cancelled" and started and not cancelled
         outcome, error = end.outcome, end.error
         if interrupted:

@@ -154,6 +154,10 @@ class Turn(msgspec.Struct):
     def request_pause(self) -> None:
         self._pause = True
 
+    def withdraw_pause(self) -> None:
+        """A `resume` before the safe point was reached: the run goes on as if never paused."""
+        self._pause = False
+
     def request_cancel(self) -> None:
         self._cancel = True
 

@@ -270,19 +270,22 @@ def test_pause_during_the_final_answer_holds_and_resume_finishes_without_a_call(
 def test_resume_before_the_pause_is_reached_takes_the_pause_back() -> None:
     """`pause` then `resume` while the model still streams (the safe point not reached): the
     resume is not refused as "not paused" leaving the pod to pause for good a moment later;
-    the run pauses at its safe point and goes on at once. A later pause holds again."""
+    the run goes on as if never paused: no `paused` end, which `run {wait}` and `podctl send`
+    would report as the run's outcome. A later pause holds again."""
     d = Driver()
     run_id = d.answer(d.call("run", "work")).result.run_id
     assert d.answer(d.call("pause")).result.paused
     resume = d.answer(d.call("resume"))
     assert resume.error is None and resume.result.run_id == run_id
-    d.model(calls=1)  # the safe point: it pauses and resumes
+    d.model(calls=1)  # the safe point passes: its tool runs
     assert d.machine.pod_state == "running"
+    assert isinstance(d.inflight, RunTool)
+    d.tool()
     assert isinstance(d.inflight, CallModel) and d.inflight.run_id == run_id
     d.model("done")
     assert d.machine.pod_state == "idle"
     finished = [data["outcome"] for t, data, _ in d.events if t == "run.finished"]
-    assert finished == ["paused", "finished"]
+    assert finished == ["finished"]
     # pause, resume, pause: the last word holds
     d.call("run", "again")
     d.call("pause")
@@ -671,3 +674,40 @@ def test_a_provider_reporting_no_usage_cannot_spend_a_budget_for_nothing(capped:
         assert len(alerts) == 1 and "no token usage" in alerts[0]["message"]
     else:  # nothing to enforce: the numbers stay what the provider said
         assert all(e["input"] == e["output"] == 0 for e in used) and alerts == []
+
+
+@pytest.mark.parametrize("what", ["paused", "queued"])
+def test_cancel_of_a_paused_or_queued_run_answers_once_its_end_is_in_the_log(what: str) -> None:
+    """`cancel` of the active run answers once the run's end is written (durable reply); the
+    same must hold for a paused run and a queued one, or a crash right after `{cancelled:
+    true}` brings the run back (paused, to be resumed; queued, to be started)."""
+    d = Driver()
+    d.call("run", "work")
+    if what == "paused":
+        d.model(calls=1)
+        d.answer(d.call("pause"))
+        d.tool()
+        assert d.machine.pod_state == "paused"
+        token = d.call("cancel")
+    else:
+        queued = d.answer(d.call("run", "later")).result.run_id
+        token = d.call("cancel", queued)
+    (reply,) = [e for e in d.effects if isinstance(e, Reply) and e.token == token]
+    assert reply.result.cancelled
+    assert reply.durable, "answered before the run's end is written"
+
+
+def test_resume_after_a_pause_withdrew_a_retrying_call_pauses_and_goes_on() -> None:
+    """The pause interrupted a call waiting to retry (the call is gone): a resume before the
+    run's end is written still ends it `paused` and takes it up at once."""
+    d = Driver()
+    run_id = d.answer(d.call("run", "work")).result.run_id
+    d.feed(d.machine.model_retrying(True))
+    assert d.answer(d.call("pause")).result.paused
+    assert any(isinstance(e, Interrupt) for e in d.effects)
+    assert d.answer(d.call("resume")).result.run_id == run_id
+    d.model_fails(None)
+    assert isinstance(d.inflight, CallModel) and d.inflight.run_id == run_id
+    d.model("done")
+    finished = [data["outcome"] for t, data, _ in d.events if t == "run.finished"]
+    assert finished == ["paused", "finished"]
