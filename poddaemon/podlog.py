@@ -21,7 +21,16 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from poddaemon.entries import Entry, RunStart, SessionStart, SystemItem, UserInput, body_of
+from poddaemon.entries import (
+    Entry,
+    PauseRequested,
+    RunEnd,
+    RunStart,
+    SessionStart,
+    SystemItem,
+    UserInput,
+    body_of,
+)
 from poddaemon.store.file import HeadMoved, Reservation, SessionLog
 from poddaemon.store.log import new_session_id
 
@@ -48,7 +57,9 @@ class PodLog:
         self._staged = False  # entries may be staged: `flush` has work (it runs per reply)
         self._flush_due = False  # a flush is scheduled for the end of this loop pass
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._input_seq = 0  # the last input written: acks and model calls wait for it
+        # The last input written (or decision a client is told of: see _told): acks and model
+        # calls wait for it.
+        self._input_seq = 0
         self._reserved: Reservation | None = None  # the first session's file, made ahead
         self._closed = False
 
@@ -129,7 +140,7 @@ class PodLog:
             seq = log.stage_record(record)
             self._staged = True
             kind = type(entry)
-            if kind is SystemItem or kind is UserInput:
+            if kind is SystemItem or kind is UserInput or _told(entry):
                 self._input_seq = seq
         except HeadMoved:
             self._fork()
@@ -257,6 +268,13 @@ class PodLog:
     def _failed(self, message: str) -> None:
         self.failed = True
         self.fail(message)
+
+
+def _told(entry: Entry) -> bool:
+    """A decision a client's reply speaks of, which must survive a power cut as an input must:
+    an acknowledged pause, a run ended by `cancel` (other ends are told to nobody who asked)."""
+    kind = type(entry)
+    return kind is PauseRequested or (isinstance(entry, RunEnd) and entry.outcome == "cancelled")
 
 
 CRASH_ENV = "PODDAEMON_TEST_CRASH_COMPACTION"

@@ -3,7 +3,7 @@
 import asyncio
 import tempfile
 
-from poddaemon.entries import ChildEnded, SessionStart, SystemItem
+from poddaemon.entries import ChildEnded, PauseRequested, RunEnd, SessionStart, SystemItem
 from poddaemon.podlog import PodLog
 from poddaemon.store.log import new_session_id, verify
 
@@ -44,3 +44,30 @@ def test_an_input_after_the_close_still_fails_it_is_never_acknowledged_unwritten
     with tempfile.TemporaryDirectory(dir="/tmp") as sessions:
         plog = asyncio.run(go(sessions))
     assert plog.failed and "closed" in failures[0]
+
+
+def test_what_a_client_is_told_waits_for_the_fsync_as_an_input_does() -> None:
+    """A pause and a cancel's run end are acknowledged: a reply must survive a power cut, so
+    it waits for the fsync that covers them, as an input's does (written but not fsync'd, a
+    power cut took the pause back, or brought the cancelled run back). A run's other ends,
+    told to nobody who asked, need not wait."""
+    told = [
+        PauseRequested(run_id="r1"),
+        RunEnd(run_id="r1", outcome="cancelled", text=""),
+    ]
+    async def durable_before_and_after(entry: PauseRequested | RunEnd, sessions: str) -> bool:
+        plog = PodLog(sessions, print, lambda _: None, lambda _: None, SessionStart)
+        plog.open(SessionStart(session_id=new_session_id(), seq=1, ts=1.0))
+        plog.sync_now()
+        entry.seq, entry.ts = 2, 2.0
+        plog.write(entry)
+        before = plog.inputs_durable()
+        plog.sync_now()
+        assert plog.inputs_durable()
+        await plog.close()
+        return before
+
+    for entry in [*told, RunEnd(run_id="r1", outcome="finished", text="done")]:
+        with tempfile.TemporaryDirectory(dir="/tmp") as sessions:
+            waits = not asyncio.run(durable_before_and_after(entry, sessions))
+        assert waits is (entry in told), entry
