@@ -199,8 +199,10 @@ class Pod:
 
     # --- the loop: effects out, commands in -----------------------------------------------------
 
-    def feed(self, effects: list[Effect]) -> None:
-        forks = self.plog.forks  # after a fork, the batch's entries are already in the new session
+    def feed(self, effects: list[Effect], in_log: bool = False) -> None:
+        # After a fork, the batch's entries are already in the new session; `in_log`: they are
+        # from the start (a fork made right after they were folded in: see restore).
+        forks = -1 if in_log else self.plog.forks
         for effect in effects:
             # The per-request effects first, by exact type: cheaper than class patterns, which
             # look up __match_args__ and each attribute on every test.
@@ -604,25 +606,25 @@ class Pod:
     # --- restore and shutdown -------------------------------------------------------------------
 
     async def restore(self, session_id: str) -> list[str]:
-        """Reopen a session: fold its log, close what a crash left open. Returns warnings."""
+        """Reopen a session: fold its log, close what a crash left open. Returns warnings.
+
+        Another pod's session (`--session`) is continued in a fork of this pod's own, where its
+        `--resume` looks, and not where the other pod's `--resume` would run what this one
+        acknowledges; so is a session another one continues already (one compacted or forked
+        since: no chain end, `--resume` never picks it). The fork is made before anything is
+        written: what the restore closes (an interrupted run) goes to it, not to the old one."""
         from poddaemon.store.file import continued_by, session_pod
 
-        effects, warnings = self.plog.restore(session_id, self.machine.restore)
-        self.feed(effects)
-        await self._synced()
-        # Another pod's session (`--session`): what this pod acknowledges goes to a session of
-        # its own, forked from it, where its `--resume` looks, and not where the other pod's
-        # `--resume` would run it. A session another one continues already (`--session` of one
-        # compacted or forked since) is no chain end: `--resume` never picks it, so what this
-        # pod would write on in it would be passed over too. Continue in a fork in both cases.
         owner = session_pod(self.s.sessions_dir, session_id)
+        why = None
         if owner is not None and owner != self.name:
             why = f"is pod {owner!r}'s"
         elif later := continued_by(self.s.sessions_dir, session_id, self.name):
             why = f"was continued already by session {later[0]}"
-        else:
-            return warnings
-        self.plog.fork_now(why)
+        effects, warnings = self.plog.restore(session_id, self.machine.restore)
+        if why is not None:
+            self.plog.fork_now(why)  # its first entry holds the state the effects made
+        self.feed(effects, in_log=why is not None)
         await self._synced()
         return warnings
 

@@ -791,6 +791,32 @@ def test_a_pod_restored_from_another_pods_session_keeps_what_it_acknowledged_its
     assert text not in requests_since(env, before)
 
 
+def test_a_pod_restoring_another_pods_crashed_session_writes_nothing_into_it(env: Env) -> None:
+    """`a` killed in a model call, then `b --session <a's session>`: what the restore closes
+    (a's interrupted run, the note that takes it up) went into a's file before b forked, so
+    `a --resume` later found it there too. It goes to b's fork; a's file stays as a left it."""
+    env.model.script({"text": "never delivered", "gate": "hold"})
+    a = env.start("a")
+    with a.client() as c:
+        c.run("a's work, cut short")
+        env.model.wait_for_requests(1)
+        sid = c.status().session_id
+    a.kill9()
+    path = sessions_dir(env) / f"{sid}.jsonl"
+    left = path.read_bytes()
+    env.model.open_gate("hold")
+    b = env.start("b", "--session", sid, write=[str(env.home / "b")])
+    wait_until(lambda: settled(b), what="b to settle")
+    assert path.read_bytes() == left
+    entries = all_history(b)
+    start = entries[0]
+    assert start["forked_from"] == sid  # holding a's run closed: no longer active
+    assert start.get("active_run") is None
+    check_pairing(entries)
+    check_runs_end_once(entries)
+    verify_ok(env, b.call("status")["session_id"])
+
+
 def test_fork_keeps_client_keys(env: Env) -> None:
     pod = env.start("keyfork")
     with pod.client() as c:
