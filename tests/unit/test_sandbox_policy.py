@@ -76,6 +76,21 @@ def test_deny_read_is_carved_around(root: Path) -> None:
     )
 
 
+def test_a_denied_file_gets_no_note_about_names_inside_it(root: Path) -> None:
+    # A root pod denies /etc/shadow in the readable /etc: a file has no entries to list,
+    # create or remove, so status must not say it has (nor for the tree's directory deny).
+    tree(root, "etc/passwd", "etc/shadow", "etc/ssl/private/k")
+    scope = Scope.from_config(
+        [("etc", "read", True)],
+        [("etc/shadow", "read", True), ("etc/ssl/private", "read", True)],
+        cwd=str(root),
+    )
+    notes = "\n".join(policy(scope, root).notes)
+    assert f"{root}/etc/shadow:" not in notes, notes
+    assert f"{root}/etc/ssl/private: denied, but the names inside it can still be listed" in notes
+    assert not policy(scope, root).access(f"{root}/etc/shadow") & FS.READ_FILE
+
+
 def test_deny_write_keeps_read(root: Path) -> None:
     tree(root, "proj/vendor/lib.c", "proj/main.c")
     scope = Scope.from_config(
