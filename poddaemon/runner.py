@@ -323,6 +323,8 @@ def read_only_view(writable: list[str]) -> list[str]:
     is left unprotected, and why, becomes a note."""
     from poddaemon.sandbox import mounts  # type: ignore[import-not-found,unused-ignore]
 
+    # Before the user namespace: inside it, groups it does not map read as 65534.
+    groups = sorted(set(os.getgroups()) - {os.getgid()}) if os.geteuid() != 0 else []
     try:
         left = mounts.isolate(writable)
     except OSError as e:
@@ -330,12 +332,21 @@ def read_only_view(writable: list[str]) -> list[str]:
             "file modes, owners and times outside the write scope are not protected (Landlock "
             f"has no right for them; the read-only mount namespace failed: {e.strerror})"
         ]
-    if not left:
-        return []
-    return [
-        "file modes, owners and times stay changeable on these mounts (they could not be made "
-        f"read-only): {', '.join(left)}"
-    ]
+    notes = []
+    if groups:
+        notes.append(
+            "supplementary groups ("
+            + ", ".join(map(str, groups))
+            + ") are not mapped in the commands' user namespace: they still grant access, but "
+            "show as 65534, chgrp to them fails (Invalid argument), cp -a/-p give copies the "
+            "primary group instead, tar --same-owner fails"
+        )
+    if left:
+        notes.append(
+            "file modes, owners and times stay changeable on these mounts (they could not be "
+            f"made read-only): {', '.join(left)}"
+        )
+    return notes
 
 
 def guard(scope_below: Callable[[], None], sock: socket.socket) -> int | None:

@@ -245,3 +245,42 @@ def test_commands_cannot_reach_system_v_ipc_outside_their_own(env: Env, segment:
     assert status_of(outputs[1]) == 0 and outputs[1].split()[0] == "1", outputs[1]
     control = subprocess.run(SHMGET, shell=True, capture_output=True, text=True)
     assert control.stdout.startswith("True"), control
+
+
+@needs_root
+def test_a_second_uid_with_supplementary_groups_is_told_they_are_not_mapped(env: Env) -> None:
+    """The user namespace maps only the runner's uid and primary gid (an unprivileged
+    gid_map holds one line): chgrp to another of the user's groups fails with EINVAL and
+    `cp -a` silently gives the copy the primary group. Status must say so."""
+    from poddaemon import runner
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(runner.__file__)))
+    os.chmod(env.home, 0o755)  # let the guest reach its grant (root still owns the path)
+    grant = env.home / "grant"
+    grant.mkdir()
+    os.chown(grant, OTHER_UID, OTHER_UID)
+    script = (
+        f"import json, os, sys; sys.path.insert(0, {root!r}); from poddaemon import runner; "
+        f"notes = runner.read_only_view([{str(grant)!r}]); "
+        f"open({str(grant / 'f')!r}, 'w').close(); "
+        f"err = ''\ntry: os.chown({str(grant / 'f')!r}, -1, 100)\n"
+        "except OSError as e: err = e.strerror\n"
+        "print(json.dumps([notes, err]))"
+    )
+    probe = subprocess.run(
+        [sys.executable, "-I", "-c", script],
+        user=OTHER_UID,
+        group=OTHER_UID,
+        extra_groups=[100],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    if probe.returncode != 0 and "ModuleNotFoundError" in probe.stderr:
+        pytest.skip(f"uid {OTHER_UID} cannot run {sys.executable} with this checkout")
+    assert probe.returncode == 0, probe.stderr
+    notes, err = json.loads(probe.stdout)
+    assert err == "Invalid argument", err  # the behaviour the note describes
+    text = " ".join(notes)
+    assert "supplementary groups (100) are not mapped" in text, notes
+    assert "stay changeable" not in text and "not protected" not in text, notes
