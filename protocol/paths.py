@@ -134,7 +134,7 @@ def check_dir(path: Path, what: str = "directory") -> None:
             )
     for parent in _ancestors(path):
         pst = os.stat(parent)
-        if pst.st_uid not in (0, me):
+        if pst.st_uid not in (0, me) and not _root_unmapped_here(pst.st_uid):
             raise UnsafeDirectory(
                 f"{what} {path} is inside {parent}, owned by uid {pst.st_uid}, who could "
                 f"swap it: refusing it"
@@ -144,6 +144,23 @@ def check_dir(path: Path, what: str = "directory") -> None:
                 f"{what} {path} is inside {parent}, writable by group or others "
                 f"(mode {pst.st_mode & 0o7777:04o}) without the sticky bit: refusing it, {_WHY}"
             )
+
+
+def _root_unmapped_here(uid: int) -> bool:
+    """`uid` is the overflow uid and this process is in a user namespace that does not map
+    root: a pod's command runner, not root, maps only its own uid, so root's directories (`/`,
+    `/home`) read as 65534 there. Whose they are cannot be told from inside (another user's
+    directory reads the same): accepted only there, where the mode check still applies."""
+    try:
+        with open("/proc/sys/kernel/overflowuid") as f:
+            if uid != int(f.read()):
+                return False
+        with open("/proc/self/uid_map") as f:
+            fields = [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return False
+    ranges = zip(fields[0::3], fields[2::3], strict=False)  # (first inside, count)
+    return not any(first <= 0 < first + count for first, count in ranges)
 
 
 def check_file(path: Path, what: str, why: str) -> None:

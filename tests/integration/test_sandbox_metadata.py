@@ -284,3 +284,38 @@ def test_a_second_uid_with_supplementary_groups_is_told_they_are_not_mapped(env:
     text = " ".join(notes)
     assert "supplementary groups (100) are not mapped" in text, notes
     assert "stay changeable" not in text and "not protected" not in text, notes
+
+
+@needs_root
+def test_podctl_homes_under_roots_directories_are_accepted_inside_a_second_uid_runner(
+    env: Env,
+) -> None:
+    """Inside the runner's user namespace root's directories (`/`, `/home`) read as 65534:
+    `podctl`/`poddaemon run` in a non-root pod's bash refused every home ("inside /home, owned
+    by uid 65534, who could swap it")."""
+    from poddaemon import runner
+
+    uid = 4242  # neither root nor the overflow uid
+    root = os.path.dirname(os.path.dirname(os.path.abspath(runner.__file__)))
+    os.chmod(env.home, 0o755)
+    home = env.home / "guest-home"
+    home.mkdir(mode=0o700)
+    os.chown(home, uid, uid)
+    script = (
+        f"import os, sys; sys.path.insert(0, {root!r}); from pathlib import Path; "
+        "from poddaemon import runner; from protocol.paths import check_dir; "
+        f"assert runner.read_only_view([{str(home)!r}]) == []; "
+        f"check_dir(Path({str(home)!r}), 'home directory'); print(os.stat('/').st_uid)"
+    )
+    probe = subprocess.run(
+        [sys.executable, "-I", "-c", script],
+        user=uid,
+        group=uid,
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    if "ModuleNotFoundError" in probe.stderr:
+        pytest.skip(f"uid {uid} cannot run {sys.executable} with this checkout")
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["65534"]  # the view was made: root's / reads as 65534
