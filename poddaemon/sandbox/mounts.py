@@ -142,6 +142,43 @@ def _write(path: str, text: str) -> None:
         raise MountError(e.errno or errno.EPERM, f"{path}: {e.strerror}") from None
 
 
+def _user_namespace(uid: int, gid: int) -> None:
+    # The identity map: files keep their owners and commands their uid; the namespace's
+    # capabilities (what lets us mount) are lost at exec.
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC
+    _call("unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWIPC)", "unshare", flags)
+    _write("/proc/self/setgroups", "deny")  # required before gid_map without CAP_SETGID
+    _write("/proc/self/uid_map", f"{uid} {uid} 1")
+    _write("/proc/self/gid_map", f"{gid} {gid} 1")
+
+
+def _trial(uid: int, gid: int) -> None:
+    """Raise the MountError the namespace would fail with, found in a forked child (this
+    process is single-threaded here: unshare(CLONE_NEWUSER) requires it anyway)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            os.close(r)
+            _user_namespace(uid, gid)
+            _mount(None, "/", MS_REC | MS_PRIVATE)
+        except OSError as e:
+            os.write(w, f"{e.errno or errno.EPERM}\0{e.strerror}".encode())
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        why = f.read().decode(errors="replace")
+    _, status = os.waitpid(pid, 0)
+    if why:
+        number, _, text = why.partition("\0")
+        raise MountError(int(number), text)
+    if status != 0:
+        raise MountError(errno.EPERM, "the namespace trial failed")
+
+
 def isolate(writable: Iterable[str]) -> list[str]:
     """Give this process (single-threaded: unshare(CLONE_NEWUSER) requires it) a mount
     namespace where only `writable` (existing paths) stays writable. Returns the mount points
@@ -156,13 +193,11 @@ def isolate(writable: Iterable[str]) -> list[str]:
     if os.geteuid() == 0:
         _call("unshare(CLONE_NEWNS|CLONE_NEWIPC)", "unshare", CLONE_NEWNS | CLONE_NEWIPC)
     else:
-        # The identity map: files keep their owners and commands their uid; the namespace's
-        # capabilities (what lets us mount) are lost at exec.
-        flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWIPC
-        _call("unshare(CLONE_NEWUSER|CLONE_NEWNS|CLONE_NEWIPC)", "unshare", flags)
-        _write("/proc/self/setgroups", "deny")  # required before gid_map without CAP_SETGID
-        _write("/proc/self/uid_map", f"{uid} {uid} 1")
-        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+        # A user namespace cannot be left: one whose maps cannot be written (a runner inside
+        # another runner's view, where /proc is read-only, or a Landlock domain) would leave
+        # the commands unmapped (uid 65534). So try it in a child first.
+        _trial(uid, gid)
+        _user_namespace(uid, gid)
     # Nothing we do here may leak back to the host's namespace through shared propagation.
     _mount(None, "/", MS_REC | MS_PRIVATE)
     grants = minimal(os.path.realpath(p) for p in writable if os.path.lexists(p))

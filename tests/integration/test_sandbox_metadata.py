@@ -319,3 +319,41 @@ def test_podctl_homes_under_roots_directories_are_accepted_inside_a_second_uid_r
         pytest.skip(f"uid {uid} cannot run {sys.executable} with this checkout")
     assert probe.returncode == 0, probe.stderr
     assert probe.stdout.split() == ["65534"]  # the view was made: root's / reads as 65534
+
+
+@needs_root
+def test_a_second_uid_runner_inside_another_runners_view_keeps_its_uid(env: Env) -> None:
+    """A non-root pod started from a non-root pod's bash: its runner's unshare(CLONE_NEWUSER)
+    succeeded, then the maps could not be written (/proc is read-only in the outer view) and
+    the commands ran unmapped, as uid 65534. The fallback is Landlock alone, identity kept."""
+    from poddaemon import runner
+
+    uid = 4242
+    root = os.path.dirname(os.path.dirname(os.path.abspath(runner.__file__)))
+    os.chmod(env.home, 0o755)
+    grant = env.home / "inner"
+    grant.mkdir()
+    os.chown(grant, uid, uid)
+    inner = (
+        f"import json, os, sys; sys.path.insert(0, {root!r}); from poddaemon import runner; "
+        f"notes = runner.read_only_view([{str(grant)!r}]); print(json.dumps([notes, os.getuid()]))"
+    )
+    outer = (
+        f"import os, sys; sys.path.insert(0, {root!r}); from poddaemon import runner; "
+        f"assert runner.read_only_view([{str(grant)!r}]) == []; "
+        f"os.execv(sys.executable, [sys.executable, '-I', '-c', {inner!r}])"
+    )
+    probe = subprocess.run(
+        [sys.executable, "-I", "-c", outer],
+        user=uid,
+        group=uid,
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    if "ModuleNotFoundError" in probe.stderr:
+        pytest.skip(f"uid {uid} cannot run {sys.executable} with this checkout")
+    assert probe.returncode == 0, probe.stderr
+    notes, seen_uid = json.loads(probe.stdout)
+    assert seen_uid == uid, (seen_uid, notes)
+    assert "not protected" in " ".join(notes) and "Read-only file system" in notes[0], notes
