@@ -533,8 +533,9 @@ def _sandbox(manifest: "Manifest", scope: "Scope", pwd: str, scripts: list[str])
             scope=scope,
             pwd=pwd,
             # Commands never touch this user's session logs, registry, sockets' directories
-            # and keys (the config directory's env file), nor root's secrets in /etc.
-            protect=[*_own_dirs(), *root_secrets()],
+            # and keys (the config directory's env file), nor read root's secrets in /etc.
+            protect=list(_own_dirs()),
+            hide=root_secrets(),
             commands="bash" in tools or manifest.hooks.any(),
             scripts=scripts,
         )

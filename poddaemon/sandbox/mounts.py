@@ -134,6 +134,11 @@ def _mount(source: str | None, target: str, flags: int) -> None:
     _call(f"mount {target}", "mount", src, os.fsencode(target), None, ctypes.c_ulong(flags), None)
 
 
+def _mount_fs(fstype: str, target: str, flags: int, data: str) -> None:
+    args = (b"none", os.fsencode(target), fstype.encode(), ctypes.c_ulong(flags), data.encode())
+    _call(f"mount {fstype} on {target}", "mount", *args)
+
+
 def _write(path: str, text: str) -> None:
     try:
         with open(path, "w") as f:
@@ -179,9 +184,10 @@ def _trial(uid: int, gid: int) -> None:
         raise MountError(errno.EPERM, "the namespace trial failed")
 
 
-def isolate(writable: Iterable[str]) -> list[str]:
+def isolate(writable: Iterable[str], hidden: Iterable[str] = ()) -> list[str]:
     """Give this process (single-threaded: unshare(CLONE_NEWUSER) requires it) a mount
-    namespace where only `writable` (existing paths) stays writable. Returns the mount points
+    namespace where only `writable` (existing paths) stays writable and `hidden` reads as empty
+    (root's secrets in /etc). Returns the mount points
     that could not be made read-only, with why (empty: all of them). Raises MountError when the
     namespace cannot be made at all; nothing is read-only then."""
     if os.environ.get(TEST_SEAM):
@@ -211,6 +217,15 @@ def isolate(writable: Iterable[str]) -> list[str]:
             _mount(None, m.path, remount_flags(m.options))
         except MountError as e:
             left.append(f"{m.path} ({os.strerror(e.errno or errno.EPERM)})")
+    for path in hidden:  # read as empty: /dev/null over a file, an empty read-only tmpfs over
+        try:  # a directory (one rule for all of /etc: a rule per entry holds each file as it
+            # was at the start, and /etc's files are replaced by renames)
+            if os.path.isdir(path):
+                _mount_fs("tmpfs", path, MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0")
+            else:
+                _mount("/dev/null", path, MS_BIND)
+        except MountError as e:
+            left.append(f"{path} (not hidden: {os.strerror(e.errno or errno.EPERM)})")
     # Re-resolve the working directory: the old one may lie on the mount a bind now covers.
     with contextlib.suppress(OSError):
         os.chdir(os.getcwd())

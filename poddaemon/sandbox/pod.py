@@ -82,6 +82,7 @@ def pod_sandbox(
     pwd: str,
     protect: list[str],
     commands: bool,
+    hide: Sequence[str] = (),
     scripts: Sequence[str] = (),
 ) -> PodSandbox:
     """Decide the pod's sandbox. `enforce` without Landlock raises `SandboxUnavailable` (a
@@ -111,6 +112,7 @@ def pod_sandbox(
         mode=mode,
         protect=protect,
         extra=system_grants() + script_grants(scripts, scope),
+        hide=hide,
     )
     box.policy = policy.encode()
     box.files = tuple(scripts)
@@ -126,7 +128,14 @@ def pod_sandbox(
     def rebuild(live: Scope) -> bytes:
         extra = system_grants() + script_grants(scripts, live)  # links as they point now
         again = build_policy(
-            live, pwd=pwd, tmpdir=tmpdir, network=network, mode=mode, protect=protect, extra=extra
+            live,
+            pwd=pwd,
+            tmpdir=tmpdir,
+            network=network,
+            mode=mode,
+            protect=protect,
+            extra=extra,
+            hide=hide,
         )
         box.notes = [*again.notes, *extra_notes]  # the live scope's: what `status` says
         return again.encode()

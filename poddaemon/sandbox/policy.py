@@ -82,6 +82,9 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     # What the rules let commands write in (scope write paths, the private $TMPDIR): the command
     # runner keeps these writable and mounts everything else read-only (sandbox/mounts.py).
     writable: tuple[str, ...] = ()
+    # What the runner hides by a mount over it (reads as empty): root's secrets in /etc, which
+    # the read grant of /etc would show (sandbox/mounts.py).
+    hidden: tuple[str, ...] = ()
 
     def stale(self) -> bool:
         """An enumerated directory gained or lost entries since the build: a rebuilt policy
@@ -196,7 +199,7 @@ def system_grants(*, home: str | None = None) -> list[Grant]:
 
 def root_secrets() -> list[str]:
     """For a pod run as root: what the read grant of /etc would show its commands and no other
-    user can read (password hashes, host and TLS private keys), to be protected."""
+    user can read (password hashes, host and TLS private keys), to be hidden."""
     if os.geteuid() != 0:
         return []
     found = ["/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/ssl/private"]
@@ -381,6 +384,7 @@ def build_policy(
     protect: Iterable[str] = (),
     extra: Iterable[Grant] | None = None,
     listdir: ListDir = _listdir,
+    hide: Iterable[str] = (),
 ) -> Policy:
     """The Landlock rules for commands a pod with `scope` starts.
 
@@ -416,6 +420,7 @@ def build_policy(
     rules = tuple(PathRule(p, bits) for p, bits in _minimal(b.rules))
     return Policy(
         writable=_writable(rules),
+        hidden=tuple(_existing(hide)),
         rules=rules,
         network=network,
         mode=mode,

@@ -18,7 +18,7 @@ import pytest
 
 from poddaemon.readyline import EXIT_REFUSED
 from poddaemon.sandbox import available
-from tests.conftest import Env, StartFailed
+from tests.conftest import Env, StartFailed, wait_until
 
 pytestmark = pytest.mark.skipif(available() == 0, reason="this kernel has no Landlock")
 
@@ -125,12 +125,33 @@ def test_commands_cannot_read_poddaemons_own_files_under_a_scope_over_them(env: 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root can read /etc/shadow at all")
 def test_a_root_pods_commands_cannot_read_roots_secrets_in_etc(env: Env) -> None:
     """/etc is granted read for commands to run at all; for root that showed the password
-    hashes (and host keys) to a pod whose scope is elsewhere. The rest of /etc stays readable."""
-    commands = ["cat /etc/shadow", "cat /etc/passwd >/dev/null"]
-    outputs = bash_results(env, "rooted", commands, pwd=str(env.work))
-    assert status_of(outputs[0]) != 0 and "Permission denied" in outputs[0], outputs[0]
-    assert status_of(outputs[1]) == 0, outputs[1]
-    assert subprocess.run(["cat", "/etc/shadow"], capture_output=True).returncode == 0
+    hashes (and host keys) to a pod whose scope is elsewhere: they read as empty now. The rest
+    of /etc stays readable, files put there after the commands' runner started included (a
+    Landlock rule per entry of /etc held each file as it was: useradd, DHCP, sed -i replace
+    theirs by a rename, and commands lost them)."""
+    added = Path("/etc") / f"poddaemon-test-{os.getpid()}"
+    ready, go = env.work / "ready", env.work / "go"
+    wait = f"touch {ready}; while [ ! -e {go} ]; do sleep 0.01; done"
+    commands = ["cat /etc/shadow", "ls -A /etc/ssl/private", wait, f"cat {added}"]
+    calls = [{"name": "bash", "arguments": {"command": f"{c}; echo {MARK}$?"}} for c in commands]
+    env.model.script({"tool_calls": calls}, {"text": "done"})
+    pod = env.start("rooted", tools=["bash"], pwd=str(env.work))
+    try:
+        with pod.client() as c:
+            c.run("look")
+            wait_until(ready.exists, what="the commands' runner to be running")
+            added.write_text("added later\n")
+            go.touch()
+            wait_until(lambda: c.status().state == "idle", what="the run to end")
+            entries = c.history(since=0, limit=1000).entries
+    finally:
+        added.unlink(missing_ok=True)
+    shadow, private, _, later = [e["item"]["output"] for e in entries if e["kind"] == "tool_result"]
+    assert "root:" not in shadow and status_of(shadow) == 0, shadow
+    assert private.startswith(MARK), private  # an empty directory
+    assert "added later" in later and status_of(later) == 0, later
+    assert "root:" in Path("/etc/shadow").read_text()  # the control: root reads it outside
+    assert "stay readable" not in " ".join(env.podctl("status", "rooted").stdout.split())
 
 
 def test_network_false_cuts_commands_off_but_not_the_pods_model_calls(env: Env) -> None:
