@@ -309,6 +309,12 @@ def test_podctl_homes_under_roots_directories_are_accepted_inside_a_second_uid_r
         f"assert runner.read_only_view([{str(home)!r}]) == []; "
         f"check_dir(Path({str(home)!r}), 'home directory'); print(os.stat('/').st_uid)"
     )
+    probe = python_as(uid, script)
+    assert probe.stdout.split() == ["65534"]  # the view was made: root's / reads as 65534
+
+
+def python_as(uid: int, script: str) -> "subprocess.CompletedProcess[str]":
+    """`script` run by this interpreter (-I) as `uid`, from /: it must succeed."""
     probe = subprocess.run(
         [sys.executable, "-I", "-c", script],
         user=uid,
@@ -320,7 +326,7 @@ def test_podctl_homes_under_roots_directories_are_accepted_inside_a_second_uid_r
     if "ModuleNotFoundError" in probe.stderr:
         pytest.skip(f"uid {uid} cannot run {sys.executable} with this checkout")
     assert probe.returncode == 0, probe.stderr
-    assert probe.stdout.split() == ["65534"]  # the view was made: root's / reads as 65534
+    return probe
 
 
 @needs_root
@@ -345,17 +351,7 @@ def test_a_second_uid_runner_inside_another_runners_view_keeps_its_uid(env: Env)
         f"assert runner.read_only_view([{str(grant)!r}]) == []; "
         f"os.execv(sys.executable, [sys.executable, '-I', '-c', {inner!r}])"
     )
-    probe = subprocess.run(
-        [sys.executable, "-I", "-c", outer],
-        user=uid,
-        group=uid,
-        capture_output=True,
-        text=True,
-        cwd="/",
-    )
-    if "ModuleNotFoundError" in probe.stderr:
-        pytest.skip(f"uid {uid} cannot run {sys.executable} with this checkout")
-    assert probe.returncode == 0, probe.stderr
+    probe = python_as(uid, outer)
     notes, seen_uid = json.loads(probe.stdout)
     assert seen_uid == uid, (seen_uid, notes)
     assert "not protected" in " ".join(notes) and "Read-only file system" in notes[0], notes
