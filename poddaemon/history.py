@@ -53,7 +53,7 @@ class ToolResult(msgspec.Struct, tag="tool_result", kw_only=True, frozen=True):
 
 Item = UserMessage | SystemNote | AssistantMessage | ToolResult
 
-_item_decoder = msgspec.json.Decoder(Item)
+_item_decoder: msgspec.json.Decoder[Item] = msgspec.json.Decoder(Item)
 
 
 _ITEM_TYPES: dict[str, type[Item]] = {
@@ -79,4 +79,4 @@ def item_to_builtins(item: Item) -> Any:
 
 
 def decode_item(data: bytes) -> Item:
-    return cast(Item, _item_decoder.decode(data))
+    return _item_decoder.decode(data)
