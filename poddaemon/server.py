@@ -102,6 +102,15 @@ def _params_message(exc: msgspec.ValidationError) -> str:
     return f"invalid {field}: {head}"
 
 
+def _unreadable(exc: Exception) -> str:
+    """msgspec's reason, made true for a whole line: it says "Input data was truncated" for a
+    \\u escape that is half a surrogate pair too (the line itself is complete)."""
+    reason = str(exc)
+    if reason == "Input data was truncated":
+        return "invalid JSON: truncated, or a \\u escape of a lone surrogate (\\ud800)"
+    return reason
+
+
 def _guess_id(line: bytes) -> Any:
     """The id of an invalid request, when one can be read (JSON-RPC allows null otherwise)."""
     try:
@@ -389,7 +398,9 @@ class Connection(asyncio.Protocol):
             self._send(_error(_guess_id(line), errors.INVALID_REQUEST, f"invalid request: {exc}"))
             return
         except UNREADABLE as exc:
-            self._send(_error(_guess_id(line), errors.PARSE_ERROR, f"parse error: {exc}"))
+            self._send(
+                _error(_guess_id(line), errors.PARSE_ERROR, f"parse error: {_unreadable(exc)}")
+            )
             return
         if isinstance(msg, Request):
             self._dispatch(msg, self._send)
@@ -470,7 +481,9 @@ class Connection(asyncio.Protocol):
                 answer(_error(rid, errors.INVALID_PARAMS, _params_message(exc)))
                 return
             except UNREADABLE as exc:  # params are only skipped, not parsed, by the envelope
-                answer(_error(rid, errors.PARSE_ERROR, f"parse error in params: {exc}"))
+                answer(
+                    _error(rid, errors.PARSE_ERROR, f"parse error in params: {_unreadable(exc)}")
+                )
                 return
         try:
             result = handler(params, self)

@@ -327,6 +327,15 @@ def test_podctl_send_of_10mb_from_stdin_fails_fast_with_one_line(env: Env) -> No
     assert len(lines) == 1 and "exceeds the frame limit" in lines[0], proc.stderr
 
 
+def test_a_lone_surrogate_is_a_parse_error_that_says_so(env: Env) -> None:
+    # msgspec calls it "Input data was truncated", which the line plainly was not.
+    pod = env.start()
+    sock = raw(pod)
+    line = b'{"jsonrpc":"2.0","id":5,"method":"notify","params":{"message":"a\\ud800b"}}\n'
+    error = rpc(sock, line)["error"]
+    assert error["code"] == -32700 and "lone surrogate" in error["message"], error
+
+
 # --- item 3: malformed params keep the connection -----------------------------------------------
 
 
