@@ -97,8 +97,10 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of tex
 
 
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
+    from cli.render import printable
+
     sys.stdout.flush()
-    sys.stderr.write(f"podctl: {message}\n")
+    sys.stderr.write(f"podctl: {printable(message)}\n")  # it may quote a pod's error text
     raise typer.Exit(code)
 
 
@@ -141,7 +143,9 @@ def check_stdout() -> None:
 def print_json(value: Any) -> None:
     import json
 
-    sys.stdout.write(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
+    from cli.render import json_text
+
+    sys.stdout.write(json_text(json.dumps(value, indent=2, ensure_ascii=False)) + "\n")
 
 
 def read_message(message: str) -> str:

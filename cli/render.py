@@ -24,6 +24,22 @@ ENTRY_KEYS = frozenset({"seq", "ts", "kind", "prev", "hash"})
 _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
 
 
+_CONTROLS_BUT_LINES = {c: v for c, v in _CONTROLS.items() if c not in (0x09, 0x0A)}
+# JSON escapes C0 characters but may carry C1 ones (CSI is U+009B) as they are: \u00NN instead.
+_C1_IN_JSON = {c: f"\\u{c:04x}" for c in range(0x80, 0xA0)}
+
+
+def printable(text: str) -> str:
+    """Control characters shown as ``\\xNN``, newlines and tabs kept: for what a message quotes."""
+    return text.translate(_CONTROLS_BUT_LINES)
+
+
+def json_text(encoded: str) -> str:
+    """JSON text (ensure_ascii off) with C1 control characters written as ``\\u00NN`` escapes:
+    the same JSON, and no escape sequence for a terminal it is printed to."""
+    return encoded.translate(_C1_IN_JSON)
+
+
 def one_line(text: str, width: int = SUMMARY_WIDTH) -> str:
     """Collapse whitespace (newlines included), show control characters as ``\\xNN`` and cut
     to `width` characters with an ellipsis."""
@@ -84,7 +100,7 @@ class EventRenderer:
         data: Mapping[str, Any] = event.get("data") or {}
         if etype in ("text.delta", "reasoning.delta"):
             kind = "text" if etype == "text.delta" else "reasoning"
-            text = str(data.get("text", ""))
+            text = printable(str(data.get("text", "")))  # a model can be led to write escapes
             if not text:
                 return ""
             out = ""
@@ -139,8 +155,8 @@ def event_line(
     if etype == "llm.retry":
         return retry_line(data)
     if etype == "notification.committed":
-        source = data.get("source") or "?"
-        return f"✉ notification from {source}: {one_line(str(data.get('message', '')))}"
+        sender = one_line(str(data.get("source") or "?"))
+        return f"✉ notification from {sender}: {one_line(str(data.get('message', '')))}"
     if etype == "state.changed":
         return f"state: {data.get('state', '?')}"
     if etype == "alert":
@@ -372,7 +388,7 @@ def status_text(st: Mapping[str, Any]) -> str:
         if server.get("restarts"):
             text += f", restarted {server['restarts']}x"
         if server.get("error"):
-            text += f": {server['error']}"
+            text += f": {one_line(str(server['error']), 1000)}"
         fields.append(("mcp" if i == 0 else "", text))
     started = st.get("started_at")
     fields.append(("started", format_time(float(started)) if started is not None else "-"))

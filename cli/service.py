@@ -460,6 +460,7 @@ def _journal(unit: str, follow: bool, after: float | None) -> None:
 
 
 def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> None:
+    from cli.render import printable
     from protocol import paths
 
     path = paths.pod_dir(name) / "stderr.log"
@@ -487,8 +488,8 @@ def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> 
                 if not showing:
                     stamp = _line_time(line)
                     showing = stamp is not None and after is not None and stamp >= after
-                if showing:
-                    sys.stdout.write(line)
+                if showing:  # a provider's error body it quotes: no escape sequences
+                    sys.stdout.write(printable(line))
         except KeyboardInterrupt:
             return
 

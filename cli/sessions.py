@@ -96,7 +96,7 @@ def sessions_show(
     """The entries of one session log (`seq kind summary`)."""
     import json
 
-    from cli.render import entry_line
+    from cli.render import entry_line, json_text
 
     ids = _chain(session_id) if chain else [session_id]
     for sid in ids:
@@ -109,7 +109,7 @@ def sessions_show(
                     f"== session {sid}" + (f" ({how} from {link})" if link else "") + "\n"
                 )
             if as_json:
-                sys.stdout.write(json.dumps(entry, ensure_ascii=False) + "\n")
+                sys.stdout.write(json_text(json.dumps(entry, ensure_ascii=False)) + "\n")
             else:
                 sys.stdout.write(entry_line(entry) + "\n")
         if scan.torn:

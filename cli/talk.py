@@ -95,7 +95,7 @@ def send(
     """
     import msgspec
 
-    from cli.render import one_line, retry_line
+    from cli.render import one_line, printable, retry_line
     from protocol.errors import ConnectionClosed
 
     text = read_message(message)
@@ -125,8 +125,12 @@ def send(
             )
             sys.stderr.flush()
         wrote, ends_nl = False, True
+        # To a terminal, the answer's control characters are shown as \xNN (newlines and tabs
+        # kept): a file the model read could make it echo an escape sequence that writes the
+        # clipboard (OSC 52) or retitles the terminal. To a pipe or file, verbatim.
+        shown = printable if sys.stdout.isatty() else str
         if ended is not None and ended["text"] and not as_json:  # its reply, as it streamed
-            sys.stdout.write(ended["text"])
+            sys.stdout.write(shown(ended["text"]))
             wrote, ends_nl = True, ended["text"].endswith("\n")
         between_messages = False  # the model's text so far has ended (a tool call came)
         finished: dict[str, Any] | None = ended
@@ -147,7 +151,7 @@ def send(
                     if delta:
                         if not ends_nl and between_messages:  # a new round's text
                             delta = "\n" + delta
-                        sys.stdout.write(delta)
+                        sys.stdout.write(shown(delta))
                         sys.stdout.flush()
                         wrote, ends_nl, between_messages = True, delta.endswith("\n"), False
                 elif event.type == "run.finished":
@@ -180,7 +184,8 @@ def send(
     if outcome == "finished":
         return
     error = finished.get("error")  # for limit_reached, which limit: max_turns, the budget
-    said = f": {error}" if error else ""
+    # The pod's error quotes what failed (a provider's error body, say): no escape sequences.
+    said = f": {one_line(str(error), 1000)}" if error else ""
     if outcome == "limit_reached":
         if not as_json:
             sys.stderr.write(f"podctl: run {run_id} reached its limit{said}\n")
@@ -273,7 +278,7 @@ def attach(
     """
     import msgspec
 
-    from cli.render import EventRenderer
+    from cli.render import EventRenderer, json_text
     from protocol.errors import ConnectionClosed
 
     renderer = EventRenderer()
@@ -285,7 +290,7 @@ def attach(
             for event in follow(client):
                 seen_shutdown = seen_shutdown or event.type == "shutdown"
                 if as_json:
-                    out.write(msgspec.json.encode(event).decode() + "\n")
+                    out.write(json_text(msgspec.json.encode(event).decode()) + "\n")
                 else:
                     out.write(renderer.render(msgspec.structs.asdict(event)))
                 out.flush()

@@ -72,6 +72,33 @@ def test_history_and_sessions_show_never_pass_escape_sequences_to_the_terminal(
         assert "read it \\x1b[8m" in shown.stdout and "review \\x07 this" in shown.stdout
 
 
+def test_error_messages_and_json_never_pass_escape_sequences_to_the_terminal(env: Env) -> None:
+    """A provider's error body (a proxy, a hostile endpoint) echoes escape sequences: `podctl
+    send` and `podctl compact` quoted the pod's error text raw on stderr, and the `--json`
+    outputs carried C1 controls (CSI is U+009B) as they are. Shown as \\xNN / \\u00NN instead."""
+    hostile = "bad \x1b]52;c;ZWNobyBwd25lZA==\x07 \x1b[2J \x9b31m end"
+    env.model.script(
+        {"text": "fine \x9b31m"},
+        {"fault": {"kind": "status", "status": 400, "message": hostile}},
+        {"fault": {"kind": "status", "status": 400, "message": hostile}},
+    )
+    env.start("esc")
+    controls = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+    assert env.podctl("send", "esc", "one").returncode == 0
+    sent = env.podctl("send", "esc", "two")
+    assert sent.returncode == 1
+    assert "bad \\x1b]52;c;" in sent.stderr and not controls.search(sent.stderr), sent.stderr
+    compacted = env.podctl("compact", "esc")
+    assert compacted.returncode != 0
+    assert "bad \\x1b]52;c;" in compacted.stderr, compacted.stderr
+    assert not controls.search(compacted.stderr), compacted.stderr
+    shown = env.podctl("history", "esc", "--all", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert not controls.search(shown.stdout)
+    texts = [e.get("item", {}).get("text") for e in json.loads(shown.stdout)["entries"]]
+    assert "fine \x9b31m" in texts  # the same JSON, escaped
+
+
 def test_history_shows_the_newest_and_says_how_many_are_cut(env: Env) -> None:
     env.start("hist")
     for text in ("one", "two"):
@@ -624,3 +651,33 @@ def test_send_says_which_limit_the_run_reached(env: Env) -> None:
     result = env.podctl("send", "limited", "loop")
     assert result.returncode == 2, result.stderr
     assert "reached its limit: reached max_turns (2)" in result.stderr, result.stderr
+
+
+def test_send_shows_the_answers_escape_sequences_to_a_terminal_and_passes_them_to_a_pipe(
+    env: Env,
+) -> None:
+    """A file the model read can make it echo an escape sequence (OSC 52 writes the clipboard):
+    to a terminal, `podctl send` shows control characters as \\xNN; to a pipe, the answer is
+    verbatim (it is data)."""
+    import pty
+
+    answer = "look \x1b]52;c;ZWNobyBwd25lZA==\x07 here\n"
+    env.model.script({"text": answer}, {"text": answer})
+    env.start("esc")
+    piped = env.podctl("send", "esc", "go")
+    assert piped.returncode == 0 and piped.stdout == answer, piped
+    main, tty = pty.openpty()
+    with subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "send", "esc", "again"],
+        env=env.env,
+        stdout=tty,
+        stderr=subprocess.PIPE,
+    ) as proc:
+        os.close(tty)
+        shown = b""
+        with contextlib.suppress(OSError):  # EIO once podctl has exited
+            while chunk := os.read(main, 4096):
+                shown += chunk
+        assert proc.wait(30) == 0
+    os.close(main)
+    assert b"\x1b" not in shown and b"look \\x1b]52;c;ZWNobyBwd25lZA==\\x07 here" in shown, shown

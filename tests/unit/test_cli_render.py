@@ -352,3 +352,17 @@ def test_a_time_no_calendar_holds_is_shown_as_unknown(ts: float) -> None:
     """A session log's ts is only data: one out of range must not stop `sessions list`."""
     assert format_time(ts) == "?"
     assert format_time(0.0).startswith("1970-01-01") or format_time(0.0).startswith("1969-12-31")
+
+
+def test_events_and_status_never_pass_escape_sequences_to_the_terminal() -> None:
+    """`podctl attach` wrote the model's text and a notification's source raw, and `podctl
+    status` an MCP server's error: control characters are shown as \\xNN (newlines kept)."""
+    out = render_all(
+        [
+            ev("text.delta", text="a\x1b]52;c;ZWNobw==\x07\nb \x9b2J"),
+            ev("notification.committed", run_id=None, source="ci\x1b]0;x\x07", message="m"),
+        ]
+    )
+    assert out == "a\\x1b]52;c;ZWNobw==\\x07\nb \\x9b2J\n✉ notification from ci\\x1b]0;x\\x07: m\n"
+    text = status_text({"mcp": [{"name": "gh", "state": "failed", "error": "no\x1b[2J"}]})
+    assert "gh failed (0 tools): no\\x1b[2J" in text and "\x1b" not in text
