@@ -306,7 +306,9 @@ def apply_policy(policy: str) -> tuple[str, Callable[[], None] | None, list[str]
     fields = json.loads(policy)
     notes: list[str] = []
     if fields.get("mode") != "off":  # before Landlock: a domain forbids mount(2)
-        notes = read_only_view(fields.get("writable", []), fields.get("hidden", []))
+        notes = read_only_view(
+            fields.get("writable", []), fields.get("hidden", []), fields.get("readonly", [])
+        )
     effective = str(apply(policy.encode()))
     scoped = effective != "none" and landlock.abi_version() >= 6
     # Commands inherit this environment: their private temp dir, and what confines them.
@@ -317,7 +319,9 @@ def apply_policy(policy: str) -> tuple[str, Callable[[], None] | None, list[str]
     return effective, (landlock.restrict_scope if scoped else None), notes
 
 
-def read_only_view(writable: list[str], hidden: list[str] | None = None) -> list[str]:
+def read_only_view(
+    writable: list[str], hidden: list[str] | None = None, readonly: list[str] | None = None
+) -> list[str]:
     """Mount everything but the write grants read-only for this process and its commands:
     Landlock has no right for file metadata (chmod, chown, utimes). Never fails the pod: what
     is left unprotected, and why, becomes a note."""
@@ -326,7 +330,7 @@ def read_only_view(writable: list[str], hidden: list[str] | None = None) -> list
     # Before the user namespace: inside it, groups it does not map read as 65534.
     groups = sorted(set(os.getgroups()) - {os.getgid()}) if os.geteuid() != 0 else []
     try:
-        left = mounts.isolate(writable, hidden or ())
+        left = mounts.isolate(writable, hidden or (), readonly or ())
     except OSError as e:
         why = f"the read-only mount namespace failed: {e.strerror}"
         notes = [

@@ -184,7 +184,9 @@ def _trial(uid: int, gid: int) -> None:
         raise MountError(errno.EPERM, "the namespace trial failed")
 
 
-def isolate(writable: Iterable[str], hidden: Iterable[str] = ()) -> list[str]:
+def isolate(
+    writable: Iterable[str], hidden: Iterable[str] = (), readonly: Iterable[str] = ()
+) -> list[str]:
     """Give this process (single-threaded: unshare(CLONE_NEWUSER) requires it) a mount
     namespace where only `writable` (existing paths) stays writable and `hidden` reads as empty
     (root's secrets in /etc). Returns the mount points
@@ -206,13 +208,27 @@ def isolate(writable: Iterable[str], hidden: Iterable[str] = ()) -> list[str]:
         _user_namespace(uid, gid)
     # Nothing we do here may leak back to the host's namespace through shared propagation.
     _mount(None, "/", MS_REC | MS_PRIVATE)
-    grants = minimal(os.path.realpath(p) for p in writable if os.path.lexists(p))
+    all_grants = {os.path.realpath(p) for p in writable if os.path.lexists(p)}
+    grants = minimal(all_grants)
+    # Denied paths inside a grant (a delegated area): read-only binds of their own; a grant
+    # nested in one gets a bind of its own again, after it.
+    denied = [p for p in minimal(readonly) if any(_within(p, g) for g in grants)]
+    nested = [g for g in all_grants if any(_within(g, d) and g != d for d in denied)]
     for path in grants:  # a mount of its own, so the remounts below leave it writable
+        _mount(path, path, MS_BIND | MS_REC)
+    left: list[str] = []
+    for path in denied:
+        try:
+            _mount(path, path, MS_BIND | MS_REC)
+        except MountError as e:
+            left.append(f"{path} ({os.strerror(e.errno or errno.EPERM)})")
+    for path in minimal(nested):
         _mount(path, path, MS_BIND | MS_REC)
     with open("/proc/self/mountinfo", "rb") as f:  # bytes: a path may hold \r or non-UTF-8
         mounts = parse_mountinfo(os.fsdecode(f.read()))
-    left: list[str] = []
-    for m in to_remount(mounts, grants):
+    top = {m.path: m for m in mounts}
+    ro = [top[d] for d in denied if d in top and "ro" not in top[d].options]
+    for m in [*to_remount(mounts, grants), *ro]:
         try:
             _mount(None, m.path, remount_flags(m.options))
         except MountError as e:

@@ -136,6 +136,9 @@ def pod_sandbox(
             protect=protect,
             extra=extra,
             hide=hide,
+            # Areas handed to children: read-only in the runner's view (modes, times, entries:
+            # what Landlock cannot take out of this pod's writable tree).
+            readonly=[r.target for r in live.deny if r not in scope.deny],
         )
         box.notes = [*again.notes, *extra_notes]  # the live scope's: what `status` says
         return again.encode()

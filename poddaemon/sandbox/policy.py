@@ -85,6 +85,10 @@ class Policy(msgspec.Struct, frozen=True, kw_only=True):
     # What the runner hides by a mount over it (reads as empty): root's secrets in /etc, which
     # the read grant of /etc would show (sandbox/mounts.py).
     hidden: tuple[str, ...] = ()
+    # Areas delegated to a child inside a write grant: the runner binds each onto itself
+    # read-only, so commands cannot change their modes, times or entries either (Landlock
+    # cannot subtract those from the grant; file contents it denies by the rules).
+    readonly: tuple[str, ...] = ()
 
     def stale(self) -> bool:
         """An enumerated directory gained or lost entries since the build: a rebuilt policy
@@ -374,6 +378,14 @@ def _writable(rules: Iterable[PathRule]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _readonly(paths: Iterable[str], writable: Iterable[str]) -> tuple[str, ...]:
+    """`paths` (areas delegated to children) that exist inside a write grant: the runner's
+    mount namespace makes them read-only."""
+    tops = list(writable)
+    out = {os.path.realpath(p) for p in paths}
+    return tuple(sorted(p for p in out if os.path.lexists(p) and any(_within(p, w) for w in tops)))
+
+
 def build_policy(
     scope: Scope,
     *,
@@ -385,6 +397,7 @@ def build_policy(
     extra: Iterable[Grant] | None = None,
     listdir: ListDir = _listdir,
     hide: Iterable[str] = (),
+    readonly: Iterable[str] = (),
 ) -> Policy:
     """The Landlock rules for commands a pod with `scope` starts.
 
@@ -418,8 +431,10 @@ def build_policy(
             "filter (x86_64 and arm64); unix sockets stay usable"
         )
     rules = tuple(PathRule(p, bits) for p, bits in _minimal(b.rules))
+    writable = _writable(rules)
     return Policy(
-        writable=_writable(rules),
+        writable=writable,
+        readonly=_readonly(readonly, writable),
         hidden=tuple(_existing(hide)),
         rules=rules,
         network=network,

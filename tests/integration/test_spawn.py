@@ -1142,7 +1142,9 @@ def test_a_real_spawners_bash_loses_the_delegated_area(tree: Env) -> None:
     parent = start_parent(env, tools=[*POD_TOOLS, "bash"])
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     outputs = [r["output"] for r in tool_results(parent) if r["name"] == "bash"]
-    assert "wrote" not in outputs[0] and "denied" in outputs[0].lower(), outputs
+    # Read-only in the runner's view (its mount namespace), or denied by Landlock without one.
+    refused = "read-only file system" in outputs[0].lower() or "denied" in outputs[0].lower()
+    assert "wrote" not in outputs[0] and refused, outputs
     assert "wrote" in outputs[1], outputs
 
 
@@ -1295,3 +1297,44 @@ def test_a_child_is_offered_only_the_mcp_tools_its_spawner_names(tree: Env) -> N
     # Its call went to its own copy of the server (started with the allow-list) and worked.
     (result,) = [m for m in then["messages"] if m["role"] == "tool"]
     assert result["content"] == "42", result
+
+
+def test_a_spawners_commands_cannot_change_metadata_in_the_area_it_delegated(tree: Env) -> None:
+    """The spawner loses write access to a delegated area while the child lives (SPEC §9):
+    file contents by Landlock, and modes, times and entries by the runner's read-only view
+    (Landlock cannot subtract them from the spawner's writable tree)."""
+    env = tree
+    kid = env.work / "kid"
+    kid.mkdir()
+    mine = kid / "k.txt"
+    mine.write_text("k")
+    os.chmod(mine, 0o600)
+    mark = "@@RC="
+    attacks = [
+        f"chmod 0644 {mine}",
+        f"touch -d 2001-02-03 {mine}",
+        f"mkdir {kid}/made",
+        f"mv {mine} {kid}/moved",
+    ]
+    own = [f"chmod 0640 {env.work}/p.txt", f"mkdir {env.work}/d"]
+    (env.work / "p.txt").write_text("p")
+    env.model.script_model("m-kid")
+    env.model.script(
+        {"tool_calls": [spawn_call("kid", "wait here", [str(kid)])]},
+        {"tool_calls": [tool("bash", command=f"{c}; echo {mark}$?") for c in [*attacks, *own]]},
+        {"tool_calls": [tool("stop_pod", pod="kid")]},
+        {"tool_calls": [tool("bash", command=f"chmod 0640 {mine}; echo {mark}$?")]},
+        {"text": "parent done"},
+    )
+    parent = start_parent(env, tools=[*POD_TOOLS, "bash"])
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    outputs = [r["output"] for r in tool_results(parent) if r["name"] == "bash"]
+    for command, output in zip(attacks, outputs, strict=False):
+        assert not output.rstrip().endswith(f"{mark}0"), f"{command!r} worked: {output}"
+    assert "Read-only file system" in outputs[0], outputs[0]
+    assert not (kid / "made").exists() and mine.exists()
+    for command, output in zip(own, outputs[len(attacks) : -1], strict=True):
+        assert output.rstrip().endswith(f"{mark}0"), f"{command!r} failed: {output}"
+    # The child gone, the area is the spawner's again, modes included (the runner rebuilt).
+    assert outputs[-1].rstrip().endswith(f"{mark}0"), outputs[-1]
+    assert os.stat(mine).st_mode & 0o777 == 0o640
