@@ -88,6 +88,7 @@ def pod_sandbox(
     """Decide the pod's sandbox. `enforce` without Landlock raises `SandboxUnavailable` (a
     start-up error); `best_effort` then runs unconfined and says so (`warnings`, for an alert).
     `commands`: the pod can start commands (bash, hooks): only then is a policy built."""
+    scripts = list(dict.fromkeys(scripts))  # one script in several hooks: granted, noted once
     if mode == "off":
         return PodSandbox(notes=["[sandbox] mode = off: commands run unconfined"])
     abi = available()
