@@ -188,10 +188,11 @@ def isolate(
     writable: Iterable[str], hidden: Iterable[str] = (), readonly: Iterable[str] = ()
 ) -> list[str]:
     """Give this process (single-threaded: unshare(CLONE_NEWUSER) requires it) a mount
-    namespace where only `writable` (existing paths) stays writable and `hidden` reads as empty
-    (root's secrets in /etc). Returns the mount points
-    that could not be made read-only, with why (empty: all of them). Raises MountError when the
-    namespace cannot be made at all; nothing is read-only then."""
+    namespace where only `writable` (existing paths) stays writable, except the `readonly`
+    areas inside it (delegated to a child pod), and `hidden` reads as empty (root's secrets in
+    /etc). Returns the mount points that could not be made read-only or hidden, with why (empty:
+    all of them). Raises MountError when the namespace cannot be made at all; nothing is
+    read-only then."""
     if os.environ.get(TEST_SEAM):
         raise MountError(errno.EPERM, f"unshare: refused by the test seam {TEST_SEAM}")
     uid, gid = os.getuid(), os.getgid()
