@@ -13,7 +13,7 @@ import msgspec
 
 from poddaemon.sandbox import NO_SANDBOX, SandboxUnavailable, available, build_policy, describe
 from poddaemon.sandbox.landlock import FS
-from poddaemon.sandbox.policy import Grant, Mode, system_grants
+from poddaemon.sandbox.policy import Grant, Mode, Policy, system_grants
 from poddaemon.scope import Access, Scope
 from protocol.paths import write_private
 
@@ -104,17 +104,24 @@ def pod_sandbox(
     box = PodSandbox(status=describe(abi))
     if not commands:
         return box
-    box.tmpdir = tempfile.mkdtemp(prefix=_tmpdir_prefix(name))
-    policy = build_policy(
-        scope,
-        pwd=pwd,
-        tmpdir=box.tmpdir,
-        network=network,
-        mode=mode,
-        protect=protect,
-        extra=system_grants() + script_grants(scripts, scope),
-        hide=hide,
-    )
+    tmpdir = box.tmpdir = tempfile.mkdtemp(prefix=_tmpdir_prefix(name))
+
+    def build(live: Scope) -> Policy:
+        return build_policy(
+            live,
+            pwd=pwd,
+            tmpdir=tmpdir,
+            network=network,
+            mode=mode,
+            protect=protect,
+            extra=system_grants() + script_grants(scripts, live),  # links as they point now
+            hide=hide,
+            # Areas handed to children: read-only in the runner's view (modes, times, entries:
+            # what Landlock cannot take out of this pod's writable tree).
+            readonly=[r.target for r in live.deny if r not in scope.deny],
+        )
+
+    policy = build(scope)
     box.policy = policy.encode()
     box.files = tuple(scripts)
     extra_notes = [f"{p}: a hook script: commands may read and run it" for p in scripts]
@@ -124,23 +131,9 @@ def pod_sandbox(
             "connect to abstract unix sockets (ABI 6 confines both)"
         )
     box.notes = [*policy.notes, *extra_notes]
-    tmpdir = box.tmpdir
 
     def rebuild(live: Scope) -> bytes:
-        extra = system_grants() + script_grants(scripts, live)  # links as they point now
-        again = build_policy(
-            live,
-            pwd=pwd,
-            tmpdir=tmpdir,
-            network=network,
-            mode=mode,
-            protect=protect,
-            extra=extra,
-            hide=hide,
-            # Areas handed to children: read-only in the runner's view (modes, times, entries:
-            # what Landlock cannot take out of this pod's writable tree).
-            readonly=[r.target for r in live.deny if r not in scope.deny],
-        )
+        again = build(live)
         box.notes = [*again.notes, *extra_notes]  # the live scope's: what `status` says
         return again.encode()
 
