@@ -1,10 +1,9 @@
 """MCP servers' tools for a pod (SPEC §3 `[[mcp.servers]]`).
 
-Importing this package does not import the `mcp` SDK: `start_mcp` imports it (in a thread) only
-when the manifest lists servers.
+Importing this package imports neither the `mcp` SDK nor the client: `start_mcp` imports the
+client when the manifest lists servers, and the SDK (in a thread) when a server needs it.
 """
 
-from poddaemon.mcp.connection import McpServerStatus
 from poddaemon.mcp.manager import McpManager, McpStartupError, preload_sdk, start_mcp
 
-__all__ = ["McpManager", "McpServerStatus", "McpStartupError", "preload_sdk", "start_mcp"]
+__all__ = ["McpManager", "McpStartupError", "preload_sdk", "start_mcp"]

@@ -12,12 +12,14 @@ import os
 import sys
 import threading
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from poddaemon import collector
 from poddaemon.config.manifest import Manifest
-from poddaemon.mcp.connection import Alert, McpConnection, McpServerStatus, StartFailed
-from poddaemon.mcp.env import EnvError, server_env
 from poddaemon.tools.base import Tool
+
+if TYPE_CHECKING:  # imported by start_mcp: a pod without servers never loads them (~3 ms)
+    from poddaemon.mcp.connection import Alert, McpConnection, McpServerStatus
 
 
 class McpStartupError(Exception):
@@ -25,13 +27,13 @@ class McpStartupError(Exception):
 
 
 class McpManager:
-    def __init__(self, connections: list[McpConnection]) -> None:
+    def __init__(self, connections: "list[McpConnection]") -> None:
         self._connections = connections
         self.tools: dict[str, Tool] = {}
         for conn in connections:
             self.tools.update(conn.tools)
 
-    def status(self) -> list[McpServerStatus]:
+    def status(self) -> "list[McpServerStatus]":
         return [c.status() for c in self._connections]
 
     async def aclose(self) -> None:
@@ -58,7 +60,7 @@ def preload_sdk(manifest: Manifest) -> None:
 
 
 async def start_mcp(
-    manifest: Manifest, alert: Alert, environ: Mapping[str, str] | None = None
+    manifest: Manifest, alert: "Alert", environ: Mapping[str, str] | None = None
 ) -> McpManager:
     """Start every `[[mcp.servers]]` concurrently, each bounded by its `start_timeout`.
 
@@ -69,6 +71,9 @@ async def start_mcp(
     servers = manifest.mcp.servers
     if not servers:
         return McpManager([])
+    from poddaemon.mcp.connection import McpConnection, StartFailed
+    from poddaemon.mcp.env import EnvError, server_env
+
     environ = os.environ if environ is None else environ
     envs: dict[str, dict[str, str]] = {}
     for i, cfg in enumerate(servers):

@@ -200,6 +200,24 @@ def test_importing_the_package_does_not_import_the_sdk() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_a_pod_without_servers_never_loads_the_client(tmp_path: Path) -> None:
+    """The client's modules cost ~3 ms of every pod's start: only a manifest with servers
+    loads them."""
+    load(tmp_path, "")  # the manifest is valid
+    code = (
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from poddaemon.config import load_manifest\n"
+        "from poddaemon.mcp import start_mcp\n"
+        f"m = load_manifest(Path({str(tmp_path / 'm.toml')!r}), defaults_path=Path('/none'))\n"
+        "manager = asyncio.run(start_mcp(m, print))\n"
+        "loaded = 'poddaemon.mcp.connection' in sys.modules\n"
+        "print(manager.tools, manager.status(), loaded)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["{}", "[]", "False"]
+
+
 def _guarded(*command: str) -> tuple["subprocess.Popen[bytes]", int]:
     """The guard over `command`, its stderr a pipe whose only reader is the returned fd."""
     from poddaemon.mcp.stdio import GUARD
