@@ -2,9 +2,14 @@
 nothing else is (the record may name a path that changed hands since)."""
 
 import os
+import stat
+import subprocess
+import sys
 from pathlib import Path
 
-from poddaemon.sandbox.pod import replace_leftover
+import pytest
+
+from poddaemon.sandbox.pod import _make_tmpdir, replace_leftover
 
 
 def test_the_leftover_goes_and_the_new_dir_is_recorded(tmp_path: Path) -> None:
@@ -39,3 +44,28 @@ def test_no_record_yet_is_fine(tmp_path: Path) -> None:
     replace_leftover(record, "kid", None)
     replace_leftover(record, "kid", str(tmp_path / "poddaemon-kid-1"))
     assert record.read_text().strip() == str(tmp_path / "poddaemon-kid-1")
+
+
+def test_the_new_dir_is_private_fresh_and_under_tmpdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    made = {_make_tmpdir("poddaemon-kid-") for _ in range(20)}
+    assert len(made) == 20
+    for path in made:
+        assert os.path.dirname(path) == str(tmp_path)
+        assert os.path.basename(path).startswith("poddaemon-kid-")
+        st = os.lstat(path)
+        assert stat.S_ISDIR(st.st_mode) and st.st_mode & 0o777 == 0o700
+        assert st.st_uid == os.getuid()
+
+
+def test_the_pod_sandbox_module_imports_neither_tempfile_nor_shutil() -> None:
+    """tempfile imports shutil, which imports bz2 and lzma: ~2 ms of every pod's start."""
+    code = (
+        "import sys\n"
+        "from poddaemon.sandbox import pod\n"
+        "print(sorted(m for m in ('tempfile', 'shutil', 'bz2', 'lzma') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
