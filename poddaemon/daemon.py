@@ -902,10 +902,12 @@ async def watch_claim(
 def _startup_allowance(manifest: "Manifest") -> float:
     """Seconds start-up may take on top of the usual: what the slowest MCP server may take to
     start or be given up on, or the SessionStart hooks' timeouts (they run meanwhile)."""
+    hooks = sum(h.timeout for h in manifest.hooks.SessionStart)
+    if not manifest.mcp.servers:  # the MCP client is loaded only for a pod with servers
+        return hooks
     from poddaemon.mcp.connection import GIVE_UP
 
-    starts = [s.start_timeout + GIVE_UP for s in manifest.mcp.servers]
-    return max(max(starts, default=0.0), sum(h.timeout for h in manifest.hooks.SessionStart))
+    return max(max(s.start_timeout + GIVE_UP for s in manifest.mcp.servers), hooks)
 
 
 async def _preflight(pod: Any, manifest: Any) -> None:

@@ -18,7 +18,7 @@ import pytest
 from poddaemon.readyline import EXIT_REFUSED
 from poddaemon.registry import Registry, make_entry
 from poddaemon.scope import Scope
-from tests.conftest import Env, PodProcess, StartFailed, drained, wait_until
+from tests.conftest import READY, Env, PodProcess, StartFailed, drained, wait_until
 
 BIN = Path(sys.executable).parent
 
@@ -452,3 +452,23 @@ def test_a_pod_raises_its_soft_open_file_limit_toward_the_hard_one(env: Env) -> 
     env.pods.append(pod)
     pod.wait_ready()
     assert resource.prlimit(proc.pid, resource.RLIMIT_NOFILE) == (4096, 20000)
+
+
+def test_a_pod_without_mcp_servers_starts_without_what_it_does_not_use(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 15's start-up budget: the MCP client (~3 ms) loads only for a manifest with
+    servers, and the commands' temp dir is made without tempfile (which imports shutil, bz2
+    and lzma: ~2 ms). Read from the pod's own import profile, up to its READY line."""
+    monkeypatch.setitem(env.env, "PYTHONPROFILEIMPORTTIME", "1")
+    pod = env.start("lean", tools=["bash", "read_file"])
+    ready = next(i for i, line in enumerate(pod.stderr) if line.startswith(READY))
+    imported = {
+        line.rsplit("|", 1)[1].strip()
+        for line in pod.stderr[:ready]
+        if line.startswith("import time:")
+    }
+    assert {"asyncio", "poddaemon.sandbox.pod", "poddaemon.mcp"} <= imported  # a real profile
+    assert not imported & {"poddaemon.mcp.connection", "tempfile", "shutil", "bz2", "lzma"}
+    # bash is listed, so the sandbox made the commands' temp dir (that is what it needs).
+    assert pod.call("status")["sandbox"].startswith("landlock-abi-")
