@@ -1,7 +1,7 @@
 """System prompt: the manifest's instruction as a sandboxed jinja2 template.
 
-Compiled at start-up (a template error fails start-up naming the line), rendered once at the
-session's first turn with `now`, `pwd`, `scope`, `tools` and `agents_md`.
+Compiled at start-up and rendered as the pod starts (a template error, in either, fails start-up
+naming the line), with `now`, `pwd`, `scope`, `tools` and `agents_md`.
 """
 
 import datetime
@@ -39,8 +39,6 @@ class Instruction:
     def render(self, *, pwd: str, scope: Scope, tools: list[str]) -> str:
         if self._plain is not None:
             return self._plain
-        from jinja2 import TemplateError
-
         context: dict[str, Any] = {
             "now": datetime.datetime.now().astimezone(),
             "pwd": pwd,
@@ -50,7 +48,11 @@ class Instruction:
         }
         try:
             return self._template.render(context)
-        except TemplateError as exc:
+        except Exception as exc:
+            # Not only jinja2's own errors: whatever an expression raises (`{{ 1/0 }}`, a range
+            # past the sandbox's MAX_RANGE, `{% include %}` with no loader, a macro calling
+            # itself) is the template's fault too, and would otherwise end start-up in a
+            # traceback (exit 1, which systemd restarts) instead of one line (exit 78).
             line = _template_line(exc)
             where = f"{self.origin}:{line}" if line else self.origin
             raise PromptError(f"{where}: template error: {exc}") from None

@@ -385,6 +385,28 @@ def test_missing_instruction_file_names_the_manifest_and_the_field(env: Env) -> 
     )
 
 
+@pytest.mark.parametrize(
+    ("template", "problem"),
+    [
+        ("Today is {{ now.date() }}.\n{{ 1 / 0 }}", "2: template error: division by zero"),
+        ("{% include 'other.md' %}", "1: template error: no loader for this environment specified"),
+        ("{% for i in range(10**9) %}.{% endfor %}", "1: template error: Range too big."),
+    ],
+)
+def test_a_template_that_fails_to_render_is_one_clear_line(
+    env: Env, template: str, problem: str
+) -> None:
+    # Not only an undefined name: whatever an expression raises is the template's error, and
+    # refuses the pod (exit 78, no restart by systemd) in one line naming manifest and line.
+    manifest = env.manifest("badtemplate", instruction=template)
+    proc = env.popen(str(manifest))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == EXIT_REFUSED
+    assert err.startswith(f"poddaemon: {manifest}: worker.instruction:{problem}")
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert registry_entries(env) == {}
+
+
 # --- item 22: the name is free as soon as the pod stops, whatever is still in flight -------------
 
 
