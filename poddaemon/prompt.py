@@ -62,13 +62,23 @@ def load_instruction(
     instruction: str | None, instruction_file: str | None, origin: str
 ) -> Instruction:
     if instruction_file:
+        from poddaemon.config.load import read_bounded
+
         try:
-            with open(instruction_file, encoding="utf-8") as f:
-                return Instruction(f.read(), instruction_file)
+            raw = read_bounded(instruction_file)
         except OSError as exc:
             raise PromptError(
                 f"{origin}: worker.instruction_file: cannot read {instruction_file}: {exc.strerror}"
             ) from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PromptError(
+                f"{origin}: worker.instruction_file: {instruction_file} is not UTF-8 "
+                f"({exc.reason} at byte {exc.start})"
+            ) from None
+        # As a text-mode open() read it: universal newlines.
+        return Instruction(text.replace("\r\n", "\n").replace("\r", "\n"), instruction_file)
     return Instruction(instruction or "", f"{origin}: worker.instruction")
 
 

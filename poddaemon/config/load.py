@@ -6,9 +6,11 @@ dotted (`scope.allow[0].permission`). Values set with `--set` name the override 
 """
 
 import copy
+import errno
 import os
 import re
 import shlex
+import stat
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +32,14 @@ from .manifest import (
     SpawnConfig,
 )
 
-__all__ = ["ManifestError", "load_manifest", "manifest_to_dict", "manifest_to_toml"]
+__all__ = [
+    "MAX_FILE_BYTES",
+    "ManifestError",
+    "load_manifest",
+    "manifest_to_dict",
+    "manifest_to_toml",
+    "read_bounded",
+]
 
 Key = tuple[str | int, ...]
 
@@ -133,9 +142,32 @@ def _check_ours(defaults: Path) -> None:
         raise ManifestError(str(exc)) from None
 
 
+# A manifest, defaults.toml or instruction file past this is a wrong path (a log, a device),
+# not a configuration: a system prompt of 4 MiB is already ~1M tokens.
+MAX_FILE_BYTES = 4 * 1024 * 1024
+
+
+def read_bounded(path: str | Path, limit: int = MAX_FILE_BYTES, *, wait: bool = True) -> bytes:
+    """A configuration file's bytes; OSError (with a strerror) for a directory, a device or
+    socket, or more than `limit` bytes. Read whole, `/dev/zero` took all memory. A pipe
+    (`poddaemon run <(envsubst < m.toml)`) is read as `cat` would, unless `wait` is False:
+    then it is refused, and opening it does not wait for a writer (O_NONBLOCK)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (0 if wait else os.O_NONBLOCK))
+    with os.fdopen(fd, "rb") as f:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise OSError(errno.EISDIR, os.strerror(errno.EISDIR))
+        if not (stat.S_ISREG(mode) or (wait and stat.S_ISFIFO(mode))):
+            raise OSError(errno.EINVAL, "not a regular file")
+        raw = f.read(limit + 1)
+    if len(raw) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit // (1024 * 1024)} MiB")
+    return raw
+
+
 def _read(path: Path, shown: str, *, missing: str | None) -> str:
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path)
     except FileNotFoundError:
         if missing is None:
             raise

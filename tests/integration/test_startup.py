@@ -386,6 +386,48 @@ def test_missing_instruction_file_names_the_manifest_and_the_field(env: Env) -> 
 
 
 @pytest.mark.parametrize(
+    ("kind", "problem"),
+    [
+        ("device", "not a regular file"),
+        ("huge", "larger than 4 MiB"),
+        ("latin1", "is not UTF-8 (invalid continuation byte at byte 3)"),
+    ],
+)
+def test_an_instruction_file_that_is_no_prompt_is_one_clear_line(
+    env: Env, kind: str, problem: str
+) -> None:
+    # A device was read to its end (/dev/zero: all memory; /dev/null here, to fail without
+    # eating it), a wrong path to a big file became the system prompt, a non-UTF-8 file was
+    # a traceback.
+    prompt = env.work / "prompt.md"
+    if kind == "device":
+        prompt.symlink_to("/dev/null")
+    elif kind == "huge":
+        prompt.write_bytes(b"x" * (4 * 1024 * 1024 + 1))
+    else:
+        prompt.write_bytes("Café".encode("latin-1") + b" au lait")
+    manifest = env.manifest("badprompt")
+    text = manifest.read_text().replace(
+        'instruction = "You are a test pod."', f'instruction_file = "{prompt}"'
+    )
+    manifest.write_text(text)
+    proc = env.popen(str(manifest))
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode == EXIT_REFUSED  # a unit does not start it again
+    if kind == "latin1":
+        assert err == f"poddaemon: {manifest}: worker.instruction_file: {prompt} {problem}\n"
+    else:
+        assert err == (
+            f"poddaemon: {manifest}: worker.instruction_file: cannot read {prompt}: {problem}\n"
+        )
+    assert registry_entries(env) == {}
+
+
+@pytest.mark.parametrize(
     ("template", "problem"),
     [
         ("Today is {{ now.date() }}.\n{{ 1 / 0 }}", "2: template error: division by zero"),

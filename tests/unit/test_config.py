@@ -590,6 +590,37 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
         load_manifest("b.toml")
 
 
+def test_only_a_regular_file_of_bounded_size_is_read(tmp_path: Path) -> None:
+    # A device would be read forever (`/dev/zero`: all memory) and a wrong path to a log
+    # would be parsed whole: each is one clear line instead.
+    with pytest.raises(ManifestError, match=r"^/dev/null: cannot read: not a regular file$"):
+        load_manifest("/dev/null")
+    (tmp_path / "big.toml").write_text(MINIMAL + ("#" * 1023 + "\n") * (4 * 1024 + 1))
+    with pytest.raises(ManifestError, match=r"^big\.toml: cannot read: larger than 4 MiB$"):
+        load_manifest("big.toml")
+    with pytest.raises(ManifestError, match=r"^/dev/null: cannot read: not a regular file$"):
+        load_manifest(write(MINIMAL), defaults_path="/dev/null")
+
+
+def test_a_pipe_is_read_as_cat_would(tmp_path: Path) -> None:
+    # `poddaemon run <(envsubst < m.toml)`: a FIFO with a writer is a manifest like any other.
+    import threading
+
+    os.mkfifo("fifo.toml")
+
+    def feed() -> None:
+        with open("fifo.toml", "w") as f:
+            f.write(MINIMAL)
+
+    writer = threading.Thread(target=feed)
+    writer.start()
+    try:
+        m = load_manifest("fifo.toml", defaults_path="none.toml")
+    finally:
+        writer.join(10)
+    assert m.pod.name == "reviewer"
+
+
 def test_the_file_is_named_as_given(tmp_path: Path) -> None:
     write(MINIMAL + "bogus = 1\n", "sub/m.toml")
     with pytest.raises(ManifestError, match=r"^sub/m\.toml:"):
