@@ -33,6 +33,15 @@ class FieldError(ValueError):
         self.problem = problem
 
 
+def _check_path(field: str, value: str) -> None:
+    """A path the kernel can take: TOML's `\\u0000` made one that every os call refuses with a
+    ValueError, a traceback at start-up instead of a line naming the field."""
+    if not value:
+        raise FieldError(field, "must not be empty")
+    if "\0" in value:
+        raise FieldError(field, f"{value!r} contains a NUL character")
+
+
 class PodSection(Struct, kw_only=True, forbid_unknown_fields=True):
     name: str
     pwd: str = "."
@@ -45,8 +54,7 @@ class PodSection(Struct, kw_only=True, forbid_unknown_fields=True):
                 f"{self.name!r} is not a valid pod name "
                 "(lowercase letters, digits, '-' and '_', at most 48 characters)",
             )
-        if not self.pwd:
-            raise FieldError("pwd", "must not be empty")
+        _check_path("pwd", self.pwd)
 
 
 class ProviderConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -110,8 +118,8 @@ class WorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
             raise FieldError(
                 "instruction_file", "instruction and instruction_file are exclusive; set only one"
             )
-        if self.instruction_file is not None and not self.instruction_file:
-            raise FieldError("instruction_file", "must not be empty")
+        if self.instruction_file is not None:
+            _check_path("instruction_file", self.instruction_file)
         seen: set[str] = set()
         for i, tool in enumerate(self.tools):
             if tool not in KNOWN_TOOLS:
@@ -130,8 +138,7 @@ class ScopeRule(Struct, kw_only=True, forbid_unknown_fields=True):
     recursive: bool = True
 
     def __post_init__(self) -> None:
-        if not self.target:
-            raise FieldError("target", "must not be empty")
+        _check_path("target", self.target)
 
 
 class ScopeSection(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -208,6 +215,8 @@ class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.command.strip():
             raise FieldError("command", "must not be empty")
+        if "\0" in self.command:  # `sh -c` could not be given it
+            raise FieldError("command", f"{self.command!r} contains a NUL character")
         if self.matcher not in (None, "", "*"):  # those two match every tool
             assert self.matcher is not None
             try:

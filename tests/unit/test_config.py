@@ -514,6 +514,26 @@ def test_out_of_range_values() -> None:
     )
 
 
+def test_a_nul_in_a_path_or_command_names_the_field() -> None:
+    # TOML's \u0000 makes a string no system call takes: it was a ValueError traceback at
+    # start-up (pwd, scope targets, instruction_file) or at the first tool call (hooks).
+    assert error_of(
+        MINIMAL.replace('name = "reviewer"', 'name = "reviewer"\npwd = "a\\u0000b"')
+    ) == ("m.toml:3: pod.pwd: 'a\\x00b' contains a NUL character")
+    assert error_of(MINIMAL.replace('target = "."', 'target = "./x\\u0000"')) == (
+        "m.toml:9: scope.allow[0].target: './x\\x00' contains a NUL character"
+    )
+    assert error_of(MINIMAL + '[worker]\ninstruction_file = "p\\u0000.md"\n') == (
+        "m.toml:12: worker.instruction_file: 'p\\x00.md' contains a NUL character"
+    )
+    assert error_of(MINIMAL + '[[hooks.Stop]]\ncommand = "./g.sh\\u0000"\n') == (
+        "m.toml:12: hooks.Stop[0].command: './g.sh\\x00' contains a NUL character"
+    )
+    assert error_of(MINIMAL, 'pod.pwd="\\u0000"') == (
+        "m.toml: pod.pwd: '\\x00' contains a NUL character (--set pod.pwd=\"\\u0000\")"
+    )
+
+
 def test_missing_required_fields() -> None:
     assert error_of(MINIMAL.replace('name = "reviewer"\n', "")) == (
         "m.toml: pod.name: required field is missing"
