@@ -73,6 +73,10 @@ class ProviderConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if not self.model:
             raise FieldError("model", "must not be empty")
+        if self.base_url is not None and not self.base_url.strip():
+            # Empty is unset, as start-up's checks took it (`--set provider.base_url=` undoes
+            # a defaults.toml one): the SDK was given "" and every call failed, unannounced.
+            self.base_url = None
         if self.api_key_env is not None and not self.api_key_env:
             raise FieldError("api_key_env", "must not be empty")
 

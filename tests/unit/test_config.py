@@ -367,7 +367,19 @@ def test_set_wins_over_defaults_and_replaces_the_other_instruction_form() -> Non
 def test_set_value_with_equals_signs_and_empty_value() -> None:
     m = load_manifest(write(MINIMAL), ["worker.instruction=a=b", "provider.base_url="])
     assert m.worker.instruction == "a=b"
-    assert m.provider.base_url == ""
+    assert m.provider.base_url is None  # empty is unset: the provider's own endpoint
+
+
+def test_an_empty_base_url_is_the_providers_own_endpoint() -> None:
+    # defaults.toml points every pod at a local server; `--set provider.base_url=` (or "" in
+    # the manifest) gives one pod the real API back, not a URL of "" that every call fails on.
+    defaults = '[provider]\nbase_url = "http://127.0.0.1:8400"\n'
+    write(defaults, "defaults.toml")
+    m = load_manifest(write(MINIMAL), ["provider.base_url="], Path("defaults.toml"))
+    assert m.provider.base_url is None
+    empty = MINIMAL.replace('model = "claude-sonnet-4-5"', 'model = "m"\nbase_url = ""')
+    assert load_manifest(write(empty), (), Path("defaults.toml")).provider.base_url is None
+    assert "\nbase_url = " not in manifest_to_toml(load_manifest(write(empty), (), Path("none")))
 
 
 @pytest.mark.parametrize("bad", ["novalue", "=3", "worker..x=1", "worker.max tokens=1"])
