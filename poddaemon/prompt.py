@@ -15,6 +15,10 @@ class PromptError(Exception):
     pass
 
 
+# What a template may render to: as much as an instruction file may hold (MAX_FILE_BYTES).
+MAX_PROMPT_BYTES = 4 * 1024 * 1024
+
+
 # Text with none of these is its own rendering: jinja2 (~20 ms to import) is not needed at all.
 # A carriage return counts as markup too: jinja2 would normalize the newlines.
 _MARKUP = ("{{", "{%", "{#", "\r")
@@ -47,7 +51,7 @@ class Instruction:
             "agents_md": read_agents_md(pwd, scope),
         }
         try:
-            return self._template.render(context)
+            text = self._template.render(context)
         except Exception as exc:
             # Not only jinja2's own errors: whatever an expression raises (`{{ 1/0 }}`, a range
             # past the sandbox's MAX_RANGE, `{% include %}` with no loader, a macro calling
@@ -56,6 +60,15 @@ class Instruction:
             line = _template_line(exc)
             where = f"{self.origin}:{line}" if line else self.origin
             raise PromptError(f"{where}: template error: {exc}") from None
+        # Bounded as an instruction file is: `{{ "x" * 10**8 }}` made a 100 MB session_start
+        # entry that the history could not page and every model call carried.
+        size = len(text.encode("utf-8", "replace"))
+        if size > MAX_PROMPT_BYTES:
+            raise PromptError(
+                f"{self.origin}: template error: it renders to {size} bytes, more than "
+                f"{MAX_PROMPT_BYTES // (1024 * 1024)} MiB"
+            )
+        return text
 
 
 def load_instruction(

@@ -433,6 +433,8 @@ def test_an_instruction_file_that_is_no_prompt_is_one_clear_line(
         ("Today is {{ now.date() }}.\n{{ 1 / 0 }}", "2: template error: division by zero"),
         ("{% include 'other.md' %}", "1: template error: no loader for this environment specified"),
         ("{% for i in range(10**9) %}.{% endfor %}", "1: template error: Range too big."),
+        # 100 MB: a session_start entry the history cannot page, sent with every model call
+        ('{{ "x" * 10**8 }}', " template error: it renders to 100000000 bytes, more than 4 MiB"),
     ],
 )
 def test_a_template_that_fails_to_render_is_one_clear_line(
@@ -442,7 +444,11 @@ def test_a_template_that_fails_to_render_is_one_clear_line(
     # refuses the pod (exit 78, no restart by systemd) in one line naming manifest and line.
     manifest = env.manifest("badtemplate", instruction=template)
     proc = env.popen(str(manifest))
-    _, err = proc.communicate(timeout=20)
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:  # it started
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     assert proc.returncode == EXIT_REFUSED
     assert err.startswith(f"poddaemon: {manifest}: worker.instruction:{problem}")
     assert err.count("\n") == 1 and "Traceback" not in err
