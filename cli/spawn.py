@@ -47,6 +47,11 @@ def daemon_command(manifest: str, sets: list[str], session: str | None, resume: 
     `-P` (Python 3.11+): do not put the current directory on `sys.path`, or a `poddaemon/`
     folder where the user stands would be imported instead of the installed package.
     """
+    if manifest.startswith("-"):
+        # `podctl spawn -- -x.toml`: `poddaemon run` took it for an option and printed its own
+        # usage ("the following arguments are required: manifest"). Options follow the
+        # manifest (callers append more), so no `--` can go before it: a path can.
+        manifest = os.path.join(".", manifest)
     cmd = [sys.executable, "-P", "-m", "poddaemon", "run", manifest]
     for item in sets:
         cmd += ["--set", item]

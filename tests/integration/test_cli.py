@@ -368,6 +368,33 @@ def test_spawn_ls_status_rpc_send_stop(home: Path) -> None:
 
 
 @pytest.mark.skipif(not HAVE_DAEMON, reason="poddaemon.daemon not there yet")
+def test_spawn_of_a_manifest_whose_name_starts_with_a_dash(home: Path) -> None:
+    # `podctl spawn -- -x.toml` handed `-x.toml` to `poddaemon run` as an option: it printed
+    # its own usage ("the following arguments are required: manifest") and exited 2.
+    from poddaemon.testing.fake_model import FakeModel
+
+    with FakeModel() as fake:
+        manifest = write_manifest(home, "dash", fake.openai_base_url)
+        manifest.rename(home / "-dash.toml")
+        try:
+            spawned = subprocess.run(
+                [sys.executable, "-m", "cli.main", "spawn", "--resume", "--", "-dash.toml"],
+                cwd=home,
+                env={**env_for(home, PODCTL_TEST_KEY="dummy"), "PYTHONPATH": str(REPO)},
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert spawned.returncode == 0, spawned.stderr
+            assert spawned.stdout.split("\t")[0] == "dash"
+            status = json.loads(podctl(home, "status", "dash", "--json").stdout)
+            assert status["name"] == "dash"
+            assert podctl(home, "stop", "dash").returncode == 0
+        finally:
+            kill_leftover_pods(home)
+
+
+@pytest.mark.skipif(not HAVE_DAEMON, reason="poddaemon.daemon not there yet")
 def test_send_exit_codes_and_attach(home: Path) -> None:
     from poddaemon.testing.fake_model import FakeModel
 
