@@ -113,11 +113,17 @@ def peek_kind(argv: list[str], cwd: str) -> str | None:
             return argv[i + 1].split("=", 1)[1].strip().strip("\"'")
     if len(argv) < 2:
         return None
+    from poddaemon.config.load import read_bounded  # (preloaded)
+
     try:
-        with open(os.path.join(cwd, argv[1]), "rb") as f:
-            kind = tomllib.load(f).get("provider", {}).get("kind")
+        # Bounded and never blocking: this one server serves every spawn of the user, and a
+        # manifest that is a FIFO hung it in open() for good, one that is /dev/zero grew it to
+        # all free memory (after the pod itself had refused the file).
+        raw = read_bounded(os.path.join(cwd, argv[1]), wait=False)  # (a FIFO: not waited for)
+        provider = tomllib.loads(raw.decode()).get("provider")
     except (OSError, ValueError):
         return None
+    kind = provider.get("kind") if isinstance(provider, dict) else None  # (`provider = 3`)
     return kind if isinstance(kind, str) else None
 
 

@@ -113,6 +113,22 @@ def test_failure_before_ready_is_reported_as_before(env: Env) -> None:
     assert not (env.home / "run" / "pods" / "bad").exists()
 
 
+def test_a_manifest_the_pod_refuses_leaves_the_server_serving(env: Env) -> None:
+    # After forking, the server peeks at the manifest's provider kind (to preload its SDK):
+    # `provider = 3` killed it with an AttributeError, while the pod refused it in one line.
+    spawn(env, "lone")
+    spawn(env, "one")  # a server runs
+    server = server_pid(env)
+    bad = env.home / "bad.toml"
+    bad.write_text("provider = 3\n")
+    done = env.podctl("spawn", str(bad))
+    assert done.returncode == 1
+    assert done.stderr == f"poddaemon: {bad}:1: provider: expected table, got int\n"
+    # The same server forks the next pod, at once.
+    assert ppid(spawn(env, "two")) == server == server_pid(env)
+    assert "Traceback" not in next((env.home / "run").glob("forkserver.*.log")).read_text()
+
+
 def _spawn_with(env: Env, name: str, limit: tuple[int, int]) -> "subprocess.CompletedProcess[str]":
     """`podctl spawn` from a shell whose open-file limit is `limit`."""
     manifest = env.manifest(name, write=[str(env.work / name)])
