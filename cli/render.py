@@ -304,19 +304,20 @@ def pod_table(statuses: Sequence[Mapping[str, Any]], home: str | None = None) ->
     rows: list[tuple[str, ...]] = [TABLE_HEADER]
     for depth, st in tree_order(statuses):
         unresponsive = st.get("state") == "unresponsive"
-        rows.append(
-            (
-                TREE_INDENT * depth + str(st.get("name", "?")),
-                _cell(st.get("pid")),
-                str(st.get("state", "?")),
-                _cell(st.get("model")),
-                scope_cell(st.get("scope") or [], home),
-                _cell(st.get("parent")),
-                "-" if unresponsive else queue_cell(st),
-                "-" if unresponsive else str(tokens(st)),
-                "-" if unresponsive else str(st.get("sandbox") or "none"),
-            )
+        cells = (
+            TREE_INDENT * depth + str(st.get("name", "?")),
+            _cell(st.get("pid")),
+            str(st.get("state", "?")),
+            _cell(st.get("model")),
+            scope_cell(st.get("scope") or [], home),
+            _cell(st.get("parent")),
+            "-" if unresponsive else queue_cell(st),
+            "-" if unresponsive else str(tokens(st)),
+            "-" if unresponsive else str(st.get("sandbox") or "none"),
         )
+        # A pwd or scope target (a child's, named by the model), a model name: data, shown with
+        # control characters as \xNN like everything else podctl prints of a pod.
+        rows.append(tuple(cell.translate(_CONTROLS) for cell in cells))
     widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
@@ -394,7 +395,12 @@ def status_text(st: Mapping[str, Any]) -> str:
     fields.append(("started", format_time(float(started)) if started is not None else "-"))
     fields.append(("version", str(st.get("version", "?"))))
     width = max(len(key) for key, _ in fields) + 1
-    return "".join((f"{key}:" if key else "").ljust(width) + f" {value}\n" for key, value in fields)
+    # One line per value, control characters as \xNN: a child's pwd and scope targets are
+    # named by the model, and a newline or an escape sequence there is no status to print raw.
+    return "".join(
+        (f"{key}:" if key else "").ljust(width) + f" {value.translate(_CONTROLS)}\n"
+        for key, value in fields
+    )
 
 
 # --- session log entries (history, sessions show) ----------------------------------------------

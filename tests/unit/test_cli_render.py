@@ -366,3 +366,27 @@ def test_events_and_status_never_pass_escape_sequences_to_the_terminal() -> None
     assert out == "a\\x1b]52;c;ZWNobw==\\x07\nb \\x9b2J\n✉ notification from ci\\x1b]0;x\\x07: m\n"
     text = status_text({"mcp": [{"name": "gh", "state": "failed", "error": "no\x1b[2J"}]})
     assert "gh failed (0 tools): no\\x1b[2J" in text and "\x1b" not in text
+
+
+def test_ls_and_status_show_a_pods_paths_and_model_without_escape_sequences() -> None:
+    """A child's pwd and scope targets are named by the model (a directory it made), and its
+    `model` too: `podctl ls` and `podctl status` printed them raw, OSC 52 and newlines
+    included. Each value stays on its line, control characters shown as \\xNN."""
+    odd = "/w/e\x1b]52;c;aGk=\x07\nx\x9b2J"
+    shown = "/w/e\\x1b]52;c;aGk=\\x07\\x0ax\\x9b2J"
+    st = {
+        "name": "kid",
+        "pid": 7,
+        "state": "idle",
+        "model": "m\x1b[2J",
+        "pwd": odd,
+        "scope": [{"target": odd, "permission": "write"}],
+        "sandbox": "landlock-abi-7",
+    }
+    table = pod_table([st])
+    assert "\x1b" not in table and "\x07" not in table and "\x9b" not in table
+    assert table.count("\n") == 2 and f"m\\x1b[2J  {shown}" in table
+    text = status_text(st)
+    assert "\x1b" not in text and "\x07" not in text and "\x9b" not in text
+    assert f"\npwd:      {shown}\n" in text and f"\nscope:    allow write {shown}\n" in text
+    assert "\nmodel:    m\\x1b[2J\n" in text
