@@ -6,6 +6,7 @@ naming the line), with `now`, `pwd`, `scope`, `tools` and `agents_md`.
 
 import datetime
 import os
+import stat
 from typing import Any
 
 from poddaemon.scope import Access, Scope
@@ -108,7 +109,12 @@ def read_agents_md(pwd: str, scope: Scope) -> str:
     try:
         if scope.access(os.path.realpath(path)) < Access.READ:
             return ""
-        with open(path, encoding="utf-8", errors="replace") as f:
+        # A regular file only, opened without waiting: the pod's pwd is the model's to write,
+        # and `mkfifo AGENTS.md` there hung every later start in open(), deaf to SIGTERM.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, encoding="utf-8", errors="replace") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return ""
             return f.read(64 * 1024)
     except OSError:
         return ""

@@ -444,6 +444,16 @@ def test_system_prompt_template_is_rendered_once_with_context(env: Env) -> None:
     assert system.split("\\n")[0] in second  # rendered once: the same prompt both times
 
 
+def test_an_agents_md_that_is_a_fifo_does_not_hold_up_start_up(env: Env) -> None:
+    # The pwd is the model's to write: `mkfifo AGENTS.md` there made every later start of the
+    # pod (a restart, a unit's) block in open() for a writer, deaf to SIGTERM.
+    os.mkfifo(env.work / "AGENTS.md")
+    pod = env.start("fifo", instruction="[{{ agents_md }}] in {{ pwd }}")
+    with pod.client() as c:
+        c.run_wait("one")
+    assert f"[] in {env.work}" in str(env.model.requests[0]["body"])
+
+
 @pytest.mark.parametrize(
     ("template", "says"),
     [
