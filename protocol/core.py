@@ -18,7 +18,13 @@ from protocol.errors import (
     RpcError,
     error_for,
 )
-from protocol.framing import DEFAULT_MAX_FRAME_BYTES, MAX_REPLY_BYTES, LineFramer, Oversize
+from protocol.framing import (
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_REPLY_BYTES,
+    UNREADABLE,
+    LineFramer,
+    Oversize,
+)
 from protocol.methods import Method
 
 # Where they lived before protocol.sockets: kept importable from here.
@@ -89,9 +95,19 @@ class ClientCore:
                 raise RpcError(
                     PARSE_ERROR, f"reply of {line.size} bytes exceeds the client's limit"
                 )
-            reply = _response_decoder.decode(line)
-            if reply.method == "event" and not isinstance(reply.params, msgspec.UnsetType):
-                self.events.append(_event_decoder.decode(reply.params))
+            try:
+                reply = _response_decoder.decode(line)
+                event = (
+                    _event_decoder.decode(reply.params)
+                    if reply.method == "event" and not isinstance(reply.params, msgspec.UnsetType)
+                    else None
+                )
+            except UNREADABLE as exc:
+                # What no pod sends (a socket path that is not a pod's, answering in its own
+                # format): a typed error, as oneshot's, not a msgspec traceback out of podctl.
+                raise RpcError(PARSE_ERROR, f"the pod's reply is malformed: {exc}") from None
+            if event is not None:
+                self.events.append(event)
             elif reply.id is None and self._unanswered() is not None:
                 # The pod could not read the id of a request (e.g. one it found too large): the
                 # answer belongs to the oldest request still waiting, or its caller hangs.

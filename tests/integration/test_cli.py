@@ -127,6 +127,40 @@ def test_missing_pod_exits_3_with_one_line(home: Path, command: list[str]) -> No
     assert proc.stdout == ""
 
 
+@pytest.mark.parametrize("command", [["send", "hello"], ["attach"], ["history"]], ids=" ".join)
+def test_a_socket_that_is_no_pods_is_one_line_not_a_traceback(
+    home: Path, command: list[str]
+) -> None:
+    # POD may be a socket path: one of this user's that answers in another format (the fork
+    # server's `{"error": "..."}`) made these commands end in a msgspec traceback.
+    import socket
+    import threading
+
+    path = home / "other.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b'{"jsonrpc":"2.0","id":1,"error":"bad request"}\n')
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        proc = podctl(home, command[0], str(path), *command[1:])
+    finally:
+        thread.join(10)
+        server.close()
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr == (
+        "podctl: the pod's reply is malformed: Expected `object`, got `str` - at `$.error`"
+        " (-32700)\n"
+    )
+
+
 def test_stale_socket_counts_as_not_running(home: Path) -> None:
     import socket
 

@@ -190,6 +190,25 @@ def test_oversize_reply_is_an_error() -> None:
     assert info.value.code == errors.PARSE_ERROR and "exceeds" in info.value.message
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"jsonrpc":"2.0","id":1,"error":"bad request"}\n',  # the fork server's own format
+        b'{"jsonrpc":"2.0","method":"event","params":{"seq":"x"}}\n',  # an event of no shape
+        b"[1, 2\n",  # not JSON
+        b'"\xff"\n',  # not UTF-8
+    ],
+)
+def test_a_reply_no_pod_would_send_is_a_parse_error(line: bytes) -> None:
+    # `podctl send <some other socket>`: msgspec's own error escaped as a traceback.
+    core = ClientCore()
+    core.request("status", None)
+    with pytest.raises(RpcError) as info:
+        core.feed(line)
+    assert info.value.code == errors.PARSE_ERROR
+    assert info.value.message.startswith("the pod's reply is malformed: ")
+
+
 @given(n=st.integers(1, 20), cut=st.integers(1, 50))
 def test_every_reply_lands_under_its_id(n: int, cut: int) -> None:
     core = ClientCore()
