@@ -289,6 +289,13 @@ def run_pod(args: "argparse.Namespace") -> int:
     scope = Scope.from_config(manifest.scope.allow, manifest.scope.deny, cwd=manifest.pod.pwd)
     scope = msgspec.structs.replace(scope, private=_own_dirs())
     if scope.access(pwd) < Access.READ:
+        if msgspec.structs.replace(scope, private=()).access(pwd) >= Access.READ:
+            # Not the scope's doing: "not readable under the pod's scope" with a scope that
+            # covers it left the user nowhere to look.
+            raise StartupError(
+                f"{manifest.source}: pod.pwd: {pwd} is inside poddaemon's own directories "
+                f"({', '.join(scope.private)}), which no pod may use, whatever its scope says"
+            )
         targets = ", ".join(f"{r.target} ({r.access.name.lower()})" for r in scope.allow)
         raise StartupError(
             f"{manifest.source}: pod.pwd: {pwd} is not readable under the pod's scope "

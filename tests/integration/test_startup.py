@@ -369,6 +369,21 @@ def test_missing_pwd_is_reported_as_missing(env: Env) -> None:
     assert err == f"poddaemon: {manifest}: pod.pwd: {missing} does not exist\n"
 
 
+def test_a_pwd_inside_poddaemons_own_directories_says_so(env: Env) -> None:
+    # The scope covers it, yet it is refused: "not readable under the pod's scope (scope.allow
+    # resolves to <a dir around it> (write))" left the user nowhere to look.
+    data = env.home / "data"
+    data.mkdir(exist_ok=True)
+    manifest = env.manifest("ownpwd", write=[str(env.home)], pwd=str(data))
+    proc = env.popen(str(manifest))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == EXIT_REFUSED
+    assert err.startswith(
+        f"poddaemon: {manifest}: pod.pwd: {data} is inside poddaemon's own directories ("
+    )
+    assert err.endswith("), which no pod may use, whatever its scope says\n")
+
+
 def test_missing_instruction_file_names_the_manifest_and_the_field(env: Env) -> None:
     # SPEC §3: every error names the file and field; here the file is the manifest.
     manifest = env.manifest("noprompt")
