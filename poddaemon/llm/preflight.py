@@ -35,6 +35,15 @@ ENDPOINTS = {
 }
 
 
+def _split(base_url: str) -> SplitResult | None:
+    """`base_url`'s parts; None when urlsplit refuses it (`http://[::1`: "Invalid IPv6 URL"),
+    which was a traceback ending the pod's start-up instead of a warning."""
+    try:
+        return urlsplit(base_url)
+    except ValueError:
+        return None
+
+
 def _root(parts: SplitResult) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
@@ -57,8 +66,8 @@ def base_url_problems(
     """What is clearly wrong with `base_url` for a provider of `kind` (no I/O)."""
     if not base_url:
         return []
-    parts = urlsplit(base_url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    parts = _split(base_url)
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
         return [f"{field} {base_url!r} is not an http(s) URL"]
     path = parts.path.rstrip("/")
     for endpoint in ENDPOINTS.get(kind, ()):
@@ -92,7 +101,9 @@ def local_unreachable(
     not local (or not a URL at all: base_url_problems says so)."""
     if not base_url:
         return None
-    parts = urlsplit(base_url)
+    parts = _split(base_url)
+    if parts is None:
+        return None  # (base_url_problems says so)
     host = parts.hostname
     if parts.scheme not in ("http", "https") or not host or not is_local(host):
         return None

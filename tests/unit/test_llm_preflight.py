@@ -93,6 +93,15 @@ def test_remote_servers_are_never_contacted() -> None:
     assert local_unreachable(None) is None
 
 
+@pytest.mark.parametrize("url", ["http://[::1", "http://[::1/v1", "https://[zz]:80/v1"])
+def test_a_url_urlsplit_refuses_is_a_warning_not_an_exception(url: str) -> None:
+    # urlsplit raised "Invalid IPv6 URL": a traceback that ended the pod's start-up.
+    assert preflight("anthropic", url, timeout=0.1) == [
+        f"provider.base_url {url!r} is not an http(s) URL"
+    ]
+    assert local_unreachable(url) is None
+
+
 def test_the_field_is_named_as_given() -> None:
     [warning] = base_url_problems(
         "openai", "http://127.0.0.1:1", field="compaction.provider.base_url"
