@@ -22,6 +22,10 @@ KNOWN_TOOLS = frozenset(
 PositiveInt = Annotated[int, Meta(gt=0)]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
+# What the pod's event loop waits on itself (hooks, MCP servers): `inf` or 1e300 raised an
+# OverflowError in its timers and ended the pod. A week is longer than anyone means.
+MAX_TIMEOUT = 7 * 24 * 3600.0
+Timeout = Annotated[float, Meta(gt=0, le=MAX_TIMEOUT)]
 
 
 class FieldError(ValueError):
@@ -199,7 +203,7 @@ class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 
     command: str  # run with `sh -c`, cwd = pwd, inside the sandbox, JSON on stdin
     matcher: str | None = None  # tool names or a regex (PreToolUse / PostToolUse): hooks.matches
-    timeout: PositiveFloat = 60.0  # seconds; then the hook's process group is killed
+    timeout: Timeout = 60.0  # seconds; then the hook's process group is killed
 
     def script(self) -> str | None:
         """The file the command runs when its first word is a path, or the second after an
@@ -260,8 +264,8 @@ class McpServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     url: str | None = None
     env: dict[str, str] = {}
     tools: list[str] | None = None  # allow-list of the server's own tool names
-    timeout: PositiveFloat = 60.0  # seconds per call
-    start_timeout: PositiveFloat = 30.0  # seconds for start, handshake and tool list
+    timeout: Timeout = 60.0  # seconds per call
+    start_timeout: Timeout = 30.0  # seconds for start, handshake and tool list
     required: bool = False  # a server that fails to start fails the pod's start-up
 
     def __post_init__(self) -> None:

@@ -546,6 +546,21 @@ def test_a_nul_in_a_path_or_command_names_the_field() -> None:
     )
 
 
+def test_hook_and_mcp_timeouts_are_finite() -> None:
+    # `timeout = inf` (meant as "never") or 1e300 raised OverflowError in the event loop's
+    # timers: a traceback ending start-up (a SessionStart hook, an MCP server).
+    assert error_of(MINIMAL + '[[hooks.PreToolUse]]\ncommand = "true"\ntimeout = inf\n') == (
+        "m.toml:13: hooks.PreToolUse[0].timeout: expected float <= 604800.0, got inf"
+    )
+    server = '[[mcp.servers]]\nname = "s"\ncommand = ["s"]\n'
+    assert error_of(MINIMAL + server + "start_timeout = 1e300\n") == (
+        "m.toml:14: mcp.servers[0].start_timeout: expected float <= 604800.0, got 1e+300"
+    )
+    assert error_of(MINIMAL + server + "timeout = inf\n") == (
+        "m.toml:14: mcp.servers[0].timeout: expected float <= 604800.0, got inf"
+    )
+
+
 def test_missing_required_fields() -> None:
     assert error_of(MINIMAL.replace('name = "reviewer"\n', "")) == (
         "m.toml: pod.name: required field is missing"
