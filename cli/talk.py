@@ -329,7 +329,9 @@ def newest(pages: Iterable[list[dict[str, Any]]], keep: int | None) -> tuple[lis
     """The newest `keep` entries (all with None) and how many earlier ones were left out."""
     from collections import deque
 
-    kept: deque[dict[str, Any]] = deque(maxlen=keep)
+    # A --limit past what a deque can hold (its maxlen is a C ssize_t: 10**20 raised
+    # OverflowError) is past any session's length too: every entry.
+    kept: deque[dict[str, Any]] = deque(maxlen=keep if keep is None or keep < sys.maxsize else None)
     total = 0
     for page in pages:
         total += len(page)

@@ -50,3 +50,8 @@ def test_a_pod_whose_next_does_not_advance_cannot_loop_forever() -> None:
             return HistoryResult(entries=[{"seq": 1}], next=since)
 
     assert newest(Stuck(0), 5, None) == ([1], 0)
+
+
+def test_a_limit_past_any_length_is_every_entry() -> None:
+    # `podctl history POD --limit 99999999999999999999` ended in an OverflowError traceback.
+    assert newest(FakeClient(120, cap=100), 0, 10**20) == (list(range(1, 121)), 0)
