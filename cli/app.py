@@ -89,6 +89,14 @@ def pod_name(value: str | None) -> str | None:
     return value
 
 
+def seconds(value: float | None) -> float | None:
+    """A number of seconds: click's range checks let NaN through (every comparison with it is
+    false), and `--timeout nan` then ended in a ValueError traceback from settimeout()."""
+    if value is not None and value != value:
+        raise typer.BadParameter("nan is not a number of seconds")
+    return value
+
+
 PodArg = Annotated[
     str,
     typer.Argument(metavar="POD", help="Pod name, or the path of its socket.", callback=pod_name),

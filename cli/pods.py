@@ -18,6 +18,7 @@ from cli.app import (
     pod_name,
     print_json,
     rpc_errors,
+    seconds,
 )
 
 if TYPE_CHECKING:
@@ -419,6 +420,7 @@ def mcp_serve(
             "--timeout",
             metavar="S",
             min=0.1,
+            callback=seconds,
             help="Seconds a pod has to answer a tool call, except send_to_pod with wait=true "
             "(which lasts as long as the run).",
         ),

@@ -18,7 +18,16 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.app import EXIT_NOT_RUNNING, EXIT_USAGE, PodArg, app, check_stdout, fail, print_json
+from cli.app import (
+    EXIT_NOT_RUNNING,
+    EXIT_USAGE,
+    PodArg,
+    app,
+    check_stdout,
+    fail,
+    print_json,
+    seconds,
+)
 
 EXIT_TIMEOUT = 4
 WAIT_POLL = 0.05
@@ -294,7 +303,13 @@ def wait(
     ] = "idle",
     timeout: Annotated[
         float | None,
-        typer.Option("--timeout", metavar="S", min=0, help="Give up after S seconds (exit 4)."),
+        typer.Option(
+            "--timeout",
+            metavar="S",
+            min=0,
+            callback=seconds,
+            help="Give up after S seconds (exit 4).",
+        ),
     ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the final status as JSON.")

@@ -210,6 +210,17 @@ def test_rpc_with_invalid_json_params_is_a_usage_error(home: Path) -> None:
     assert (proc.returncode, proc.stderr) == (2, "podctl: JSON params must be an object\n")
 
 
+@pytest.mark.parametrize("command", [["wait", "ghost"], ["mcp-serve"]], ids=" ".join)
+def test_a_nan_timeout_is_a_usage_error(home: Path, command: list[str]) -> None:
+    # click's min= lets NaN through: `wait --timeout nan` ended in a ValueError traceback from
+    # settimeout(), `mcp-serve --timeout nan` served with every call's timeout NaN.
+    proc = podctl(home, *command, "--timeout", "nan")
+    assert proc.returncode == 2
+    assert proc.stderr.endswith(
+        "Error: Invalid value for '--timeout': nan is not a number of seconds\n"
+    )
+
+
 def test_send_of_empty_stdin_is_a_usage_error(home: Path) -> None:
     proc = podctl(home, "send", "ghost", "-", stdin="\n")
     assert (proc.returncode, proc.stderr) == (2, "podctl: empty message\n")
