@@ -383,6 +383,19 @@ def stop(
 # --- rpc ----------------------------------------------------------------------------------------
 
 
+def _not_json(name: str) -> Any:
+    # Python's json reads NaN and Infinity; sent on, the pod answered -32700 "JSON is malformed"
+    # for what the user typed.
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):  # 1e999: valid JSON, sent on as Infinity
+        raise ValueError(f"{text} is out of range")
+    return value
+
+
 @app.command()
 def rpc(
     pod: PodArg,
@@ -400,9 +413,11 @@ def rpc(
     parsed: dict[str, Any] | None = None
     if params is not None:
         try:
-            value = json.loads(params)
+            value = json.loads(params, parse_constant=_not_json, parse_float=_finite)
         except ValueError as exc:
             fail(f"invalid JSON params: {exc}", EXIT_USAGE)
+        except RecursionError:  # (a traceback, else)
+            fail("invalid JSON params: nested too deeply", EXIT_USAGE)
         if not isinstance(value, dict):
             fail("JSON params must be an object", EXIT_USAGE)
         parsed = value

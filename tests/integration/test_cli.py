@@ -206,6 +206,16 @@ def test_rpc_with_invalid_json_params_is_a_usage_error(home: Path) -> None:
     proc = podctl(home, "rpc", "ghost", "status", "{not json")
     assert proc.returncode == 2
     assert proc.stderr.startswith("podctl: invalid JSON params:")
+    # What Python's json takes but is no JSON the pod can read (it answered -32700), and a
+    # nesting that was a RecursionError traceback.
+    for params, said in [
+        ('{"limit": NaN}', "NaN is not JSON"),
+        ('{"limit": -Infinity}', "-Infinity is not JSON"),
+        ('{"limit": 1e999}', "1e999 is out of range"),
+        ('{"a": ' + "[" * 10_000 + "]" * 10_000 + "}", "nested too deeply"),
+    ]:
+        proc = podctl(home, "rpc", "ghost", "history", params)
+        assert (proc.returncode, proc.stderr) == (2, f"podctl: invalid JSON params: {said}\n")
     proc = podctl(home, "rpc", "ghost", "status", "[1, 2]")
     assert (proc.returncode, proc.stderr) == (2, "podctl: JSON params must be an object\n")
 
