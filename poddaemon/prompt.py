@@ -79,7 +79,9 @@ def load_instruction(
         from poddaemon.config.load import read_bounded
 
         try:
-            raw = read_bounded(instruction_file)
+            # Not waiting for a FIFO's writer: the file may lie where the model writes, and
+            # `mkfifo` there hung every later start, deaf to SIGTERM (as AGENTS.md did).
+            raw = read_bounded(instruction_file, wait=False)
         except OSError as exc:
             raise PromptError(
                 f"{origin}: worker.instruction_file: cannot read {instruction_file}: {exc.strerror}"

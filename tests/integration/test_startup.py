@@ -404,6 +404,7 @@ def test_missing_instruction_file_names_the_manifest_and_the_field(env: Env) -> 
     ("kind", "problem"),
     [
         ("device", "not a regular file"),
+        ("fifo", "not a regular file"),
         ("huge", "larger than 4 MiB"),
         ("latin1", "is not UTF-8 (invalid continuation byte at byte 3)"),
     ],
@@ -417,6 +418,8 @@ def test_an_instruction_file_that_is_no_prompt_is_one_clear_line(
     prompt = env.work / "prompt.md"
     if kind == "device":
         prompt.symlink_to("/dev/null")
+    elif kind == "fifo":  # where the model writes, `mkfifo` made every later start hang
+        os.mkfifo(prompt)
     elif kind == "huge":
         prompt.write_bytes(b"x" * (4 * 1024 * 1024 + 1))
     else:
