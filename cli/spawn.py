@@ -150,7 +150,14 @@ EARLY_HEAD, EARLY_TAIL = 30, 10  # lines shown of what a pod wrote before READY
 def shortened(output: bytes, pod: str | None = None) -> bytes:
     """What a pod wrote while starting, as podctl shows it: the first lines (its warnings come
     first) and the last (a failure's reason comes last). An MCP server flooding its stderr put
-    up to 256 KiB of it on the terminal of a spawn that worked; all of it is in its log."""
+    up to 256 KiB of it on the terminal of a spawn that worked; all of it is in its log.
+
+    Control characters are shown as \\xNN, as in every error podctl prints: the paths a
+    child's errors name were chosen by the model (`podctl restart CHILD` of one whose pwd is
+    gone wrote its OSC 52 to the terminal), and an MCP server's stderr is anyone's text."""
+    from cli.render import printable
+
+    output = printable(output.decode("utf-8", "backslashreplace")).encode()
     lines = output.splitlines(keepends=True)
     if len(lines) <= EARLY_HEAD + EARLY_TAIL:
         return output

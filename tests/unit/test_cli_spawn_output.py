@@ -16,3 +16,12 @@ def test_a_long_one_keeps_its_first_warnings_and_its_last_words() -> None:
     assert lines[EARLY_HEAD] == note.encode()
     assert lines[EARLY_HEAD + 1 :] == [b"line %d" % i for i in range(1000 - EARLY_TAIL, 1000)]
     assert b"the pod's log" in shortened(said)  # its name not known yet (a failed start)
+
+
+def test_control_characters_are_shown_not_sent() -> None:
+    # A child's kept pwd is the model's choice: `podctl restart kid` after it was removed
+    # printed "pod.pwd: /w/k<ESC>]52;c;aGk=<BEL> does not exist" raw to the terminal.
+    said = b"poddaemon: kid.toml: pod.pwd: /w/k\x1b]52;c;aGk=\x07 does not exist\n\xff\n"
+    assert shortened(said, "kid") == (
+        b"poddaemon: kid.toml: pod.pwd: /w/k\\x1b]52;c;aGk=\\x07 does not exist\n\\xff\n"
+    )
