@@ -270,7 +270,9 @@ def run_pod(args: "argparse.Namespace") -> int:
     try:
         check_manifest_credentials(manifest)
         instruction = load_instruction(
-            manifest.worker.instruction, manifest.worker.instruction_file, manifest.source
+            manifest.worker.instruction,
+            manifest.worker.instruction_file,
+            manifest.instruction_source or manifest.source,
         )
     except CredentialsError as exc:
         raise StartupError(f"{manifest.source}: {exc}") from None

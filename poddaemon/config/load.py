@@ -22,6 +22,7 @@ from poddaemon.overrides import split_override
 from protocol import paths
 
 from .manifest import (
+    LOADER_FIELDS,
     FieldError,
     HookConfig,
     HooksSection,
@@ -120,13 +121,21 @@ def load_manifest(
 
     for text in overrides:
         _apply_override(data, text, src.name, origins)
-    if "source" in data:  # a Manifest field, but set by us, never by the user
-        raise _origin(("source",), src, origins).error(("source",), "unknown key")
+    for name in LOADER_FIELDS:  # Manifest fields, but set by us, never by the user
+        if name in data:
+            raise _origin((name,), src, origins).error((name,), "unknown key")
 
     try:
         manifest = msgspec.convert(data, Manifest)
     except msgspec.ValidationError as e:
         raise _translate(e, data, src, origins) from None
+    worker = data.get("worker")
+    for key in _INSTRUCTION_KEYS:
+        if isinstance(worker, dict) and key in worker:
+            origin = _origin(("worker", key), src, origins)
+            if origin is not src:  # from defaults.toml or a --set: a template error names it
+                note = f" ({origin.note})" if origin.note else ""
+                manifest = msgspec.structs.replace(manifest, instruction_source=origin.name + note)
     return _resolve_paths(manifest, Path(path))
 
 

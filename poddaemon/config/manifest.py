@@ -327,6 +327,9 @@ class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
     hooks: HooksSection = field(default_factory=HooksSection)
     # Where this manifest was loaded from; set by the loader, never a TOML key.
     source: str = ""
+    # Where worker.instruction(_file) came from when not from the manifest itself (defaults.toml,
+    # a --set): what a template error names. Set by the loader, never a TOML key.
+    instruction_source: str = ""
 
     def __post_init__(self) -> None:
         if not self.scope.allow:
@@ -347,21 +350,24 @@ class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
         return self.provider
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for the manifest, without None values and without `source`."""
+        """Plain data for the manifest, without None values and without LOADER_FIELDS."""
         return _struct_to_dict(self)
 
     def to_toml(self) -> str:
-        """TOML text that `load_manifest` turns back into an equal Manifest (but `source`)."""
+        """TOML text that `load_manifest` turns back into an equal Manifest (but LOADER_FIELDS)."""
         lines: list[str] = []
         _write_table(lines, (), self, "")
         return "\n".join(lines).lstrip("\n") + "\n"
+
+
+LOADER_FIELDS = ("source", "instruction_source")  # Manifest fields that are no TOML keys
 
 
 def _struct_to_dict(s: Struct) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in s.__struct_fields__:
         value = getattr(s, name)
-        if value is None or (isinstance(s, Manifest) and name == "source"):
+        if value is None or (isinstance(s, Manifest) and name in LOADER_FIELDS):
             continue
         if isinstance(value, Struct):
             out[name] = _struct_to_dict(value)
@@ -436,7 +442,7 @@ def _write_table(lines: list[str], path: tuple[str, ...], s: Struct, header: str
     children: list[tuple[str, Any]] = []
     for name in s.__struct_fields__:
         value = getattr(s, name)
-        if value is None or (isinstance(s, Manifest) and name == "source"):
+        if value is None or (isinstance(s, Manifest) and name in LOADER_FIELDS):
             continue
         if isinstance(value, Struct) or _is_struct_list(value):
             children.append((name, value))

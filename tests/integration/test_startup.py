@@ -384,6 +384,23 @@ def test_a_pwd_inside_poddaemons_own_directories_says_so(env: Env) -> None:
     assert err.endswith("), which no pod may use, whatever its scope says\n")
 
 
+def test_a_template_error_in_defaults_names_defaults_toml(env: Env) -> None:
+    # README: errors name the file, line and field. It named the manifest, which has none.
+    defaults = env.home / "config" / "defaults.toml"
+    defaults.parent.mkdir(exist_ok=True)
+    defaults.write_text('[worker]\ninstruction = "Hello {{ nope }}"\n')
+    manifest = env.manifest("fromdefaults")
+    manifest.write_text(
+        manifest.read_text().replace('instruction = "You are a test pod."', "max_turns = 3")
+    )
+    proc = env.popen(str(manifest))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == EXIT_REFUSED
+    assert err == (
+        f"poddaemon: {defaults}: worker.instruction:1: template error: 'nope' is undefined\n"
+    )
+
+
 def test_missing_instruction_file_names_the_manifest_and_the_field(env: Env) -> None:
     # SPEC §3: every error names the file and field; here the file is the manifest.
     manifest = env.manifest("noprompt")

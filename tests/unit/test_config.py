@@ -283,6 +283,21 @@ def test_defaults_instruction_gives_way_to_the_manifests_instruction_file() -> N
     assert m.worker.instruction_file is not None
 
 
+def test_an_instruction_not_from_the_manifest_says_where_it_came_from() -> None:
+    # What a template error names: the manifest was named for an instruction it did not have.
+    write('[worker]\ninstruction = "{{ nope }}"\n', "defaults.toml")
+    m = load_manifest(write(MINIMAL), (), Path("defaults.toml"))
+    assert m.instruction_source == "defaults.toml"
+    own = MINIMAL + '[worker]\ninstruction_file = "p.md"\n'
+    assert load_manifest(write(own), (), Path("defaults.toml")).instruction_source == ""
+    m = load_manifest(write(MINIMAL), ["worker.instruction=hi"], Path("defaults.toml"))
+    assert m.instruction_source == "m.toml (--set worker.instruction=hi)"
+    assert "instruction_source" not in manifest_to_toml(m)
+    assert error_of("instruction_source = 'x'\n" + MINIMAL) == (
+        "m.toml:1: instruction_source: unknown key"
+    )
+
+
 def test_defaults_for_another_provider_kind_keep_only_generic_settings() -> None:
     write(
         '[provider]\nkind = "openai"\nmodel = "gpt"\nbase_url = "http://x/v1"\nmax_retries = 1\n',
