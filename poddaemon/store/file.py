@@ -213,8 +213,20 @@ def _missing(path: Path, session_id: str) -> SessionNotFound:
     return SessionNotFound(errno.ENOENT, f"no session {session_id} under {path.parent}", str(path))
 
 
-def _check_start(result: VerifyResult, path: Path) -> None:
-    _check_first(result.entries[0]["kind"] if result.entries else None, path)
+def _check_start(result: VerifyResult, path: Path, session_id: str) -> None:
+    if not result.entries:
+        _check_first(None, path)
+    _check_start_entry(result.entries[0], path, session_id)
+
+
+def _check_start_entry(entry: dict[str, Any], path: Path, session_id: str) -> None:
+    """A session's first entry must be its `session_start`, and name this session: each log's
+    chain starts afresh, so a file copied or renamed over another session's name verifies
+    whole, and a pod continuing it wrote under one id while it named (and paged) the other."""
+    _check_first(entry.get("kind"), path)
+    named = entry.get("session_id")
+    if named and named != session_id:
+        raise LogCorrupt(1, f"session_start is session {named}'s, not {session_id}'s", str(path))
 
 
 def _check_first(kind: str | None, path: Path) -> None:
@@ -668,7 +680,7 @@ def read_session(sessions_dir: StrPath, session_id: str) -> VerifyResult:
         result = verify(data)
     except LogCorrupt as exc:
         raise LogCorrupt(exc.line, exc.reason, str(path)) from None
-    _check_start(result, path)
+    _check_start(result, path, session_id)
     return result
 
 
@@ -717,7 +729,7 @@ class SessionScan:
                 except LogCorrupt as exc:
                     raise LogCorrupt(exc.line, exc.reason, str(self.path)) from None
                 if self.count == 0:
-                    _check_first(entry["kind"], self.path)
+                    _check_start_entry(entry, self.path, self.session_id)
                 self.count += 1
                 self.head = entry["hash"]
                 self.end_offset += len(line)
@@ -756,7 +768,7 @@ def read_page(
             _check_first(None, path)
         assert first is not None
         start = _page_entry(first[0], 1, path)
-        _check_first(start.get("kind"), path)
+        _check_start_entry(start, path, session_id)
         last = _page_entry(_last_line(fd, size), None, path)
         entries: list[dict[str, Any]] = []
         used = 0

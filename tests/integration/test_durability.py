@@ -7,6 +7,7 @@ pod, and history/usage/sessions over the socket and through podctl."""
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -609,6 +610,28 @@ def test_flipped_byte_in_the_middle_refuses_to_start(env: Env) -> None:
     assert path.read_bytes() == damaged  # left untouched for a human to look at
     verify = env.podctl("sessions", "verify", sid)
     assert verify.returncode != 0 and f"line {lineno}" in verify.stderr + verify.stdout
+
+
+def test_a_session_log_copied_under_another_id_refuses_to_start(env: Env) -> None:
+    """The copy's chain verified whole: the pod wrote its acknowledged input into the copy
+    while `status` named, and `history` paged, the original (which never got it)."""
+    pod = env.start("copied")
+    with pod.client() as c:
+        c.run_wait("precious words")
+        sid = c.status().session_id
+    assert pod.stop() == 0
+    other = new_session_id()
+    copy = sessions_dir(env) / f"{other}.jsonl"
+    shutil.copyfile(sessions_dir(env) / f"{sid}.jsonl", copy)
+    data = copy.read_bytes()
+    with pytest.raises(StartFailed) as failed:
+        env.restart(pod, "--session", other)
+    assert failed.value.code != 0
+    assert "line 1" in failed.value.stderr and f"session {sid}'s" in failed.value.stderr
+    assert copy.read_bytes() == data
+    verify = env.podctl("sessions", "verify", other)
+    assert verify.returncode == 1 and "line 1" in verify.stderr
+    assert env.podctl("sessions", "verify", sid).returncode == 0
 
 
 # --- a second writer ----------------------------------------------------------------------------

@@ -217,6 +217,28 @@ def test_a_log_without_session_start_is_refused(sessions: Path) -> None:
     assert path.read_bytes() == b'{"seq":1,"ts":1.0'
 
 
+def test_a_log_under_another_sessions_name_is_refused_by_every_reader(sessions: Path) -> None:
+    """Each log's chain starts afresh, so a copy (or a swap) verified whole: a pod continued
+    it under the new name while its session_start, its status and its history named the old."""
+    sid, other = new_session_id(), new_session_id()
+    with SessionLog.create(sessions, sid, {**START, "session_id": sid}) as log:
+        log.append("user_input", {"text": "x"})
+    copy = sessions / f"{other}.jsonl"
+    shutil.copyfile(log.path, copy)
+    data = copy.read_bytes()
+    why = f"line 1: session_start is session {sid}'s, not {other}'s"
+    with pytest.raises(LogCorrupt, match=why):
+        SessionLog.open(sessions, other, list)
+    with pytest.raises(LogCorrupt, match=why):
+        read_session(sessions, other)
+    with pytest.raises(LogCorrupt, match=why):
+        list(SessionScan(sessions, other))
+    with pytest.raises(LogCorrupt, match=why):
+        read_page(sessions, other, 0, 10, 1 << 20)
+    assert copy.read_bytes() == data  # left for a human to look at
+    assert len(read_session(sessions, sid).entries) == 2  # the original reads as before
+
+
 def test_read_session_does_not_truncate(sessions: Path) -> None:
     sid = new_session_id()
     log = SessionLog.create(sessions, sid, START)
