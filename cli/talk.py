@@ -314,6 +314,9 @@ def history_pages(
         # session_id only when asked for: a pod of an earlier version does not know it.
         extra = {"session_id": session_id} if session_id else {}
         page = client.history(since=since, limit=HISTORY_PAGE, **extra)
+        # Every later page from the session this one came from: a compaction in between moves
+        # the pod to a new session, whose entries would go on from another log's seq.
+        session_id = session_id or getattr(page, "session_id", None)
         previous = getattr(page, "previous", None)
         if links is not None and previous and previous not in links:
             links.append(previous)
@@ -376,7 +379,9 @@ def history(
         skipped = 0
         if keep is not None:  # ask only for the newest `keep`, when the pod says where they are
             extra = {"session_id": session} if session else {}
-            last = getattr(client.history(since=start, limit=1, **extra), "last_seq", None)
+            first = client.history(since=start, limit=1, **extra)
+            last = getattr(first, "last_seq", None)
+            session = session or getattr(first, "session_id", None)  # the same log throughout
             if last is not None and last - keep > start:
                 skipped, start = last - keep - start, last - keep
         entries, earlier = newest(history_pages(client, start, session, links), keep)

@@ -1,6 +1,8 @@
 """`podctl history` paging (issue 9 item 15): the newest entries of a session of any size, and
 how many earlier ones were left out, from the pod's forward-only `history(since, limit)`."""
 
+import contextlib
+import json
 from typing import Any
 
 import pytest
@@ -55,3 +57,43 @@ def test_a_pod_whose_next_does_not_advance_cannot_loop_forever() -> None:
 def test_a_limit_past_any_length_is_every_entry() -> None:
     # `podctl history POD --limit 99999999999999999999` ended in an OverflowError traceback.
     assert newest(FakeClient(120, cap=100), 0, 10**20) == (list(range(1, 121)), 0)
+
+
+class Compacting(FakeClient):
+    """A pod that names its session, and is compacted into a new one (seqs from 1 again)
+    right after the first page it answers."""
+
+    def __init__(self, count: int, cap: int) -> None:
+        super().__init__(count, cap)
+        self.logs = {"old": self.entries, "new": [{"seq": i, "kind": "user_input"} for i in (1, 2)]}
+        self.current = "old"
+
+    def history(
+        self, since: int = 0, limit: int | None = None, session_id: str | None = None
+    ) -> HistoryResult:
+        sid = session_id or self.current
+        self.entries = self.logs[sid]
+        page = super().history(since, limit)
+        self.current = "new"
+        return HistoryResult(entries=page.entries, next=page.next, session_id=sid, last_seq=250)
+
+
+def test_every_page_comes_from_the_session_of_the_first() -> None:
+    """A compaction between two pages switched the pod's session: the pages after it came
+    from the new log, whose entries were shown as the old one's (or none, past its end)."""
+    client = Compacting(250, cap=100)
+    assert newest(client, 0, None) == (list(range(1, 251)), 0)
+    assert {e["kind"] for e in client.entries} == {"assistant"}
+
+
+def test_podctl_history_shows_the_newest_of_the_session_it_measured(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first call says where the newest 50 begin (seq 200); a compaction right after it
+    left the pod in a session with two entries, and past their end podctl showed none."""
+    client = Compacting(250, cap=100)
+    monkeypatch.setattr(talk, "connect", lambda pod: contextlib.nullcontext(client))
+    talk.history("pod", all_=False, since=None, limit=None, as_json=True, session=None)
+    shown = json.loads(capsys.readouterr().out)
+    assert [e["seq"] for e in shown["entries"]] == list(range(201, 251))
+    assert shown["earlier"] == 200
