@@ -573,8 +573,9 @@ def _session_to_restore(args: "argparse.Namespace", name: str) -> str | None:
             which = f"continuing {found}, but" if found else "no session of this pod, and"
             _warn(
                 f"--resume: {which} session log(s) {', '.join(unreadable)} written since name "
-                "no pod (a damaged first line, or not a readable file): if one is this pod's, "
-                "what it acknowledged is there; repair it, or start with --session ID"
+                "no pod (a damaged first line, a copy of another session, or not a readable "
+                "file): if one is this pod's, what it acknowledged is there; repair it, or start "
+                "with --session ID"
             )
         return found  # None: no session yet, so start one (a unit always passes --resume)
     return None

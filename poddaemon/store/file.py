@@ -100,6 +100,7 @@ class _Head(msgspec.Struct):
     pod: str | None = None
     forked_from: str | None = None
     compacted_from: str | None = None
+    session_id: str | None = None
 
 
 _head_decoder = msgspec.json.Decoder(_Head)
@@ -862,12 +863,19 @@ def _first_line(path: Path) -> bytes:
     return b"".join(parts)
 
 
-def _head(first: bytes) -> _Head:
+def _head(first: bytes, session_id: str | None = None) -> _Head:
+    """What a first line says, or nothing (``_Head()``) unless it is a `session_start` (of
+    `session_id`, when given: a copy under another session's name is no session of its pod,
+    and restoring it is refused, so `--resume` must not pick it)."""
     try:
         head = _head_decoder.decode(first)
     except UNREADABLE:
         return _Head()
-    return head if head.kind == "session_start" else _Head()
+    if head.kind != "session_start":
+        return _Head()
+    if session_id is not None and head.session_id and head.session_id != session_id:
+        return _Head()
+    return head
 
 
 def list_sessions(sessions_dir: StrPath) -> list[SessionInfo]:
@@ -875,9 +883,10 @@ def list_sessions(sessions_dir: StrPath) -> list[SessionInfo]:
 
     Reads only each file's first line; files that vanish meanwhile are skipped, and so are
     empty ones (a session created without fsync whose first commit a power cut prevented:
-    nothing in it was ever acknowledged). A first line that cannot be decoded, and a name that
-    is no readable file (a dangling link, a link loop, a directory, no permission), leave
-    ``pod`` (and the link fields) None: listed as no pod's, never a reason to fail.
+    nothing in it was ever acknowledged). A first line that cannot be decoded or names another
+    session (a copy under this name), and a name that is no readable file (a dangling link, a
+    link loop, a directory, no permission), leave ``pod`` (and the link fields) None: listed
+    as no pod's, never a reason to fail.
     """
     root = Path(sessions_dir)
     try:
@@ -898,7 +907,7 @@ def list_sessions(sessions_dir: StrPath) -> list[SessionInfo]:
             if stat.S_ISREG(st.st_mode):
                 if st.st_size == 0:
                     continue
-                head = _head(_first_line(path))
+                head = _head(_first_line(path), sid)
         except OSError:
             try:
                 st = os.lstat(path)

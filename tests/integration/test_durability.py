@@ -634,6 +634,20 @@ def test_a_session_log_copied_under_another_id_refuses_to_start(env: Env) -> Non
     assert env.podctl("sessions", "verify", sid).returncode == 0
 
 
+def test_resume_continues_the_original_and_not_a_newer_copy_of_it(env: Env) -> None:
+    pod = env.start("copyresume")
+    with pod.client() as c:
+        c.run_wait("precious words")
+        sid = c.status().session_id
+    assert pod.stop() == 0
+    copy = new_session_id()
+    shutil.copyfile(sessions_dir(env) / f"{sid}.jsonl", sessions_dir(env) / f"{copy}.jsonl")
+    again = env.restart(pod, "--resume")  # the copy is newer: it was picked, and refused
+    assert again.call("status")["session_id"] == sid
+    assert f"session log(s) {copy} written since name no pod" in again.text()
+    assert again.stop() == 0
+
+
 # --- a second writer ----------------------------------------------------------------------------
 
 

@@ -950,3 +950,17 @@ def test_a_new_complete_session_removes_the_tmp_files_its_pod_left_in_a_crash(
     log.close()
     assert not mine.exists()
     assert theirs.exists() and garbage.exists()  # another pod's, and one nobody names
+
+
+def test_resume_never_picks_a_copy_under_another_sessions_name(sessions: Path) -> None:
+    """A copy saved under a newer id (`cp X.jsonl X-copy.jsonl`: a newer mtime too) was the
+    `--resume` choice, and restoring it is refused: the pod could not start at all."""
+    sid = new_session_id()
+    with SessionLog.create(sessions, sid, {**START, "session_id": sid}) as log:
+        log.append("user_input", {"text": "x"})
+    copy = new_session_id()
+    shutil.copyfile(log.path, sessions / f"{copy}.jsonl")
+    os.utime(log.path, (1.0, 1.0))  # the copy is written after
+    assert session_to_resume(sessions, "rev") == (sid, [copy])  # picked: the original; named
+    infos = {i.id: i for i in list_sessions(sessions)}
+    assert infos[copy].pod is None and infos[sid].pod == "rev"
