@@ -42,6 +42,12 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
         client = pod.s.compaction_model or pod.s.model
         response = await _answer(pod, client, request, effect.run_id)
         summary = response.message.text
+        if response.stop in ("content_filter", "context_overflow"):
+            # A refusal, or an answer stopped part way, in place of the summary: kept, it would
+            # replace the whole context. The old session stays, as for any failed summary.
+            reason = response.detail or response.stop.replace("_", " ")
+            pod._alert("warning", f"compaction: the summary was stopped: {reason}", "provider")
+            return machine.compaction_failed(f"the summary was stopped: {reason}")
         if response.stop == "max_tokens" and summary.strip():
             # Still better than the context it replaces, but the model must know it is partial.
             pod._alert("warning", CUT_OFF_ALERT.format(pod.m.worker.max_tokens), "compaction")

@@ -448,6 +448,30 @@ def test_after_a_useless_compaction_a_rejected_request_ends_the_run_context_full
     assert sum(is_summary_request("openai", b) for b in bodies) == 1  # not tried again
 
 
+@pytest.mark.parametrize("stop", ["content_filter", "refusal"])
+def test_a_summary_stopped_by_a_content_filter_never_replaces_the_context(
+    env: Env, stop: str
+) -> None:
+    """A refusal ("I can't help with that") came back as the summary and became the whole
+    context: every earlier message was replaced by it."""
+    kind = "anthropic" if stop == "refusal" else "openai"
+    pod = env.start(kind=kind)
+    env.model.script({"text": "the precious answer"})
+    with pod.client() as c:
+        c.run_wait("the precious question")
+        sid = c.status().session_id
+    refused = {"text": "I cannot help with", "stop": "content_filter"}
+    env.model.script_when(MARKER, refused)
+    out = env.podctl("compact", "pod")
+    assert out.returncode == 1 and "the summary was stopped" in out.stderr, out.stderr
+    assert pod.call("status")["session_id"] == sid  # the old session stays
+    env.model.script({"text": "next"})
+    with pod.client() as c:
+        c.run_wait("go on")
+    texts = " ".join(user_texts(kind, env.model.requests[-1]["body"]))
+    assert "the precious question" in texts and "I cannot help with" not in texts
+
+
 def test_a_summary_cut_off_at_the_output_limit_is_kept_marked_partial(env: Env) -> None:
     pod = env.start()
     env.model.script({"text": "first"})
