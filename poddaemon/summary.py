@@ -48,6 +48,10 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
             reason = response.detail or response.stop.replace("_", " ")
             pod._alert("warning", f"compaction: the summary was stopped: {reason}", "provider")
             return machine.compaction_failed(f"the summary was stopped: {reason}")
+        if response.message.tool_calls:
+            # Told not to, it went on working: its text is a preamble ("Let me read the file
+            # first"), no summary, and kept it would replace the whole context.
+            return machine.compaction_failed("the model called a tool instead of summarizing")
         if response.stop == "max_tokens" and summary.strip():
             # Still better than the context it replaces, but the model must know it is partial.
             pod._alert("warning", CUT_OFF_ALERT.format(pod.m.worker.max_tokens), "compaction")

@@ -472,6 +472,26 @@ def test_a_summary_stopped_by_a_content_filter_never_replaces_the_context(
     assert "the precious question" in texts and "I cannot help with" not in texts
 
 
+def test_a_summary_answer_that_calls_a_tool_never_replaces_the_context(env: Env) -> None:
+    """Told not to call a tool, a model that went on working answered "Let me read the file
+    first" with a call: that preamble was kept as the summary, the whole context."""
+    pod = env.start()
+    env.model.script({"text": "the precious answer"})
+    with pod.client() as c:
+        c.run_wait("the precious question")
+        sid = c.status().session_id
+    working = {"text": "Let me read data.txt first.", "tool_calls": [{"name": "list_dir"}]}
+    env.model.script_when(MARKER, working)
+    out = env.podctl("compact", "pod")
+    assert out.returncode == 1 and "called a tool instead of summarizing" in out.stderr
+    assert pod.call("status")["session_id"] == sid  # the old session stays
+    env.model.script({"text": "next"})
+    with pod.client() as c:
+        c.run_wait("go on")
+    texts = " ".join(user_texts("openai", env.model.requests[-1]["body"]))
+    assert "the precious question" in texts and "Let me read data.txt" not in texts
+
+
 def test_a_summary_cut_off_at_the_output_limit_is_kept_marked_partial(env: Env) -> None:
     pod = env.start()
     env.model.script({"text": "first"})
