@@ -566,9 +566,18 @@ def _session_to_restore(args: "argparse.Namespace", name: str) -> str | None:
             raise StartupError(f"--session: no session {sid} under {sessions}")
         return sid
     if args.resume:
-        from poddaemon.store.file import session_to_resume
+        from poddaemon.store.file import damaged_continuations, session_to_resume
 
         found, unreadable = session_to_resume(paths.sessions_dir(), name)
+        later = damaged_continuations(paths.sessions_dir(), found, unreadable) if found else []
+        if later:
+            # Its continuation is damaged, not gone: continuing `found` would branch the chain
+            # and leave what was acknowledged there unprocessed (SPEC §8: an error, not a skip).
+            raise StartupError(
+                f"--resume: session {found} is continued by session {later[0]}, whose first "
+                "line is damaged (`podctl sessions verify` names it): repair it, or start with "
+                "--session ID"
+            )
         if unreadable:
             which = f"continuing {found}, but" if found else "no session of this pod, and"
             _warn(

@@ -60,6 +60,7 @@ __all__ = [
     "SessionPage",
     "SessionScan",
     "continued_by",
+    "damaged_continuations",
     "list_sessions",
     "newest_session_for",
     "read_page",
@@ -969,6 +970,25 @@ def session_pod(sessions_dir: StrPath, session_id: str) -> str | None:
 def newest_session_for(sessions_dir: StrPath, pod_name: str) -> str | None:
     """The session ``pod_name`` continues with `--resume`, if any (see ``session_to_resume``)."""
     return session_to_resume(sessions_dir, pod_name).session_id
+
+
+def damaged_continuations(
+    sessions_dir: StrPath, session_id: str, unreadable: list[str]
+) -> list[str]:
+    """Of the `unreadable` sessions (first lines that name no pod), those whose first line
+    still links, byte for byte, to `session_id` (``"compacted_from":"<id>"`` or
+    ``"forked_from":"<id>"``, as a writer encodes it): damaged, they may hold what was
+    acknowledged after `session_id` was compacted or forked."""
+    links = [f'"{key}":"{session_id}"'.encode() for key in ("compacted_from", "forked_from")]
+    found: list[str] = []
+    for sid in unreadable:
+        try:
+            first = _first_line(session_path(sessions_dir, sid))
+        except (OSError, ValueError):
+            continue
+        if any(link in first for link in links):
+            found.append(sid)
+    return found
 
 
 class ResumeChoice(NamedTuple):

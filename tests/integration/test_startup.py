@@ -345,6 +345,30 @@ def test_resume_names_the_newer_sessions_that_name_no_pod(env: Env) -> None:
     assert again.stop() == 0
 
 
+def test_resume_refuses_to_continue_a_session_a_damaged_one_continues(env: Env) -> None:
+    """The compacted session's first line damaged, --resume took the session it was compacted
+    from as the pod's newest again and wrote on in it: what the compacted one acknowledged
+    was never processed, and the chain branched."""
+    first = env.start("dmgchain")
+    first.call("run", input="before the compaction", wait=True)
+    old = first.call("status")["session_id"]
+    new = first.call("compact")["session_id"]
+    first.call("run", input="acknowledged after it", wait=True)
+    assert first.stop() == 0
+    sessions = env.home / "data" / "sessions"
+    path = sessions / f"{new}.jsonl"
+    data = path.read_bytes()
+    end = data.index(b"\n")
+    path.write_bytes(data[: end - 1] + data[end:])  # its first line's closing brace gone
+    before = (sessions / f"{old}.jsonl").read_bytes()
+    with pytest.raises(StartFailed) as failed:
+        env.restart(first, "--resume")
+    assert failed.value.code == EXIT_REFUSED  # starting it again changes nothing
+    said = f"--resume: session {old} is continued by session {new}, whose first line is damaged"
+    assert said in failed.value.stderr
+    assert (sessions / f"{old}.jsonl").read_bytes() == before  # nothing written into it
+
+
 # --- item 21: one clear line for a missing session or pwd ----------------------------------------
 
 

@@ -21,6 +21,7 @@ from poddaemon.store.file import (
     Reservation,
     SessionLog,
     SessionScan,
+    damaged_continuations,
     list_sessions,
     newest_session_for,
     read_page,
@@ -964,3 +965,17 @@ def test_resume_never_picks_a_copy_under_another_sessions_name(sessions: Path) -
     assert session_to_resume(sessions, "rev") == (sid, [copy])  # picked: the original; named
     infos = {i.id: i for i in list_sessions(sessions)}
     assert infos[copy].pod is None and infos[sid].pod == "rev"
+
+
+def test_damaged_continuations_are_the_unreadable_logs_that_still_link_to_the_session(
+    sessions: Path,
+) -> None:
+    sessions.mkdir(parents=True)
+    sid, compacted, forked, other = (new_session_id() for _ in range(4))
+    for name, link in ((compacted, "compacted_from"), (forked, "forked_from"), (other, "x")):
+        damaged = f'{{"{link}":"{sid}","kind":"session_sta\n'  # cut short, then a newline
+        (sessions / f"{name}.jsonl").write_bytes(damaged.encode())
+    assert damaged_continuations(sessions, sid, [compacted, forked, other, "gone"]) == [
+        compacted,
+        forked,
+    ]
