@@ -166,6 +166,10 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         if not sid:
             return HistoryResult(entries=[], next=p.since)
         limit = min(p.limit, MAX_HISTORY_PAGE)
+        async with conn.big_reply_turn():  # pipelined pages: each once the last one is read
+            return await _history_page(p, sid, limit)
+
+    async def _history_page(p: HistoryParams, sid: str, limit: int) -> HistoryResult:
         try:
             page = await asyncio.to_thread(
                 read_page, pod.s.sessions_dir, sid, p.since, limit, MAX_HISTORY_PAGE_BYTES

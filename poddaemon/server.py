@@ -19,7 +19,7 @@ import socket
 import struct
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -193,6 +193,11 @@ class Connection(asyncio.Protocol):
         self._batch_subscribe: list[int] | None = None
         # A request decided later than it was read (see decide_before_next): later ones wait.
         self._undecided: asyncio.Future[Any] | None = None
+        # Big replies are made one at a time, once the client has read the earlier ones (see
+        # big_reply_turn); set while its write buffer is below the high-water mark.
+        self._big_turn = asyncio.Lock()
+        self._read_up = asyncio.Event()
+        self._read_up.set()
 
     # --- asyncio.Protocol ------------------------------------------------------------------
 
@@ -214,6 +219,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._backlog.clear()
+        self._read_up.set()  # a big reply waiting for its turn goes on, to be cancelled
         self.server.connections.discard(self)
         if not self.server.connections and self.server.all_closed is not None:
             self.server.all_closed.set()
@@ -233,10 +239,12 @@ class Connection(asyncio.Protocol):
         # drain. A client that pipelines faster than it reads is slowed down, as a socket
         # would; it was disconnected once MAX_UNREAD_BYTES of replies piled up.
         self._paused = True
+        self._read_up.clear()
         self._hold()
 
     def resume_writing(self) -> None:
         self._paused = False
+        self._read_up.set()
         if self.subscription is not None:
             self.server.bus.catch_up(self.subscription)
         if self._reading_paused:
@@ -277,6 +285,18 @@ class Connection(asyncio.Protocol):
         if self._undecided is decided:
             self._undecided = None
             self._drain_soon()
+
+    @contextlib.asynccontextmanager
+    async def big_reply_turn(self) -> AsyncIterator[None]:
+        """Make a reply that may be megabytes (a `history` page) inside this: one at a time per
+        connection, each once the client has read its earlier replies down to the low-water
+        mark. Made all at once, the pages of a few pipelined requests passed MAX_UNREAD_BYTES
+        together and a client that read all along was disconnected, its replies lost."""
+        async with self._big_turn:
+            await self._read_up.wait()
+            yield
+        # The reply is written before the next turn begins: the caller returns it in this
+        # same step, and the lock wakes the next one only in a later loop pass.
 
     def _hold(self) -> None:
         """Stop reading this client until its backlog is handled and its replies are read

@@ -25,7 +25,7 @@ from protocol import PodClient, RpcError, oneshot
 from protocol.aio import AsyncPodClient
 from protocol.errors import Busy, FrameTooLarge, NotPaused, QueueFull, UnsafeSocket
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES
-from tests.conftest import ROOT, Env, PodProcess, wait_until
+from tests.conftest import ROOT, Env, PodProcess, drained, wait_until
 
 NOTIFY_LINE = b'{"jsonrpc":"2.0","id":1,"method":"notify","params":{"message":"hi"}}\n'
 
@@ -572,6 +572,28 @@ def test_a_client_pipelining_thousands_of_history_requests_gets_every_reply(env:
     assert not reader.is_alive()
     assert sorted(r["id"] for r in got) == list(range(count))
     assert all(r["result"]["entries"][0]["seq"] == 1 for r in got)
+
+
+def test_a_client_pipelining_big_history_pages_while_it_reads_gets_every_reply(env: Env) -> None:
+    """Pages were made as fast as the pod could read the log and written at once: a few pages
+    of a session holding a 6 MiB notification passed MAX_UNREAD_BYTES together, and a client
+    that read all along (socat, the README's recipe) was disconnected, its replies lost. Now a
+    connection's pages are made one at a time, each once the last one was read."""
+    pod = env.start()
+    note = "n" * (6 << 20)
+    with pod.client() as c:
+        c.notify(note)
+    drained(pod)
+    count = 8
+    sock = raw(pod)
+    sock.sendall(
+        b"".join(b'{"jsonrpc":"2.0","id":%d,"method":"history"}\n' % i for i in range(count))
+    )
+    sock.shutdown(socket.SHUT_WR)
+    got = replies(read_until_eof(sock))
+    sock.close()
+    assert sorted(r["id"] for r in got) == list(range(count))
+    assert all(any(e.get("text") == note for e in r["result"]["entries"]) for r in got)
 
 
 def test_partial_frames_are_bounded_across_connections(env: Env) -> None:
