@@ -596,6 +596,43 @@ def test_a_client_pipelining_big_history_pages_while_it_reads_gets_every_reply(e
     assert all(any(e.get("text") == note for e in r["result"]["entries"]) for r in got)
 
 
+def test_a_batch_of_read_only_requests_holds_a_bounded_reply(env: Env) -> None:
+    """A batch's replies are held until its last one: 40 pages of 8 MiB took the pod to 1 GB,
+    and a longer batch (a line of 45 KB) could exhaust the machine's memory. Past 16 MiB of
+    read-only replies, the batch's further ones are left out with an error saying so."""
+    pod = env.start()
+    note = "n" * (6 << 20)
+    with pod.client() as c:
+        c.notify(note)
+    drained(pod)
+    count = 10
+    sock = raw(pod)
+    batch = [{"jsonrpc": "2.0", "id": i, "method": "history"} for i in range(count)]
+    sock.sendall(json.dumps(batch).encode() + b"\n")
+    sock.shutdown(socket.SHUT_WR)
+    data = read_until_eof(sock)
+    sock.close()
+    assert len(data) < 20 << 20
+    (got,) = replies(data)
+    assert sorted(r["id"] for r in got) == list(range(count))
+    pages = [r for r in got if "result" in r]
+    left_out = [r["error"] for r in got if "error" in r]
+    assert len(pages) == 2 and len(left_out) == count - 2
+    assert all(e["code"] == -32603 and "send it on its own" in e["message"] for e in left_out)
+    with pod.client() as c:  # on its own, a page is given
+        assert any(e.get("text") == note for e in c.history().entries)
+    # Small replies count too: 150,000 `status` in one 8 MiB line made a 93 MB reply.
+    sock = raw(pod)
+    statuses = [{"jsonrpc": "2.0", "id": i, "method": "status"} for i in range(150_000)]
+    sock.sendall(json.dumps(statuses, separators=(",", ":")).encode() + b"\n")
+    sock.shutdown(socket.SHUT_WR)
+    data = read_until_eof(sock)
+    sock.close()
+    assert len(data) < 48 << 20
+    (got,) = replies(data)
+    assert len(got) == 150_000 and "result" in got[0] and "error" in got[-1]
+
+
 def test_partial_frames_are_bounded_across_connections(env: Env) -> None:
     """Clients holding unfinished frames (64 MiB for all together) cannot get another client's
     valid request refused: past the bound, the oldest unfinished frames go, with an alert."""
