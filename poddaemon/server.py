@@ -479,8 +479,8 @@ class Connection(asyncio.Protocol):
                 return
             self._batch_subscribe = subscribe
             try:
-                if req.is_notification:
-                    self._dispatch(req, lambda _frame: None)
+                if req.is_notification:  # unanswered, unless its params are not JSON
+                    self._dispatch(req, functools.partial(replies.__setitem__, i))
                     done()
                 else:
                     self._dispatch(req, collect(i, req))
@@ -519,7 +519,10 @@ class Connection(asyncio.Protocol):
                 answer(_error(rid, errors.INVALID_PARAMS, _params_message(exc)))
                 return
             except UNREADABLE as exc:  # params are only skipped, not parsed, by the envelope
-                answer(
+                # A line that is not JSON is no notification either: JSON-RPC answers its parse
+                # error (id null), as for any other malformed line. Invalid UTF-8 in a
+                # notification's params was dropped without a word, and never executed.
+                reply(
                     _error(rid, errors.PARSE_ERROR, f"parse error in params: {_unreadable(exc)}")
                 )
                 return

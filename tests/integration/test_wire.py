@@ -434,6 +434,29 @@ def test_an_unreadable_batch_item_is_its_own_error_and_the_others_are_answered(
     assert texts == ["before", "after"]
 
 
+def test_a_notification_whose_params_are_not_utf8_is_a_parse_error(env: Env) -> None:
+    """Such a line is not JSON, so no notification: it was dropped without a word (and never
+    executed), where any other malformed line gets -32700. A shell in a Latin-1 locale
+    sending `notify` without an id lost its message silently."""
+    pod = env.start()
+    sock = raw(pod)
+    line = b'{"jsonrpc":"2.0","method":"notify","params":{"message":"caf\xe9"}}\n'
+    reply = rpc(sock, line)
+    assert reply["id"] is None and reply["error"]["code"] == -32700, reply
+    assert "UTF-8" in reply["error"]["message"]
+    batch = (
+        b'[{"jsonrpc":"2.0","method":"notify","params":{"message":"caf\xe9"}},'
+        b'{"jsonrpc":"2.0","method":"notify","params":{"message":"fine"}}]\n'
+    )
+    (item,) = rpc(sock, batch)  # type: ignore[misc]
+    assert item["id"] is None and item["error"]["code"] == -32700, item
+    assert rpc(sock, b'{"jsonrpc":"2.0","id":6,"method":"status"}\n')["id"] == 6
+    sock.close()
+    with pod.client() as c:
+        texts = [e["text"] for e in c.history().entries if e["kind"] == "system_item"]
+    assert texts == ["fine"]
+
+
 def test_any_json_number_is_an_id_and_is_echoed(env: Env) -> None:
     # JSON-RPC 2.0: an id is a string, a number or null; a number may have a fraction (it
     # SHOULD not) or an exponent. Such a request is valid and its reply echoes the id.
