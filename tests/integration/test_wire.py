@@ -644,16 +644,33 @@ def test_a_batch_of_read_only_requests_holds_a_bounded_reply(env: Env) -> None:
     assert all(e["code"] == -32603 and "send it on its own" in e["message"] for e in left_out)
     with pod.client() as c:  # on its own, a page is given
         assert any(e.get("text") == note for e in c.history().entries)
-    # Small replies count too: 150,000 `status` in one 8 MiB line made a 93 MB reply.
+    # Small replies count too: 100,000 `status` in one 8 MiB line made a 62 MB reply.
     sock = raw(pod)
-    statuses = [{"jsonrpc": "2.0", "id": i, "method": "status"} for i in range(150_000)]
+    statuses = [{"jsonrpc": "2.0", "id": i, "method": "status"} for i in range(100_000)]
     sock.sendall(json.dumps(statuses, separators=(",", ":")).encode() + b"\n")
     sock.shutdown(socket.SHUT_WR)
     data = read_until_eof(sock)
     sock.close()
     assert len(data) < 48 << 20
     (got,) = replies(data)
-    assert len(got) == 150_000 and "result" in got[0] and "error" in got[-1]
+    assert len(got) == 100_000 and "result" in got[0] and "error" in got[-1]
+
+
+def test_a_batch_of_more_items_than_the_limit_is_refused_whole(env: Env) -> None:
+    """A line of 8 MiB of `1,` items (4 million) made a 460 MB reply and took the pod to
+    ~2 GB: a batch past server.MAX_BATCH_ITEMS is one -32600 that says so, nothing in it
+    executed, and the connection stays usable."""
+    pod = env.start()
+    sock = raw(pod)
+    notify = b'{"jsonrpc":"2.0","id":0,"method":"notify","params":{"message":"in the batch"}}'
+    line = b"[" + notify + b",1" * 100_000 + b"]\n"
+    reply = rpc(sock, line)
+    assert reply["id"] is None and reply["error"]["code"] == -32600, reply
+    assert "100001 items exceeds 100000" in reply["error"]["message"]
+    assert rpc(sock, b'{"jsonrpc":"2.0","id":6,"method":"status"}\n')["id"] == 6
+    sock.close()
+    with pod.client() as c:
+        assert [e for e in c.history().entries if e["kind"] == "system_item"] == []
 
 
 def test_partial_frames_are_bounded_across_connections(env: Env) -> None:
