@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 
 Handler = Callable[[Any, Any], Any]
 
+# Hooks that decide nothing (Notification, SubagentStop) running at once; the others wait
+# their turn. Each started as its event came: a burst of 300 notifications ran 300 hook
+# commands at once (600 processes with their shells), and a flood could exhaust the user's.
+MAX_BACKGROUND_HOOKS = 4
 MAX_HISTORY_PAGE = 10_000  # entries per `history` reply, whatever `limit` asks; `next` pages on
 # Bytes of entries per `history` reply (but always one entry): far below what a client reads in
 # one frame (protocol.framing.MAX_REPLY_BYTES), however large the entries of a session are.
@@ -60,6 +64,12 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
     hooks = pod.hooks
     scope_entries = ScopeEntries()
     prompts_in_order = asyncio.Lock()
+    background_hooks = asyncio.Semaphore(MAX_BACKGROUND_HOOKS)
+
+    async def _background_hook(event: str, fields: dict[str, Any]) -> None:
+        assert hooks is not None
+        async with background_hooks:
+            await hooks.run(event, fields)
 
     def run(p: RunParams, conn: Any) -> Any:
         _not_blank(p.input, "input")
@@ -106,7 +116,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         result = await reply
         assert hooks is not None
         fields = {"message": p.message, "source": p.source}
-        pod.spawn_background(hooks.run("Notification", fields))
+        pod.spawn_background(_background_hook("Notification", fields))
         return result
 
     # Every command reaches the machine as its request is read, never from a task that runs
@@ -138,7 +148,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         result = await reply
         assert hooks is not None
         fields = {"stop_hook_active": False, "child": p.pod, "outcome": p.outcome, "text": p.text}
-        pod.spawn_background(hooks.run("SubagentStop", fields))
+        pod.spawn_background(_background_hook("SubagentStop", fields))
         return result
 
     def pause(p: NoParams, conn: Any) -> Any:

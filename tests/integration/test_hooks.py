@@ -514,6 +514,31 @@ def test_a_redelivered_notification_or_child_report_runs_its_hook_once(env: Env)
     assert hook_runs() == ["Notification", "SubagentStop"]
 
 
+def test_a_burst_of_notifications_runs_its_hooks_a_few_at_a_time(env: Env) -> None:
+    # Each Notification hook started as its notification came: a burst of 300 ran 300 hook
+    # commands at once, and a flood could exhaust the user's processes. Now at most
+    # handlers.MAX_BACKGROUND_HOOKS run at once; every one still runs.
+    from poddaemon.handlers import MAX_BACKGROUND_HOOKS
+
+    log = env.work / "hooks.log"
+    hook = f"echo start >> {log}; sleep 0.2; echo end >> {log}"
+    pod = env.start("hooked", extra=hooks_toml("Notification", hook))
+    count = 3 * MAX_BACKGROUND_HOOKS
+    with pod.client() as c:
+        for i in range(count):
+            c.notify(f"burst {i}")
+
+    def hook_runs() -> int:
+        return sum(1 for e in entries(pod) if e["kind"] == "hook_run")
+
+    wait_until(lambda: hook_runs() == count, what="every Notification hook")
+    running = most = 0
+    for line in log.read_text().split():
+        running += 1 if line == "start" else -1
+        most = max(most, running)
+    assert most <= MAX_BACKGROUND_HOOKS
+
+
 REASON = "2 tests still fail: run pytest before you stop"
 # Blocks only while the run is not already continuing because of it (Claude Code's way to
 # avoid an endless loop), and logs each stop_hook_active it is given.
