@@ -24,6 +24,13 @@ from protocol.types import Event
 
 ROOT = Path(__file__).resolve().parent.parent
 READY = "PODDAEMON-READY"
+
+# A suite started in the background by a non-interactive shell (`make test &`, a CI step run
+# so) inherits SIGINT ignored, and exec keeps an ignored signal: every podctl and demo it
+# starts would ignore the Ctrl-C the tests send them (three tests hung so). Handled here
+# instead, SIGINT is back to its default in every process the tests start.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 PROVIDER_KINDS = ("openai", "openai_responses", "anthropic")
 
 
