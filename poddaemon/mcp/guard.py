@@ -104,7 +104,15 @@ def main(argv: list[str]) -> int:
     except (OSError, ImportError, AttributeError) as exc:  # the group kill still holds
         _say(f"cannot become a subreaper ({exc}): what the server detaches may outlive it")
     try:
-        pid = os.posix_spawnp(command[0], command, os.environ)
+        # The dispositions a program expects at exec, not the ones Python set for the guard
+        # (SIGPIPE, SIGXFSZ ignored): a shell server's `yes | head` must end its writer.
+        pid = os.posix_spawnp(
+            command[0],
+            command,
+            os.environ,
+            setsigmask=(),
+            setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+        )
     except OSError as exc:
         _say(f"cannot start {command[0]}: {exc.strerror or exc}")
         return 127

@@ -626,3 +626,17 @@ def test_a_hook_matcher_on_the_prefixed_name_blocks_an_mcp_tool(env: Env) -> Non
     add, listing = tool_results(pod)
     assert add["is_error"] and "no MCP tools today" in add["output"]
     assert not listing["is_error"]  # the matcher left the builtin tool alone
+
+
+def test_a_server_starts_with_the_default_signal_dispositions(env: Env, tmp_path: Path) -> None:
+    """The guard is Python, which ignores SIGPIPE and SIGXFSZ; a server it started inherited
+    that (found by QA: `yes | head -1` in a shell server printed "Broken pipe" and its writer
+    went on, where under Claude Code or a terminal SIGPIPE ends it). Commands get the defaults
+    too (tools/runner_client.py)."""
+    seen = tmp_path / "sigign"
+    script = f"grep SigIgn /proc/self/status > {seen}; exec {sys.executable} {SERVER}"
+    extra = f'\n[[mcp.servers]]\nname = "t"\ncommand = {json.dumps(["sh", "-c", script])}\n'
+    env.start("sigdefault", extra=extra)
+    ignored = int(seen.read_text().split()[1], 16)
+    assert not ignored & (1 << (signal.SIGPIPE - 1)), seen.read_text()
+    assert not ignored & (1 << (signal.SIGXFSZ - 1)), seen.read_text()
