@@ -199,11 +199,36 @@ async def _skip_long_line(stdout: asyncio.StreamReader, name: str) -> bytes:
             break
     why = f"a message of {size:,} bytes, over the {MAX_LINE // (1 << 20)} MiB limit"
     log.warning("mcp[%s] sent %s; skipped", name, why)
+    return _error_reply(head, f"the server's reply was {why}; it was discarded") or b"\n"
+
+
+def _error_reply(head: bytes, message: str) -> bytes | None:
+    """A JSON-RPC error answering the reply that `head` (its first bytes) begins, or None when
+    it names no id (its call times out) or is a request of the server's (no reply of ours)."""
     found = _ID.search(head)
-    if found is None:
-        return b"\n"  # no id to answer: its call times out
-    error = {"code": -32603, "message": f"the server's reply was {why}; it was discarded"}
+    if found is None or b'"method"' in head:
+        return None
+    error = {"code": -32603, "message": message}
     return b'{"jsonrpc":"2.0","id":%b,"error":%b}\n' % (found[1], json.dumps(error).encode())
+
+
+def _unreadable(line: bytes, exc: ValueError) -> Any:
+    """What the session gets for a line the SDK cannot read: an error answering it if it is a
+    reply (its call fails now, with the reason) or the exception, which the SDK drops. Found by
+    QA: a result nested deeper than the SDK's JSON parser goes (~200 levels: an AST, a tree)
+    was dropped, and its call waited out its timeout and said it had timed out. Not logged:
+    the call's error says it, and a server could send such lines by the thousand."""
+    import mcp_types
+    from mcp.shared.message import SessionMessage
+
+    detail = " ".join(str(exc).split())[:300]
+    reply = _error_reply(line[:4096], f"the server's reply cannot be read ({detail})")
+    if reply is None:
+        return exc
+    try:
+        return SessionMessage(mcp_types.jsonrpc_message_adapter.validate_json(reply, by_name=False))
+    except ValueError:  # its id is no valid JSON either ("\q"): nothing to answer
+        return exc
 
 
 @contextlib.asynccontextmanager
@@ -244,7 +269,7 @@ async def transport(process: StdioProcess) -> AsyncIterator[tuple[Any, Any]]:
                     parsed = mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)
                     message = SessionMessage(parsed)
                 except ValueError as exc:  # pydantic's ValidationError is one
-                    message = exc
+                    message = _unreadable(line, exc)
                 try:
                     await read_send.send(message)
                 except (anyio.ClosedResourceError, anyio.BrokenResourceError):

@@ -33,6 +33,11 @@ TOOLS = [
         "inputSchema": {"type": "object", "properties": {"mb": {"type": "integer"}}},
     },
     {
+        "name": "tree",
+        "description": "Answer with a result whose structuredContent nests `depth` objects.",
+        "inputSchema": {"type": "object", "properties": {"depth": {"type": "integer"}}},
+    },
+    {
         "name": "oops",
         "description": "Answer with a JSON-RPC error of the given code, at once.",
         "inputSchema": {"type": "object", "properties": {"code": {"type": "integer"}}},
@@ -129,6 +134,14 @@ for line in sys.stdin:
     elif method == "tools/call" and params.get("name") == "heap":
         text = "x" * (int(params.get("arguments", {}).get("mb", 1)) << 20)
         reply(msg["id"], {"content": [{"type": "text", "text": text}], "isError": False})
+    elif method == "tools/call" and params.get("name") == "tree":
+        depth = int(params.get("arguments", {}).get("depth", 1))
+        nested = '{"child": ' * depth + "null" + "}" * depth  # json.dumps would recurse
+        content = json.dumps([{"type": "text", "text": "a tree"}])
+        result = f'{{"content": {content}, "structuredContent": {nested}}}'
+        rid = json.dumps(msg["id"])
+        sys.stdout.write(f'{{"jsonrpc": "2.0", "id": {rid}, "result": {result}}}\n')
+        sys.stdout.flush()
     elif method == "tools/call" and params.get("name") == "oops":
         code = int(params.get("arguments", {}).get("code", -32000))
         reply(msg["id"], error={"code": code, "message": f"backend down ({code})"})

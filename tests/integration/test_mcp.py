@@ -640,3 +640,24 @@ def test_a_server_starts_with_the_default_signal_dispositions(env: Env, tmp_path
     ignored = int(seen.read_text().split()[1], 16)
     assert not ignored & (1 << (signal.SIGPIPE - 1)), seen.read_text()
     assert not ignored & (1 << (signal.SIGXFSZ - 1)), seen.read_text()
+
+
+def test_a_reply_the_sdk_cannot_parse_fails_its_call_at_once(env: Env) -> None:
+    """Found by QA: a result nested deeper than the SDK's JSON parser goes (~200 levels: a
+    syntax tree, say) was dropped by the SDK; its call waited out the whole timeout and said
+    it had timed out, though the server had answered at once. The call fails with the reason
+    and the server stays."""
+    env.model.script(
+        {"tool_calls": [{"name": "old__tree", "arguments": {"depth": 400}}]},
+        {"tool_calls": [{"name": "old__tree", "arguments": {"depth": 3}}]},
+        {"text": "done"},
+    )
+    pod = env.start("treed", extra=server_toml("old", script=LEGACY, timeout=20))
+    with pod.client(timeout=60) as c:
+        assert c.run_wait("trees").outcome == "finished"
+    deep, shallow = tool_results(pod)
+    assert deep["is_error"] and "the server's reply cannot be read" in deep["output"], deep
+    assert "timed out" not in deep["output"]
+    assert (shallow["output"], shallow["is_error"]) == ("a tree", False)
+    (server,) = pod.call("status")["mcp"]
+    assert (server["state"], server["restarts"]) == ("ready", 0)

@@ -328,3 +328,22 @@ def test_a_stderr_flood_is_logged_at_the_rate_with_a_few_reports_of_what_was_dro
     assert len(reports) <= 2 + 20 / stdio.DROPS_REPORT_EVERY, reports
     dropped = sum(int(m.split()[1]) for m in reports if "were not logged" in m)
     assert dropped + len(logged) == sent  # every line is either logged or counted
+
+
+def test_an_unreadable_reply_is_answered_with_an_error_for_its_id() -> None:
+    from mcp_types import JSONRPCError
+
+    from poddaemon.mcp.stdio import _unreadable
+
+    deep = b'{"a": ' * 300 + b"1" + b"}" * 300
+    line = b'{"jsonrpc": "2.0", "id": 7, "result": ' + deep + b"}"
+    answer = _unreadable(line, ValueError("recursion limit exceeded"))
+    assert isinstance(answer.message, JSONRPCError), answer
+    assert answer.message.id == 7
+    assert "cannot be read (recursion limit exceeded)" in answer.message.error.message
+    # A request of the server's, and an id no JSON can carry, are not answered: the exception
+    # goes to the SDK, which drops it (it raised in the transport's reader, which lost the
+    # connection).
+    for line in (b'{"id": 3, "method": "x", "params": ' + deep + b"}", b'{"id": "a\\q"}'):
+        error = ValueError("unreadable")
+        assert _unreadable(line, error) is error
