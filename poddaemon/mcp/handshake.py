@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 
 import poddaemon
-from poddaemon.mcp.stdio import StdioProcess
+from poddaemon.mcp.stdio import StdioProcess, reply_id
 from protocol.framing import UNREADABLE
 
 # The newest revision reachable with `initialize` (mcp_types.version.LATEST_HANDSHAKE_VERSION).
@@ -96,7 +96,13 @@ class _Lines:
                 raise HandshakeError(f"the server closed its output during {method}")
             try:
                 msg = msgspec.json.decode(line)
-            except UNREADABLE:
+            except UNREADABLE as exc:
+                # Our reply, too deep to decode (a tool's schema nested past the decoder's
+                # limit)? Say so now: waiting would cost start_timeout and say "did not start".
+                if reply_id(line) == str(rid).encode():
+                    raise HandshakeError(
+                        f"{method}: the server's reply cannot be read ({exc})"
+                    ) from None
                 continue  # a stray line on stdout; the SDK's transport skips them too
             if not isinstance(msg, dict):
                 continue

@@ -202,14 +202,22 @@ async def _skip_long_line(stdout: asyncio.StreamReader, name: str) -> bytes:
     return _error_reply(head, f"the server's reply was {why}; it was discarded") or b"\n"
 
 
-def _error_reply(head: bytes, message: str) -> bytes | None:
-    """A JSON-RPC error answering the reply that `head` (its first bytes) begins, or None when
-    it names no id (its call times out) or is a request of the server's (no reply of ours)."""
-    found = _ID.search(head)
-    if found is None or b'"method"' in head:
+def _error_reply(line: bytes, message: str) -> bytes | None:
+    """A JSON-RPC error answering the reply that `line` begins, or None when it names no id
+    (its call times out) or is a request of the server's (no reply of ours)."""
+    rid = reply_id(line)
+    if rid is None:
         return None
     error = {"code": -32603, "message": message}
-    return b'{"jsonrpc":"2.0","id":%b,"error":%b}\n' % (found[1], json.dumps(error).encode())
+    return b'{"jsonrpc":"2.0","id":%b,"error":%b}\n' % (rid, json.dumps(error).encode())
+
+
+def reply_id(line: bytes) -> bytes | None:
+    """The id (as written) of the reply a line that cannot be decoded begins, from its first
+    4 KiB, where servers put it; None if none is there, or the line is a request."""
+    head = line[:4096]
+    found = _ID.search(head)
+    return None if found is None or b'"method"' in head else found[1]
 
 
 def _unreadable(line: bytes, exc: ValueError) -> Any:
@@ -222,7 +230,7 @@ def _unreadable(line: bytes, exc: ValueError) -> Any:
     from mcp.shared.message import SessionMessage
 
     detail = " ".join(str(exc).split())[:300]
-    reply = _error_reply(line[:4096], f"the server's reply cannot be read ({detail})")
+    reply = _error_reply(line, f"the server's reply cannot be read ({detail})")
     if reply is None:
         return exc
     try:

@@ -89,6 +89,13 @@ if "--stderr-flood" in sys.argv[1:]:
     sys.stderr.flush()
 
 
+# `--deep-schema N`: one more tool whose input schema nests N objects (a listing deeper than
+# JSON parsers go; written by hand, as json.dumps would recurse too).
+deep_schema = 0
+if "--deep-schema" in sys.argv[1:]:
+    deep_schema = int(sys.argv[sys.argv.index("--deep-schema") + 1])
+
+
 def reply(id_: object, result: object = None, error: object = None) -> None:
     msg = {"jsonrpc": "2.0", "id": id_}
     msg.update({"error": error} if error is not None else {"result": result})
@@ -120,6 +127,12 @@ for line in sys.stdin:
             "capabilities": {"tools": {}},
             "serverInfo": {"name": "legacy", "version": "1"},
         })  # fmt: skip
+    elif method == "tools/list" and deep_schema:
+        nested = '{"type": "object", "properties": {"x": ' * deep_schema + "{}" + "}}" * deep_schema
+        listed = json.dumps(TOOLS)[:-1] + f', {{"name": "deep", "inputSchema": {nested}}}]'
+        rid = json.dumps(msg["id"])
+        sys.stdout.write(f'{{"jsonrpc": "2.0", "id": {rid}, "result": {{"tools": {listed}}}}}\n')
+        sys.stdout.flush()
     elif method == "tools/list":  # `--tools-not-a-list`: a listing no client can read
         reply(msg["id"], {"tools": "nope" if "--tools-not-a-list" in sys.argv else TOOLS})
     elif method == "tools/call" and params.get("name") == "shout":

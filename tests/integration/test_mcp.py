@@ -661,3 +661,14 @@ def test_a_reply_the_sdk_cannot_parse_fails_its_call_at_once(env: Env) -> None:
     assert (shallow["output"], shallow["is_error"]) == ("a tree", False)
     (server,) = pod.call("status")["mcp"]
     assert (server["state"], server["restarts"]) == ("ready", 0)
+
+
+def test_a_tool_list_too_deep_to_read_fails_the_start_at_once_saying_why(env: Env) -> None:
+    """Found by QA: a tools/list reply nested deeper than the pod's JSON decoder goes was
+    skipped as a stray line; the start waited out `start_timeout` (READY with it) and then
+    said the server 'did not start within 30 s', though it had answered at once."""
+    extra = server_toml("old", script=LEGACY, args=("--deep-schema", "2000"), start_timeout=10)
+    pod = env.start("deeplist", extra=extra)
+    (warned,) = [a for a in alerts(pod) if "failed to start" in a]
+    assert "tools/list: the server's reply cannot be read" in warned, warned
+    assert "did not start within" not in warned
