@@ -172,8 +172,13 @@ class StdioProcess:
         self._stderr_transport.close()
         if self.proc.returncode is None:  # not reaped: its pid is still its group's id
             kill_all(descendants(self.proc.pid))
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        elif self.gone.is_set():
+            return  # the guard killed the group as it exited, as it always does
+        # Else the guard itself was killed (kill -9, the OOM killer) and the server lives on
+        # with our stderr pipe (found by QA: one ignoring EOF outlived the pod). It is still in
+        # the guard's group and session, so their id, the guard's pid, is not free for reuse.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 _ID = re.compile(rb'"id"\s*:\s*(-?\d{1,18}|"(?:[^"\\]|\\.){0,200}")')

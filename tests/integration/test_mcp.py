@@ -672,3 +672,24 @@ def test_a_tool_list_too_deep_to_read_fails_the_start_at_once_saying_why(env: En
     (warned,) = [a for a in alerts(pod) if "failed to start" in a]
     assert "tools/list: the server's reply cannot be read" in warned, warned
     assert "did not start within" not in warned
+
+
+def test_a_server_whose_guard_was_killed_still_dies_with_the_pod(env: Env, tmp_path: Path) -> None:
+    """Found by QA: with its guard killed (kill -9, the OOM killer), a server that ignores EOF
+    on stdin outlived the pod's stop: only the guard's group kill would have ended it, and the
+    pod skipped its own once the guard was reaped."""
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    extra = server_toml(args=("--ignore-eof",), env={"MCP_TEST_PIDDIR": str(piddir)})
+    pod = env.start("orphaned", extra=extra)
+    (file,) = wait_until(lambda: list(piddir.iterdir()), what="the server's pid file")
+    server = int(file.name.split(".")[1])
+    try:
+        guard = ppid(server)
+        os.kill(guard, signal.SIGKILL)
+        wait_until(lambda: not os.path.exists(f"/proc/{guard}"), what="the guard reaped")
+        assert pod.stop() == 0
+        wait_until(lambda: not alive(server), timeout=15, what="the server gone with the pod")
+    finally:
+        if alive(server):
+            os.kill(server, signal.SIGKILL)
