@@ -18,6 +18,9 @@ from protocol.framing import UNREADABLE
 
 # The newest revision reachable with `initialize` (mcp_types.version.LATEST_HANDSHAKE_VERSION).
 PROTOCOL_VERSION = "2025-11-25"
+# Those the SDK's session can adopt (mcp_types.version.HANDSHAKE_PROTOCOL_VERSIONS; a unit test
+# checks they agree): the SDK is not imported yet when the handshake runs.
+HANDSHAKE_VERSIONS = ("2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25")
 MAX_PAGES = 100
 
 
@@ -46,6 +49,10 @@ async def handshake(process: StdioProcess) -> Handshake | None:
     result = init.get("result")
     if not isinstance(result, dict):
         raise HandshakeError(f"initialize: not a result: {init!r:.200}")
+    if problem := _unadoptable(result):
+        # Found by QA: accepted here, such a server was listed and offered, then every call
+        # failed (status still "ready"), or it "died" twice at the SDK's first look at it.
+        raise HandshakeError(f"initialize: {problem}")
     await rpc.notify("notifications/initialized")
     tools: list[dict[str, Any]] = []
     cursor: str | None = None
@@ -63,6 +70,27 @@ async def handshake(process: StdioProcess) -> Handshake | None:
         if not cursor:
             break
     return Handshake(initialize=result, tools=tools)
+
+
+def _unadoptable(result: dict[str, Any]) -> str | None:
+    """Why the SDK's session could not take over a session with this InitializeResult, or
+    None: the fields it requires, and a protocol revision it speaks."""
+    version = result.get("protocolVersion")
+    if version not in HANDSHAKE_VERSIONS:
+        return (
+            f"the server answers with protocol version {version!r:.40}; the pod speaks "
+            f"{', '.join(HANDSHAKE_VERSIONS)}"
+        )
+    info = result.get("serverInfo")
+    if not (
+        isinstance(info, dict)
+        and isinstance(info.get("name"), str)
+        and isinstance(info.get("version"), str)
+    ):
+        return f"serverInfo is not an object with a name and a version: {info!r:.100}"
+    if not isinstance(result.get("capabilities"), dict):
+        return f"capabilities is not an object: {result.get('capabilities')!r:.100}"
+    return None
 
 
 class _Lines:

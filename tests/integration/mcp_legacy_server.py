@@ -122,11 +122,17 @@ for line in sys.stdin:
         refuse = False
         reply(msg["id"], error={"code": -32600, "message": "initialize refused (test)"})
     elif method == "initialize":
-        reply(msg["id"], {
+        result = {
             "protocolVersion": "2025-06-18",
             "capabilities": {"tools": {}},
             "serverInfo": {"name": "legacy", "version": "1"},
-        })  # fmt: skip
+        }
+        # `--no-server-info`, `--unknown-version`: answers no client's session can take on.
+        if "--no-server-info" in sys.argv[1:]:
+            del result["serverInfo"]
+        if "--unknown-version" in sys.argv[1:]:
+            result["protocolVersion"] = "1999-01-01"
+        reply(msg["id"], result)
     elif method == "tools/list" and deep_schema:
         nested = '{"type": "object", "properties": {"x": ' * deep_schema + "{}" + "}}" * deep_schema
         listed = json.dumps(TOOLS)[:-1] + f', {{"name": "deep", "inputSchema": {nested}}}]'

@@ -693,3 +693,25 @@ def test_a_server_whose_guard_was_killed_still_dies_with_the_pod(env: Env, tmp_p
     finally:
         if alive(server):
             os.kill(server, signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (("--no-server-info",), "initialize: serverInfo is not an object with a name"),
+        (("--unknown-version",), "initialize: the server answers with protocol version '1999"),
+    ],
+)
+def test_an_initialize_answer_the_sdk_cannot_take_on_fails_the_start(
+    env: Env, args: tuple[str, ...], why: str
+) -> None:
+    """Found by QA: the handshake took any result; the server was listed as ready and its
+    tools offered, then every call failed ('version must be a known protocol version') while
+    status still said ready, or the server 'died' twice and its first call waited 35 s."""
+    env.model.script({"text": "fine"})
+    pod = env.start("badinit", extra=server_toml("old", script=LEGACY, args=args))
+    (warned,) = [a for a in alerts(pod) if "failed to start" in a]
+    assert why in warned, warned
+    assert not any(t.startswith("old__") for t in advertised_tools(env.model.requests[0]["body"]))
+    (server,) = pod.call("status")["mcp"]
+    assert server["state"] == "failed"

@@ -347,3 +347,13 @@ def test_an_unreadable_reply_is_answered_with_an_error_for_its_id() -> None:
     for line in (b'{"id": 3, "method": "x", "params": ' + deep + b"}", b'{"id": "a\\q"}'):
         error = ValueError("unreadable")
         assert _unreadable(line, error) is error
+
+
+def test_the_handshake_speaks_the_revisions_the_sdk_session_adopts() -> None:
+    """handshake.py cannot import the SDK (it runs before the import): its copies must agree."""
+    from mcp_types import version
+
+    from poddaemon.mcp import handshake
+
+    assert handshake.HANDSHAKE_VERSIONS == version.HANDSHAKE_PROTOCOL_VERSIONS
+    assert handshake.PROTOCOL_VERSION == version.LATEST_HANDSHAKE_VERSION
