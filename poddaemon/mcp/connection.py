@@ -306,15 +306,9 @@ class McpConnection:
     # --- calls --------------------------------------------------------------------------------
 
     async def call(self, remote: str, args: dict[str, Any]) -> ToolOutcome:
-        if not self._settled.is_set():  # a restart is under way: wait for its outcome
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.cfg.start_timeout + CALL_MARGIN):
-                    await self._settled.wait()
-        if self.state == "ready" and not self._usable.is_set():
-            # Listed before READY; the SDK session follows once the SDK is imported.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.cfg.start_timeout + CALL_MARGIN):
-                    await self._usable.wait()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.cfg.start_timeout + CALL_MARGIN):
+                await self._until_settled()
         client = self._client
         if self.state != "ready" or client is None:
             why = self.error or self.state
@@ -344,6 +338,25 @@ class McpConnection:
                 return self._call_lost(remote, _describe(exc), client)
             return error(f"MCP server '{self.name}' failed on {remote}: {_describe(exc)}")
         return outcome(result)
+
+    async def _until_settled(self) -> None:
+        """Until no start or restart is under way: a restart has its outcome, and a server
+        listed before READY has its SDK session, or its holder ended without one. Found by
+        QA: a call waiting for that session alone waited out start_timeout + 5 s when the
+        server died before it (its restart made a new one; nothing set the old)."""
+        while True:
+            if not self._settled.is_set():  # a restart is under way: wait for its outcome
+                await self._settled.wait()
+                continue
+            holder = self._holder
+            if self.state != "ready" or self._usable.is_set() or holder is None or holder.done():
+                return
+            # Listed before READY; the SDK session follows once the SDK is imported.
+            usable = asyncio.ensure_future(self._usable.wait())
+            try:
+                await asyncio.wait([usable, holder], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                usable.cancel()
 
     async def _timed_out(self, remote: str, client: Any) -> ToolOutcome:
         """A slow tool, or a hung server? A server that cannot answer a ping either is taken

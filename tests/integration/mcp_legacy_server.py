@@ -132,6 +132,9 @@ for line in sys.stdin:
             del result["serverInfo"]
         if "--unknown-version" in sys.argv[1:]:
             result["protocolVersion"] = "1999-01-01"
+        # `--bad-capabilities`: well-formed at a glance, refused by the SDK's session.
+        if "--bad-capabilities" in sys.argv[1:]:
+            result["capabilities"] = {"tools": "yes"}
         reply(msg["id"], result)
     elif method == "tools/list" and deep_schema:
         nested = '{"type": "object", "properties": {"x": ' * deep_schema + "{}" + "}}" * deep_schema

@@ -3,6 +3,7 @@ written with the `mcp` SDK) over stdio and streamable HTTP; the fake model calls
 a real pod; results, errors and timeouts come back as tool results; the server's processes die
 with the pod however it ends."""
 
+import asyncio
 import json
 import os
 import re
@@ -715,3 +716,32 @@ def test_an_initialize_answer_the_sdk_cannot_take_on_fails_the_start(
     assert not any(t.startswith("old__") for t in advertised_tools(env.model.requests[0]["body"]))
     (server,) = pod.call("status")["mcp"]
     assert server["state"] == "failed"
+
+
+async def test_a_call_waiting_for_the_sdk_session_ends_when_the_server_dies_first() -> None:
+    """Found by QA: a call made between READY and the SDK's session (the SDK is imported
+    meanwhile) waited for that session alone; a server that died before it had one (here:
+    the SDK refuses its capabilities) left the call waiting start_timeout + 5 s, though the
+    server was restarted, and dead, within moments."""
+    from poddaemon.config.manifest import McpServerConfig
+    from poddaemon.mcp.connection import McpConnection
+    from poddaemon.mcp.env import server_env
+
+    sdk: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    cfg = McpServerConfig(
+        name="old", command=[sys.executable, LEGACY, "--bad-capabilities"], start_timeout=60
+    )
+    conn = McpConnection(cfg, server_env({}, os.environ), "/", lambda: sdk, lambda *a: None)
+    await conn.start()
+    try:
+        assert (conn.state, "old__shout" in conn.tools) == ("ready", True)
+        call = asyncio.ensure_future(conn.call("shout", {"text": "hi"}))
+        await asyncio.sleep(0)  # the call waits for the session, which waits for the SDK
+        assert not call.done()
+        sdk.set_result(None)
+        async with asyncio.timeout(30):  # a hang guard: it was 65 s
+            result = await call
+        assert result.is_error and "MCP server 'old' is not available" in result.output
+        assert conn.state == "dead"
+    finally:
+        await conn.aclose()
