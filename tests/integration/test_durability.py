@@ -612,14 +612,20 @@ def test_flipped_byte_in_the_middle_refuses_to_start(env: Env) -> None:
     assert verify.returncode != 0 and f"line {lineno}" in verify.stderr + verify.stdout
 
 
-def test_a_session_log_copied_under_another_id_refuses_to_start(env: Env) -> None:
-    """The copy's chain verified whole: the pod wrote its acknowledged input into the copy
-    while `status` named, and `history` paged, the original (which never got it)."""
-    pod = env.start("copied")
+def _stopped_after_a_run(env: Env, name: str) -> tuple[PodProcess, str]:
+    """A pod stopped after one finished run, and its session's id."""
+    pod = env.start(name)
     with pod.client() as c:
         c.run_wait("precious words")
         sid = c.status().session_id
     assert pod.stop() == 0
+    return pod, sid
+
+
+def test_a_session_log_copied_under_another_id_refuses_to_start(env: Env) -> None:
+    """The copy's chain verified whole: the pod wrote its acknowledged input into the copy
+    while `status` named, and `history` paged, the original (which never got it)."""
+    pod, sid = _stopped_after_a_run(env, "copied")
     other = new_session_id()
     copy = sessions_dir(env) / f"{other}.jsonl"
     shutil.copyfile(sessions_dir(env) / f"{sid}.jsonl", copy)
@@ -635,11 +641,7 @@ def test_a_session_log_copied_under_another_id_refuses_to_start(env: Env) -> Non
 
 
 def test_resume_continues_the_original_and_not_a_newer_copy_of_it(env: Env) -> None:
-    pod = env.start("copyresume")
-    with pod.client() as c:
-        c.run_wait("precious words")
-        sid = c.status().session_id
-    assert pod.stop() == 0
+    pod, sid = _stopped_after_a_run(env, "copyresume")
     copy = new_session_id()
     shutil.copyfile(sessions_dir(env) / f"{sid}.jsonl", sessions_dir(env) / f"{copy}.jsonl")
     again = env.restart(pod, "--resume")  # the copy is newer: it was picked, and refused

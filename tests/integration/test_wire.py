@@ -597,16 +597,22 @@ def test_a_client_pipelining_thousands_of_history_requests_gets_every_reply(env:
     assert all(r["result"]["entries"][0]["seq"] == 1 for r in got)
 
 
-def test_a_client_pipelining_big_history_pages_while_it_reads_gets_every_reply(env: Env) -> None:
-    """Pages were made as fast as the pod could read the log and written at once: a few pages
-    of a session holding a 6 MiB notification passed MAX_UNREAD_BYTES together, and a client
-    that read all along (socat, the README's recipe) was disconnected, its replies lost. Now a
-    connection's pages are made one at a time, each once the last one was read."""
+def _with_a_big_note(env: Env) -> tuple[PodProcess, str]:
+    """A pod whose session holds a 6 MiB notification, delivered: its history pages are big."""
     pod = env.start()
     note = "n" * (6 << 20)
     with pod.client() as c:
         c.notify(note)
     drained(pod)
+    return pod, note
+
+
+def test_a_client_pipelining_big_history_pages_while_it_reads_gets_every_reply(env: Env) -> None:
+    """Pages were made as fast as the pod could read the log and written at once: a few pages
+    of a session holding a 6 MiB notification passed MAX_UNREAD_BYTES together, and a client
+    that read all along (socat, the README's recipe) was disconnected, its replies lost. Now a
+    connection's pages are made one at a time, each once the last one was read."""
+    pod, note = _with_a_big_note(env)
     count = 8
     sock = raw(pod)
     sock.sendall(
@@ -623,11 +629,7 @@ def test_a_batch_of_read_only_requests_holds_a_bounded_reply(env: Env) -> None:
     """A batch's replies are held until its last one: 40 pages of 8 MiB took the pod to 1 GB,
     and a longer batch (a line of 45 KB) could exhaust the machine's memory. Past 16 MiB of
     read-only replies, the batch's further ones are left out with an error saying so."""
-    pod = env.start()
-    note = "n" * (6 << 20)
-    with pod.client() as c:
-        c.notify(note)
-    drained(pod)
+    pod, note = _with_a_big_note(env)
     count = 10
     sock = raw(pod)
     batch = [{"jsonrpc": "2.0", "id": i, "method": "history"} for i in range(count)]
