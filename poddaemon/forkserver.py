@@ -67,6 +67,7 @@ from poddaemon.forkclient import Request, decode_request, token_path
 READY = b"FORKSERVER-READY\n"
 RUNNING = b"FORKSERVER-RUNNING\n"  # another server holds the lock: use that one
 MAX_REQUEST = 1 << 20
+REQUEST_TIMEOUT = 5.0  # seconds a client has to send its whole request
 IDLE_EXIT = 600.0
 CHECK_INTERVAL = 1.0  # seconds between looks at our socket file while listening
 OWN = frozenset({"poddaemon", "cli", "protocol"})
@@ -261,10 +262,17 @@ class Server:
     def _accept(self) -> None:
         """Serve one request: fork its pod, or say this server is stale and stop listening."""
         conn, _ = self.listener.accept()
-        conn.settimeout(5.0)  # a client that connects and says nothing does not stall the rest
+        conn.settimeout(REQUEST_TIMEOUT)  # a client that says nothing does not stall the rest
+        if not self._same_user(conn):
+            return
+        # Before reading a byte: a pod's command is refused whatever it sends, and one that
+        # trickled its request byte by byte held this one-request-at-a-time server (every
+        # spawn of the user) for as long as it liked.
+        if _from_a_pods_command(_peer(conn)[0]):
+            self._reply(conn, {"error": "refused: the request comes from a command a pod started"})
+            conn.close()
+            return
         try:
-            if not self._same_user(conn):
-                return
             req, fds = self._read_request(conn)
         except (OSError, ValueError) as exc:
             self._reply(conn, {"error": f"bad request: {exc}"})
@@ -273,8 +281,6 @@ class Server:
         refusal = None
         if not hmac.compare_digest(req.token.encode(), self.token.encode()):
             refusal = "refused: the request does not carry this server's token"
-        elif _from_a_pods_command(_peer(conn)[0]):
-            refusal = "refused: the request comes from a command a pod started"
         if refusal is not None:
             for fd in fds:
                 os.close(fd)
@@ -318,6 +324,9 @@ class Server:
         return True
 
     def _read_request(self, conn: socket.socket) -> tuple[Request, list[int]]:
+        # One deadline for the whole request, not per read: a client sending a byte now and
+        # then kept each read short of its timeout and this server busy with it for good.
+        deadline = time.monotonic() + REQUEST_TIMEOUT
         data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
         if len(fds) != 3:
             for fd in fds:
@@ -327,7 +336,16 @@ class Server:
             while len(data) < 4 or len(data) < 4 + struct.unpack(">I", data[:4])[0]:
                 if len(data) >= 4 and struct.unpack(">I", data[:4])[0] > MAX_REQUEST:
                     raise ValueError("request too large")
-                chunk = conn.recv(65536)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ValueError(f"request not complete within {REQUEST_TIMEOUT:.0f} s")
+                conn.settimeout(left)
+                try:
+                    chunk = conn.recv(65536)
+                except TimeoutError:
+                    raise ValueError(
+                        f"request not complete within {REQUEST_TIMEOUT:.0f} s"
+                    ) from None
                 if not chunk:
                     raise ValueError("truncated request")
                 data += chunk

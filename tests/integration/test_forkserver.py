@@ -464,7 +464,10 @@ body = json.dumps(req).encode()
 s = socket.socket(socket.AF_UNIX)
 s.connect(sock)
 null = os.open("/dev/null", os.O_RDWR)
-socket.send_fds(s, [struct.pack(">I", len(body)) + body], [null, null, null])
+try:
+    socket.send_fds(s, [struct.pack(">I", len(body)) + body], [null, null, null])
+except BrokenPipeError:  # refused before it was read: the reply waits all the same
+    pass
 print("reply:", s.makefile().readline().strip())
 """
 
@@ -508,9 +511,19 @@ def test_a_sandboxed_command_cannot_have_the_server_fork_a_pod(env: Env) -> None
         entries = c.history(since=0, limit=1000).entries
     without, within, nested = [e["item"]["output"] for e in entries if e["kind"] == "tool_result"]
     assert "token unreadable: PermissionError" in without, without
-    assert "refused: the request does not carry this server's token" in without, without
+    # A pod's command is refused before its request is read (a trickled one held the server).
+    assert "refused: the request comes from a command a pod started" in without, without
     assert "refused: the request comes from a command a pod started" in within, within
     assert "refused: the request comes from a command a pod started" in nested, nested
+    assert Registry(env.home / "run").get("evil") is None
+    # Without the token, a request from anyone else is refused too (and nothing forked).
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        request = forkclient.Request(["run", str(evil)], dict(os.environ), "/", 0o22, [])
+        reply = _raw(str(sock), forkclient.encode_request(request), [null, null, null])
+    finally:
+        os.close(null)
+    assert "refused: the request does not carry this server's token" in str(reply), reply
     assert Registry(env.home / "run").get("evil") is None
     assert ppid(spawn(env, "two")) == server_pid(env)  # podctl has the token: it serves on
 
@@ -540,3 +553,62 @@ def test_the_token_is_never_written_or_read_through_a_planted_symlink(tmp_path: 
     path.write_text(token)
     path.chmod(0o644)
     assert forkclient._read_token(sock) is None  # not one others could have written or read
+
+
+TRICKLE = """
+import os, socket, struct, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+null = os.open("/dev/null", os.O_RDWR)
+socket.send_fds(s, [struct.pack(">I", 1000)], [null, null, null])  # and the body never comes
+s.settimeout(30)
+print("reply:", s.makefile().readline().strip())
+"""
+
+
+def test_a_sandboxed_command_is_refused_before_it_sends_its_request(env: Env) -> None:
+    """Found by QA: a pod's command was refused only once its whole request was read, so one
+    that sent it a byte at a time held this one-at-a-time server, and every spawn, for good."""
+    from poddaemon.sandbox import available
+
+    if not available():
+        pytest.skip("no Landlock here")
+    spawn(env, "lone")
+    spawn(env, "one")
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    cell = env.work / "jail"
+    cell.mkdir()
+    (cell / "trickle.py").write_text(TRICKLE)
+    command = f"/usr/bin/python3 {cell / 'trickle.py'} {sock}"
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]}, {"text": "done"}
+    )
+    jail = env.start("jail", tools=["bash"], write=[str(cell)])
+    with jail.client() as c:
+        assert c.run_wait("stall it").outcome == "finished"
+        entries = c.history(since=0, limit=1000).entries
+    (output,) = [e["item"]["output"] for e in entries if e["kind"] == "tool_result"]
+    assert "refused: the request comes from a command a pod started" in output, output
+
+
+def test_a_request_sent_a_byte_at_a_time_is_given_up(env: Env) -> None:
+    """Found by QA: each read had its timeout, the request none: a client sending a byte now
+    and then kept the server (every spawn of the user) busy with it for as long as it liked."""
+    spawn(env, "lone")
+    spawn(env, "one")
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    null = os.open(os.devnull, os.O_RDWR)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(sock))
+        socket.send_fds(s, [struct.pack(">I", 100_000)], [null, null, null])
+        os.close(null)
+        s.settimeout(1.0)
+        reply = b""
+        for _ in range(120):  # a byte a second, far longer than any request needs
+            try:
+                reply = s.recv(4096)
+                break
+            except TimeoutError:
+                s.send(b" ")
+    assert b"not complete within" in reply, reply
+    assert ppid(spawn(env, "two")) == server_pid(env)
