@@ -34,6 +34,10 @@ log = logging.getLogger("poddaemon.outbox")
 RETRY_INITIAL = 0.05
 RETRY_MAX = 2.0
 CALL_TIMEOUT = 10.0
+# A report's text as sent, in UTF-8 bytes: well inside the spawner's frame limit (8 MiB) even
+# when JSON escapes every character (6 bytes each). A longer final text was never delivered:
+# refused by the frame limit on every retry, it held up every later report for good.
+REPORT_TEXT_MAX = 1 << 20
 
 
 class Outbox:
@@ -124,12 +128,27 @@ class Outbox:
                     value = getattr(item, key)
                     if value is not None:
                         params[key] = value
+                if item.text is not None:
+                    params["text"] = _cut(item.text, self.name)
                 # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that
                 # lands as the call completes, and this task would then never stop.
                 async with asyncio.timeout(CALL_TIMEOUT):
                     raw = await client.call_raw("pod_event", params)
                 msgspec.json.decode(raw)
                 self.pod.feed(self.pod.machine.outbox_acked([item.event_id]))
+
+
+def _cut(text: str, name: str) -> str:
+    """`text` cut to REPORT_TEXT_MAX bytes of UTF-8 (never inside a character), saying where the
+    whole of it is."""
+    data = text.encode("utf-8", "replace")
+    if len(data) <= REPORT_TEXT_MAX:
+        return text
+    head = data[:REPORT_TEXT_MAX].decode("utf-8", "ignore")
+    return (
+        f"{head}\n[report text cut: {len(data)} bytes, the first {REPORT_TEXT_MAX} shown; the "
+        f"whole text is in pod {name}'s history]"
+    )
 
 
 async def watch_parent(pid: int, on_exit: Callable[[], None]) -> None:

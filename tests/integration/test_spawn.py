@@ -1338,3 +1338,25 @@ def test_a_spawners_commands_cannot_change_metadata_in_the_area_it_delegated(tre
     # The child gone, the area is the spawner's again, modes included (the runner rebuilt).
     assert outputs[-1].rstrip().endswith(f"{mark}0"), outputs[-1]
     assert os.stat(mine).st_mode & 0o777 == 0o640
+
+
+def test_a_final_text_longer_than_a_frame_is_reported_cut(tree: Env) -> None:
+    """Found by QA: a child's final text over the spawner's frame limit (8 MiB) made its report
+    a request the client refused to send, on every retry: never delivered, and every later
+    report (its shutdown) queued behind it. The report's text is cut; the child keeps it all."""
+    env = tree
+    (env.work / "k").mkdir()
+    env.model.script_model("m-k", {"text": "y" * (9 << 20)})
+    env.model.script(
+        {"tool_calls": [spawn_call("k", "say a lot", [str(env.work / "k")])]},
+        {"tool_calls": [tool("wait_pods", pods=["k"], timeout_s=60)]},
+        {"text": "done"},
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go", timeout=120)["outcome"] == "finished"
+    waited = tool_results(parent)[-1]["output"]  # (cut to the tool's output cap)
+    assert '"outcome":"finished"' in waited and '"text":"yyyy' in waited, waited[:200]
+    (report,) = _finished_reports(parent, "k")
+    text = report["detail"]
+    assert text.startswith("y" * 1000) and len(text) < 2 << 20
+    assert "[report text cut: 9437184 bytes" in text and "in pod k's history" in text
