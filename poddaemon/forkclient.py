@@ -59,7 +59,11 @@ def decode_request(body: bytes) -> Request:
     nofile = raw.get("nofile", [])
     if not (isinstance(nofile, list) and len(nofile) in (0, 2)):
         raise ValueError("nofile: want [soft, hard]")
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in nofile):
+    # Each a limit setrlimit takes (-1: unlimited): a larger one raised OverflowError in the
+    # server's own setrlimit, past its error handling, and the whole server died.
+    if not all(
+        isinstance(n, int) and not isinstance(n, bool) and -1 <= n < 1 << 63 for n in nofile
+    ):
         raise ValueError("nofile: want [soft, hard]")
     token = raw.get("token", "")
     if not isinstance(token, str):
