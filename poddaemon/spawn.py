@@ -244,6 +244,7 @@ class Children:
             raise ToolError(f"cannot spawn: a child named {name!r} exists already")
         if not str(args["task"]).strip():
             raise ToolError("cannot spawn: the task is empty; say what the child should do")
+        self._refuse_anothers_name(name)
         grant = self._grant(args.get("budget_tokens"))
         manifest = self._child_manifest(name, args, grant)
         self._spawning.add(name)
@@ -369,6 +370,26 @@ class Children:
             del self._reported[run_id]  # its report came first: nothing to wait for
         else:
             self.outstanding.setdefault(name, set()).add(run_id)
+
+    def _refuse_anothers_name(self, name: str) -> None:
+        """A stopped pod's name that is not one of our children's: its kept configuration
+        (what `podctl restart` starts, SPEC §9) and its sessions are another pod's, and the
+        child would replace that configuration with its own. A live pod's name is left to
+        the registry (which says which pod runs)."""
+        folder = paths.data_dir() / "pods"
+        if not (folder / f"{name}.toml").exists() or self.pod.s.registry.get(name) is not None:
+            return
+        try:
+            owner = (folder / f"{name}.callback").read_text().strip()
+        except FileNotFoundError:
+            owner = ""
+        except OSError as exc:
+            raise ToolError(f"cannot spawn {name!r}: {exc}") from None
+        if os.path.abspath(owner or "/") != os.path.abspath(self.pod.s.entry.socket):
+            raise ToolError(
+                f"cannot spawn: {name!r} is the name of another pod (stopped; its configuration "
+                "is kept for `podctl restart`); choose another name"
+            )
 
     def _grant(self, asked: Any) -> int | None:
         remaining: int | None = self.pod.machine.budget_remaining()

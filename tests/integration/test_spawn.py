@@ -1360,3 +1360,32 @@ def test_a_final_text_longer_than_a_frame_is_reported_cut(tree: Env) -> None:
     text = report["detail"]
     assert text.startswith("y" * 1000) and len(text) < 2 << 20
     assert "[report text cut: 9437184 bytes" in text and "in pod k's history" in text
+
+
+def test_a_child_cannot_take_a_stopped_pods_name_and_its_kept_configuration(tree: Env) -> None:
+    """Found by QA: spawn_pod named after a stopped pod of the user replaced that pod's kept
+    configuration (`<data>/pods/<name>.toml`) with the child's: `podctl restart` of the
+    user's pod then started the child, on the child's scope. A child of ours may reuse its
+    own name (its `.callback` names us)."""
+    env = tree
+    (env.work / "k").mkdir()
+    other = env.start("reviewer", write=[str(env.work / "k")])
+    other.stop()
+    kept = env.home / "data" / "pods" / "reviewer.toml"
+    before = kept.read_text()
+    quiet_children(env, "k")
+    env.model.script(
+        {"tool_calls": [spawn_call("reviewer", "take its name", [str(env.work / "k")])]},
+        {"tool_calls": [spawn_call("k", "mine", [str(env.work / "k")])]},
+        {"tool_calls": [tool("stop_pod", pod="k")]},
+        {"tool_calls": [spawn_call("k", "mine again", [str(env.work / "k")])]},
+        {"text": "done"},
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    taken, mine, _, again = [
+        r for r in tool_results(parent) if r["name"] in ("spawn_pod", "stop_pod")
+    ]
+    assert taken["is_error"] and "is the name of another pod" in taken["output"], taken
+    assert kept.read_text() == before
+    assert not mine["is_error"] and not again["is_error"], (mine, again)
