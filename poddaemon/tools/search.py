@@ -182,8 +182,9 @@ class Grep:
         base = ctx.check(args.get("path", "."), Access.READ)
         stop = Stop(SEARCH_SECONDS)
         unread: list[str] = []  # files whose search ended at a line over SKIP_MAX_BYTES
+        unreadable: list[str] = []  # files and directories the OS would not let us read
         matches, files, capped, long_lines = await in_thread(
-            _grep, ctx, base, search, args.get("glob"), unread, stop=stop
+            _grep, ctx, base, search, args.get("glob"), unread, unreadable, stop=stop
         )
         what = f"{plural(len(matches), 'match', 'matches')} in {plural(files, 'file')}"
         notes = []
@@ -199,6 +200,12 @@ class Grep:
             notes.append(
                 f"[not searched past a line over {mib} MiB: {', '.join(unread[:5])}"
                 + (" …]" if len(unread) > 5 else "]")
+            )
+        if unreadable:  # else "no matches" would say the pattern is not in them
+            notes.append(
+                f"[could not read {plural(len(unreadable), 'path')}, not searched: "
+                + ", ".join(unreadable[:5])
+                + (" …]" if len(unreadable) > 5 else "]")
             )
         note = "\n".join(notes) + _out_of_time_note(stop)
         return ToolOutcome(
@@ -217,14 +224,22 @@ def _name_filter(name_glob: str | None) -> Any:
     return lambda rel, name: fnmatch.fnmatchcase(name, g)
 
 
-def _walk_files(ctx: ToolContext, base: str) -> Any:
+def _walk_files(ctx: ToolContext, base: str, unreadable: list[str]) -> Any:
     """Files under base (sorted, not following directory symlinks, pruning SKIP_DIRS and
-    directories the scope hides), as (path as walked, resolved path, its lstat or None)."""
+    directories the scope hides), as (path as walked, resolved path, its lstat or None).
+    A directory below base that cannot be listed is added to `unreadable`; base itself
+    raises the OSError."""
     st = os.stat(base)
     if not stat.S_ISDIR(st.st_mode):
         yield base, base, None
         return
-    for root, dirs, names in os.walk(base):
+
+    def cannot_list(e: OSError) -> None:
+        if e.filename == base:
+            raise e
+        unreadable.append(ctx.display(os.fsdecode(e.filename)) + "/")
+
+    for root, dirs, names in os.walk(base, onerror=cannot_list):
         dirs[:] = sorted(
             d
             for d in dirs
@@ -276,26 +291,31 @@ def _grep(
     search: Search,
     name_glob: str | None,
     unread: list[str],
+    unreadable: list[str],
     stop: Stop,
 ) -> tuple[list[str], int, bool, int]:
     """(match lines, files with matches, whether the match cap was hit, lines searched only in
-    their first GREP_LINE_BYTES)."""
+    their first GREP_LINE_BYTES). A file named as base that cannot be searched (unreadable,
+    not regular, binary) is a ToolError or OSError, as read_file's would be; one found in a
+    walk is skipped, and added to `unreadable` when the OS refused to open it."""
     accept = _name_filter(name_glob)
     out: list[str] = []
     files = 0
     cut = [0]  # lines searched in their first GREP_LINE_BYTES only
-    for full, real, looked in _walk_files(ctx, base):
+    for full, real, looked in _walk_files(ctx, base, unreadable):
         if stop.stopped():
             break
         if not accept(os.path.relpath(full, base), os.path.basename(full)):
             continue
+        shown = ctx.display(full)
         try:
-            fd, st = open_regular(ctx, real, real, looked)
+            fd, st = open_regular(ctx, real, shown, looked)
             with os.fdopen(fd, "rb") as f:
                 if is_binary(f.read(BINARY_SNIFF_BYTES)):
+                    if full == base:
+                        raise ToolError(f"{shown} is a binary file; not searched")
                     continue
                 f.seek(0)
-                shown = ctx.display(full)
                 hit = False
                 gave_up: list[int] = []
                 lines = lines_of(f, st.st_size, GREP_LINE_BYTES, cut, gave_up)
@@ -324,6 +344,10 @@ def _grep(
                     unread.append(f"{shown}:{gave_up[0]}")
         except _TooSlow:
             raise
-        except (OSError, ToolError, ScopeDenied):  # (TimeoutError is an OSError)
+        except (OSError, ToolError, ScopeDenied) as e:  # (TimeoutError is an OSError)
+            if full == base:  # the one file asked for: say why, never "no matches"
+                raise
+            if isinstance(e, PermissionError):
+                unreadable.append(ctx.display(full))
             continue  # unreadable, not regular, or moved outside the scope meanwhile
     return out, files, False, cut[0]
