@@ -425,6 +425,33 @@ def args_preview(arguments: str) -> Any:
         return arguments
 
 
+# How much of an unknown tool name its error repeats.
+MAX_NAME_SHOWN = 200
+
+
+async def _run(tool: Tool, name: str, arguments: str, ctx: ToolContext) -> ToolOutcome:
+    """`tool` called with the raw `arguments`: its outcome, or the error the model sees."""
+    try:
+        raw = decode_arguments(arguments)
+    except ToolError as e:
+        return _error(str(e))
+    if not isinstance(raw, dict):
+        return _error(f"arguments must be a JSON object, got {_json_type(raw)}")
+    try:
+        # MCP tools' schemas go beyond check_args' flat types; their servers validate.
+        own = getattr(tool, "validates_own_args", False)
+        args = raw if own else check_args(tool.parameters, raw)
+        return await tool.run(ctx, args)
+    except ScopeDenied as e:
+        return _error(str(e))
+    except ToolError as e:
+        return _error(str(e))
+    except OSError as e:
+        return _error(_os_error_text(e))
+    except Exception as e:
+        return _error(f"internal error in {name}: {type(e).__name__}: {e}")
+
+
 async def execute(
     name: str,
     arguments: str,
@@ -439,26 +466,12 @@ async def execute(
         tools = BUILTIN
     tool = tools.get(name)
     if tool is None:
-        return _error(f"unknown tool: {name} (available: {', '.join(sorted(tools))})")
-    try:
-        raw = decode_arguments(arguments)
-    except ToolError as e:
-        return _error(str(e))
-    if not isinstance(raw, dict):
-        return _error(f"arguments must be a JSON object, got {_json_type(raw)}")
-    try:
-        # MCP tools' schemas go beyond check_args' flat types; their servers validate.
-        own = getattr(tool, "validates_own_args", False)
-        args = raw if own else check_args(tool.parameters, raw)
-        outcome = await tool.run(ctx, args)
-    except ScopeDenied as e:
-        outcome = _error(str(e))
-    except ToolError as e:
-        outcome = _error(str(e))
-    except OSError as e:
-        outcome = _error(_os_error_text(e))
-    except Exception as e:
-        outcome = _error(f"internal error in {name}: {type(e).__name__}: {e}")
+        # The name is the model's: a megabyte of it came back whole, past every output cap,
+        # into the log and every later request (and the list of names was lost after it).
+        shown = name if len(name) <= MAX_NAME_SHOWN else name[: MAX_NAME_SHOWN - 1] + "…"
+        outcome = _error(f"unknown tool: {shown} (available: {', '.join(sorted(tools))})")
+    else:
+        outcome = await _run(tool, name, arguments, ctx)
     if not getattr(tool, "caps_own_output", False):
         outcome.output = cap_output(outcome.output, ctx.limits.max_bytes(name))
     if outcome.note:

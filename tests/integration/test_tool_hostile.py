@@ -93,3 +93,20 @@ def test_a_regex_that_backtracks_for_ever_is_a_tool_error_and_the_pod_keeps_answ
     assert events[-1].data["outcome"] == "finished"
     followup = str(env.model.requests[1]["body"])
     assert "backtracks catastrophically" in followup and "f.txt:1" in followup
+
+
+def test_a_huge_unknown_tool_name_is_not_echoed_whole(env: Env) -> None:
+    # The error repeated the model's name whole, past the output cap: 3 MB of it went into the
+    # log and into every later request, and the list of the real names came after it.
+    env.model.script(
+        {"tool_calls": [{"name": "x" * 3_000_000, "arguments": {}}]},
+        {"text": "done"},
+    )
+    pod = env.start("bigname")
+    with pod.client() as c:
+        assert c.run_wait("go").text == "done"
+        (output,) = [e["item"]["output"] for e in c.history().entries if e["kind"] == "tool_result"]
+    assert len(output.encode()) <= 16384
+    assert output.startswith("unknown tool: xxx")
+    assert output.endswith("(available: edit_file, glob, grep, list_dir, read_file, write_file)")
+    assert len(str(env.model.requests[1]["body"])) < 3_100_000  # the call itself, once
