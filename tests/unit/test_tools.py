@@ -831,6 +831,45 @@ async def test_a_file_of_one_huge_line_is_read_and_searched_in_bounded_memory(
     ]
 
 
+@pytest.mark.parametrize("tool", ["read_file", "grep"])
+async def test_a_small_file_that_grows_after_the_stat_is_read_in_bounded_memory(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch, tool: str
+) -> None:
+    # A file small when looked at was read with its own line iterator, to the end of each line
+    # however long it had become: a log written meanwhile was held whole (600 MB: 1.8 GB RSS).
+    import tracemalloc
+
+    grow = root / "grow.log"
+    grow.write_text("first\n")
+    opened = files_mod.open_regular
+
+    def open_then_grow(*args: Any) -> tuple[int, os.stat_result]:
+        fd, st = opened(*args)
+        with open(grow, "ab") as f:  # what another process appends right after the stat
+            for _ in range(48):
+                f.write(b"x" * (1 << 20))
+            f.write(b" needle\n")
+        return fd, st
+
+    monkeypatch.setattr(files_mod, "open_regular", open_then_grow)
+    monkeypatch.setattr(search_mod, "open_regular", open_then_grow)
+    tracemalloc.start()
+    try:
+        if tool == "read_file":
+            out = await read(ctx, "grow.log")
+        else:
+            out = await call(ctx, "grep", pattern="first|needle", path="grow.log")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, peak
+    if tool == "read_file":
+        first, long = out.output.splitlines()
+        assert first.endswith("\tfirst") and long.endswith("x" * 10 + " … [line truncated]")
+    else:
+        assert out.output.splitlines()[0] == "grow.log:1:first"
+
+
 @pytest.mark.parametrize(
     ("data", "lines"),
     [
