@@ -76,6 +76,13 @@ def reports_left(pod: "Pod", name: str) -> list[OutboxItem]:
         return []
 
 
+def _path_arg(path: str, what: str) -> str:
+    """`path` as given, or a ToolError: a NUL byte (no path has one) was an "internal error"."""
+    if "\0" in path:
+        raise ToolError(f"{what}: invalid path {path!r}: it contains a NUL byte")
+    return path
+
+
 def narrow_tools(m: "Manifest", asked: Any, offered: Mapping[str, str]) -> "Manifest":
     """The spawner's configuration `m` with exactly the tools `asked` (`spawn_pod`'s `tools`).
 
@@ -423,10 +430,22 @@ class Children:
         for i, rule in enumerate(rules):
             if not isinstance(rule, dict) or not isinstance(rule.get("target"), str):
                 raise ToolError(f"scope[{i}]: needs a target")
+            unknown = sorted(set(rule) - {"target", "permission", "recursive"})
+            if unknown:  # a misspelt field was dropped without a word
+                raise ToolError(
+                    f"scope[{i}]: unknown field {', '.join(unknown)} "
+                    "(expected target, permission, recursive)"
+                )
             perm = rule.get("permission", "read")
             if perm not in ("read", "write"):
                 raise ToolError(f"scope[{i}].permission must be read or write")
-            target = resolve(rule["target"], cwd)
+            # Taken for its truth before: "false" (or 0) gave the whole tree, not one level.
+            recursive = rule.get("recursive")
+            if recursive is None:
+                recursive = True
+            elif not isinstance(recursive, bool):
+                raise ToolError(f"scope[{i}].recursive must be true or false")
+            target = resolve(_path_arg(rule["target"], f"scope[{i}].target"), cwd)
             want = Access.WRITE if perm == "write" else Access.READ
             has = pod.scope.access(target)
             if has < want:
@@ -435,7 +454,6 @@ class Children:
                     f"scope[{i}]: {perm} {target} is not inside this pod's scope ({why}: it "
                     f"has {has.label})"
                 )
-            recursive = bool(rule.get("recursive", True))
             asked = Rule(target=target, access=want, recursive=recursive)
             # What lies below the target too: one of our rules must reach as deep (our denies
             # go to the child with the rest of our configuration).
@@ -448,7 +466,7 @@ class Children:
             allow.append({"target": target, "permission": perm, "recursive": recursive})
         if args.get("tools") is not None:
             m = narrow_tools(m, args["tools"], self._offered_mcp())
-        pwd = resolve(str(args.get("pwd") or allow[0]["target"]), cwd)
+        pwd = resolve(_path_arg(str(args.get("pwd") or allow[0]["target"]), "pwd"), cwd)
         data = m.to_dict()
         data["pod"] = {"name": name, "pwd": pwd}
         data["scope"] = {"allow": allow, "deny": data.get("scope", {}).get("deny", [])}

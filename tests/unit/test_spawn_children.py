@@ -222,3 +222,42 @@ def test_the_reports_a_spawner_remembers_for_runs_it_has_not_expected_yet_are_bo
     children._expect("kid", "early")
     assert not children.outstanding.get("kid")  # nothing to wait for
     assert "early" not in children._reported  # and nothing kept once taken
+
+
+@pytest.mark.parametrize(
+    ("rule", "error"),
+    [
+        # "false" is truthy: the child was given the whole tree instead of one level.
+        ({"recursive": "false"}, "scope[0].recursive must be true or false"),
+        ({"recursive": 0}, "scope[0].recursive must be true or false"),
+        ({"permision": "write"}, "scope[0]: unknown field permision (expected target, "),
+        ({"target": "/tmp/a\0b"}, "scope[0].target: invalid path '/tmp/a\\x00b': it contains"),
+    ],
+)
+def test_a_scope_rule_the_child_would_not_get_as_asked_is_refused(
+    registry: Registry, tmp_path: Path, rule: dict[str, Any], error: str
+) -> None:
+    pod: Any = SimpleNamespace(
+        m=spawner(),
+        scope=Scope.from_dicts([{"target": "/tmp", "permission": "write"}]),
+        s=SimpleNamespace(registry=registry, tools=SimpleNamespace(tools={})),
+    )
+    args = {"scope": [{"target": str(tmp_path), "permission": "read", **rule}]}
+    with pytest.raises(ToolError) as refused:
+        Children(pod)._child_manifest("kid", args, None)
+    assert str(refused.value).startswith(error), refused.value
+    for given, recursive in ((False, False), (True, True), (None, True)):
+        args = {"scope": [{"target": str(tmp_path), "permission": "read", "recursive": given}]}
+        (child_rule,) = Children(pod)._child_manifest("kid", args, None).scope.allow
+        assert child_rule.recursive is recursive
+
+
+def test_a_pwd_with_a_nul_byte_is_a_tool_error(registry: Registry, tmp_path: Path) -> None:
+    pod: Any = SimpleNamespace(
+        m=spawner(),
+        scope=Scope.from_dicts([{"target": "/tmp", "permission": "write"}]),
+        s=SimpleNamespace(registry=registry, tools=SimpleNamespace(tools={})),
+    )
+    args = {"scope": [{"target": str(tmp_path), "permission": "read"}], "pwd": "/tmp/\0"}
+    with pytest.raises(ToolError, match=r"pwd: invalid path .* it contains a NUL byte"):
+        Children(pod)._child_manifest("kid", args, None)
