@@ -409,6 +409,15 @@ def _edited(raw: bytes, old: str, new: str, shown: str, replace_all: bool) -> _E
         raise ToolError(
             f"old_string occurs {count} times in {shown}; add context or set replace_all"
         )
+    # Looked at before the text is built: replace_all multiplies new_string by the count, so a
+    # 1 MiB file of `a` and a 2,000-character new_string made 2 GB (4 GB of the pod's memory).
+    grows = len(new.encode("utf-8", "surrogatepass")) - len(old.encode("utf-8", "surrogatepass"))
+    size = len(raw) + count * grows
+    if size > EDIT_MAX_BYTES:
+        raise ToolError(
+            f"the edit would make {shown} {size >> 20} MiB; edit_file writes files up to "
+            f"{EDIT_MAX_BYTES >> 20} MiB"
+        )
     return _Edit(_encode(text.replace(old, new)), count)
 
 

@@ -293,6 +293,28 @@ async def test_edit_file_refuses_a_file_too_large_to_hold(
     assert big.read_bytes().startswith(b"old\n")
 
 
+async def test_edit_file_refuses_an_edit_that_would_make_the_file_too_large(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # replace_all multiplies new_string by the count: a 1 MiB file of `a` and a 2,000-character
+    # new_string became a 2 GB file, built in 4 GB of the pod's memory on its event loop.
+    monkeypatch.setattr(files_mod, "EDIT_MAX_BYTES", 3 << 20)
+    f = root / "many.txt"
+    f.write_bytes(b"a" * (1 << 20))
+    await read(ctx, "many.txt")
+    out = await call(
+        ctx, "edit_file", path="many.txt", old_string="a", new_string="ccc", replace_all=True
+    )
+    assert (out.is_error, out.output) == (False, "edited many.txt: 1048576 replacements")
+    assert f.stat().st_size == 3 << 20  # up to the limit itself: edited
+    out = await call(
+        ctx, "edit_file", path="many.txt", old_string="c", new_string="dd", replace_all=True
+    )
+    assert out.is_error
+    assert out.output == "the edit would make many.txt 6 MiB; edit_file writes files up to 3 MiB"
+    assert f.read_bytes() == b"ccc" * (1 << 20)
+
+
 async def test_edit_file_not_found_and_multiple(ctx: ToolContext, root: Path) -> None:
     f = root / "t.txt"
     f.write_text("a b a b a\n")
