@@ -224,7 +224,7 @@ def _name_filter(name_glob: str | None) -> Any:
     return lambda rel, name: fnmatch.fnmatchcase(name, g)
 
 
-def _walk_files(ctx: ToolContext, base: str, unreadable: list[str]) -> Any:
+def _walk_files(ctx: ToolContext, base: str, unreadable: list[str], stop: Stop) -> Any:
     """Files under base (sorted, not following directory symlinks, pruning SKIP_DIRS and
     directories the scope hides), as (path as walked, resolved path, its lstat or None).
     A directory below base that cannot be listed is added to `unreadable`; base itself
@@ -240,6 +240,10 @@ def _walk_files(ctx: ToolContext, base: str, unreadable: list[str]) -> Any:
         unreadable.append(ctx.display(os.fsdecode(e.filename)) + "/")
 
     for root, dirs, names in os.walk(base, onerror=cannot_list):
+        # Looked at per directory too: a tree of directories alone gives no file to stop at,
+        # and was walked to its end past the time limit and a cancel (the pod's exit waited).
+        if stop.stopped():
+            return
         dirs[:] = sorted(
             d
             for d in dirs
@@ -302,7 +306,7 @@ def _grep(
     out: list[str] = []
     files = 0
     cut = [0]  # lines searched in their first GREP_LINE_BYTES only
-    for full, real, looked in _walk_files(ctx, base, unreadable):
+    for full, real, looked in _walk_files(ctx, base, unreadable, stop):
         if stop.stopped():
             break
         if not accept(os.path.relpath(full, base), os.path.basename(full)):

@@ -752,7 +752,7 @@ async def test_grep_out_of_time_answers_with_what_it_found(
 ) -> None:
     for name in ("a.txt", "b.txt", "c.txt"):
         (root / name).write_text("hit\n")
-    monkeypatch.setattr(search_mod, "Stop", time_runs_out_after(2))  # looks before each file
+    monkeypatch.setattr(search_mod, "Stop", time_runs_out_after(3))  # the directory, then each file
     out = await call(ctx, "grep", pattern="hit")
     assert out.output.splitlines() == [
         "a.txt:1:hit",
@@ -760,6 +760,22 @@ async def test_grep_out_of_time_answers_with_what_it_found(
         "[stopped after 60 s with what was found so far; narrow the path]",
     ]
     assert not out.is_error
+
+
+async def test_grep_out_of_time_stops_in_a_tree_of_directories_alone(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The time was looked at before each file only: a tree of empty directories (millions of
+    # them) was walked to its end, past the limit and past a cancel.
+    deep = root.joinpath(*(f"d{i}" for i in range(10)))
+    deep.mkdir(parents=True)
+    (deep / "f.txt").write_text("hit\n")
+    monkeypatch.setattr(search_mod, "Stop", time_runs_out_after(3))
+    out = await call(ctx, "grep", pattern="hit")
+    assert out.output.splitlines() == [
+        "no matches",
+        "[stopped after 60 s with what was found so far; narrow the path]",
+    ]
 
 
 async def test_glob_out_of_time_answers_with_what_it_found(
