@@ -220,13 +220,14 @@ class ToolContext(msgspec.Struct):
             self.denied.check(fd, name, where, want)
 
     def display(self, resolved: str) -> str:
-        """A path as the model should see it: relative to pwd when inside it."""
+        """A path as the model should see it: relative to pwd when inside it, its control
+        characters escaped."""
         rel = os.path.relpath(resolved, self.pwd)
         if rel == os.curdir:
             return "."
         if rel == os.pardir or rel.startswith(os.pardir + os.sep):
-            return resolved
-        return rel
+            return escape_controls(resolved)
+        return escape_controls(rel)
 
 
 class ToolOutcome(msgspec.Struct, kw_only=True):
@@ -298,6 +299,16 @@ def cap_output(text: str, max_bytes: int) -> str:
         return text
     head = data[:max_bytes].decode("utf-8", "ignore")
     return f"{head}\n[output truncated: {len(data)} bytes, showing the first {max_bytes}]"
+
+
+# C0 controls and DEL, written as `ls -b` writes them: a newline in a file name split it into
+# two lines of a listing, two names that are not there (and could forge a line of grep's).
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(32), 127)} | {9: "\\t", 10: "\\n", 13: "\\r"}
+
+
+def escape_controls(name: str) -> str:
+    """A file name with its control characters escaped (`a\\nb` for a, newline, b)."""
+    return name.translate(_CONTROLS)
 
 
 def printable_utf8(text: str) -> str:

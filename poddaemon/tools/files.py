@@ -21,6 +21,7 @@ from poddaemon.tools.base import (
     ToolContext,
     ToolError,
     ToolOutcome,
+    escape_controls,
     in_thread,
     schema,
 )
@@ -481,4 +482,5 @@ def _shown(entry: os.DirEntry[str]) -> str:
         is_dir = entry.is_dir()
     except OSError:
         is_dir = False
-    return entry.name + "/" if is_dir else entry.name
+    name = escape_controls(entry.name)
+    return name + "/" if is_dir else name

@@ -110,3 +110,26 @@ def test_a_huge_unknown_tool_name_is_not_echoed_whole(env: Env) -> None:
     assert output.startswith("unknown tool: xxx")
     assert output.endswith("(available: edit_file, glob, grep, list_dir, read_file, write_file)")
     assert len(str(env.model.requests[1]["body"])) < 3_100_000  # the call itself, once
+
+
+def test_a_file_name_with_a_newline_is_one_escaped_line(env: Env) -> None:
+    # Shown as it is, a newline split the name into two listed names that are not there; a
+    # local user could name a file so that it forged a line of grep's output.
+    os.mkdir(env.work / "d")
+    (env.work / "d" / "evil\nsecret.txt").write_text("needle\n")
+    (env.work / "d" / "tab\there").write_text("")
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "d"}}]},
+        {"tool_calls": [{"name": "glob", "arguments": {"pattern": "d/evil*"}}]},
+        {"tool_calls": [{"name": "grep", "arguments": {"pattern": "needle", "path": "d"}}]},
+        {"text": "done"},
+    )
+    pod = env.start("ctrl")
+    with pod.client() as c:
+        assert c.run_wait("go").text == "done"
+        outputs = [e["item"]["output"] for e in c.history().entries if e["kind"] == "tool_result"]
+    assert outputs == [
+        "evil\\nsecret.txt\ntab\\there",
+        "d/evil\\nsecret.txt",
+        "d/evil\\nsecret.txt:1:needle",
+    ]
