@@ -843,6 +843,39 @@ async def test_a_cancelled_grep_stops_its_thread(
     assert asked == [0, 1]
 
 
+async def test_a_cancelled_read_file_stops_its_thread(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An offset past the end of a big log reads every line of it: cancelled, the thread went
+    # on to the end (26 s for 400 MB), and the pod's exit waited for it.
+    asked: list[int] = []
+    resume = threading.Event()
+    reading = threading.Event()
+    ended = threading.Event()
+
+    def lines(*_: Any, **__: Any) -> Any:
+        try:
+            for i in range(1000):
+                asked.append(i)
+                if i == 1:
+                    reading.set()
+                    resume.wait(10)
+                yield b"y\n"
+        finally:
+            ended.set()
+
+    (root / "big.log").write_text("y\n")
+    monkeypatch.setattr(files_mod, "lines_of", lines)
+    task = asyncio.ensure_future(call(ctx, "read_file", path="big.log", offset=10**9))
+    assert await asyncio.to_thread(reading.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    resume.set()
+    assert await asyncio.to_thread(ended.wait, 10)
+    assert asked == [0, 1]
+
+
 async def test_a_file_of_one_huge_line_is_read_and_searched_in_bounded_memory(
     ctx: ToolContext, root: Path
 ) -> None:
