@@ -19,6 +19,9 @@ MAX_TIMEOUT = 600
 # After the group is killed, how long to wait for the output pipe to close (a process that
 # left the group with setsid may still hold it).
 DRAIN_GRACE = 5.0
+# The kernel's limit on one argument (MAX_ARG_STRLEN, 32 pages, with its NUL): a longer command
+# failed as "Argument list too long: '/bin/bash'", which does not say what to do.
+MAX_COMMAND_BYTES = 32 * os.sysconf("SC_PAGESIZE") - 1
 
 
 class _Capture:
@@ -113,6 +116,12 @@ class Bash:
         timeout: int = args.get("timeout", DEFAULT_TIMEOUT)
         if not 1 <= timeout <= MAX_TIMEOUT:
             raise ToolError(f"timeout must be between 1 and {MAX_TIMEOUT} seconds")
+        size = len(command.encode("utf-8", "surrogatepass"))
+        if size > MAX_COMMAND_BYTES:
+            raise ToolError(
+                f"the command is {size} bytes; at most {MAX_COMMAND_BYTES} can be run as one "
+                "(write a script with write_file and run that)"
+            )
         capture = _Capture(ctx.limits.max_bytes(self.name))
         try:
             runner = await ctx.command_runner()

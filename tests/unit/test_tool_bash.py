@@ -96,6 +96,22 @@ async def test_timeout_validation(ctx: ToolContext) -> None:
         assert out.is_error and "timeout must be between 1 and 600" in out.output
 
 
+async def test_a_command_too_long_for_the_kernel_says_so(ctx: ToolContext) -> None:
+    # It failed as "could not start the command: OSError: [Errno 7] Argument list too long:
+    # '/bin/bash'", naming neither the limit nor a way round it.
+    limit = 32 * os.sysconf("SC_PAGESIZE") - 1  # MAX_ARG_STRLEN, less its NUL
+    xs = limit - len("echo ") - len(" | wc -c")
+    longest = "echo " + "x" * xs + " | wc -c"
+    out = await bash(ctx, longest)
+    assert (out.is_error, out.output) == (False, str(xs + 1))  # the kernel takes it
+    out = await bash(ctx, longest + " ")
+    assert out.is_error
+    assert out.output == (
+        f"the command is {limit + 1} bytes; at most {limit} can be run as one "
+        "(write a script with write_file and run that)"
+    )
+
+
 async def test_timeout_kills_the_whole_group(ctx: ToolContext) -> None:
     started = time.monotonic()
     out = await bash(ctx, "echo $$; echo begun; sleep 1000 & sleep 1000", timeout=1)
