@@ -7,6 +7,7 @@ import functools
 import os
 import re
 import stat
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,10 @@ class Glob:
         if not os.path.isdir(base):
             raise ToolError(f"not a directory: {ctx.display(base)}")
         stop = Stop(SEARCH_SECONDS)
-        found = await in_thread(_glob, ctx, base, pattern, stop=stop)
+        try:
+            found = await in_thread(_glob, ctx, base, pattern, stop=stop)
+        except RecursionError:
+            raise ToolError(_too_deep(ctx, base)) from None
         late = _out_of_time_note(stop)
         if not found:
             return ToolOutcome(
@@ -77,6 +81,15 @@ class Glob:
             summary=f"glob {pattern}: {plural(len(found), 'match', 'matches')}",
             note=(more + late).strip("\n"),
         )
+
+
+def _too_deep(ctx: ToolContext, base: str) -> str:
+    """The error for a tree nested deeper than the walks' recursion can go (~1000 levels, far
+    inside PATH_MAX): it was "internal error in grep: RecursionError"."""
+    return (
+        f"the tree under {ctx.display(base)} is nested too deep to search (over "
+        f"{sys.getrecursionlimit()} levels); give a path further down"
+    )
 
 
 def _out_of_time_note(stop: Stop) -> str:
@@ -183,9 +196,12 @@ class Grep:
         stop = Stop(SEARCH_SECONDS)
         unread: list[str] = []  # files whose search ended at a line over SKIP_MAX_BYTES
         unreadable: list[str] = []  # files and directories the OS would not let us read
-        matches, files, capped, long_lines = await in_thread(
-            _grep, ctx, base, search, args.get("glob"), unread, unreadable, stop=stop
-        )
+        try:
+            matches, files, capped, long_lines = await in_thread(
+                _grep, ctx, base, search, args.get("glob"), unread, unreadable, stop=stop
+            )
+        except RecursionError:
+            raise ToolError(_too_deep(ctx, base)) from None
         what = f"{plural(len(matches), 'match', 'matches')} in {plural(files, 'file')}"
         notes = []
         if capped:

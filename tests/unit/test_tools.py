@@ -778,6 +778,51 @@ async def test_grep_out_of_time_stops_in_a_tree_of_directories_alone(
     ]
 
 
+@pytest.mark.parametrize(
+    ("tool", "args"), [("grep", {"pattern": "needle"}), ("glob", {"pattern": "**/f.txt"})]
+)
+async def test_a_tree_nested_past_the_recursion_limit_is_a_clear_error(
+    ctx: ToolContext, root: Path, tool: str, args: dict[str, str]
+) -> None:
+    # Its walks recurse per level: ~1000 levels (2,000 characters of path, far inside PATH_MAX)
+    # answered "internal error in grep: RecursionError: maximum recursion depth exceeded".
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(400)  # (1000 as it is: glob's walk there takes 13 s to get so deep)
+    try:
+        await deep_call(ctx, root, tool, args)
+    finally:
+        sys.setrecursionlimit(limit)
+        remove_chain(root)
+
+
+def remove_chain(top: Path) -> None:
+    """Remove top/d/d/…/d level by level: rmtree (pytest's too) recurses once per level."""
+    while (top / "d").exists():
+        (top / "d").rename(top / "x")
+        if (top / "x" / "d").exists():
+            (top / "x" / "d").rename(top / "d")
+        for leftover in (top / "x").iterdir():
+            leftover.unlink()
+        (top / "x").rmdir()
+
+
+async def deep_call(ctx: ToolContext, root: Path, tool: str, args: dict[str, str]) -> None:
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(sys.getrecursionlimit() + 50):
+        os.mkdir("d", dir_fd=fd)
+        sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = sub
+    os.close(os.open("f.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    os.close(fd)
+    out = await call(ctx, tool, **args)
+    assert out.is_error
+    assert out.output == (
+        f"the tree under . is nested too deep to search (over {sys.getrecursionlimit()} "
+        "levels); give a path further down"
+    )
+
+
 async def test_glob_out_of_time_answers_with_what_it_found(
     ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
