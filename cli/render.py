@@ -133,6 +133,15 @@ def event_line(
     etype: str, run_id: Any, data: Mapping[str, Any], event: Mapping[str, Any]
 ) -> str | None:
     """One line (no newline) for a non-delta event; None to show nothing."""
+    line = _event_line(etype, run_id, data, event)
+    # Every field, not only the free text: a tool's name, a child's name, an alert's source and
+    # level are chosen by the model (or another pod) as much as its text is.
+    return None if line is None else line.translate(_CONTROLS)
+
+
+def _event_line(
+    etype: str, run_id: Any, data: Mapping[str, Any], event: Mapping[str, Any]
+) -> str | None:
     run = f"[run {run_id}]" if run_id else "[run ?]"
     if etype == "run.queued":
         position = data.get("position")
@@ -453,4 +462,7 @@ def entry_summary(entry: Mapping[str, Any]) -> str:
 
 
 def entry_line(entry: Mapping[str, Any]) -> str:
-    return f"{entry.get('seq', '?')} {entry.get('kind', '?')} {entry_summary(entry)}".rstrip()
+    """`seq kind summary`, control characters as \\xNN in every field: a log's pod name, model
+    name or kind is as much data as the text it quotes."""
+    line = f"{entry.get('seq', '?')} {entry.get('kind', '?')} {entry_summary(entry)}".rstrip()
+    return line.translate(_CONTROLS)

@@ -512,3 +512,46 @@ def test_send_exit_codes_and_attach(home: Path) -> None:
                 attach.kill()
                 attach.wait()
             kill_leftover_pods(home)
+
+
+@pytest.mark.skipif(not HAVE_DAEMON, reason="poddaemon.daemon not there yet")
+def test_attach_shows_a_model_chosen_tool_name_without_escape_sequences(home: Path) -> None:
+    """The model names the tool it calls: `podctl attach` printed that name raw, so an OSC 52
+    in it wrote the clipboard of whoever was watching. It is shown with \\xNN like the rest."""
+    from poddaemon.testing.fake_model import FakeModel
+
+    evil = "ev\x1b]52;c;aGk=\x07il"
+    with FakeModel() as fake:
+        manifest = write_manifest(home, "esc", fake.openai_base_url)
+        attach: subprocess.Popen[str] | None = None
+        try:
+            spawned = podctl(home, "spawn", str(manifest), env={"PODCTL_TEST_KEY": "dummy"})
+            assert spawned.returncode == 0, spawned.stderr
+            fake.script({"tool_calls": [{"name": evil, "arguments": "{}"}]}, {"text": "done"})
+            sent = podctl(home, "send", "esc", "go", timeout=90)
+            assert (sent.returncode, sent.stdout) == (0, "done\n"), sent.stderr
+            attach = subprocess.Popen(
+                [sys.executable, "-m", "cli.main", "attach", "esc", "--since", "0"],
+                cwd=REPO,
+                env=env_for(home),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            assert attach.stdout is not None
+            seen: list[str] = []
+            for line in attach.stdout:
+                seen.append(line)
+                if "] finished: " in line:
+                    break
+            shown = "".join(seen)
+            assert "\x1b" not in shown and "\x07" not in shown, shown
+            assert "⚙ ev\\x1b]52;c;aGk=\\x07il {}\n" in seen, shown
+            assert "✗ ev\\x1b]52;c;aGk=\\x07il: " in shown
+            attach.send_signal(signal.SIGINT)
+            assert attach.wait(timeout=10) == 0
+        finally:
+            if attach is not None and attach.poll() is None:
+                attach.kill()
+                attach.wait()
+            kill_leftover_pods(home)

@@ -390,3 +390,47 @@ def test_ls_and_status_show_a_pods_paths_and_model_without_escape_sequences() ->
     assert "\x1b" not in text and "\x07" not in text and "\x9b" not in text
     assert f"\npwd:      {shown}\n" in text and f"\nscope:    allow write {shown}\n" in text
     assert "\nmodel:    m\\x1b[2J\n" in text
+
+
+BAD = "x\x1b]52;c;aGk=\x07\x9b2J\ry"
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        ev("tool.started", call_id="c1", name=BAD, args={"p": "a"}),
+        ev("tool.finished", call_id="c1", name=BAD, is_error=True, summary="s"),
+        ev("alert", level=BAD, source=BAD, message="m"),
+        ev("child.event", pod=BAD, kind=BAD, run_id=BAD, text="t"),
+        ev("run.finished", outcome=BAD),
+        ev("state.changed", state=BAD),
+        ev("compaction.started", reason=BAD, input_tokens=BAD),
+        ev("compaction.finished", session_id=BAD, before_tokens=BAD, after_tokens=BAD),
+        ev("shutdown", reason=BAD),
+        ev("gap", since=BAD),
+        ev("llm.usage", input=BAD, output=BAD, cache_read=BAD),
+        ev("llm.retry", attempt=BAD, error="e"),
+        ev("run.queued", position=BAD),
+        ev("run.started", run_id=BAD),
+        ev(f"mystery{BAD}"),
+    ],
+)
+def test_no_field_of_any_event_reaches_the_terminal_raw(event: dict[str, Any]) -> None:
+    """`podctl attach` printed a tool's name as the model chose it, escape sequences and all
+    (and a child's name, an alert's source...): every field shows control characters as \\xNN."""
+    out = render_all([event])
+    assert not any(c in out for c in "\x1b\x07\x9b\r"), out
+    assert "\\x1b]52;c;aGk=\\x07\\x9b2J\\x0dy" in out
+
+
+def test_no_field_of_a_history_entry_reaches_the_terminal_raw() -> None:
+    """`podctl history` and `sessions show` print a log's pod name, model name and kind too."""
+    entries = [
+        {"seq": 1, "kind": "session_start", "pod": BAD},
+        {"seq": 2, "kind": "llm_usage", "input": 1, "output": 1, "model": BAD},
+        {"seq": BAD, "kind": BAD},
+    ]
+    for entry in entries:
+        line = entry_line(entry)
+        assert not any(c in line for c in "\x1b\x07\x9b\r"), line
+        assert "\\x1b]52;c;aGk=\\x07\\x9b2J\\x0dy" in line
