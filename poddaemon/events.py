@@ -56,10 +56,12 @@ class EventBus:
         self._subs: set[Subscription] = set()
 
     def publish(self, type: str, data: dict[str, Any], run_id: str | None = None) -> Event:
-        self.seq += 1
-        seq = self.seq
+        seq = self.seq + 1
         event = Event(seq=seq, ts=time.time(), type=type, data=data, run_id=run_id)
+        # Numbered only once encoded: a value that cannot be (a lone surrogate) left a seq that
+        # no frame held, and every subscriber's catch-up then failed on it for good.
         frame = event_frame(event)
+        self.seq = seq
         held = self._held
         if len(held) == held.maxlen:
             self._held_bytes -= len(held[0][1])  # append drops it

@@ -4,6 +4,7 @@ asked for, and congested subscribers left behind without blocking anyone, then c
 from dataclasses import dataclass, field
 
 import msgspec
+import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -348,3 +349,20 @@ def test_a_cursor_from_an_earlier_life_of_the_pod_gets_a_gap() -> None:
     quiet.subscribe(early.sub(quiet.first_seq))
     publish_n(quiet, 2)
     assert early.gaps == [] and early.seqs == [8, 9]
+
+
+def test_an_event_that_cannot_be_encoded_does_not_wedge_the_stream() -> None:
+    """A lone surrogate (the model's `\\ud800`) cannot be encoded: its publish raised after the
+    seq was taken, and from then on every subscriber's catch-up failed on the missing frame
+    (`podctl send` and `attach` waited forever). The seq is taken only once it is encoded."""
+    bus = EventBus()
+    live = Conn()
+    bus.subscribe(live.sub(0))
+    bus.publish("text.delta", {"text": "a"})
+    with pytest.raises(UnicodeEncodeError):
+        bus.publish("text.delta", {"text": "b\ud800"})
+    bus.publish("run.finished", {"outcome": "error"})
+    late = Conn()
+    bus.subscribe(late.sub(0))
+    for conn in (live, late):
+        assert [(e.seq, e.type) for e in conn.events] == [(1, "text.delta"), (2, "run.finished")]
