@@ -24,6 +24,7 @@ from poddaemon.entries import (
     events_of,
 )
 from poddaemon.events import EventBus
+from poddaemon.history import ToolCall
 from poddaemon.interceptors import Budget, Chain, Interceptor, Refuse
 from poddaemon.llm.types import (
     ModelClient,
@@ -32,6 +33,7 @@ from poddaemon.llm.types import (
     ProviderError,
     ReasoningDelta,
     RetryScheduled,
+    StreamEvent,
     TextDelta,
 )
 from poddaemon.machine import (
@@ -59,7 +61,13 @@ from poddaemon.sandbox.pod import PodSandbox
 from poddaemon.scope import Scope
 from poddaemon.store.log import new_session_id
 from poddaemon.summary import summarize
-from poddaemon.tools.base import ToolContext, ToolOutcome, ToolOutputLimits, execute
+from poddaemon.tools.base import (
+    ToolContext,
+    ToolOutcome,
+    ToolOutputLimits,
+    execute,
+    printable_utf8,
+)
 from poddaemon.toolset import Toolset
 from poddaemon.turn import CANCELLED_WHILE_RUNNING, NOT_RUN_CANCELLED
 from protocol import errors
@@ -87,6 +95,30 @@ class Services(msgspec.Struct):
     callback: str | None = None  # the spawner's socket (a child reports there)
     sandbox: PodSandbox = msgspec.field(default_factory=PodSandbox)
     compaction_model: ModelClient | None = None  # [compaction.provider]; None: `model`
+
+
+def _utf8_only(event: StreamEvent) -> StreamEvent:
+    """`event` with every lone surrogate in the model's output shown as text (`\\ud800`): the
+    SDKs decode a `\\ud800` escape in a stream into one, and neither an event frame nor the
+    session log can encode it (its publish failed and wedged every subscriber's stream)."""
+    if isinstance(event, TextDelta | ReasoningDelta):
+        text = printable_utf8(event.text)
+        return event if text is event.text else type(event)(text)
+    if isinstance(event, ModelResponse):
+        m = event.message
+        calls = tuple(
+            ToolCall(
+                id=printable_utf8(c.id),
+                name=printable_utf8(c.name),
+                arguments=printable_utf8(c.arguments),
+            )
+            for c in m.tool_calls
+        )
+        message = msgspec.structs.replace(
+            m, text=printable_utf8(m.text), reasoning=printable_utf8(m.reasoning), tool_calls=calls
+        )
+        return msgspec.structs.replace(event, message=message, detail=printable_utf8(event.detail))
+    return event
 
 
 class Pod:
@@ -439,6 +471,7 @@ class Pod:
                 # used, published or committed before the input is durable.
                 await self._synced()
             async for event in events:
+                event = _utf8_only(event)
                 if isinstance(event, TextDelta):
                     streamed.append(event.text)
                     publish("text.delta", {"text": event.text}, run_id)

@@ -555,3 +555,62 @@ def test_attach_shows_a_model_chosen_tool_name_without_escape_sequences(home: Pa
                 attach.kill()
                 attach.wait()
             kill_leftover_pods(home)
+
+
+# One streamed chat answer whose text holds a lone surrogate (`\ud800`, valid JSON) and a stray
+# low one, then a tool call whose name holds one: what no fake scripted through msgspec can send.
+_SURROGATE_STREAM = [
+    b'{"choices":[{"index":0,"delta":{"content":"a\\ud800b \\udcff"},"finish_reason":null}]}',
+    b'{"choices":[{"index":0,"delta":{"content":" c"},"finish_reason":"stop"}],'
+    b'"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}',
+    b"[DONE]",
+]
+
+
+@contextlib.contextmanager
+def surrogate_server() -> Iterator[str]:
+    """An OpenAI-compatible server that answers every request with `_SURROGATE_STREAM`."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.end_headers()
+            for data in _SURROGATE_STREAM:
+                self.wfile.write(b"data: " + data + b"\n\n")
+            self.wfile.flush()
+            self.close_connection = True
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.skipif(not HAVE_DAEMON, reason="poddaemon.daemon not there yet")
+def test_a_lone_surrogate_in_the_models_stream_is_shown_not_fatal(home: Path) -> None:
+    """The SDK decodes the model's `\\ud800` into a lone surrogate, which no event frame nor log
+    line can encode: the run ended in an internal error and `podctl send` waited forever for its
+    end. The model's text goes on, the surrogate shown as text, and the pod stays usable."""
+    with surrogate_server() as url:
+        manifest = write_manifest(home, "sur", url)
+        try:
+            spawned = podctl(home, "spawn", str(manifest), env={"PODCTL_TEST_KEY": "dummy"})
+            assert spawned.returncode == 0, spawned.stderr
+            for _ in range(2):  # and again: the pod's event stream still works
+                sent = podctl(home, "send", "sur", "hi", timeout=60)
+                assert (sent.returncode, sent.stdout) == (0, "a\\ud800b \\udcff c\n"), sent.stderr
+            shown = podctl(home, "history", "sur").stdout
+            assert "assistant a\\ud800b \\udcff c" in shown, shown
+        finally:
+            kill_leftover_pods(home)
