@@ -25,8 +25,9 @@ _CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0))}
 
 
 _CONTROLS_BUT_LINES = {c: v for c, v in _CONTROLS.items() if c not in (0x09, 0x0A)}
-# JSON escapes C0 characters but may carry C1 ones (CSI is U+009B) as they are: \u00NN instead.
-_C1_IN_JSON = {c: f"\\u{c:04x}" for c in range(0x80, 0xA0)}
+# JSON escapes C0 characters but may carry DEL and the C1 ones (CSI is U+009B) as they are:
+# \u00NN instead.
+_C1_IN_JSON = {c: f"\\u{c:04x}" for c in (0x7F, *range(0x80, 0xA0))}
 
 
 def printable(text: str) -> str:
@@ -35,7 +36,7 @@ def printable(text: str) -> str:
 
 
 def json_text(encoded: str) -> str:
-    """JSON text (ensure_ascii off) with C1 control characters written as ``\\u00NN`` escapes:
+    """JSON text (ensure_ascii off) with DEL and C1 control characters as ``\\u00NN`` escapes:
     the same JSON, and no escape sequence for a terminal it is printed to."""
     return encoded.translate(_C1_IN_JSON)
 

@@ -434,3 +434,15 @@ def test_no_field_of_a_history_entry_reaches_the_terminal_raw() -> None:
         line = entry_line(entry)
         assert not any(c in line for c in "\x1b\x07\x9b\r"), line
         assert "\\x1b]52;c;aGk=\\x07\\x9b2J\\x0dy" in line
+
+
+def test_json_output_escapes_every_control_character() -> None:
+    """`--json` (attach, history, send, sessions show) escapes control characters (README):
+    JSON escapes C0 ones itself, but left DEL raw along with the C1 ones."""
+    import json
+
+    from cli.render import json_text
+
+    text = json_text(json.dumps({"t": "a\x7fb\x9bc\x1b"}, ensure_ascii=False))
+    assert text == '{"t": "a\\u007fb\\u009bc\\u001b"}'
+    assert json.loads(text) == {"t": "a\x7fb\x9bc\x1b"}
