@@ -4,6 +4,7 @@ The shared parts (the typer app, exit codes, error handling, connect) are in `cl
 command group lives in its own module and registers its commands on `cli.app.app` when imported.
 """
 
+import contextlib
 import os
 import sys
 
@@ -44,6 +45,11 @@ def _closed_stdio_on_devnull() -> None:
 
 def main() -> None:
     _closed_stdio_on_devnull()
+    # What a terminal's encoding cannot hold (a pod's Chinese answer under LANG=en_US.ISO-8859-1)
+    # shown as \\uXXXX: it raised mid-answer, read as a bad argument (exit 2). UTF-8 is as is.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     from poddaemon import collector  # (the standard library only)
 
     # typer and the command's module live as long as podctl: the collector would walk them ~50

@@ -614,3 +614,22 @@ def test_a_lone_surrogate_in_the_models_stream_is_shown_not_fatal(home: Path) ->
             assert "assistant a\\ud800b \\udcff c" in shown, shown
         finally:
             kill_leftover_pods(home)
+
+
+@pytest.mark.skipif(not HAVE_DAEMON, reason="poddaemon.daemon not there yet")
+def test_send_to_a_terminal_that_cannot_hold_the_answer_shows_it_escaped(home: Path) -> None:
+    """A stdout whose encoding cannot hold the model's text (a Latin-1 or ASCII locale) made
+    `podctl send` stop mid-answer with `an argument is not UTF-8 text (lone surrogate U+4E2D)`,
+    exit 2: what it cannot hold is shown as \\uXXXX, and the answer goes on."""
+    from poddaemon.testing.fake_model import FakeModel
+
+    with FakeModel() as fake:
+        manifest = write_manifest(home, "enc", fake.openai_base_url)
+        try:
+            spawned = podctl(home, "spawn", str(manifest), env={"PODCTL_TEST_KEY": "dummy"})
+            assert spawned.returncode == 0, spawned.stderr
+            fake.script({"text": "中文 ok"})
+            sent = podctl(home, "send", "enc", "hi", env={"PYTHONIOENCODING": "ascii"})
+            assert (sent.returncode, sent.stdout) == (0, "\\u4e2d\\u6587 ok\n"), sent.stderr
+        finally:
+            kill_leftover_pods(home)
