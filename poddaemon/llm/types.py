@@ -55,6 +55,10 @@ class ProviderError(Exception):
     """A model call that failed; `kind` tells the pod whether anything can be retried."""
 
     def __init__(self, kind: ErrorKind, message: str, status: int | None = None) -> None:
+        # A provider's error body may carry a `\ud800` escape, which its JSON decoder turns into
+        # a lone surrogate: no alert, event or log line could hold the message (publishing the
+        # alert raised and left the run running for ever). Shown as the text `\ud800`.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.kind: ErrorKind = kind
         self.status = status

@@ -633,3 +633,27 @@ def test_send_to_a_terminal_that_cannot_hold_the_answer_shows_it_escaped(home: P
             assert (sent.returncode, sent.stdout) == (0, "\\u4e2d\\u6587 ok\n"), sent.stderr
         finally:
             kill_leftover_pods(home)
+
+
+@pytest.mark.skipif(not HAVE_DAEMON, reason="poddaemon.daemon not there yet")
+def test_a_lone_surrogate_in_a_providers_error_ends_the_run(home: Path) -> None:
+    """A provider's error body with a `\\ud800` escape: its message could not be published as an
+    alert, the model call's task died on it and the run stayed `running` for ever (`podctl send`
+    never returned). The run ends in error, the message shown with the text `\\ud800`."""
+    from poddaemon.testing.fake_model import FakeModel
+
+    body = '{"error": {"message": "bad \\ud800 key", "type": "invalid_request_error"}}'
+    fault = {"kind": "status", "status": 400, "body": body, "content_type": "application/json"}
+    with FakeModel() as fake:
+        manifest = write_manifest(home, "perr", fake.openai_base_url)
+        try:
+            spawned = podctl(home, "spawn", str(manifest), env={"PODCTL_TEST_KEY": "dummy"})
+            assert spawned.returncode == 0, spawned.stderr
+            fake.script({"fault": fault})
+            failed = podctl(home, "send", "perr", "hi", timeout=30)
+            assert failed.returncode == 1, failed.stderr
+            assert "bad \\ud800 key" in failed.stderr, failed.stderr
+            done = podctl(home, "send", "perr", "again", timeout=30)
+            assert (done.returncode, done.stdout) == (0, "ok: again\n"), done.stderr
+        finally:
+            kill_leftover_pods(home)
