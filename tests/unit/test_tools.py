@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -854,71 +855,56 @@ async def test_a_slow_regex_is_a_tool_error_naming_the_line(
     assert "invalid regex" in (await call(ctx, "grep", pattern="(a|")).output
 
 
+class _HeldAtSecond:
+    """A generator for a tool's worker thread (as a stand-in for what it iterates) that holds at
+    its second item until `resume`, noting every item asked of it: a cancelled call must ask
+    no more (asyncio cannot stop a thread: it went on to the end, and the pod's exit waited)."""
+
+    def __init__(self, item: Callable[[int], Any]) -> None:
+        self.item = item
+        self.asked: list[int] = []
+        self.resume = threading.Event()
+        self.holding = threading.Event()
+        self.ended = threading.Event()
+
+    def __call__(self, *_: Any, **__: Any) -> Any:
+        try:
+            for i in range(1000):
+                self.asked.append(i)
+                if i == 1:
+                    self.holding.set()
+                    self.resume.wait(10)
+                yield self.item(i)
+        finally:
+            self.ended.set()
+
+    async def cancel_while_held(self, task: "asyncio.Future[Any]") -> None:
+        assert await asyncio.to_thread(self.holding.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        self.resume.set()
+        assert await asyncio.to_thread(self.ended.wait, 10)
+        assert self.asked == [0, 1]
+
+
 async def test_a_cancelled_grep_stops_its_thread(
     ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # asyncio cannot stop a worker thread: a cancelled run's grep went on walking (and the
-    # pod's exit waited for it).
-    import threading
-
-    asked: list[int] = []
-    resume = threading.Event()
-    walking = threading.Event()
-    ended = threading.Event()
-
-    def walk(_ctx: Any, _base: str, *_: Any) -> Any:
-        try:
-            for i in range(1000):
-                asked.append(i)
-                if i == 1:
-                    walking.set()
-                    resume.wait(10)
-                yield str(root / f"none{i}"), str(root / f"none{i}"), None
-        finally:
-            ended.set()
-
+    walk = _HeldAtSecond(lambda i: (str(root / f"none{i}"), str(root / f"none{i}"), None))
     monkeypatch.setattr(search_mod, "_walk_files", walk)
-    task = asyncio.ensure_future(call(ctx, "grep", pattern="x"))
-    assert await asyncio.to_thread(walking.wait, 10)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    resume.set()
-    assert await asyncio.to_thread(ended.wait, 10)
-    assert asked == [0, 1]
+    await walk.cancel_while_held(asyncio.ensure_future(call(ctx, "grep", pattern="x")))
 
 
 async def test_a_cancelled_read_file_stops_its_thread(
     ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # An offset past the end of a big log reads every line of it: cancelled, the thread went
-    # on to the end (26 s for 400 MB), and the pod's exit waited for it.
-    asked: list[int] = []
-    resume = threading.Event()
-    reading = threading.Event()
-    ended = threading.Event()
-
-    def lines(*_: Any, **__: Any) -> Any:
-        try:
-            for i in range(1000):
-                asked.append(i)
-                if i == 1:
-                    reading.set()
-                    resume.wait(10)
-                yield b"y\n"
-        finally:
-            ended.set()
-
+    # An offset past the end of a big log reads every line of it (26 s for 400 MB).
+    lines = _HeldAtSecond(lambda i: b"y\n")
     (root / "big.log").write_text("y\n")
     monkeypatch.setattr(files_mod, "lines_of", lines)
     task = asyncio.ensure_future(call(ctx, "read_file", path="big.log", offset=10**9))
-    assert await asyncio.to_thread(reading.wait, 10)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    resume.set()
-    assert await asyncio.to_thread(ended.wait, 10)
-    assert asked == [0, 1]
+    await lines.cancel_while_held(task)
 
 
 async def test_a_file_of_one_huge_line_is_read_and_searched_in_bounded_memory(
