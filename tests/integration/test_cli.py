@@ -449,6 +449,18 @@ def test_spawn_of_a_manifest_whose_name_starts_with_a_dash(home: Path) -> None:
             kill_leftover_pods(home)
 
 
+def _attach(home: Path, name: str) -> "subprocess.Popen[str]":
+    """`podctl attach NAME --since 0`, reading its output from the pipes."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "cli.main", "attach", name, "--since", "0"],
+        cwd=REPO,
+        env=env_for(home),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 @pytest.mark.skipif(not HAVE_DAEMON, reason="poddaemon.daemon not there yet")
 def test_send_exit_codes_and_attach(home: Path) -> None:
     from poddaemon.testing.fake_model import FakeModel
@@ -460,14 +472,7 @@ def test_send_exit_codes_and_attach(home: Path) -> None:
         try:
             spawned = podctl(home, "spawn", str(manifest), "--set", "worker.max_turns=1", env=key)
             assert spawned.returncode == 0, spawned.stderr
-            attach = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", "attach", "talk", "--since", "0"],
-                cwd=REPO,
-                env=env_for(home),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            attach = _attach(home, "talk")
 
             # One model round that asks for a tool: max_turns=1 ends the run limit_reached.
             fake.script(
@@ -530,14 +535,7 @@ def test_attach_shows_a_model_chosen_tool_name_without_escape_sequences(home: Pa
             fake.script({"tool_calls": [{"name": evil, "arguments": "{}"}]}, {"text": "done"})
             sent = podctl(home, "send", "esc", "go", timeout=90)
             assert (sent.returncode, sent.stdout) == (0, "done\n"), sent.stderr
-            attach = subprocess.Popen(
-                [sys.executable, "-m", "cli.main", "attach", "esc", "--since", "0"],
-                cwd=REPO,
-                env=env_for(home),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
+            attach = _attach(home, "esc")
             assert attach.stdout is not None
             seen: list[str] = []
             for line in attach.stdout:
