@@ -486,5 +486,7 @@ def _shown(entry: os.DirEntry[str]) -> str:
         is_dir = entry.is_dir()
     except OSError:
         is_dir = False
-    name = escape_controls(entry.name)
+    name = entry.name
+    if not name.isprintable():  # checked here: a call per entry showed in list_dir's time
+        name = escape_controls(name)
     return name + "/" if is_dir else name

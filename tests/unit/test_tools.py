@@ -28,7 +28,7 @@ from poddaemon.tools import (
 )
 from poddaemon.tools import files as files_mod
 from poddaemon.tools import search as search_mod
-from poddaemon.tools.base import FileStamp, Stop
+from poddaemon.tools.base import FileStamp, Stop, escape_controls
 
 
 @pytest.fixture
@@ -1324,3 +1324,14 @@ def test_deny_targets_are_held_open_while_recorded_and_let_go_with_their_rule(ro
     assert os.stat(root / "new.txt").st_ino not in {i for _, i in denied._caps}
     denied.note(())
     assert len(os.listdir("/proc/self/fd")) == before and not denied
+
+
+def test_escape_controls_escapes_every_c0_control_and_del_and_nothing_else() -> None:
+    for code in (*range(32), 127):
+        shown = escape_controls(f"a{chr(code)}b")
+        assert shown.startswith("a\\") and shown.endswith("b") and shown.isprintable()
+    assert escape_controls("a\nb\tc\rd") == "a\\nb\\tc\\rd"
+    # Printable and other non-ASCII names come back as they are (the fast path), and so do
+    # non-printable characters that are no control (a zero-width space, a no-break space).
+    for name in ("mod_07.py", "naïve résumé.txt", "数据.csv", "a\u200bb", "a\u00a0b", ""):
+        assert escape_controls(name) == name
