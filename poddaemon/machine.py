@@ -14,7 +14,7 @@ them.
 """
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import msgspec
 
@@ -107,15 +107,15 @@ class OpenSession(msgspec.Struct, frozen=True):
     start: SessionStart
 
 
-# Commit and Reply come once or more per request: NamedTuples, immutable like the Structs
-# around them and the cheapest to build.
-class Commit(NamedTuple):
+# Commit and Reply come once or more per request: Structs build in C (~55 ns), a NamedTuple
+# in its generated Python __new__ (160 ns; 385 ns with keywords).
+class Commit(msgspec.Struct, frozen=True):
     """Append `entry` to the log (not yet fsync'd); publish the events it stands for."""
 
     entry: Entry
 
 
-class Reply(NamedTuple):
+class Reply(msgspec.Struct, frozen=True):
     token: int
     result: Any = None
     error: RpcError | None = None
@@ -1093,14 +1093,15 @@ class Machine:
     def _notify(self, token: int, message: str, source: str, key: str | None) -> None:
         if self._refuse_if_stopping(token):
             return
-        original = self._replayed(token, self.state.notify_keys, key, message)
-        if original == "":
-            return  # a conflicting key: answered
-        if original is not None:
-            assert key is not None
-            woke = self.state.notify_keys[key][2]
-            self._reply(token, NotifyResult(notification_id=original, wakes=woke), durable=True)
-            return
+        if key is not None:
+            original = self._replayed(token, self.state.notify_keys, key, message)
+            if original == "":
+                return  # a conflicting key: answered
+            if original is not None:
+                woke = self.state.notify_keys[key][2]
+                result = NotifyResult(notification_id=original, wakes=woke)
+                self._reply(token, result, durable=True)
+                return
         if self._queue_full(token):
             return
         nid = self.new_id()
@@ -1352,7 +1353,7 @@ class Machine:
         entry.seq = self.state.last_seq + 1
         entry.ts = self.clock()
         self.state.apply(entry)
-        self._emit(Commit(entry))
+        self._out.append(Commit(entry))  # (as _emit does: this runs on every request)
 
     def _commit_all(self, entries: Sequence[Entry]) -> None:
         for entry in entries:
@@ -1376,7 +1377,7 @@ class Machine:
         self._emit(Publish(type, data, run_id))
 
     def _reply(self, token: int, result: Any, durable: bool = False) -> None:
-        self._emit(Reply(token, result=result, durable=durable))
+        self._out.append(Reply(token, result=result, durable=durable))  # (see _commit)
 
     def _error(self, token: int, code: int, message: str) -> None:
         self._emit(Reply(token, error=RpcError(code, message)))

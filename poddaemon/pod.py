@@ -254,7 +254,8 @@ class Pod:
                 if type(entry) is RunEnd and entry.outcome != "paused":
                     self.spawn_background(self.chain.on_run_end(entry.run_id, entry.outcome))
             elif kind is Reply:
-                self._answer(*effect)  # type: ignore[misc]
+                reply: Reply = effect  # type: ignore[assignment]
+                self._answer(reply.token, reply.result, reply.error, reply.durable)
             else:
                 self._effect(effect)
 
@@ -390,12 +391,13 @@ class Pod:
             self._answer_durable(future, result)
 
     def _answer_durable(self, reply: "asyncio.Future[Any] | Pending", result: Any) -> None:
-        if self.failure is None and self.plog.inputs_durable():
-            self.plog.flush()  # it goes out now: what it speaks of (a run's end) is written first
-        if self.failure is not None or not self.plog.inputs_durable():
-            self._durable.add(reply, result)  # after the fsync (or the log's failure)
-        else:
-            settle(reply, result)
+        plog = self.plog
+        if self.failure is None and plog.inputs_durable():
+            plog.flush()  # it goes out now: what it speaks of (a run's end) is written first
+            if self.failure is None and plog.inputs_durable():  # (the flush may have failed)
+                settle(reply, result)
+                return
+        self._durable.add(reply, result)  # after the fsync (or the log's failure)
 
     async def synced(self) -> None:
         """Everything committed so far is durable."""
