@@ -78,8 +78,11 @@ class VerifyResult(msgspec.Struct, kw_only=True):
     head: str
 
 
+_sha256 = hashlib.sha256
+
+
 def _hash(prev: str, canonical: bytes) -> str:
-    return hashlib.sha256(prev.encode("ascii") + canonical).hexdigest()
+    return _sha256(prev.encode("ascii") + canonical).hexdigest()
 
 
 def encode_entry(
@@ -113,8 +116,9 @@ def encode_record(seq: int, prev: str, record: dict[str, Any]) -> tuple[bytes, s
     record["seq"] = seq
     record["prev"] = prev
     canonical = _canonical.encode(record)
-    digest = _hash(prev, canonical)
-    return _line(canonical, digest), digest
+    # _hash and _line inline: this runs for every entry the pod writes.
+    digest = _sha256(prev.encode("ascii") + canonical).hexdigest()
+    return b"".join((canonical[:-1], b',"hash":"', digest.encode("ascii"), b'"}\n')), digest
 
 
 def _encode(
@@ -224,11 +228,10 @@ _uuid_lock = threading.Lock()
 _last_ms = 0
 _last_rand = 0  # the 74 random bits of the last id
 _RAND_BITS = 74
-_prefix_ms = -1
-_prefix = ""  # "<8 hex>-<4 hex>-7": the id's timestamp and version for _prefix_ms
+_head_ms = -1
+_head_high = -1
+_head = ""  # all but the last 12 hex digits of the id for (_head_ms, _head_high)
 _RAND_MAX = (1 << _RAND_BITS) - 1
-_LOW62 = (1 << 62) - 1
-_VARIANT = 0b10 << 62
 
 
 # The random bits come from a PRNG seeded once per process from the OS (a getrandom per id cost
@@ -238,10 +241,10 @@ _rng = random.Random(os.urandom(32))
 
 
 def _pid_reset() -> None:
-    global _last_ms, _last_rand, _prefix_ms
+    global _last_ms, _last_rand, _head_ms
     _last_ms = 0
     _last_rand = 0
-    _prefix_ms = -1
+    _head_ms = -1
     _rng.seed(os.urandom(32))
 
 
@@ -257,21 +260,28 @@ def new_session_id() -> str:
     previous id's random part by a random amount (RFC 9562 §6.2 method 2), so string order is
     creation order.
     """
-    global _last_ms, _last_rand, _prefix_ms, _prefix
-    with _uuid_lock:
-        now = time.time_ns() // 1_000_000
+    global _last_ms, _last_rand, _head_ms, _head_high, _head
+    # One is made per notification, so it is kept lean: the clock read outside the lock (a
+    # thread that read it earlier only takes the same-millisecond branch), the lock without
+    # `with`, and all but the last 12 hex digits formatted only when they change (once per
+    # millisecond, nearly: an id made in the same one adds less than 2**32 to the last).
+    now = time.time_ns() // 1_000_000
+    _uuid_lock.acquire()
+    try:
         if now > _last_ms:
-            ms, rand = now, _rng.getrandbits(_RAND_BITS)
+            _last_ms, rand = now, _rng.getrandbits(_RAND_BITS)
         else:
-            ms, rand = _last_ms, _last_rand + 1 + _rng.getrandbits(32)
+            rand = _last_rand + 1 + _rng.getrandbits(32)
             if rand > _RAND_MAX:  # the random part ran out this millisecond: borrow the next one
-                ms, rand = ms + 1, _rng.getrandbits(_RAND_BITS)
-        _last_ms, _last_rand = ms, rand
-        if ms != _prefix_ms:  # the timestamp's digits, formatted once per millisecond
-            h = f"{ms & 0xFFFF_FFFF_FFFF:012x}"
-            _prefix_ms, _prefix = ms, f"{h[:8]}-{h[8:]}-7"
-        prefix = _prefix
-    # The 12 random bits after the version, then the variant and 62 random bits: 19 hex digits
-    # after a leading 0 (bytes.hex() is twice as fast as "%x" here, on every notification).
-    tail = ((rand >> 62) << 64 | _VARIANT | (rand & _LOW62)).to_bytes(10, "big").hex()
-    return f"{prefix}{tail[1:4]}-{tail[4:8]}-{tail[8:]}"
+                _last_ms, rand = _last_ms + 1, _rng.getrandbits(_RAND_BITS)
+        _last_rand = rand
+        high = rand >> 48  # the 26 random bits before the last 48
+        if _last_ms != _head_ms or high != _head_high:
+            t = f"{_last_ms & 0xFFFF_FFFF_FFFF:012x}"
+            # version 7, 12 random bits; the variant (0b10) atop 14 more
+            _head = f"{t[:8]}-{t[8:]}-7{high >> 14:03x}-{0x8000 | high & 0x3FFF:04x}-"
+            _head_ms, _head_high = _last_ms, high
+        head = _head
+    finally:
+        _uuid_lock.release()
+    return head + "%012x" % (rand & 0xFFFF_FFFF_FFFF)

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import re
+import sys
 import time
 import uuid
 from typing import Any
@@ -327,6 +328,42 @@ def test_uuid7_monotonic_and_unique() -> None:
     assert len(set(ids)) == len(ids)
     for sid in ids[:50]:
         assert UUID_RE.fullmatch(sid)
+
+
+def test_uuid7_from_several_threads_are_unique_and_each_thread_s_ordered() -> None:
+    """The clock is read before the lock: a thread that read it earlier must still make an id
+    after the last one made."""
+    import threading
+
+    made: list[list[str]] = [[] for _ in range(4)]
+
+    def make(out: list[str]) -> None:
+        for _ in range(20_000):
+            out.append(new_session_id())
+
+    threads = [threading.Thread(target=make, args=(out,)) for out in made]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert all(out == sorted(out) for out in made)
+    every = [sid for out in made for sid in out]
+    assert len(set(every)) == len(every) == 80_000
+    assert all(UUID_RE.fullmatch(sid) for sid in every[::97])
+
+
+def test_uuid7_digits_are_its_time_and_random_bits() -> None:
+    from poddaemon.store import log
+
+    sid = new_session_id()
+    u = uuid.UUID(sid)
+    rand = ((u.int >> 64) & 0xFFF) << 62 | u.int & ((1 << 62) - 1)
+    assert (u.int >> 80, rand) == (log._last_ms, log._last_rand)
 
 
 def test_uuid7_orders_across_milliseconds() -> None:
