@@ -359,6 +359,8 @@ class Connection(asyncio.Protocol):
 
     def _count_partial(self) -> None:
         held = self.framer.held
+        if not held and not self._held:  # the common case: whole lines, none held before
+            return
         if held and not self._held:
             self._held_since = time.monotonic()
         self.server.partial_bytes += held - self._held

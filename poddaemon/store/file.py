@@ -492,7 +492,8 @@ class SessionLog:
         record is modified) and keep its line for ``flush`` (or the next sync, write or close),
         so that entries staged together cost one ``os.write``. Returns its seq (counted by
         ``seq`` and ``head`` at once; not by the file until flushed)."""
-        self._usable()
+        if self._closed or self._failed is not None:  # (a call saved on every entry)
+            self._usable()
         line, digest = encode_record(self._seq + 1, self._head, record)
         self._staged.append(line)
         self._seq += 1
