@@ -51,24 +51,29 @@ class EventBus:
         # position in the new numbering and skipped what the client never saw).
         self.first_seq = self.seq = first_seq
         self._held: deque[tuple[int, bytes]] = deque(maxlen=capacity)
+        self._capacity = capacity
         self._held_bytes = 0  # the frames' bytes in _held
         self._max_bytes = max_bytes
         self._subs: set[Subscription] = set()
 
     def publish(self, type: str, data: dict[str, Any], run_id: str | None = None) -> Event:
+        # (Lean: one runs per notification, subscribed to or not.)
         seq = self.seq + 1
         event = Event(seq=seq, ts=time.time(), type=type, data=data, run_id=run_id)
         # Numbered only once encoded: a value that cannot be (a lone surrogate) left a seq that
         # no frame held, and every subscriber's catch-up then failed on it for good.
-        frame = event_frame(event)
+        frame = _FRAME_HEAD + _encoder.encode(event) + b"}\n"  # (event_frame, inline)
         self.seq = seq
         held = self._held
-        if len(held) == held.maxlen:
+        if len(held) == self._capacity:
             self._held_bytes -= len(held[0][1])  # append drops it
         held.append((seq, frame))
         self._held_bytes += len(frame)
-        while self._held_bytes > self._max_bytes and len(held) > 1:
-            self._held_bytes -= len(held.popleft()[1])
+        if self._held_bytes > self._max_bytes:
+            while self._held_bytes > self._max_bytes and len(held) > 1:
+                self._held_bytes -= len(held.popleft()[1])
+        if not self._subs:
+            return event
         for sub in self._subs:
             if sub.cursor == seq - 1 and not sub.congested():
                 sub.write(frame)

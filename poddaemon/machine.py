@@ -1330,7 +1330,8 @@ class Machine:
     def _handle(self, go: Callable[..., None], *args: Any) -> list[Effect]:
         self._out = []
         go(*args)
-        self._schedule()
+        if self.turn is None:  # (else _schedule has nothing to start: a call saved)
+            self._schedule()
         if self._announce_due:
             self._announce_due = False
             self._announce()

@@ -234,21 +234,22 @@ class Pod:
     def feed(self, effects: list[Effect], in_log: bool = False) -> None:
         # After a fork, the batch's entries are already in the new session; `in_log`: they are
         # from the start (a fork made right after they were folded in: see restore).
-        forks = -1 if in_log else self.plog.forks
+        plog, bus = self.plog, self.bus
+        forks = -1 if in_log else plog.forks
         for effect in effects:
             # The per-request effects first, by exact type: cheaper than class patterns, which
             # look up __match_args__ and each attribute on every test.
             kind = type(effect)
             if kind is Commit:
                 entry = effect.entry  # type: ignore[union-attr]
-                if self.plog.forks == forks and self.failure is None:
-                    self.plog.write(entry)
-                    if self.bus.listened:
-                        self.plog.flush()  # in the file before anything more is said
+                if plog.forks == forks and self.failure is None:
+                    plog.write(entry)
+                    if bus.listened:
+                        plog.flush()  # in the file before anything more is said
                 if self.failure is not None:
                     continue  # the log does not hold it (it failed): nobody hears of it
                 for type_, data, run_id in events_of(entry):
-                    self.bus.publish(type_, data, run_id)
+                    bus.publish(type_, data, run_id)
                 for observe in self.observers:
                     observe(entry)
                 if type(entry) is RunEnd and entry.outcome != "paused":

@@ -512,16 +512,16 @@ class Connection(asyncio.Protocol):
         notification = req.is_notification
         rid = None if notification else req.id
         answer = _unanswered if notification else reply  # a notification is never answered
-        handler = self.server.handlers.get(req.method)
+        method = req.method
+        handler = self.server.handlers.get(method)
         if handler is None:
-            answer(_error(rid, errors.METHOD_NOT_FOUND, f"method not found: {req.method}"))
+            answer(_error(rid, errors.METHOD_NOT_FOUND, f"method not found: {method}"))
             return
         params: Any = _NO_PARAMS
-        decoder = _params_decoders.get(req.method)
-        if decoder is not None and not (
-            isinstance(req.params, msgspec.UnsetType) and decoder.type is NoParams
-        ):
-            raw = b"{}" if isinstance(req.params, msgspec.UnsetType) else req.params
+        decoder = _params_decoders.get(method)
+        given = req.params
+        if decoder is not None and not (given is msgspec.UNSET and decoder.type is NoParams):
+            raw = b"{}" if given is msgspec.UNSET else given
             try:
                 params = decoder.decode(raw)
             except msgspec.ValidationError as exc:
@@ -545,24 +545,24 @@ class Connection(asyncio.Protocol):
             answer(_error(rid, exc.code, exc.message, exc.data))
             return
         except Exception as exc:
-            log.exception("handler %s failed", req.method)
+            log.exception("handler %s failed", method)
             answer(_error(rid, errors.INTERNAL_ERROR, f"internal error: {exc}"))
             return
         if isinstance(result, Pending):
             # A reply the pod settles later (e.g. from the group commit, right after its fsync):
             # answered from its callback at once, no future, task or loop pass per request.
             if result.done():
-                result.then(functools.partial(self._answer_outcome, rid, answer, req.method))
+                result.then(functools.partial(self._answer_outcome, rid, answer, method))
             else:
                 self._tasks.add(result)
-                result.then(functools.partial(self._pending_done, rid, answer, req.method, result))
+                result.then(functools.partial(self._pending_done, rid, answer, method, result))
         elif isinstance(result, asyncio.Future):
             # A bare future (e.g. a durable ack): answered from its done callback, no Task to
             # create and step through per request.
             self._tasks.add(result)
-            result.add_done_callback(functools.partial(self._future_done, rid, answer, req.method))
+            result.add_done_callback(functools.partial(self._future_done, rid, answer, method))
         elif inspect.isawaitable(result):
-            task = asyncio.ensure_future(self._finish(result, rid, answer, req.method))
+            task = asyncio.ensure_future(self._finish(result, rid, answer, method))
             self._tasks.add(task)
             task.add_done_callback(self._task_done)
         else:

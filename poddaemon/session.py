@@ -276,7 +276,16 @@ def render_notifications(notes: list[PendingInput], more: int) -> str:
 
 
 def _apply(s: SessionState, e: Entry) -> None:
-    match e:
+    match e:  # (the kinds are disjoint: the one a notify commits comes first)
+        case SystemItem():
+            s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts, e.context))
+            if e.client_key:
+                s.add_notify_key(e.client_key, (input_digest(e.text), e.id, e.wakes))
+            if e.event_id is not None:
+                s.add_report_id(e.event_id)
+            child = s.children.get(e.pod) if e.pod is not None else None
+            if child is not None:
+                _child_report(child, e)
         case SessionStart():
             _session_start(s, e)
         case UserInput(mode="steer"):
@@ -290,15 +299,6 @@ def _apply(s: SessionState, e: Entry) -> None:
             s.pending_runs[run_id] = PendingRun(run_id, e.text, e.client_key, e.context, e.ts)
             if e.client_key:
                 s.add_run_key(e.client_key, (input_digest(e.text), run_id, False))
-        case SystemItem():
-            s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts, e.context))
-            if e.client_key:
-                s.add_notify_key(e.client_key, (input_digest(e.text), e.id, e.wakes))
-            if e.event_id is not None:
-                s.add_report_id(e.event_id)
-            child = s.children.get(e.pod) if e.pod is not None else None
-            if child is not None:
-                _child_report(child, e)
         case RunStart(run_id=run_id):
             if run_id != s.paused_run:  # a resumed run keeps its round count and usage
                 s.rounds = 0
