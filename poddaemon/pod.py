@@ -552,13 +552,25 @@ class Pod:
 
     def _start(self, coro: Any, what: str, cancelled: Callable[[], list[Effect]]) -> None:
         """Run a model call or tool as the in-flight task. A task cancelled before it ever ran
-        never reaches its own handler, so its result is fed from here instead."""
+        never reaches its own handler, so its result is fed from here instead; so is the end
+        of one whose handler itself raised (a bug there left the run "running" for good)."""
         task = self._inflight = asyncio.ensure_future(coro)
 
         def done(t: "asyncio.Task[None]") -> None:
-            if t.cancelled() and self.machine.in_flight == what:
+            if t.cancelled():
+                if self.machine.in_flight == what:
+                    self._inflight = None
+                    self.feed(cancelled())
+                return
+            exc = t.exception()
+            if exc is not None and self._inflight is t and self.machine.in_flight == what:
+                log.error("the %s task failed", what, exc_info=exc)
                 self._inflight = None
-                self.feed(cancelled())
+                message = f"{type(exc).__name__}: {exc}"
+                if what == "compact":
+                    self.feed(self.machine.compaction_failed(f"internal error: {message}"))
+                else:
+                    self.feed(self.machine.internal_error(message))
 
         task.add_done_callback(done)
 
