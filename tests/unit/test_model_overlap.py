@@ -19,10 +19,10 @@ from poddaemon.llm.threaded import ThreadedModel
 from poddaemon.llm.types import ModelRequest, ModelResponse, StreamEvent, TextDelta
 from poddaemon.store.log import verify
 from protocol.errors import RpcError
-from tests.unit.test_restore import make_pod
+from tests.unit.test_restore import ModelStandIn, runnable_pod
 
 
-class Answering:
+class Answering(ModelStandIn):
     """The SDK's place: says when its request has started, then answers "hi"."""
 
     def __init__(self) -> None:
@@ -33,20 +33,11 @@ class Answering:
         yield TextDelta("hi")
         yield ModelResponse(message=AssistantMessage(text="hi"), stop="end", usage=Usage())
 
-    async def warm(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
 
 @pytest.fixture
 def pod() -> Iterator[Any]:
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        pod = make_pod(tmp)
-        pod.s.model = ThreadedModel(Answering())
-        pod.s.registry = type("Registry", (), {"update": lambda *a, **k: None})()
-        pod.s.entry = type("Entry", (), {"pid": os.getpid()})()
+        pod = runnable_pod(tmp, ThreadedModel(Answering()))
         yield pod
 
 

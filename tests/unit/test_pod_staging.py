@@ -15,7 +15,7 @@ import pytest
 
 from poddaemon.server import Connection, RpcServer
 from poddaemon.store.log import verify
-from tests.unit.test_restore import make_pod
+from tests.unit.test_restore import runnable_pod
 
 
 def _line(method: str, params: dict[str, Any], rid: int) -> bytes:
@@ -73,10 +73,7 @@ async def test_a_pass_of_notifications_is_one_write_and_no_client_hears_before_t
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        pod = make_pod(tmp)
-        pod.s.model = Blocked()
-        pod.s.registry = type("Registry", (), {"update": lambda *a, **k: None})()
-        pod.s.entry = type("Entry", (), {"pid": os.getpid()})()
+        pod = runnable_pod(tmp, Blocked())
         server = RpcServer(pod.handlers(), pod.bus, before_send=pod.plog.flush)
         watcher, sender = Connection(server), Connection(server)
         for conn in (watcher, sender):

@@ -295,6 +295,27 @@ def make_pod(sessions_dir: str) -> Any:
     return Pod(services)
 
 
+class ModelStandIn:
+    """What a model offers besides `stream` (which a subclass gives), doing nothing."""
+
+    async def warm(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+
+def runnable_pod(sessions_dir: str, model: Any) -> Any:
+    """`make_pod` with a model, and stand-ins for the registry and its entry: it can run."""
+    import os
+
+    pod = make_pod(sessions_dir)
+    pod.s.model = model
+    pod.s.registry = type("Registry", (), {"update": lambda *a, **k: None})()
+    pod.s.entry = type("Entry", (), {"pid": os.getpid()})()
+    return pod
+
+
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_pod_restore_of_a_cut_file(data: st.DataObject) -> None:

@@ -2,7 +2,6 @@
 "running" for good, the pod deaf to everything but `cancel`). Real pod, real log."""
 
 import asyncio
-import os
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -10,30 +9,21 @@ from typing import Any
 import pytest
 
 from poddaemon.llm.types import ModelRequest, ProviderError, StreamEvent
-from tests.unit.test_restore import make_pod
+from tests.unit.test_restore import ModelStandIn, runnable_pod
 
 
-class Failing:
+class Failing(ModelStandIn):
     """A provider that fails every call."""
 
     async def stream(self, req: ModelRequest) -> AsyncIterator[StreamEvent]:
         raise ProviderError("fatal", "the provider failed")
         yield  # an async generator
 
-    async def warm(self) -> None:
-        pass
-
-    async def aclose(self) -> None:
-        pass
-
 
 @pytest.fixture
 def pod() -> Iterator[Any]:
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        pod = make_pod(tmp)
-        pod.s.model = Failing()
-        pod.s.registry = type("Registry", (), {"update": lambda *a, **k: None})()
-        pod.s.entry = type("Entry", (), {"pid": os.getpid()})()
+        pod = runnable_pod(tmp, Failing())
         yield pod
 
 
