@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import filelock
 import pytest
 
 from poddaemon.registry import Registry, make_entry
@@ -790,6 +791,10 @@ def test_a_tree_whose_registry_went_registers_again_in_any_order(tree: Env, firs
     # ...and done with the registry: a pod stopped while it holds the registry's lock (naming
     # its first session) keeps everyone out of it for as long as it is stopped.
     wait_until(lambda: all(e.session for e in registry.live()), 30, "every session named")
+    # The file names the session before its writer lets go of the lock (it fsyncs the
+    # directory first): CI once stopped the leaf in between. Taking the lock waits that out.
+    with filelock.FileLock(registry.lock_path, timeout=20):
+        pass
     pids = {e.name: e.pid for e in registry.live()}
     other = "leaf" if first == "parent" else "parent"
     os.kill(pids["mid"], signal.SIGSTOP)
