@@ -75,12 +75,27 @@ def poddaemon_executable() -> Path:
     raise UnitError(f"cannot find the poddaemon executable (looked in {here.parent} and PATH)")
 
 
-def quote_arg(arg: str) -> str:
-    """One ExecStart= word: `%` and `$` escaped (specifiers, variables), quoted when needed."""
-    escaped = arg.replace("%", "%%").replace("$", "$$")
+def _quote(escaped: str) -> str:
     if any(c.isspace() or c in "\"'\\;" for c in escaped) or not escaped:
         return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
     return escaped
+
+
+def quote_arg(arg: str) -> str:
+    """One ExecStart= word: `%` and `$` escaped (specifiers, variables), quoted when needed."""
+    return _quote(arg.replace("%", "%%").replace("$", "$$"))
+
+
+def quote_env(assignment: str) -> str:
+    """One Environment= assignment. systemd expands specifiers there but not variables, so a
+    `$$` would stay `$$` in the value (another PODDAEMON_HOME than podctl's)."""
+    return _quote(assignment.replace("%", "%%"))
+
+
+def env_file_arg(path: str) -> str:
+    """EnvironmentFile= takes the rest of the line as the path, unquoted (quotes make it "not
+    absolute" and systemd ignores it): only specifiers are escaped."""
+    return "-" + path.replace("%", "%%")
 
 
 def render_unit(
@@ -93,7 +108,7 @@ def render_unit(
 ) -> str:
     exec_start = " ".join(quote_arg(a) for a in (str(executable), "run", str(manifest), "--resume"))
     env_lines = "".join(
-        f"Environment={quote_arg(f'{k}={v}')}\n" for k, v in sorted(environment.items())
+        f"Environment={quote_env(f'{k}={v}')}\n" for k, v in sorted(environment.items())
     )
     return f"""{MARKER} from {manifest}.
 # `podctl unit remove {pod}` stops, disables and deletes it.
@@ -109,7 +124,7 @@ Type=notify
 NotifyAccess=main
 ExecStart={exec_start}
 # API keys: NAME=value lines in a 0600 file (the leading - : the file is optional).
-EnvironmentFile=-{quote_arg(str(config_dir / "env"))}
+EnvironmentFile={env_file_arg(str(config_dir / "env"))}
 {env_lines}Restart=on-failure
 RestartSec={RESTART_SEC}
 # A pod that refused to start (its manifest, its scope taken, a session it cannot restore):

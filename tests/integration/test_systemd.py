@@ -172,6 +172,27 @@ def test_install_with_a_relative_home_writes_absolute_paths(sd: Sd) -> None:
         assert c.status().pid == sd.main_pid("relhome")
 
 
+def test_install_with_a_home_of_spaces_and_dollars_reaches_its_env_file(sd: Sd) -> None:
+    """A PODDAEMON_HOME (or ~) with a space or a `$` in it: the unit quoted EnvironmentFile=,
+    which systemd then ignored ("path is not absolute"), and wrote `$$` into Environment=,
+    where it stays `$$`. `unit install` found the key in the env file, the pod did not (78)."""
+    home = sd.env.home / "my h$me 100%"
+    (home / "config").mkdir(mode=0o700, parents=True)
+    env_file = home / "config" / "env"
+    env_file.write_text("FAKE_API_KEY=test-key\n")
+    env_file.chmod(0o600)
+    path = sd.env.manifest("oddhome")
+    install = [sys.executable, "-m", "cli.main", "unit", "install", str(path), "--now"]
+    out = sd.m.run(install, {**sd.podenv, "PODDAEMON_HOME": str(home)})
+    assert out.returncode == 0, out.stderr + sd.journal("oddhome")
+    env = sd.prop("oddhome", "Environment")
+    assert "$$" not in env and "100%" in env, env
+    listed = sd.m.run(
+        [sys.executable, "-m", "cli.main", "ls"], {**sd.podenv, "PODDAEMON_HOME": str(home)}
+    )
+    assert "oddhome" in listed.stdout, listed.stdout + listed.stderr  # the same home as podctl's
+
+
 def test_install_checks_the_compaction_providers_key_too(sd: Sd) -> None:
     """Only the main provider's key was checked: the unit was installed and enabled, then
     its pod refused to start without the compaction provider's key, with no word on how to

@@ -86,6 +86,9 @@ def test_quote_arg() -> None:
     assert unit.quote_arg("50%") == "50%%"
     assert unit.quote_arg("$HOME") == "$$HOME"
     assert unit.quote_arg('say "hi"') == '"say \\"hi\\""'
+    # Environment= expands specifiers, not variables; EnvironmentFile= takes no quotes.
+    assert unit.quote_env("H=/a $b/50%") == '"H=/a $b/50%%"'
+    assert unit.env_file_arg("/a $b/50%/env") == "-/a $b/50%%/env"
 
 
 def test_env_file_and_key_check(tmp_path: Path) -> None:
