@@ -55,13 +55,23 @@ def template_unit_name(pod: str) -> str:
     return f"poddaemon@{pod}.service"
 
 
-def unit_dir() -> Path:
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+def unit_dir(manager_env: dict[str, str] | None = None) -> Path:
+    """Where the user manager reads units: `$XDG_CONFIG_HOME/systemd/user` as the manager sees
+    it, else `~/.config/systemd/user`. Not this shell's XDG_CONFIG_HOME: set in a profile the
+    manager never reads, it put the unit where `enable` said "Unit file ... does not exist"."""
+    if manager_env is None:
+        try:
+            manager_env = manager_environment()
+        except UnitError:
+            manager_env = {}
+    base = manager_env.get("XDG_CONFIG_HOME", "")
+    if not os.path.isabs(base):  # systemd ignores a relative one too
+        base = os.path.join(manager_env.get("HOME") or os.path.expanduser("~"), ".config")
     return Path(base) / "systemd" / "user"
 
 
-def unit_path(pod: str) -> Path:
-    return unit_dir() / unit_name(pod)
+def unit_path(pod: str, manager_env: dict[str, str] | None = None) -> Path:
+    return unit_dir(manager_env) / unit_name(pod)
 
 
 def poddaemon_executable() -> Path:
@@ -288,7 +298,7 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
     # Absolute: systemd ignores a relative EnvironmentFile= and runs the pod from another cwd.
     environment = {k: os.path.abspath(os.environ[k]) for k in DIR_VARS if os.environ.get(k)}
     text = render_unit(pod, path, executable, config, environment, watchdog_sec)
-    target = unit_path(pod)
+    target = unit_path(pod, manager_env)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(text)
@@ -384,10 +394,9 @@ def _refuse_if_running_elsewhere(pod: str) -> None:
 
 def remove(pod: str) -> bool:
     """Stop, disable, delete and reload. False when there was no such unit file."""
-    target = unit_path(pod)
+    target = unit_path(pod, manager_environment())  # a clear error first when no manager
     name = unit_name(pod)
     existed = target.exists()
-    manager_environment()  # a clear error first when there is no manager
     systemctl("disable", "--now", name, check=False)  # fine when not enabled or not loaded
     if existed:
         target.unlink()

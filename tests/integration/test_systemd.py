@@ -193,6 +193,23 @@ def test_install_with_a_home_of_spaces_and_dollars_reaches_its_env_file(sd: Sd) 
     assert "oddhome" in listed.stdout, listed.stdout + listed.stderr  # the same home as podctl's
 
 
+def test_install_writes_where_the_manager_reads_not_the_shells_xdg_config_home(sd: Sd) -> None:
+    """XDG_CONFIG_HOME set in a shell profile, which the user manager never reads: the unit
+    went to $XDG_CONFIG_HOME/systemd/user, and `enable --now` said "Unit file ... does not
+    exist", leaving it there; `unit remove` and `stop` looked there too."""
+    path = sd.env.manifest("xdg")
+    shell = {**sd.podenv, "XDG_CONFIG_HOME": str(sd.m.home / "elsewhere")}
+    cli = [sys.executable, "-m", "cli.main"]
+    out = sd.m.run([*cli, "unit", "install", str(path), "--now"], shell)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"{units_dir(sd)}/poddaemon-xdg.service (enabled and started)\n"
+    assert sd.prop("xdg", "ActiveState") == "active"
+    assert not (sd.m.home / "elsewhere").exists()
+    removed = sd.m.run([*cli, "unit", "remove", "xdg"], shell)
+    assert removed.returncode == 0, removed.stderr
+    assert not (units_dir(sd) / "poddaemon-xdg.service").exists()
+
+
 def test_install_checks_the_compaction_providers_key_too(sd: Sd) -> None:
     """Only the main provider's key was checked: the unit was installed and enabled, then
     its pod refused to start without the compaction provider's key, with no word on how to
