@@ -108,6 +108,17 @@ def env_file_arg(path: str) -> str:
     return "-" + path.replace("%", "%%")
 
 
+def _one_line(what: str, value: str) -> None:
+    """A unit file is read line by line, and no quoting spans a newline: one in a path would
+    end its directive and turn the rest of the name into directives of their own (a broken
+    unit, installed and enabled, or one that runs what the file name says)."""
+    if any(ord(c) < 0x20 or c == "\x7f" for c in value):
+        raise UnitError(
+            f"{what} {value!r} contains a control character (a newline, a tab...), which a "
+            f"systemd unit cannot hold: rename it"
+        )
+
+
 def render_unit(
     pod: str,
     manifest: Path,
@@ -116,6 +127,11 @@ def render_unit(
     environment: dict[str, str],
     watchdog_sec: int = WATCHDOG_SEC,
 ) -> str:
+    _one_line("the manifest path", str(manifest))
+    _one_line("the poddaemon path", str(executable))
+    _one_line("the config directory", str(config_dir))
+    for key, value in environment.items():
+        _one_line(key, value)
     exec_start = " ".join(quote_arg(a) for a in (str(executable), "run", str(manifest), "--resume"))
     env_lines = "".join(
         f"Environment={quote_env(f'{k}={v}')}\n" for k, v in sorted(environment.items())

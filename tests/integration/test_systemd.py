@@ -210,6 +210,23 @@ def test_install_writes_where_the_manager_reads_not_the_shells_xdg_config_home(s
     assert not (units_dir(sd) / "poddaemon-xdg.service").exists()
 
 
+def test_install_refuses_a_manifest_path_with_a_newline(sd: Sd) -> None:
+    """A newline in the manifest's path (git allows one in a clone's file names) ended the
+    unit's lines early and made the rest of the name directives of their own: the unit was
+    written and enabled, and `--now` said only "bad unit file setting". (systemd 252 rejects
+    the cut ExecStart= line, so the `ExecStart=` smuggled in here never ran; nothing in the
+    unit file stopped it.)"""
+    marker = sd.env.home / "pwned"
+    path = Path(f"{sd.env.home}/p\nExecStart=\nExecStart=/usr/bin/touch {marker}\n#/m.toml")
+    path.parent.mkdir(parents=True)
+    path.write_text(sd.env.manifest("newline").read_text())
+    out = sd.podctl("unit", "install", str(path), "--now")
+    assert out.returncode == 1
+    assert "contains a control character" in out.stderr, out.stderr
+    assert not marker.exists()
+    assert not (units_dir(sd) / "poddaemon-newline.service").exists()
+
+
 def test_install_checks_the_compaction_providers_key_too(sd: Sd) -> None:
     """Only the main provider's key was checked: the unit was installed and enabled, then
     its pod refused to start without the compaction provider's key, with no word on how to
