@@ -270,7 +270,14 @@ def manifest_problem(manifest: Path) -> str | None:
 
 def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | None:
     """None when the pod's API key variable reaches the unit; else how to make it so."""
-    if read_env_file(env_file).get(var) or manager_env.get(var):
+    from_file = read_env_file(env_file)
+    if var in from_file and not from_file[var]:
+        # EnvironmentFile= wins over the manager's environment, an empty value too.
+        return (
+            f"{var} (the provider's API key) is empty in {env_file}, which overrides the user "
+            f"manager's environment, so the pod could not start: set it there or remove the line"
+        )
+    if from_file.get(var) or manager_env.get(var):
         return None
     return (
         f"{var} (the provider's API key) is set neither in {env_file} nor in the user "

@@ -100,6 +100,11 @@ def test_env_file_and_key_check(tmp_path: Path) -> None:
     assert unit.read_env_file(env_file) == {"OTHER": "1", "MY_KEY": "secret"}
     assert unit.key_problem("MY_KEY", env_file, {}) is None
     assert unit.key_problem("FROM_MANAGER", env_file, {"FROM_MANAGER": "x"}) is None
+    # An empty line in the file is what the unit gets, whatever the manager holds (systemd
+    # applies EnvironmentFile= last): it was accepted, and the pod then refused to start.
+    env_file.write_text("MY_KEY=\n")
+    problem = unit.key_problem("MY_KEY", env_file, {"MY_KEY": "x"})
+    assert problem is not None and "is empty in" in problem
 
 
 def test_env_file_others_may_neither_write_nor_read(tmp_path: Path) -> None:
