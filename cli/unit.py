@@ -288,6 +288,26 @@ def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | 
     )
 
 
+def _xdg_pins(manager_env: dict[str, str], environment: dict[str, str]) -> dict[str, str]:
+    """Without PODDAEMON_HOME, podctl finds config, data and runtime dirs from this shell's
+    XDG_* variables and the pod from the manager's, which a shell profile does not reach: where
+    they differ, the unit gets podctl's dirs (else its sessions and defaults.toml are others)."""
+    from protocol import paths
+
+    if os.environ.get("PODDAEMON_HOME"):
+        return {}
+    pins = {
+        "PODDAEMON_CONFIG_DIR": ("XDG_CONFIG_HOME", paths.config_dir),
+        "PODDAEMON_DATA_DIR": ("XDG_DATA_HOME", paths.data_dir),
+        "PODDAEMON_RUNTIME_DIR": ("XDG_RUNTIME_DIR", paths.runtime_dir),
+    }
+    return {
+        var: os.path.abspath(resolve())
+        for var, (xdg, resolve) in pins.items()
+        if var not in environment and os.environ.get(xdg, "") != manager_env.get(xdg, "")
+    }
+
+
 def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple[str, bool]:
     """Write and load the unit; with `now`, enable and start it. Returns the pod's name and
     whether its unit was running already (then nothing was started: the pod keeps the unit
@@ -320,6 +340,7 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
     running = now and _unit_running(unit_name(pod))
     # Absolute: systemd ignores a relative EnvironmentFile= and runs the pod from another cwd.
     environment = {k: os.path.abspath(os.environ[k]) for k in DIR_VARS if os.environ.get(k)}
+    environment.update(_xdg_pins(manager_env, environment))
     text = render_unit(pod, path, executable, config, environment, watchdog_sec)
     target = unit_path(pod, manager_env)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -227,6 +227,37 @@ def test_install_refuses_a_manifest_path_with_a_newline(sd: Sd) -> None:
     assert not (units_dir(sd) / "poddaemon-newline.service").exists()
 
 
+def test_a_unit_pod_keeps_its_sessions_where_podctl_looks_with_a_shells_xdg_dirs(
+    sd: Sd,
+) -> None:
+    """No PODDAEMON_HOME, and XDG_DATA_HOME / XDG_CONFIG_HOME set in a shell profile the user
+    manager never reads: podctl checked `<its config>/defaults.toml` and looked for sessions
+    under its data dir, while the unit pod read and wrote the manager's (~/.config,
+    ~/.local/share): `podctl sessions` never showed what the unit pod wrote."""
+    shell = {
+        "PYTHONPATH": str(ROOT),
+        "PODDAEMON_RUNTIME_DIR": str(sd.env.home / "run"),  # short socket paths, as elsewhere
+        "XDG_DATA_HOME": str(sd.m.home / "xdata"),
+        "XDG_CONFIG_HOME": str(sd.m.home / "xconf"),
+    }
+    config = sd.m.home / "xconf" / "poddaemon"
+    config.mkdir(mode=0o700, parents=True)
+    (config / "env").write_text("FAKE_API_KEY=test-key\n")
+    (config / "env").chmod(0o600)
+    cli = [sys.executable, "-m", "cli.main"]
+    path = sd.env.manifest("xdgdirs")
+    out = sd.m.run([*cli, "unit", "install", str(path), "--now"], shell)
+    assert out.returncode == 0, out.stderr + sd.journal("xdgdirs")
+    sent = sd.m.run([*cli, "send", "xdgdirs", "remember this"], shell)
+    assert sent.returncode == 0, sent.stderr
+    with sd.client("xdgdirs") as c:
+        sid = c.status().session_id
+    assert sid is not None
+    listed = sd.m.run([*cli, "sessions", "list"], shell)
+    assert sid in listed.stdout, listed.stdout + listed.stderr
+    assert not (sd.m.home / ".local" / "share" / "poddaemon").exists()
+
+
 def test_install_checks_the_compaction_providers_key_too(sd: Sd) -> None:
     """Only the main provider's key was checked: the unit was installed and enabled, then
     its pod refused to start without the compaction provider's key, with no word on how to
