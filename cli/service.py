@@ -241,7 +241,10 @@ def _restart(pod: str) -> None:
             start_unit(unit, "restart", then=f"Fix that, then `podctl restart {name}`.")
         except UnitError as exc:
             fail(str(exc))
-        sys.stdout.write(f"{name}\t{paths.socket_path(name)}\n")  # as `spawn` and any restart
+        started = _unit_pod(unit)
+        socket = paths.socket_path(name) if started is None else started.socket
+        name = name if started is None else str(started.name)
+        sys.stdout.write(f"{name}\t{socket}\n")  # as `spawn` and any restart
         return
     if "/" in name:
         fail(f"pod '{pod}' is not running; restart it by name", EXIT_NOT_RUNNING)
@@ -273,6 +276,20 @@ def _restart(pod: str) -> None:
         fail(exc.message)
     sys.stderr.buffer.write(shortened(early, name))
     sys.stdout.write(f"{started}\t{socket}\n")
+
+
+def _unit_pod(unit: str) -> Any:
+    """The registry entry of the pod the unit runs now (its MainPID), or None. The manifest is
+    read at each start: an edited `[pod] name` comes back as another pod, whose name and
+    socket a restart must print (it printed the old ones, where nothing listens)."""
+    from cli.pods import _registry_entries
+    from cli.unit import UnitError, systemctl
+
+    try:
+        pid = systemctl("show", "-p", "MainPID", "--value", unit).stdout.strip()
+    except UnitError:
+        return None
+    return next((e for e in _registry_entries().values() if str(e.pid) == pid), None)
 
 
 def _cannot_start(config: Path) -> str | None:

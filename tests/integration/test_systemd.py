@@ -485,6 +485,20 @@ def test_podctl_stop_between_a_crash_and_its_restart_stops_the_unit(sd: Sd) -> N
     assert sd.m.systemctl("list-jobs").stdout.strip().startswith("No jobs")
 
 
+def test_restart_after_renaming_the_pod_in_its_manifest_prints_the_new_pod(sd: Sd) -> None:
+    """README: after editing the manifest, `podctl restart` applies it. With a new `[pod]
+    name` the unit came back as that pod, but restart printed the old name and a socket where
+    nothing listens."""
+    path = sd.install("oldname")
+    path.write_text(path.read_text().replace('name = "oldname"', 'name = "newname"'))
+    out = sd.podctl("restart", "oldname")
+    assert out.returncode == 0, out.stderr
+    with sd.client("newname") as c:
+        status = c.status()
+    assert status.pid == sd.main_pid("oldname")
+    assert out.stdout == f"newname\t{sd.env.home}/run/pods/newname/sock\n", out.stdout
+
+
 def test_restart_of_a_unit_systemd_gave_up_on_says_so_and_how(sd: Sd) -> None:
     """Started too often, systemd stops trying (start-limit-hit): `podctl restart` passed on
     systemd's "a fatal signal was delivered to the control process", which says neither."""
