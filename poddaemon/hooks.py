@@ -110,6 +110,11 @@ def _judge(
         return ("block" if event in GUARDS else "warning"), why, ""
     try:
         out = json.loads(stdout) if stdout.lstrip().startswith("{") else None
+    except RecursionError:
+        # Nested deeper than the parser goes: valid JSON, maybe a block, that cannot be read
+        # (uncaught, it failed the tool call, the prompt, or the pod's start-up for good).
+        why = "its JSON output is nested too deeply: its decision could not be read"
+        return ("block" if event in GUARDS else "warning"), why, ""
     except ValueError:
         out = None
     if not isinstance(out, dict):

@@ -677,3 +677,25 @@ def test_cancel_during_a_stop_hook_kills_it_and_ends_the_run_cancelled(env: Env)
     ]
     wait_until(lambda: hook_gone(env), timeout=5, what="the Stop hook to be killed")
     assert pod.stop() == 0
+
+
+DEEP_JSON = 'import sys; sys.stdout.write("{\\"a\\": " + "[" * 200000)\n'
+
+
+def test_a_hook_printing_json_nested_too_deeply_neither_breaks_start_up_nor_a_tool_call(
+    env: Env,
+) -> None:
+    # Before: json.loads' RecursionError escaped the hook's verdict: the pod's start-up died
+    # with a traceback (SessionStart), the guarded call was an "internal error" with no record.
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}, {"text": "done"}
+    )
+    deep = script(env, "deep.py", DEEP_JSON)
+    extra = hooks_toml("SessionStart", deep) + hooks_toml("PreToolUse", deep)
+    pod = env.start("deep", tools=["list_dir"], extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("go").outcome == "finished"
+    runs = [(e["event"], e["decision"]) for e in entries(pod) if e["kind"] == "hook_run"]
+    assert runs == [("SessionStart", "warning"), ("PreToolUse", "block")]
+    (tool,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert tool["is_error"] and "nested too deeply" in tool["output"]

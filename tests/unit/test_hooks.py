@@ -99,3 +99,14 @@ def test_a_json_answer_cut_at_the_output_limit_blocks_a_guard_and_warns_elsewher
         assert decision == "block" and "decision could not be read" in reason
     assert judge("PostToolUse", 0, cut, "", unread=5, stdout_cut=True)[0] == "warning"
     assert judge("PreToolUse", 0, "x" * 10, "", unread=5, stdout_cut=True)[0] == "ok"  # not JSON
+
+
+def test_a_json_answer_nested_past_the_parser_blocks_a_guard_and_warns_elsewhere() -> None:
+    """Valid JSON nested deeper than json.loads goes raised RecursionError out of `judge`: a
+    SessionStart hook printing it made the pod fail its start-up with a traceback."""
+    deep = '{"x": ' + "[" * 100_000 + "]" * 100_000 + ', "decision": "block"}'
+    for guard in ("PreToolUse", "UserPromptSubmit"):
+        decision, reason, _ = judge(guard, 0, deep, "")
+        assert decision == "block" and "nested too deeply" in reason
+    for other in ("SessionStart", "PostToolUse", "Stop"):
+        assert judge(other, 0, deep, "")[0] == "warning"
