@@ -160,8 +160,6 @@ class Hooks(Interceptor):
         for run in await self.run("PreToolUse", fields, tool=call.name):
             if run.decision == "block":
                 return Deny(f"blocked by a PreToolUse hook: {run.reason}")
-            if run.decision == "allow":
-                return None  # an explicit allow skips the hooks after it, as in Claude Code
         return None
 
     async def after_tool(self, run_id: str, call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:
@@ -237,7 +235,10 @@ class Hooks(Interceptor):
             run = await self._one(event, hook, data)
             self.record(run)
             runs.append(run)
-            if run.decision in ("block", "allow"):
+            # An allow does not stop the hooks after it: as in Claude Code, where every
+            # matching hook runs and a deny beats an allow, one guard cannot wave a call
+            # past another's block.
+            if run.decision == "block":
                 break
         return runs
 

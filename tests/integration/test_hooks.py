@@ -699,3 +699,23 @@ def test_a_hook_printing_json_nested_too_deeply_neither_breaks_start_up_nor_a_to
     assert runs == [("SessionStart", "warning"), ("PreToolUse", "block")]
     (tool,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
     assert tool["is_error"] and "nested too deeply" in tool["output"]
+
+
+ALLOW = json.dumps({"hookSpecificOutput": {"permissionDecision": "allow"}})
+
+
+def test_an_allow_from_one_hook_does_not_skip_another_hooks_deny(env: Env) -> None:
+    # Claude Code runs every matching hook and a deny beats an allow; the first allow here
+    # skipped the hooks after it, so a guard listed after an auto-approver never ran.
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}, {"text": "done"}
+    )
+    approve = hooks_toml("PreToolUse", f"echo '{ALLOW}'")
+    guard = hooks_toml("PreToolUse", "echo 'no listing' >&2; exit 2", matcher="list_dir")
+    pod = env.start("twoguards", tools=["list_dir"], extra=approve + guard)
+    with pod.client() as c:
+        assert c.run_wait("go").outcome == "finished"
+    runs = [(e["event"], e["decision"]) for e in entries(pod) if e["kind"] == "hook_run"]
+    assert runs == [("PreToolUse", "allow"), ("PreToolUse", "block")]
+    (tool,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert tool["is_error"] and "no listing" in tool["output"]
