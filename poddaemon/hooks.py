@@ -248,8 +248,11 @@ class Hooks(Interceptor):
             code, (stdout, out_unread), (stderr, err_unread) = await _run_command(
                 await self.runner(), hook.command, self.cwd, data, hook.timeout
             )
-        except Exception as exc:  # the runner could not start it: a warning, go on
-            decision: Decision = "warning"
+        except Exception as exc:  # the runner could not start it
+            # A guard that never ran allowed nothing: it fails closed (as a cut JSON answer
+            # does). Read as a warning, the model's own bash could switch every guard off,
+            # say by moving the pod's pwd (the hooks' cwd) away; any other event warns.
+            decision: Decision = "block" if event in GUARDS else "warning"
             return HookRun(event, hook.command, None, time.monotonic() - start, decision, str(exc))
         decision, reason, context = judge(
             event, code, stdout, stderr, out_unread + err_unread, stdout_cut=out_unread > 0

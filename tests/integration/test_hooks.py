@@ -719,3 +719,27 @@ def test_an_allow_from_one_hook_does_not_skip_another_hooks_deny(env: Env) -> No
     assert runs == [("PreToolUse", "allow"), ("PreToolUse", "block")]
     (tool,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
     assert tool["is_error"] and "no listing" in tool["output"]
+
+
+def test_a_guard_the_model_kept_from_starting_blocks_instead_of_waving_calls_through(
+    env: Env,
+) -> None:
+    # The model moved the pod's pwd (the hooks' cwd) away with bash: the guard could not be
+    # started, which counted as a warning, and the write it guards went through.
+    sub = env.work / "sub"
+    sub.mkdir()
+    target = str(env.work / "moved" / "x")
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": "cd .. && mv sub moved"}}]},
+        {"tool_calls": [{"name": "write_file", "arguments": {"path": target, "content": "x"}}]},
+        {"text": "done"},
+    )
+    guard = hooks_toml("PreToolUse", "echo no writes >&2; exit 2", matcher="write_file")
+    pod = env.start("unstarted", tools=["bash", "write_file"], pwd=str(sub), extra=guard)
+    with pod.client() as c:
+        assert c.run_wait("go").outcome == "finished"
+    assert not Path(target).exists()
+    (run,) = [e for e in entries(pod) if e["kind"] == "hook_run"]
+    assert run["decision"] == "block" and "could not start" in run["reason"]
+    write = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"][-1]
+    assert write["is_error"] and "could not start" in write["output"]
