@@ -243,6 +243,19 @@ class HooksSection(Struct, kw_only=True, forbid_unknown_fields=True, rename=None
     SubagentStop: list[HookConfig] = []
     PreCompact: list[HookConfig] = []
 
+    def __post_init__(self) -> None:
+        # A matcher elsewhere was read as "every time" (Claude Code's SessionStart "compact"
+        # hook ran at every start): refused, as SPEC §10 gives matchers to tool events only.
+        for event in self.__struct_fields__:
+            if event in ("PreToolUse", "PostToolUse"):
+                continue
+            for i, hook in enumerate(getattr(self, event)):
+                if hook.matcher not in (None, "", "*"):
+                    raise FieldError(
+                        f"{event}[{i}].matcher",
+                        "only PreToolUse and PostToolUse hooks take a matcher (a tool name)",
+                    )
+
     def any(self) -> bool:
         return any(getattr(self, f) for f in self.__struct_fields__)
 

@@ -561,6 +561,19 @@ def test_a_nul_in_a_path_or_command_names_the_field() -> None:
     )
 
 
+def test_a_matcher_on_an_event_without_a_tool_is_refused() -> None:
+    # It was read as "every time": Claude Code's SessionStart hook with matcher "compact"
+    # (after a compaction only) ran at every start of the pod.
+    hook = '[[hooks.SessionStart]]\ncommand = "true"\nmatcher = "compact"\n'
+    assert error_of(MINIMAL + hook) == (
+        "m.toml:13: hooks.SessionStart[0].matcher: only PreToolUse and PostToolUse hooks take "
+        "a matcher (a tool name)"
+    )
+    for fine in ('matcher = "*"\n', 'matcher = ""\n', ""):
+        manifest = load_manifest(write(MINIMAL + '[[hooks.Stop]]\ncommand = "true"\n' + fine))
+        assert len(manifest.hooks.Stop) == 1
+
+
 def test_hook_and_mcp_timeouts_are_finite() -> None:
     # `timeout = inf` (meant as "never") or 1e300 raised OverflowError in the event loop's
     # timers: a traceback ending start-up (a SessionStart hook, an MCP server).
