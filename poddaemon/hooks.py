@@ -127,6 +127,10 @@ def _judge(
     if permission == "ask":  # Claude Code asks its user; a pod has nobody to confirm it
         why = specific.get("permissionDecisionReason") or "the hook asks for confirmation"
         return "block", f"{why} (a pod has nobody to ask: not run)", ""
+    if out.get("continue") is False and event in ("Stop", "SubagentStop"):
+        # Claude Code: stop now, over any "block". Read as a block it kept the run going,
+        # the opposite of what the hook asked (and again each round, to max_turns).
+        return "ok", str(out.get("stopReason") or ""), ""
     if out.get("decision") == "block" or out.get("continue") is False:
         reason = out.get("reason") or out.get("stopReason") or NO_REASON
         return "block", str(reason), ""

@@ -743,3 +743,15 @@ def test_a_guard_the_model_kept_from_starting_blocks_instead_of_waving_calls_thr
     assert run["decision"] == "block" and "could not start" in run["reason"]
     write = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"][-1]
     assert write["is_error"] and "could not start" in write["output"]
+
+
+def test_a_stop_hook_saying_continue_false_ends_the_run(env: Env) -> None:
+    # Read as a block, Claude Code's "stop now" gave the model another round, each of which
+    # the hook answered alike, until max_turns.
+    stop = json.dumps({"continue": False, "stopReason": "out of time"})
+    env.model.script({"text": "first answer"}, {"text": "second answer"})
+    pod = env.start("stopnow", extra=hooks_toml("Stop", f"echo '{stop}'"))
+    with pod.client() as c:
+        result = c.run_wait("work")
+    assert (result.outcome, result.text) == ("finished", "first answer")
+    assert len(env.model.requests) == 1

@@ -110,3 +110,11 @@ def test_a_json_answer_nested_past_the_parser_blocks_a_guard_and_warns_elsewhere
         assert decision == "block" and "nested too deeply" in reason
     for other in ("SessionStart", "PostToolUse", "Stop"):
         assert judge(other, 0, deep, "")[0] == "warning"
+
+
+def test_continue_false_ends_a_run_a_stop_hook_would_otherwise_keep_going() -> None:
+    """Claude Code's `"continue": false` means "stop now" and beats a "block" on Stop; it was
+    read as a block, which keeps the run going: the opposite."""
+    stop = {"continue": False, "stopReason": "budget spent", "decision": "block", "reason": "r"}
+    assert judge("Stop", 0, json.dumps(stop), "") == ("ok", "budget spent", "")
+    assert judge("PreToolUse", 0, json.dumps(stop), "")[0] == "block"  # the call: not run
