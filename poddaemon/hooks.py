@@ -160,7 +160,13 @@ class Hooks(Interceptor):
     # --- the interceptor -------------------------------------------------------------------------
 
     async def before_tool(self, run_id: str, call: ToolCall) -> Deny | None:
-        fields = {"tool_name": call.name, "tool_input": _decoded(call.arguments)}
+        # tool_use_id as in Claude Code: a guard reading it failed (exit 1, a warning) and let
+        # the call run; it also pairs a call's PreToolUse and PostToolUse.
+        fields = {
+            "tool_name": call.name,
+            "tool_input": _decoded(call.arguments),
+            "tool_use_id": call.id,
+        }
         for run in await self.run("PreToolUse", fields, tool=call.name):
             if run.decision == "block":
                 return Deny(f"blocked by a PreToolUse hook: {run.reason}")
@@ -170,6 +176,7 @@ class Hooks(Interceptor):
         fields = {
             "tool_name": call.name,
             "tool_input": _decoded(call.arguments),
+            "tool_use_id": call.id,
             "tool_response": {"output": outcome.output, "is_error": outcome.is_error},
         }
         for run in await self.run("PostToolUse", fields, tool=call.name):

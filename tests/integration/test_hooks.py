@@ -755,3 +755,19 @@ def test_a_stop_hook_saying_continue_false_ends_the_run(env: Env) -> None:
         result = c.run_wait("work")
     assert (result.outcome, result.text) == ("finished", "first answer")
     assert len(env.model.requests) == 1
+
+
+def test_tool_hooks_get_claude_codes_tool_use_id(env: Env) -> None:
+    # A guard written for Claude Code that read it failed with a KeyError (exit 1, a warning)
+    # and the call it guards ran.
+    seen = env.work / "ids"
+    guard = f"python3 -c 'import json,sys; print(json.load(sys.stdin)[\"tool_use_id\"])' >> {seen}"
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}, {"text": "ok"}
+    )
+    extra = hooks_toml("PreToolUse", guard) + hooks_toml("PostToolUse", guard)
+    pod = env.start("ids", tools=["list_dir"], extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("list").outcome == "finished"
+    (call,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    assert seen.read_text().split() == [call["call_id"], call["call_id"]]
