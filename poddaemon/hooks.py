@@ -127,6 +127,12 @@ def _judge(
     if permission == "ask":  # Claude Code asks its user; a pod has nobody to confirm it
         why = specific.get("permissionDecisionReason") or "the hook asks for confirmation"
         return "block", f"{why} (a pod has nobody to ask: not run)", ""
+    if event == "PreToolUse" and isinstance(specific, dict) and "updatedInput" in specific:
+        # Claude Code runs the call with the input the hook rewrote (a command made safe, a
+        # path moved); a pod cannot, and running the model's own input ran what the hook
+        # replaced. As with "ask": not run, and the model is told why.
+        why = "the hook rewrites the call's input (updatedInput), which a pod cannot do"
+        return "block", f"{why}: not run", ""
     if out.get("continue") is False and event in ("Stop", "SubagentStop"):
         # Claude Code: stop now, over any "block". Read as a block it kept the run going,
         # the opposite of what the hook asked (and again each round, to max_turns).

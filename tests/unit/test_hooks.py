@@ -118,3 +118,18 @@ def test_continue_false_ends_a_run_a_stop_hook_would_otherwise_keep_going() -> N
     stop = {"continue": False, "stopReason": "budget spent", "decision": "block", "reason": "r"}
     assert judge("Stop", 0, json.dumps(stop), "") == ("ok", "budget spent", "")
     assert judge("PreToolUse", 0, json.dumps(stop), "")[0] == "block"  # the call: not run
+
+
+def test_a_guard_that_rewrites_the_input_blocks_as_the_input_cannot_be_rewritten() -> None:
+    """Claude Code's `updatedInput` runs the call with the hook's input; it was ignored, and
+    the model's input, which the hook had replaced (say `rm -rf build` by `rm -ri build`), ran."""
+    rewrite = {
+        "hookSpecificOutput": {
+            "permissionDecision": "allow",
+            "updatedInput": {"command": "rm -ri build"},
+        }
+    }
+    decision, reason, _ = judge("PreToolUse", 0, json.dumps(rewrite), "")
+    assert decision == "block" and "updatedInput" in reason and reason.endswith("not run")
+    deny = {"hookSpecificOutput": {"permissionDecision": "deny", "updatedInput": {}}}
+    assert judge("PreToolUse", 0, json.dumps(deny), "")[0] == "block"
