@@ -189,6 +189,9 @@ _QUOTED_SCRIPT_RE = re.compile(r"\s*'((?!~)[^']*/[^']*)'(?=\s|$)")
 _INTERPRETER = re.compile(r"\s*(?:sh|bash|dash|zsh|python3?(?:\.\d+)?|node|perl|ruby)\s+")
 
 
+_PLAIN_NAMES = re.compile(r"[\w|-]+", re.ASCII)  # a matcher of names, as hooks._NAMES
+
+
 class Script(NamedTuple):
     """The file a hook command runs, and where its word is in the command (quotes included)."""
 
@@ -233,6 +236,20 @@ class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                 raise FieldError("matcher", f"not a valid regular expression: {exc}") from None
 
 
+def _check_tool_names(field: str, matcher: str | None) -> None:
+    """A matcher of plain names (matched exactly, hooks.matches) must name tools: one no tool
+    has made a guard that never ran, silently (Claude Code's "Bash" here, where it is "bash")."""
+    if matcher is None or not _PLAIN_NAMES.fullmatch(matcher):
+        return
+    for name in matcher.split("|"):
+        if name not in KNOWN_TOOLS and MCP_SEP not in name:
+            raise FieldError(
+                field,
+                f"no tool is named {name!r} (known: {', '.join(sorted(KNOWN_TOOLS))}; MCP "
+                "tools are <server>__<tool>)",
+            )
+
+
 class HooksSection(Struct, kw_only=True, forbid_unknown_fields=True, rename=None):
     SessionStart: list[HookConfig] = []
     UserPromptSubmit: list[HookConfig] = []
@@ -248,6 +265,8 @@ class HooksSection(Struct, kw_only=True, forbid_unknown_fields=True, rename=None
         # hook ran at every start): refused, as SPEC §10 gives matchers to tool events only.
         for event in self.__struct_fields__:
             if event in ("PreToolUse", "PostToolUse"):
+                for i, hook in enumerate(getattr(self, event)):
+                    _check_tool_names(f"{event}[{i}].matcher", hook.matcher)
                 continue
             for i, hook in enumerate(getattr(self, event)):
                 if hook.matcher not in (None, "", "*"):

@@ -574,6 +574,17 @@ def test_a_matcher_on_an_event_without_a_tool_is_refused() -> None:
         assert len(manifest.hooks.Stop) == 1
 
 
+def test_a_matcher_naming_no_tool_is_refused() -> None:
+    # Claude Code's "Bash" (this pod's tool is "bash") matched nothing: the guard never ran.
+    hook = '[[hooks.PreToolUse]]\ncommand = "true"\nmatcher = "write_file|Bash"\n'
+    assert error_of(MINIMAL + hook).startswith(
+        "m.toml:13: hooks.PreToolUse[0].matcher: no tool is named 'Bash' (known: bash, "
+    )
+    for fine in ("write_file|bash", "github__create_issue", "^list", "Bash.*"):
+        hook = f'[[hooks.PreToolUse]]\ncommand = "true"\nmatcher = "{fine}"\n'
+        assert load_manifest(write(MINIMAL + hook)).hooks.PreToolUse[0].matcher == fine
+
+
 def test_hook_and_mcp_timeouts_are_finite() -> None:
     # `timeout = inf` (meant as "never") or 1e300 raised OverflowError in the event loop's
     # timers: a traceback ending start-up (a SessionStart hook, an MCP server).
