@@ -93,6 +93,10 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
                 if not m.state.session_id and pod.plog.reserved is None:
                     await pod.reserve_session()  # the hook is told the session this prompt starts
                 refused, context = await hooks.user_prompt(p.input)
+                if refused is not None and m.stopping:
+                    # The pod stopped while the hook ran or started (a guard the closed runner
+                    # could not start blocks): what refused the prompt is the shutdown.
+                    raise RpcError(errors.SHUTTING_DOWN, "the pod is shutting down")
                 if refused is not None:  # nothing is committed
                     raise RpcError(errors.HOOK_REFUSED, refused)
                 reply = pod.request_future(
