@@ -34,6 +34,15 @@ def entries(pod: Any) -> list[dict[str, Any]]:
     return list(pod.call("history", since=0, limit=10_000)["entries"])
 
 
+def hook_runs(pod: Any) -> list[dict[str, Any]]:
+    return [e for e in entries(pod) if e["kind"] == "hook_run"]
+
+
+def tool_results(pod: Any) -> list[dict[str, Any]]:
+    """The items of the pod's tool results, in order."""
+    return [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+
+
 GUARD = """
 import json, sys
 data = json.load(sys.stdin)
@@ -61,10 +70,10 @@ def test_pre_tool_use_exit_2_blocks_the_call_and_the_model_gets_the_reason(env: 
         assert c.run_wait("write things").outcome == "finished"
     assert not (env.work / "secrets" / "k").exists()
     assert (env.work / "notes").read_text() == "y"
-    results = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    results = tool_results(pod)
     assert results[0]["is_error"] and "write_file may not touch secrets/k" in results[0]["output"]
     assert not results[1]["is_error"]
-    runs = [e for e in entries(pod) if e["kind"] == "hook_run"]
+    runs = hook_runs(pod)
     assert [(r["event"], r["exit"], r["decision"]) for r in runs] == [
         ("PreToolUse", 2, "block"),
         ("PreToolUse", 0, "ok"),
@@ -93,7 +102,7 @@ sys.exit(0)
     pod = env.start("claude", tools=["list_dir"], extra=extra)
     with pod.client() as c:
         assert c.run_wait("list").outcome == "finished"
-    (result,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    (result,) = tool_results(pod)
     assert result["is_error"] and "listing directories is not allowed here" in result["output"]
 
 
@@ -148,9 +157,9 @@ def test_an_unanchored_matcher_guards_and_a_block_over_the_output_limit_still_bl
     pod = env.start("huge", tools=["list_dir"], extra=hooks_toml("PreToolUse", huge_block, "^list"))
     with pod.client() as c:
         assert c.run_wait("look").outcome == "finished"
-    [result] = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    [result] = tool_results(pod)
     assert result["is_error"] and "decision could not be read" in result["output"]
-    [run] = [e for e in entries(pod) if e["kind"] == "hook_run"]
+    [run] = hook_runs(pod)
     assert (run["event"], run["exit"], run["decision"]) == ("PreToolUse", 0, "block")
 
 
@@ -244,12 +253,12 @@ def test_stop_hook_sees_the_outcome_and_a_hanging_hook_is_killed(env: Env) -> No
     with pod.client() as c:
         result = c.run_wait("work")
     assert result.outcome == "finished"  # the hung hook was a warning: the tool ran
-    (tool,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    (tool,) = tool_results(pod)
     assert not tool["is_error"]
     data = wait_until(lambda: seen.exists() and seen.read_text() and json.loads(seen.read_text()))
     assert data["hook_event_name"] == "Stop" and data["outcome"] == "finished"
     assert data["pod"] == "stopper" and data["session_id"]
-    pre = [e for e in entries(pod) if e["kind"] == "hook_run" and e["event"] == "PreToolUse"]
+    pre = [e for e in hook_runs(pod) if e["event"] == "PreToolUse"]
     assert pre[0]["exit"] is None and pre[0]["decision"] == "warning"
     leftovers = subprocess.run(["pgrep", "-f", "sleep 137"], capture_output=True, text=True)
     assert leftovers.stdout == "", "the hook's process group outlived its timeout"
@@ -312,7 +321,7 @@ def test_a_guard_script_outside_the_scope_still_guards(env: Env) -> None:
     with pod.client() as c:
         assert c.run_wait("write").outcome == "finished"
     assert not (env.work / "x.txt").exists()
-    (result,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    (result,) = tool_results(pod)
     assert result["is_error"] and "guarded: no writes here" in result["output"]
     assert any("a hook script" in n for n in pod.call("status")["sandbox_notes"])
 
@@ -330,7 +339,7 @@ def _guards_before_and_after(env: Env, name: str, guard: Path, replace: Callable
         replace()
         assert c.run_wait("write again").outcome == "finished"
     assert not (env.work / "x.txt").exists()
-    results = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    results = tool_results(pod)
     assert [r["is_error"] for r in results] == [True, True], results
     assert "guarded: still no writes" in results[1]["output"]
 
@@ -408,7 +417,7 @@ def test_a_guard_link_repointed_before_its_first_use_guards(env: Env) -> None:
     with pod.client() as c:
         assert c.run_wait("write").outcome == "finished"
     assert not (env.work / "x.txt").exists()
-    (result,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    (result,) = tool_results(pod)
     assert result["is_error"] and "guarded: still no writes" in result["output"], result
 
 
@@ -506,12 +515,12 @@ def test_a_redelivered_notification_or_child_report_runs_its_hook_once(env: Env)
         pod.call("notify", message="build failed", source="ci", client_key="n1")
         pod.call("pod_event", pod="kid", kind="run.finished", event_id="e1", outcome="finished")
 
-    def hook_runs() -> list[str]:
-        return sorted(e["event"] for e in entries(pod) if e["kind"] == "hook_run")
+    def events() -> list[str]:
+        return sorted(e["event"] for e in hook_runs(pod))
 
-    wait_until(lambda: len(hook_runs()) >= 2, what="both hooks")
+    wait_until(lambda: len(events()) >= 2, what="both hooks")
     drained(pod)  # a turn later: a second run of either hook would have been recorded
-    assert hook_runs() == ["Notification", "SubagentStop"]
+    assert events() == ["Notification", "SubagentStop"]
 
 
 def test_a_burst_of_notifications_runs_its_hooks_a_few_at_a_time(env: Env) -> None:
@@ -528,10 +537,7 @@ def test_a_burst_of_notifications_runs_its_hooks_a_few_at_a_time(env: Env) -> No
         for i in range(count):
             c.notify(f"burst {i}")
 
-    def hook_runs() -> int:
-        return sum(1 for e in entries(pod) if e["kind"] == "hook_run")
-
-    wait_until(lambda: hook_runs() == count, what="every Notification hook")
+    wait_until(lambda: len(hook_runs(pod)) == count, what="every Notification hook")
     running = most = 0
     for line in log.read_text().split():
         running += 1 if line == "start" else -1
@@ -576,7 +582,7 @@ def test_a_blocking_stop_hook_gives_the_model_its_reason_and_the_run_goes_on(
     notes = [e.data for e in events if e.type == "notification.committed"]
     assert [(n["source"], n["message"]) for n in notes] == [("hook:Stop", f"Stop hook: {REASON}")]
     assert [e.type for e in events].count("run.finished") == 1
-    stops = [e for e in entries(pod) if e["kind"] == "hook_run" and e["event"] == "Stop"]
+    stops = [e for e in hook_runs(pod) if e["event"] == "Stop"]
     assert [(e["exit"], e["decision"]) for e in stops] == [
         (2 if form == "exit 2" else 0, "block"),
         (0, "ok"),
@@ -695,9 +701,9 @@ def test_a_hook_printing_json_nested_too_deeply_neither_breaks_start_up_nor_a_to
     pod = env.start("deep", tools=["list_dir"], extra=extra)
     with pod.client() as c:
         assert c.run_wait("go").outcome == "finished"
-    runs = [(e["event"], e["decision"]) for e in entries(pod) if e["kind"] == "hook_run"]
+    runs = [(e["event"], e["decision"]) for e in hook_runs(pod)]
     assert runs == [("SessionStart", "warning"), ("PreToolUse", "block")]
-    (tool,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    (tool,) = tool_results(pod)
     assert tool["is_error"] and "nested too deeply" in tool["output"]
 
 
@@ -715,9 +721,9 @@ def test_an_allow_from_one_hook_does_not_skip_another_hooks_deny(env: Env) -> No
     pod = env.start("twoguards", tools=["list_dir"], extra=approve + guard)
     with pod.client() as c:
         assert c.run_wait("go").outcome == "finished"
-    runs = [(e["event"], e["decision"]) for e in entries(pod) if e["kind"] == "hook_run"]
+    runs = [(e["event"], e["decision"]) for e in hook_runs(pod)]
     assert runs == [("PreToolUse", "allow"), ("PreToolUse", "block")]
-    (tool,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    (tool,) = tool_results(pod)
     assert tool["is_error"] and "no listing" in tool["output"]
 
 
@@ -739,9 +745,9 @@ def test_a_guard_the_model_kept_from_starting_blocks_instead_of_waving_calls_thr
     with pod.client() as c:
         assert c.run_wait("go").outcome == "finished"
     assert not Path(target).exists()
-    (run,) = [e for e in entries(pod) if e["kind"] == "hook_run"]
+    (run,) = hook_runs(pod)
     assert run["decision"] == "block" and "could not start" in run["reason"]
-    write = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"][-1]
+    write = tool_results(pod)[-1]
     assert write["is_error"] and "could not start" in write["output"]
 
 
@@ -769,5 +775,5 @@ def test_tool_hooks_get_claude_codes_tool_use_id(env: Env) -> None:
     pod = env.start("ids", tools=["list_dir"], extra=extra)
     with pod.client() as c:
         assert c.run_wait("list").outcome == "finished"
-    (call,) = [e["item"] for e in entries(pod) if e["kind"] == "tool_result"]
+    (call,) = tool_results(pod)
     assert seen.read_text().split() == [call["call_id"], call["call_id"]]
