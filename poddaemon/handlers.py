@@ -59,8 +59,23 @@ def _not_blank(text: str, field: str) -> None:
         raise RpcError(errors.INVALID_PARAMS, f"invalid params.{field}: empty or only whitespace")
 
 
+def _not_too_big(text: str, field: str, limit: int) -> None:
+    """An input stays in the context once the model has read it: one larger than its window
+    failed every later run (and each compaction's summary). Refused at the door instead."""
+    if len(text) * 4 <= limit:  # (UTF-8 takes at most 4 bytes a character: no encoding)
+        return
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise RpcError(
+            errors.INVALID_PARAMS,
+            f"invalid params.{field}: {size:,} bytes, over worker.max_input_bytes "
+            f"({limit:,}); put it in a file the pod can read and send its path",
+        )
+
+
 def handlers(pod: "Pod") -> dict[str, Handler]:
     m = pod.machine
+    max_input = m.cfg.max_input_bytes
     hooks = pod.hooks
     scope_entries = ScopeEntries()
     prompts_in_order = asyncio.Lock()
@@ -73,6 +88,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     def run(p: RunParams, conn: Any) -> Any:
         _not_blank(p.input, "input")
+        _not_too_big(p.input, "input", max_input)
         # A retried key gets its original result (or -32006) from the machine: that prompt
         # was judged when it was committed, and a refusal now would say nothing was.
         retried = p.client_key is not None and p.client_key in m.state.run_keys
@@ -109,6 +125,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     def notify(p: NotifyParams, conn: Any) -> Any:
         _not_blank(p.message, "message")
+        _not_too_big(p.message, "message", max_input)
         retried = p.client_key is not None and p.client_key in m.state.notify_keys
         if hooks is not None and not retried and hooks.wants("Notification"):
             reply = pod.request_future(lambda t: m.notify(t, p.message, p.source, p.client_key))

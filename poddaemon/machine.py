@@ -43,7 +43,6 @@ from poddaemon.history import AssistantMessage, Item, ToolCall, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError
 from poddaemon.session import (
     CONTEXT_SOURCE,
-    MAX_NOTIFICATIONS_PER_REQUEST,
     SessionState,
     fold,
     input_digest,
@@ -203,6 +202,7 @@ class MachineConfig(msgspec.Struct, frozen=True):
     model: str
     max_turns: int
     max_pending: int = 1000
+    max_input_bytes: int = 262144  # of notifications per model request (at least one)
     budget_cap: int | None = None
     config: dict[str, Any] = msgspec.field(
         default_factory=dict
@@ -1250,13 +1250,13 @@ class Machine:
         self._emit(CallModel(turn.run_id, self.system_prompt, list(self.state.history)))
 
     def _deliver_pending(self) -> None:
-        ids, _ = self.state.deliverable()
+        ids, _ = self.state.deliverable(self.cfg.max_input_bytes)
         if not ids:
             self._notes_overflow = False
             return
         shown = sum(1 for i in ids if self.state.pending_inputs[i].kind == "notification")
         left = self.state.pending_notifications - shown
-        self._notes_overflow = left > 0 and shown >= MAX_NOTIFICATIONS_PER_REQUEST
+        self._notes_overflow = left > 0  # held back by the count or the bytes a request takes
         self._commit(InputsDelivered(ids=ids, more=left))
 
     def _finish_run(self, run_id: str, end: Finished, started: bool = True) -> None:

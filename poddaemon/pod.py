@@ -136,6 +136,7 @@ class Pod:
             model=m.provider.model,
             max_turns=m.worker.max_turns,
             max_pending=m.notify.max_pending,
+            max_input_bytes=m.worker.max_input_bytes,
             budget_cap=m.budget.max_total_tokens,
             config=manifest_to_dict(m),
             compact_threshold=m.compaction.compact_threshold if m.compaction else None,

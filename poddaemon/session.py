@@ -241,16 +241,25 @@ class SessionState(msgspec.Struct):
         _apply(self, entry)
         self.last_seq = entry.seq
 
-    def deliverable(self) -> tuple[list[str], list[Item]]:
-        """Ids and rendered items of what the next model request should carry (pure)."""
+    def deliverable(self, max_bytes: int | None = None) -> tuple[list[str], list[Item]]:
+        """Ids and rendered items of what the next model request should carry (pure): every
+        steer, and the oldest notifications, at most MAX_NOTIFICATIONS_PER_REQUEST of them and
+        `max_bytes` of their texts (always the first); the rest wait, in order."""
         ids: list[str] = []
         notes: list[PendingInput] = []
         items: list[Item] = []
+        taken = 0  # bytes of the notifications' texts
+        full = False
         for p in self.pending_inputs.values():
             if p.kind == "steer":
                 ids.append(p.id)
                 items.append(UserMessage(text=p.text))
-            elif len(notes) < MAX_NOTIFICATIONS_PER_REQUEST:
+            elif not full and len(notes) < MAX_NOTIFICATIONS_PER_REQUEST:
+                if max_bytes is not None:
+                    taken += len(p.text.encode("utf-8", "surrogatepass"))
+                    if notes and taken > max_bytes:
+                        full = True  # the rest wait, in order: none jumps ahead of this one
+                        continue
                 ids.append(p.id)
                 notes.append(p)
         if notes:

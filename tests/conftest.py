@@ -111,6 +111,11 @@ class PodProcess:
         self.proc.wait(10)
 
 
+# Pod arguments for a test that sends inputs up to a frame's size (8 MiB): over the
+# default worker.max_input_bytes.
+BIG_INPUTS = ("--set", f"worker.max_input_bytes={8 << 20}")
+
+
 def drained(pod: PodProcess, timeout: float = 30.0) -> None:
     """Wait until the pod is idle with no run and no notification pending (then nothing starts)."""
 

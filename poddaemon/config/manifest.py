@@ -112,6 +112,11 @@ class WorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     max_tokens: PositiveInt = 4096
     temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
     max_turns: PositiveInt = 50
+    # A `run` input or `notify` message larger than this is refused (-32602), and a model
+    # request carries at most this much of the notifications waiting (the rest follow in the
+    # next round). Once delivered, an input stays in the context: one too large for the
+    # model's window failed every later run, and every compaction's summary, for good.
+    max_input_bytes: PositiveInt = 262144
     tools: list[str] = field(default_factory=lambda: list(FILE_TOOLS))
     tool_output: ToolOutputConfig = field(default_factory=ToolOutputConfig)
     # Credential-like variables (*_API_KEY, *TOKEN*, *SECRET*, *PASSWORD*) commands may see.

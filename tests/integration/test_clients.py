@@ -16,7 +16,7 @@ import pytest
 
 from protocol.aio import AsyncPodClient
 from protocol.errors import ConnectionClosed, RpcError
-from tests.conftest import Env, PodProcess, drained, flood, wait_until
+from tests.conftest import BIG_INPUTS, Env, PodProcess, drained, flood, wait_until
 
 
 def connected(pid: int) -> bool:
@@ -349,7 +349,7 @@ def test_waiting_for_events_without_a_subscription_is_an_error_not_a_hang(env: E
 
 
 def test_history_larger_than_a_client_reads_at_once_comes_in_pages(env: Env) -> None:
-    pod = env.start()
+    pod = env.start("pod", *BIG_INPUTS)
     env.model.script({"gate": "never", "text": "held"})
     big = "x" * (7 << 20)  # one input, under the 8 MiB frame limit
     with pod.client() as client:

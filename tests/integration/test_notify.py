@@ -22,7 +22,16 @@ import pytest
 from protocol import PodClient, RpcError
 from protocol.aio import AsyncPodClient
 from protocol.types import Event
-from tests.conftest import ROOT, Env, PodProcess, collect_run, drained, events_until, flood
+from tests.conftest import (
+    BIG_INPUTS,
+    ROOT,
+    Env,
+    PodProcess,
+    collect_run,
+    drained,
+    events_until,
+    flood,
+)
 
 NOTE_LINE = re.compile(r"^- \[[^\]]*\] from (\S+): (.*)$", re.M)
 GATED_TOOL_CALL = {"tool_calls": [{"name": "list_dir", "arguments": {}}]}
@@ -385,6 +394,37 @@ def test_max_pending_exceeded_is_32002_then_recovers(env: Env) -> None:
     assert newest_block(bodies(env)[-1]) == [("load", "n6")]
 
 
+def test_an_input_over_max_input_bytes_is_refused_and_a_request_carries_at_most_that(
+    env: Env,
+) -> None:
+    """A notification larger than the model's window, once delivered, stayed in the context:
+    every later run failed on it, and so did each compaction's summary. It is refused at the
+    door now, and the notifications one request carries are bounded by the same bytes."""
+    env.model.script({**GATED_TOOL_CALL, "gate": "busy"})
+    pod = env.start("capped", "--set", "worker.max_input_bytes=3000")
+    big = "é" * 1501  # 3,002 bytes in UTF-8, in 1,501 characters
+    with pod.client() as c:
+        c.run("keep busy")
+        env.model.wait_for_requests(1)
+        for send in (lambda: c.notify(big, source="ci"), lambda: c.run(big, mode="steer")):
+            with pytest.raises(RpcError) as err:
+                send()
+            assert err.value.code == -32602
+            assert "3,002 bytes, over worker.max_input_bytes (3,000)" in err.value.message
+        fits = [f"{ch}" * 1400 for ch in "abc"]
+        for text in fits:
+            c.notify(text, source="ci")
+        assert c.status().queue.notifications == 3
+        env.model.open_gate("busy")
+        drained(pod)
+    blocks = [newest_block(b) for b in bodies(env)[1:]]
+    assert blocks[0] == [("ci", fits[0]), ("ci", fits[1])]  # 2,800 bytes: the third waits
+    assert blocks[1] == [("ci", fits[2])]  # and comes in the run's next round
+    assert all(big not in json.dumps(b) for b in bodies(env))
+    out = env.podctl("notify", "capped", "x" * 3001)
+    assert out.returncode == 1 and "over worker.max_input_bytes" in out.stderr, out.stderr
+
+
 def test_client_key_makes_notify_idempotent(env: Env) -> None:
     env.model.script({**GATED_TOOL_CALL, "gate": "k"})
     pod = env.start("keyed")
@@ -568,7 +608,7 @@ def test_a_subscriber_that_never_reads_does_not_slow_the_pod(env: Env) -> None:
     deltas = 10_100
     text = "".join(f"{i:019d}." for i in range(deltas))
     env.model.script({"text": text}, {"text": "short and sweet"})
-    pod = env.start("sluggish", extra=FLOODABLE)
+    pod = env.start("sluggish", *BIG_INPUTS, extra=FLOODABLE)
     stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     stuck.connect(pod.socket)

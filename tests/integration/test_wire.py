@@ -25,7 +25,7 @@ from protocol import PodClient, RpcError, oneshot
 from protocol.aio import AsyncPodClient
 from protocol.errors import Busy, FrameTooLarge, NotPaused, QueueFull, UnsafeSocket
 from protocol.framing import DEFAULT_MAX_FRAME_BYTES
-from tests.conftest import ROOT, Env, PodProcess, drained, wait_until
+from tests.conftest import BIG_INPUTS, ROOT, Env, PodProcess, drained, wait_until
 
 NOTIFY_LINE = b'{"jsonrpc":"2.0","id":1,"method":"notify","params":{"message":"hi"}}\n'
 
@@ -599,7 +599,7 @@ def test_a_client_pipelining_thousands_of_history_requests_gets_every_reply(env:
 
 def _with_a_big_note(env: Env) -> tuple[PodProcess, str]:
     """A pod whose session holds a 6 MiB notification, delivered: its history pages are big."""
-    pod = env.start()
+    pod = env.start("pod", *BIG_INPUTS)
     note = "n" * (6 << 20)
     with pod.client() as c:
         c.notify(note)
@@ -678,7 +678,7 @@ def test_a_batch_of_more_items_than_the_limit_is_refused_whole(env: Env) -> None
 def test_partial_frames_are_bounded_across_connections(env: Env) -> None:
     """Clients holding unfinished frames (64 MiB for all together) cannot get another client's
     valid request refused: past the bound, the oldest unfinished frames go, with an alert."""
-    pod = env.start()
+    pod = env.start("pod", *BIG_INPUTS)
     with pod.client() as watcher:
         watcher.subscribe()
         # Valid JSON once finished: white space may pad a request.

@@ -199,6 +199,25 @@ def test_deliverable_is_bounded_and_the_rest_summarised_by_count() -> None:
     assert "more are queued" not in items2[0].text  # type: ignore[union-attr]
 
 
+def test_deliverable_is_bounded_by_bytes_in_order_and_always_takes_the_first() -> None:
+    log = Log()
+    log.start()
+    log.add("system_item", id="huge", source="ci", text="h" * 500)  # over the bound, alone
+    log.add("system_item", id="a", source="ci", text="é" * 30)  # 60 bytes
+    log.add("system_item", id="b", source="ci", text="b" * 50)
+    log.add("system_item", id="c", source="ci", text="c")  # would fit, but b is first
+    log.add("user_input", id="s", run_id="r", text="steer " * 100, mode="steer")
+    s = state_of(log)
+    assert s.deliverable(100)[0] == ["huge", "s"]  # a steer is never held back
+    log.add("inputs_delivered", ids=["huge", "s"], more=3)
+    s = state_of(log)
+    ids, items = s.deliverable(100)
+    assert ids == ["a"]
+    assert "(2 more are queued and follow in the next request)" in items[0].text  # type: ignore[union-attr]
+    assert s.deliverable(120)[0] == ["a", "b", "c"]  # 111 bytes
+    assert s.deliverable()[0] == ["a", "b", "c"]
+
+
 def test_inputs_delivered_ignores_unknown_ids() -> None:
     log = Log()
     log.start()
