@@ -46,7 +46,8 @@ class HookRun(msgspec.Struct, frozen=True):
     duration: float
     decision: Decision
     reason: str = ""  # why it blocked, or what went wrong
-    context: str = ""  # what it adds to the model's context (SessionStart, UserPromptSubmit)
+    context: str = ""  # what it adds to the model's context (SessionStart, UserPromptSubmit,
+    # PostToolUse)
 
 
 _NAMES = re.compile(r"[\w|-]+", re.ASCII)  # a matcher of plain names: "write_file|bash"
@@ -186,8 +187,11 @@ class Hooks(Interceptor):
             "tool_response": {"output": outcome.output, "is_error": outcome.is_error},
         }
         for run in await self.run("PostToolUse", fields, tool=call.name):
-            if run.decision == "block":  # the tool already ran: the model is told why
-                outcome.output += f"\n[PostToolUse hook] {run.reason}"
+            # The tool already ran: the model is told why a hook blocks, or what it adds
+            # (Claude Code's additionalContext: "lint: 2 warnings in the file just written").
+            said = run.reason if run.decision == "block" else run.context
+            if said:
+                outcome.output += f"\n[PostToolUse hook] {said}"
         return outcome
 
     async def stop(self, run_id: str, stop_hook_active: bool) -> str | None:

@@ -1,6 +1,7 @@
 """Issue 13: command hooks (SPEC §10), Claude Code's contract, through real pods."""
 
 import json
+import shlex
 import socket
 import subprocess
 import sys
@@ -761,6 +762,22 @@ def test_a_stop_hook_saying_continue_false_ends_the_run(env: Env) -> None:
         result = c.run_wait("work")
     assert (result.outcome, result.text) == ("finished", "first answer")
     assert len(env.model.requests) == 1
+
+
+def test_a_post_tool_use_hooks_additional_context_reaches_the_model(env: Env) -> None:
+    # Claude Code adds it for the model to read after the tool's result (a linter's verdict
+    # on the file just written); it was parsed and dropped.
+    said = {"hookSpecificOutput": {"hookEventName": "PostToolUse", "additionalContext": "lint: ok"}}
+    hook = f"echo {shlex.quote(json.dumps(said))}"
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}, {"text": "done"}
+    )
+    pod = env.start("context", tools=["list_dir"], extra=hooks_toml("PostToolUse", hook))
+    with pod.client() as c:
+        assert c.run_wait("list").outcome == "finished"
+    (result,) = tool_results(pod)
+    assert result["output"].endswith("\n[PostToolUse hook] lint: ok")
+    assert "[PostToolUse hook] lint: ok" in json.dumps(env.model.requests[-1]["body"])
 
 
 def test_tool_hooks_get_claude_codes_tool_use_id(env: Env) -> None:
