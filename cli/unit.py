@@ -482,9 +482,22 @@ def install_cmd(
         )
 
 
+def _unit_pod_name(value: str) -> str:
+    """A unit is named after its pod: any other name (or a socket's path) names none. A usage
+    error, before the user manager is asked (it answered 'no manager', exit 1)."""
+    from cli.app import pod_name
+
+    if "/" in value:
+        raise typer.BadParameter(f"{value!r} is not a pod name (a unit is named after its pod)")
+    pod_name(value)
+    return value
+
+
 @unit_app.command("remove")
 def remove_cmd(
-    name: Annotated[str, typer.Argument(metavar="NAME", help="The pod's name.")],
+    name: Annotated[
+        str, typer.Argument(metavar="NAME", help="The pod's name.", callback=_unit_pod_name)
+    ],
 ) -> None:
     """Stop, disable and delete a pod's unit."""
     try:

@@ -220,6 +220,15 @@ def test_rpc_with_invalid_json_params_is_a_usage_error(home: Path) -> None:
     assert (proc.returncode, proc.stderr) == (2, "podctl: JSON params must be an object\n")
 
 
+@pytest.mark.parametrize("name", ["Bad Name", "../pods/x"])
+def test_unit_remove_of_a_name_no_pod_can_have_is_a_usage_error(home: Path, name: str) -> None:
+    # Asked of the user manager first: with none, "no systemd user manager answers" (exit 1),
+    # and with one, "no unit for pod" (exit 1) for what is a typo.
+    proc = podctl(home, "unit", "remove", name)
+    assert proc.returncode == 2, proc.stderr
+    assert "Error: Invalid value for 'NAME':" in proc.stderr and "manager" not in proc.stderr
+
+
 @pytest.mark.parametrize("command", [["wait", "ghost"], ["mcp-serve"]], ids=" ".join)
 def test_a_nan_timeout_is_a_usage_error(home: Path, command: list[str]) -> None:
     # click's min= lets NaN through: `wait --timeout nan` ended in a ValueError traceback from
