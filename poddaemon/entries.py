@@ -221,7 +221,7 @@ class HookRunEntry(Entry, tag="hook_run"):
     command: str
     exit: int | None  # None: killed at its timeout, or it could not start
     duration: float
-    decision: str  # ok | block | allow | warning
+    decision: str  # ok | block | allow | warning | stop
     reason: str = ""
 
 

@@ -32,7 +32,9 @@ from poddaemon.interceptors import Deny, Interceptor
 from poddaemon.tools.base import ToolOutcome
 from poddaemon.tools.runner_client import CommandRunner
 
-Decision = Literal["ok", "block", "allow", "warning"]
+Decision = Literal[
+    "ok", "block", "allow", "warning", "stop"
+]  # stop: a Stop hook's "continue": false
 OUTPUT_LIMIT = 1 << 20  # bytes kept of a hook's stdout and of its stderr
 # Characters of a hook's context or reason that reach the model (as Claude Code's 10,000): a
 # context is sent again with every later request, a reason is a tool result or an RPC error.
@@ -137,7 +139,7 @@ def _judge(
     if out.get("continue") is False and event in ("Stop", "SubagentStop"):
         # Claude Code: stop now, over any "block". Read as a block it kept the run going,
         # the opposite of what the hook asked (and again each round, to max_turns).
-        return "ok", str(out.get("stopReason") or ""), ""
+        return "stop", str(out.get("stopReason") or ""), ""
     if out.get("decision") == "block" or out.get("continue") is False:
         reason = out.get("reason") or out.get("stopReason") or NO_REASON
         return "block", str(reason), ""
@@ -198,7 +200,10 @@ class Hooks(Interceptor):
         """The Stop hooks on a final answer, before the run ends: the reason the first one
         that blocked gave (the run goes on), or None (it ends `finished`)."""
         fields = {"stop_hook_active": stop_hook_active, "run_id": run_id, "outcome": "finished"}
-        for run in await self.run("Stop", fields):
+        runs = await self.run("Stop", fields)
+        if any(run.decision == "stop" for run in runs):
+            return None
+        for run in runs:
             if run.decision == "block":
                 self._kept_going.add(run_id)
                 return run.reason
@@ -258,8 +263,9 @@ class Hooks(Interceptor):
             runs.append(run)
             # An allow does not stop the hooks after it: as in Claude Code, where every
             # matching hook runs and a deny beats an allow, one guard cannot wave a call
-            # past another's block.
-            if run.decision == "block":
+            # past another's block. A Stop hook's block does not either: a later one may
+            # say "continue": false, which beats it.
+            if run.decision == "block" and event != "Stop":
                 break
         return runs
 

@@ -764,6 +764,22 @@ def test_a_stop_hook_saying_continue_false_ends_the_run(env: Env) -> None:
     assert len(env.model.requests) == 1
 
 
+def test_continue_false_from_any_stop_hook_beats_another_ones_block(env: Env) -> None:
+    # Claude Code runs every Stop hook and "continue": false wins over a block. The first
+    # hook's block ended the hooks there, and the run went on against the second's word.
+    stop = json.dumps({"continue": False, "stopReason": "out of time"})
+    extra = hooks_toml("Stop", "echo 'keep going' >&2; exit 2") + hooks_toml(
+        "Stop", f"echo '{stop}'"
+    )
+    env.model.script({"text": "first answer"}, {"text": "second answer"})
+    pod = env.start("stopwins", extra=extra)
+    with pod.client() as c:
+        result = c.run_wait("work")
+    assert (result.outcome, result.text) == ("finished", "first answer")
+    assert len(env.model.requests) == 1
+    assert [r["decision"] for r in hook_runs(pod)] == ["block", "stop"]
+
+
 def test_a_post_tool_use_hooks_additional_context_reaches_the_model(env: Env) -> None:
     # Claude Code adds it for the model to read after the tool's result (a linter's verdict
     # on the file just written); it was parsed and dropped.

@@ -116,7 +116,7 @@ def test_continue_false_ends_a_run_a_stop_hook_would_otherwise_keep_going() -> N
     """Claude Code's `"continue": false` means "stop now" and beats a "block" on Stop; it was
     read as a block, which keeps the run going: the opposite."""
     stop = {"continue": False, "stopReason": "budget spent", "decision": "block", "reason": "r"}
-    assert judge("Stop", 0, json.dumps(stop), "") == ("ok", "budget spent", "")
+    assert judge("Stop", 0, json.dumps(stop), "") == ("stop", "budget spent", "")
     assert judge("PreToolUse", 0, json.dumps(stop), "")[0] == "block"  # the call: not run
 
 
