@@ -672,10 +672,10 @@ def _serve(
                     lasting=exc.errno in _NOT_WRITABLE,
                 ) from None
             for warning in warnings:
-                pod._alert("warning", warning)
+                pod.alert("warning", warning)
         await _preflight(pod, manifest)
         if manifest.sandbox.mode == "best_effort" and box.status == "none":
-            pod._alert("warning", "; ".join(box.notes), source="sandbox")
+            pod.alert("warning", "; ".join(box.notes), source="sandbox")
         if pod.hooks is not None and pod.hooks.wants("SessionStart"):
             if session_id is None:  # the hook is told the session the first input will start
                 await pod.reserve_session()

@@ -45,6 +45,10 @@ Handler = Callable[[Any, Any], Any]
 # their turn. Each started as its event came: a burst of 300 notifications ran 300 hook
 # commands at once (600 processes with their shells), and a flood could exhaust the user's.
 MAX_BACKGROUND_HOOKS = 4
+# Of those, how many may wait their turn: past it, a hook is skipped (with one alert) until the
+# backlog drains. Unbounded, a flood of notifications to a pod whose Notification hook takes
+# a second queued a task per notification, gigabytes within minutes.
+MAX_WAITING_HOOKS = 1000
 MAX_HISTORY_PAGE = 10_000  # entries per `history` reply, whatever `limit` asks; `next` pages on
 # Bytes of entries per `history` reply (but always one entry): far below what a client reads in
 # one frame (protocol.framing.MAX_REPLY_BYTES), however large the entries of a session are.
@@ -80,6 +84,28 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
     scope_entries = ScopeEntries()
     prompts_in_order = asyncio.Lock()
     background_hooks = asyncio.Semaphore(MAX_BACKGROUND_HOOKS)
+    backlog = 0  # background hooks running or waiting their turn
+    skipping = False  # the backlog was full: one alert until it is not
+
+    def _in_background(event: str, fields: dict[str, Any]) -> None:
+        nonlocal backlog, skipping
+        if backlog >= MAX_BACKGROUND_HOOKS + MAX_WAITING_HOOKS:
+            if not skipping:
+                skipping = True
+                pod.alert(
+                    "warning",
+                    f"{event} hooks fall behind ({MAX_WAITING_HOOKS} waiting): further ones "
+                    "are skipped until they catch up",
+                    source="hooks",
+                )
+            return
+        skipping = False
+        backlog += 1  # counted now: a burst read at once starts its tasks only later
+        pod.spawn_background(_background_hook(event, fields)).add_done_callback(_one_less)
+
+    def _one_less(task: "asyncio.Task[None]") -> None:
+        nonlocal backlog
+        backlog -= 1
 
     async def _background_hook(event: str, fields: dict[str, Any]) -> None:
         assert hooks is not None
@@ -137,7 +163,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         result = await reply
         assert hooks is not None
         fields = {"message": p.message, "source": p.source}
-        pod.spawn_background(_background_hook("Notification", fields))
+        _in_background("Notification", fields)
         return result
 
     # Every command reaches the machine as its request is read, never from a task that runs
@@ -169,7 +195,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         result = await reply
         assert hooks is not None
         fields = {"stop_hook_active": False, "child": p.pod, "outcome": p.outcome, "text": p.text}
-        pod.spawn_background(_background_hook("SubagentStop", fields))
+        _in_background("SubagentStop", fields)
         return result
 
     def pause(p: NoParams, conn: Any) -> Any:

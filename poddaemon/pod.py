@@ -192,7 +192,7 @@ class Pod:
             services.sessions_dir,
             fail=self._fail,
             moved=self._session_moved,
-            alert=lambda message: self._alert("warning", message),
+            alert=lambda message: self.alert("warning", message),
             fork=lambda: self.machine.fork(),
         )
         self._tokens = itertools.count(1)
@@ -376,7 +376,7 @@ class Pod:
         if self.failure is None:
             self.failure = message
             self.bus.forget()  # events held for replay may speak of entries the log lost
-            self._alert("error", f"{message}; the pod stops")
+            self.alert("error", f"{message}; the pod stops")
             asyncio.get_running_loop().call_soon(self.request_shutdown, "failed")
 
     # --- replies ------------------------------------------------------------------------------
@@ -454,7 +454,7 @@ class Pod:
                 raise
             effects = self.machine.model_failed(None, "".join(streamed))
         except ProviderError as exc:
-            self._alert("error", exc.message, source="provider")
+            self.alert("error", exc.message, source="provider")
             effects = self.machine.model_failed(exc, "".join(streamed))
         except Exception as exc:  # a bug must still end the run properly, history valid
             log.exception("model call of run %s failed", call.run_id)
@@ -601,7 +601,7 @@ class Pod:
 
     def _record_hook(self, run: "HookRun") -> None:
         if run.decision == "warning":
-            self._alert("warning", f"{run.event} hook `{run.command}`: {run.reason}", "hook")
+            self.alert("warning", f"{run.event} hook `{run.command}`: {run.reason}", "hook")
         effects = self.machine.hook_ran(
             run.event, run.command, run.exit, run.duration, run.decision, run.reason
         )
@@ -645,7 +645,7 @@ class Pod:
         task.add_done_callback(self._background.discard)
         return task
 
-    def _alert(self, level: str, message: str, source: str = "session") -> None:
+    def alert(self, level: str, message: str, source: str = "session") -> None:
         log.log(logging.ERROR if level == "error" else logging.WARNING, "%s", message)
         self.bus.publish("alert", {"level": level, "source": source, "message": message})
 

@@ -46,7 +46,7 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
             # A refusal, or an answer stopped part way, in place of the summary: kept, it would
             # replace the whole context. The old session stays, as for any failed summary.
             reason = response.detail or response.stop.replace("_", " ")
-            pod._alert("warning", f"compaction: the summary was stopped: {reason}", "provider")
+            pod.alert("warning", f"compaction: the summary was stopped: {reason}", "provider")
             return machine.compaction_failed(f"the summary was stopped: {reason}")
         if response.message.tool_calls:
             # Told not to, it went on working: its text is a preamble ("Let me read the file
@@ -54,11 +54,11 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
             return machine.compaction_failed("the model called a tool instead of summarizing")
         if response.stop == "max_tokens" and summary.strip():
             # Still better than the context it replaces, but the model must know it is partial.
-            pod._alert("warning", CUT_OFF_ALERT.format(pod.m.worker.max_tokens), "compaction")
+            pod.alert("warning", CUT_OFF_ALERT.format(pod.m.worker.max_tokens), "compaction")
             summary += CUT_OFF_NOTE
         return machine.compaction_returned(summary, response.usage, live_children(machine.state))
     except ProviderError as exc:
-        pod._alert("warning", f"compaction: {exc.message}", source="provider")
+        pod.alert("warning", f"compaction: {exc.message}", source="provider")
         return machine.compaction_failed(exc.message)
     except Exception as exc:  # CancelledError is the caller's
         log.exception("compaction failed")

@@ -33,7 +33,7 @@ async def test_a_bug_while_a_provider_error_is_handled_still_ends_the_run(
     def broken_alert(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("broken alert")
 
-    monkeypatch.setattr(pod, "_alert", broken_alert)
+    monkeypatch.setattr(pod, "alert", broken_alert)
     ask = pod.request(lambda t: pod.machine.run(t, "hello", wait=True))
     reply = await asyncio.wait_for(ask, 10)
     assert reply.outcome == "error"
