@@ -887,8 +887,15 @@ class Machine:
             )
             after = compaction.estimate_tokens(self.system_prompt, history)
             gained = compaction.shrink(c.estimate_before, after)
+            if not summary.strip():
+                # No summary is a failed call, as an HTTP error is (the breaker counts it and
+                # the next round tries again), not a useless one: the thrash guard would leave
+                # the rest of the run to grow uncompacted after one empty answer.
+                self._compaction_failed(c, "the summary was empty")
+                self._after_compaction(c)
+                return
             # A manual compaction is applied as asked; an automatic one only if it helps.
-            if not summary.strip() or (gained <= 0 and c.reason != "manual"):
+            if gained <= 0 and c.reason != "manual":
                 if c.run_id is not None:
                     self._no_compact_run = c.run_id
                 self._compaction_failed(c, "the summary did not make the context smaller")

@@ -140,6 +140,36 @@ def test_a_useless_summary_is_not_applied_and_not_repeated_in_that_run() -> None
     assert isinstance(d.inflight, Summarize)  # a new run may compact again
 
 
+def test_an_empty_summary_is_a_failure_the_next_round_retries_not_a_useless_one() -> None:
+    """An empty answer (a glitch of the compaction model) was reported as "the summary did not
+    make the context smaller" and set the thrash guard: no compaction for the rest of the run,
+    whose context then grew unchecked until the provider refused it."""
+    d = driver(threshold=100)
+    d.call("run", "task")
+    tool_round(d, usage=500)
+    sid = d.machine.state.session_id
+    d.summarize("  \n")
+    assert events(d, "compaction.failed") == [{"error": "the summary was empty"}]
+    assert d.machine.state.session_id == sid and not d.old_sessions
+    tool_round(d, usage=500)
+    assert isinstance(d.inflight, Summarize)  # tried again: one empty answer is no thrash
+    d.summarize("a real summary")
+    assert d.machine.state.session_id != sid
+    (finished,) = events(d, "compaction.finished")
+    assert finished["after_tokens"] < finished["before_tokens"]
+
+
+def test_an_empty_summary_fails_a_manual_compact_saying_so() -> None:
+    d = driver(threshold=None)
+    d.call("run", "task")
+    d.model("end")
+    token = d.call("compact")
+    d.summarize("")
+    error = d.answer(token).error
+    assert error is not None and error.code == errors.INTERNAL_ERROR
+    assert error.message == "compaction failed: the summary was empty"
+
+
 def test_a_compaction_shrinking_less_than_5_percent_is_kept_but_not_repeated_in_that_run() -> None:
     d = driver(threshold=100, retained=0)
     d.call("run", "task")
