@@ -98,7 +98,11 @@ def sessions_show(
 
     from cli.render import entry_line, json_text
 
-    ids = _chain(session_id) if chain else [session_id]
+    ids = [session_id]
+    if chain:
+        ids, gone = _chain(session_id)
+        if gone is not None:
+            sys.stderr.write(f"podctl: {ids[0]} continues session {gone}, which is not on disk\n")
     for sid in ids:
         scan = _scan(sid)
         for entry in _entries(scan):
@@ -118,15 +122,20 @@ def sessions_show(
             )
 
 
-def _chain(session_id: str) -> list[str]:
-    """The session and those it continues (compacted or forked from), oldest first."""
+def _chain(session_id: str) -> tuple[list[str], str | None]:
+    """The session and those it continues (compacted or forked from), oldest first, and the
+    link the oldest of them names that is not on disk (None if none). A removed old session
+    (nothing removes them but the user) ends the chain there: naming it would fail the whole
+    command before the sessions that are still there were shown."""
     from poddaemon.store.file import list_sessions
 
     links = {i.id: i.compacted_from or i.forked_from for i in list_sessions(_sessions_dir())}
     ids = [session_id]
     while (link := links.get(ids[-1])) and link not in ids:
+        if link not in links:
+            return ids[::-1], link
         ids.append(link)
-    return ids[::-1]
+    return ids[::-1], None
 
 
 @sessions_app.command("verify")

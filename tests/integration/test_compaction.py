@@ -367,6 +367,33 @@ def test_compact_is_busy_during_a_run_and_resume_picks_the_newest_of_the_chain(
     again.stop()
 
 
+def test_sessions_show_chain_shows_what_is_left_when_an_old_session_was_removed(
+    env: Env,
+) -> None:
+    """Nothing removes old sessions but the user; once the oldest of a chain was gone,
+    `sessions show --chain NEWEST` printed nothing but "no session OLDEST" and exited 1."""
+    pod = env.start()
+    chain = []
+    for n in range(3):
+        with pod.client() as c:
+            c.run_wait(f"task {n}")
+            chain.append(c.status().session_id)
+        if n < 2:
+            env.model.script_when(MARKER, {"text": f"SUMMARY {n}"})
+            assert env.podctl("compact", "pod").returncode == 0
+    oldest, middle, newest = chain
+    assert len(set(chain)) == 3
+    (env.home / "data" / "sessions" / f"{oldest}.jsonl").unlink()
+    shown = env.podctl("sessions", "show", "--chain", newest)
+    assert shown.returncode == 0, shown.stderr
+    heads = [line.split()[2] for line in shown.stdout.splitlines() if line.startswith("== ")]
+    assert heads == [middle, newest]
+    assert f"(compacted from {oldest})" in shown.stdout
+    assert shown.stderr == f"podctl: {middle} continues session {oldest}, which is not on disk\n"
+    missing = env.podctl("sessions", "show", "--chain", oldest)  # the one asked for: an error
+    assert missing.returncode == 1 and "no session" in missing.stderr
+
+
 def test_the_compaction_provider_makes_the_summary_and_its_usage_counts(env: Env) -> None:
     write_data(env)
     extra = compaction_toml(1500, retained=1) + (
