@@ -2,9 +2,10 @@
 the new session's history keeps. No I/O: the machine decides with these, the executor only
 makes the summary call and writes the new session.
 
-The new history (SPEC §3): the summary, then verbatim the current run's input and the steer and
-notification items it received, then the list of live children, then the last
-`compact_retained_turns` rounds of the run. A round starts at an assistant message and carries
+The new history (SPEC §3): the summary, then verbatim the current run's input (with the
+notifications and context it started with) and its steers, then the list of live children, then
+the last `compact_retained_turns` rounds of the run (notifications the model answered before
+them are summarized, not repeated). A round starts at an assistant message and carries
 its tool results, so a call is never split from its result. Inputs not yet delivered to the model
 are not history at all: they stay pending and reach the first request after the compaction.
 """
@@ -108,10 +109,19 @@ def build_history(
     tail_at = retained_start(scope, retained_turns)
     inputs: list[Item] = []
     if run_from is not None:
+        # What the run started from (its input, the notifications that woke it, hook context)
+        # and every steer stay verbatim; a notification the model has answered since is the
+        # summary's to keep. Kept verbatim, each one also survived every later compaction of
+        # the run: a run fed reports (CI, its children) outgrew any threshold, a summary call
+        # every round.
+        first_round = next(
+            (i for i, item in enumerate(scope) if isinstance(item, AssistantMessage)), len(scope)
+        )
         inputs = [
             item
-            for item in scope[:tail_at]
-            if isinstance(item, UserMessage | SystemNote) and not _is_children_note(item)
+            for i, item in enumerate(scope[:tail_at])
+            if isinstance(item, UserMessage)
+            or (isinstance(item, SystemNote) and i < first_round and not _is_children_note(item))
         ]
     out: list[Item] = [summary_item(summary), *inputs]
     if children:

@@ -210,6 +210,39 @@ def test_notifications_acked_before_a_compaction_are_in_the_first_request_after_
     assert any("deploy finished on staging" in t for t in texts)
 
 
+def test_a_run_fed_a_report_every_round_stays_compacted(env: Env) -> None:
+    """Every notification the run received was kept verbatim through every compaction: the
+    context grew past the threshold for good, and each round asked for a summary again."""
+    write_data(env)
+    pod = env.start(extra=compaction_toml(3000, retained=1))
+    rounds = 16
+    env.model.script_when(MARKER, *[{"text": f"SUMMARY {i}"} for i in range(rounds)])
+    replies = tool_replies(rounds)
+    for i, reply in enumerate(replies[:-1]):
+        reply["gate"] = f"round {i}"  # each round answers after its report is acknowledged
+    env.model.script(*replies)
+    events, thread = subscribe(pod)
+    with pod.client() as c:
+        c.run(INPUT)
+        for i in range(rounds):
+            c.notify(f"CI report {i}:\n" + "a line of the build log\n" * 60, source="ci")
+            env.model.open_gate(f"round {i}")
+    thread.join(60)
+    assert [e.data["outcome"] for e in events if e.type == "run.finished"] == ["finished"]
+    bodies = [r["body"] for r in env.model.requests]
+    summaries = [i for i, b in enumerate(bodies) if is_summary_request("openai", b)]
+    assert 1 <= len(summaries) <= rounds // 2, len(summaries)  # not one every round
+    after = [
+        len(json.dumps(b))
+        for b in bodies[summaries[0] + 1 :]
+        if not is_summary_request("openai", b)
+    ]
+    # Bounded: about the threshold (3000 tokens of 4 bytes) plus a round; it grew without end.
+    assert max(after) < 20_000, after
+    for body in bodies:
+        check_wire("openai", body)
+
+
 # --- crashes ------------------------------------------------------------------------------------
 
 

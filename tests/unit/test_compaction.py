@@ -373,6 +373,40 @@ def test_the_kept_rounds_never_split_a_call_from_its_result(
     assert [i for i in new[1:] if isinstance(i, UserMessage)] == inputs
 
 
+def test_notifications_the_model_answered_are_summarized_not_kept_verbatim() -> None:
+    """Every notification of the run was kept verbatim, through every compaction of it: a run
+    fed reports outgrew any threshold, and asked for a summary every round."""
+    call = ToolCall(id="c1", name="t", arguments="{}")
+    later = ToolCall(id="c2", name="t", arguments="{}")
+    history: list[Item] = [
+        UserMessage(text="previous run"),
+        AssistantMessage(text="previous answer"),
+        UserMessage(text="input"),
+        SystemNote(text="woke with this"),  # delivered with the input: what the run starts from
+        AssistantMessage(text="r", tool_calls=(call,)),
+        ToolResult(call_id="c1", name="t", output="o"),
+        SystemNote(text="report 1"),  # answered by the next round
+        UserMessage(text="steer"),
+        AssistantMessage(text="r", tool_calls=(later,)),
+        ToolResult(call_id="c2", name="t", output="o"),
+        SystemNote(text="report 2"),  # in the kept round: not answered yet
+    ]
+    new, _ = compaction.build_history(history, 2, "S", 1, [])
+    assert new[1:] == [
+        UserMessage(text="input"),
+        SystemNote(text="woke with this"),
+        UserMessage(text="steer"),
+        *history[8:],
+    ]
+    again, _ = compaction.build_history([*new, AssistantMessage(text="r")], 1, "S2", 1, [])
+    assert again[1:] == [
+        UserMessage(text="input"),
+        SystemNote(text="woke with this"),
+        UserMessage(text="steer"),  # report 2 was answered by then
+        AssistantMessage(text="r"),
+    ]
+
+
 def test_switch_session_effect_carries_the_whole_state_to_continue_from() -> None:
     d = driver(threshold=100, retained=0)
     d.call("run", "queued first")
