@@ -1113,7 +1113,11 @@ class Machine:
             return
         nid = self.new_id()
         self._note_arrived()
-        wakes = self.pod_state == "idle" and not self.budget_exhausted()
+        # A manual compaction holds no run: once it ends (whatever its end) the pod runs a turn
+        # for this, unless a run queued meanwhile starts first and takes it.
+        manual = self._compacting is not None and self.state.active_run is None
+        waiting = manual and not self.state.pending_runs
+        wakes = (self.pod_state == "idle" or waiting) and not self.budget_exhausted()
         self._commit(SystemItem(id=nid, text=message, source=source, client_key=key, wakes=wakes))
         self._reply(token, NotifyResult(notification_id=nid, wakes=wakes), durable=True)
 

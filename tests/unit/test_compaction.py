@@ -257,6 +257,31 @@ def test_compact_is_refused_busy_while_a_run_is_active_and_answers_the_new_sessi
     assert "meanwhile" in call.items[-1].text  # type: ignore[union-attr]
 
 
+def test_a_notification_during_a_manual_compaction_says_it_wakes_the_pod() -> None:
+    """It answered `wakes: false` (the pod said "running"), yet no run was active and the pod
+    ran a turn for it as soon as the compaction ended, whatever its end."""
+    for end in ("summary", "failed", "cancelled"):
+        d = driver(threshold=None)
+        d.call("run", "task")
+        d.model("end")
+        d.call("compact")
+        assert d.answer(d.call("notify", "meanwhile", "ci")).result.wakes is True
+        if end == "cancelled":
+            d.call("cancel")
+            d.summarize_fails(None)
+        elif end == "failed":
+            d.summarize_fails("down")
+        else:
+            d.summarize("idle summary")
+        for _ in range(5):  # the burst settles, then the run for it starts
+            if isinstance(d.inflight, CallModel):
+                break
+            d.tick(5.0)
+        call = d.inflight
+        assert isinstance(call, CallModel), end
+        assert "meanwhile" in call.items[-1].text  # type: ignore[union-attr]
+
+
 def test_cancel_during_a_compaction_ends_the_run_cancelled_in_the_old_session() -> None:
     d = driver(threshold=100)
     d.call("run", "task")
