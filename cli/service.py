@@ -469,6 +469,10 @@ def logs(
         fail(str(exc), EXIT_USAGE)
     paths.check_private_dirs()  # another user could have written the log file we would show
     status = _live_status(pod)
+    if status is None and "/" in pod:
+        # A socket path that does not answer names no pod: joined under <runtime>/pods it read
+        # `<path>/stderr.log` (`../../x` anywhere, a stopped pod's socket path never its log).
+        fail(f"pod '{pod}' is not running; show its log by name", EXIT_NOT_RUNNING)
     name = str(status["name"]) if status is not None else pod
     unit = pod_unit(pod, status)
     if unit is not None:

@@ -372,6 +372,20 @@ def test_logs_of_a_running_pod_without_a_log_file_is_an_error_not_not_running(en
     assert env.podctl("logs", "ghost").returncode == 3
 
 
+def test_logs_of_a_path_that_does_not_answer_is_not_running(env: Env) -> None:
+    """`podctl logs PATH` of a socket path nothing listens on joined PATH under <runtime>/pods
+    and read `PATH/stderr.log`: any file named so, through `..` too, and a stopped pod's socket
+    path never found its log. Like `restart`, it is a pod that is not running (exit 3)."""
+    elsewhere = env.home / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "stderr.log").write_text("2026-01-01 00:00:00.000 not a pod's log\n")
+    for target in (str(elsewhere), "../../elsewhere", str(env.home / "run/pods/gone/sock")):
+        logs = env.podctl("logs", target)
+        assert logs.returncode == 3, (target, logs.stderr)
+        assert logs.stdout == ""
+        assert logs.stderr == f"podctl: pod '{target}' is not running; show its log by name\n"
+
+
 ANSWER_TIMEOUT = 30.0  # what a pod has to answer podctl (cli.app.ANSWER_TIMEOUT)
 # Every command that asks a pod something: none may wait for ever for the answer.
 ASKING = [
