@@ -520,7 +520,10 @@ def _importer(module: str) -> Callable[[], object]:
 
 def _set_title(title: str) -> None:
     """`ps` shows the pod as the command line it would have been exec'd with."""
-    setproctitle.setproctitle(title)
+    # An argument that is not UTF-8 (a manifest named in Latin-1, a `--set` value) is held as
+    # lone surrogates, which setproctitle cannot encode: it raised, and the forked pod died
+    # with a traceback where an exec'd one starts. `ps` shows such a byte as `?` either way.
+    setproctitle.setproctitle(title.encode("utf-8", "replace").decode())
 
 
 def _allow_limits(nofile: tuple[int, ...]) -> None:

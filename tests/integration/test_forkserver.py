@@ -129,6 +129,31 @@ def test_a_manifest_the_pod_refuses_leaves_the_server_serving(env: Env) -> None:
     assert "Traceback" not in next((env.home / "run").glob("forkserver.*.log")).read_text()
 
 
+def test_a_forked_pod_takes_arguments_that_are_not_utf8(env: Env) -> None:
+    """A manifest whose file name is not UTF-8 (Latin-1, say): the exec'd pod took it, the
+    forked one died before READY with a UnicodeEncodeError traceback from setproctitle, so
+    `podctl spawn` failed only while another pod was running."""
+    spawn(env, "lone")
+    spawn(env, "one")  # a server runs
+    server = server_pid(env)
+    manifest = env.manifest("two", write=[str(env.work / "two")])
+    latin1 = os.fsencode(env.work) + b"/tw\xe9.toml"  # 'twé.toml' in Latin-1
+    os.rename(manifest, latin1)
+    done = subprocess.run(
+        [sys.executable.encode(), b"-m", b"cli.main", b"spawn", latin1],
+        env=env.env,
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert done.stdout.startswith(b"two\t")
+    second = pod_pid(env, "two")
+    assert ppid(second) == server
+    with open(f"/proc/{second}/cmdline", "rb") as f:
+        assert b"poddaemon run " in f.read()
+    assert answers(env, "two")
+
+
 def _spawn_with(env: Env, name: str, limit: tuple[int, int]) -> "subprocess.CompletedProcess[str]":
     """`podctl spawn` from a shell whose open-file limit is `limit`."""
     manifest = env.manifest(name, write=[str(env.work / name)])
