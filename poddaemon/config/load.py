@@ -136,7 +136,31 @@ def load_manifest(
             if origin is not src:  # from defaults.toml or a --set: a template error names it
                 note = f" ({origin.note})" if origin.note else ""
                 manifest = msgspec.structs.replace(manifest, instruction_source=origin.name + note)
-    return _resolve_paths(manifest, Path(path))
+    manifest = _resolve_paths(manifest, Path(path))
+    _check_utf8(manifest.to_dict(), (), src.name)
+    return manifest
+
+
+def _check_utf8(value: Any, key: Key, shown: str) -> None:
+    """Every value must be text the kept configuration, the registry and the wire can hold: a
+    `--set` value or a directory name that is not UTF-8 (held as lone surrogates) started the
+    pod, which then died with a UnicodeEncodeError traceback writing them."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as e:
+            code = ord(value[e.start])
+            bad = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:X}"
+            shown_value = value.encode("utf-8", "backslashreplace").decode()
+            raise ManifestError(
+                f"{shown}: {_dotted(key)}: '{shown_value}' is not UTF-8 text ({bad})"
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_utf8(v, (*key, k), shown)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_utf8(v, (*key, i), shown)
 
 
 # --- reading ---------------------------------------------------------------------------------

@@ -864,3 +864,22 @@ def test_a_hook_script_under_a_pwd_with_a_space_stays_a_script(tmp_path: Path) -
     quoted = "[[hooks.Stop]]\ncommand = \"'./my hooks/s.sh' x\"\n"
     m = load_manifest(write(MINIMAL + quoted))
     assert m.hooks.Stop[0].command == f"'{tmp_path}/my hooks/s.sh' x"
+
+
+def test_values_that_are_not_utf8_are_refused_naming_the_field() -> None:
+    """A `--set` value or a directory name that is not UTF-8 (Python holds its bytes as lone
+    surrogates) was taken: the pod started, then died with a UnicodeEncodeError traceback
+    writing its kept configuration or the registry, leaving a temp file behind."""
+    latin1 = "caf" + os.fsdecode(b"\xe9")
+    assert error_of(MINIMAL, f"worker.instruction={latin1}") == (
+        "m.toml: worker.instruction: 'caf\\udce9' is not UTF-8 text (byte 0xe9)"
+    )
+    assert error_of(MINIMAL, f'provider.model="{latin1}"') == (
+        "m.toml: provider.model: 'caf\\udce9' is not UTF-8 text (byte 0xe9)"
+    )
+    os.mkdir(os.fsdecode(b"d\xe9"))
+    manifest = write(MINIMAL, os.fsdecode(b"d\xe9/m.toml"))
+    with pytest.raises(ManifestError) as info:
+        load_manifest(manifest, defaults_path=Path("none.toml"))
+    assert str(info.value).startswith("d\udce9/m.toml: pod.pwd: '")
+    assert str(info.value).endswith("/d\\udce9' is not UTF-8 text (byte 0xe9)")
