@@ -202,7 +202,7 @@ def fork_pod(
         path = server_socket()
     except OSError:
         return None
-    if len(path.encode()) > 100:  # sun_path is 108 bytes; leave room
+    if len(os.fsencode(path)) > 100:  # sun_path is 108 bytes; leave room
         return None
     request = Request(
         argv=cmd[cmd.index("poddaemon") + 1 :],

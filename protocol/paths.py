@@ -111,6 +111,12 @@ def check_dir(path: Path, what: str = "directory") -> None:
     """Raise `UnsafeDirectory` unless `path` is a directory owned by this user, not writable by
     group or others, under parents nobody else can rename it in. `what` names it in the message
     ("home directory", ...). A missing `path` raises FileNotFoundError."""
+    try:
+        os.fspath(path).encode()
+    except UnicodeEncodeError:
+        # Its name goes into the registry, the kept configurations and the wire, all UTF-8:
+        # a PODDAEMON_HOME that is not ended in a UnicodeEncodeError traceback instead.
+        raise UnsafeDirectory(f"{what} {path} is not UTF-8: refusing it") from None
     me = os.geteuid()
     try:
         st = os.stat(path)

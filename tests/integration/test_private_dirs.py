@@ -356,3 +356,22 @@ def test_other_uid_with_a_sessions_dir_it_cannot_write_is_refused_before_ready(
     assert proc.returncode == EXIT_REFUSED
     assert err == f"poddaemon: cannot write session logs in {sessions}: Permission denied\n"
     assert "READY" not in proc.stdout and os.listdir(sessions) == []
+
+
+@pytest.mark.parametrize("command", [["spawn"], ["ls"], ["status", "anypod"], ["sessions", "list"]])
+def test_a_home_whose_name_is_not_utf8_is_refused_in_one_line(
+    env: Env, tmp_path: Path, command: list[str]
+) -> None:
+    """PODDAEMON_HOME=/tmp/h\\xe9: its paths go into the registry, the kept configurations and
+    the wire, all UTF-8. `podctl spawn` ended in a UnicodeEncodeError traceback (podctl's own,
+    or the pod's writing the registry after it had started)."""
+    home = os.fsdecode(os.fsencode(tmp_path) + b"/h\xe9")
+    os.mkdir(home, 0o700)
+    env.env["PODDAEMON_HOME"] = home
+    args = [*command, str(env.manifest())] if command == ["spawn"] else command
+    proc = env.podctl(*args)
+    assert proc.returncode == 1, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("poddaemon: " if command == ["spawn"] else "podctl: "), line
+    shown = home.encode("utf-8", "backslashreplace").decode()
+    assert line.endswith(f"home directory {shown} is not UTF-8: refusing it"), line
