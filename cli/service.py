@@ -420,12 +420,13 @@ def parse_since(value: str, now: float | None = None) -> float:
         unit = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[age.group(2)]
         return now - float(age.group(1)) * unit
     try:
-        stamp = datetime.fromisoformat(value.strip())
-    except ValueError:
+        # timestamp() too: a date it cannot place (0001-01-01 in local time) said only
+        # "year 0 is out of range".
+        return datetime.fromisoformat(value.strip()).timestamp()
+    except (ValueError, OverflowError, OSError):
         raise ValueError(
             f"--since: {value!r} is neither an age (30s, 10m, 2h, 1d) nor a date/time"
         ) from None
-    return stamp.timestamp()
 
 
 def _line_time(line: str) -> float | None:

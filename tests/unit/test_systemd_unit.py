@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -233,6 +234,20 @@ def test_parse_since() -> None:
         service.parse_since("yesterday-ish")
     assert service._line_time("2026-01-02 03:04:05.123 poddaemon[1] INFO x") is not None
     assert service._line_time("Traceback (most recent call last):") is None
+
+
+def test_parse_since_a_date_with_no_epoch_time_names_the_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--since 0001-01-01` said only "year 0 is out of range" (from timestamp())."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    try:
+        with pytest.raises(ValueError, match="--since: '0001-01-01' is neither"):
+            service.parse_since("0001-01-01")
+    finally:
+        monkeypatch.undo()
+        time.tzset()
 
 
 @needs_analyze
