@@ -129,13 +129,13 @@ def send(
         # kept): a file the model read could make it echo an escape sequence that writes the
         # clipboard (OSC 52) or retitles the terminal. To a pipe or file, verbatim.
         shown = printable if sys.stdout.isatty() else str
-        if ended is not None and ended["text"] and not as_json:  # its reply, as it streamed
-            sys.stdout.write(shown(ended["text"]))
-            wrote, ends_nl = True, ended["text"].endswith("\n")
         between_messages = False  # the model's text so far has ended (a tool call came)
         finished: dict[str, Any] | None = ended
         trouble = ""  # the last error alert: why the pod stopped, should it close on us
         try:
+            if ended is not None and ended["text"] and not as_json:  # its reply, as it streamed
+                _out(shown(ended["text"]))
+                wrote, ends_nl = True, ended["text"].endswith("\n")
             for event in follow(client) if ended is None else ():
                 if event.type == "gap":
                     sys.stderr.write("podctl: some events were missed; output may be incomplete\n")
@@ -151,8 +151,7 @@ def send(
                     if delta:
                         if not ends_nl and between_messages:  # a new round's text
                             delta = "\n" + delta
-                        sys.stdout.write(shown(delta))
-                        sys.stdout.flush()
+                        _out(shown(delta))
                         wrote, ends_nl, between_messages = True, delta.endswith("\n"), False
                 elif event.type == "run.finished":
                     finished = dict(event.data)
@@ -160,8 +159,7 @@ def send(
                 elif event.type == "llm.retry":  # a silent wait would look like a hung pod
                     between_messages = True
                     if wrote and not ends_nl:
-                        sys.stdout.write("\n")
-                        sys.stdout.flush()
+                        _out("\n")
                         ends_nl = True
                     sys.stderr.write(f"podctl: model call failed; {retry_line(event.data)}\n")
                 elif event.type != "reasoning.delta":  # a tool call, the model call's usage…
@@ -170,6 +168,10 @@ def send(
             if wrote and not ends_nl:
                 sys.stdout.write("\n")
             fail(f"stopped waiting; run {run_id} goes on (podctl cancel {pod})", EXIT_INTERRUPTED)
+        except _OutputLost as lost:
+            # Not the pod's fault: "cannot talk to pod" would invite a retry, a second run.
+            goes_on = f" and goes on (podctl cancel {pod})" if ended is None else ""
+            fail(f"cannot write the output: {lost}; run {run_id} was taken{goes_on}")
         except ConnectionClosed:
             if wrote and not ends_nl:
                 sys.stdout.write("\n")
@@ -193,6 +195,23 @@ def send(
     if not as_json:
         sys.stderr.write(f"podctl: run {run_id} {outcome}{said}\n")
     raise typer.Exit(EXIT_ERROR)
+
+
+class _OutputLost(Exception):
+    """podctl's stdout failed (a full disk, /dev/full): an OSError would read as the pod's."""
+
+
+def _out(text: str) -> None:
+    """Write and flush a piece of `send`'s answer (BrokenPipeError: the reader went, as ever)."""
+    from protocol.errors import os_error_line
+
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as exc:
+        raise _OutputLost(os_error_line(exc)) from None
 
 
 def _submit(

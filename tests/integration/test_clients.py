@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -370,6 +371,27 @@ def test_logs_of_a_running_pod_without_a_log_file_is_an_error_not_not_running(en
     assert logs.returncode == 1, logs.stderr
     assert logs.stderr.startswith("podctl: pod 'pod' keeps no log file")
     assert env.podctl("logs", "ghost").returncode == 3
+
+
+def test_send_whose_output_cannot_be_written_does_not_blame_the_pod(env: Env) -> None:
+    """`podctl send` to a full disk said "cannot talk to pod 'pod': [Errno 28] …": the run
+    was acknowledged and goes on, but a script reading that would send it again."""
+    env.start()
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "cli.main", "send", "pod", "hello"],
+            env=env.env,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert re.fullmatch(
+        r"podctl: cannot write the output: No space left on device; run \S+ was taken"
+        r" and goes on \(podctl cancel pod\)\n",
+        done.stderr,
+    ), done.stderr
 
 
 def test_logs_of_a_path_that_does_not_answer_is_not_running(env: Env) -> None:
