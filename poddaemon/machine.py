@@ -1189,13 +1189,15 @@ class Machine:
         self._resume_requested = False
         if s.paused_run is not None:
             return False  # paused: runs and notifications wait for `resume` (or a `cancel`)
-        if s.pending_runs:
-            self._start_run(next(iter(s.pending_runs)), "input")
-            return True
         if s.pending_steers and not self.budget_exhausted():
             # Steered into a run that ended before its next model request (a provider error,
-            # a cancel, max_turns): acknowledged input is answered, in a run of its own.
+            # a cancel, max_turns, a crash): acknowledged input is answered, in a run of its
+            # own, before any queued run. Taken up by the next queued run instead, it read as
+            # that run's steer ("also check the tests" added to "deploy").
             self._start_run(self.new_id(), "steer")
+            return True
+        if s.pending_runs:
+            self._start_run(next(iter(s.pending_runs)), "input")
             return True
         if s.pending_notifications <= s.pending_context or self.budget_exhausted():
             return False  # nothing that wakes the pod (a hook's context waits for input)

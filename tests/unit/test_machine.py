@@ -364,6 +364,29 @@ def test_a_steer_its_run_never_read_gets_a_run_of_its_own(how: str) -> None:
     assert d.machine.pod_state == "idle" and d.machine.state.pending_steers == 0
 
 
+def test_a_steer_its_run_never_read_goes_before_a_queued_run() -> None:
+    # The queued run started first and took the steer up at its first request: "and this",
+    # meant for the work, read as part of "deploy" (found after a kill -9 of a running pod).
+    d = Driver()
+    d.call("run", "work")
+    d.call("run", "and this", "steer")
+    queued = d.call("run", "deploy")
+    assert d.answer(queued).result.state == "queued"
+    d.model_fails(ProviderError("fatal", "HTTP 400: no"))
+
+    def triggers() -> list[str]:
+        return [e["trigger"] for e in d.entries if e["kind"] == "run_start"]
+
+    assert triggers() == ["input", "steer"]
+    assert isinstance(d.inflight, CallModel)
+    assert d.inflight.items[-1] == UserMessage(text="and this")
+    d.model("done")
+    assert triggers() == ["input", "steer", "input"]
+    assert isinstance(d.inflight, CallModel)
+    assert d.inflight.items[-1] == UserMessage(text="deploy")
+    assert d.inflight.items.count(UserMessage(text="and this")) == 1
+
+
 def test_a_cancelled_run_is_told_to_the_model_at_its_next_request() -> None:
     d = Driver()
     d.call("run", "write the report")
