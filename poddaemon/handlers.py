@@ -114,10 +114,12 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     def run(p: RunParams, conn: Any) -> Any:
         _not_blank(p.input, "input")
-        _not_too_big(p.input, "input", max_input)
         # A retried key gets its original result (or -32006) from the machine: that prompt
-        # was judged when it was committed, and a refusal now would say nothing was.
+        # was judged when it was committed (under the bound of then: a pod restarted with a
+        # lower one), and a refusal now would say nothing was.
         retried = p.client_key is not None and p.client_key in m.state.run_keys
+        if not retried:
+            _not_too_big(p.input, "input", max_input)
         if hooks is not None and not retried and hooks.wants("UserPromptSubmit"):
             decided = asyncio.get_running_loop().create_future()
             conn.decide_before_next(decided)  # its later requests wait for the hook
@@ -151,8 +153,9 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     def notify(p: NotifyParams, conn: Any) -> Any:
         _not_blank(p.message, "message")
-        _not_too_big(p.message, "message", max_input)
         retried = p.client_key is not None and p.client_key in m.state.notify_keys
+        if not retried:  # (as for run: its original result, whatever the bound is now)
+            _not_too_big(p.message, "message", max_input)
         if hooks is not None and not retried and hooks.wants("Notification"):
             reply = pod.request_future(lambda t: m.notify(t, p.message, p.source, p.client_key))
             return _notify_hook(reply, p)

@@ -425,6 +425,28 @@ def test_an_input_over_max_input_bytes_is_refused_and_a_request_carries_at_most_
     assert out.returncode == 1 and "over worker.max_input_bytes" in out.stderr, out.stderr
 
 
+def test_a_retried_key_gets_its_original_result_under_a_lower_max_input_bytes(
+    env: Env,
+) -> None:
+    """An input committed under a larger bound (a pod restarted with a lower one, or one
+    upgraded to the default) was refused -32602, 'nothing committed', when its sender retried
+    it with its key: it was committed, and runs. The retry gets its original result."""
+    pod = env.start("lowered", "--set", "worker.max_input_bytes=100")
+    text = "y" * 50
+    with pod.client() as c:
+        run = c.run(text, client_key="run-key")
+        note = c.notify(text, source="ci", client_key="note-key")
+    drained(pod)
+    pod.stop()
+    pod = env.restart(pod, "--resume", "--set", "worker.max_input_bytes=10")
+    with pod.client() as c:
+        assert c.run(text, client_key="run-key").run_id == run.run_id
+        assert c.notify(text, source="ci", client_key="note-key") == note
+        with pytest.raises(RpcError) as err:  # a new key is judged by the bound of now
+            c.notify(text, source="ci", client_key="other-key")
+        assert err.value.code == -32602
+
+
 def test_client_key_makes_notify_idempotent(env: Env) -> None:
     env.model.script({**GATED_TOOL_CALL, "gate": "k"})
     pod = env.start("keyed")
