@@ -63,16 +63,18 @@ def _not_blank(text: str, field: str) -> None:
         raise RpcError(errors.INVALID_PARAMS, f"invalid params.{field}: empty or only whitespace")
 
 
-def _not_too_big(text: str, field: str, limit: int) -> None:
+def _not_too_big(text: str, field: str, limit: int, source: str = "") -> None:
     """An input stays in the context once the model has read it: one larger than its window
-    failed every later run (and each compaction's summary). Refused at the door instead."""
-    if len(text) * 4 <= limit:  # (UTF-8 takes at most 4 bytes a character: no encoding)
+    failed every later run (and each compaction's summary). Refused at the door instead.
+    A notification's `source` is read with it (and its sender chooses it): it counts too."""
+    if (len(text) + len(source)) * 4 <= limit:  # (UTF-8: at most 4 bytes a character)
         return
-    size = len(text.encode("utf-8", "surrogatepass"))
+    size = len(text.encode("utf-8", "surrogatepass")) + len(source.encode("utf-8", "surrogatepass"))
     if size > limit:
         raise RpcError(
             errors.INVALID_PARAMS,
-            f"invalid params.{field}: {size:,} bytes, over worker.max_input_bytes "
+            f"invalid params.{field}: {size:,} bytes{' with params.source' if source else ''}"
+            f", over worker.max_input_bytes "
             f"({limit:,}); put it in a file the pod can read and send its path",
         )
 
@@ -155,7 +157,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         _not_blank(p.message, "message")
         retried = p.client_key is not None and p.client_key in m.state.notify_keys
         if not retried:  # (as for run: its original result, whatever the bound is now)
-            _not_too_big(p.message, "message", max_input)
+            _not_too_big(p.message, "message", max_input, p.source)
         if hooks is not None and not retried and hooks.wants("Notification"):
             reply = pod.request_future(lambda t: m.notify(t, p.message, p.source, p.client_key))
             return _notify_hook(reply, p)

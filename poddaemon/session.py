@@ -244,11 +244,11 @@ class SessionState(msgspec.Struct):
     def deliverable(self, max_bytes: int | None = None) -> tuple[list[str], list[Item]]:
         """Ids and rendered items of what the next model request should carry (pure): every
         steer, and the oldest notifications, at most MAX_NOTIFICATIONS_PER_REQUEST of them and
-        `max_bytes` of their texts (always the first); the rest wait, in order."""
+        `max_bytes` of their texts and sources (always the first); the rest wait, in order."""
         ids: list[str] = []
         notes: list[PendingInput] = []
         items: list[Item] = []
-        taken = 0  # bytes of the notifications' texts
+        taken = 0  # bytes of the notifications' texts and sources
         full = False
         for p in self.pending_inputs.values():
             if p.kind == "steer":
@@ -256,7 +256,9 @@ class SessionState(msgspec.Struct):
                 items.append(UserMessage(text=p.text))
             elif not full and len(notes) < MAX_NOTIFICATIONS_PER_REQUEST:
                 if max_bytes is not None:
+                    # (its source too: the model reads it, and a sender chooses it)
                     taken += len(p.text.encode("utf-8", "surrogatepass"))
+                    taken += len(p.source.encode("utf-8", "surrogatepass"))
                     if notes and taken > max_bytes:
                         full = True  # the rest wait, in order: none jumps ahead of this one
                         continue

@@ -406,11 +406,14 @@ def test_an_input_over_max_input_bytes_is_refused_and_a_request_carries_at_most_
     with pod.client() as c:
         c.run("keep busy")
         env.model.wait_for_requests(1)
-        for send in (lambda: c.notify(big, source="ci"), lambda: c.run(big, mode="steer")):
+        for send, size in (
+            (lambda: c.notify(big, source="ci"), "3,004 bytes with params.source"),
+            (lambda: c.run(big, mode="steer"), "3,002 bytes"),
+        ):
             with pytest.raises(RpcError) as err:
                 send()
             assert err.value.code == -32602
-            assert "3,002 bytes, over worker.max_input_bytes (3,000)" in err.value.message
+            assert f"{size}, over worker.max_input_bytes (3,000)" in err.value.message
         fits = [f"{ch}" * 1400 for ch in "abc"]
         for text in fits:
             c.notify(text, source="ci")
@@ -445,6 +448,28 @@ def test_a_retried_key_gets_its_original_result_under_a_lower_max_input_bytes(
         with pytest.raises(RpcError) as err:  # a new key is judged by the bound of now
             c.notify(text, source="ci", client_key="other-key")
         assert err.value.code == -32602
+
+
+def test_a_notifications_source_counts_against_max_input_bytes(env: Env) -> None:
+    """A sender chooses the source, and the model reads it with the message: a huge source
+    with a one-byte message passed the bound and reached the model whole, the context the
+    bound protects overflowing as it did before it. It counts, at the door and per request."""
+    env.model.script({**GATED_TOOL_CALL, "gate": "busy"})
+    pod = env.start("sourced", "--set", "worker.max_input_bytes=3000")
+    with pod.client() as c:
+        c.run("keep busy")
+        env.model.wait_for_requests(1)
+        with pytest.raises(RpcError) as err:
+            c.notify("x", source="s" * 3000)
+        assert err.value.code == -32602
+        assert "3,001 bytes with params.source, over" in err.value.message
+        c.notify("a" * 500, source="s" * 1000)
+        c.notify("b" * 500, source="t" * 1001)  # 3,001 bytes with the first: it waits
+        env.model.open_gate("busy")
+        drained(pod)
+    blocks = [newest_block(b) for b in bodies(env)[1:]]
+    assert blocks[:2] == [[("s" * 1000, "a" * 500)], [("t" * 1001, "b" * 500)]]
+    assert all("s" * 3000 not in json.dumps(b) for b in bodies(env))
 
 
 def test_client_key_makes_notify_idempotent(env: Env) -> None:

@@ -216,6 +216,8 @@ def test_deliverable_is_bounded_by_bytes_in_order_and_always_takes_the_first() -
     assert "(2 more are queued and follow in the next request)" in items[0].text  # type: ignore[union-attr]
     assert s.deliverable(120)[0] == ["a", "b", "c"]  # 111 bytes
     assert s.deliverable()[0] == ["a", "b", "c"]
+    log.add("system_item", id="d", source="s" * 200, text="d")  # its source counts
+    assert state_of(log).deliverable(300)[0] == ["a", "b", "c"]
 
 
 def test_inputs_delivered_ignores_unknown_ids() -> None:
