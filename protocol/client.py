@@ -38,6 +38,7 @@ class PodClient(ClientMethods, SyncCaller):
         self._sock = sock
         self._core = ClientCore(max_frame_bytes)
         self.target = target
+        self._broken = False  # a request was cut off part-sent: see _send
 
     @classmethod
     def connect(
@@ -71,6 +72,11 @@ class PodClient(ClientMethods, SyncCaller):
         return ConnectionClosed(f"pod {self.target!r} closed the connection")
 
     def _usable(self) -> None:
+        if self._broken:
+            raise ConnectionClosed(
+                f"the connection to pod {self.target!r} was closed: a request was cut off "
+                "part-sent (a timeout or an interrupt); connect again"
+            )
         if self._sock.fileno() < 0:  # closed by us
             raise ConnectionClosed(f"the connection to pod {self.target!r} was closed")
 
@@ -80,6 +86,13 @@ class PodClient(ClientMethods, SyncCaller):
             self._sock.sendall(data)
         except LOST as exc:  # the pod went: the same error as when it goes while we read
             raise self._closed() from exc
+        except BaseException:
+            # Cut off part-sent (a timeout, Ctrl-C): the pod would read the next request as the
+            # rest of this one's line, and answer it as this one's (a reply dropped: that call
+            # waited for ever). Nothing more can be sent on this connection.
+            self._broken = True
+            self._sock.close()
+            raise
 
     def _receive(self) -> None:
         self._usable()

@@ -487,3 +487,18 @@ def test_a_closed_sync_client_says_so() -> None:
     with pytest.raises(errors.ConnectionClosed, match="was closed"):  # (not OSError EBADF)
         client.status()
     theirs.close()
+
+
+def test_a_sync_request_cut_off_part_sent_closes_the_connection() -> None:
+    """A send cut off by the client's timeout (or Ctrl-C) left half a frame on the wire: the
+    pod read the next request as the rest of that line, answered it under the first one's id
+    (dropped), and the next call waited for ever. The connection is closed instead."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX)  # a pod that does not read (stopped)
+    mine.settimeout(0.05)
+    client = PodClient(mine, "pair")
+    with pytest.raises(TimeoutError):
+        client.notify("x" * (4 << 20))
+    with pytest.raises(errors.ConnectionClosed, match="cut off part-sent"):
+        client.status()
+    assert mine.fileno() < 0  # not left open until the caller closes it
+    theirs.close()
