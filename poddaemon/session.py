@@ -242,27 +242,33 @@ class SessionState(msgspec.Struct):
         self.last_seq = entry.seq
 
     def deliverable(self, max_bytes: int | None = None) -> tuple[list[str], list[Item]]:
-        """Ids and rendered items of what the next model request should carry (pure): every
-        steer, and the oldest notifications, at most MAX_NOTIFICATIONS_PER_REQUEST of them and
-        `max_bytes` of their texts and sources (always the first); the rest wait, in order."""
+        """Ids and rendered items of what the next model request should carry (pure): the
+        oldest steers and notifications, at most MAX_NOTIFICATIONS_PER_REQUEST notifications
+        and `max_bytes` of their texts (and sources) in all, always the first; the rest wait,
+        in order (each kind's: none jumps ahead of one of its kind held back)."""
         ids: list[str] = []
         notes: list[PendingInput] = []
         items: list[Item] = []
-        taken = 0  # bytes of the notifications' texts and sources
-        full = False
+        taken = 0  # bytes of the texts and sources taken
+        held: set[str] = set()  # the kinds one of which was held back
         for p in self.pending_inputs.values():
+            if p.kind in held or (
+                p.kind != "steer" and len(notes) >= MAX_NOTIFICATIONS_PER_REQUEST
+            ):
+                continue
+            if max_bytes is not None:
+                # Steers too: each is under the bound, but a burst of them in one request
+                # overflowed the context as one huge input did. A source is read as well.
+                size = len(p.text.encode("utf-8", "surrogatepass"))
+                size += len(p.source.encode("utf-8", "surrogatepass"))
+                if ids and taken + size > max_bytes:
+                    held.add(p.kind)
+                    continue
+                taken += size
+            ids.append(p.id)
             if p.kind == "steer":
-                ids.append(p.id)
                 items.append(UserMessage(text=p.text))
-            elif not full and len(notes) < MAX_NOTIFICATIONS_PER_REQUEST:
-                if max_bytes is not None:
-                    # (its source too: the model reads it, and a sender chooses it)
-                    taken += len(p.text.encode("utf-8", "surrogatepass"))
-                    taken += len(p.source.encode("utf-8", "surrogatepass"))
-                    if notes and taken > max_bytes:
-                        full = True  # the rest wait, in order: none jumps ahead of this one
-                        continue
-                ids.append(p.id)
+            else:
                 notes.append(p)
         if notes:
             left = self.pending_notifications - len(notes)

@@ -472,6 +472,26 @@ def test_a_notifications_source_counts_against_max_input_bytes(env: Env) -> None
     assert all("s" * 3000 not in json.dumps(b) for b in bodies(env))
 
 
+def test_steers_waiting_are_bounded_by_max_input_bytes_per_request(env: Env) -> None:
+    """Each steer was under the bound, but every one waiting went into one model request: a
+    burst overflowed the context for good, as one huge input did. They come a request's
+    worth at a time, in order, each once, and the run goes on until all have come."""
+    env.model.script({**GATED_TOOL_CALL, "gate": "busy"})
+    pod = env.start("steered", "--set", "worker.max_input_bytes=3000")
+    steers = [ch * 1400 for ch in "abc"]
+    with pod.client() as c:
+        c.run("keep busy")
+        env.model.wait_for_requests(1)
+        for text in steers:
+            assert c.run(text, mode="steer").state == "steered"
+        env.model.open_gate("busy")
+        drained(pod)
+    requests = [user_texts(b) for b in bodies(env)]
+    assert [t for t in requests[1] if t in steers] == steers[:2]  # 2,800 bytes: c waits
+    assert [t for t in requests[2] if t in steers] == steers  # (a and b are history now)
+    assert len(requests) == 3
+
+
 def test_client_key_makes_notify_idempotent(env: Env) -> None:
     env.model.script({**GATED_TOOL_CALL, "gate": "k"})
     pod = env.start("keyed")

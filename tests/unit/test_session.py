@@ -208,7 +208,8 @@ def test_deliverable_is_bounded_by_bytes_in_order_and_always_takes_the_first() -
     log.add("system_item", id="c", source="ci", text="c")  # would fit, but b is first
     log.add("user_input", id="s", run_id="r", text="steer " * 100, mode="steer")
     s = state_of(log)
-    assert s.deliverable(100)[0] == ["huge", "s"]  # a steer is never held back
+    assert s.deliverable(100)[0] == ["huge"]  # a steer is held back too: its turn comes
+    assert s.deliverable(1300)[0] == ["huge", "a", "b", "c", "s"]
     log.add("inputs_delivered", ids=["huge", "s"], more=3)
     s = state_of(log)
     ids, items = s.deliverable(100)
@@ -218,6 +219,23 @@ def test_deliverable_is_bounded_by_bytes_in_order_and_always_takes_the_first() -
     assert s.deliverable()[0] == ["a", "b", "c"]
     log.add("system_item", id="d", source="s" * 200, text="d")  # its source counts
     assert state_of(log).deliverable(300)[0] == ["a", "b", "c"]
+
+
+def test_deliverable_holds_back_steers_over_the_bytes_in_their_order() -> None:
+    """Each steer is under max_input_bytes, but every one waiting went into one request: a
+    burst of them overflowed the context as one huge input did."""
+    log = Log()
+    log.start()
+    for i in range(3):
+        log.add("user_input", id=f"s{i}", run_id="r", text=f"{i}" * 60, mode="steer")
+    log.add("system_item", id="n", source="ci", text="n" * 10)
+    s = state_of(log)
+    assert s.deliverable(100)[0] == ["s0", "n"]  # s1 waits (120 bytes); n fits (72)
+    assert s.deliverable(130)[0] == ["s0", "s1"]  # s2 would make 180, n 132
+    assert s.deliverable(10)[0] == ["s0"]  # the first always
+    assert s.deliverable()[0] == ["s0", "s1", "s2", "n"]
+    log.add("inputs_delivered", ids=["s0"], more=1)
+    assert state_of(log).deliverable(130)[0] == ["s1", "s2"]
 
 
 def test_inputs_delivered_ignores_unknown_ids() -> None:
