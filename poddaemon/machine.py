@@ -387,7 +387,8 @@ class Machine:
         tree_spent: int | None,
     ) -> None:
         head = f"{kind} {outcome}" if outcome else kind
-        body = f"[{head}] {text}" if text else f"[{head}]"
+        shown = _within(text, self.cfg.max_input_bytes) if text else text
+        body = f"[{head}] {shown}" if shown else f"[{head}]"
         self._note_arrived()
         self._commit(
             SystemItem(
@@ -1446,6 +1447,18 @@ class _LastCall:
         if isinstance(last, LlmUsage):
             return compaction.context_tokens(last.usage(), provider_kind) or None
         return None
+
+
+def _within(text: str, limit: int) -> str:
+    """A child's report as the model reads it: at most `limit` bytes of its text. A report
+    cannot be refused as a notify over max_input_bytes is (its child would send it again for
+    ever), but once read it stays in the context: one larger than the window failed every
+    later run. The whole text stays in the entry's `detail`, for wait_pods and history."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) <= limit:
+        return text
+    kept = raw[:limit].decode("utf-8", "ignore")  # (a character cut in two is dropped)
+    return f"{kept}\n[... {len(raw) - limit:,} more bytes cut (worker.max_input_bytes)]"
 
 
 def _final_answer(item: Item | None) -> bool:

@@ -492,6 +492,21 @@ def test_steers_waiting_are_bounded_by_max_input_bytes_per_request(env: Env) -> 
     assert len(requests) == 3
 
 
+def test_a_childs_report_reaches_the_model_within_max_input_bytes(env: Env) -> None:
+    """A report (pod_event) cannot be refused as an oversize notify is, its child sending it
+    again for ever, and its text went to the model whole: a child's megabyte answer stayed in
+    the parent's context for good. The model reads the bound's worth; the entry keeps it all."""
+    pod = env.start("parent", "--set", "worker.max_input_bytes=1000")
+    text = "k" * 5000
+    assert pod.call("pod_event", pod="kid", kind="run.finished", event_id="e1", text=text)
+    drained(pod)
+    seen = "\n".join(user_texts(bodies(env)[0]))
+    assert "k" * 1000 in seen and "k" * 1001 not in seen
+    assert "4,000 more bytes cut (worker.max_input_bytes)" in seen
+    with pod.client() as c:
+        assert [e["detail"] for e in system_items(c)] == [text]
+
+
 def test_client_key_makes_notify_idempotent(env: Env) -> None:
     env.model.script({**GATED_TOOL_CALL, "gate": "k"})
     pod = env.start("keyed")
