@@ -94,6 +94,9 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
         except Exception as exc:  # surfaced to every waiting caller below
             self._closed = exc
         self._fail(self._closed)
+        # Nothing can be sent or read on it any more: its descriptor (and the pod's slot for
+        # it) is given back now, not when the caller, which got the error, thinks to close().
+        self._writer.close()
 
     def _fail(self, error: BaseException) -> None:
         """The connection is over: every caller waiting, and every later one, gets `error`."""

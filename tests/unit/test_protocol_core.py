@@ -502,3 +502,25 @@ def test_a_sync_request_cut_off_part_sent_closes_the_connection() -> None:
         client.status()
     assert mine.fileno() < 0  # not left open until the caller closes it
     theirs.close()
+
+
+def test_an_async_connection_that_failed_is_closed_without_waiting_for_close() -> None:
+    """A reply no pod would send (or the pod's end of it gone) ends the connection for every
+    caller, but its socket stayed open until close(): a program that reconnects on the error
+    leaked a descriptor each time, and the server kept its end."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX)
+    theirs.settimeout(10)
+
+    async def go() -> None:
+        reader, writer = await asyncio.open_unix_connection(sock=mine)
+        client = AsyncPodClient(reader, writer, "pair")
+        waiting = asyncio.create_task(client.status())
+        await asyncio.to_thread(theirs.recv, 1 << 16)  # the request
+        theirs.sendall(b"not json\n")
+        with pytest.raises(RpcError, match="malformed"):
+            await asyncio.wait_for(waiting, 10)
+        assert await asyncio.to_thread(theirs.recv, 1) == b""  # our end is closed
+        await client.close()  # (still fine to call)
+
+    asyncio.run(go())
+    theirs.close()
