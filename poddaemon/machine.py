@@ -464,10 +464,10 @@ class Machine:
 
         return self._handle(go)
 
-    def _report(self, kind: str, **fields: Any) -> None:
+    def _report(self, kind: str, tree_spent: int | None = None, **fields: Any) -> None:
         """Commit a report for the spawner to this pod's outbox (delivered by the executor)."""
         usage = dict(fields.pop("usage", {}))
-        usage["tree_spent"] = self.tree_spent()
+        usage["tree_spent"] = self.tree_spent() if tree_spent is None else tree_spent
         self._commit(OutboxItem(event_id=self.new_id(), event_kind=kind, usage=usage, **fields))
 
     def pause(self, token: int) -> list[Effect]:
@@ -1326,7 +1326,11 @@ class Machine:
     def _stop(self) -> None:
         self.stopped = True
         if self.cfg.reports and self.final_report is not None and self.state.session_id:
-            self._report(self.final_report)
+            # Our last word on what our tree spent, said before our children stop (or while
+            # detached ones go on): a live child's grant counts whole, as in our own budget.
+            # Counted at its last report, a child mid-run had spent more, unheard of: our
+            # spawner charged us less than the tree spent and granted the rest out again.
+            self._report(self.final_report, tree_spent=self.budget_charged())
         for tokens in self._waiters.values():
             for token in tokens:
                 self._error(token, errors.SHUTTING_DOWN, "the pod shut down")

@@ -843,6 +843,50 @@ def test_tree_spent_counts_a_live_childs_runs_the_parent_did_not_ask_for(tree: E
     assert st["budget"]["tree_spent"] == st["budget"]["spent"] + kid_spent
 
 
+def test_a_child_that_stops_before_its_busy_child_is_charged_what_that_one_may_spend(
+    tree: Env,
+) -> None:
+    """`podctl stop` of a middle pod: it reports its shutdown (with its tree's spending) and
+    only then stops its own child, which is mid-run and has spent part of its grant without a
+    report yet. The shutdown report counted that grandchild at its last report (nothing), so
+    the root charged the middle pod far less than its tree spent, took the rest of the grant
+    back and could hand it out again: the tree went past its cap by a whole grant."""
+    env = tree
+    call = {"input": 200, "output": 100}
+    (env.work / "mid" / "gc").mkdir(parents=True)
+    env.model.script_model(
+        "m-mid",
+        {
+            "tool_calls": [
+                spawn_call("gc", "spend", [str(env.work / "mid" / "gc")], budget_tokens=900)
+            ],
+            "usage": call,
+        },
+        {"text": "mid done", "usage": call},
+    )
+    # Two calls spent, the third never answered: the run (and its report) never ends.
+    env.model.script_model(
+        "m-gc",
+        *[{"tool_calls": [tool("list_dir", path=".")], "usage": call}] * 2,
+        {"text": "never", "gate": "never"},
+    )
+    env.model.script(
+        {
+            "tool_calls": [spawn_call("mid", "go", [str(env.work / "mid")], budget_tokens=2000)],
+        },
+        {"text": "spawned"},
+    )
+    parent = start_parent(env, extra="[budget]\nmax_total_tokens = 10000\n")
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: len(model_saw(env, "m-gc")) == 3, 30, "gc's third call")
+    assert env.podctl("stop", "mid").returncode == 0
+    wait_until(lambda: not parent.call("status")["children"], 30, "mid's end")
+    wait_until(lambda: Registry(env.home / "run").get("gc") is None, 30, "gc's end")
+    spent_below = 300 * (len(model_saw(env, "m-mid")) + 2)  # gc's third call was never answered
+    st = parent.call("status")["budget"]
+    assert st["tree_spent"] - st["spent"] >= spent_below, (st, spent_below)
+
+
 def test_tree_budget_stays_under_the_cap(tree: Env) -> None:
     env = tree
     cap = 3000
