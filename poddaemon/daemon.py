@@ -346,7 +346,7 @@ def _claim_and_serve(
         raise StartupError(problem)
     registry = Registry(runtime)
     session_id = _session_to_restore(args, name)
-    parent = _spawner(args, registry)
+    parent, spawner_entry = _spawner(args, registry)
     # The session is claimed with the name, in one locked transaction: no two pods restore it.
     entry = make_entry(name, str(sock_path), scope, parent=parent, session=session_id)
     try:
@@ -354,6 +354,7 @@ def _claim_and_serve(
     except (RegistryConflict, RegistryError) as exc:
         raise StartupError(f"cannot start pod {name!r}: {exc}") from None
     claim = Claim(registry, entry, pod_dir)
+    claim.spawner = spawner_entry
     try:
         try:
             paths.ensure_dir(pod_dir)
@@ -383,6 +384,7 @@ class Claim:
         self.released = False
         self.lost = False
         self.sock_ino: int | None = None  # the socket we bound (see socket_gone)
+        self.spawner: PodEntry | None = None  # the live spawner we started under, if any
 
     def still_held(self) -> bool:
         """True while pods.json names this process for this pod (a dead or reused pid never
@@ -486,25 +488,26 @@ def _replace_file(target: Path, text: str) -> None:
         raise OSError(exc.errno, exc.strerror, str(target)) from None
 
 
-def _spawner(args: "argparse.Namespace", registry: Any) -> str | None:
-    """`--adopt --callback SOCKET`: the name of the live pod serving SOCKET (our parent). A
+def _spawner(args: "argparse.Namespace", registry: Any) -> tuple[str | None, Any]:
+    """`--adopt --callback SOCKET`: the name of the live pod serving SOCKET (our parent), and
+    its entry (None when it is not running). A
     spawner that is not running (a child restarted while it is down) is still named by its
     socket path, `<runtime>/pods/<name>/sock`: our entry keeps it as parent, so the spawner
     takes us back (and our area stays delegated) when it is restored; our reports wait in our
     log until then. Without that name the restored spawner's write scope would clash with
     ours and it could not start at all."""
     if not args.callback:
-        return None
+        return None, None
     if not args.adopt:
         raise StartupError("--callback needs --adopt")
     callback = os.path.abspath(args.callback)
     for entry in registry.live():
         if os.path.abspath(entry.socket) == callback:
-            return str(entry.name)
+            return str(entry.name), entry
     name = os.path.basename(os.path.dirname(callback))
     if paths.POD_NAME_RE.match(name) and os.path.abspath(paths.socket_path(name)) == callback:
-        return str(name)
-    return None
+        return str(name), None
+    return None, None
 
 
 def _hook_scripts(manifest: Any) -> list[str]:
@@ -791,15 +794,20 @@ def _follow_spawner(
             except RegistryError:  # watch_claim says so; look again at the next change
                 return None
 
-        stale = spawner()  # a spawner that died before we started
-        if stale is not None and is_alive(stale):
-            stale = None
-        while True:
-            changed.clear()
-            parent = spawner()
-            if parent is not None and parent != stale:
-                break
-            await changed.wait()
+        # The spawner that was live as we started is the one we follow, even when it is gone
+        # by now: one kill -9ed while we started up (its spawn_pod waiting for our READY)
+        # left us running for good, waiting for it to come back, under "stop".
+        parent = claim.spawner
+        if parent is None:  # restarted while it is down: follow it once it is back
+            stale = spawner()  # a spawner that died before we started
+            if stale is not None and is_alive(stale):
+                stale = None
+            while True:
+                changed.clear()
+                parent = spawner()
+                if parent is not None and parent != stale:
+                    break
+                await changed.wait()
 
         def parent_gone() -> None:
             log.info("spawner %s (pid %d) is gone; stopping with it", parent.name, parent.pid)

@@ -568,6 +568,35 @@ def test_kill9_parent_stops_the_tree(tree: Env) -> None:
     assert Registry(tree.home / "run").live() == []
 
 
+def test_kill9_parent_while_its_child_starts_up_stops_the_child(tree: Env) -> None:
+    """on_parent_exit = "stop": a spawner kill -9ed while its child was still starting (its
+    spawn_pod waiting for the child's READY). The child, finding its spawner dead by the time
+    it followed it, took it for one gone before a `podctl restart` and waited for it to come
+    back: it ran on for good, holding its area, with nobody to report to."""
+    env = tree
+    (env.work / "s1").mkdir()
+    quiet_children(env, "s1")
+    gate = env.home / "gate"
+    hook = env.home / "hold.sh"
+    # The child's start-up (its pwd is work/s1) waits for the gate; the parent's does not.
+    hook.write_text(
+        "#!/bin/sh\n"
+        'case "$PWD" in */s1) touch starting; '
+        f"while [ ! -e {gate} ]; do sleep 0.02; done;; esac\n"
+        "echo '{}'\n"
+    )
+    hook.chmod(0o755)
+    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
+    parent = start_parent(env, extra=f'[[hooks.SessionStart]]\ncommand = "{hook}"\n')
+    with parent.client() as c:
+        c.run("go")
+    wait_until(lambda: (env.work / "s1" / "starting").exists(), 20, "the child's start-up")
+    parent.kill9()
+    gate.touch()  # the child gets READY with its spawner gone
+    wait_until(lambda: not _stray(env), 20, "the child to stop with its spawner")
+    assert Registry(env.home / "run").live() == []
+
+
 def test_a_child_stopped_by_its_spawners_kill9_reports_its_shutdown_on_restore(tree: Env) -> None:
     """A child that stops because its spawner was killed (on_parent_exit = "stop") leaves its
     `shutdown` report, with what it spent, in its log for the restored spawner. It used to
