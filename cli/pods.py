@@ -292,6 +292,10 @@ def _stop(target: str, tree: bool, top: bool, unanswered: bool = False) -> list[
                             raise
             except (PodNotRunning, ConnectionClosed, TimeoutError) as exc:
                 entry = live_entry(target)
+                if entry is None and tree and not left:
+                    # Gone, but not its descendants (detached, or they outlived its crash):
+                    # the registry still names them its tree, and they would run on.
+                    left = _stop_descendants(name, [])
                 if entry is None and not top and not isinstance(exc, TimeoutError):
                     return left  # it went already (another stop, a restart): not left running
                 if entry is None:

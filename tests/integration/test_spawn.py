@@ -713,6 +713,24 @@ def test_stop_tree_three_levels_deepest_first(tree: Env) -> None:
     assert not _stray(env)
 
 
+def test_stop_tree_of_a_crashed_root_stops_its_detached_descendants(tree: Env) -> None:
+    """A detached tree whose root crashed: `podctl stop --tree ROOT` said the root was not
+    running (exit 3) and stopped nothing, though `podctl ls` shows its children under it and
+    they run on, holding their areas. Its descendants are stopped, deepest first; the root's
+    own answer stays "not running"."""
+    env = tree
+    parent = _tree_of_two(env, "detach")
+    parent.kill9()
+    stopped = env.podctl("stop", "--tree", "parent")
+    assert stopped.returncode == 3, stopped.stderr
+    assert "not running" in stopped.stderr
+    lines = stopped.stdout.splitlines()
+    assert sorted(lines) == ["stopped g1", "stopped s1", "stopped s2"], lines
+    assert lines.index("stopped g1") < lines.index("stopped s1")  # deepest first
+    assert not _stray(env)
+    assert Registry(env.home / "run").live() == []
+
+
 def test_stop_tree_stops_a_descendant_that_cannot_answer_and_names_one_that_stays(
     tree: Env,
 ) -> None:
