@@ -153,6 +153,7 @@ class Children:
         # so `wait_pods` waits for them while they are running.
         self._taken_back: set[str] = set()
         self._registry_seen: tuple[int, int, int] | None = None  # pods.json as we last read it
+        self._not_ours: set[str] = set()  # named us parent, scope not inside ours (warned)
 
     # --- start-up: re-adopt --------------------------------------------------------------------
 
@@ -160,7 +161,11 @@ class Children:
         """Watch the live children the registry names us parent of; a child the log knows as
         live but that is gone ended while we were down."""
         pod = self.pod
-        mine = {e.name: e for e in pod.s.registry.live() if e.parent == pod.name}
+        mine = {
+            e.name: e
+            for e in pod.s.registry.live()
+            if e.parent == pod.name and self._within_our_scope(e)
+        }
         for name, entry in mine.items():
             record = pod.state.children.get(name)
             if record is None or not record.live:
@@ -227,10 +232,33 @@ class Children:
         entry = pod.s.registry.get(name)
         if name in self.live or entry is None or entry.parent != pod.name:
             return
+        if not self._within_our_scope(entry):
+            return
         pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope, True))
         self._watch(_Live(name, entry.pid, entry.socket))
         self._taken_back.add(name)
         self._refresh_scope()
+
+    def _within_our_scope(self, entry: "PodEntry") -> bool:
+        """A registered pod naming us parent is ours to take back only if its scope lies in
+        ours, as spawn_pod checks: a pod started afresh under a gone spawner's name with
+        another scope took its detached children back, and its model could then steer pods
+        that reach where it cannot (SPEC §9: a child gets no scope its spawner lacks)."""
+        granted = self.pod.s.scope
+        for rule in entry.scope_obj().allow:
+            if granted.access(rule.target) < rule.access or not any(
+                r.access >= rule.access and r.contains(rule) for r in granted.allow
+            ):
+                if entry.name not in self._not_ours:  # once: each registry change asks again
+                    self._not_ours.add(entry.name)
+                    log.warning(
+                        "pod %r names this pod its parent, but its scope (%s) is not inside "
+                        "this pod's: not taken as a child",
+                        entry.name,
+                        rule.target,
+                    )
+                return False
+        return True
 
     # --- the PodHost methods -------------------------------------------------------------------
 

@@ -314,6 +314,33 @@ def test_wait_pods_after_a_restore_waits_for_a_report_the_child_still_holds(tree
     assert (d1["outcome"], d1["text"], d1["waiting"]) == ("finished", "d1 done", False), d1
 
 
+def test_a_pod_started_afresh_under_a_gone_spawners_name_takes_no_child_beyond_its_scope(
+    tree: Env,
+) -> None:
+    """A detached child outlives its spawner's crash. Another pod started under the
+    spawner's name, afresh and with another scope, took that child back as its own: its
+    model could steer (send_to_pod) a pod writing where it cannot even read, and stopping
+    it stopped the child. A pod whose scope does not lie in ours is not our child."""
+    env = tree
+    parent = _detached_parent_of(env, "d1", {"text": "d1 done", "gate": "child"})
+    parent.kill9()
+    (env.work / "other").mkdir()
+    env.model.script(
+        {"tool_calls": [tool("send_to_pod", pod="d1", message="write outside your scope")]},
+        {"text": "done"},
+    )
+    namesake = start_parent(env, write=[str(env.work / "other")])
+    assert namesake.call("status")["children"] == []
+    env.model.open_gate("child")  # d1 reports to the socket of that name: heard, not taken
+    wait_until(lambda: _finished_reports(namesake, "d1"), 20, "d1's report")
+    assert run_and_wait(namesake, "steer d1")["outcome"] == "finished"
+    (sent,) = [r for r in tool_results(namesake) if r["name"] == "send_to_pod"]
+    assert sent["is_error"] and "no child pod named 'd1'" in sent["output"], sent
+    assert namesake.call("status")["children"] == []
+    assert namesake.stop() == 0
+    assert Registry(env.home / "run").get("d1") is not None  # not stopped as its child
+
+
 def test_child_killed_mid_report_is_redelivered_once(tree: Env) -> None:
     """A child kill -9ed with a report in its outbox redelivers it after its restore; the
     parent accepts its event_id once."""
