@@ -93,6 +93,9 @@ class ChildRecord(msgspec.Struct):
     grant: int | None = None
     scope: list[dict[str, Any]] = msgspec.field(default_factory=list)
     spent: int = 0  # its tree's spending as last reported (final once it ended)
+    # As it said itself: `spent` of a child that ended without a final report is its whole
+    # grant, and one restarted then reports again what it really spent (None: not known).
+    reported: int | None = None
     earlier: int = 0  # spent by ended children that had this name before it
     live: bool = True
     last_kind: str = ""  # the kind of its last report
@@ -408,6 +411,8 @@ def _apply(s: SessionState, e: Entry) -> None:
             old = s.children.get(e.name)
             if old is not None and e.resumed:
                 old.socket, old.scope, old.live, old.last_kind = e.socket, list(e.scope), True, ""
+                if old.reported is not None:  # not its grant, charged when it died: it is back
+                    old.spent = old.reported
             else:
                 # A name reused after its child ended: that child's spending stays counted.
                 spent = old.spent if old is not None and old.live else 0
@@ -427,6 +432,7 @@ def _child_report(child: ChildRecord, e: SystemItem) -> None:
     child.last_kind = e.event_kind or ""
     if e.tree_spent is not None:
         child.spent = max(child.spent, e.tree_spent)
+        child.reported = max(child.reported or 0, e.tree_spent)
     if e.event_kind == "run.finished":
         child.outcome = e.outcome
         child.text = e.detail

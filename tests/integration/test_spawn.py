@@ -961,6 +961,47 @@ def test_a_child_that_stops_before_its_busy_child_is_charged_what_that_one_may_s
     assert st["tree_spent"] - st["spent"] >= spent_below, (st, spent_below)
 
 
+def test_a_child_restarted_after_a_crash_counts_what_it_spent_not_its_whole_grant(
+    tree: Env,
+) -> None:
+    """A child killed -9 is charged its whole grant (it may have spent it). Restarted
+    (`podctl restart`), it is back and says what its tree really spent; the spawner kept
+    the whole grant as its spending for good: status said the tree spent thousands of tokens
+    more than it had, and the grant was never given back when the child ended."""
+    env = tree
+    call = {"input": 200, "output": 100}
+    cap, grant = 100_000, 5000
+    (env.work / "kid").mkdir()
+    env.model.script_model("m-kid", {"text": "task done", "usage": call})
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn_call("kid", "a task", [str(env.work / "kid")], budget_tokens=grant)
+            ],
+            "usage": call,
+        },
+        {"text": "spawned", "usage": call},
+    )
+    parent = start_parent(env, extra=f"[budget]\nmax_total_tokens = {cap}\n")
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: _finished_reports(parent, "kid"), 30, "the kid's report")
+    kid = Registry(env.home / "run").get("kid")
+    assert kid is not None
+    os.kill(kid.pid, signal.SIGKILL)
+    wait_until(lambda: parent.call("status")["children"] == [], 20, "the kid's end")
+    assert env.podctl("restart", "kid").returncode == 0
+    wait_until(lambda: parent.call("status")["children"], 20, "the kid taken back")
+    drained(parent)
+    st = parent.call("status")["budget"]
+    assert st["tree_spent"] == st["spent"] + 300, st  # the kid's one call
+    assert st["left"] == cap - st["spent"] - grant, st  # its grant still reserved
+    assert parent.stop() == 0  # the kid stops first, reporting what it spent
+    again = env.restart(parent, "--resume")
+    st = again.call("status")["budget"]
+    assert st["tree_spent"] - st["spent"] == 300, st
+    assert st["left"] == cap - st["tree_spent"], st
+
+
 def test_tree_budget_stays_under_the_cap(tree: Env) -> None:
     env = tree
     cap = 3000
