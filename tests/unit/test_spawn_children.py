@@ -261,3 +261,34 @@ def test_a_pwd_with_a_nul_byte_is_a_tool_error(registry: Registry, tmp_path: Pat
     args = {"scope": [{"target": str(tmp_path), "permission": "read"}], "pwd": "/tmp/\0"}
     with pytest.raises(ToolError, match=r"pwd: invalid path .* it contains a NUL byte"):
         Children(pod)._child_manifest("kid", args, None)
+
+
+def test_list_pods_asks_its_children_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`list_pods` asked each child for its state one after another: every child that did not
+    answer (stopped, wedged) held the run STATUS_TIMEOUT more. Here each probe waits until
+    all are under way: asked in turn, the first would wait for good."""
+    import asyncio
+
+    names = [f"kid{i}" for i in range(3)]
+    records = {n: SimpleNamespace(scope=[], spent=0) for n in names}
+    pod: Any = SimpleNamespace(state=SimpleNamespace(children=records))
+    children = Children(pod)
+
+    async def go() -> list[dict[str, Any]]:
+        asked: list[str] = []
+        everyone = asyncio.Event()
+
+        async def probe(name: str, timeout: float = 2.0) -> tuple[str, int]:
+            asked.append(name)
+            if len(asked) == len(names):
+                everyone.set()
+            await everyone.wait()
+            return "idle", 0
+
+        monkeypatch.setattr(children, "_probe", probe)
+        async with asyncio.timeout(30):  # (in turn, it never ends)
+            return await children.list_children()
+
+    listed = asyncio.run(go())
+    assert [c["name"] for c in listed] == names
+    assert all(c["state"] == "idle" for c in listed)
