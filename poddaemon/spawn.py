@@ -49,6 +49,10 @@ log = logging.getLogger("poddaemon.spawn")
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
 STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
+# A child's answer to `run` (an acknowledgement, not the run), beyond what its
+# UserPromptSubmit hooks may take: a stopped or wedged child held the spawner's tool call,
+# and with it its run, for good.
+CALL_TIMEOUT = 30.0
 # ...within our own `status`: well under what `podctl ls` waits for us (2 s), or one stopped
 # child made its healthy spawner look unresponsive too.
 STATUS_PROBE_TIMEOUT = 0.5
@@ -575,11 +579,17 @@ class Children:
         return {"name": name, "socket": socket}
 
     async def _call(self, socket: str, method: str, params: dict[str, Any]) -> Any:
+        # The child decides a `run` after its hooks (ours: it has our configuration).
+        hooks = self.pod.m.hooks.UserPromptSubmit
+        limit = CALL_TIMEOUT + sum(h.timeout for h in hooks)
         try:
-            async with await AsyncPodClient.connect(socket) as client:
-                raw = await client.call_raw(method, params)
+            async with asyncio.timeout(limit):
+                async with await AsyncPodClient.connect(socket) as client:
+                    raw = await client.call_raw(method, params)
         except RpcError as exc:  # the child's own refusal (-32007 budget, -32004 stopping, …)
             raise ToolError(str(exc)) from None
+        except TimeoutError:
+            raise ToolError(f"the child pod did not answer within {limit:g} s") from None
         except Exception as exc:  # no socket, connection lost
             raise ToolError(f"cannot reach the child pod: {exc}") from None
         return msgspec.json.decode(raw)

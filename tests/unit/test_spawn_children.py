@@ -292,3 +292,39 @@ def test_list_pods_asks_its_children_at_once(monkeypatch: pytest.MonkeyPatch) ->
     listed = asyncio.run(go())
     assert [c["name"] for c in listed] == names
     assert all(c["state"] == "idle" for c in listed)
+
+
+def test_send_to_a_child_that_does_not_answer_is_a_tool_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child that takes the connection but never answers (stopped with SIGSTOP, wedged):
+    send_to_pod waited for its answer for good, and the spawner's run with it."""
+    import asyncio
+    import socket as sockets
+
+    from poddaemon import spawn
+    from poddaemon.config.manifest import HooksSection
+
+    monkeypatch.setattr(spawn, "CALL_TIMEOUT", 0.2, raising=False)
+    path = str(tmp_path / "sock")
+    deaf = sockets.socket(sockets.AF_UNIX, sockets.SOCK_STREAM)
+    deaf.bind(path)
+    deaf.listen(1)  # connections wait in the backlog, never read
+    pod: Any = SimpleNamespace(
+        m=SimpleNamespace(hooks=HooksSection()),
+        state=SimpleNamespace(children={"kid": object()}),
+    )
+    children = Children(pod)
+    children.live["kid"] = _Live("kid", 0, path)
+
+    async def go() -> str:
+        with pytest.raises(ToolError) as refused:
+            async with asyncio.timeout(30):  # (without a limit of its own, it never ends)
+                await children.send("kid", "hello", "queue")
+        return str(refused.value)
+
+    try:
+        said = asyncio.run(go())
+    finally:
+        deaf.close()
+    assert "did not answer within 0.2 s" in said, said
