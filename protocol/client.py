@@ -39,6 +39,7 @@ class PodClient(ClientMethods, SyncCaller):
         self._core = ClientCore(max_frame_bytes)
         self.target = target
         self._broken = False  # a request was cut off part-sent: see _send
+        self._gone = False  # the pod closed the connection: see _lost
 
     @classmethod
     def connect(
@@ -71,7 +72,17 @@ class PodClient(ClientMethods, SyncCaller):
     def _closed(self) -> ConnectionClosed:
         return ConnectionClosed(f"pod {self.target!r} closed the connection")
 
+    def _lost(self) -> ConnectionClosed:
+        """The pod's end went: nothing more can pass, so the socket is given back now. Kept
+        until close(), a program that caught the error and connected again leaked a descriptor
+        each time."""
+        self._gone = True
+        self._sock.close()
+        return self._closed()
+
     def _usable(self) -> None:
+        if self._gone:
+            raise self._closed()
         if self._broken:
             raise ConnectionClosed(
                 f"the connection to pod {self.target!r} was closed: a request was cut off "
@@ -85,7 +96,7 @@ class PodClient(ClientMethods, SyncCaller):
         try:
             self._sock.sendall(data)
         except LOST as exc:  # the pod went: the same error as when it goes while we read
-            raise self._closed() from exc
+            raise self._lost() from exc
         except BaseException:
             # Cut off part-sent (a timeout, Ctrl-C): the pod would read the next request as the
             # rest of this one's line, and answer it as this one's (a reply dropped: that call
@@ -99,9 +110,9 @@ class PodClient(ClientMethods, SyncCaller):
         try:
             data = self._sock.recv(1 << 16)
         except LOST as exc:  # it went with our request unread (ECONNRESET)
-            raise self._closed() from exc
+            raise self._lost() from exc
         if not data:
-            raise self._closed()
+            raise self._lost()
         self._core.feed(data)
 
     def _roundtrip(self, method: str, params: Params | dict[str, Any] | None, rtype: type[T]) -> T:

@@ -524,3 +524,18 @@ def test_an_async_connection_that_failed_is_closed_without_waiting_for_close() -
 
     asyncio.run(go())
     theirs.close()
+
+
+def test_a_sync_connection_the_pod_closed_gives_its_socket_back_at_once() -> None:
+    """The same for the sync client: once the pod's end went, the socket stayed open until
+    close(), so a program reconnecting on ConnectionClosed leaked a descriptor each time."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX)
+    mine.settimeout(10)
+    client = PodClient(mine, "pair")
+    theirs.close()  # the pod went
+    with pytest.raises(errors.ConnectionClosed, match="closed the connection"):
+        client.status()
+    assert mine.fileno() < 0
+    with pytest.raises(errors.ConnectionClosed, match="closed the connection"):
+        client.status()  # and says so again, not "was closed" by us
+    client.close()  # (still fine to call)
