@@ -160,7 +160,17 @@ def read_message(message: str) -> str:
     """MESSAGE as given, or stdin for `-` (without its trailing newlines). Empty, or not UTF-8
     (the wire is UTF-8 JSON, and the pod gets nothing altered): a usage error."""
     if message == "-":
-        raw = sys.stdin.buffer.read()
+        from protocol.framing import DEFAULT_MAX_FRAME_BYTES as limit
+
+        # No pod reads a frame larger than this: read no more of stdin (a runaway pipe of
+        # gigabytes was all read into memory, then refused).
+        raw = sys.stdin.buffer.read(limit + 1)
+        if len(raw) > limit:
+            fail(
+                f"stdin holds more than {limit >> 20} MiB, more than a pod takes in one "
+                "message; save it in a file the pod can read and send its path",
+                EXIT_USAGE,
+            )
         try:
             text = raw.decode()
         except UnicodeDecodeError as exc:

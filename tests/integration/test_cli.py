@@ -220,6 +220,19 @@ def test_rpc_with_invalid_json_params_is_a_usage_error(home: Path) -> None:
     assert (proc.returncode, proc.stderr) == (2, "podctl: JSON params must be an object\n")
 
 
+@pytest.mark.parametrize("command", ["send", "notify"])
+def test_a_message_on_stdin_larger_than_any_frame_is_refused_unread(
+    home: Path, command: str
+) -> None:
+    # All of stdin was read into memory first (a runaway pipe: gigabytes), then refused.
+    proc = podctl(home, command, "ghost", "-", stdin="x" * ((8 << 20) + 1))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        "podctl: stdin holds more than 8 MiB, more than a pod takes in one message; "
+        "save it in a file the pod can read and send its path\n"
+    )
+
+
 @pytest.mark.parametrize("name", ["Bad Name", "../pods/x"])
 def test_unit_remove_of_a_name_no_pod_can_have_is_a_usage_error(home: Path, name: str) -> None:
     # Asked of the user manager first: with none, "no systemd user manager answers" (exit 1),
