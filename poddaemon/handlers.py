@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 import poddaemon
+from poddaemon.session import input_size
 from poddaemon.store.file import continued_sessions, read_page
 from poddaemon.store.log import LogCorrupt, new_session_id
 from protocol import errors
@@ -69,13 +70,13 @@ def _not_too_big(text: str, field: str, limit: int, source: str = "") -> None:
     A notification's `source` is read with it (and its sender chooses it): it counts too."""
     if (len(text) + len(source)) * 4 <= limit:  # (UTF-8: at most 4 bytes a character)
         return
-    size = len(text.encode("utf-8", "surrogatepass")) + len(source.encode("utf-8", "surrogatepass"))
+    size = input_size(text, source)
     if size > limit:
+        counted = f"{size:,} bytes with params.source" if source else f"{size:,} bytes"
         raise RpcError(
             errors.INVALID_PARAMS,
-            f"invalid params.{field}: {size:,} bytes{' with params.source' if source else ''}"
-            f", over worker.max_input_bytes "
-            f"({limit:,}); put it in a file the pod can read and send its path",
+            f"invalid params.{field}: {counted}, over worker.max_input_bytes ({limit:,}); "
+            "put it in a file the pod can read and send its path",
         )
 
 

@@ -56,6 +56,12 @@ KEPT_REPORT_IDS = 10_000
 KEPT_ENDED_CHILDREN = 1000
 
 
+def input_size(*texts: str) -> int:
+    """The bytes an input takes as worker.max_input_bytes counts them: UTF-8 (a lone surrogate,
+    which JSON may carry, as the 3 bytes it would take)."""
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+
+
 def input_digest(text: str) -> str:
     """What a client key remembers of its input: enough to tell a retry (the same input) from
     a conflict (-32006), without keeping the text."""
@@ -262,8 +268,7 @@ class SessionState(msgspec.Struct):
             if max_bytes is not None:
                 # Steers too: each is under the bound, but a burst of them in one request
                 # overflowed the context as one huge input did. A source is read as well.
-                size = len(p.text.encode("utf-8", "surrogatepass"))
-                size += len(p.source.encode("utf-8", "surrogatepass"))
+                size = input_size(p.text, p.source)
                 if ids and taken + size > max_bytes:
                     held.add(p.kind)
                     continue
