@@ -22,6 +22,8 @@ from protocol.types import Event, Params
 
 T = TypeVar("T")
 
+WRITE_BUFFER_BYTES = 1 << 20  # unsent requests held before a call waits for the pod to read
+
 
 class AsyncPodClient(ClientMethods, AsyncCaller):
     def __init__(
@@ -114,6 +116,7 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
     ) -> T:
         if self._closed:
             raise self._closed
+        await self._room()
         request_id, data = self._core.request(method, params)
         fut = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = fut
@@ -126,6 +129,19 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
         finally:
             del self._waiters[request_id]
         return self._core.take(request_id, rtype)
+
+    async def _room(self) -> None:
+        """Wait while a pod that reads nothing (stopped, or busy past its limits) leaves our
+        unsent requests above WRITE_BUFFER_BYTES: calls made meanwhile wait here instead of
+        piling up in memory without bound. One request may take it past the mark."""
+        transport = self._writer.transport
+        while transport.get_write_buffer_size() > WRITE_BUFFER_BYTES:
+            try:
+                await self._writer.drain()
+            except LOST as exc:
+                raise self._closed or self._lost() from exc
+            if self._closed:
+                raise self._closed
 
     async def _invoke(self, method: Method[Params, T], params: Params) -> T:
         return await self._roundtrip(method.name, params, method.result)

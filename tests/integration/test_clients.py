@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.aio import AsyncPodClient
+from protocol.aio import WRITE_BUFFER_BYTES, AsyncPodClient
 from protocol.errors import ConnectionClosed, RpcError
 from tests.conftest import BIG_INPUTS, Env, PodProcess, drained, flood, wait_until
 
@@ -97,6 +97,32 @@ def test_async_client_raises_connection_closed_when_the_pod_dies_with_our_reques
                 await asyncio.wait_for(call, 10)
             with pytest.raises(ConnectionClosed):
                 await client.status()
+
+    asyncio.run(go())
+
+
+def test_async_client_calls_to_a_pod_that_reads_nothing_wait_instead_of_piling_up(
+    env: Env,
+) -> None:
+    """Calls made while the pod reads nothing (here: stopped) wait for room once a mebibyte of
+    requests is unsent, instead of holding every one in memory; once it reads again, all of
+    them are answered."""
+    pod = env.start()
+    message = "x" * 100_000
+
+    async def go() -> None:
+        async with await AsyncPodClient.connect(pod.socket) as client:
+            await client.status()
+            os.kill(pod.proc.pid, signal.SIGSTOP)
+            try:
+                calls = [asyncio.ensure_future(client.notify(message)) for _ in range(60)]
+                await asyncio.sleep(0)  # each call has written its request, or waits for room
+                unsent = client._writer.transport.get_write_buffer_size()
+                assert unsent <= WRITE_BUFFER_BYTES + len(message) + 1000, unsent
+            finally:
+                os.kill(pod.proc.pid, signal.SIGCONT)
+            results = await asyncio.wait_for(asyncio.gather(*calls), 60)
+            assert len({r.notification_id for r in results}) == 60
 
     asyncio.run(go())
 
