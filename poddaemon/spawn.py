@@ -14,6 +14,7 @@ re-adopts the live children the registry names it parent of.
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -859,6 +860,24 @@ async def _exec(cmd: list[str]) -> _Started:
     return _Started(proc.pid, proc.stderr, proc=proc)
 
 
+def _close(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _forked_for_nobody(read_end: int, thread: "asyncio.Future[Forked | None]") -> None:
+    """The fork server's thread returned after its spawn was cancelled: stop what it forked."""
+    os.close(read_end)
+    if thread.cancelled() or thread.exception() is not None:
+        return
+    forked = thread.result()
+    if forked is not None:
+        log.warning("spawn cancelled while the fork server started it: killing pid %d", forked.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(forked.pid, signal.SIGKILL)
+        forked.close()
+
+
 async def _fork(cmd: list[str]) -> _Started | None:
     """The child forked by the fork server, sharing its preloaded modules with us and our
     siblings; None (then it is exec'd) when the server is off or out of reach, or when this pod
@@ -869,16 +888,21 @@ async def _fork(cmd: list[str]) -> _Started | None:
         return None
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
     null = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    # The thread is not cancelled with us (no thread can be): our descriptors are closed only
+    # once it is done with them (closed under it, their numbers could be reused and passed to
+    # the child as its stdio), and a child it forks for a spawn cancelled meanwhile is stopped.
+    thread = asyncio.ensure_future(
+        asyncio.to_thread(forkclient.fork_pod, cmd, (null, null, write_end), alone_ok=True)
+    )
+    thread.add_done_callback(lambda _: _close(null, write_end))
     try:
-        forked = await asyncio.to_thread(
-            forkclient.fork_pod, cmd, (null, null, write_end), alone_ok=True
-        )
+        forked = await asyncio.shield(thread)
+    except asyncio.CancelledError:
+        thread.add_done_callback(functools.partial(_forked_for_nobody, read_end))
+        raise
     except forkclient.ServerLost as exc:
         os.close(read_end)
         raise ToolError(str(exc)) from None
-    finally:
-        os.close(null)
-        os.close(write_end)
     if forked is None:
         os.close(read_end)
         return None

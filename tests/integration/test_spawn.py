@@ -1102,6 +1102,36 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     assert not list((env.home / "data" / "pods").glob(".spawn-*"))
 
 
+def test_a_spawn_cancelled_while_the_fork_server_starts_leaves_no_child(tree: Env) -> None:
+    """The run is cancelled while the first spawn starts the fork server (the fork runs in a
+    thread, which goes on): the child it forks for nobody is stopped, not left running with
+    its share of the scope. A second spawn, forked after it by the same server, shows the
+    server got that far."""
+    env = tree
+    (env.work / "c1").mkdir()
+    (env.work / "c2").mkdir()
+    quiet_children(env, "c1", "c2")
+    env.model.script({"tool_calls": [spawn_call("c1", "never told", [str(env.work / "c1")])]})
+    parent = start_parent(env, write=[str(env.work)])
+    assert not list((env.home / "run").glob("forkserver.*.sock"))
+    run_id = parent.call("run", input="go")["run_id"]
+
+    def spawning() -> bool:
+        entries = parent.call("history", limit=100)["entries"]
+        return any(e["kind"] == "assistant" and "spawn_pod" in json.dumps(e) for e in entries)
+
+    wait_until(spawning, what="the spawn_pod call")
+    parent.call("cancel", run_id=run_id)
+    env.model.script(
+        {"tool_calls": [spawn_call("c2", "work", [str(env.work / "c2")])]}, {"text": "done"}
+    )
+    assert run_and_wait(parent, "again")["outcome"] == "finished"
+    registry = Registry(env.home / "run")
+    wait_until(lambda: registry.get("c1") is None, what="c1 gone from the registry")
+    assert {e.name for e in registry.live()} == {"parent", "c2"}
+    assert len(_stray(env)) == 2
+
+
 def test_a_child_gets_no_deeper_scope_than_its_spawner(tree: Env) -> None:
     """SPEC §9: a child's scope lies inside its spawner's. A spawner whose rule is not
     recursive (its pwd and what lies directly in it) cannot hand out a recursive rule on one
