@@ -1540,6 +1540,8 @@ def test_a_final_text_longer_than_a_frame_is_reported_cut(tree: Env) -> None:
     report (its shutdown) queued behind it. The report's text is cut; the child keeps it all."""
     env = tree
     (env.work / "k").mkdir()
+    # In 64 KiB deltas, not 20-character ones: 470,000 deltas took the child a minute here.
+    env.model.chunk_size = 1 << 16
     env.model.script_model("m-k", {"text": "y" * (9 << 20)})
     env.model.script(
         {"tool_calls": [spawn_call("k", "say a lot", [str(env.work / "k")])]},
