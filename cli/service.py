@@ -253,7 +253,9 @@ def _restart(pod: str) -> None:
         if status is None:
             fail(f"pod '{name}' is not running and has no kept configuration", EXIT_NOT_RUNNING)
         fail(f"pod '{name}' has no kept configuration ({config}); stop it and spawn it again")
-    problem = _cannot_start(config)
+    callback = config.with_suffix(".callback")
+    spawner = callback.read_text().strip() if callback.exists() else None
+    problem = _cannot_start(config) or (_too_many_children(name, spawner) if spawner else None)
     if problem is not None:  # found before the stop: a restart that cannot start keeps the pod
         left = " (it is left running)" if status is not None else ""
         fail(f"cannot restart pod '{name}'{left}: {problem}")
@@ -267,9 +269,8 @@ def _restart(pod: str) -> None:
 
     try:
         cmd = daemon_command(str(config), [], None, True)
-        callback = config.with_suffix(".callback")
-        if callback.exists():  # a child: it reports to its spawner again
-            cmd += ["--adopt", "--callback", callback.read_text().strip()]
+        if spawner:  # a child: it reports to its spawner again
+            cmd += ["--adopt", "--callback", spawner]
         started, socket, early = spawn_detached(cmd)
     except SpawnFailed as exc:
         sys.stderr.buffer.write(shortened(exc.output, name))
@@ -290,6 +291,37 @@ def _unit_pod(unit: str) -> Any:
     except UnitError:
         return None
     return next((e for e in _registry_entries().values() if str(e.pid) == pid), None)
+
+
+def _too_many_children(name: str, spawner_socket: str) -> str | None:
+    """Why child `name` may not start again under its spawner: the spawner's other live
+    children are already its `spawn.max_children` (SPEC §9: live children at once), which it
+    would pass on taking `name` back. None when it may (or its spawner cannot be told)."""
+    from poddaemon.config.load import ManifestError, load_manifest
+    from protocol import paths
+
+    spawner = _name_of(spawner_socket)
+    if spawner is None:
+        return None
+    # The spawner's own limit (its kept configuration); a child inherits it, as a fallback.
+    config = kept_config(spawner)
+    try:
+        manifest = load_manifest(
+            str(config if config.exists() else kept_config(name)), (), paths.defaults_path()
+        )
+    except ManifestError:
+        return None
+    limit = manifest.spawn.max_children
+    from cli.pods import _registry_entries
+
+    others = sorted(e.name for e in _registry_entries().values() if e.parent == spawner)
+    others = [n for n in others if n != name]
+    if len(others) < limit:
+        return None
+    return (
+        f"its spawner '{spawner}' has {len(others)} live children ({', '.join(others)}), "
+        f"its spawn.max_children = {limit}; stop one first"
+    )
 
 
 def _cannot_start(config: Path) -> str | None:
