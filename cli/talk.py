@@ -233,21 +233,28 @@ def run_end_in_log(client: "PodClient", run_id: str) -> dict[str, Any] | None:
     """The `run.finished` data of run `run_id` as its session log holds it, or None while it has
     not ended: for a follower told `gap`, whose missed events may have held it. The pod's session
     first, then the ones it continues (a compaction may have come after the run ended)."""
+    for entry in log_entries(client):
+        if entry.get("kind") == "run_end" and entry.get("run_id") == run_id:
+            data = {"outcome": entry.get("outcome"), "text": entry.get("text", "")}
+            if entry.get("error") is not None:
+                data["error"] = entry["error"]
+            data["usage"] = entry.get("usage") or dict.fromkeys(USAGE_KEYS, 0)
+            return data
+    return None
+
+
+def log_entries(client: "PodClient") -> Iterator[dict[str, Any]]:
+    """Every entry of the pod's session log, then of the sessions it continues (compacted or
+    forked from), newest session first, each oldest entry first."""
     session: str | None = None
     searched: set[str] = set()
     while True:
         links: list[str] = []
         for page in history_pages(client, 0, session, links):
-            for entry in page:
-                if entry.get("kind") == "run_end" and entry.get("run_id") == run_id:
-                    data = {"outcome": entry.get("outcome"), "text": entry.get("text", "")}
-                    if entry.get("error") is not None:
-                        data["error"] = entry["error"]
-                    data["usage"] = entry.get("usage") or dict.fromkeys(USAGE_KEYS, 0)
-                    return data
+            yield from page
         session = next((s for s in links if s not in searched), None)
         if session is None:
-            return None
+            return
         searched.add(session)
 
 
@@ -446,9 +453,35 @@ def cancel(
         str | None, typer.Option("--run-id", metavar="ID", help="Only this run.")
     ] = None,
 ) -> None:
-    """Cancel the active run (or the given one); with no run, a `podctl compact` at work."""
+    """Cancel the active run (or the given one); with no run, a `podctl compact` at work.
+
+    Exit status: 0 cancelled, or nothing to cancel (idle; or the given run had already
+    ended: its outcome is said); 1 a --run-id the pod does not know (in its sessions' logs);
+    3 the pod is not running.
+    """
     result = call(pod, "cancel", None if run_id is None else {"run_id": run_id})
-    _say("cancelled" if result["cancelled"] else "nothing to cancel")
+    if result["cancelled"]:
+        _say("cancelled")
+    elif run_id is None:
+        _say("nothing to cancel")
+    else:
+        _say(_not_cancelled(pod, run_id))
+
+
+def _not_cancelled(pod: str, run_id: str) -> str:
+    """Why run `run_id` was not cancelled: it ended (how), or failed as one the pod never had.
+    A typo or another pod's run id must not read as done: a script would go on as if it were."""
+    known, outcome = False, None
+    with connect(pod) as client:
+        for entry in log_entries(client):
+            if entry.get("run_id") == run_id:
+                known = True
+                if entry.get("kind") == "run_end":
+                    outcome = entry.get("outcome")  # the last one: a paused run may go on
+    if not known:
+        fail(f"pod '{pod}' has no run {run_id}")
+    said = f": {outcome}" if outcome else ""
+    return f"nothing to cancel: run {run_id} already ended{said}"
 
 
 @app.command()

@@ -55,3 +55,31 @@ def test_restart_of_a_stopped_child_refuses_to_pass_its_spawners_max_children(tr
     out = env.podctl("restart", "k1")
     assert out.returncode == 0, out.stderr
     assert children_of(env, "parent") == ["k1"]
+
+
+# --- item 1: `podctl cancel --run-id` of a run the pod never had is an error ---------------------
+
+
+def test_cancel_of_an_unknown_run_id_exits_1_and_of_an_ended_run_says_how_it_ended(
+    env: Env,
+) -> None:
+    """`podctl cancel POD --run-id <typo>` said "nothing to cancel" and exited 0: a script
+    that cancels a run by id went on as if it were done. A run id the pod does not know is an
+    error (exit 1, one line naming it); a run that already ended is nothing to cancel (exit 0),
+    and the answer says how it ended."""
+    env.model.script({"text": "done"})
+    pod = env.start("c")
+    ended = pod.call("run", input="hi", wait=True)
+    assert ended["outcome"] == "finished"
+
+    bogus = env.podctl("cancel", "c", "--run-id", "no-such-run")
+    assert bogus.returncode == 1, (bogus.stdout, bogus.stderr)
+    assert bogus.stdout == ""
+    assert bogus.stderr == "podctl: pod 'c' has no run no-such-run\n"
+
+    old = env.podctl("cancel", "c", "--run-id", ended["run_id"])
+    assert old.returncode == 0, old.stderr
+    assert old.stdout == f"nothing to cancel: run {ended['run_id']} already ended: finished\n"
+
+    idle = env.podctl("cancel", "c")
+    assert (idle.returncode, idle.stdout) == (0, "nothing to cancel\n")
