@@ -1,5 +1,6 @@
 """Talking to a pod: send, notify, attach, history, pause, resume, cancel."""
 
+import itertools
 import sys
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -332,14 +333,18 @@ def attach(
 
 
 def history_pages(
-    client: "PodClient", since: int, session_id: str | None = None, links: list[str] | None = None
+    client: "PodClient",
+    since: int,
+    session_id: str | None = None,
+    links: list[str] | None = None,
+    size: int = HISTORY_PAGE,
 ) -> Iterable[list[dict[str, Any]]]:
-    """Every entry after seq `since`, page by page, oldest first. `links` receives the session
-    the pages continue (compacted or forked from), if any."""
+    """Every entry after seq `since`, page by page (of at most `size`), oldest first. `links`
+    receives the session the pages continue (compacted or forked from), if any."""
     while True:
         # session_id only when asked for: a pod of an earlier version does not know it.
         extra = {"session_id": session_id} if session_id else {}
-        page = client.history(since=since, limit=HISTORY_PAGE, **extra)
+        page = client.history(since=since, limit=size, **extra)
         # Every later page from the session this one came from: a compaction in between moves
         # the pod to a new session, whose entries would go on from another log's seq.
         session_id = session_id or getattr(page, "session_id", None)
@@ -377,7 +382,12 @@ def history(
     ] = None,
     limit: Annotated[
         int | None,
-        typer.Option("--limit", metavar="N", min=1, help=f"The newest N (default {HISTORY_TAIL})."),
+        typer.Option(
+            "--limit",
+            metavar="N",
+            min=1,
+            help=f"The newest N (default {HISTORY_TAIL}); with --since, the first N after SEQ.",
+        ),
     ] = None,
     as_json: JsonOpt = False,
     session: Annotated[
@@ -392,35 +402,62 @@ def history(
     """The newest session log entries (`seq kind summary`).
 
     By default the newest 50; `--limit N` the newest N, `--all` every entry, `--since SEQ`
-    every entry after SEQ. When entries are left out, says how many on stderr (in `--json`:
-    `earlier`). After a compaction the pod's session continues an earlier one: stderr names
-    it (in `--json`: `previous`), and `--session ID` pages it.
+    every entry after SEQ. `--since SEQ --limit N` is one page, as the `history` RPC pages:
+    the first N entries after SEQ; `--since NEXT` (the last seq shown; `next` in --json) gives
+    the next page, and the same seq again once nothing is left. When entries are left out,
+    says how many on stderr (in `--json`: `earlier`, and `later` for a page). After a
+    compaction the pod's session continues an earlier one: stderr names it (in `--json`:
+    `previous`), and `--session ID` pages it.
     """
     if all_ and limit is not None:
         fail("--all and --limit exclude each other", EXIT_USAGE)
-    keep = limit if limit is not None else (None if all_ or since is not None else HISTORY_TAIL)
+    page = since is not None and limit is not None  # forward from SEQ, as the RPC pages
+    keep = None if all_ or since is not None else (limit or HISTORY_TAIL)
     start = since or 0
     links: list[str] = []
+    later = 0
     with connect(pod) as client:
         skipped = 0
-        if keep is not None:  # ask only for the newest `keep`, when the pod says where they are
-            extra = {"session_id": session} if session else {}
-            first = client.history(since=start, limit=1, **extra)
-            last = getattr(first, "last_seq", None)
-            session = session or getattr(first, "session_id", None)  # the same log throughout
-            if last is not None and last - keep > start:
+        extra = {"session_id": session} if session else {}
+        first = client.history(since=start, limit=1, **extra)
+        last = getattr(first, "last_seq", None)
+        session = session or getattr(first, "session_id", None)  # the same log throughout
+        if page:
+            assert limit is not None
+            size = min(limit, HISTORY_PAGE)
+            entries = list(
+                itertools.islice(
+                    itertools.chain.from_iterable(
+                        history_pages(client, start, session, links, size)
+                    ),
+                    limit,
+                )
+            )
+            earlier = 0
+            if entries and last is not None:
+                later = max(0, last - entries[-1]["seq"])
+        else:
+            # ask only for the newest `keep`, when the pod says where they are
+            if keep is not None and last is not None and last - keep > start:
                 skipped, start = last - keep - start, last - keep
-        entries, earlier = newest(history_pages(client, start, session, links), keep)
-        earlier += skipped
+            entries, earlier = newest(history_pages(client, start, session, links), keep)
+            earlier += skipped
     previous = links[0] if links else None
+    nxt = entries[-1]["seq"] if entries else start
     if as_json:
-        last = entries[-1]["seq"] if entries else start
-        print_json({"entries": entries, "next": last, "earlier": earlier, "previous": previous})
+        out = {"entries": entries, "next": nxt, "earlier": earlier, "previous": previous}
+        if page:
+            out["later"] = later
+        print_json(out)
         return
     from cli.render import entry_line
 
     if earlier:
         sys.stderr.write(f"podctl: {earlier} earlier entries not shown (--all shows every entry)\n")
+    if later:
+        sys.stderr.write(
+            f"podctl: {later} later entries not shown (--since {nxt} shows the next page)\n"
+        )
     if previous and not earlier and start == 0:
         sys.stderr.write(
             f"podctl: this session continues session {previous} "

@@ -1091,15 +1091,11 @@ def test_history_paging_usage_and_podctl_sessions(env: Env) -> None:
     assert lines[0].startswith("1 session_start") and lines[-1].startswith(
         f"{len(entries)} run_end"
     )
-    # --limit keeps the newest N (of those after --since), and says how many it left out.
+    # --since with --limit is the RPC's page: the first N after SEQ; it says how many follow.
     limited = env.podctl("history", "pager", "--since", "2", "--limit", "3")
     n = len(entries)
-    assert [line.split()[0] for line in limited.stdout.splitlines()] == [
-        str(n - 2),
-        str(n - 1),
-        str(n),
-    ]
-    assert f"{n - 2 - 3} earlier entries not shown" in limited.stderr
+    assert [line.split()[0] for line in limited.stdout.splitlines()] == ["3", "4", "5"]
+    assert f"{n - 5} later entries not shown (--since 5 shows the next page)" in limited.stderr
 
     listed = env.podctl("sessions", "list")
     assert listed.returncode == 0 and sid in listed.stdout and "pager" in listed.stdout

@@ -2,6 +2,8 @@
 
 Real pods over real sockets with the fake model; each test names the item it checks."""
 
+import json
+
 from poddaemon.registry import Registry
 from tests.conftest import Env, wait_until
 from tests.integration.test_spawn import (
@@ -83,3 +85,46 @@ def test_cancel_of_an_unknown_run_id_exits_1_and_of_an_ended_run_says_how_it_end
 
     idle = env.podctl("cancel", "c")
     assert (idle.returncode, idle.stdout) == (0, "nothing to cancel\n")
+
+
+# --- item 3: `podctl history --since S --limit N` pages as the RPC does ---------------------------
+
+
+def test_history_since_and_limit_is_the_rpcs_page_and_next_goes_on(env: Env) -> None:
+    """`podctl history POD --since S --limit N` showed the newest N entries after S, while the
+    `history` RPC (SPEC §5: `since`, `limit` -> `entries`, `next`) gives the first N after S:
+    a script paging with `--since $next` skipped every entry between S and the newest N. Now
+    it is the RPC's page; following `next` visits every entry once, and the end is `next`
+    unchanged with no entries."""
+    env.model.script({"text": "one"}, {"text": "two"})
+    pod = env.start("h")
+    for text in ("one", "two"):
+        assert pod.call("run", input=text, wait=True)["outcome"] == "finished"
+    every = [e["seq"] for e in pod.call("history", limit=10000)["entries"]]
+    assert len(every) > 6
+
+    rpc = pod.call("history", since=2, limit=3)
+    out = env.podctl("history", "h", "--since", "2", "--limit", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    page = json.loads(out.stdout)
+    assert [e["seq"] for e in page["entries"]] == [e["seq"] for e in rpc["entries"]] == [3, 4, 5]
+    assert page["next"] == rpc["next"] == 5
+    assert page["later"] == len(every) - 5 and page["earlier"] == 0
+
+    text = env.podctl("history", "h", "--since", "2", "--limit", "3")
+    assert [int(line.split()[0]) for line in text.stdout.splitlines()] == [3, 4, 5]
+    assert text.stderr == (
+        f"podctl: {len(every) - 5} later entries not shown (--since 5 shows the next page)\n"
+    )
+
+    seen: list[int] = []
+    cursor = 0
+    while True:
+        args = ("history", "h", "--since", str(cursor), "--limit", "4", "--json")
+        step = json.loads(env.podctl(*args).stdout)
+        if not step["entries"]:
+            assert step["next"] == cursor
+            break
+        seen += [e["seq"] for e in step["entries"]]
+        cursor = step["next"]
+    assert seen == every
