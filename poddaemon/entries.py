@@ -57,6 +57,7 @@ class SessionStart(Entry, tag="session_start"):
     run_keys: dict[str, list[str]] = {}  # before 0.4: [input, run id] or [..., "steer"]
     notify_keys: dict[str, list[str | bool]] = {}  # before 0.4: [text, id, wakes]
     run_key_digests: dict[str, tuple[str, str, bool]] = {}  # [input digest, run id, steered]
+    run_positions: dict[str, int] = {}  # keyed run id -> the position it was answered
     notify_key_digests: dict[str, tuple[str, str, bool]] = {}  # [text digest, id, wakes]
     usage: Usage | None = None
     usage_calls: list[dict[str, Any]] = []  # the newest (session.KEPT_USAGE_CALLS)
@@ -84,6 +85,9 @@ class UserInput(Entry, tag="user_input"):
     id: str | None = None  # steer inputs: the pending input's id
     client_key: str | None = None
     context: str = ""  # queued: what UserPromptSubmit hooks added, shown when its run starts
+    # queued, keyed: the answer's position (0: `started`), for a retry of the key (None in
+    # logs from before it was kept: such a retry is told where the run stands now)
+    position: int | None = None
 
 
 class SystemItem(Entry, tag="system_item"):

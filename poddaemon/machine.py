@@ -828,6 +828,7 @@ class Machine:
             pause_requested=old.pause_requested,
             open_calls=list(old.open_calls),
             run_outcomes=snap["run_outcomes"],
+            run_positions=snap["run_positions"],
             tree=old.tree_snapshot(),
             seq=1,
             ts=self.clock(),
@@ -1049,12 +1050,8 @@ class Machine:
                 self._wait_for(token, original)
             elif s.run_keys[key][2]:  # a steer: into the run it joined, as then
                 self._reply(token, RunResult(run_id=original, state="steered"), durable=True)
-            elif original in s.pending_runs:  # still waiting: where it stands now
-                position = list(s.pending_runs).index(original) + 1
-                result = RunResult(run_id=original, state="queued", position=position)
-                self._reply(token, result, durable=True)
-            else:
-                self._reply(token, RunResult(run_id=original, state="started"), durable=True)
+            else:  # as the first time (SPEC §5), whatever became of the run since
+                self._reply(token, self._first_answer(original), durable=True)
             return
         if self.budget_exhausted():
             self._error(token, errors.BUDGET_EXHAUSTED, self.budget_message())
@@ -1085,7 +1082,14 @@ class Machine:
         position = len(s.pending_runs) + 1 if busy else 0
         # The hook's context goes with the input: a queued run's must not reach the active run.
         self._commit(
-            UserInput(text=text, mode="queue", run_id=run_id, client_key=key, context=context)
+            UserInput(
+                text=text,
+                mode="queue",
+                run_id=run_id,
+                client_key=key,
+                context=context,
+                position=position if key is not None else None,
+            )
         )
         if position:
             self._publish("run.queued", {"position": position}, run_id)
@@ -1097,6 +1101,17 @@ class Machine:
             )
         else:
             self._reply(token, RunResult(run_id=run_id, state="started"), durable=True)
+
+    def _first_answer(self, run_id: str) -> RunResult:
+        """What a keyed `run` that queued `run_id` was answered. A run keyed before its
+        position was kept: where it stands now (waiting: its place; else started)."""
+        s = self.state
+        position = s.run_positions.get(run_id)
+        if position is None and run_id in s.pending_runs:
+            position = list(s.pending_runs).index(run_id) + 1
+        if position:
+            return RunResult(run_id=run_id, state="queued", position=position)
+        return RunResult(run_id=run_id, state="started")
 
     def _notify(self, token: int, message: str, source: str, key: str | None) -> None:
         if self._refuse_if_stopping(token):

@@ -141,6 +141,8 @@ class SessionState(msgspec.Struct):
     pause_requested: str | None = None  # the active run a `pause` was acknowledged for
     open_calls: list[ToolCall] = msgspec.field(default_factory=list)
     run_outcomes: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # keyed runs
+    # keyed run id -> the position its `run` was answered (0: started), for a retry of its key
+    run_positions: dict[str, int] = msgspec.field(default_factory=dict)
     last_seq: int = 0
     head: str = ""
     # Spawn trees: runs the spawner asked for (reported when they end), reports not yet
@@ -189,6 +191,7 @@ class SessionState(msgspec.Struct):
                 self.keyed_runs[run_id] = left
             else:
                 self.run_outcomes.pop(run_id, None)
+                self.run_positions.pop(run_id, None)
 
     def forget_ended_children(self) -> None:
         """Keep the newest KEPT_ENDED_CHILDREN ended children (the first spawned go first);
@@ -224,6 +227,7 @@ class SessionState(msgspec.Struct):
             "paused_run": self.paused_run,
             "open_calls": [msgspec.to_builtins(c) for c in self.open_calls],
             "run_outcomes": self.run_outcomes,  # what a keyed retry with wait=True may ask
+            "run_positions": self.run_positions,  # what a keyed retry without it is answered
         }
 
     def tree_snapshot(self) -> dict[str, Any]:
@@ -324,6 +328,8 @@ def _apply(s: SessionState, e: Entry) -> None:
             s.pending_runs[run_id] = PendingRun(run_id, e.text, e.client_key, e.context, e.ts)
             if e.client_key:
                 s.add_run_key(e.client_key, (input_digest(e.text), run_id, False))
+                if e.position is not None:
+                    s.run_positions[run_id] = e.position
         case RunStart(run_id=run_id):
             if run_id != s.paused_run:  # a resumed run keeps its round count and usage
                 s.rounds = 0
@@ -468,6 +474,7 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     for k, (digest, nid, wakes) in e.notify_key_digests.items():
         s.add_notify_key(k, (digest, nid, wakes))
     s.run_outcomes = {rid: o for rid, o in s.run_outcomes.items() if rid in s.keyed_runs}
+    s.run_positions = {rid: p for rid, p in e.run_positions.items() if rid in s.keyed_runs}
     if e.usage is not None:
         s.usage = Usage(**msgspec.structs.asdict(e.usage))
     s.usage_calls = list(e.usage_calls[-KEPT_USAGE_CALLS:])

@@ -5,7 +5,7 @@ Real pods over real sockets with the fake model; each test names the item it che
 import json
 
 from poddaemon.registry import Registry
-from tests.conftest import Env, wait_until
+from tests.conftest import Env, drained, wait_until
 from tests.integration.test_spawn import (
     quiet_children,
     run_and_wait,
@@ -128,3 +128,33 @@ def test_history_since_and_limit_is_the_rpcs_page_and_next_goes_on(env: Env) -> 
         seen += [e["seq"] for e in step["entries"]]
         cursor = step["next"]
     assert seen == every
+
+
+# --- item 2: a keyed `send --no-wait` retried gets its original answer ----------------------------
+
+
+def test_keyed_send_no_wait_retried_after_a_restart_answers_as_the_first_time(env: Env) -> None:
+    """SPEC §5: same client_key + same input => the original result. `podctl send --no-wait
+    --client-key K` was answered `queued` (position 1) behind a busy run; retried after the pod
+    was kill -9ed and restored, by when its run had started and ended, it was answered
+    `started`: a script branching on the answer took another path on its retry. The retry now
+    gets the first answer, state and position, whatever became of the run since."""
+    env.model.script({"text": "first", "gate": "g"}, {"text": "second"})
+    pod = env.start("k")
+    assert pod.call("run", input="busy")["state"] == "started"
+    args = ("send", "k", "later", "--no-wait", "--client-key", "K", "--json")
+    first = env.podctl(*args)
+    assert first.returncode == 0, first.stderr
+    answer = json.loads(first.stdout)
+    assert answer["state"] == "queued" and answer["position"] == 1
+    env.model.open_gate("g")
+    drained(pod)
+    pod.kill9()
+    again = env.restart(pod, "--resume")
+    drained(again)
+
+    retried = env.podctl(*args)
+    assert retried.returncode == 0, retried.stderr
+    assert json.loads(retried.stdout) == answer
+    text = env.podctl(*args[:-1])
+    assert text.stdout == f"{answer['run_id']} queued\n"

@@ -119,7 +119,9 @@ def test_state_changed_tells_each_change_once_and_no_idle_between_queued_runs() 
     assert states()[-1] == "stopping"
 
 
-def test_a_keyed_retry_of_a_queued_run_answers_queued_with_its_position() -> None:
+def test_a_keyed_retry_of_a_queued_run_answers_as_the_first_time() -> None:
+    """SPEC §5: the original result, queued with its position then, even once runs ahead of
+    it have ended or it has started itself (it answered where the run stood at the retry)."""
     d = Driver()
     d.call("run", "first")
     d.call("run", "second")
@@ -129,10 +131,15 @@ def test_a_keyed_retry_of_a_queued_run_answers_queued_with_its_position() -> Non
     assert (again.run_id, again.state, again.position) == (third.run_id, "queued", 2)
     d.model("one")  # the first run ends: one run ahead of it now
     moved = d.answer(d.call("run", "third", client_key="k")).result
-    assert (moved.state, moved.position) == ("queued", 1)
-    d.model("two")
+    assert (moved.run_id, moved.state, moved.position) == (third.run_id, "queued", 2)
+    d.model("two")  # it has started
     started = d.answer(d.call("run", "third", client_key="k")).result
-    assert (started.run_id, started.state, started.position) == (third.run_id, "started", None)
+    assert (started.run_id, started.state, started.position) == (third.run_id, "queued", 2)
+    idle = Driver()
+    solo = idle.answer(idle.call("run", "solo", client_key="s")).result
+    idle.model("done")
+    assert solo.state == "started"
+    assert idle.answer(idle.call("run", "solo", client_key="s")).result == solo
 
 
 def test_steer_reaches_the_next_request_and_a_final_answer_gets_another_round() -> None:
