@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from cli.app import (
+    EXIT_INTERRUPTED,
     EXIT_NOT_RUNNING,
     EXIT_USAGE,
     PodArg,
@@ -492,7 +493,7 @@ def logs(
     """The pod's own log lines, with timestamps.
 
     From the journal for a pod run by its systemd unit, else from
-    <runtime>/pods/NAME/stderr.log.
+    <runtime>/pods/NAME/stderr.log. `-f` follows until Ctrl-C (exit 130).
     """
     from protocol import paths
 
@@ -559,8 +560,8 @@ def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> 
                     showing = stamp is not None and after is not None and stamp >= after
                 if showing:  # a provider's error body it quotes: no escape sequences
                     sys.stdout.write(printable(line))
-        except KeyboardInterrupt:
-            return
+        except KeyboardInterrupt:  # as `tail -f` and every other podctl command: 130
+            raise typer.Exit(EXIT_INTERRUPTED) from None
 
 
 # --- version --------------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def attach(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON line per event.")] = False,
 ) -> None:
-    """Follow the pod's event stream (Ctrl-C to stop).
+    """Follow the pod's event stream (Ctrl-C to stop: exit 130).
 
     It ends with the pod: exit 0 after its `shutdown` event (a stop or restart), 3 when it went
     away without one (killed, crashed).
@@ -321,9 +321,9 @@ def attach(
                 else:
                     out.write(renderer.render(msgspec.structs.asdict(event)))
                 out.flush()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt:  # 130, as send's and wait's: exit 0 says the pod shut down
             out.write(renderer.finish())
-            return
+            raise typer.Exit(EXIT_INTERRUPTED) from None
         except ConnectionClosed:
             out.write(renderer.finish())
             out.flush()

@@ -530,7 +530,7 @@ def test_send_exit_codes_and_attach(home: Path) -> None:
             )
             assert "ok: bye" in seen
             attach.send_signal(signal.SIGINT)
-            assert attach.wait(timeout=10) == 0
+            assert attach.wait(timeout=10) == 130  # Ctrl-C, as for send and wait
 
             stopped = podctl(home, "stop", "--tree", "talk")
             assert (stopped.returncode, stopped.stdout) == (0, "stopped talk\n"), stopped.stderr
@@ -569,7 +569,7 @@ def test_attach_shows_a_model_chosen_tool_name_without_escape_sequences(home: Pa
             assert "⚙ ev\\x1b]52;c;aGk=\\x07il {}\n" in seen, shown
             assert "✗ ev\\x1b]52;c;aGk=\\x07il: " in shown
             attach.send_signal(signal.SIGINT)
-            assert attach.wait(timeout=10) == 0
+            assert attach.wait(timeout=10) == 130  # Ctrl-C, as for send and wait
         finally:
             if attach is not None and attach.poll() is None:
                 attach.kill()

@@ -3,6 +3,7 @@
 Real pods over real sockets with the fake model; each test names the item it checks."""
 
 import json
+import signal
 
 from poddaemon.registry import Registry
 from tests.conftest import Env, drained, wait_until
@@ -158,3 +159,27 @@ def test_keyed_send_no_wait_retried_after_a_restart_answers_as_the_first_time(en
     assert json.loads(retried.stdout) == answer
     text = env.podctl(*args[:-1])
     assert text.stdout == f"{answer['run_id']} queued\n"
+
+
+# --- item 5: Ctrl-C ends every follower with 130, as it ends send, wait and rpc ---------------
+
+
+def test_ctrl_c_ends_attach_and_logs_follow_with_130(env: Env) -> None:
+    """`podctl attach` and `podctl logs -f` exited 0 on Ctrl-C, while send, wait and rpc exit
+    130 (128 + SIGINT): a script running `podctl attach POD >events &` could not tell its
+    own interrupt from the pod's clean shutdown, which attach documents as its exit 0."""
+    env.model.script({"text": "hello"})
+    pod = env.start("f")
+    assert pod.call("run", input="hi", wait=True)["outcome"] == "finished"
+    log = env.home / "run" / "pods" / "gone" / "stderr.log"
+    log.parent.mkdir(mode=0o700)
+    log.write_text("2026-11-29 08:00:00.000 poddaemon[1] INFO ready\n")
+    for args in (("attach", "f", "--since", "0"), ("attach", "f", "--since", "0", "--json"),
+                 ("logs", "gone", "-f")):
+        proc = env.podctl_popen(*args)
+        assert proc.stdout is not None
+        assert proc.stdout.readline()  # following now
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        assert proc.returncode == 130, (args, out, err)
+        assert "Traceback" not in err, err
