@@ -234,14 +234,30 @@ def run_end_in_log(client: "PodClient", run_id: str) -> dict[str, Any] | None:
     """The `run.finished` data of run `run_id` as its session log holds it, or None while it has
     not ended: for a follower told `gap`, whose missed events may have held it. The pod's session
     first, then the ones it continues (a compaction may have come after the run ended)."""
+    entry = last_run_end(client, run_id)
+    if entry is None:
+        return None
+    if entry.get("outcome") == "paused":  # not final: resumed since, it goes on
+        status = client.status()
+        if status.run_id == run_id and status.state != "paused":
+            return None
+    data = {"outcome": entry.get("outcome"), "text": entry.get("text", "")}
+    if entry.get("error") is not None:
+        data["error"] = entry["error"]
+    data["usage"] = entry.get("usage") or dict.fromkeys(USAGE_KEYS, 0)
+    return data
+
+
+def last_run_end(client: "PodClient", run_id: str) -> dict[str, Any] | None:
+    """The newest `run_end` entry of run `run_id`: a run paused (not a final outcome) and
+    resumed has another after it, maybe in a later session (a compaction in between)."""
+    found: dict[str, Any] | None = None
     for entry in log_entries(client):
+        if entry.get("kind") == "session_start" and found is not None:
+            return found  # an earlier session: what it holds came before
         if entry.get("kind") == "run_end" and entry.get("run_id") == run_id:
-            data = {"outcome": entry.get("outcome"), "text": entry.get("text", "")}
-            if entry.get("error") is not None:
-                data["error"] = entry["error"]
-            data["usage"] = entry.get("usage") or dict.fromkeys(USAGE_KEYS, 0)
-            return data
-    return None
+            found = entry
+    return found
 
 
 def log_entries(client: "PodClient") -> Iterator[dict[str, Any]]:
@@ -508,16 +524,12 @@ def cancel(
 def _not_cancelled(pod: str, run_id: str) -> str:
     """Why run `run_id` was not cancelled: it ended (how), or failed as one the pod never had.
     A typo or another pod's run id must not read as done: a script would go on as if it were."""
-    known, outcome = False, None
     with connect(pod) as client:
-        for entry in log_entries(client):
-            if entry.get("run_id") == run_id:
-                known = True
-                if entry.get("kind") == "run_end":
-                    outcome = entry.get("outcome")  # the last one: a paused run may go on
+        end = last_run_end(client, run_id)
+        known = end is not None or any(e.get("run_id") == run_id for e in log_entries(client))
     if not known:
         fail(f"pod '{pod}' has no run {run_id}")
-    said = f": {outcome}" if outcome else ""
+    said = f": {end.get('outcome')}" if end is not None else ""
     return f"nothing to cancel: run {run_id} already ended{said}"
 
 

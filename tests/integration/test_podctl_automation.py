@@ -183,3 +183,33 @@ def test_ctrl_c_ends_attach_and_logs_follow_with_130(env: Env) -> None:
         out, err = proc.communicate(timeout=20)
         assert proc.returncode == 130, (args, out, err)
         assert "Traceback" not in err, err
+
+
+# --- item 5: a keyed `send` retried after its run was paused and resumed ------------------------
+
+
+def test_keyed_send_retried_after_a_pause_and_resume_prints_how_the_run_ended(env: Env) -> None:
+    """A keyed `podctl send` retried after its run ended prints that run's reply from the log.
+    It took the run's first `run_end`: for a run paused, resumed and then finished, that is
+    the `paused` one (not final, SPEC §5), so the retry said 'run … paused' and exited 1 for a
+    run that had finished. The last one counts."""
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}], "gate": "g"},
+        {"text": "done at last"},
+    )
+    pod = env.start("pr", tools=["list_dir"])
+    args = ("send", "pr", "work", "--client-key", "K")
+    assert env.podctl(*args, "--no-wait").returncode == 0
+    wait_until(lambda: pod.call("status")["state"] == "running", 10, "the run to start")
+    assert pod.call("pause")["paused"]
+    env.model.open_gate("g")
+    wait_until(lambda: pod.call("status")["state"] == "paused", 10, "the run to pause")
+    pod.call("resume")
+    drained(pod)
+    ends = [e["outcome"] for e in pod.call("history")["entries"] if e["kind"] == "run_end"]
+    assert ends == ["paused", "finished"]
+
+    retried = env.podctl(*args)
+    assert (retried.returncode, retried.stdout, retried.stderr) == (0, "done at last\n", "")
+    as_json = env.podctl(*args, "--json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["outcome"] == "finished"
