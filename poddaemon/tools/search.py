@@ -133,11 +133,16 @@ def glob_paths(
     pathlib followed a symlink a plain part matched, so `*/**/*.conf` with `up -> /usr` in the
     scope walked all of /usr (showing none of it) and could not be stopped."""
     seen: set[str] = set()
+    # What walk(directory, i) finds depends on nothing else: each pair is walked once. Every
+    # `**` tried each depth again from each depth the one before it stopped at, so `**/**/*.py`
+    # on a tree 100 deep took 49 s (`**/*.py`: 1.8 s), and each `**` more was worse.
+    walked: set[tuple[str, int]] = set()
     matchers = [re.compile(fnmatch.translate(part)).fullmatch for part in parts]
 
     def walk(directory: str, i: int) -> Iterator[str]:
-        if stop.stopped():
+        if stop.stopped() or (directory, i) in walked:
             return
+        walked.add((directory, i))
         if i == len(parts):
             if directory not in seen:
                 seen.add(directory)
