@@ -105,8 +105,10 @@ def _glob(ctx: ToolContext, base: str, pattern: str, stop: Stop) -> list[tuple[i
         raise ToolError("invalid glob pattern: '**' can only be an entire path component")
     wanted_vcs = {part for part in parts if part in VCS_DIRS}
 
+    real = _resolver(base)
+
     def readable(path: str) -> bool:
-        return ctx.scope.access(os.path.realpath(path)) >= Access.READ
+        return ctx.scope.access(real(path)) >= Access.READ
 
     found: list[tuple[int, str]] = []
     for p in glob_paths(base, parts, readable, stop):
@@ -122,6 +124,32 @@ def _glob(ctx: ToolContext, base: str, pattern: str, stop: Stop) -> list[tuple[i
         name = ctx.display(p)
         found.append((st.st_mtime_ns, name + "/" if stat.S_ISDIR(st.st_mode) else name))
     return found
+
+
+def _resolver(base: str) -> Callable[[str], str]:
+    """`os.path.realpath` for the paths a walk from the resolved `base` gives, in one lstat
+    each: a path in a directory resolved before is that directory's resolution and its name,
+    unless it is a symlink. realpath itself took an lstat per component, quadratic in the
+    depth: 1.8 s of `**/*.py` on 2,000 directories 100 deep."""
+    known = {base: base}  # directories only: the matches may be millions
+
+    def real(path: str) -> str:
+        parent, name = os.path.split(path)
+        resolved = known.get(parent)
+        if resolved is None or name in ("", os.curdir, os.pardir):
+            return os.path.realpath(path)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            return os.path.realpath(path)
+        if stat.S_ISLNK(mode):
+            return os.path.realpath(path)
+        resolved = os.path.join(resolved, name)
+        if stat.S_ISDIR(mode):
+            known[path] = resolved
+        return resolved
+
+    return real
 
 
 def glob_paths(
