@@ -165,6 +165,36 @@ async def test_write_file_creates_parents_and_records_stamp(ctx: ToolContext, ro
     assert not again.is_error and f.read_text() == "v2"
 
 
+@pytest.mark.parametrize("tool", ["write_file", "edit_file"])
+async def test_a_write_waiting_on_the_disk_leaves_the_event_loop_free(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch, tool: str
+) -> None:
+    # The fsync ran on the pod's event loop: a 30 MB write_file and edit_file stalled every
+    # client of the pod (status too) 0.6 s on a quiet disk here, for as long as the disk takes
+    # under writeback. This fsync waits until the loop has run a callback.
+    (root / "f.txt").write_text("old\n")
+    await read(ctx, "f.txt")
+    loop_ran = threading.Event()
+    waited: list[bool] = []
+    fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        waited.append(loop_ran.wait(5))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    edit = {"old_string": "old", "new_string": "new"}
+    args = {"content": "new\n"} if tool == "write_file" else edit
+    task = asyncio.ensure_future(call(ctx, tool, path="f.txt", **args))
+    asyncio.get_running_loop().call_soon(loop_ran.set)
+    out = await task
+    assert not out.is_error, out.output
+    assert (root / "f.txt").read_text() == "new\n"
+    assert waited and all(waited)  # the file's fsync and its directory's
+    # still durable: the data and the rename are synced before the tool answers
+    assert len(waited) == 2
+
+
 async def test_write_file_requires_read_first(ctx: ToolContext, root: Path) -> None:
     f = root / "x.txt"
     f.write_text("original")
