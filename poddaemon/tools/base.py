@@ -2,6 +2,7 @@
 output capping and `execute`, the one entry point that turns any failure into a tool error."""
 
 import asyncio
+import concurrent.futures
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -271,13 +272,35 @@ class Stop:
         return self.cancelled or self.timed_out
 
 
+# The file tools' own worker threads. A read on a hung mount (NFS, FUSE) cannot be stopped, and
+# its cancelled call's thread stays: in asyncio's default executor (6 threads on 2 cores) a few
+# such calls left none for the pod's own `to_thread` (its session log's), which then waited for
+# ever. Here they can only use up these, and then a tool call is refused at once.
+TOOL_THREADS = 4
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_abandoned: set["concurrent.futures.Future[Any]"] = set()  # cancelled calls still running
+
+
 async def in_thread(fn: Callable[..., T], *args: Any, stop: Stop | None = None) -> T:
-    """`fn(*args, stop)` in a worker thread, told to stop when this call is cancelled."""
+    """`fn(*args, stop)` in a tool worker thread, told to stop when this call is cancelled;
+    ToolError when every one of them is held by a cancelled call that does not stop."""
+    global _pool
     stop = stop or Stop()
+    _abandoned.difference_update([f for f in _abandoned if f.done()])
+    if len(_abandoned) >= TOOL_THREADS:
+        raise ToolError(
+            f"earlier tool calls are still stuck in the filesystem ({len(_abandoned)} cancelled "
+            "calls whose reads have not returned: a hung mount?); try again later"
+        )
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(TOOL_THREADS, thread_name_prefix="tool")
+    work = _pool.submit(fn, *args, stop)
     try:
-        return await asyncio.to_thread(fn, *args, stop)
+        return await asyncio.wrap_future(work)
     except asyncio.CancelledError:
         stop.cancelled = True
+        if not work.cancel():  # running: it may stop soon, or never
+            _abandoned.add(work)
         raise
 
 

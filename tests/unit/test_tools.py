@@ -1,6 +1,7 @@
 """Builtin file and search tools against a real filesystem under a real Scope."""
 
 import asyncio
+import contextlib
 import os
 import shutil
 import stat
@@ -936,6 +937,43 @@ async def test_a_slow_regex_is_a_tool_error_naming_the_line(
     # Literal patterns (and others that cannot backtrack) still take the fast path.
     assert (await call(ctx, "grep", pattern="fi.e")).output == "slow.txt:1:fine"
     assert "invalid regex" in (await call(ctx, "grep", pattern="(a|")).output
+
+
+async def test_tool_calls_stuck_in_the_filesystem_never_starve_the_pods_own_threads(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A read on a hung mount (NFS, FUSE) cannot be stopped: its cancelled call left a thread of
+    # asyncio's default executor behind. As many as that executor has (6 on 2 cores) and every
+    # later `to_thread` of the pod waited for ever, its session log's among them.
+    (root / "f.txt").write_text("x\n")
+    hung = threading.Event()
+    started: asyncio.Queue[None] = asyncio.Queue()
+    loop = asyncio.get_running_loop()
+
+    def stuck_read(*args: Any) -> Any:
+        loop.call_soon_threadsafe(started.put_nowait, None)
+        hung.wait(30)
+        raise OSError("the mount came back")
+
+    monkeypatch.setattr(files_mod, "_read_lines", stuck_read)
+    refusals: list[str] = []
+    try:
+        for _ in range(min(32, (os.cpu_count() or 1) + 4) + 2):
+            task = asyncio.ensure_future(call(ctx, "read_file", path="f.txt"))
+            began = asyncio.ensure_future(started.get())
+            await asyncio.wait({task, began}, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():  # refused at once: nothing more is queued behind the stuck ones
+                began.cancel()
+                refusals.append(task.result().output)
+                continue
+            assert began.done(), "a tool call neither ran nor answered"
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 42), 5) == 42
+        assert refusals and refusals[-1].startswith("earlier tool calls are still stuck")
+    finally:
+        hung.set()
 
 
 class _HeldAtSecond:
