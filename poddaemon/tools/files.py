@@ -127,11 +127,9 @@ class ReadFile:
             raise ToolError("offset must be >= 1")
         if limit < 1:
             raise ToolError("limit must be >= 1")
-        path = ctx.check(args["path"], Access.READ)
-        shown = ctx.display(path)
         budget = ctx.limits.max_bytes(self.name) - 200
-        lines, stamp, total, more = await in_thread(
-            _read_lines, ctx, path, shown, offset, limit, budget
+        path, shown, (lines, stamp, total, more) = await in_thread(
+            _read, ctx, args["path"], offset, limit, budget
         )
         ctx.reads[path] = stamp
         if total == 0:
@@ -173,6 +171,20 @@ def _must_be_regular(st: os.stat_result, shown: str) -> None:
         if stat.S_ISDIR(st.st_mode):
             raise ToolError(f"{shown} is a directory; use list_dir")
         raise ToolError(f"{shown} is not a regular file")
+
+
+# Every file tool resolves its path (Scope.check: an lstat per component) in its worker thread,
+# not on the event loop: on a hung mount (NFS, FUSE) that lstat never returns, and the whole
+# pod froze with it, a cancel included.
+
+
+def _read(
+    ctx: ToolContext, given: str, offset: int, limit: int, budget: int, stop: Stop
+) -> tuple[str, str, tuple[list[str], FileStamp, int, bool]]:
+    """(resolved path, as shown, what `_read_lines` gives) for the model's path `given`."""
+    path = ctx.check(given, Access.READ)
+    shown = ctx.display(path)
+    return path, shown, _read_lines(ctx, path, shown, offset, limit, budget, stop)
 
 
 def _read_lines(
@@ -329,10 +341,8 @@ class WriteFile:
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
         if args["path"].endswith("/"):  # resolving drops the slash: `new/` would write `new`
             raise ToolError(f"{args['path']} names a directory; give the file's path")
-        path = ctx.check(args["path"], Access.WRITE)
-        shown = ctx.display(path)
         data = _encode(args["content"])
-        st, new = await in_thread(_write, ctx, path, shown, data)
+        path, shown, st, new = await in_thread(_write, ctx, args["path"], data)
         ctx.reads[path] = FileStamp.of(new)
         existed = st is not None
         verb = "updated" if existed else "created"
@@ -352,15 +362,18 @@ class WriteFile:
 
 
 def _write(
-    ctx: ToolContext, path: str, shown: str, data: bytes, stop: Stop
-) -> tuple[os.stat_result | None, os.stat_result]:
-    """(the file's stat before, if it existed; after) of writing `data` to `path`."""
+    ctx: ToolContext, given: str, data: bytes, stop: Stop
+) -> tuple[str, str, os.stat_result | None, os.stat_result]:
+    """(resolved path, as shown, the file's stat before if it existed, after) of writing
+    `data` to the model's path `given`."""
+    path = ctx.check(given, Access.WRITE)
+    shown = ctx.display(path)
     dfd = open_parent(ctx, path, create=True)
     try:
         st = lstat_at(dfd, os.path.basename(path), shown)
         if st is not None:
             _require_fresh(ctx, path, st, "overwriting")
-        return st, atomic_write_at(dfd, os.path.basename(path), data, st)
+        return path, shown, st, atomic_write_at(dfd, os.path.basename(path), data, st)
     finally:
         os.close(dfd)
 
@@ -384,10 +397,10 @@ class EditFile:
             raise ToolError("old_string is empty; use write_file to create a file")
         if old == new_text:
             raise ToolError("old_string and new_string are the same")
-        path = ctx.check(args["path"], Access.WRITE)
-        shown = ctx.display(path)
         replace_all: bool = args.get("replace_all", False)
-        stamp, new = await in_thread(_edit, ctx, path, shown, old, new_text, replace_all)
+        path, shown, stamp, new = await in_thread(
+            _edit, ctx, args["path"], old, new_text, replace_all
+        )
         ctx.reads[path] = stamp
         n = plural(new.replacements, "replacement")
         return ToolOutcome(output=f"edited {shown}: {n}", summary=f"edited {shown} ({n})")
@@ -399,9 +412,12 @@ class _Edit(NamedTuple):
 
 
 def _edit(
-    ctx: ToolContext, path: str, shown: str, old: str, new: str, replace_all: bool, stop: Stop
-) -> tuple[FileStamp, _Edit]:
-    """(the stamp after, the edit) of replacing `old` by `new` in the file at `path`."""
+    ctx: ToolContext, given: str, old: str, new: str, replace_all: bool, stop: Stop
+) -> tuple[str, str, FileStamp, _Edit]:
+    """(resolved path, as shown, the stamp after, the edit) of replacing `old` by `new` in the
+    file at the model's path `given`."""
+    path = ctx.check(given, Access.WRITE)
+    shown = ctx.display(path)
     name = os.path.basename(path)
     dfd = open_parent(ctx, path, create=False)
     try:
@@ -418,7 +434,7 @@ def _edit(
                 f"edit_file takes files up to {EDIT_MAX_BYTES >> 20} MiB)"
             )
         edit = _edited(raw, old, new, shown, replace_all)
-        return FileStamp.of(atomic_write_at(dfd, name, edit.encoded, st)), edit
+        return path, shown, FileStamp.of(atomic_write_at(dfd, name, edit.encoded, st)), edit
     finally:
         os.close(dfd)
 

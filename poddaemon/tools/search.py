@@ -58,14 +58,8 @@ class Glob:
         pattern: str = args["pattern"]
         if not pattern or os.path.isabs(pattern):
             raise ToolError("pattern must be a relative glob; put the directory in path")
-        base = ctx.check(args.get("path", "."), Access.READ)
-        if not os.path.isdir(base):
-            raise ToolError(f"not a directory: {ctx.display(base)}")
         stop = Stop(SEARCH_SECONDS)
-        try:
-            found = await in_thread(_glob, ctx, base, pattern, stop=stop)
-        except RecursionError:
-            raise ToolError(_too_deep(ctx, base)) from None
+        found = await in_thread(_glob, ctx, args.get("path", "."), pattern, stop=stop)
         late = _out_of_time_note(stop)
         if not found:
             return ToolOutcome(
@@ -98,11 +92,29 @@ def _out_of_time_note(stop: Stop) -> str:
     return f"\n[stopped after {SEARCH_SECONDS:g} s with what was found so far; narrow the path]"
 
 
-def _glob(ctx: ToolContext, base: str, pattern: str, stop: Stop) -> list[tuple[int, str]]:
-    """(mtime_ns, display name) of every match the scope lets the model read."""
+# glob and grep resolve their path (Scope.check: an lstat per component) in their worker
+# thread, not on the event loop: on a hung mount (NFS, FUSE) that lstat never returns, and the
+# whole pod froze with it, a cancel included.
+
+
+def _glob(ctx: ToolContext, given: str, pattern: str, stop: Stop) -> list[tuple[int, str]]:
+    """(mtime_ns, display name) of every match under the model's path `given` the scope lets
+    the model read."""
     parts = Path(pattern).parts
     if any("**" in part and part != "**" for part in parts):
         raise ToolError("invalid glob pattern: '**' can only be an entire path component")
+    base = ctx.check(given, Access.READ)
+    if not os.path.isdir(base):
+        raise ToolError(f"not a directory: {ctx.display(base)}")
+    try:
+        return _glob_in(ctx, base, parts, stop)
+    except RecursionError:
+        raise ToolError(_too_deep(ctx, base)) from None
+
+
+def _glob_in(
+    ctx: ToolContext, base: str, parts: tuple[str, ...], stop: Stop
+) -> list[tuple[int, str]]:
     wanted_vcs = {part for part in parts if part in VCS_DIRS}
 
     real = _resolver(base)
@@ -225,16 +237,13 @@ class Grep:
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
         pattern: str = args["pattern"]
         search = compile_search(pattern, bool(args.get("ignore_case")))
-        base = ctx.check(args.get("path", "."), Access.READ)
         stop = Stop(SEARCH_SECONDS)
         unread: list[str] = []  # files whose search ended at a line over SKIP_MAX_BYTES
         unreadable: list[str] = []  # files and directories the OS would not let us read
-        try:
-            matches, files, capped, long_lines = await in_thread(
-                _grep, ctx, base, search, args.get("glob"), unread, unreadable, stop=stop
-            )
-        except RecursionError:
-            raise ToolError(_too_deep(ctx, base)) from None
+        given, name_glob = args.get("path", "."), args.get("glob")
+        matches, files, capped, long_lines = await in_thread(
+            _grep_path, ctx, given, search, name_glob, unread, unreadable, stop=stop
+        )
         what = f"{plural(len(matches), 'match', 'matches')} in {plural(files, 'file')}"
         notes = []
         if capped:
@@ -336,6 +345,23 @@ def compile_search(pattern: str, ignore_case: bool) -> Search:
 
 class _TooSlow(ToolError):
     pass
+
+
+def _grep_path(
+    ctx: ToolContext,
+    given: str,
+    search: Search,
+    name_glob: str | None,
+    unread: list[str],
+    unreadable: list[str],
+    stop: Stop,
+) -> tuple[list[str], int, bool, int]:
+    """`_grep` under the model's path `given`, resolved and checked here."""
+    base = ctx.check(given, Access.READ)
+    try:
+        return _grep(ctx, base, search, name_glob, unread, unreadable, stop)
+    except RecursionError:
+        raise ToolError(_too_deep(ctx, base)) from None
 
 
 def _grep(

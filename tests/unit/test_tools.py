@@ -976,6 +976,38 @@ async def test_tool_calls_stuck_in_the_filesystem_never_starve_the_pods_own_thre
         hung.set()
 
 
+@pytest.mark.parametrize(
+    ("tool", "args"),
+    [
+        ("read_file", {"path": "d/f.txt"}),
+        ("write_file", {"path": "d/f.txt", "content": "new\n"}),
+        ("edit_file", {"path": "d/f.txt", "old_string": "x", "new_string": "y"}),
+        ("glob", {"pattern": "*.txt", "path": "d"}),
+        ("grep", {"pattern": "x", "path": "d"}),
+    ],
+)
+async def test_file_tools_resolve_their_path_off_the_event_loop(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch, tool: str, args: Any
+) -> None:
+    # The scope check resolves the path (an lstat per component) on the event loop: on a hung
+    # mount (NFS, FUSE) that lstat never returns, and the whole pod froze, a cancel included.
+    (root / "d").mkdir()
+    (root / "d" / "f.txt").write_text("x\n")
+    await read(ctx, "d/f.txt")
+    on_loop: list[str] = []
+    realpath = os.path.realpath
+
+    def recording(path: Any, *rest: Any, **kw: Any) -> Any:
+        if threading.current_thread() is threading.main_thread():
+            on_loop.append(path)
+        return realpath(path, *rest, **kw)
+
+    monkeypatch.setattr(os.path, "realpath", recording)
+    out = await call(ctx, tool, **args)
+    assert not out.is_error, out.output
+    assert on_loop == []
+
+
 class _HeldAtSecond:
     """A generator for a tool's worker thread (as a stand-in for what it iterates) that holds at
     its second item until `resume`, noting every item asked of it: a cancelled call must ask
