@@ -1060,6 +1060,24 @@ async def test_a_cancelled_read_file_stops_its_thread(
     await lines.cancel_while_held(task)
 
 
+async def test_read_file_gives_up_on_an_offset_it_cannot_reach_in_time(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Counting lines to an offset far into a huge log had no time limit (310 MB: 2.2 s; a
+    # 100 GB one: 12 minutes of the run, stopped only by a cancel).
+    (root / "big.log").write_text("y\n" * 5000)
+    monkeypatch.setattr(files_mod, "Stop", time_runs_out_after(2))
+    out = await call(ctx, "read_file", path="big.log", offset=4000)
+    assert out.is_error
+    assert out.output == (
+        "stopped after 60 s at line 3072 of big.log, short of offset 4000: the file is too "
+        "big to count its lines that far; find what you need with grep"
+    )
+    monkeypatch.setattr(files_mod, "Stop", time_runs_out_after(2))
+    out = await call(ctx, "read_file", path="big.log", offset=2, limit=3)  # time enough
+    assert out.output.startswith("     2\ty\n     3\ty\n     4\ty\n[more lines follow")
+
+
 async def test_a_file_of_one_huge_line_is_read_and_searched_in_bounded_memory(
     ctx: ToolContext, root: Path
 ) -> None:
