@@ -261,11 +261,19 @@ def open_parent(ctx: ToolContext, path: str, create: bool) -> int:
             ctx.check(parent, Access.WRITE)
             parent, name = os.path.split(parent)
             missing.append(name)
+    made = parent
     try:
         for name in reversed(missing):
+            made = os.path.join(made, name)
             ctx.check_opened(dfd, Access.WRITE, name)
-            with contextlib.suppress(FileExistsError):
+            try:
                 os.mkdir(name, dir_fd=dfd)
+            except FileExistsError:
+                pass
+            except OSError as e:  # (its name alone said nothing of where it was)
+                raise ToolError(
+                    f"cannot create directory {ctx.display(made)}: {e.strerror}"
+                ) from None
             sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
             os.close(dfd)
             dfd = sub
@@ -290,7 +298,21 @@ def lstat_at(dfd: int, name: str, shown: str) -> os.stat_result | None:
     return st
 
 
-def atomic_write_at(dfd: int, name: str, data: bytes, old: os.stat_result | None) -> os.stat_result:
+def atomic_write_at(
+    dfd: int, name: str, data: bytes, old: os.stat_result | None, shown: str
+) -> os.stat_result:
+    """Replace entry `name` (`shown`) of directory `dfd` with `data`: `_atomic_write_at`, its
+    failures a ToolError naming the file: the OS's error named our temp file, one the model never
+    named and cannot find ("Operation not permitted: .f.txt.6ec5f9fc.tmp -> f.txt")."""
+    try:
+        return _atomic_write_at(dfd, name, data, old)
+    except OSError as e:
+        raise ToolError(f"cannot write {shown}: {e.strerror or e}") from None
+
+
+def _atomic_write_at(
+    dfd: int, name: str, data: bytes, old: os.stat_result | None
+) -> os.stat_result:
     """Replace entry `name` of directory `dfd` with `data` via a temp file beside it (fsync'd),
     keeping an existing file's mode, and its owner and group as far as we may set them (root
     may: a pod of root's editing another user's file in a shared tree would otherwise hand it
@@ -383,7 +405,7 @@ def _write(
         st = lstat_at(dfd, os.path.basename(path), shown)
         if st is not None:
             _require_fresh(ctx, path, st, "overwriting")
-        return path, shown, st, atomic_write_at(dfd, os.path.basename(path), data, st)
+        return path, shown, st, atomic_write_at(dfd, os.path.basename(path), data, st, shown)
     finally:
         os.close(dfd)
 
@@ -444,7 +466,8 @@ def _edit(
                 f"edit_file takes files up to {EDIT_MAX_BYTES >> 20} MiB)"
             )
         edit = _edited(raw, old, new, shown, replace_all)
-        return path, shown, FileStamp.of(atomic_write_at(dfd, name, edit.encoded, st)), edit
+        new_st = atomic_write_at(dfd, name, edit.encoded, st, shown)
+        return path, shown, FileStamp.of(new_st), edit
     finally:
         os.close(dfd)
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -266,6 +267,36 @@ async def test_write_file_is_atomic_when_replace_fails(
     assert out.is_error and "No space left on device" in out.output
     assert f.read_text() == "precious"
     assert sorted(p.name for p in root.iterdir()) == ["keep.txt"]  # no temp file left
+
+
+async def test_a_failed_write_names_the_file_not_its_temp_file(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An immutable file or a read-only directory made the error name our temp file, one the
+    # model never named and cannot find: "Operation not permitted: .f.txt.6ec5f9fc.tmp ->
+    # f.txt"; a directory write_file could not create was named without its path ("...: new").
+    (root / "d").mkdir()
+    (root / "d" / "f.txt").write_text("a\n")
+    await read(ctx, "d/f.txt")
+    rename, mkdir = os.rename, os.mkdir
+
+    def refused(src: Any, dst: Any, **dir_fds: Any) -> None:  # as the kernel reports it
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM), src, None, dst)
+
+    def no_mkdir(name: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), name)
+
+    monkeypatch.setattr(os, "rename", refused)
+    out = await call(ctx, "write_file", path="d/f.txt", content="b\n")
+    assert out.output == "cannot write d/f.txt: Operation not permitted"
+    out = await call(ctx, "edit_file", path="d/f.txt", old_string="a", new_string="b")
+    assert out.output == "cannot write d/f.txt: Operation not permitted"
+    monkeypatch.setattr(os, "rename", rename)
+    monkeypatch.setattr(os, "mkdir", no_mkdir)
+    out = await call(ctx, "write_file", path="d/new/x.txt", content="b\n")
+    assert out.output == "cannot create directory d/new: Read-only file system"
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    assert sorted(p.name for p in (root / "d").iterdir()) == ["f.txt"]  # no temp file left
 
 
 async def test_write_file_unencodable_content_is_a_tool_error(ctx: ToolContext, root: Path) -> None:
