@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -627,6 +628,31 @@ async def test_glob_resolves_each_path_in_a_deep_tree_in_constant_time(
     out = await call(ctx, "glob", pattern="**/*.py")
     assert out.summary == f"glob **/*.py: {depth} matches"
     assert lstats < 10 * depth
+
+
+async def test_glob_holds_the_matches_it_shows_not_every_match(
+    ctx: ToolContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every match was kept (its path twice: ~600 bytes each) to be sorted at the end, for 500
+    # shown: the 60 s a glob may take found a million on a big tree, 600 MB of the pod's memory.
+    monkeypatch.setattr(search_mod, "MAX_GLOB_RESULTS", 3)
+    for d in range(20):
+        (root / f"d{d}").mkdir()
+        for f in range(250):
+            (root / f"d{d}" / f"{f:03}.txt").write_text("")
+    newest = root / "d7" / "123.txt"
+    os.utime(newest, (2**31, 2**31))
+    await call(ctx, "glob", pattern="*")  # (what a first call allocates for good)
+    tracemalloc.start()
+    try:
+        out = await call(ctx, "glob", pattern="**/*.txt")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    lines = out.output.splitlines()
+    assert lines[0] == "d7/123.txt" and len(lines) == 4
+    assert lines[-1] == "[showing 3 of 5000 matches; narrow the pattern]"
+    assert peak < 300_000, peak  # 5,000 matches kept took 3 MB
 
 
 async def test_glob_pattern_with_a_partial_double_star_is_an_error(ctx: ToolContext) -> None:
