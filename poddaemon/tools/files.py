@@ -479,6 +479,13 @@ def _edited(raw: bytes, old: str, new: str, shown: str, replace_all: bool) -> _E
         raise ToolError(f"{shown} is not UTF-8 text; cannot edit it") from None
     count = text.count(old)
     if count == 0:
+        # read_file shows lines without their \r: a model editing a CRLF file gave \n alone,
+        # and tried the same text again and again.
+        if "\n" in old and "\r\n" not in old and old.replace("\n", "\r\n") in text:
+            raise ToolError(
+                f"old_string not found in {shown}; its lines end in \\r\\n (CRLF), and "
+                "old_string's in \\n: give them as \\r\\n"
+            )
         raise ToolError(f"old_string not found in {shown}")
     if count > 1 and not replace_all:
         raise ToolError(

@@ -397,6 +397,25 @@ async def test_edit_file_not_found_and_multiple(ctx: ToolContext, root: Path) ->
     assert out.summary == "edited t.txt (3 replacements)"
 
 
+async def test_edit_file_says_when_old_string_misses_only_by_crlf_line_ends(
+    ctx: ToolContext, root: Path
+) -> None:
+    # read_file shows a CRLF file's lines without their \r, so a model gives old_string with
+    # \n alone: "old_string not found", and it tried again and again with the same text.
+    f = root / "win.txt"
+    f.write_bytes(b"one\r\ntwo\r\nthree\r\n")
+    await read(ctx, "win.txt")
+    out = await call(ctx, "edit_file", path="win.txt", old_string="one\ntwo", new_string="x")
+    assert out.is_error
+    assert out.output == (
+        "old_string not found in win.txt; its lines end in \\r\\n (CRLF), and old_string's in "
+        "\\n: give them as \\r\\n"
+    )
+    assert f.read_bytes() == b"one\r\ntwo\r\nthree\r\n"
+    out = await call(ctx, "edit_file", path="win.txt", old_string="zzz\nq", new_string="x")
+    assert out.output == "old_string not found in win.txt"
+
+
 async def test_edit_file_read_first_rules(ctx: ToolContext, root: Path) -> None:
     f = root / "t.txt"
     f.write_text("hello\n")
