@@ -136,7 +136,7 @@ class ReadFile:
         if total == 0:
             return ToolOutcome(output="(empty file)", summary=f"read {shown} (empty)")
         if not lines:
-            raise ToolError(f"offset {offset} is past the end: {shown} has {total} lines")
+            raise ToolError(f"offset {offset} is past the end: {shown} has {plural(total, 'line')}")
         body = "\n".join(f"{n:6}\t{line}" for n, line in enumerate(lines, offset))
         if more:
             body += f"\n[more lines follow; continue with offset={offset + len(lines)}]"

@@ -120,6 +120,17 @@ async def test_read_file_offset_and_limit(ctx: ToolContext, root: Path) -> None:
     assert bad.is_error and "offset" in bad.output
 
 
+async def test_read_file_offset_past_the_end_counts_lines_in_good_english(
+    ctx: ToolContext, root: Path
+) -> None:
+    (root / "one.txt").write_text("hi\n")
+    (root / "two.txt").write_text("a\nb\n")
+    out = await call(ctx, "read_file", path="one.txt", offset=5)
+    assert out.output == "offset 5 is past the end: one.txt has 1 line"  # it was "1 lines"
+    out = await call(ctx, "read_file", path="two.txt", offset=5)
+    assert out.output == "offset 5 is past the end: two.txt has 2 lines"
+
+
 async def test_read_file_refuses_binary_directory_and_missing(ctx: ToolContext, root: Path) -> None:
     (root / "b.bin").write_bytes(b"ELF\0\1\2")
     out = await call(ctx, "read_file", path="b.bin")
