@@ -242,6 +242,14 @@ def _require_fresh(ctx: ToolContext, path: str, st: os.stat_result, verb: str) -
         raise ToolError(f"file changed since it was read; read it again: {ctx.display(path)}")
 
 
+def _require_writable(dfd: int, name: str, shown: str) -> None:
+    """ToolError unless this process could open the existing file `name` for writing. The
+    write renames a temp file over it, which needs the directory writable only: a file its
+    owner had made read-only (`chmod a-w`), or another user's, was replaced all the same."""
+    if not os.access(name, os.W_OK, dir_fd=dfd, effective_ids=True):
+        raise ToolError(f"cannot write {shown}: Permission denied (this user may not write it)")
+
+
 _umask = functools.cache(current_umask)  # the pod's umask does not change while it runs
 
 
@@ -405,6 +413,7 @@ def _write(
         st = lstat_at(dfd, os.path.basename(path), shown)
         if st is not None:
             _require_fresh(ctx, path, st, "overwriting")
+            _require_writable(dfd, os.path.basename(path), shown)
         return path, shown, st, atomic_write_at(dfd, os.path.basename(path), data, st, shown)
     finally:
         os.close(dfd)
@@ -457,6 +466,7 @@ def _edit(
         if st is None:
             raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
         _require_fresh(ctx, path, st, "editing")
+        _require_writable(dfd, name, shown)
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
         with os.fdopen(fd, "rb") as f:
             raw = f.read(EDIT_MAX_BYTES + 1)  # (the file may have grown since the stat)

@@ -311,6 +311,61 @@ async def test_a_failed_write_names_the_file_not_its_temp_file(
     assert sorted(p.name for p in (root / "d").iterdir()) == ["f.txt"]  # no temp file left
 
 
+READ_ONLY_WRITES = """
+import asyncio, sys
+from tests.unit.test_tools import call, make_ctx, read
+from pathlib import Path
+
+async def main() -> None:
+    ctx = make_ctx(Path(sys.argv[1]))
+    await read(ctx, "ro.txt")
+    for tool, args in (
+        ("write_file", {"content": "new"}),
+        ("edit_file", {"old_string": "old", "new_string": "new"}),
+    ):
+        print((await call(ctx, tool, path="ro.txt", **args)).output)
+
+asyncio.run(main())
+"""
+
+
+def test_write_and_edit_leave_a_file_the_user_made_read_only_alone() -> None:
+    # The write goes through a temp file renamed over the old one, which needs the directory
+    # writable only: a file its owner had `chmod a-w` against edits was replaced (and stayed
+    # 0444), where `>`, an editor or open(2) are refused. Run as a user other than root, whom
+    # no mode refuses.
+    top = tempfile.mkdtemp(prefix="ro", dir="/tmp")
+    try:
+        os.chmod(top, 0o755)
+        (Path(top) / "ro.txt").write_text("old")
+        os.chmod(Path(top) / "ro.txt", 0o444)
+        nobody: int | None = None
+        if os.geteuid() == 0:
+            nobody = 65534
+            os.chown(top, nobody, nobody)
+            os.chown(Path(top) / "ro.txt", nobody, nobody)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        done = subprocess.run(
+            [sys.executable, "-c", READ_ONLY_WRITES, top],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            cwd="/",
+            user=nobody,
+            group=nobody,
+            extra_groups=None if nobody is None else [],
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == [
+            "cannot write ro.txt: Permission denied (this user may not write it)",
+            "cannot write ro.txt: Permission denied (this user may not write it)",
+        ]
+        assert (Path(top) / "ro.txt").read_text() == "old"
+    finally:
+        shutil.rmtree(top)
+
+
 async def test_write_file_unencodable_content_is_a_tool_error(ctx: ToolContext, root: Path) -> None:
     f = root / "keep.txt"
     f.write_text("precious")
