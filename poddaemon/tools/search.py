@@ -23,6 +23,7 @@ from poddaemon.tools.files import (
     open_regular,
     plural,
 )
+from poddaemon.tools.fsopen import open_resolved
 
 MAX_GLOB_RESULTS = 500
 MAX_GREP_MATCHES = 200
@@ -140,7 +141,7 @@ def _matches(
     def readable(path: str) -> bool:
         return ctx.scope.access(real(path)) >= Access.READ
 
-    for p in glob_paths(base, parts, readable, stop):
+    for p in glob_paths(base, parts, readable, stop, real):
         # (not pathlib's parts: it interns every name, growing the interpreter's table of them)
         rel_parts = os.path.relpath(p, base).split(os.sep)
         if any(part in VCS_DIRS and part not in wanted_vcs for part in rel_parts):
@@ -160,9 +161,11 @@ def _resolver(base: str) -> Callable[[str], str]:
     each: a path in a directory resolved before is that directory's resolution and its name,
     unless it is a symlink. realpath itself took an lstat per component, quadratic in the
     depth: 1.8 s of `**/*.py` on 2,000 directories 100 deep."""
-    known = {base: base}  # directories only: the matches may be millions
+    known = {base: base}  # directories and symlinks only: the matches may be millions
 
     def real(path: str) -> str:
+        if path in known:  # (as it was approved: a directory is listed where it was then)
+            return known[path]
         parent, name = os.path.split(path)
         resolved = known.get(parent)
         if resolved is None or name in ("", os.curdir, os.pardir):
@@ -171,8 +174,9 @@ def _resolver(base: str) -> Callable[[str], str]:
             mode = os.lstat(path).st_mode
         except OSError:
             return os.path.realpath(path)
-        if stat.S_ISLNK(mode):
-            return os.path.realpath(path)
+        if stat.S_ISLNK(mode):  # (few: each kept, as what a walk through it was approved)
+            known[path] = os.path.realpath(path)
+            return known[path]
         resolved = os.path.join(resolved, name)
         if stat.S_ISDIR(mode):
             known[path] = resolved
@@ -182,13 +186,19 @@ def _resolver(base: str) -> Callable[[str], str]:
 
 
 def glob_paths(
-    base: str, parts: tuple[str, ...], enter: Callable[[str], bool], stop: Stop
+    base: str,
+    parts: tuple[str, ...],
+    enter: Callable[[str], bool],
+    stop: Stop,
+    resolve: Callable[[str], str] = os.path.realpath,
 ) -> Iterator[str]:
     """The paths under `base` that `parts` match, as pathlib's glob finds them (a part is an
     fnmatch pattern, `*` matches dot files too; `**` is any depth of directories, this one
     included, never through a symlink), without ever walking into a directory `enter` refuses:
     pathlib followed a symlink a plain part matched, so `*/**/*.conf` with `up -> /usr` in the
-    scope walked all of /usr (showing none of it) and could not be stopped."""
+    scope walked all of /usr (showing none of it) and could not be stopped. A directory is
+    read where `resolve` put it, following no symlink: one swapped for a link to elsewhere
+    after it was resolved gives nothing (not the names of what it now leads to)."""
     # What walk(directory, i) finds depends on nothing else: each pair is walked once. Every
     # `**` tried each depth again from each depth the one before it stopped at, so `**/**/*.py`
     # on a tree 100 deep took 49 s (`**/*.py`: 1.8 s), and each `**` more was worse. A match
@@ -209,15 +219,16 @@ def glob_paths(
         part = parts[i]
         if part == "**":
             yield from walk(directory, i + 1)
-            for sub in _entries(directory, dirs_only=True):
+            for sub in _entries(resolve(directory), dirs_only=True):
                 path = os.path.join(directory, sub)
                 if enter(path):  # (a denied tree may be huge: never listed, never shown)
                     yield from walk(path, i)
             return
         last, match = i + 1 == len(parts), matchers[i]
-        for name in _entries(directory) if _MAGIC.search(part) else [part]:
+        magic = _MAGIC.search(part)
+        for name in _entries(resolve(directory)) if magic else _present(resolve(directory), part):
             path = os.path.join(directory, name)
-            if not match(name) or not os.path.lexists(path):
+            if not match(name):
                 continue
             if last or (os.path.isdir(path) and enter(path)):
                 yield from walk(path, i + 1)
@@ -229,15 +240,38 @@ _MAGIC = re.compile(r"[*?\[]")
 
 
 def _entries(directory: str, dirs_only: bool = False) -> list[str]:
-    """The names in `directory` (with `dirs_only`, of its directories that are no symlinks, as
-    `**` walks them); none when it cannot be read."""
+    """The names in the resolved `directory`, opened following no symlink (with `dirs_only`,
+    of its directories that are no symlinks, as `**` walks them); none when it cannot be
+    read, or when a symlink is met on the way there (it changed since it was resolved)."""
     try:
-        with os.scandir(directory) as it:
+        fd = open_resolved(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except (OSError, ValueError):
+        return []
+    try:
+        with os.scandir(fd) as it:
             if dirs_only:
                 return [e.name for e in it if e.is_dir(follow_symlinks=False)]
             return [e.name for e in it]
     except OSError:
         return []
+    finally:
+        os.close(fd)
+
+
+def _present(directory: str, name: str) -> list[str]:
+    """[name] if the resolved `directory`, opened following no symlink, has an entry `name`
+    (a literal part of a pattern), else []."""
+    try:
+        fd = open_resolved(directory, os.O_PATH | os.O_DIRECTORY)
+    except (OSError, ValueError):
+        return []
+    try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+        return [name]
+    except (OSError, ValueError):
+        return []
+    finally:
+        os.close(fd)
 
 
 class Grep:

@@ -740,6 +740,47 @@ async def test_glob_holds_the_matches_it_shows_not_every_match(
     assert peak < 300_000, peak  # 5,000 matches kept took 3 MB
 
 
+class SwapOnAccess:
+    """A scope that, the first time it is asked about `target`, swaps that directory for a
+    symlink to `to` (after resolving, before listing: the worst moment)."""
+
+    def __init__(self, scope: Scope, target: Path, to: Path) -> None:
+        self.scope, self.target, self.to = scope, target, to
+        self.swapped = False
+
+    @property
+    def deny(self) -> Any:
+        return self.scope.deny
+
+    def check(self, path: str, want: Access, cwd: str) -> str:
+        return self.scope.check(path, want, cwd)
+
+    def access(self, path: str) -> Access:
+        if path == str(self.target) and not self.swapped:
+            self.swapped = True
+            self.target.rename(self.target.with_name("moved"))
+            self.target.symlink_to(self.to)
+        return self.scope.access(path)
+
+
+async def test_glob_shows_no_name_from_a_directory_swapped_for_a_symlink_mid_walk(
+    root: Path, outside: Path
+) -> None:
+    # A directory resolved once stands for its whole subtree (one lstat a path, not one a
+    # component): swapped for a link to outside after that, its listing came from outside and
+    # the names there were shown as in the scope. Directories are listed by their resolved
+    # path, following no symlink.
+    (root / "a").mkdir()
+    (root / "a" / "in.txt").write_text("")
+    (outside / "sub").mkdir()
+    (outside / "sub" / "leak.txt").write_text("")
+    scope = SwapOnAccess(Scope.from_config([(str(root), "write", True)]), root / "a", outside)
+    ctx = ToolContext(scope=scope, pwd=str(root))
+    out = await call(ctx, "glob", pattern="**/*.txt")
+    assert scope.swapped
+    assert "leak" not in out.output and "secret" not in out.output, out.output
+
+
 async def test_glob_pattern_with_a_partial_double_star_is_an_error(ctx: ToolContext) -> None:
     out = await call(ctx, "glob", pattern="src/a**b")
     assert out.is_error and "'**' can only be an entire path component" in out.output
