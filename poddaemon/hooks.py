@@ -1,9 +1,10 @@
 """Command hooks (SPEC §10), Claude Code's contract, so hook scripts move between tools unchanged.
 
-A hook is `sh -c COMMAND` run through the pod's command runner (so inside the sandbox, and
+A hook is `sh -c COMMAND` run through a command runner of the pod (so inside the sandbox, and
 killed with its whole process group at its timeout or with the pod), cwd = the pod's pwd, with
 one JSON object on stdin: `{session_id, transcript_path, cwd, hook_event_name, pod, ...}` plus
-the event's fields. Exit 0: go on (stdout of SessionStart/UserPromptSubmit becomes context);
+the event's fields (the sandbox lets it read that transcript: `ToolContext.hook_runner`).
+Exit 0: go on (stdout of SessionStart/UserPromptSubmit becomes context);
 exit 2: block (stderr is the reason); any other exit or a timeout: a warning, go on. On exit 0
 a JSON object on stdout may decide instead: `{"decision": "block", "reason": ...}` or, for
 PreToolUse, `{"hookSpecificOutput": {"permissionDecision": "allow"|"deny", ...}}`.
@@ -154,7 +155,7 @@ class Hooks(Interceptor):
         *,
         pod: str,
         cwd: str,
-        runner: Callable[[], Awaitable[CommandRunner]],
+        runner: Callable[[str], Awaitable[CommandRunner]],  # given the transcript it reads
         session: Callable[[], tuple[str, str]],  # (session id, its log's path)
         record: Callable[[HookRun], None],
     ) -> None:
@@ -258,7 +259,7 @@ class Hooks(Interceptor):
         data = json.dumps(payload).encode()
         runs = []
         for hook in hooks:
-            run = await self._one(event, hook, data)
+            run = await self._one(event, hook, data, transcript)
             self.record(run)
             runs.append(run)
             # An allow does not stop the hooks after it: as in Claude Code, where every
@@ -269,11 +270,11 @@ class Hooks(Interceptor):
                 break
         return runs
 
-    async def _one(self, event: str, hook: HookConfig, data: bytes) -> HookRun:
+    async def _one(self, event: str, hook: HookConfig, data: bytes, transcript: str) -> HookRun:
         start = time.monotonic()
         try:
             code, (stdout, out_unread), (stderr, err_unread) = await _run_command(
-                await self.runner(), hook.command, self.cwd, data, hook.timeout
+                await self.runner(transcript), hook.command, self.cwd, data, hook.timeout
             )
         except Exception as exc:  # the runner could not start it
             # A guard that never ran allowed nothing: it fails closed (as a cut JSON answer

@@ -174,6 +174,7 @@ class Pod:
             sandbox_policy=services.sandbox.policy,
             granted_files=services.sandbox.files,
             policy_for_scope=self._policy_for_scope if services.sandbox.rebuild else None,
+            policy_for_hooks=self._policy_for_hooks if services.sandbox.rebuild else None,
         )
         self.hooks: Hooks | None = None
         if m.hooks.any():
@@ -183,7 +184,7 @@ class Pod:
                 m.hooks,
                 pod=self.name,
                 cwd=m.pod.pwd,
-                runner=self.tool_ctx.command_runner,
+                runner=self.tool_ctx.hook_runner,
                 session=self._session_ref,
                 record=self._record_hook,
             )
@@ -411,7 +412,16 @@ class Pod:
         if rebuild is None:
             return self.s.sandbox.policy
         self._noted_scope = scope = self.scope
-        return rebuild(scope)
+        return rebuild(scope, ())
+
+    def _policy_for_hooks(self, transcript: str) -> bytes | None:
+        """The hooks' policy: the commands' own, plus reading the session log a hook is given
+        (`transcript_path`, which Claude Code's Stop hooks read) and nothing else of the data
+        dir: the model's bash never gets it."""
+        rebuild = self.s.sandbox.rebuild
+        if rebuild is None:
+            return self.s.sandbox.policy
+        return rebuild(self.scope, (transcript,) if transcript else ())
 
     def sandbox_notes(self) -> list[str]:
         """What the sandbox does not confine, for `status`: the live scope's notes (an area
@@ -593,7 +603,10 @@ class Pod:
 
     def _session_ref(self) -> tuple[str, str]:
         """(session id, its log's path) for a hook's stdin: before the first input (a
-        SessionStart hook at start-up), the session that input will start."""
+        SessionStart hook at start-up), the session that input will start. What is staged is
+        written first: a hook reading its transcript (a Stop hook, the last answer) sees all
+        said so far (and a fork that write makes is the session it is given)."""
+        self.plog.flush()
         reserved = self.plog.reserved
         if self.machine.state.session_id or reserved is None:
             return self.machine.state.session_id, self.plog.path

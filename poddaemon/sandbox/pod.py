@@ -21,8 +21,9 @@ class PodSandbox(msgspec.Struct):
     notes: list[str] = msgspec.field(default_factory=list)  # what the kernel cannot express
     policy: bytes | None = None  # for the command runner's `apply_policy`
     tmpdir: str | None = None  # the commands' private $TMPDIR
-    # The policy again for another scope (delegation to child pods narrows the pod's own).
-    rebuild: Callable[[Scope], bytes] | None = None
+    # The policy again for another scope (delegation to child pods narrows the pod's own), and
+    # files to read besides (a hook's transcript: see `ToolContext.hook_runner`).
+    rebuild: Callable[[Scope, Sequence[str]], bytes] | None = None
     # Files the policy grants one by one (hook scripts). Landlock holds the file a runner
     # found at its start: one saved anew since (a new file renamed over it) needs a new runner.
     files: tuple[str, ...] = ()
@@ -125,7 +126,10 @@ def pod_sandbox(
         return box
     tmpdir = box.tmpdir = _make_tmpdir(_tmpdir_prefix(name))
 
-    def build(live: Scope) -> Policy:
+    def build(live: Scope, reads: Sequence[str] = ()) -> Policy:
+        # `reads`: files granted read-only by identity, deny rules aside (the session log
+        # lies in poddaemon's own data dir, which commands are never granted).
+        files = [Grant(p, FS.READ_FILE, exempt=True) for p in reads if os.path.isfile(p)]
         return build_policy(
             live,
             pwd=pwd,
@@ -133,7 +137,7 @@ def pod_sandbox(
             network=network,
             mode=mode,
             protect=protect,
-            extra=system_grants() + script_grants(scripts, live),  # links as they point now
+            extra=system_grants() + script_grants(scripts, live) + files,  # links as now
             hide=hide,
             # Areas handed to children: read-only in the runner's view (modes, times, entries:
             # what Landlock cannot take out of this pod's writable tree).
@@ -151,9 +155,10 @@ def pod_sandbox(
         )
     box.notes = [*policy.notes, *extra_notes]
 
-    def rebuild(live: Scope) -> bytes:
-        again = build(live)
-        box.notes = [*again.notes, *extra_notes]  # the live scope's: what `status` says
+    def rebuild(live: Scope, reads: Sequence[str] = ()) -> bytes:
+        again = build(live, reads)
+        if not reads:
+            box.notes = [*again.notes, *extra_notes]  # the live scope's: what `status` says
         return again.encode()
 
     box.rebuild = rebuild

@@ -96,6 +96,9 @@ class ToolContext(msgspec.Struct):
     policy_for_scope: Callable[[], bytes | None] | None = None
     # the deny targets by identity: moved or hard-linked elsewhere, still denied (denied.py)
     denied: DeniedObjects = msgspec.field(default_factory=DeniedObjects)
+    # The hooks' policy (`hook_runner`) for the transcript a hook is given (None: hooks run in
+    # the commands' runner, as when there is no sandbox).
+    policy_for_hooks: Callable[[str], bytes | None] | None = None
     # files the policy grants by name (hook scripts): a runner's grant holds the file there at
     # its start, so one saved anew since (renamed over) is run by a new runner
     granted_files: tuple[str, ...] = ()
@@ -110,6 +113,10 @@ class ToolContext(msgspec.Struct):
     # build: a file replaced meanwhile is seen at the next command.
     _policy_files: tuple[tuple[int, int] | None, ...] | None = None
     _retired: "list[CommandRunner]" = msgspec.field(default_factory=list)
+    _hook_runner: "CommandRunner | None" = None
+    # What the hooks' runner was built for: (transcript, identities of it and granted_files).
+    _hook_key: tuple[str, tuple[tuple[int, int] | None, ...]] | None = None
+    _hook_runner_stale: bool = False  # the scope changed since it started
     _closing: "set[asyncio.Task[None]]" = msgspec.field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -130,12 +137,14 @@ class ToolContext(msgspec.Struct):
             self._policy_files = _identities(self.granted_files)
             self.sandbox_policy = self.policy_for_scope()
             self._runner_stale = True
+            self._hook_runner_stale = True
 
     async def command_runner(self) -> "CommandRunner":
         """The helper process that starts this pod's commands, started at first use (and again
         if it died, or when the scope it was confined to changed). Called for every command
-        (bash, hooks): what the deny targets are just before one runs is recorded, so a target
-        made or replaced since, renamed by the command, stays denied to the file tools."""
+        (bash; hooks through `hook_runner`): what the deny targets are just before one runs is
+        recorded, so a target made or replaced since, renamed by the command, stays denied to
+        the file tools."""
         self._note_denies()
         async with self._runner_lock:
             files = _identities(self.granted_files)
@@ -157,14 +166,43 @@ class ToolContext(msgspec.Struct):
                     for old in list(self._retired):
                         await old.aclose()
                 self._runner_stale = False
-                from poddaemon.tools.runner_client import CommandRunner, clean_env
-
                 if self._runner is not None:
                     await self._runner.aclose()
-                env = clean_env(os.environ, self.env_passthrough, self.env_hidden)
-                self._runner = await CommandRunner.start(env, self.sandbox_policy)
-                self.runner_notes = self._runner.notes
+                self._runner = await self._start_runner(self.sandbox_policy)
             return self._runner
+
+    async def _start_runner(self, policy: bytes | None) -> "CommandRunner":
+        from poddaemon.tools.runner_client import CommandRunner, clean_env
+
+        env = clean_env(os.environ, self.env_passthrough, self.env_hidden)
+        runner = await CommandRunner.start(env, policy)
+        self.runner_notes = runner.notes
+        return runner
+
+    async def hook_runner(self, transcript: str) -> "CommandRunner":
+        """The runner hooks run in: the commands' sandbox plus reading `transcript`, the session
+        log a hook is given (Claude Code's `transcript_path`), which the pod's own commands
+        (bash) never get. Not the directory of sessions: other pods' logs stay unreadable. A
+        runner of its own, started anew for another transcript (a new session: compaction, a
+        fork), another file at its name or a granted one's, or a new scope."""
+        if self.policy_for_hooks is None:
+            return await self.command_runner()
+        self._note_denies()
+        async with self._runner_lock:
+            key = (transcript, _identities((transcript, *self.granted_files)))
+            old, stale = self._hook_runner, self._hook_runner_stale
+            if old is not None and old.alive and key == self._hook_key and not stale:
+                return old
+            self._hook_runner = None
+            if stale:  # none may keep the wider access: retired ones too
+                for runner in [*self._retired, *([old] if old is not None else [])]:
+                    await runner.aclose()
+            elif old is not None:
+                self._retire(old)  # its hooks finish reading the transcript they were given
+            self._hook_runner_stale = False
+            self._hook_key = key
+            self._hook_runner = await self._start_runner(self.policy_for_hooks(transcript))
+            return self._hook_runner
 
     def _retire(self, runner: "CommandRunner") -> None:
         """Close `runner` once the commands it runs are done."""
@@ -186,9 +224,10 @@ class ToolContext(msgspec.Struct):
         """Stop the command runner, if any: every command still running is killed."""
         async with self._runner_lock:
             runners, self._retired = self._retired, []
-            if self._runner is not None:
-                runners.append(self._runner)
-                self._runner = None
+            for runner in (self._runner, self._hook_runner):
+                if runner is not None:
+                    runners.append(runner)
+            self._runner = self._hook_runner = None
             for runner in runners:
                 await runner.aclose()
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from poddaemon.sandbox import available
 from protocol.errors import RpcError
 from tests.conftest import Env, PodProcess, collect_run, drained, wait_until
 from tests.integration.test_durability import check_restored
@@ -810,3 +811,58 @@ def test_tool_hooks_get_claude_codes_tool_use_id(env: Env) -> None:
         assert c.run_wait("list").outcome == "finished"
     (call,) = tool_results(pod)
     assert seen.read_text().split() == [call["call_id"], call["call_id"]]
+
+
+LAST_WORDS = """
+import json, sys
+event = json.load(sys.stdin)
+last = ""
+with open(event["transcript_path"]) as log:
+    for line in log:
+        entry = json.loads(line)
+        if entry["kind"] == "assistant" and entry["item"]["text"]:
+            last = entry["item"]["text"]
+with open(sys.argv[1], "a") as out:
+    out.write(json.dumps([event["session_id"], last]) + "\\n")
+"""
+
+
+# A jq-free shell hook: the transcript's size (`wc` fails if it cannot open it: exit 1).
+PROBE = """p=$(sed 's/.*"transcript_path": "\\([^"]*\\)".*/\\1/'); wc -c "$p" >&2"""
+
+
+@pytest.mark.skipif(available() == 0, reason="this kernel has no Landlock")
+def test_a_stop_hook_reads_its_transcript_and_the_pods_bash_still_cannot(env: Env) -> None:
+    """Claude Code's Stop hooks read `transcript_path` (the last assistant message). The hook
+    ran confined to the pod's scope, which never grants the session logs: it could not open
+    it (exit 1, a warning). Only the hooks get it, read-only, and after a compaction the new
+    session's: the model's bash still cannot read any."""
+    seen = env.work / "seen.jsonl"
+    env.model.script({"text": "the last words"})
+    stop = hooks_toml("Stop", f"{script(env, 'last.py', LAST_WORDS)} {seen}")
+    probe = hooks_toml("PostToolUse", PROBE)
+    pod = env.start("reader", tools=["bash"], extra=stop + probe)
+    with pod.client() as c:
+        assert c.run_wait("talk").outcome == "finished"
+        session = pod.call("status")["session_id"]
+        assert json.loads(seen.read_text()) == [session, "the last words"]
+        transcript = env.home / "data" / "sessions" / f"{session}.jsonl"
+        env.model.script(
+            {"tool_calls": [{"name": "bash", "arguments": {"command": f"cat {transcript}"}}]},
+            {"text": "more words"},
+        )
+        assert c.run_wait("read your log").outcome == "finished"
+    (result,) = tool_results(pod)
+    assert "Permission denied" in result["output"] and "session_start" not in result["output"]
+    runs = [(r["event"], r["decision"], r.get("reason")) for r in hook_runs(pod)]
+    assert runs == [("Stop", "ok", None), ("PostToolUse", "ok", None), ("Stop", "ok", None)], runs
+    assert json.loads(seen.read_text().splitlines()[1]) == [session, "more words"]
+    assert transcript.read_text().count("session_start") == 1  # not written to
+    # Compaction moves the pod to a new session (a new file): its hooks read that one.
+    assert env.podctl("compact", "reader").returncode == 0
+    env.model.script({"text": "compacted words"})
+    with pod.client() as c:
+        assert c.run_wait("go on").outcome == "finished"
+    now = pod.call("status")["session_id"]
+    assert now != session
+    assert json.loads(seen.read_text().splitlines()[-1]) == [now, "compacted words"]

@@ -384,3 +384,36 @@ async def test_a_command_not_started_yet_has_no_group_to_kill(
     assert killed == []
     CommandRunner._kill_group(Command(id=2, pid=4242, exited=loop.create_future()))
     assert killed == [4242]
+
+
+async def test_hooks_get_a_runner_of_their_own_per_transcript_and_scope(tmp_path: Path) -> None:
+    """Hooks read their transcript (the session log), which the pod's commands may not: their
+    runner is another than bash's, kept while the transcript is the same file, replaced for a
+    new session's (the old one goes once idle) and closed at once when the scope changes."""
+    built: list[str] = []
+
+    def policy_for_hooks(transcript: str) -> bytes | None:
+        built.append(transcript)
+        return None
+
+    ctx = _hooked_context(tmp_path)
+    ctx.policy_for_hooks = policy_for_hooks
+    first, second = tmp_path / "s1.jsonl", tmp_path / "s2.jsonl"
+    first.write_text("")
+    try:
+        hooks = await ctx.hook_runner(str(first))
+        assert hooks is not await ctx.command_runner()
+        assert await ctx.hook_runner(str(first)) is hooks and built == [str(first)]
+        after = await ctx.hook_runner(str(second))  # compaction: another session
+        assert after is not hooks and built == [str(first), str(second)]
+        end = time.monotonic() + 10
+        while hooks.alive and time.monotonic() < end:  # retired: gone once idle
+            await asyncio.sleep(0.01)
+        assert not hooks.alive
+        second.write_text("")  # its file made since: granted anew
+        made = await ctx.hook_runner(str(second))
+        assert made is not after
+        ctx.scope_changed()
+        assert await ctx.hook_runner(str(second)) is not made and not made.alive
+    finally:
+        await ctx.aclose()
