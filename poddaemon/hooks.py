@@ -81,6 +81,8 @@ NO_REASON = "no reason given"  # a block whose hook said nothing (the caller nam
 
 
 GUARDS = ("PreToolUse", "UserPromptSubmit")  # the events whose "block" stops an action
+# Events whose "block" (exit 2) stops nothing: Claude Code "shows stderr to user only".
+ADVISORY = ("SessionStart", "Notification", "SubagentStop", "PreCompact")
 
 
 def judge(

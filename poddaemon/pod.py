@@ -613,7 +613,11 @@ class Pod:
         return reserved.session_id, str(reserved.path)
 
     def _record_hook(self, run: "HookRun") -> None:
-        if run.decision == "warning":
+        from poddaemon.hooks import ADVISORY
+
+        # A block where nothing can be blocked is a message for the user (Claude Code shows
+        # its stderr): recorded alone, no one saw it.
+        if run.decision == "warning" or (run.decision == "block" and run.event in ADVISORY):
             self.alert("warning", f"{run.event} hook `{run.command}`: {run.reason}", "hook")
         effects = self.machine.hook_ran(
             run.event, run.command, run.exit, run.duration, run.decision, run.reason

@@ -866,3 +866,18 @@ def test_a_stop_hook_reads_its_transcript_and_the_pods_bash_still_cannot(env: En
     now = pod.call("status")["session_id"]
     assert now != session
     assert json.loads(seen.read_text().splitlines()[-1]) == [now, "compacted words"]
+
+
+def test_exit_2_of_a_hook_that_cannot_block_tells_the_user_its_stderr(env: Env) -> None:
+    """Claude Code's contract: exit 2 of a Notification (SessionStart, PreCompact) hook blocks
+    nothing and "shows stderr to user only". It was recorded as a block no one acted on, and
+    no one saw it: an alert says it now, as for any other failing hook."""
+    hook = "echo 'the pager is down' >&2; exit 2"
+    env.model.script({"text": "ok"})
+    pod = env.start("paged", extra=hooks_toml("Notification", hook))
+    with pod.client() as watcher, pod.client() as c:
+        watcher.subscribe()
+        c.notify("disk at 91%", source="monitor")
+        alert = next(e for e in watcher.events() if e.type == "alert")
+    assert alert.data["source"] == "hook" and "the pager is down" in alert.data["message"]
+    assert "Notification hook" in alert.data["message"]
