@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
@@ -108,7 +109,9 @@ def _judge(
     if code == 2:
         return "block", stderr.strip() or NO_REASON, ""
     if code != 0:
-        return "warning", f"exit {code}: {stderr.strip()[:500]}", ""
+        said = stderr.strip()[:500]
+        what = f"exit {code}" if code > 0 else f"killed by signal {-code} ({_signal_name(-code)})"
+        return "warning", f"{what}: {said}" if said else what, ""
     if stdout_cut and stdout.lstrip().startswith("{"):
         # A JSON answer cut short cannot be read, and it may have been a block: a guard fails
         # closed (read as "go on", a block over 1 MiB let the tool run), any other a warning.
@@ -148,6 +151,13 @@ def _judge(
         return "block", str(reason), ""
     context = specific.get("additionalContext", "") if isinstance(specific, dict) else ""
     return ("allow" if permission == "allow" else "ok"), "", str(context or "")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
 
 
 class Hooks(Interceptor):

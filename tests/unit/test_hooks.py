@@ -133,3 +133,14 @@ def test_a_guard_that_rewrites_the_input_blocks_as_the_input_cannot_be_rewritten
     assert decision == "block" and "updatedInput" in reason and reason.endswith("not run")
     deny = {"hookSpecificOutput": {"permissionDecision": "deny", "updatedInput": {}}}
     assert judge("PreToolUse", 0, json.dumps(deny), "")[0] == "block"
+
+
+def test_a_hook_killed_by_a_signal_says_which() -> None:
+    """A returncode below 0 is a signal: "exit -9: " told the user neither that the hook was
+    killed nor by what (the OOM killer's SIGKILL, a SIGSEGV)."""
+    assert judge("PreToolUse", -9, "", "") == ("warning", "killed by signal 9 (SIGKILL)", "")
+    assert judge("Stop", -11, "", "core\n") == (
+        "warning",
+        "killed by signal 11 (SIGSEGV): core",
+        "",
+    )
