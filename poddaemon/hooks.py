@@ -30,13 +30,14 @@ import msgspec
 
 from poddaemon.config.manifest import HookConfig, HooksSection
 from poddaemon.history import ToolCall
-from poddaemon.interceptors import Deny, Interceptor
+from poddaemon.interceptors import Deny, Interceptor, Refuse
+from poddaemon.llm.types import ModelRequest
 from poddaemon.tools.base import ToolOutcome
 from poddaemon.tools.runner_client import CommandRunner
 
 Decision = Literal[
     "ok", "block", "allow", "warning", "stop"
-]  # stop: a Stop hook's "continue": false
+]  # stop: "continue": false (a Stop hook's: the run ends now; a tool hook's: it is stopped)
 OUTPUT_LIMIT = 1 << 20  # bytes kept of a hook's stdout and of its stderr
 # Characters of a hook's context or reason that reach the model (as Claude Code's 10,000): a
 # context is sent again with every later request, a reason is a tool result or an RPC error.
@@ -82,6 +83,7 @@ NO_REASON = "no reason given"  # a block whose hook said nothing (the caller nam
 
 
 GUARDS = ("PreToolUse", "UserPromptSubmit")  # the events whose "block" stops an action
+HALTS = ("Stop", "SubagentStop", "PreToolUse", "PostToolUse")  # "continue": false ends the run
 # Events whose "block" (exit 2) stops nothing: Claude Code "shows stderr to user only".
 ADVISORY = ("SessionStart", "Notification", "SubagentStop", "PreCompact")
 
@@ -142,9 +144,10 @@ def _judge(
         # replaced. As with "ask": not run, and the model is told why.
         why = "the hook rewrites the call's input (updatedInput), which a pod cannot do"
         return "block", f"{why}: not run", ""
-    if out.get("continue") is False and event in ("Stop", "SubagentStop"):
+    if out.get("continue") is False and event in HALTS:
         # Claude Code: stop now, over any "block". Read as a block it kept the run going,
-        # the opposite of what the hook asked (and again each round, to max_turns).
+        # the opposite of what the hook asked (and again each round, to max_turns); a tool
+        # hook's refused one call, and the model worked on.
         return "stop", str(out.get("stopReason") or ""), ""
     if out.get("decision") == "block" or out.get("continue") is False:
         reason = out.get("reason") or out.get("stopReason") or NO_REASON
@@ -178,6 +181,7 @@ class Hooks(Interceptor):
         self.session = session
         self.record = record
         self._kept_going: set[str] = set()  # runs a Stop hook kept going (stop_hook_active)
+        self._halted: dict[str, str] = {}  # runs a tool hook stopped ("continue": false): why
 
     # --- the interceptor -------------------------------------------------------------------------
 
@@ -189,10 +193,25 @@ class Hooks(Interceptor):
             "tool_input": _decoded(call.arguments),
             "tool_use_id": call.id,
         }
+        if run_id in self._halted:  # a call after the one a hook stopped the run at
+            return Deny(f"not run: {self._halted[run_id]}")
         for run in await self.run("PreToolUse", fields, tool=call.name):
+            if run.decision == "stop":
+                return Deny(f"not run: {self._halt(run_id, run)}")
             if run.decision == "block":
                 return Deny(f"blocked by a PreToolUse hook: {run.reason}")
         return None
+
+    def _halt(self, run_id: str, run: "HookRun") -> str:
+        """Claude Code's "continue": false from a tool hook: the run ends before its next
+        model call (`before_request`). Returns why, as the run's error will say."""
+        why = f"stopped by a {run.event} hook: {run.reason or 'continue: false'}"
+        self._halted.setdefault(run_id, why)
+        return self._halted[run_id]
+
+    async def before_request(self, run_id: str, request: ModelRequest) -> ModelRequest | Refuse:
+        why = self._halted.pop(run_id, None)
+        return request if why is None else Refuse(why, outcome="cancelled")
 
     async def after_tool(self, run_id: str, call: ToolCall, outcome: ToolOutcome) -> ToolOutcome:
         fields = {
@@ -204,6 +223,9 @@ class Hooks(Interceptor):
         for run in await self.run("PostToolUse", fields, tool=call.name):
             # The tool already ran: the model is told why a hook blocks, or what it adds
             # (Claude Code's additionalContext: "lint: 2 warnings in the file just written").
+            if run.decision == "stop":
+                outcome.output += f"\n[PostToolUse hook] {self._halt(run_id, run)}"
+                continue
             said = run.reason if run.decision == "block" else run.context
             if said:
                 outcome.output += f"\n[PostToolUse hook] {said}"
@@ -227,6 +249,7 @@ class Hooks(Interceptor):
         end whatever the hooks say. A finished run had its say in `stop`."""
         kept_going = run_id in self._kept_going  # (a run a Stop hook kept going may run out)
         self._kept_going.discard(run_id)
+        self._halted.pop(run_id, None)  # (it ended before its next model call: a cancel)
         if outcome != "finished":
             fields = {"stop_hook_active": kept_going, "run_id": run_id, "outcome": outcome}
             await self.run("Stop", fields)
@@ -278,7 +301,7 @@ class Hooks(Interceptor):
             # matching hook runs and a deny beats an allow, one guard cannot wave a call
             # past another's block. A Stop hook's block does not either: a later one may
             # say "continue": false, which beats it.
-            if run.decision == "block" and event != "Stop":
+            if run.decision in ("block", "stop") and event != "Stop":
                 break
         return runs
 

@@ -7,6 +7,7 @@ Budget is the first user; compaction and hooks plug in here the same way.
 """
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import msgspec
 
@@ -16,9 +17,10 @@ from poddaemon.tools.base import ToolOutcome
 
 
 class Refuse(msgspec.Struct, frozen=True):
-    """Do not make this model call; the run ends `limit_reached` with `reason`."""
+    """Do not make this model call; the run ends `outcome` with `reason`."""
 
     reason: str
+    outcome: Literal["limit_reached", "cancelled"] = "limit_reached"
 
 
 class Deny(msgspec.Struct, frozen=True):
@@ -30,7 +32,7 @@ class Deny(msgspec.Struct, frozen=True):
 class Interceptor:
     """Base class: every hook passes through unchanged. Override what you need."""
 
-    async def before_request(self, request: ModelRequest) -> ModelRequest | Refuse:
+    async def before_request(self, run_id: str, request: ModelRequest) -> ModelRequest | Refuse:
         return request
 
     async def before_tool(self, run_id: str, call: ToolCall) -> Deny | None:
@@ -52,9 +54,9 @@ class Chain:
     def __init__(self, interceptors: Sequence[Interceptor] = ()) -> None:
         self.interceptors = list(interceptors)
 
-    async def before_request(self, request: ModelRequest) -> ModelRequest | Refuse:
+    async def before_request(self, run_id: str, request: ModelRequest) -> ModelRequest | Refuse:
         for i in self.interceptors:
-            verdict = await i.before_request(request)
+            verdict = await i.before_request(run_id, request)
             if isinstance(verdict, Refuse):
                 return verdict
             request = verdict
@@ -87,6 +89,6 @@ class Budget(Interceptor):
     def __init__(self, exhausted: Callable[[], str | None]) -> None:
         self.exhausted = exhausted  # the reason the budget is spent, or None
 
-    async def before_request(self, request: ModelRequest) -> ModelRequest | Refuse:
+    async def before_request(self, run_id: str, request: ModelRequest) -> ModelRequest | Refuse:
         reason = self.exhausted()
         return Refuse(reason) if reason else request

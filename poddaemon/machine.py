@@ -49,7 +49,7 @@ from poddaemon.session import (
 )
 from poddaemon.tools.base import args_preview
 from poddaemon.turn import CallModel as _CallStep
-from poddaemon.turn import CheckStop, Finished, Turn, interrupted_results
+from poddaemon.turn import CheckStop, Finished, Outcome, Turn, interrupted_results
 from protocol import errors
 from protocol.errors import RpcError
 from protocol.types import (
@@ -709,12 +709,13 @@ class Machine:
 
         return self._handle(go)
 
-    def model_refused(self, reason: str) -> list[Effect]:
-        """An interceptor refused the call before it was made (the budget is spent)."""
+    def model_refused(self, reason: str, outcome: Outcome = "limit_reached") -> list[Effect]:
+        """An interceptor refused the call before it was made (the budget is spent, a hook
+        stopped the run)."""
 
         def go() -> None:
             turn = self._expect("model")
-            self._commit_all(turn.model_refused(reason))
+            self._commit_all(turn.model_refused(reason, outcome))
             self._advance()
 
         return self._handle(go)

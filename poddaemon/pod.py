@@ -453,9 +453,9 @@ class Pod:
                 max_tokens=self.m.worker.max_tokens,
                 temperature=self.m.worker.temperature,
             )
-            verdict = await self.chain.before_request(request)
+            verdict = await self.chain.before_request(call.run_id, request)
             if isinstance(verdict, Refuse):
-                effects = self.machine.model_refused(verdict.reason)
+                effects = self.machine.model_refused(verdict.reason, verdict.outcome)
             else:
                 response = await self._stream(verdict, call.run_id, streamed)
                 effects = self.machine.model_returned(response)

@@ -258,10 +258,11 @@ class Turn(msgspec.Struct):
         self._expect(_State.AWAIT_MODEL)
         self._state = _State.NEED_MODEL
 
-    def model_refused(self, reason: str) -> list[Entry]:
-        """An interceptor refused the call before it was made (the budget is spent)."""
+    def model_refused(self, reason: str, outcome: Outcome = "limit_reached") -> list[Entry]:
+        """An interceptor refused the call before it was made (the budget is spent, a hook
+        stopped the run)."""
         self._expect(_State.AWAIT_MODEL)
-        self._finish("limit_reached", reason)
+        self._finish(outcome, reason)
         return []
 
     @property

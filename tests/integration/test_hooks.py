@@ -881,3 +881,27 @@ def test_exit_2_of_a_hook_that_cannot_block_tells_the_user_its_stderr(env: Env) 
         alert = next(e for e in watcher.events() if e.type == "alert")
     assert alert.data["source"] == "hook" and "the pager is down" in alert.data["message"]
     assert "Notification hook" in alert.data["message"]
+
+
+@pytest.mark.parametrize("event", ["PreToolUse", "PostToolUse"])
+def test_continue_false_from_a_tool_hook_stops_the_run(env: Env, event: str) -> None:
+    """Claude Code's `"continue": false` stops the agent, unlike a block, which only refuses
+    the call. Read as a block, the model was told the reason and went on working (other
+    tools, other calls) against the hook's word."""
+    halt = json.dumps({"continue": False, "stopReason": "too many edits: stop"})
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]},
+        {"text": "never asked"},
+    )
+    extra = hooks_toml(event, f"echo {shlex.quote(halt)}", matcher="list_dir")
+    pod = env.start("halted", tools=["list_dir"], extra=extra)
+    with pod.client() as c:
+        result = c.run_wait("work")
+    assert result.outcome == "cancelled", result
+    assert f"stopped by a {event} hook: too many edits: stop" in str(result.error)
+    assert len(env.model.requests) == 1
+    (tool,) = tool_results(pod)
+    assert tool["is_error"] == (event == "PreToolUse")  # a PreToolUse halt runs no call
+    with pod.client() as c:  # the next run is not stopped too
+        env.model.script({"text": "fine"})
+        assert c.run_wait("again").outcome == "finished"

@@ -117,7 +117,7 @@ def test_continue_false_ends_a_run_a_stop_hook_would_otherwise_keep_going() -> N
     read as a block, which keeps the run going: the opposite."""
     stop = {"continue": False, "stopReason": "budget spent", "decision": "block", "reason": "r"}
     assert judge("Stop", 0, json.dumps(stop), "") == ("stop", "budget spent", "")
-    assert judge("PreToolUse", 0, json.dumps(stop), "")[0] == "block"  # the call: not run
+    assert judge("PreToolUse", 0, json.dumps(stop), "")[0] == "stop"  # not run, the run ends
 
 
 def test_a_guard_that_rewrites_the_input_blocks_as_the_input_cannot_be_rewritten() -> None:
