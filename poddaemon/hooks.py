@@ -53,6 +53,7 @@ class HookRun(msgspec.Struct, frozen=True):
     reason: str = ""  # why it blocked, or what went wrong
     context: str = ""  # what it adds to the model's context (SessionStart, UserPromptSubmit,
     # PostToolUse)
+    message: str = ""  # what it tells the user (Claude Code's systemMessage): an alert
 
 
 _NAMES = re.compile(r"[\w|-]+", re.ASCII)  # a matcher of plain names: "write_file|bash"
@@ -68,6 +69,19 @@ def matches(hook: HookConfig, tool: str | None) -> bool:
     if _NAMES.fullmatch(matcher):
         return tool in matcher.split("|")
     return re.search(matcher, tool) is not None
+
+
+def system_message(stdout: str) -> str:
+    """Claude Code's `systemMessage` of a JSON answer ("a warning shown to the user", any
+    event), at most TEXT_LIMIT; "" if none. Parsed only where the field is named."""
+    if '"systemMessage"' not in stdout or not stdout.lstrip().startswith("{"):
+        return ""
+    try:
+        out = json.loads(stdout)
+    except (ValueError, RecursionError):
+        return ""
+    said = out.get("systemMessage") if isinstance(out, dict) else None
+    return capped(str(said)) if said else ""
 
 
 def capped(text: str, unread: int = 0) -> str:
@@ -320,8 +334,9 @@ class Hooks(Interceptor):
         decision, reason, context = judge(
             event, code, stdout, stderr, out_unread + err_unread, stdout_cut=out_unread > 0
         )
+        message = system_message(stdout) if code == 0 and not out_unread else ""
         return HookRun(
-            event, hook.command, code, time.monotonic() - start, decision, reason, context
+            event, hook.command, code, time.monotonic() - start, decision, reason, context, message
         )
 
 

@@ -619,6 +619,8 @@ class Pod:
         # its stderr): recorded alone, no one saw it.
         if run.decision == "warning" or (run.decision == "block" and run.event in ADVISORY):
             self.alert("warning", f"{run.event} hook `{run.command}`: {run.reason}", "hook")
+        if run.message:
+            self.alert("warning", f"{run.event} hook `{run.command}`: {run.message}", "hook")
         effects = self.machine.hook_ran(
             run.event, run.command, run.exit, run.duration, run.decision, run.reason
         )

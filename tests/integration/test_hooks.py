@@ -905,3 +905,17 @@ def test_continue_false_from_a_tool_hook_stops_the_run(env: Env, event: str) -> 
     with pod.client() as c:  # the next run is not stopped too
         env.model.script({"text": "fine"})
         assert c.run_wait("again").outcome == "finished"
+
+
+def test_a_hooks_system_message_reaches_the_user(env: Env) -> None:
+    """Claude Code's common JSON field `systemMessage` is "a warning message shown to the
+    user", on any event; a pod dropped it: now it is an alert (the model never sees it)."""
+    said = json.dumps({"systemMessage": "the linter is slow today"})
+    env.model.script({"text": "ok"})
+    pod = env.start("told", extra=hooks_toml("UserPromptSubmit", f"echo {shlex.quote(said)}"))
+    with pod.client() as watcher, pod.client() as c:
+        watcher.subscribe()
+        assert c.run_wait("go").outcome == "finished"
+        alert = next(e for e in watcher.events() if e.type == "alert")
+    assert alert.data["source"] == "hook" and "the linter is slow today" in alert.data["message"]
+    assert "the linter is slow today" not in str(env.model.requests[0]["body"])
