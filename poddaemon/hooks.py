@@ -355,7 +355,10 @@ async def _run_command(
     try:
         os.write(feed, stdin)
         os.lseek(feed, 0, os.SEEK_SET)
-        cmd = await runner.spawn(["/bin/sh", "-c", command], cwd, out_w, stdio=(feed, err_w))
+        # Claude Code's CLAUDE_PROJECT_DIR: its documented way to name a project's hook script
+        # ("$CLAUDE_PROJECT_DIR"/.claude/hooks/guard.sh); the pod's pwd is its project.
+        env = {"CLAUDE_PROJECT_DIR": cwd}
+        cmd = await runner.spawn(["/bin/sh", "-c", command], cwd, out_w, (feed, err_w), env)
     except BaseException:
         os.close(out_r)
         os.close(err_r)

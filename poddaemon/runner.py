@@ -17,8 +17,9 @@ the standard library (fast, ~12 MB) and the caller's cwd can never shadow a modu
 
 Messages, pod -> runner: `{"op": "init", "policy": str | null}` first (a sandbox policy the
 runner applies to itself before any command starts: `poddaemon.sandbox.apply_policy`, imported
-only when a policy is given); `{"op": "start", "id", "argv", "cwd", "fds"?}` + one fd (stdout
-and stderr) or three (stdin, stdout, stderr: `"fds": 3`);
+only when a policy is given); `{"op": "start", "id", "argv", "cwd", "fds"?, "env"?}` + one fd
+(stdout and stderr) or three (stdin, stdout, stderr: `"fds": 3`), `env` variables for that
+command only;
 `{"op": "kill", "id"}`: kill the command's process group, its whole process tree and the orphans
 it left, then forget it. Runner -> pod: `ready {pid, sandbox, notes}` (notes: what the sandbox
 could not do here, for `podctl status`) | `fatal {error}`, `started {id,
@@ -168,12 +169,15 @@ class Runner:
     def handle(self, msg: dict[str, Any]) -> None:
         op = msg.get("op")
         if op == "start":
-            self.start(msg["id"], msg["argv"], msg["cwd"], msg.get("fds", 1))
+            self.start(msg["id"], msg["argv"], msg["cwd"], msg.get("fds", 1), msg.get("env"))
         elif op == "kill":
             self.kill(msg["id"])
 
-    def start(self, cid: int, argv: list[str], cwd: str, nfds: int = 1) -> None:
-        # One fd: stdout and stderr merged (bash). Three: stdin, stdout, stderr (hooks).
+    def start(
+        self, cid: int, argv: list[str], cwd: str, nfds: int = 1, env: dict[str, str] | None = None
+    ) -> None:
+        # One fd: stdout and stderr merged (bash). Three: stdin, stdout, stderr (hooks). `env`:
+        # variables for this command only (a hook's CLAUDE_PROJECT_DIR).
         fds = [self.fds.pop(0) if self.fds else -1 for _ in range(nfds)]
         stdin, out, err = (subprocess.DEVNULL, fds[0], subprocess.STDOUT) if nfds == 1 else fds
         try:
@@ -182,7 +186,7 @@ class Runner:
             proc = subprocess.Popen(
                 argv,
                 cwd=cwd,
-                env={**os.environ, ENV_TAG: str(cid)},
+                env={**os.environ, **(env or {}), ENV_TAG: str(cid)},
                 stdin=stdin,
                 stdout=out,
                 stderr=err,

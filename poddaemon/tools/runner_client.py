@@ -141,11 +141,17 @@ class CommandRunner:
     # --- commands ------------------------------------------------------------------------------
 
     async def spawn(
-        self, argv: list[str], cwd: str, output_fd: int, stdio: tuple[int, int] | None = None
+        self,
+        argv: list[str],
+        cwd: str,
+        output_fd: int,
+        stdio: tuple[int, int] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> Command:
         """Start `argv` in its own session in `cwd`, stdout and stderr to `output_fd` (the
         caller keeps and closes its own copy) or, with `stdio` = (stdin, stderr), stdin from
-        and stderr to those. Raises RunnerError if it could not start."""
+        and stderr to those; `env`: variables for it besides the runner's. Raises RunnerError
+        if it could not start."""
         self._next_id += 1
         cid = self._next_id
         reply = self._expect("started", cid)
@@ -156,6 +162,8 @@ class CommandRunner:
         self._commands[cid] = command
         try:
             msg: dict[str, Any] = {"op": "start", "id": cid, "argv": argv, "cwd": cwd}
+            if env:
+                msg["env"] = dict(env)
             fds = [output_fd]
             if stdio is not None:
                 msg["fds"] = 3

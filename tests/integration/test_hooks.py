@@ -919,3 +919,25 @@ def test_a_hooks_system_message_reaches_the_user(env: Env) -> None:
         alert = next(e for e in watcher.events() if e.type == "alert")
     assert alert.data["source"] == "hook" and "the linter is slow today" in alert.data["message"]
     assert "the linter is slow today" not in str(env.model.requests[0]["body"])
+
+
+def test_a_hook_command_finds_its_script_through_claude_project_dir(env: Env) -> None:
+    """Claude Code gives hook commands CLAUDE_PROJECT_DIR, and its documented way to name a
+    project's hook script is `"$CLAUDE_PROJECT_DIR"/.claude/hooks/guard.sh`. Unset here, the
+    command ran `/.claude/hooks/guard.sh`: not found (exit 127, a warning), and the call it
+    guards went ahead."""
+    hooks = env.work / ".claude" / "hooks"
+    hooks.mkdir(parents=True)
+    (hooks / "guard.sh").write_text(SH_GUARD)
+    (hooks / "guard.sh").chmod(0o755)
+    env.model.script(
+        {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]},
+        {"text": "done"},
+    )
+    guard = '"$CLAUDE_PROJECT_DIR"/.claude/hooks/guard.sh'
+    pod = env.start("ported", tools=["write_file"], extra=hooks_toml("PreToolUse", guard))
+    with pod.client() as c:
+        assert c.run_wait("write").outcome == "finished"
+    assert not (env.work / "x.txt").exists()
+    (result,) = tool_results(pod)
+    assert result["is_error"] and "guarded: no writes here" in result["output"]
