@@ -22,6 +22,7 @@ from poddaemon.overrides import split_override
 from protocol import paths
 
 from .manifest import (
+    _INTERPRETER,
     LOADER_FIELDS,
     FieldError,
     HookConfig,
@@ -487,6 +488,29 @@ def _absolute(path: str) -> str:
     return os.path.normpath(os.path.join(head, *parts[last:]))
 
 
+_PROJECT = r"\$(?:CLAUDE_PROJECT_DIR\b|\{CLAUDE_PROJECT_DIR\})"
+_PLAIN = r"/[^\s\"'$`\\;|&<>()]*"  # the rest of a path up to what the shell would read
+# Claude Code's way to name a project's hook script, as its docs write it or near:
+# "$CLAUDE_PROJECT_DIR"/x, "$CLAUDE_PROJECT_DIR/x", $CLAUDE_PROJECT_DIR/x, with ${...} too.
+_PROJECT_SCRIPT = re.compile(
+    rf'\s*(?:"{_PROJECT}"(?P<a>{_PLAIN})|"{_PROJECT}(?P<b>/[^"$`\\]*)"|{_PROJECT}(?P<c>{_PLAIN}))'
+    r"(?=\s|$)"
+)
+
+
+def _project_script(command: str, pwd: str) -> str:
+    """`command` with a script named through CLAUDE_PROJECT_DIR named by its path under
+    `pwd` (the pod's project), so it is checked at start-up and granted like any script, and
+    a child pod (another pwd) runs its spawner's file, not one under its own pwd."""
+    interpreter = _INTERPRETER.match(command)
+    found = _PROJECT_SCRIPT.match(command, interpreter.end() if interpreter else 0)
+    if found is None:
+        return command
+    rest = found["a"] or found["b"] or found["c"] or ""
+    start = found.end() - len(found.group(0).lstrip())
+    return command[:start] + shlex.quote(pwd + rest) + command[found.end() :]
+
+
 def _resolve_paths(m: Manifest, path: Path) -> Manifest:
     """Make every path absolute: pwd from the manifest's directory, the rest from pwd."""
 
@@ -502,6 +526,7 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
     def hook(h: HookConfig) -> HookConfig:
         # A script named by path runs from anywhere: a child pod (another pwd) runs it too,
         # and the sandbox grants that one file (SPEC §10: a child keeps its spawner's hooks).
+        h = msgspec.structs.replace(h, command=_project_script(h.command, pwd))
         found = h.script_word()
         if found is None or found.path.startswith("/"):
             return h

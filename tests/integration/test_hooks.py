@@ -429,6 +429,7 @@ def test_a_guard_link_repointed_before_its_first_use_guards(env: Env) -> None:
         ("./missing.sh", "does not exist"),
         ("./plain.sh --x", "is not executable"),
         ("python3 hooks/gone.py", "does not exist"),
+        ('"$CLAUDE_PROJECT_DIR"/.claude/hooks/gone.sh', "does not exist"),  # Claude Code's way
     ],
 )
 def test_a_hook_script_that_cannot_run_is_a_startup_error(

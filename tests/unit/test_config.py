@@ -883,3 +883,26 @@ def test_values_that_are_not_utf8_are_refused_naming_the_field() -> None:
         load_manifest(manifest, defaults_path=Path("none.toml"))
     assert str(info.value).startswith("d\udce9/m.toml: pod.pwd: '")
     assert str(info.value).endswith("/d\\udce9' is not UTF-8 text (byte 0xe9)")
+
+
+@pytest.mark.parametrize(
+    ("written", "rest"),
+    [
+        ('\\"$CLAUDE_PROJECT_DIR\\"/.claude/hooks/guard.sh --x', " --x"),
+        ('\\"$CLAUDE_PROJECT_DIR/.claude/hooks/guard.sh\\"', ""),
+        ("${CLAUDE_PROJECT_DIR}/.claude/hooks/guard.sh", ""),
+        ('python3 \\"$CLAUDE_PROJECT_DIR\\"/.claude/hooks/guard.sh', ""),
+    ],
+)
+def test_a_hook_script_named_through_claude_project_dir_is_a_script(
+    tmp_path: Path, written: str, rest: str
+) -> None:
+    """Claude Code's documented `"$CLAUDE_PROJECT_DIR"/.claude/hooks/guard.sh`: the pod's
+    pwd is the project. Left to the shell, the script was never checked at start-up (missing:
+    exit 127 at each call, a warning, the guarded call went ahead) nor granted, and a child,
+    whose pwd is another, ran `<its pwd>/.claude/hooks/guard.sh`: its spawner's guard lost."""
+    hooks = f'[[hooks.PreToolUse]]\ncommand = "{written}"\n'
+    m = load_manifest(write(MINIMAL.replace("[pod]\n", '[pod]\npwd = "ws"\n', 1) + hooks))
+    (hook,) = m.hooks.PreToolUse
+    assert hook.script() == f"{tmp_path}/ws/.claude/hooks/guard.sh"
+    assert hook.command.endswith(f"{tmp_path}/ws/.claude/hooks/guard.sh{rest}")
