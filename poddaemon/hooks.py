@@ -335,6 +335,8 @@ class Hooks(Interceptor):
             event, code, stdout, stderr, out_unread + err_unread, stdout_cut=out_unread > 0
         )
         message = system_message(stdout) if code == 0 and not out_unread else ""
+        if decision == "stop" and event in ("Stop", "SubagentStop") and reason and not message:
+            message = reason  # Claude Code shows stopReason to the user; the run just ends
         return HookRun(
             event, hook.command, code, time.monotonic() - start, decision, reason, context, message
         )

@@ -942,3 +942,17 @@ def test_a_hook_command_finds_its_script_through_claude_project_dir(env: Env) ->
     assert not (env.work / "x.txt").exists()
     (result,) = tool_results(pod)
     assert result["is_error"] and "guarded: no writes here" in result["output"]
+
+
+def test_a_stop_hooks_stop_reason_reaches_the_user(env: Env) -> None:
+    """Claude Code's stopReason is "shown to the user when continue is false". A Stop hook's
+    ends the run `finished`: the reason was only in the log, and nobody was told why the
+    run stopped there."""
+    stop = json.dumps({"continue": False, "stopReason": "out of time"})
+    env.model.script({"text": "first answer"})
+    pod = env.start("stopsaid", extra=hooks_toml("Stop", f"echo {shlex.quote(stop)}"))
+    with pod.client() as watcher, pod.client() as c:
+        watcher.subscribe()
+        assert c.run_wait("work").outcome == "finished"
+        alert = next(e for e in watcher.events() if e.type == "alert")
+    assert alert.data["source"] == "hook" and "out of time" in alert.data["message"]
