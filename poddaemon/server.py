@@ -76,6 +76,9 @@ CLOSE_FLUSH = 1.0
 MAX_BATCH_ITEMS = 100_000
 # Methods that change nothing: a batch may leave their replies out past its bound.
 _READ_ONLY = frozenset({"history", "status", "usage"})
+# A UTF-8 byte order mark: what an editor saving "UTF-8 with BOM" puts before a request file's
+# first line. RFC 8259 (8.1) lets a parser ignore it; the pod does, at the start of any line.
+_BOM = b"\xef\xbb\xbf"
 _ID_VALUE = re.compile(rb'\s*:\s*(-?\d{1,18}|"[^"\\\x00-\x1f]{0,200}")\s*[,}]')
 
 
@@ -420,6 +423,10 @@ class Connection(asyncio.Protocol):
         self.transport.write(frame + b"\n")
 
     def _handle_line(self, line: bytes) -> None:
+        if line.startswith(_BOM):
+            line = line[len(_BOM) :]
+            if not line.strip():
+                return  # a blank first line: skipped like any other
         try:
             msg = _envelope_decoder.decode(line)
         except msgspec.ValidationError as exc:

@@ -474,6 +474,35 @@ def test_any_json_number_is_an_id_and_is_echoed(env: Env) -> None:
     sock.close()
 
 
+@pytest.mark.skipif(shutil.which("socat") is None, reason="socat is not installed")
+@pytest.mark.parametrize("first_line", [b"", b"\r\n"], ids=["request", "blank"])
+def test_a_request_file_saved_with_a_bom_and_crlf_is_answered(
+    env: Env, tmp_path: Path, first_line: bytes
+) -> None:
+    """A request file an editor saved as "UTF-8 with BOM" and CRLF line ends, sent with
+    `socat - UNIX-CONNECT:$sock < req.json`: RFC 8259 lets a parser ignore the byte order mark,
+    as the pod ignores the CR. It was a -32700 "invalid character (byte 0)" naming nothing."""
+    pod = env.start()
+    request = tmp_path / "req.json"
+    request.write_bytes(
+        b"\xef\xbb\xbf"
+        + first_line
+        + b'{"jsonrpc":"2.0","id":1,"method":"status"}\r\n'
+        + b'{"jsonrpc":"2.0","id":2,"method":"usage"}\r\n'
+    )
+    with request.open("rb") as stdin:
+        proc = subprocess.run(
+            ["socat", "-t", "30", "-", f"UNIX-CONNECT:{pod.socket}"],
+            stdin=stdin,
+            capture_output=True,
+            timeout=60,
+        )
+    assert proc.returncode == 0, proc.stderr
+    answers = replies(proc.stdout)
+    assert [a["id"] for a in answers] == [1, 2], answers
+    assert answers[0]["result"]["state"] == "idle" and "totals" in answers[1]["result"], answers
+
+
 @pytest.mark.parametrize(
     ("method", "params", "field"),
     [
