@@ -124,16 +124,43 @@ def connection_lost(target: str, when: str = "") -> NoReturn:
     from protocol import oneshot
     from protocol.errors import ConnectionClosed, PodNotRunning
 
+    gone = f"pod '{target}' is not running: it went away {when or 'while podctl was connected'}"
     try:
         oneshot.call(target, "status", timeout=2.0)
-    except (PodNotRunning, ConnectionClosed):  # (a dying pod may still accept, then drop us)
+    except PodNotRunning:
+        fail(gone, EXIT_NOT_RUNNING)
+    except ConnectionClosed:  # (a dying pod may still accept, then drop us)
+        pid = _live_pid(target)
+        if pid is None:
+            fail(gone, EXIT_NOT_RUNNING)
+        # It runs, and takes connections only to drop them.
         fail(
-            f"pod '{target}' is not running: it went away {when or 'while podctl was connected'}",
-            EXIT_NOT_RUNNING,
+            f"pod '{target}' (pid {pid}) runs but dropped the connection without answering: "
+            "it may be at its open-file limit (clients that keep connections open)"
         )
     except Exception:  # it is there, in no state to answer: all we know is that it closed
         pass
     fail(f"pod '{target}' closed the connection")
+
+
+def _live_pid(target: str) -> int | None:
+    """The pid of pod `target` (a name) when the registry has it alive, serving the socket
+    podctl used: a pod out of descriptors drops every connection the moment it accepts it."""
+    import time
+
+    from poddaemon.registry import Registry, RegistryError
+    from protocol import paths
+
+    if "/" in target:
+        return None
+    time.sleep(0.2)  # a pod that dropped us as it exits is gone by then
+    try:
+        entry = Registry(paths.runtime_dir()).get(target)
+    except (OSError, RegistryError):
+        return None
+    if entry is None or entry.socket != str(paths.socket_path(target)):
+        return None
+    return entry.pid
 
 
 def check_stdout() -> None:

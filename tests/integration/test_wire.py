@@ -975,6 +975,45 @@ def test_a_burst_of_clients_waits_in_the_backlog_of_a_pod_that_is_busy(env: Env)
         sock.close()
 
 
+def test_a_pod_out_of_descriptors_is_not_said_to_be_not_running(env: Env) -> None:
+    """Clients that leak connections use up a pod's open-file limit: it accepts each newcomer
+    and drops it at once (it has no descriptor to serve it with). podctl said the pod "is not
+    running: it went away" with exit 3, the status of a pod to start again; it runs, and
+    answers again once the connections go."""
+    import resource
+
+    pod = env.start("crowded")
+    pid = pod.proc.pid
+    with pod.client() as c:  # settled: its SDK imported, its model connection open
+        assert c.run_wait("warm up").outcome == "finished"
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (64, 64))
+    hogs: list[socket.socket] = []
+
+    def full() -> bool:
+        """One more connection is dropped unanswered: the pod has no descriptor left."""
+        sock = socket.socket(socket.AF_UNIX)
+        sock.settimeout(0.5)
+        sock.connect(pod.socket)
+        hogs.append(sock)
+        with contextlib.suppress(TimeoutError):
+            return sock.recv(1) == b""
+        return False
+
+    try:
+        for _ in range(80):  # more than 64 descriptors' worth, at once
+            hogs.append(socket.socket(socket.AF_UNIX))
+            hogs[-1].connect(pod.socket)
+        wait_until(full, what="the pod at its open-file limit")
+        proc = env.podctl("status", "crowded")
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert f"pod 'crowded' (pid {pid}) runs but dropped the connection" in proc.stderr
+        assert "open-file limit" in proc.stderr and len(proc.stderr.splitlines()) == 1
+    finally:
+        for sock in hogs:
+            sock.close()
+    wait_until(lambda: env.podctl("status", "crowded").returncode == 0)
+
+
 def test_a_socket_with_no_peer_is_a_failed_connection_not_another_users(tmp_path: Path) -> None:
     """An asyncio connect that meets a full backlog (EAGAIN) looks done, with no peer behind
     it: SO_PEERCRED then says pid 0, uid -1, and the client refused the pod's socket as
