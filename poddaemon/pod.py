@@ -75,6 +75,9 @@ from protocol.errors import RpcError
 
 log = logging.getLogger("poddaemon.pod")
 
+# Naming a session in the registry, again after a failure (a stuck lock, no descriptor free).
+NAMING_RETRY_INITIAL, NAMING_RETRY_MAX = 0.2, 5.0  # seconds
+
 if TYPE_CHECKING:  # imported when the manifest has hooks (~3 ms of start-up otherwise)
     from poddaemon.hooks import HookRun, Hooks
 
@@ -221,6 +224,7 @@ class Pod:
         self._session_to_name: str | None = None
         self._naming: asyncio.Task[None] | None = None
         self._after_naming: list[tuple[asyncio.Future[Any] | Pending, Any]] = []
+        self._naming_failed = False  # the registry refused: replies no longer wait for it
 
     @property
     def pod_state(self) -> str:
@@ -356,6 +360,7 @@ class Pod:
         return self._session_named or self.s.entry.session
 
     async def _name_session(self) -> None:
+        delay = NAMING_RETRY_INITIAL
         try:
             while (session_id := self._session_to_name) != self._session_named:
                 try:
@@ -363,13 +368,29 @@ class Pod:
                         self.s.registry.update, self.name, self.s.entry.pid, session=session_id
                     )
                 except Exception as exc:  # the claim watcher stops a pod whose entry is gone
-                    log.warning("cannot name session %s in the registry: %s", session_id, exc)
+                    # The replies go (their entries are durable), and the registry is asked
+                    # again until it names the session: it is what refuses a second pod asked
+                    # to restore this session while we hold it.
+                    if delay == NAMING_RETRY_INITIAL:
+                        log.warning(
+                            "cannot name session %s in the registry (retrying): %s", session_id, exc
+                        )
+                    self._naming_failed = True
+                    self._release_after_naming()
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, NAMING_RETRY_MAX)
+                    continue
                 self._session_named = session_id
+                delay = NAMING_RETRY_INITIAL
         finally:
             self._naming = None
-            waiting, self._after_naming = self._after_naming, []
-            for reply, result in waiting:
-                self._answer_durable(reply, result)
+            self._naming_failed = False
+            self._release_after_naming()
+
+    def _release_after_naming(self) -> None:
+        waiting, self._after_naming = self._after_naming, []
+        for reply, result in waiting:
+            self._answer_durable(reply, result)
 
     def _fail(self, message: str) -> None:
         """The log cannot be written: nothing more can be acknowledged, so stop (a supervisor
@@ -388,7 +409,7 @@ class Pod:
             return
         if not durable or error is not None:
             settle(future, error if error is not None else result)
-        elif self._naming is not None:
+        elif self._naming is not None and not self._naming_failed:
             self._after_naming.append((future, result))  # see _session_moved
         else:
             self._answer_durable(future, result)
@@ -702,6 +723,8 @@ class Pod:
         for future in self._replies.values():
             settle(future, RpcError(errors.SHUTTING_DOWN, "the pod shut down"))
         self._durable.drain()
+        if self._naming is not None and self._naming_failed:
+            self._naming.cancel()  # retrying: the entry goes with us, the next pod reclaims it
         if self._background:  # Stop/Notification hooks still running: give them a moment
             await asyncio.wait(self._background, timeout=5)
         await self.tool_ctx.aclose()  # kills commands still running, reaps the runner

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from poddaemon.registry import Registry
 from protocol import PodClient, PodNotRunning
 from tests.conftest import Env, StartFailed, wait_until
 
@@ -375,6 +376,36 @@ def test_invalid_utf8_inside_a_string_is_a_parse_error(env: Env) -> None:
     first, second = (json.loads(line) for line in buf.split(b"\n")[:2])
     assert first["error"]["code"] == -32700
     assert second["result"]["name"] == "utf"
+
+
+def test_a_session_the_registry_could_not_name_is_named_once_it_can(env: Env) -> None:
+    """Someone holds pods.json's lock while a compaction starts a new session: the registry
+    cannot name it (the lock times out). The reply still comes, and the pod asks again until
+    the registry names the session, which is what refuses a second pod restoring it (the
+    failure was logged and the session marked named, so it never was)."""
+    pod = env.start("naming")
+    assert pod.call("run", input="hello", wait=True)["outcome"] == "finished"
+    registry = Registry(env.home / "run")
+    lock = env.home / "run" / "pods.json.lock"
+    holder = subprocess.Popen(
+        ["flock", str(lock), "-c", "echo held; exec sleep 60"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        session = pod.call("compact")["session_id"]  # after the first try timed out
+        assert "cannot name session" in pod.text()
+    finally:
+        os.killpg(holder.pid, signal.SIGKILL)
+        holder.wait()
+    entry = wait_until(
+        lambda: (e := registry.get("naming")) is not None and e.session == session and e,
+        timeout=20,
+        what="the new session named in the registry",
+    )
+    assert entry.pid == pod.proc.pid
 
 
 def test_a_stuck_registry_lock_does_not_hold_a_stop(env: Env) -> None:
