@@ -14,11 +14,14 @@ import asyncio
 import contextlib
 import importlib
 import math
+import os
 import random
 import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, Protocol
+
+import msgspec
 
 from poddaemon import collector
 from poddaemon.llm.sdkload import load_sdk
@@ -495,16 +498,36 @@ class RetryingClient:
         except Exception as exc:  # e.g. the SDK refused the configuration
             raise ProviderError("fatal", f"cannot create {self.sdk_module} client: {exc}") from exc
         attempts = with_retries(lambda: self._attempt(client, req), self.cfg, sleep=self._sleep)
-        async with contextlib.aclosing(
-            attempts
-        ):  # a consumer that stops early closes the HTTP stream
-            async for event in attempts:
-                yield event
+        key = os.environ.get(api_key_env_name(self.cfg), "").strip()
+        try:
+            async with contextlib.aclosing(
+                attempts
+            ):  # a consumer that stops early closes the HTTP stream
+                async for event in attempts:
+                    if isinstance(event, RetryScheduled):
+                        event = msgspec.structs.replace(event, error=redacted(event.error, key))
+                    yield event
+        except ProviderError as exc:
+            if key and key in exc.message:
+                raise ProviderError(exc.kind, redacted(exc.message, key), exc.status) from None
+            raise
 
     async def aclose(self) -> None:
         client, self._client = self._client, None
         if client is not None:
             await client.close()
+
+
+MIN_REDACTED_KEY = 8  # shorter "keys" are placeholders (a local server's "ollama"), not secrets
+
+
+def redacted(text: str, key: str) -> str:
+    """``text`` without the API key: a provider or proxy may echo it in an error ("Incorrect
+    API key provided: sk-…"), and an error reaches `podctl`, events, the session log and the
+    pod's log."""
+    if len(key) < MIN_REDACTED_KEY:
+        return text
+    return text.replace(key, "[redacted API key]")
 
 
 def sdk_timeout(sdk: Any, cfg: ProviderSettings) -> Any:

@@ -189,3 +189,29 @@ def test_calls_cut_short_count_against_the_budget(env: Env, how: str) -> None:
         c.run("again")
     assert getattr(info.value, "code", None) == -32007
     assert len(env.model.requests) == 1
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_the_api_key_never_reaches_what_the_user_sees(env: Env, kind: str) -> None:
+    """A provider (or a proxy before it) that echoes the key in its error ("Incorrect API key
+    provided: sk-…"), in a retried error or a final one: neither `podctl send`, nor the
+    `llm.retry` and `alert` events, nor the run's error carry it; the error still says what
+    the provider said."""
+    key = env.env["FAKE_API_KEY"] = "sk-test-9f3c1a7e"
+    echoed = f"Incorrect API key provided: {key}. Check your key."
+    env.model.script(
+        {"fault": {"kind": "status", "status": 503, "message": f"upstream refused {key}"}},
+        {"fault": {"kind": "status", "status": 401, "message": echoed}},
+    )
+    pod = env.start("keyed", kind=kind)
+    with pod.client() as c:
+        c.subscribe()
+        sent = env.podctl("send", "keyed", "hello")
+        events = collect_run(c)
+    assert sent.returncode == 1
+    assert "Incorrect API key provided" in sent.stderr
+    seen = sent.stdout + sent.stderr + json.dumps([e.data for e in events])
+    assert [e.type for e in events].count("llm.retry") == 1
+    assert key not in seen, seen
+    assert events[-1].data["outcome"] == "error"
+    assert key not in pod.call("history")["entries"].__repr__()
