@@ -58,8 +58,17 @@ def check_credentials(cfg: ProviderSettings, environ: Mapping[str, str] | None =
     """Raise CredentialsError unless the API key variable for ``cfg`` is set and non-empty."""
     env = os.environ if environ is None else environ
     name = api_key_env_name(cfg)
-    if not env.get(name):
+    key = env.get(name)
+    if not key:
         raise CredentialsError(f"provider.api_key_env: environment variable {name} is not set")
+    if key != key.strip() or not key.isascii() or not key.isprintable():
+        # The HTTP stack refuses such a header only at the first request ("Illegal header
+        # value b'Bearer <the key>'"), as a connection error, retried, key and all.
+        raise CredentialsError(
+            f"provider.api_key_env: environment variable {name} holds whitespace at an end "
+            "(a line break from a file?), a control or a non-ASCII character: no HTTP header "
+            "can carry it"
+        )
 
 
 def check_manifest_credentials(

@@ -215,3 +215,18 @@ def test_the_api_key_never_reaches_what_the_user_sees(env: Env, kind: str) -> No
     assert key not in seen, seen
     assert events[-1].data["outcome"] == "error"
     assert key not in pod.call("history")["entries"].__repr__()
+
+
+@pytest.mark.parametrize("value", ["sk-test-9f3c1a7e\n", "sk-test-9f3c1a7e\r", " sk-test-9f3c1a7e"])
+def test_a_key_no_http_header_can_carry_is_refused_at_start(env: Env, value: str) -> None:
+    """A key read from a file with its line break (or a CRLF .env) used to start the pod, then
+    fail every run after 4 attempts with the HTTP stack's "Illegal header value b'Bearer
+    sk-…'": retried as a connection error, and the key printed. `podctl spawn` now refuses it
+    at once, naming the variable, not the key."""
+    env.env["FAKE_API_KEY"] = value
+    path = env.manifest("badkey")
+    spawned = env.podctl("spawn", str(path))
+    assert spawned.returncode != 0
+    assert "FAKE_API_KEY" in spawned.stderr and "whitespace" in spawned.stderr
+    assert "sk-test" not in spawned.stderr + spawned.stdout
+    assert env.model.requests == []
