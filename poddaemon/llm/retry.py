@@ -257,7 +257,8 @@ def classify(exc: BaseException) -> ProviderError:
         where = f" ({url})" if url else ""
         if "APITimeoutError" in names:  # its cause is the HTTP stack's ("cancel scope ...")
             return ProviderError(
-                "transient", f"the request timed out (connect or read timeout){where}"
+                "transient",
+                f"the request timed out (provider.connect_timeout, or a read timeout){where}",
             )
         cause = _root_cause(exc) or text
         return ProviderError("transient", f"{type(exc).__name__}: {cause}{where}")
@@ -369,16 +370,23 @@ async def with_retries(
                         idle = cfg.stream_idle_timeout
                         raise ProviderError(
                             "stalled",
-                            f"provider stream stalled: no data for {idle:g}s after output started",
+                            f"provider stream stalled: no data for {idle:g}s after output started "
+                            "(provider.stream_idle_timeout)",
                         ) from None
                     if limit < cfg.first_byte_timeout and attempts == 1:
                         raise ProviderError(
                             "transient",
                             f"no output from provider within {patience:g}s (only keep-alive "
-                            "events)",
+                            "events; provider.retry_total_timeout)",
                         ) from None
+                    setting = (  # the one that bounded this wait: the user's knob
+                        "first_byte_timeout"
+                        if limit >= cfg.first_byte_timeout
+                        else "retry_total_timeout"
+                    )
                     raise ProviderError(
-                        "transient", f"no response from provider within {limit:g}s"
+                        "transient",
+                        f"no response from provider within {limit:g}s (provider.{setting})",
                     ) from None
                 except StopAsyncIteration:
                     raise ProviderError(

@@ -230,3 +230,28 @@ def test_a_key_no_http_header_can_carry_is_refused_at_start(env: Env, value: str
     assert "FAKE_API_KEY" in spawned.stderr and "whitespace" in spawned.stderr
     assert "sk-test" not in spawned.stderr + spawned.stdout
     assert env.model.requests == []
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_a_timeout_names_the_setting_that_bounds_it(env: Env, kind: str) -> None:
+    """A slow local model (one still loading, one thinking at length) hits a timeout: the
+    error says which `[provider]` setting to raise, not only "no response within 120s"."""
+    env.model.script(
+        {"fault": {"kind": "hang", "seconds": 20}},
+        {"text": "a long answer that stops coming " * 4, "delay": 20},
+    )
+    path = env.manifest(
+        "slow", kind=kind, provider_extra="first_byte_timeout = 0.5\nstream_idle_timeout = 0.5"
+    )
+    path.write_text(path.read_text().replace("max_retries = 3", "max_retries = 0"))
+    pod = PodProcess(env.popen(str(path)), "slow")
+    env.pods.append(pod)
+    pod.wait_ready()
+    with pod.client() as c:
+        silent = c.run_wait("first")
+        stalled = c.run_wait("second")
+    assert silent.outcome == "error" and stalled.outcome == "error"
+    assert "no response from provider within 0.5s" in silent.error
+    assert "provider.first_byte_timeout" in silent.error
+    assert "no data for 0.5s after output started" in stalled.error
+    assert "provider.stream_idle_timeout" in stalled.error

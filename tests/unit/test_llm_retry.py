@@ -397,7 +397,7 @@ async def test_total_timeout_bounds_a_retry_waiting_for_its_first_byte() -> None
     assert err is not None and err.kind == "transient"
     assert re.fullmatch(
         r"provider failed after 2 attempts \(retry_total_timeout 0\.2s\): "
-        r"no response from provider within 0\.\d+s",
+        r"no response from provider within 0\.\d+s \(provider\.retry_total_timeout\)",
         err.message,
     ), err.message
 
