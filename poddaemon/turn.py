@@ -235,9 +235,13 @@ class Turn(msgspec.Struct):
         cancel, or by a pause while the call only waited to retry (nothing was streamed, so
         resuming simply makes the call again). `partial`: the text it had streamed. It stays in
         the history as the model's message and is the run's text: what the client saw, and
-        what the model said before it was cut off (it reads it at the next request)."""
+        what the model said before it was cut off (it reads it at the next request); not when
+        the run pauses (a pause asked for, the call broken or stalled): resuming calls again."""
         self._expect(_State.AWAIT_MODEL)
-        paused = error is None and self._pause and not self._cancel
+        # A pause waiting for this answer is honoured when the call fails in a way that calling
+        # again can mend (resuming does): it was acknowledged, and ending `error` lost it.
+        resumable = error is None or error.kind in ("transient", "stalled", "interrupted")
+        paused = resumable and self._pause and not self._cancel
         records: list[Entry] = []
         if partial.strip() and not paused:  # (a resumed run would take it for its answer)
             self.rounds += 1

@@ -255,3 +255,27 @@ def test_a_timeout_names_the_setting_that_bounds_it(env: Env, kind: str) -> None
     assert "provider.first_byte_timeout" in silent.error
     assert "no data for 0.5s after output started" in stalled.error
     assert "provider.stream_idle_timeout" in stalled.error
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_a_pause_waiting_on_a_stream_that_then_fails_pauses_the_run(env: Env, kind: str) -> None:
+    """A pause acknowledged while the answer streams waits for it; when the stream then
+    stalls (or breaks), the run ends `paused` as asked, and `resume` makes the call again.
+    It ended `error` and the pod went idle: the pause, acknowledged, was lost."""
+    env.model.script({"text": "an answer that stops half-way " * 4, "delay": 30})
+    pod = env.start("stalled", kind=kind, provider_extra="stream_idle_timeout = 0.5")
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("go")
+        events_until(c, lambda e: e.type == "text.delta")
+        assert c.pause().paused
+        paused = collect_run(c, run.run_id)
+        assert paused[-1].data["outcome"] == "paused", paused[-1].data
+        alerts = [e.data["message"] for e in paused if e.type == "alert"]
+        assert any("stream stalled" in m for m in alerts), alerts
+        assert c.status().state == "paused"
+        assert c.resume().run_id == run.run_id
+        resumed = collect_run(c, run.run_id)
+    assert resumed[-1].data["outcome"] == "finished"
+    assert resumed[-1].data["text"] == "ok: go"
+    assert len(env.model.requests) == 2
