@@ -241,6 +241,21 @@ async def whole_body(stream: Any) -> dict[str, Any] | None:
     return body
 
 
+def ended_early(stream: Any, what: str, events: int) -> ProviderError:
+    """The error for a stream that ended before its answer: `what` it lacked. One that held
+    no event at all says what came instead: a base_url that points at a web page (a UI's
+    port, a captive portal) is answered 200 with HTML, which no event parser reads."""
+    if events:
+        return ProviderError("transient", what)
+    response = stream.response
+    ctype = response.headers.get("content-type", "").split(";", 1)[0] or "no Content-Type"
+    return ProviderError(
+        "transient",
+        f"{what}: the answer (HTTP {response.status_code}, {ctype}) held no event; "
+        "does provider.base_url point at the API?",
+    )
+
+
 def raise_error_body(body: dict[str, Any]) -> None:
     """An error object sent with 200 in place of an answer (OpenAI's `{"error": {message,
     type, code}}`, Ollama's `{"error": "..."}`, Anthropic's `{"type": "error", "error":

@@ -9,6 +9,7 @@ import msgspec
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import (
     assembled,
+    ended_early,
     field,
     int_field,
     items,
@@ -243,11 +244,13 @@ class AnthropicClient(RetryingClient):
             usage = Usage()
             stop_raw: str | None = None
             stopped = False
+            events = 0
 
             def answered() -> bool:  # message_delta brought the stop reason: the answer is whole
                 return stop_raw is not None
 
             async for event in _events(stream, answered):
+                events += 1
                 kind = field(event, "type")
                 if kind == "content_block_delta":
                     delta = field(event, "delta")
@@ -298,7 +301,7 @@ class AnthropicClient(RetryingClient):
                 else:
                     yield None
             if not stopped and stop_raw is None:  # a cut after message_delta keeps the answer
-                raise ProviderError("transient", "stream ended before message_stop")
+                raise ended_early(stream, "stream ended before message_stop", events)
             calls = tuple(
                 ToolCall(id=cid, name=name, arguments=tool_arguments("".join(parts)))
                 for _, (cid, name, parts) in sorted(tools.items())

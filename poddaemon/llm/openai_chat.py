@@ -10,6 +10,7 @@ import msgspec
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import (
     assembled,
+    ended_early,
     field,
     int_field,
     items,
@@ -234,11 +235,13 @@ class OpenAIChatClient(RetryingClient):
             tools: dict[int, _ToolAcc] = {}
             usage = Usage()
             finish: str | None = None
+            events = 0
 
             def answered() -> bool:  # its finish_reason came: the answer is whole
                 return finish is not None
 
             async for chunk in _chunks(stream, answered):
+                events += 1
                 raw_usage = field(chunk, "usage")
                 if raw_usage is not None:
                     usage = usage_from(raw_usage)
@@ -273,7 +276,7 @@ class OpenAIChatClient(RetryingClient):
                     moved = moved or finish is not None or raw_usage is not None
                     yield None if moved else KEEP_ALIVE
             if finish is None:
-                raise ProviderError("transient", "stream ended without a finish_reason")
+                raise ended_early(stream, "stream ended without a finish_reason", events)
             calls = tuple(
                 ToolCall(
                     id=acc.id or f"call_{index}",

@@ -9,6 +9,7 @@ import msgspec
 from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm import (
     assembled,
+    ended_early,
     field,
     int_field,
     items,
@@ -29,7 +30,6 @@ from poddaemon.llm.retry import (
 )
 from poddaemon.llm.types import (
     ModelRequest,
-    ProviderError,
     ReasoningDelta,
     StopReason,
     TextDelta,
@@ -208,7 +208,9 @@ class OpenAIResponsesClient(RetryingClient):
             text: list[str] = []
             reasoning: list[str] = []
             tools: dict[int, _ToolAcc] = {}  # output_index -> call
+            events = 0
             async for event in _events(stream):
+                events += 1
                 kind = field(event, "type")
                 piece = field(event, "delta")
                 if kind == "response.output_text.delta" and piece:
@@ -262,6 +264,6 @@ class OpenAIResponsesClient(RetryingClient):
                     )
                 else:
                     yield None
-            raise ProviderError("transient", "stream ended before response.completed")
+            raise ended_early(stream, "stream ended before response.completed", events)
         finally:
             await stream.close()

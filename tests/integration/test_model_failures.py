@@ -279,3 +279,18 @@ def test_a_pause_waiting_on_a_stream_that_then_fails_pauses_the_run(env: Env, ki
     assert resumed[-1].data["outcome"] == "finished"
     assert resumed[-1].data["text"] == "ok: go"
     assert len(env.model.requests) == 2
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_an_answer_that_holds_no_event_says_what_came_instead(env: Env, kind: str) -> None:
+    """A base_url that points at a web page (a UI's port, a captive portal) gets 200 and HTML:
+    the error said only "stream ended without a finish_reason". It now names what came and
+    the setting to check."""
+    page = "<html><head><title>Open WebUI</title></head><body>app</body></html>"
+    fault = {"kind": "status", "status": 200, "body": page, "content_type": "text/html"}
+    env.model.script(*[{"fault": fault}] * 4)
+    pod = env.start("webui", kind=kind)
+    with pod.client() as c:
+        failed = c.run_wait("hello")
+    assert failed.outcome == "error"
+    assert "HTTP 200, text/html" in failed.error and "provider.base_url" in failed.error
