@@ -294,3 +294,15 @@ def test_an_answer_that_holds_no_event_says_what_came_instead(env: Env, kind: st
         failed = c.run_wait("hello")
     assert failed.outcome == "error"
     assert "HTTP 200, text/html" in failed.error and "provider.base_url" in failed.error
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_an_answer_cut_at_the_output_limit_names_the_setting(env: Env, kind: str) -> None:
+    """`finish_reason: length` (max_tokens, max_output_tokens): the run ends `error` with
+    the text so far, and the error names the manifest's knob, `worker.max_tokens`."""
+    env.model.script({"text": "the first half of a long answer", "stop": "max_tokens"})
+    pod = env.start("capped", kind=kind)
+    with pod.client() as c:
+        cut = c.run_wait("go")
+    assert cut.outcome == "error" and cut.text == "the first half of a long answer"
+    assert "output limit (worker.max_tokens)" in cut.error, cut.error
