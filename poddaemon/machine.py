@@ -645,15 +645,22 @@ class Machine:
         guess = compaction.estimated_usage(self.system_prompt, self.state.history, response.message)
         return msgspec.structs.replace(response, usage=guess)
 
-    def _charge_cut_call(self, run_id: str, error: ProviderError | None, partial: str) -> None:
+    def attempt_cut(self) -> list[Effect]:
+        """An attempt of the call in flight broke after the provider began its answer, before
+        anything was shown (a tool call's arguments), and is retried: charged as a cut call."""
+
+        def go() -> None:
+            if self.turn is not None and self.in_flight == "model":
+                self._charge_cut_call(self.turn.run_id, True, "")
+
+        return self._handle(go)
+
+    def _charge_cut_call(self, run_id: str, answered: bool, partial: str) -> None:
         """A call cut short once the provider answered (a broken or stalled stream, a cancel
         mid-answer) cost its request and what it produced, yet no usage came (it comes last):
         a capped pod counts it by the bytes / 4 estimate, or a provider that keeps cutting its
         streams (or a client that keeps cancelling) would spend without limit."""
-        if self.cfg.budget_cap is None:
-            return
-        answered = bool(partial) or (error is not None and error.kind in ("interrupted", "stalled"))
-        if not answered:
+        if self.cfg.budget_cap is None or not (answered or partial):
             return
         u = compaction.estimated_usage(
             self.system_prompt, self.state.history, AssistantMessage(text=partial)
@@ -699,7 +706,10 @@ class Machine:
 
         def go() -> None:
             turn = self._expect("model")
-            self._charge_cut_call(turn.run_id, error, partial)
+            answered = error is not None and (
+                error.answered or error.kind in ("interrupted", "stalled")
+            )
+            self._charge_cut_call(turn.run_id, answered, partial)
             failure = error
             if failure is not None and failure.kind == "context_overflow" and self._compaction_on():
                 message = f"context full: {failure.message}"

@@ -515,6 +515,8 @@ class Pod:
                 elif isinstance(event, RetryScheduled):
                     data = {"attempt": event.attempt, "delay": event.delay, "error": event.error}
                     publish("llm.retry", data, run_id)
+                    if event.answered:
+                        self.feed(self.machine.attempt_cut())
                     if not retrying:
                         retrying = True
                         self.feed(self.machine.model_retrying(True))

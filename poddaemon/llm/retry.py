@@ -351,6 +351,7 @@ async def with_retries(
     while True:
         attempts += 1
         output_started = False
+        answered = False  # the provider began its answer (billed), shown or not
         last_output = 0.0  # when the answer last moved on: keep-alives do not count
         it = attempt_fn()
         try:
@@ -395,6 +396,7 @@ async def with_retries(
                 if event is KEEP_ALIVE:
                     continue
                 last_output = clock()
+                answered = True
                 if event is None:
                     continue
                 if isinstance(event, ModelResponse):
@@ -414,12 +416,14 @@ async def with_retries(
                     err.status,
                 ) from exc
             if err.kind != "transient":
+                err.answered = answered
                 _raise(err, exc)
             if attempts > cfg.max_retries:
                 raise ProviderError(
                     "transient",
                     f"provider failed after {_attempts(attempts)}: {err.message}",
                     err.status,
+                    answered=answered,
                 ) from exc
             delay = backoff_delay(
                 attempts, cfg.retry_initial_delay, cfg.retry_max_delay, retry_after_of(exc), rng
@@ -430,8 +434,11 @@ async def with_retries(
                     f"provider failed after {_attempts(attempts)} "
                     f"(retry_total_timeout {cfg.retry_total_timeout:g}s): {err.message}",
                     err.status,
+                    answered=answered,
                 ) from exc
-            yield RetryScheduled(attempt=attempts, delay=delay, error=err.message)
+            yield RetryScheduled(
+                attempt=attempts, delay=delay, error=err.message, answered=answered
+            )
             await sleep(delay)
         finally:
             await _close(it)
@@ -517,7 +524,10 @@ class RetryingClient:
                     yield event
         except ProviderError as exc:
             if key and key in exc.message:
-                raise ProviderError(exc.kind, redacted(exc.message, key), exc.status) from None
+                message = redacted(exc.message, key)
+                raise ProviderError(
+                    exc.kind, message, exc.status, answered=exc.answered
+                ) from None
             raise
 
     async def aclose(self) -> None:

@@ -39,6 +39,7 @@ class RetryScheduled(msgspec.Struct, kw_only=True, frozen=True):
     attempt: int
     delay: float
     error: str
+    answered: bool = False  # the failed attempt had begun its answer: the provider bills it
 
 
 class ModelResponse(msgspec.Struct, kw_only=True):
@@ -54,7 +55,9 @@ StreamEvent = TextDelta | ReasoningDelta | RetryScheduled | ModelResponse
 class ProviderError(Exception):
     """A model call that failed; `kind` tells the pod whether anything can be retried."""
 
-    def __init__(self, kind: ErrorKind, message: str, status: int | None = None) -> None:
+    def __init__(
+        self, kind: ErrorKind, message: str, status: int | None = None, *, answered: bool = False
+    ) -> None:
         # A provider's error body may carry a `\ud800` escape, which its JSON decoder turns into
         # a lone surrogate: no alert, event or log line could hold the message (publishing the
         # alert raised and left the run running for ever). Shown as the text `\ud800`.
@@ -63,6 +66,9 @@ class ProviderError(Exception):
         self.kind: ErrorKind = kind
         self.status = status
         self.message = message
+        # The last attempt had begun its answer (a tool call's arguments, say) before it
+        # failed: the provider bills it, though nothing reached the caller.
+        self.answered = answered
 
 
 class ModelClient(Protocol):

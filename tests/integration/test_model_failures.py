@@ -306,3 +306,29 @@ def test_an_answer_cut_at_the_output_limit_names_the_setting(env: Env, kind: str
         cut = c.run_wait("go")
     assert cut.outcome == "error" and cut.text == "the first half of a long answer"
     assert "output limit (worker.max_tokens)" in cut.error, cut.error
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_attempts_cut_mid_tool_call_count_against_the_budget(env: Env, kind: str) -> None:
+    """A stream cut while the model writes a tool call's arguments (a proxy's idle limit
+    cutting a long `write_file`) shows nothing yet, so it is retried; but the provider
+    answered and bills it. Each such attempt is counted by estimate, as a cut text answer
+    is: they were all free, and a capped pod re-sent such tasks without ever reaching its cap."""
+    call = {"name": "write_file", "arguments": {"path": "a.txt", "content": "x" * 400}}
+    env.model.script(*[{"tool_calls": [call], "fault": {"kind": "cut", "after_chunks": 2}}] * 4)
+    pod = env.start(
+        "toolcut", kind=kind, tools=["write_file"], extra="[budget]\nmax_total_tokens = 150\n"
+    )
+    task = "a task long enough to cost tokens: " + "x" * 400
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run(task)
+        events = collect_run(c, run.run_id)
+    assert [e.type for e in events].count("llm.retry") == 3
+    assert events[-1].data["outcome"] == "error"
+    assert pod.call("usage")["totals"]["calls"] == 4  # once each, not twice, not zero
+    assert pod.call("status")["budget"]["spent"] >= 400  # ~100 tokens of input each
+    with pod.client() as c, pytest.raises(Exception) as info:
+        c.run("again")
+    assert getattr(info.value, "code", None) == -32007
+    assert len(env.model.requests) == 4
