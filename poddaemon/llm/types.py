@@ -52,6 +52,10 @@ class ModelResponse(msgspec.Struct, kw_only=True):
 StreamEvent = TextDelta | ReasoningDelta | RetryScheduled | ModelResponse
 
 
+# What a run's error, an alert and the session log keep of a provider's error message.
+MAX_ERROR_CHARS = 2000
+
+
 class ProviderError(Exception):
     """A model call that failed; `kind` tells the pod whether anything can be retried."""
 
@@ -62,6 +66,8 @@ class ProviderError(Exception):
         # a lone surrogate: no alert, event or log line could hold the message (publishing the
         # alert raised and left the run running for ever). Shown as the text `\ud800`.
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        if len(message) > MAX_ERROR_CHARS:  # a provider's dump of the request, a stack trace
+            message = message[: MAX_ERROR_CHARS - 1] + "…"
         super().__init__(message)
         self.kind: ErrorKind = kind
         self.status = status

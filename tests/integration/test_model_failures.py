@@ -332,3 +332,22 @@ def test_attempts_cut_mid_tool_call_count_against_the_budget(env: Env, kind: str
         c.run("again")
     assert getattr(info.value, "code", None) == -32007
     assert len(env.model.requests) == 4
+
+
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_a_huge_error_message_is_cut_short(env: Env, kind: str) -> None:
+    """A provider (or a proxy) whose JSON error message is 200 KB (a dump of the request, a
+    stack trace): the run's error, the alert and the session log held all of it."""
+    message = "invalid request: " + "the request body was: " + "x" * 200_000
+    env.model.script({"fault": {"kind": "status", "status": 400, "message": message}})
+    pod = env.start("verbose", kind=kind)
+    with pod.client() as c:
+        c.subscribe()
+        failed = c.run_wait("go")
+        events = collect_run(c)
+    assert failed.outcome == "error"
+    assert failed.error.startswith(f"HTTP 400 from {env.model.url}")
+    assert "invalid request" in failed.error
+    assert failed.error.endswith("…") and len(failed.error) <= 2000
+    alerts = [e.data["message"] for e in events if e.type == "alert"]
+    assert alerts and all(len(m) <= 2000 for m in alerts)
