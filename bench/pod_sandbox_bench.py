@@ -74,7 +74,7 @@ async def _hook_cost(ctx: object, root: Path) -> tuple[float, float]:
 
     hooks = Hooks(
         HooksSection(PreToolUse=[HookConfig(command="true")]),
-        pod="bench", cwd=str(root), runner=ctx.command_runner,  # type: ignore[attr-defined]
+        pod="bench", cwd=str(root), runner=ctx.hook_runner,  # type: ignore[attr-defined]
         session=lambda: ("s", ""), record=lambda run: None,
     )  # fmt: skip
     call = ToolCall(id="c", name="list_dir", arguments='{"path": "."}')
