@@ -1,11 +1,13 @@
 """Issue 2: a pod process from manifest to shutdown, the registry, and the socket's robustness."""
 
+import contextlib
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -378,14 +380,9 @@ def test_invalid_utf8_inside_a_string_is_a_parse_error(env: Env) -> None:
     assert second["result"]["name"] == "utf"
 
 
-def test_a_session_the_registry_could_not_name_is_named_once_it_can(env: Env) -> None:
-    """Someone holds pods.json's lock while a compaction starts a new session: the registry
-    cannot name it (the lock times out). The reply still comes, and the pod asks again until
-    the registry names the session, which is what refuses a second pod restoring it (the
-    failure was logged and the session marked named, so it never was)."""
-    pod = env.start("naming")
-    assert pod.call("run", input="hello", wait=True)["outcome"] == "finished"
-    registry = Registry(env.home / "run")
+@contextlib.contextmanager
+def registry_lock_held(env: Env) -> Iterator[None]:
+    """Another process holds pods.json's lock (flock) and does not let go until the end."""
     lock = env.home / "run" / "pods.json.lock"
     holder = subprocess.Popen(
         ["flock", str(lock), "-c", "echo held; exec sleep 60"],
@@ -395,11 +392,23 @@ def test_a_session_the_registry_could_not_name_is_named_once_it_can(env: Env) ->
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        session = pod.call("compact")["session_id"]  # after the first try timed out
-        assert "cannot name session" in pod.text()
+        yield
     finally:
         os.killpg(holder.pid, signal.SIGKILL)
         holder.wait()
+
+
+def test_a_session_the_registry_could_not_name_is_named_once_it_can(env: Env) -> None:
+    """Someone holds pods.json's lock while a compaction starts a new session: the registry
+    cannot name it (the lock times out). The reply still comes, and the pod asks again until
+    the registry names the session, which is what refuses a second pod restoring it (the
+    failure was logged and the session marked named, so it never was)."""
+    pod = env.start("naming")
+    assert pod.call("run", input="hello", wait=True)["outcome"] == "finished"
+    registry = Registry(env.home / "run")
+    with registry_lock_held(env):
+        session = pod.call("compact")["session_id"]  # after the first try timed out
+        assert "cannot name session" in pod.text()
     entry = wait_until(
         lambda: (e := registry.get("naming")) is not None and e.session == session and e,
         timeout=20,
@@ -413,20 +422,9 @@ def test_a_stuck_registry_lock_does_not_hold_a_stop(env: Env) -> None:
     after a short wait (left stale: its process is gone, so the next transaction reclaims it),
     and `podctl stop` says it stopped (it said 'did not stop within 10 s' as the pod exited)."""
     pod = env.start("locked")
-    lock = env.home / "run" / "pods.json.lock"
-    holder = subprocess.Popen(
-        ["flock", str(lock), "-c", "echo held; exec sleep 60"],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    with registry_lock_held(env):
         stop = env.podctl("stop", "locked")
         assert (stop.returncode, stop.stdout) == (0, "stopped locked\n"), stop.stderr
         assert pod.proc.wait(5) == 0
         assert "could not release the registry entry (left stale)" in pod.text()
-    finally:
-        os.killpg(holder.pid, signal.SIGKILL)
-        holder.wait()
     assert env.start("locked").call("status")["name"] == "locked"  # the stale entry reclaimed
