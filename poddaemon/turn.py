@@ -27,7 +27,6 @@ Outcome = Literal["finished", "paused", "limit_reached", "cancelled", "error"]
 
 NOT_RUN_PAUSED = "not run: the run was paused before this tool started"
 NOT_RUN_CANCELLED = "not run: the run was cancelled"
-CUT_OFF_KNOB = "(worker.max_tokens)"  # the manifest setting a user raises
 NOT_RUN_CUT_OFF = "not run: the response hit the output limit before this call was complete"
 NOT_RUN_STOPPED = "not run: the model's response was stopped ({reason})"
 CANCELLED_WHILE_RUNNING = (
@@ -179,7 +178,8 @@ class Turn(msgspec.Struct):
         if stop == "max_tokens":
             records += self._close_calls(calls, NOT_RUN_CUT_OFF)
             records.append(self._turn_end())
-            self._finish("error", "incomplete: the response hit the output limit " + CUT_OFF_KNOB)
+            cut = "incomplete: the response hit the output limit (worker.max_tokens)"
+            self._finish("error", cut)  # (naming the manifest setting a user raises)
         elif stop in ("content_filter", "context_overflow"):
             reason = response.detail or stop.replace("_", " ")
             records += self._close_calls(calls, NOT_RUN_STOPPED.format(reason=reason))

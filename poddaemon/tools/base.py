@@ -169,15 +169,14 @@ class ToolContext(msgspec.Struct):
                 if self._runner is not None:
                     await self._runner.aclose()
                 self._runner = await self._start_runner(self.sandbox_policy)
+                self.runner_notes = self._runner.notes  # what status says of the commands'
             return self._runner
 
     async def _start_runner(self, policy: bytes | None) -> "CommandRunner":
         from poddaemon.tools.runner_client import CommandRunner, clean_env
 
         env = clean_env(os.environ, self.env_passthrough, self.env_hidden)
-        runner = await CommandRunner.start(env, policy)
-        self.runner_notes = runner.notes
-        return runner
+        return await CommandRunner.start(env, policy)
 
     async def hook_runner(self, transcript: str) -> "CommandRunner":
         """The runner hooks run in: the commands' sandbox plus reading `transcript`, the session

@@ -908,16 +908,21 @@ def test_continue_false_from_a_tool_hook_stops_the_run(env: Env, event: str) -> 
         assert c.run_wait("again").outcome == "finished"
 
 
+def first_alert_of_a_finished_run(pod: Any, text: str) -> Any:
+    """The first `alert` event a subscriber sees while a run of `text` finishes."""
+    with pod.client() as watcher, pod.client() as c:
+        watcher.subscribe()
+        assert c.run_wait(text).outcome == "finished"
+        return next(e for e in watcher.events() if e.type == "alert")
+
+
 def test_a_hooks_system_message_reaches_the_user(env: Env) -> None:
     """Claude Code's common JSON field `systemMessage` is "a warning message shown to the
     user", on any event; a pod dropped it: now it is an alert (the model never sees it)."""
     said = json.dumps({"systemMessage": "the linter is slow today"})
     env.model.script({"text": "ok"})
     pod = env.start("told", extra=hooks_toml("UserPromptSubmit", f"echo {shlex.quote(said)}"))
-    with pod.client() as watcher, pod.client() as c:
-        watcher.subscribe()
-        assert c.run_wait("go").outcome == "finished"
-        alert = next(e for e in watcher.events() if e.type == "alert")
+    alert = first_alert_of_a_finished_run(pod, "go")
     assert alert.data["source"] == "hook" and "the linter is slow today" in alert.data["message"]
     assert "the linter is slow today" not in str(env.model.requests[0]["body"])
 
@@ -951,8 +956,5 @@ def test_a_stop_hooks_stop_reason_reaches_the_user(env: Env) -> None:
     stop = json.dumps({"continue": False, "stopReason": "out of time"})
     env.model.script({"text": "first answer"})
     pod = env.start("stopsaid", extra=hooks_toml("Stop", f"echo {shlex.quote(stop)}"))
-    with pod.client() as watcher, pod.client() as c:
-        watcher.subscribe()
-        assert c.run_wait("work").outcome == "finished"
-        alert = next(e for e in watcher.events() if e.type == "alert")
+    alert = first_alert_of_a_finished_run(pod, "work")
     assert alert.data["source"] == "hook" and "out of time" in alert.data["message"]
