@@ -77,6 +77,7 @@ BASE = (
     "poddaemon.daemon",
     "poddaemon.config.load",
     "poddaemon.registry",
+    "filelock",  # the registry imports it lazily (podctl ls skips it); a pod's claim needs it
     "poddaemon.pod",
     "poddaemon.server",
     "poddaemon.handlers",
@@ -89,6 +90,7 @@ BASE = (
     "poddaemon.spawn",
     "poddaemon.outbox",
     "poddaemon.mcp",
+    "poddaemon.mcp.env",
     "poddaemon.llm.preflight",
     "uvloop",
 )
