@@ -57,16 +57,26 @@ def lines_of(
     unread: list[int] | None = None,
 ) -> Iterable[bytes]:
     """The lines of `f` (`size` bytes), each of a big file at most its first `max_bytes`."""
-    if size <= WHOLE_LINES_MAX:
-        # Read in one go, never past `size` and one byte: the file's own line iterator read on
-        # to the end of the line, and a file that grew after the stat (a log written now) was
-        # held whole, a 600 MB line as 1.8 GB of the pod's memory.
-        start = f.tell()
-        data = f.read(size + 1)
-        if len(data) <= size:
-            return io.BytesIO(data)
-        f.seek(start)  # it grew: read like any big file
+    data = read_small(f, size)
+    if data is not None:
+        return io.BytesIO(data)
     return bounded_lines(f, max_bytes, cut, unread)
+
+
+def read_small(f: BinaryIO, size: int) -> bytes | None:
+    """The rest of `f` (`size` bytes) when it is at most WHOLE_LINES_MAX, read in one go; None
+    (nothing read) for a bigger file, or one that grew since its stat (a log written now)."""
+    if size > WHOLE_LINES_MAX:
+        return None
+    # Never past `size` and one byte: the file's own line iterator read on to the end of the
+    # line, and a file that grew after the stat was held whole, a 600 MB line as 1.8 GB of the
+    # pod's memory.
+    start = f.tell()
+    data = f.read(size + 1)
+    if len(data) <= size:
+        return data
+    f.seek(start)  # it grew: read like any big file
+    return None
 
 
 def bounded_lines(
@@ -551,7 +561,18 @@ def _list(
             some = list(itertools.islice(it, most + 1))
     finally:
         os.close(fd)
-    return None if len(some) > most else (sorted(map(_shown, some)), len(some))
+    if len(some) > most:
+        return None
+    names = []
+    for entry in some:  # _shown, inlined: a call per entry showed in list_dir's time
+        try:
+            is_dir = entry.is_dir()
+        except OSError:
+            is_dir = False
+        names.append(entry.name + "/" if is_dir else entry.name)
+    if not all(map(str.isprintable, names)):
+        names = list(map(escape_controls, names))  # ("/" is printable: escaped alike)
+    return sorted(names), len(names)
 
 
 def _first_names(entries: Iterator[os.DirEntry[str]], stop: Stop) -> tuple[list[str], int]:

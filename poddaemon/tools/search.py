@@ -9,19 +9,20 @@ import os
 import re
 import stat
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from poddaemon.scope import Access, ScopeDenied
 from poddaemon.tools.base import Stop, ToolContext, ToolError, ToolOutcome, in_thread, schema
 from poddaemon.tools.files import (
     BINARY_SNIFF_BYTES,
     SKIP_MAX_BYTES,
+    bounded_lines,
     is_binary,
-    lines_of,
     open_regular,
     plural,
+    read_small,
 )
 from poddaemon.tools.fsopen import open_resolved
 
@@ -327,7 +328,7 @@ class Grep:
 
 def _name_filter(name_glob: str | None) -> Any:
     if not name_glob:
-        return lambda rel, name: True
+        return None  # every file (and no relative path to compute for each)
     g = name_glob.removeprefix("**/")
     if "/" in g:
         return lambda rel, name: fnmatch.fnmatchcase(rel, name_glob)
@@ -416,6 +417,19 @@ def _grep_path(
         raise ToolError(_too_deep(ctx, base)) from None
 
 
+def _text_lines(f: BinaryIO, size: int, cut: list[int], gave_up: list[int]) -> Iterable[str]:
+    """The lines of `f` as grep searches them: decoded, their line end stripped. A small file
+    is decoded in one go (a third of grep's time went to decoding it line by line): the same
+    text, as no invalid UTF-8 sequence can take in a newline."""
+    data = read_small(f, size)
+    if data is None:
+        lines = bounded_lines(f, GREP_LINE_BYTES, cut, gave_up)
+        return (raw.decode("utf-8", "replace").rstrip("\r\n") for raw in lines)
+    text = data.decode("utf-8", "replace")
+    split = text.removesuffix("\n").split("\n") if text else []
+    return [line.rstrip("\r") for line in split] if "\r" in text else split
+
+
 def _grep(
     ctx: ToolContext,
     base: str,
@@ -436,7 +450,7 @@ def _grep(
     for full, real, looked in _walk_files(ctx, base, unreadable, stop):
         if stop.stopped():
             break
-        if not accept(os.path.relpath(full, base), os.path.basename(full)):
+        if accept and not accept(os.path.relpath(full, base), os.path.basename(full)):
             continue
         shown = ctx.display(full)
         try:
@@ -449,11 +463,9 @@ def _grep(
                 f.seek(0)
                 hit = False
                 gave_up: list[int] = []
-                lines = lines_of(f, st.st_size, GREP_LINE_BYTES, cut, gave_up)
-                for lineno, raw in enumerate(lines, 1):
+                for lineno, line in enumerate(_text_lines(f, st.st_size, cut, gave_up), 1):
                     if stop.cancelled:
                         break
-                    line = raw.decode("utf-8", "replace").rstrip("\r\n")
                     try:
                         if not search(line):
                             continue

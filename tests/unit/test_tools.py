@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import errno
+import io
 import os
 import shutil
 import stat
@@ -17,6 +18,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from poddaemon.scope import Access, Scope
 from poddaemon.tools import (
@@ -897,6 +900,17 @@ def test_grep_says_which_files_and_directories_it_could_not_read() -> None:
         "open.txt:1:no secret here\n[could not read 2 paths, not searched: locked.txt, closed/]",
     ]
     assert named_dir == [True, f"Permission denied: {root}/closed"]
+
+
+_LINE_BYTES = [b"a", b"\n", b"\r", b"\xe2\x82", b"\xac", b"\xff", b"\xc3"]  # (UTF-8 cut, bad)
+
+
+@given(st.binary(max_size=60) | st.lists(st.sampled_from(_LINE_BYTES)).map(b"".join))
+def test_grep_decodes_a_small_file_at_once_into_the_lines_it_decoded_one_by_one(
+    data: bytes,
+) -> None:
+    by_line = [raw.decode("utf-8", "replace").rstrip("\r\n") for raw in io.BytesIO(data)]
+    assert list(search_mod._text_lines(io.BytesIO(data), len(data), [0], [])) == by_line
 
 
 async def test_grep_invalid_regex(ctx: ToolContext) -> None:
