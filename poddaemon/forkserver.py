@@ -38,6 +38,7 @@ live on.
 """
 
 import contextlib
+import errno
 import fcntl
 import functools
 import gc
@@ -70,6 +71,7 @@ MAX_REQUEST = 1 << 20
 REQUEST_TIMEOUT = 5.0  # seconds a client has to send its whole request
 IDLE_EXIT = 600.0
 CHECK_INTERVAL = 1.0  # seconds between looks at our socket file while listening
+ACCEPT_BACKOFF = 0.05  # seconds to wait after accept() ran out of descriptors or memory
 OWN = frozenset({"poddaemon", "cli", "protocol"})
 
 # Imported before the first fork: what every pod imports on its way to READY.
@@ -156,6 +158,7 @@ class Server:
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sel = selectors.DefaultSelector()
         self.waiting: dict[int, socket.socket] = {}  # pod pid -> the client awaiting its exit
+        self.accept_failing = ""  # why accept() failed last, until it succeeds again
         self.preload: list[Callable[[], object]] = []  # done one at a time while idle
         self.loaded_kinds: set[str] = set()
         self.mtimes: dict[str, int] = {}
@@ -247,7 +250,7 @@ class Server:
             for key, _ in events:
                 if key.fileobj is self.listener:
                     last = time.monotonic()
-                    self._accept()
+                    self._accept_one()
                 elif key.fileobj == self.wake_r:
                     self._reap()
                 else:  # a waiting client hung up: its pod lives on regardless
@@ -261,9 +264,33 @@ class Server:
         except OSError:
             return False
 
-    def _accept(self) -> None:
-        """Serve one request: fork its pod, or say this server is stale and stop listening."""
-        conn, _ = self.listener.accept()
+    def _accept_one(self) -> None:
+        """Serve one request. An OSError ends that request, not this server, which every spawn
+        of the user goes through (its clients exec their pods meanwhile)."""
+        try:
+            conn, _ = self.listener.accept()
+        except OSError as exc:
+            if str(exc) != self.accept_failing:  # once, not every ACCEPT_BACKOFF
+                sys.stderr.write(f"poddaemon forkserver: accept: {exc}\n")
+            self.accept_failing = str(exc)
+            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                time.sleep(ACCEPT_BACKOFF)  # the connection stays queued: no spinning on it
+            return
+        self.accept_failing = ""
+        try:
+            self._serve(conn)
+        except OSError as exc:
+            sys.stderr.write(f"poddaemon forkserver: request: {exc}\n")
+            if conn in self.waiting.values():  # its pod was forked: it lives on regardless
+                with contextlib.suppress(KeyError):
+                    self.sel.unregister(conn)
+                self.waiting = {pid: c for pid, c in self.waiting.items() if c is not conn}
+            else:  # nothing forked: the client execs its pod (a hang-up would fail its spawn)
+                self._reply(conn, {"error": f"the fork server failed: {exc}"})
+            conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """Fork the pod `conn` asks for, or say this server is stale and stop listening."""
         conn.settimeout(REQUEST_TIMEOUT)  # a client that says nothing does not stall the rest
         if not self._same_user(conn):
             return

@@ -195,6 +195,30 @@ def test_a_server_started_with_a_low_open_file_limit_does_not_hold_later_pods_to
     assert got == (max(soft, min(hard, 4096)), hard)
 
 
+def test_a_server_out_of_descriptors_fails_that_request_and_serves_on(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """accept() failing (EMFILE) ended the server, which every spawn of the user goes through:
+    that request's client now execs its pod, and the server serves the next one."""
+    spawn(env, "lone")
+    spawn(env, "one")  # starts the server
+    server = server_pid(env)
+    limits = resource.prlimit(server, resource.RLIMIT_NOFILE)
+    resource.prlimit(server, resource.RLIMIT_NOFILE, (3, limits[1]))  # no new descriptor
+    monkeypatch.setenv("PYTHONPATH", env.env["PYTHONPATH"])  # podctl's key
+    monkeypatch.setattr(forkclient, "READY_TIMEOUT", 0.5)
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        forked = forkclient.fork_pod(["poddaemon", "run", "x.toml"], (null, null, null))
+    finally:
+        os.close(null)
+        resource.prlimit(server, resource.RLIMIT_NOFILE, limits)
+    assert forked is None  # not answered: exec it
+    assert ppid(spawn(env, "two")) == server
+    log = next((env.home / "run").glob("forkserver.*.log")).read_text()
+    assert log.count("poddaemon forkserver: accept: [Errno 24] Too many open files") == 1
+
+
 def test_a_stale_server_is_replaced(env: Env) -> None:
     spawn(env, "lone")
     spawn(env, "one")
