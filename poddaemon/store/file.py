@@ -1011,5 +1011,21 @@ def session_to_resume(sessions_dir: StrPath, pod_name: str) -> ResumeChoice:
     ends = [i for i in infos if i.pod == pod_name and i.id not in continued]
     found = max(ends, key=lambda info: (info.mtime, info.id)) if ends else None
     since = found.mtime if found is not None else 0.0
-    unreadable = [i.id for i in infos if i.pod is None and i.mtime >= since]
+    # A first line naming another pod is only believed if it verifies: one damaged byte in
+    # the name made this pod's newest session another's, and `--resume` went on in the one
+    # it was compacted from, leaving what was acknowledged after the compaction behind.
+    unreadable = [
+        i.id
+        for i in infos
+        if i.mtime >= since and (i.pod is None or (i.pod != pod_name and not _intact(i.path)))
+    ]
     return ResumeChoice(found.id if found is not None else None, unreadable)
+
+
+def _intact(path: str) -> bool:
+    """Whether a log's first line verifies (its hash matches what it says)."""
+    try:
+        verify_line(_first_line(Path(path)), 1, GENESIS)
+    except (OSError, LogCorrupt):
+        return False
+    return True

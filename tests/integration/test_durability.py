@@ -612,6 +612,33 @@ def test_flipped_byte_in_the_middle_refuses_to_start(env: Env) -> None:
     assert verify.returncode != 0 and f"line {lineno}" in verify.stderr + verify.stdout
 
 
+def test_a_damaged_pod_name_in_a_compacted_sessions_first_line_refuses_resume(env: Env) -> None:
+    """One flipped byte in the pod name of the newest session's first line: that session named
+    another pod, so `--resume` took the one it was compacted from for this pod's newest and
+    went on there, silently leaving behind what was acknowledged after the compaction."""
+    pod = env.start()
+    with pod.client() as c:
+        c.run_wait("before the compaction")
+        old = c.status().session_id
+    env.model.script_when("Your context is about to be compacted", {"text": "SUMMARY"})
+    assert env.podctl("compact", "pod").returncode == 0
+    with pod.client() as c:
+        c.run_wait("acknowledged after the compaction")
+        new = c.status().session_id
+    assert pod.stop() == 0
+    path = sessions_dir(env) / f"{new}.jsonl"
+    data = path.read_bytes()
+    assert data.count(b'"pod":"pod"') == 1
+    path.write_bytes(data.replace(b'"pod":"pod"', b'"pod":"pof"'))
+    old_data = (sessions_dir(env) / f"{old}.jsonl").read_bytes()
+    with pytest.raises(StartFailed) as failed:
+        env.restart(pod, "--resume")
+    assert failed.value.code != 0
+    assert new in failed.value.stderr and old in failed.value.stderr, failed.value.stderr
+    assert "damaged" in failed.value.stderr
+    assert (sessions_dir(env) / f"{old}.jsonl").read_bytes() == old_data  # not written on
+
+
 def _stopped_after_a_run(env: Env, name: str) -> tuple[PodProcess, str]:
     """A pod stopped after one finished run, and its session's id."""
     pod = env.start(name)
