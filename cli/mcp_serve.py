@@ -75,11 +75,16 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
             return _plain(await c.status())
 
     @server.tool()
-    async def pod_history(pod: str, since: int = 0, limit: int = 50) -> dict[str, Any]:
+    async def pod_history(
+        pod: str, since: int = 0, limit: int = 50, session_id: str | None = None
+    ) -> dict[str, Any]:
         """A pod's session log entries after sequence number `since` (at most `limit`); `next`
-        is the `since` for the following page."""
+        is the `since` for the following page. A compaction continues the log in a new
+        session: `previous` names the one before, which `session_id` reads (pass the
+        `session_id` of the first page to keep paging one session)."""
+        extra = {"session_id": session_id} if session_id else {}
         async with _client(pod, timeout) as c:
-            return _plain(await c.history(since=since, limit=max(1, min(limit, 1000))))
+            return _plain(await c.history(since=since, limit=max(1, min(limit, 1000)), **extra))
 
     return server
 

@@ -195,3 +195,25 @@ async def test_a_home_others_can_write_in_is_refused_as_podctl_refuses_it(env: E
                 )
     finally:
         os.chmod(env.home, 0o700)
+
+
+async def test_pod_history_pages_the_session_a_compaction_continued(env: Env) -> None:
+    """After a compaction, `pod_history` named the `previous` session but had no way to read
+    it: the client's model lost everything before the compaction (podctl has `--session`)."""
+    from mcp import Client
+
+    pod = env.start("worker")
+    with pod.client() as c:
+        c.run_wait("said before the compaction")
+        old = c.status().session_id
+    env.model.script_when("Your context is about to be compacted", {"text": "SUMMARY"})
+    assert env.podctl("compact", "worker").returncode == 0
+    async with Client(serve(env)) as client:
+        now = result_data(await client.call_tool("pod_history", {"pod": "worker"}))
+        assert now["previous"] == old and now["session_id"] != old
+        back = await client.call_tool("pod_history", {"pod": "worker", "session_id": old})
+        assert not back.is_error, back.content[0].text
+        entries = result_data(back)["entries"]
+        assert any(e.get("text") == "said before the compaction" for e in entries)
+        other = await client.call_tool("pod_history", {"pod": "worker", "session_id": "nope"})
+        assert other.is_error and "no session nope" in other.content[0].text
