@@ -270,6 +270,13 @@ class Pod:
         """The effects that are not per request."""
         match effect:
             case Publish(type_, data, run_id):
+                # The machine's alerts and why a compaction failed reach the log (a unit's
+                # journal) too, as the executor's own alerts do: not only subscribers.
+                if type_ == "alert":
+                    level = logging.ERROR if data["level"] == "error" else logging.WARNING
+                    log.log(level, "%s", data["message"])
+                elif type_ == "compaction.failed":
+                    log.warning("compaction failed: %s", data["error"])
                 self.bus.publish(type_, data, run_id)
             case OpenSession(start):
                 self.plog.open(start)

@@ -46,7 +46,7 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
             # A refusal, or an answer stopped part way, in place of the summary: kept, it would
             # replace the whole context. The old session stays, as for any failed summary.
             reason = response.detail or response.stop.replace("_", " ")
-            pod.alert("warning", f"compaction: the summary was stopped: {reason}", "provider")
+            _alert(pod, f"compaction: the summary was stopped: {reason}")
             return machine.compaction_failed(f"the summary was stopped: {reason}")
         if response.message.tool_calls:
             # Told not to, it went on working: its text is a preamble ("Let me read the file
@@ -58,11 +58,16 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
             summary += CUT_OFF_NOTE
         return machine.compaction_returned(summary, response.usage, live_children(machine.state))
     except ProviderError as exc:
-        pod.alert("warning", f"compaction: {exc.message}", source="provider")
+        _alert(pod, f"compaction: {exc.message}")
         return machine.compaction_failed(exc.message)
     except Exception as exc:  # CancelledError is the caller's
         log.exception("compaction failed")
         return machine.compaction_failed(f"internal error: {exc}")
+
+
+def _alert(pod: "Pod", message: str) -> None:
+    """A provider's alert for subscribers; the log has it once, as the compaction's failure."""
+    pod.bus.publish("alert", {"level": "warning", "source": "provider", "message": message})
 
 
 async def _answer(

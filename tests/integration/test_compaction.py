@@ -574,3 +574,18 @@ def test_a_summary_cut_off_at_the_output_limit_is_kept_marked_partial(env: Env) 
             if event.type == "run.finished" and event.run_id == last.run_id:
                 break
     assert any("hit the output limit" in a for a in alerts), alerts
+
+
+def test_why_compaction_failed_and_went_off_is_in_the_pods_log(env: Env) -> None:
+    """An empty summary, and the breaker turning automatic compaction off, were events only:
+    unlike a provider's failure, nothing reached the pod's log (a unit's journal), so a pod
+    nobody subscribed to grew uncompacted without a word anywhere."""
+    write_data(env)
+    pod = env.start(extra=compaction_toml(1500, retained=1))
+    env.model.script_when(MARKER, {"text": ""}, {"text": ""}, {"text": ""})
+    env.model.script(*tool_replies(6))
+    with pod.client(timeout=60) as c:
+        assert c.run_wait(INPUT).outcome == "finished"
+    text = pod.text()
+    assert text.count("compaction failed: the summary was empty") == 3, text
+    assert "automatic compaction is off" in text, text
