@@ -138,7 +138,15 @@ def check_dir(path: Path, what: str = "directory") -> None:
                 f"{what} {path} is reached through the symlink {step}, owned by uid "
                 f"{lst.st_uid}, who could repoint it: refusing it"
             )
-    for parent in _ancestors(path):
+    _check_parents(path, what)
+
+
+def _check_parents(path: Path, what: str, below: Path | None = None) -> None:
+    """Raise `UnsafeDirectory` if another user could rename or swap what lies at `path`: a
+    directory above `below` (default: `path`; it need not exist) is theirs, or writable by
+    others without the sticky bit."""
+    me = os.geteuid()
+    for parent in _ancestors(path if below is None else below):
         pst = os.stat(parent)
         if pst.st_uid not in (0, me) and not _root_unmapped_here(pst.st_uid):
             raise UnsafeDirectory(
@@ -202,14 +210,36 @@ def ensure_dir(path: Path, what: str = "directory") -> Path:
     while not os.path.lexists(p):
         missing.append(p)
         p = p.parent
+    # Judged before anything is made: in another user's directory they could swap what we
+    # make for a symlink before our chmod (any file of ours would go 0700).
+    if missing:
+        _check_parents(path, what, below=missing[-1])
     for p in reversed(missing):
         try:
             os.mkdir(p, 0o700)
         except FileExistsError:
             continue  # someone made it meanwhile: check_dir judges it like any other
-        os.chmod(p, 0o700)  # mkdir's mode went through the umask
+        _chmod_dir(p)  # mkdir's mode went through the umask
     check_dir(path, what)
     return path
+
+
+def _chmod_dir(path: Path) -> None:
+    """Mode 0700 for the directory at `path`, never following a symlink found there instead
+    (what we made was swapped: check_dir then refuses it)."""
+    nofollow = os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:  # O_PATH: a umask that took our own read bit away must not stop us
+        fd = os.open(path, os.O_PATH | nofollow)
+    except OSError:
+        return
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", 0o700)  # fchmod refuses O_PATH descriptors
+    except FileNotFoundError:  # no /proc: a descriptor we can read, if we may
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | nofollow)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
 
 
 def write_private(path: Path, text: str) -> None:

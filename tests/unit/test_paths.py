@@ -195,3 +195,39 @@ def test_write_private_makes_a_file_0600_whatever_the_umask(tmp: Path) -> None:
         os.umask(mask)
     assert (mode(tmp / "new"), mode(old)) == (0o600, 0o600)
     assert old.read_text() == "after"
+
+
+@needs_root
+def test_nothing_is_made_inside_another_users_dir(tmp: Path) -> None:
+    """Found by QA: root with PODDAEMON_HOME under another user's directory made the home
+    there, chmod-ed it (following a symlink the owner had swapped in meanwhile: any file of
+    root's went 0700), and only then refused it. The parents are judged before anything is
+    made."""
+    theirs = tmp / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    home = theirs / "home" / "run"
+    with pytest.raises(UnsafeDirectory, match=f"^home directory {home} is inside {theirs}, owned"):
+        ensure_dir(home, "home directory")
+    assert os.listdir(theirs) == []
+
+
+def test_a_symlink_swapped_in_after_mkdir_is_not_chmod_ded(
+    tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other race: a name made (or swapped) between our mkdir and our chmod is never
+    followed; only the directory we made is given its mode."""
+    victim = tmp / "victim"
+    victim.write_text("")
+    os.chmod(victim, 0o644)
+    mkdir = os.mkdir
+
+    def mkdir_then_swap(path: str | os.PathLike[str], mode: int = 0o777) -> None:
+        mkdir(path, mode)
+        os.rename(path, tmp / "moved")
+        os.symlink(victim, path)
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_swap)
+    with pytest.raises(UnsafeDirectory):
+        ensure_dir(tmp / "made")
+    assert mode(victim) == 0o644
