@@ -180,7 +180,13 @@ class McpConnection:
                     self._usable.set()
                     await self._until_unusable(process)
             else:
-                conn: Any = transport(process) if process is not None else self.cfg.url
+                if process is not None:
+                    conn: Any = transport(process)
+                else:
+                    from poddaemon.mcp.http import http_transport
+
+                    assert self.cfg.url is not None
+                    conn = http_transport(self.cfg.url)
                 # cache=None: the pod lists tools once and keeps them.
                 client = Client(conn, client_info=info, cache=None)
                 async with client:

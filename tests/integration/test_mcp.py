@@ -22,6 +22,7 @@ from tests.conftest import Env, StartFailed, ppid, wait_until
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 LEGACY = str(Path(__file__).with_name("mcp_legacy_server.py"))  # hand-written, 2025-era
+RAW_HTTP = str(Path(__file__).with_name("mcp_raw_http_server.py"))  # hand-written, JSON bodies
 # Not worth a model request: the tool names every test's server offers.
 ALL_TOOLS = {"add", "fail", "slow", "hang", "env", "big", "pid", "crash"}
 
@@ -745,3 +746,33 @@ async def test_a_call_waiting_for_the_sdk_session_ends_when_the_server_dies_firs
         assert conn.state == "dead"
     finally:
         await conn.aclose()
+
+
+def test_an_http_answer_over_the_size_limit_fails_its_call_and_the_server_stays(
+    env: Env,
+) -> None:
+    """Found by QA: the SDK reads a JSON body whole, however long; a server streaming one
+    without end took the pod ~280 MiB of memory a second until the call's timeout. A body is
+    held to the stdio limit (64 MiB): its call fails saying so, the server stays."""
+    proc = subprocess.Popen(
+        [sys.executable, RAW_HTTP], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        env.model.script(
+            {"tool_calls": [{"name": "raw__huge", "arguments": {"mb": 70}}]},
+            {"tool_calls": [{"name": "raw__echo", "arguments": {}}]},
+            {"text": "done"},
+        )
+        pod = env.start("rawhttp", extra=server_toml("raw", url=url, timeout=60))
+        with pod.client(timeout=120) as c:
+            assert c.run_wait("huge").outcome == "finished"
+        huge, echo = tool_results(pod)
+        assert huge["is_error"] and "over the 64 MiB limit; it was discarded" in huge["output"]
+        assert (echo["output"], echo["is_error"]) == ("echoed", False)
+        (server,) = pod.call("status")["mcp"]
+        assert (server["state"], server["restarts"]) == ("ready", 0)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,64 @@
+"""The HTTP transport of a `url` server, with the limit the stdio one has: a JSON body over
+MAX_LINE fails its message, not the pod. (The SDK reads a JSON body whole, however long: a
+server streaming one without end took the pod's memory, ~280 MiB a second, until the call's
+timeout. Its SSE events have their own limit.)
+
+Imported once the SDK is (it needs httpx2 and the SDK's defaults)."""
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx2
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
+
+from poddaemon.mcp.stdio import MAX_LINE
+
+
+class _Capped(httpx2.AsyncByteStream):
+    def __init__(self, inner: httpx2.AsyncByteStream, limit: int) -> None:
+        self._inner = inner
+        self._limit = limit
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self._inner:
+            seen += len(chunk)
+            if seen > self._limit:
+                # StreamError: the SDK fails the one message it answers, the session stays.
+                raise httpx2.StreamError(
+                    f"the server's answer is over the {self._limit >> 20} MiB limit; "
+                    "it was discarded"
+                )
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _CappedTransport(httpx2.AsyncBaseTransport):
+    def __init__(self, limit: int) -> None:
+        self._inner = httpx2.AsyncHTTPTransport()
+        self._limit = limit
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self._inner.handle_async_request(request)
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            assert isinstance(response.stream, httpx2.AsyncByteStream)
+            response.stream = _Capped(response.stream, self._limit)
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+@asynccontextmanager
+async def http_transport(url: str, limit: int = MAX_LINE) -> AsyncIterator[Any]:
+    """The SDK's streamable HTTP transport to `url`, its bodies capped at `limit` bytes."""
+    timeout = httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
+    async with (
+        httpx2.AsyncClient(timeout=timeout, transport=_CappedTransport(limit)) as client,
+        streamable_http_client(url, http_client=client) as streams,
+    ):
+        yield streams

@@ -1,0 +1,68 @@
+"""A hand-written streamable-HTTP MCP server (no SDK) that answers in plain JSON bodies:
+`python mcp_raw_http_server.py` prints its URL on stdout. Tools: `echo`, and `huge` whose answer
+is one JSON body of `mb` MiB (a server that could fill the pod's memory: a JSON body, unlike an
+SSE event, had no size limit)."""
+
+import json
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+TOOLS = [
+    {"name": "echo", "inputSchema": {"type": "object"}},
+    {"name": "huge", "inputSchema": {"type": "object", "properties": {"mb": {"type": "integer"}}}},
+]
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:  # no server-initiated stream
+        self.send_response(405)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_DELETE(self) -> None:
+        self.do_GET()
+
+    def do_POST(self) -> None:
+        msg = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if "id" not in msg:
+            self.send_response(202)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        method, id_ = msg.get("method"), msg["id"]
+        result: Any = None
+        if method == "initialize":
+            result = {
+                "protocolVersion": msg["params"]["protocolVersion"],
+                "capabilities": {"tools": {}},
+                "serverInfo": {"name": "raw", "version": "1"},
+            }
+        elif method == "tools/list":
+            result = {"tools": TOOLS}
+        elif method == "ping":
+            result = {}
+        elif method == "tools/call":
+            params = msg["params"]
+            mb = params.get("arguments", {}).get("mb", 0) if params["name"] == "huge" else 0
+            text = "x" * (mb << 20) if mb else "echoed"
+            result = {"content": [{"type": "text", "text": text}]}
+        if result is None:
+            reply: Any = {"jsonrpc": "2.0", "id": id_, "error": {"code": -32601, "message": "no"}}
+        else:
+            reply = {"jsonrpc": "2.0", "id": id_, "result": result}
+        body = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(f"http://127.0.0.1:{server.server_address[1]}/mcp", flush=True)
+server.serve_forever()
