@@ -370,9 +370,16 @@ class McpConnection:
         its timeout too while its status still said ready. An error reply to the ping is an
         answer: a server without `ping` (-32601, as hand-written ones say) is alive."""
         late = f"{remote} timed out after {self.cfg.timeout:g} s"
-        if not await self._answers(client):
+        asked = time.monotonic()
+        # A server that talked while the ping waited (a single-threaded one logging progress
+        # as it works) is busy, not hung: the ping waits behind its work.
+        if not await self._answers(client) and not self._heard_since(asked):
             return self._call_lost(remote, f"{late}, and a ping got no answer", client)
         return error(f"{late} (MCP server '{self.name}', [[mcp.servers]] timeout)")
+
+    def _heard_since(self, when: float) -> bool:
+        process = self._process
+        return process is not None and process.heard >= when
 
     @staticmethod
     async def _answers(client: Any) -> bool:

@@ -57,6 +57,7 @@ class StdioProcess:
         self._reported = 0.0  # when dropped lines were last reported (monotonic)
         # Set when stderr reaches EOF: the guard has exited, so has the server's whole group.
         self.gone = asyncio.Event()
+        self.heard = 0.0  # when the server last sent a line on stdout (monotonic)
         self._stderr_transport = stderr_transport
         self._reader = asyncio.ensure_future(self._read_stderr(stderr))
 
@@ -275,6 +276,7 @@ async def transport(process: StdioProcess) -> AsyncIterator[tuple[Any, Any]]:
                     return
                 if not line:
                     return  # EOF: the session sees the connection close
+                process.heard = time.monotonic()  # alive, even if too busy to answer a ping
                 if not line.strip():
                     continue
                 message: SessionMessage | Exception

@@ -23,6 +23,11 @@ TOOLS = [
         "inputSchema": {"type": "object", "properties": {"seconds": {"type": "number"}}},
     },
     {
+        "name": "chat",
+        "description": "Work `seconds`, logging progress every 0.1 s, reading nothing meanwhile.",
+        "inputSchema": {"type": "object", "properties": {"seconds": {"type": "number"}}},
+    },
+    {
         "name": "hangup",
         "description": "Close stdout and live on: no answer ever comes.",
         "inputSchema": {"type": "object"},
@@ -170,5 +175,14 @@ for line in sys.stdin:
     elif method == "tools/call" and params.get("name") == "nap":
         time.sleep(float(params.get("arguments", {}).get("seconds", 0)))
         reply(msg["id"], {"content": [{"type": "text", "text": "rested"}], "isError": False})
+    elif method == "tools/call" and params.get("name") == "chat":
+        end = time.monotonic() + float(params.get("arguments", {}).get("seconds", 0))
+        while time.monotonic() < end:
+            note = {"level": "info", "data": "working"}
+            sys.stdout.write(json.dumps({"jsonrpc": "2.0", "method": "notifications/message",
+                                         "params": note}) + "\n")  # fmt: skip
+            sys.stdout.flush()
+            time.sleep(0.1)
+        reply(msg["id"], {"content": [{"type": "text", "text": "worked"}], "isError": False})
     else:  # `ping` too: a server of that era need not know it
         reply(msg["id"], error={"code": -32601, "message": f"method not found: {method}"})

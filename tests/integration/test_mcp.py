@@ -776,3 +776,23 @@ def test_an_http_answer_over_the_size_limit_fails_its_call_and_the_server_stays(
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_busy_server_that_keeps_talking_is_not_taken_for_hung(env: Env) -> None:
+    """Found by QA: a single-threaded server logging progress while it works cannot answer the
+    ping sent after a call's timeout; it was taken for hung and restarted (its one restart
+    spent) though it was talking all along. What it sent during the ping says it is alive:
+    the call only times out, and the same server answers the next call."""
+    env.model.script(
+        {"tool_calls": [{"name": "old__chat", "arguments": {"seconds": 6}}]},
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "still here"}}]},
+        {"text": "done"},
+    )
+    pod = env.start("chatter", extra=server_toml("old", script=LEGACY, timeout=3))
+    with pod.client(timeout=60) as c:
+        assert c.run_wait("chat").outcome == "finished"
+    chat, shout = tool_results(pod)
+    assert chat["is_error"] and "timed out after 3 s (MCP server 'old'" in chat["output"], chat
+    assert (shout["output"], shout["is_error"]) == ("STILL HERE", False)
+    (server,) = pod.call("status")["mcp"]
+    assert (server["state"], server["restarts"]) == ("ready", 0)
