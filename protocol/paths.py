@@ -234,9 +234,13 @@ def _chmod_dir(path: Path) -> None:
         return
     try:
         os.chmod(f"/proc/self/fd/{fd}", 0o700)  # fchmod refuses O_PATH descriptors
-    except FileNotFoundError:  # no /proc: a descriptor we can read, if we may
+        return
+    except FileNotFoundError:
+        pass
+    finally:
         os.close(fd)
-        fd = os.open(path, os.O_RDONLY | nofollow)
+    fd = os.open(path, os.O_RDONLY | nofollow)  # no /proc: a descriptor we can read, if we may
+    try:
         os.fchmod(fd, 0o700)
     finally:
         os.close(fd)
