@@ -178,6 +178,7 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
     # with a UserPromptSubmit hook is decided after its hook: its connection waits meanwhile.
 
     def pod_event(p: PodEventParams, conn: Any) -> Any:
+        _from_the_child(p.pod, conn.peer_pid)
         event_id = p.event_id or new_session_id()
         tree_spent = (p.usage or {}).get("tree_spent")
         pod.children.heard_from(p.pod)
@@ -196,6 +197,20 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
         ):
             return _subagent_stop_hook(pod.request_future(report), p)
         return pod.request_pending(report)
+
+    def _from_the_child(name: str, peer_pid: int) -> None:
+        """A report naming a live child we watch is taken only from that child's process
+        (SO_PEERCRED). Any process of this user reaches our socket, a child's sandboxed bash
+        too: a forged `shutdown` made us take a live child for stopped (no `errored` when it
+        then died, its grant released), a forged `run.finished` ended `wait_pods` with any
+        text. Refused, the child's own report is not lost: its outbox redelivers it."""
+        child = pod.children.live.get(name)
+        if child is not None and peer_pid > 0 and peer_pid != child.pid:
+            raise RpcError(
+                errors.INVALID_PARAMS,
+                f"pod: {name!r} is a live child of this pod (pid {child.pid}); its reports come "
+                f"from its own process, not pid {peer_pid}",
+            )
 
     async def _subagent_stop_hook(reply: "asyncio.Future[Any]", p: PodEventParams) -> Any:
         result = await reply

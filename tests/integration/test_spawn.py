@@ -564,6 +564,35 @@ def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
     assert parent.call("status")["children"] == []
 
 
+
+def test_a_live_childs_report_comes_from_its_own_process_only(tree: Env) -> None:
+    """Any process of this user reaches the spawner's socket (a child's sandboxed bash too):
+    one forging a live child's `shutdown` made the spawner take that child for stopped, and
+    when it then died its `errored` report was never made (and its grant was released)."""
+    env = tree
+    (env.work / "v1").mkdir()
+    env.model.script_model("m-v1", {"text": "never", "gate": "never"})
+    env.model.script(
+        {"tool_calls": [spawn_call("v1", "hang", [str(env.work / "v1")])]}, {"text": "spawned"}
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    from protocol.errors import RpcError
+
+    with PodClient.connect(parent.socket, timeout=10) as c, pytest.raises(RpcError) as err:
+        c.pod_event("v1", "shutdown", event_id="forged", usage={"tree_spent": 0})
+    assert err.value.code == -32602 and "v1" in str(err.value), err.value
+    assert not [r for r in reports(parent) if r.get("event_id") == "forged"]
+    entry = Registry(env.home / "run").get("v1")
+    assert entry is not None
+    os.kill(entry.pid, signal.SIGKILL)
+    wait_until(
+        lambda: [r for r in reports(parent) if r["event_kind"] == "errored"],
+        10,
+        "the errored report of the child that died",
+    )
+
+
 # --- parent exit ------------------------------------------------------------------------------
 
 
