@@ -49,6 +49,7 @@ log = logging.getLogger("poddaemon.spawn")
 
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
+UNANSWERED_GRACE = 2.0  # SIGTERM to SIGKILL, for a child that did not answer `shutdown`
 STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
 # A child's answer to `run` (an acknowledgement, not the run), beyond what its
 # UserPromptSubmit hooks may take: a stopped or wedged child held the spawner's tool call,
@@ -659,16 +660,23 @@ class Children:
         `watch`: a descendant that is not our child, whose exit we learn of here."""
         if watch:
             _exited(child)
+        answered = False
         with contextlib.suppress(Exception):
             async with await AsyncPodClient.connect(child.socket) as client:
                 async with asyncio.timeout(5.0):
-                    await client.call_raw("shutdown")
-        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+                    # (-32004, stopping already: an answer too)
+                    with contextlib.suppress(RpcError):
+                        await client.call_raw("shutdown")
+                    answered = True
+        # One that did not answer (wedged, SIGSTOPped) is not waited for as one stopping is:
+        # 20 s more before SIGTERM made `podctl stop` of its spawner give up (10 s) and fail.
+        graces = (STOP_TIMEOUT, 5.0, 5.0) if answered else (0.0, UNANSWERED_GRACE, 5.0)
+        for sig, grace in zip((None, signal.SIGTERM, signal.SIGKILL), graces, strict=True):
             if sig is not None:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(child.pid, sig)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(STOP_TIMEOUT if sig is None else 5.0):
+                async with asyncio.timeout(grace):
                     await child.gone.wait()
                 return
 

@@ -1318,6 +1318,29 @@ def test_stopping_the_parent_stops_its_children_first(tree: Env) -> None:
     assert Registry(tree.home / "run").live() == []
 
 
+
+def test_podctl_stop_of_a_spawner_with_a_wedged_child_succeeds(tree: Env) -> None:
+    """A child that cannot answer `shutdown` (SIGSTOPped, wedged) was waited for 20 s more
+    before its spawner sent it SIGTERM: `podctl stop` of the spawner gave up after its 10 s
+    and exited 1 ("did not stop"), though the spawner went later (`stop && spawn` failed)."""
+    env = tree
+    (env.work / "w1").mkdir()
+    quiet_children(env, "w1")
+    env.model.script(
+        {"tool_calls": [spawn_call("w1", "hi", [str(env.work / "w1")])]}, {"text": "spawned"}
+    )
+    parent = start_parent(env)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    child = Registry(env.home / "run").get("w1")
+    assert child is not None
+    os.kill(child.pid, signal.SIGSTOP)
+    done = env.podctl("stop", "parent")
+    assert done.returncode == 0, done.stderr
+    assert parent.proc.wait(10) == 0
+    wait_until(lambda: not _stray(env), 10, "the wedged child to be gone")
+    assert Registry(env.home / "run").live() == []
+
+
 def test_a_stopped_spawner_keeps_the_reports_its_children_made_as_they_stopped(tree: Env) -> None:
     """`podctl stop` of a spawner (on_parent_exit = "stop"): its child, stopped mid-task,
     reports its run's end and its shutdown as it goes. The spawner used to note only the
