@@ -244,18 +244,24 @@ def _released(name: str, pid: int | None, sock: "Path", deadline: float) -> bool
         time.sleep(POLL)
 
 
-def _stop_descendants(name: str, children: list[str]) -> list[str]:
+def _stop_descendants(name: str, children: list[str], seen: set[str] | None = None) -> list[str]:
     """`stop --tree`: the pod's children, each with its own subtree, deepest first. The
     registry too: a child the pod lost track of is still its descendant. Returns those that
-    did not stop (each has said why)."""
+    did not stop (each has said why). `seen`: the pods of this tree walked already; parents
+    that name each other in a cycle recursed until RecursionError (a traceback)."""
+    seen = set() if seen is None else seen
+    seen.add(name)
     known = {e.name for e in _registry_entries().values() if e.parent == name}
     left: list[str] = []
     for child in sorted(known | set(children)):
-        left += _stop(child, tree=True, top=False)
+        if child not in seen:
+            left += _stop(child, tree=True, top=False, seen=seen)
     return left
 
 
-def _stop(target: str, tree: bool, top: bool, unanswered: bool = False) -> list[str]:
+def _stop(
+    target: str, tree: bool, top: bool, unanswered: bool = False, seen: set[str] | None = None
+) -> list[str]:
     """Stop `target` (and, with `tree`, its descendants first); the descendants that did not
     stop. A top-level pod that does not stop is an error at once. A pod that cannot be asked
     (`unanswered`: it did not answer already) is sent SIGTERM, if a live process holds it."""
@@ -282,7 +288,7 @@ def _stop(target: str, tree: bool, top: bool, unanswered: bool = False) -> list[
                         if tree:
                             raise
                     if tree:
-                        left = _stop_descendants(name, children)
+                        left = _stop_descendants(name, children, seen)
                     try:
                         client.shutdown()
                     except ConnectionClosed:
@@ -295,14 +301,14 @@ def _stop(target: str, tree: bool, top: bool, unanswered: bool = False) -> list[
                 if entry is None and tree and not left:
                     # Gone, but not its descendants (detached, or they outlived its crash):
                     # the registry still names them its tree, and they would run on.
-                    left = _stop_descendants(name, [])
+                    left = _stop_descendants(name, [], seen)
                 if entry is None and not top and not isinstance(exc, TimeoutError):
                     return left  # it went already (another stop, a restart): not left running
                 if entry is None:
                     raise
                 name, pid = entry.name, entry.pid
                 if tree and not left:
-                    left = _stop_descendants(name, [])
+                    left = _stop_descendants(name, [], seen)
                 _terminate(entry, "did not answer in time" if isinstance(exc, TimeoutError) else "")
     except PodNotRunning as exc:
         if top:

@@ -820,6 +820,29 @@ def test_stop_tree_stops_a_descendant_that_cannot_answer_and_names_one_that_stay
         stubborn.wait()
 
 
+
+def test_stop_tree_of_pods_whose_parents_form_a_cycle_stops_both(tree: Env) -> None:
+    """Two registered processes naming each other parent (a registry not written by a real
+    spawn, or names reused after their pods went): `stop --tree` recursed from one to the
+    other until RecursionError, a traceback and nothing stopped."""
+    env = tree
+    procs = [subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2)]
+    try:
+        registry = Registry(env.home / "run")
+        for (name, parent), proc in zip((("ca", "cb"), ("cb", "ca")), procs, strict=True):
+            none = Scope(allow=(), deny=())
+            registry.register(make_entry(name, "/nowhere/sock", none, parent=parent, pid=proc.pid))
+        out = env.podctl("stop", "--tree", "ca")
+        assert "Traceback" not in out.stderr, out.stderr
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        assert out.stdout.splitlines() == ["stopped cb", "stopped ca"]
+        assert registry.live() == []
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_stopped_leaf_does_not_make_ls_call_its_answering_ancestors_unresponsive(
     tree: Env,
 ) -> None:
