@@ -179,6 +179,8 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
 
     def pod_event(p: PodEventParams, conn: Any) -> Any:
         _from_the_child(p.pod, conn.peer_pid)
+        if p.event_id not in m.state.report_ids:  # (a redelivery changes nothing)
+            _from_the_child_restarted(p.pod, conn.peer_pid)
         event_id = p.event_id or new_session_id()
         tree_spent = (p.usage or {}).get("tree_spent")
         pod.children.heard_from(p.pod)
@@ -210,6 +212,25 @@ def handlers(pod: "Pod") -> dict[str, Handler]:
                 errors.INVALID_PARAMS,
                 f"pod: {name!r} is a live child of this pod (pid {child.pid}); its reports come "
                 f"from its own process, not pid {peer_pid}",
+            )
+
+    def _from_the_child_restarted(name: str, peer_pid: int) -> None:
+        """A report naming a child of ours that ended counts its spending into our budget
+        (the most any report said): taken only from that child restarted, the registered
+        process naming us parent. Else one forged `tree_spent` exhausted our budget for
+        good. (What the child left in its log when it ended is taken from there.)"""
+        record = m.state.children.get(name)
+        if record is None or record.live or name in pod.children.live or peer_pid <= 0:
+            return
+        try:
+            entry = pod.s.registry.get(name)
+        except Exception:
+            entry = None  # unreadable now: a restarted child's outbox asks again
+        if entry is None or entry.parent != pod.name or entry.pid != peer_pid:
+            raise RpcError(
+                errors.INVALID_PARAMS,
+                f"pod: child pod {name!r} of this pod has ended; only that child, restarted, "
+                f"reports for it (not pid {peer_pid})",
             )
 
     async def _subagent_stop_hook(reply: "asyncio.Future[Any]", p: PodEventParams) -> Any:

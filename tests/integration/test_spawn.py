@@ -593,6 +593,35 @@ def test_a_live_childs_report_comes_from_its_own_process_only(tree: Env) -> None
     )
 
 
+
+def test_a_report_for_an_ended_child_comes_only_from_that_child_restarted(tree: Env) -> None:
+    """A report naming a child that ended counts its `tree_spent` into the spawner's budget:
+    one forged by any process of this user exhausted that budget for good."""
+    env = tree
+    (env.work / "v2").mkdir()
+    quiet_children(env, "v2")
+    env.model.script(
+        {"tool_calls": [spawn_call("v2", "hi", [str(env.work / "v2")], budget_tokens=1000)]},
+        {"text": "spawned"},
+    )
+    parent = start_parent(env, extra="[budget]\nmax_total_tokens = 100000\n")
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: _finished_reports(parent, "v2"), 20, "the child's report")
+    entry = Registry(env.home / "run").get("v2")
+    assert entry is not None
+    os.kill(entry.pid, signal.SIGKILL)
+    wait_until(lambda: parent.call("status")["children"] == [], 10, "the child's end")
+    drained(parent)
+    before = parent.call("status")["budget"]
+    from protocol.errors import RpcError
+
+    with PodClient.connect(parent.socket, timeout=10) as c, pytest.raises(RpcError) as err:
+        c.pod_event("v2", "errored", event_id="forged", usage={"tree_spent": 10**12})
+    assert err.value.code == -32602 and "v2" in str(err.value), err.value
+    after = parent.call("status")["budget"]
+    assert after["tree_spent"] == before["tree_spent"] and after["left"] > 0, (before, after)
+
+
 # --- parent exit ------------------------------------------------------------------------------
 
 
