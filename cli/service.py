@@ -87,14 +87,37 @@ def _own_unit(status: dict[str, Any]) -> str | None:
 
 
 def pod_unit(target: str, status: dict[str, Any] | None) -> str | None:
-    """The unit that runs this pod: from its process when it runs, else an installed unit file."""
+    """The unit that runs this pod: from its process when it runs, else an installed unit file
+    or an instance of the shipped template that systemd holds as the pod's."""
     from cli.unit import unit_name, unit_path
 
     if status is not None:
         return _own_unit(status)
-    if "/" not in target and unit_path(target).exists():
+    if "/" in target:
+        return None
+    if unit_path(target).exists():
         return unit_name(target)
-    return None
+    return _template_instance(target)
+
+
+def _template_instance(name: str) -> str | None:
+    """`poddaemon@NAME.service` when it is enabled or not inactive (failed, between a crash and
+    its restart): a stopped pod of the template is restarted by systemd, and its log is the
+    journal. Else (started once and stopped, or no such template) None."""
+    from cli.unit import UnitError, systemctl, template_unit_name
+
+    unit = template_unit_name(name)
+    try:
+        props = "--property=LoadState,UnitFileState,ActiveState"
+        out = systemctl("show", props, unit, check=False).stdout
+    except UnitError:  # no systemctl, no manager: no unit
+        return None
+    state = dict(line.partition("=")[::2] for line in out.splitlines())
+    if state.get("LoadState") != "loaded":
+        return None
+    if state.get("UnitFileState", "").startswith("enabled"):
+        return unit
+    return unit if state.get("ActiveState", "inactive") != "inactive" else None
 
 
 def stop_unit_pod(

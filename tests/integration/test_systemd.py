@@ -736,15 +736,12 @@ def test_example_timer_and_path_units_notify_the_pod(sd: Sd) -> None:
     assert {p.name for p in (ROOT / "examples" / "systemd").glob("reviewer-*")} <= units
 
 
-def test_a_pod_of_the_shipped_template_unit_is_restarted_and_stopped_through_systemd(
-    sd: Sd,
-) -> None:
-    """systemd/poddaemon@.service, used as its comment says: `podctl restart` must restart the
-    unit (not stop it and start the pod outside systemd), `stop` stops it, `logs` reads the
-    journal."""
+def install_template(sd: Sd, name: str) -> None:
+    """systemd/poddaemon@.service installed as its comment says, and ~/.config/poddaemon/pods/
+    NAME.toml for it to run (PODDAEMON_HOME and the key: in the manager's environment)."""
     manifest_dir = sd.m.home / ".config" / "poddaemon" / "pods"
-    manifest_dir.mkdir(parents=True)
-    (manifest_dir / "tmpl.toml").write_text(sd.env.manifest("tmpl").read_text())
+    manifest_dir.mkdir(parents=True, exist_ok=True)
+    (manifest_dir / f"{name}.toml").write_text(sd.env.manifest(name).read_text())
     poddaemon = str(Path(sys.executable).parent / "poddaemon")
     text = (ROOT / "systemd" / "poddaemon@.service").read_text()
     target = units_dir(sd)
@@ -753,6 +750,15 @@ def test_a_pod_of_the_shipped_template_unit_is_restarted_and_stopped_through_sys
     home = f"PODDAEMON_HOME={sd.env.home}"
     assert sd.m.systemctl("set-environment", home, "FAKE_API_KEY=test-key").returncode == 0
     assert sd.m.systemctl("daemon-reload").returncode == 0
+
+
+def test_a_pod_of_the_shipped_template_unit_is_restarted_and_stopped_through_systemd(
+    sd: Sd,
+) -> None:
+    """systemd/poddaemon@.service, used as its comment says: `podctl restart` must restart the
+    unit (not stop it and start the pod outside systemd), `stop` stops it, `logs` reads the
+    journal."""
+    install_template(sd, "tmpl")
     started = sd.m.systemctl("start", "poddaemon@tmpl.service")
     assert started.returncode == 0, started.stderr
     first = int(sd.m.prop("poddaemon@tmpl.service", "MainPID"))
@@ -769,3 +775,29 @@ def test_a_pod_of_the_shipped_template_unit_is_restarted_and_stopped_through_sys
     stopped = sd.podctl("stop", "tmpl")
     assert stopped.returncode == 0 and "unit poddaemon@tmpl.service" in stopped.stdout
     assert sd.m.prop("poddaemon@tmpl.service", "ActiveState") == "inactive"
+
+
+def test_a_stopped_template_pod_is_restarted_by_its_unit_and_logs_read_the_journal(
+    sd: Sd,
+) -> None:
+    """`systemctl --user enable --now poddaemon@NAME` (the template's own instructions), then
+    `podctl stop NAME`: `podctl restart NAME` starts the unit again, not the pod outside
+    systemd from its kept configuration (then two supervisors, and the next boot's start of
+    the enabled unit refused: name taken); `podctl logs NAME` reads the journal."""
+    install_template(sd, "tmpl")
+    started = sd.m.systemctl("enable", "--now", "poddaemon@tmpl.service")
+    assert started.returncode == 0, started.stderr
+    assert sd.podctl("stop", "tmpl").returncode == 0
+    assert sd.m.prop("poddaemon@tmpl.service", "ActiveState") == "inactive"
+
+    logs = sd.podctl("logs", "tmpl")
+    assert logs.returncode == 0 and "PODDAEMON-READY" in logs.stdout, logs.stderr
+    # With the key in podctl's environment too: it could start the pod itself, and must not.
+    again = sd.m.run(
+        [sys.executable, "-m", "cli.main", "restart", "tmpl"],
+        {**sd.podenv, "FAKE_API_KEY": "test-key"},
+    )
+    assert again.returncode == 0, again.stderr
+    assert sd.m.prop("poddaemon@tmpl.service", "ActiveState") == "active"
+    with sd.client("tmpl") as c:
+        assert c.status().pid == int(sd.m.prop("poddaemon@tmpl.service", "MainPID"))
