@@ -375,12 +375,29 @@ def start_unit(unit: str, *how: str, then: str) -> None:
                 f"StartLimitIntervalSec=) and systemd gave up on it: run `systemctl --user "
                 f"reset-failed {unit}`, then start it again"
             ) from None
-        errors = [line for line in said if line.startswith("poddaemon: ")]
+        errors = [
+            line.removeprefix("poddaemon: ") for line in said if line.startswith("poddaemon: ")
+        ]
+        if not errors:  # a journal we may not read: the pod's status line (STATUS=) says it
+            errors = _why_not_started(unit)
         if not errors:
             raise UnitError(str(exc)) from None
         # The pod's own error (what `podctl spawn` would have shown), this start's only.
-        why = f"{unit} did not start: {errors[-1].removeprefix('poddaemon: ')}"
+        why = f"{unit} did not start: {errors[-1]}"
         raise UnitError(f"{why}\n{then}") from None
+
+
+def _why_not_started(unit: str) -> list[str]:
+    """Why the pod of this start refused or failed, from the unit's status line, which the
+    pod sets before it exits (systemd clears it at each start); [] when it did not say."""
+    try:
+        status = systemctl("show", "--property=StatusText", "--value", unit, check=False).stdout
+    except UnitError:
+        return []
+    for outcome in ("refused: ", "failed: "):
+        if status.startswith(outcome):
+            return [status.removeprefix(outcome).strip()]
+    return []
 
 
 def _journal_since(unit: str, since: float) -> list[str]:

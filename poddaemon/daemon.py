@@ -174,9 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as exc:
         print(f"{_err_prefix()}poddaemon: {exc}", file=sys.stderr, flush=True)
         code = readyline.EXIT_REFUSED if exc.lasting else EXIT_FAILURE
+        _status_why("refused" if exc.lasting else "failed", str(exc))
     except OSError as exc:  # e.g. a permission problem nobody foresaw: one line, no traceback
         print(f"{_err_prefix()}poddaemon: {os_error_line(exc)}", file=sys.stderr, flush=True)
         code = EXIT_FAILURE
+        _status_why("failed", os_error_line(exc))
     except KeyboardInterrupt:  # a stop signal before the event loop ran (see above)
         log.info("stopped while starting")
         code = EXIT_OK
@@ -184,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, signal.SIG_IGN)
     _exit_at_once(code)
     return code
+
+
+def _status_why(outcome: str, why: str) -> None:
+    """Under systemd, the unit's status line (`systemctl --user status`: `Status: "refused:
+    …"`) says why the pod did not start: read by `podctl unit install --now` and `restart`, and
+    by a user who may not read the journal (a volatile one, outside group systemd-journal)."""
+    sdnotify.notify(f"STATUS={outcome}: {' '.join(why.split())}")
 
 
 def _err_prefix() -> str:

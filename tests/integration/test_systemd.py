@@ -312,6 +312,36 @@ def test_a_pod_that_refuses_to_start_is_not_restarted_and_install_says_why(sd: S
     assert "poddaemon: cannot start pod 'taker'" in errors, errors
 
 
+def test_a_refused_start_says_why_where_the_journal_cannot_be_read(sd: Sd) -> None:
+    """A user outside `systemd-journal` where the journal is volatile (one file, root's) reads
+    none of it: `install --now` said only systemd's "see journalctl --user -xeu", which shows
+    nothing either, and `systemctl --user status` had no line on why. The pod puts why it
+    refused in its unit's status (STATUS=), and podctl reads it there."""
+    shim = sd.env.home / "shim"
+    shim.mkdir()
+    journalctl = shim / "journalctl"
+    journalctl.write_text(
+        "#!/bin/sh\necho 'No journal files were opened due to insufficient permissions.' >&2\n"
+        "exit 1\n"
+    )
+    journalctl.chmod(0o755)
+    holder = sd.env.start("holder", write=[str(sd.env.work)])
+    path = sd.env.manifest("taker", write=[str(sd.env.work)])
+    out = sd.m.run(
+        [sys.executable, "-m", "cli.main", "unit", "install", str(path), "--now"],
+        {**sd.podenv, "PATH": f"{shim}:{sd.m.env['PATH']}"},
+    )
+    assert out.returncode == 1
+    assert "poddaemon-taker.service did not start: cannot start pod 'taker'" in out.stderr, (
+        out.stderr
+    )
+    assert "journalctl --user -xeu" not in out.stderr
+    status = sd.prop("taker", "StatusText")
+    assert status.startswith("refused: cannot start pod 'taker'") and "holder" in status, status
+    assert sd.prop("taker", "NRestarts") == "0"
+    assert holder.call("status")["state"] == "idle"
+
+
 def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socket(
     sd: Sd,
 ) -> None:
