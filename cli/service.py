@@ -539,11 +539,26 @@ def logs(
 
 def _journal(unit: str, follow: bool, after: float | None) -> None:
     import shutil
+    import subprocess
 
     exe = shutil.which("journalctl")
     if exe is None:
         fail("journalctl not found; the pod's log lines are in the journal")
     cmd = [exe, f"--user-unit={unit}", "-o", "short-iso-precise", "--no-pager", "--quiet"]
+    # Asked first (a line-less read): handed over, journalctl alone would say "No journal
+    # files were opened due to insufficient permissions", neither what it read nor the way out.
+    probe = subprocess.run(
+        [*cmd, "--lines=0"], capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
+    if probe.returncode != 0:
+        said = probe.stderr.strip().rstrip(".") or f"exit {probe.returncode}"
+        fail(
+            f"cannot read the journal, which holds the log lines of {unit} ({said}). Where it "
+            f"is volatile, only group systemd-journal may: `sudo usermod -aG systemd-journal "
+            f"$USER` (then log in again); or keep it on disk, where each user reads their own: "
+            f"`sudo mkdir -p /var/log/journal && sudo systemctl restart systemd-journald`. "
+            f"`systemctl --user status {unit}` shows its state (and why a start failed)."
+        )
     if after is not None:
         cmd.append(f"--since=@{after:.0f}")
     if follow:

@@ -312,11 +312,9 @@ def test_a_pod_that_refuses_to_start_is_not_restarted_and_install_says_why(sd: S
     assert "poddaemon: cannot start pod 'taker'" in errors, errors
 
 
-def test_a_refused_start_says_why_where_the_journal_cannot_be_read(sd: Sd) -> None:
-    """A user outside `systemd-journal` where the journal is volatile (one file, root's) reads
-    none of it: `install --now` said only systemd's "see journalctl --user -xeu", which shows
-    nothing either, and `systemctl --user status` had no line on why. The pod puts why it
-    refused in its unit's status (STATUS=), and podctl reads it there."""
+def unreadable_journal(sd: Sd) -> Path:
+    """A directory whose `journalctl` answers as the real one does to a user outside group
+    systemd-journal where the journal is volatile (one file, root's): put it first in PATH."""
     shim = sd.env.home / "shim"
     shim.mkdir()
     journalctl = shim / "journalctl"
@@ -325,6 +323,15 @@ def test_a_refused_start_says_why_where_the_journal_cannot_be_read(sd: Sd) -> No
         "exit 1\n"
     )
     journalctl.chmod(0o755)
+    return shim
+
+
+def test_a_refused_start_says_why_where_the_journal_cannot_be_read(sd: Sd) -> None:
+    """A user outside `systemd-journal` where the journal is volatile (one file, root's) reads
+    none of it: `install --now` said only systemd's "see journalctl --user -xeu", which shows
+    nothing either, and `systemctl --user status` had no line on why. The pod puts why it
+    refused in its unit's status (STATUS=), and podctl reads it there."""
+    shim = unreadable_journal(sd)
     holder = sd.env.start("holder", write=[str(sd.env.work)])
     path = sd.env.manifest("taker", write=[str(sd.env.work)])
     out = sd.m.run(
@@ -831,3 +838,19 @@ def test_a_stopped_template_pod_is_restarted_by_its_unit_and_logs_read_the_journ
     assert sd.m.prop("poddaemon@tmpl.service", "ActiveState") == "active"
     with sd.client("tmpl") as c:
         assert c.status().pid == int(sd.m.prop("poddaemon@tmpl.service", "MainPID"))
+
+
+def test_logs_of_a_unit_pod_say_how_to_read_a_journal_the_user_may_not(sd: Sd) -> None:
+    """`podctl logs` handed over to journalctl, whose "No journal files were opened due to
+    insufficient permissions" said neither what podctl was reading nor how to make it work."""
+    sd.install("nolog")
+    shim = unreadable_journal(sd)
+    env = {**sd.podenv, "PATH": f"{shim}:{sd.m.env['PATH']}"}
+    for follow in ([], ["-f"]):
+        logs = sd.m.run([sys.executable, "-m", "cli.main", "logs", "nolog", *follow], env)
+        assert logs.returncode == 1
+        assert "cannot read the journal" in logs.stderr, logs.stderr
+        assert "poddaemon-nolog.service" in logs.stderr and "insufficient permissions" in (
+            logs.stderr
+        )
+        assert "systemd-journal" in logs.stderr and "/var/log/journal" in logs.stderr
