@@ -140,10 +140,8 @@ def stop_unit_pod(
         return _stop_unit(name, unit, [], before)
     except (PodNotRunning, ConnectionClosed, RpcError, OSError):
         # Between a crash and systemd's restart (activating, auto-restart): still its unit's.
-        from cli.unit import active_state
-
-        unit = pod_unit(target, None)
-        if unit is None or active_state(unit) not in ("activating", "reloading"):
+        unit = _restarting_unit(target)
+        if unit is None:
             return False
         return _stop_unit(target, unit, [], before)
     unit = _own_unit(status)
@@ -394,12 +392,14 @@ def wait(
     """
     from cli.app import rpc_errors
     from protocol import oneshot, paths
+    from protocol.errors import ConnectionClosed, PodNotRunning
 
     if until != "idle":
         fail(f"--until: only 'idle' is supported, not {until!r}", EXIT_USAGE)
     deadline = None if timeout is None else time.monotonic() + timeout
     status: dict[str, Any] | None = None
     told: str | None = None
+    looked_again = False
     with rpc_errors(pod, WAIT_CALL_TIMEOUT):
         paths.check_private_dirs()
         while True:
@@ -414,6 +414,20 @@ def wait(
                 if deadline is None:
                     raise
                 status = None
+            except (PodNotRunning, ConnectionClosed):
+                # Between a crash and its restart its unit is activating. Active: the pod came
+                # up since this call, or went down before systemd saw it: look once more.
+                unit, state = _unit_state(pod)
+                if unit is None or state not in ("activating", "reloading", "active"):
+                    raise
+                if state == "active" and looked_again:
+                    raise
+                looked_again = state == "active"
+                status = None
+                if told != unit:  # between a crash and its restart: its queue is still to do
+                    told = unit
+                    sys.stderr.write(f"podctl: pod '{pod}' is being restarted by {unit}\n")
+                    sys.stderr.flush()
             if status is not None and _idle(status):
                 break
             why = _why_not_idle(status) if status is not None else None
@@ -431,6 +445,21 @@ def wait(
             time.sleep(WAIT_POLL)  # polling a condition: status is cheap and always answered
     if as_json:
         print_json({"idle": True, "status": status})
+
+
+def _unit_state(target: str) -> tuple[str | None, str]:
+    """The unit of a pod that does not listen, and its ActiveState; (None, "") for no unit."""
+    from cli.unit import active_state
+
+    unit = pod_unit(target, None)
+    return (unit, active_state(unit)) if unit is not None else (None, "")
+
+
+def _restarting_unit(target: str) -> str | None:
+    """The unit of a pod that does not listen when systemd is (re)starting it (activating:
+    a crash's auto-restart, a restart), else None."""
+    unit, state = _unit_state(target)
+    return unit if state in ("activating", "reloading") else None
 
 
 def _idle(status: dict[str, Any]) -> bool:

@@ -854,3 +854,26 @@ def test_logs_of_a_unit_pod_say_how_to_read_a_journal_the_user_may_not(sd: Sd) -
             logs.stderr
         )
         assert "systemd-journal" in logs.stderr and "/var/log/journal" in logs.stderr
+
+
+def test_wait_outlasts_the_restart_of_a_unit_pod_that_crashed(sd: Sd) -> None:
+    """Between a crash and systemd's restart (RestartSec=) the pod is its unit's, and what it
+    acknowledged is processed after the restart: `podctl wait` said "not running" (exit 3) to
+    a script that only wanted the queue done, and waits for the restarted pod now."""
+    sd.install("crashy")
+    sd.env.model.script({"text": "first", "gate": "crash"})
+    assert sd.podctl("send", "crashy", "--no-wait", "work").returncode == 0
+    sd.env.model.wait_for_requests(1)  # the gated reply is this run's, not the restarted pod's
+    queued = sd.podctl("send", "crashy", "--no-wait", "acknowledged work")
+    assert queued.returncode == 0 and "queued" in queued.stdout, queued.stdout
+    first = sd.main_pid("crashy")
+    os.kill(first, 9)
+    sd.wait_prop("crashy", "ActiveState", "activating")  # auto-restart, RestartSec=2
+    waited = sd.podctl("wait", "crashy", "--timeout", "30")
+    assert waited.returncode == 0, waited.stderr
+    assert "restart" in waited.stderr, waited.stderr  # it says what it waits for
+    pid = sd.main_pid("crashy")
+    assert pid != first
+    with sd.client("crashy") as c:
+        assert c.status().pid == pid
+    assert "acknowledged work" in requests_text(sd, 0)
