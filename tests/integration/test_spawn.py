@@ -18,6 +18,7 @@ import pytest
 from poddaemon.registry import Registry, make_entry
 from poddaemon.scope import Scope
 from protocol import PodClient
+from protocol.errors import RpcError
 from tests.conftest import Env, PodProcess, collect_run, drained, ppid, wait_until
 
 POD_TOOLS = [
@@ -539,15 +540,21 @@ def _outbox_done(path: Path) -> bool:
     return '"kind":"outbox_acked"' in path.read_text()
 
 
-def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
-    env = tree
-    (env.work / "e1").mkdir()
-    env.model.script_model("m-e1", {"text": "never", "gate": "never"})
+def _parent_of_a_busy_child(env: Env, kid: str) -> PodProcess:
+    """A parent whose child `kid` is running a turn that never ends."""
+    (env.work / kid).mkdir()
+    env.model.script_model(f"m-{kid}", {"text": "never", "gate": "never"})
     env.model.script(
-        {"tool_calls": [spawn_call("e1", "hang", [str(env.work / "e1")])]}, {"text": "spawned"}
+        {"tool_calls": [spawn_call(kid, "hang", [str(env.work / kid)])]}, {"text": "spawned"}
     )
     parent = start_parent(env)
     assert run_and_wait(parent, "go")["outcome"] == "finished"
+    return parent
+
+
+def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
+    env = tree
+    parent = _parent_of_a_busy_child(env, "e1")
     entry = Registry(env.home / "run").get("e1")
     assert entry is not None
     os.kill(entry.pid, signal.SIGKILL)
@@ -564,21 +571,12 @@ def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
     assert parent.call("status")["children"] == []
 
 
-
 def test_a_live_childs_report_comes_from_its_own_process_only(tree: Env) -> None:
     """Any process of this user reaches the spawner's socket (a child's sandboxed bash too):
     one forging a live child's `shutdown` made the spawner take that child for stopped, and
     when it then died its `errored` report was never made (and its grant was released)."""
     env = tree
-    (env.work / "v1").mkdir()
-    env.model.script_model("m-v1", {"text": "never", "gate": "never"})
-    env.model.script(
-        {"tool_calls": [spawn_call("v1", "hang", [str(env.work / "v1")])]}, {"text": "spawned"}
-    )
-    parent = start_parent(env)
-    assert run_and_wait(parent, "go")["outcome"] == "finished"
-    from protocol.errors import RpcError
-
+    parent = _parent_of_a_busy_child(env, "v1")
     with PodClient.connect(parent.socket, timeout=10) as c, pytest.raises(RpcError) as err:
         c.pod_event("v1", "shutdown", event_id="forged", usage={"tree_spent": 0})
     assert err.value.code == -32602 and "v1" in str(err.value), err.value
@@ -591,7 +589,6 @@ def test_a_live_childs_report_comes_from_its_own_process_only(tree: Env) -> None
         10,
         "the errored report of the child that died",
     )
-
 
 
 def test_a_report_for_an_ended_child_comes_only_from_that_child_restarted(tree: Env) -> None:
@@ -613,8 +610,6 @@ def test_a_report_for_an_ended_child_comes_only_from_that_child_restarted(tree: 
     wait_until(lambda: parent.call("status")["children"] == [], 10, "the child's end")
     drained(parent)
     before = parent.call("status")["budget"]
-    from protocol.errors import RpcError
-
     with PodClient.connect(parent.socket, timeout=10) as c, pytest.raises(RpcError) as err:
         c.pod_event("v2", "errored", event_id="forged", usage={"tree_spent": 10**12})
     assert err.value.code == -32602 and "v2" in str(err.value), err.value
@@ -847,7 +842,6 @@ def test_stop_tree_stops_a_descendant_that_cannot_answer_and_names_one_that_stay
     finally:
         stubborn.kill()
         stubborn.wait()
-
 
 
 def test_stop_tree_of_pods_whose_parents_form_a_cycle_stops_both(tree: Env) -> None:
@@ -1122,9 +1116,6 @@ def test_tree_budget_stays_under_the_cap(tree: Env) -> None:
     assert st["budget"]["limit"] == cap
     assert st["budget"]["tree_spent"] >= st["budget"]["spent"] + 1000
     # A new run is refused: -32007.
-    from protocol import PodClient
-    from protocol.errors import RpcError
-
     with PodClient.connect(parent.socket, timeout=10) as c, pytest.raises(RpcError) as err:
         c.run("more")
     assert err.value.code == -32007
@@ -1368,7 +1359,6 @@ def test_stopping_the_parent_stops_its_children_first(tree: Env) -> None:
     assert parent.stop() == 0  # a requested shutdown: exit 0
     wait_until(lambda: not _stray(tree), 10, "every pod of the tree to exit")
     assert Registry(tree.home / "run").live() == []
-
 
 
 def test_podctl_stop_of_a_spawner_with_a_wedged_child_succeeds(tree: Env) -> None:
