@@ -540,12 +540,16 @@ def _outbox_done(path: Path) -> bool:
     return '"kind":"outbox_acked"' in path.read_text()
 
 
-def _parent_of_a_busy_child(env: Env, kid: str) -> PodProcess:
-    """A parent whose child `kid` is running a turn that never ends."""
+def _parent_of_one_child(env: Env, kid: str, busy: bool = False) -> PodProcess:
+    """A parent that spawned `kid`: a child whose turn never ends (`busy`), or one that
+    answers at once."""
     (env.work / kid).mkdir()
-    env.model.script_model(f"m-{kid}", {"text": "never", "gate": "never"})
+    if busy:
+        env.model.script_model(f"m-{kid}", {"text": "never", "gate": "never"})
+    else:
+        quiet_children(env, kid)
     env.model.script(
-        {"tool_calls": [spawn_call(kid, "hang", [str(env.work / kid)])]}, {"text": "spawned"}
+        {"tool_calls": [spawn_call(kid, "hi", [str(env.work / kid)])]}, {"text": "spawned"}
     )
     parent = start_parent(env)
     assert run_and_wait(parent, "go")["outcome"] == "finished"
@@ -554,7 +558,7 @@ def _parent_of_a_busy_child(env: Env, kid: str) -> PodProcess:
 
 def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
     env = tree
-    parent = _parent_of_a_busy_child(env, "e1")
+    parent = _parent_of_one_child(env, "e1", busy=True)
     entry = Registry(env.home / "run").get("e1")
     assert entry is not None
     os.kill(entry.pid, signal.SIGKILL)
@@ -576,7 +580,7 @@ def test_a_live_childs_report_comes_from_its_own_process_only(tree: Env) -> None
     one forging a live child's `shutdown` made the spawner take that child for stopped, and
     when it then died its `errored` report was never made (and its grant was released)."""
     env = tree
-    parent = _parent_of_a_busy_child(env, "v1")
+    parent = _parent_of_one_child(env, "v1", busy=True)
     with PodClient.connect(parent.socket, timeout=10) as c, pytest.raises(RpcError) as err:
         c.pod_event("v1", "shutdown", event_id="forged", usage={"tree_spent": 0})
     assert err.value.code == -32602 and "v1" in str(err.value), err.value
@@ -713,13 +717,7 @@ def test_a_child_restarted_while_its_spawner_was_down_stops_with_it_later(tree: 
     spawner was down: once the restored spawner has taken it back, a kill -9 of the spawner
     stops it too."""
     env = tree
-    (env.work / "c1").mkdir()
-    quiet_children(env, "c1")
-    env.model.script(
-        {"tool_calls": [spawn_call("c1", "work", [str(env.work / "c1")])]}, {"text": "spawned"}
-    )
-    parent = start_parent(env)
-    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    parent = _parent_of_one_child(env, "c1")
     wait_until(lambda: _finished_reports(parent, "c1"), 20, "the report")
     parent.kill9()
     registry = Registry(env.home / "run")
@@ -1366,13 +1364,7 @@ def test_podctl_stop_of_a_spawner_with_a_wedged_child_succeeds(tree: Env) -> Non
     before its spawner sent it SIGTERM: `podctl stop` of the spawner gave up after its 10 s
     and exited 1 ("did not stop"), though the spawner went later (`stop && spawn` failed)."""
     env = tree
-    (env.work / "w1").mkdir()
-    quiet_children(env, "w1")
-    env.model.script(
-        {"tool_calls": [spawn_call("w1", "hi", [str(env.work / "w1")])]}, {"text": "spawned"}
-    )
-    parent = start_parent(env)
-    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    parent = _parent_of_one_child(env, "w1")
     child = Registry(env.home / "run").get("w1")
     assert child is not None
     os.kill(child.pid, signal.SIGSTOP)
