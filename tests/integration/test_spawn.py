@@ -559,14 +559,7 @@ def _parent_of_one_child(env: Env, kid: str, busy: bool = False) -> PodProcess:
 def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
     env = tree
     parent = _parent_of_one_child(env, "e1", busy=True)
-    entry = Registry(env.home / "run").get("e1")
-    assert entry is not None
-    os.kill(entry.pid, signal.SIGKILL)
-    wait_until(
-        lambda: [r for r in reports(parent) if r["event_kind"] == "errored"],
-        10,
-        "an errored report",
-    )
+    _kill_and_see_it_reported_errored(env, parent, "e1")
     wait_until(
         lambda: any("[errored]" in b for b in model_saw(env, "fake-model")),
         10,
@@ -585,13 +578,17 @@ def test_a_live_childs_report_comes_from_its_own_process_only(tree: Env) -> None
         c.pod_event("v1", "shutdown", event_id="forged", usage={"tree_spent": 0})
     assert err.value.code == -32602 and "v1" in str(err.value), err.value
     assert not [r for r in reports(parent) if r.get("event_id") == "forged"]
-    entry = Registry(env.home / "run").get("v1")
+    _kill_and_see_it_reported_errored(env, parent, "v1")
+
+
+def _kill_and_see_it_reported_errored(env: Env, parent: PodProcess, kid: str) -> None:
+    entry = Registry(env.home / "run").get(kid)
     assert entry is not None
     os.kill(entry.pid, signal.SIGKILL)
     wait_until(
         lambda: [r for r in reports(parent) if r["event_kind"] == "errored"],
         10,
-        "the errored report of the child that died",
+        f"the errored report of {kid}, killed",
     )
 
 
