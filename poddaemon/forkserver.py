@@ -164,6 +164,9 @@ class Server:
         self.mtimes: dict[str, int] = {}
         self.sock_ino = 0  # of the socket file we bound
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # Held in reserve: out of descriptors, accept() fails and its client would wait its
+        # whole reply timeout (30 s) for an answer; this one, let go, lets us give it one.
+        self.spare = _spare()
 
     # --- start-up ------------------------------------------------------------------------------
 
@@ -273,7 +276,9 @@ class Server:
             if str(exc) != self.accept_failing:  # once, not every ACCEPT_BACKOFF
                 sys.stderr.write(f"poddaemon forkserver: accept: {exc}\n")
             self.accept_failing = str(exc)
-            if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            if exc.errno in (errno.EMFILE, errno.ENFILE) and self.spare >= 0:
+                self._refuse_one(f"the fork server is out of file descriptors: {exc.strerror}")
+            elif exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                 time.sleep(ACCEPT_BACKOFF)  # the connection stays queued: no spinning on it
             return
         self.accept_failing = ""
@@ -288,6 +293,18 @@ class Server:
             else:  # nothing forked: the client execs its pod (a hang-up would fail its spawn)
                 self._reply(conn, {"error": f"the fork server failed: {exc}"})
             conn.close()
+
+    def _refuse_one(self, why: str) -> None:
+        """Answer the next client an error at once (it execs its pod), with the descriptor
+        held in reserve; then hold one again."""
+        os.close(self.spare)
+        self.spare = -1
+        with contextlib.suppress(OSError):
+            conn, _ = self.listener.accept()
+            self._reply(conn, {"error": why})
+            conn.close()
+            sys.stderr.write(f"poddaemon forkserver: a request refused: {why}\n")
+        self.spare = _spare()
 
     def _serve(self, conn: socket.socket) -> None:
         """Fork the pod `conn` asks for, or say this server is stale and stop listening."""
@@ -474,6 +491,14 @@ class Server:
             os.unlink(self.sock_path)
         self.listener.close()
         os.close(self.lock_fd)
+
+
+def _spare() -> int:
+    """A descriptor to give up when out of them (-1: none to be had now)."""
+    try:
+        return os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return -1
 
 
 def _peer(conn: socket.socket) -> tuple[int, int, int]:

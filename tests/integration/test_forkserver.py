@@ -219,6 +219,46 @@ def test_a_server_out_of_descriptors_fails_that_request_and_serves_on(
     assert log.count("poddaemon forkserver: accept: [Errno 24] Too many open files") == 1
 
 
+def _idle_descriptors(pid: int) -> set[int]:
+    """The descriptors `pid` holds once it has settled: the same, and no CPU used, for 0.1 s
+    (a server preloads an SDK once idle, opening files as it imports)."""
+
+    def look() -> tuple[set[int], int]:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = sum(map(int, f.read().rsplit(")", 1)[1].split()[11:13]))
+        return {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}, ticks
+
+    def settled() -> set[int] | None:
+        before = look()
+        time.sleep(0.1)
+        return before[0] if look() == before else None
+
+    return wait_until(settled, 30, "the fork server to settle")
+
+
+def test_a_server_out_of_descriptors_answers_the_client_at_once(env: Env) -> None:
+    """Every descriptor the server may have in use: accept() fails, and the client waited its
+    whole reply timeout (30 s) before it exec'd the pod. The server lets go of one it holds in
+    reserve to answer that client an error at once (it execs), then serves the next one."""
+    spawn(env, "lone")
+    spawn(env, "one")  # starts the server
+    server = server_pid(env)
+    held = _idle_descriptors(server)
+    limits = resource.prlimit(server, resource.RLIMIT_NOFILE)
+    resource.prlimit(
+        server, resource.RLIMIT_NOFILE, (min(set(range(len(held) + 1)) - held), limits[1])
+    )
+    try:
+        lone = env.podctl("spawn", str(env.manifest("two", write=[str(env.work / "two")])))
+    finally:
+        resource.prlimit(server, resource.RLIMIT_NOFILE, limits)
+    assert lone.returncode == 0, lone.stderr
+    assert ppid(pod_pid(env, "two")) != server  # exec'd
+    log = next((env.home / "run").glob("forkserver.*.log")).read_text()
+    assert "a request refused: the fork server is out of file descriptors" in log, log
+    assert ppid(spawn(env, "three")) == server
+
+
 def test_a_stale_server_is_replaced(env: Env) -> None:
     spawn(env, "lone")
     spawn(env, "one")
