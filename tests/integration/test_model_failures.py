@@ -182,13 +182,19 @@ def test_calls_cut_short_count_against_the_budget(env: Env, how: str) -> None:
             assert c.cancel().cancelled
         events = collect_run(c, run.run_id)
     assert events[-1].data["outcome"] == ("error" if how == "cut" else "cancelled")
+    _charged_then_refused(env, pod, calls=1)
+
+
+def _charged_then_refused(env: Env, pod: PodProcess, calls: int) -> None:
+    """Each of `calls` model calls was charged (~100 tokens of input each: the budget is then
+    spent) and counted once; the next run is refused (-32007) and reaches no model."""
+    assert pod.call("usage")["totals"]["calls"] == calls
     budget = pod.call("status")["budget"]
-    assert budget["spent"] >= 100, budget  # the 400-byte input alone is ~100 tokens
-    assert pod.call("usage")["totals"]["calls"] == 1
+    assert budget["spent"] >= 100 * calls, budget
     with pod.client() as c, pytest.raises(Exception) as info:
         c.run("again")
     assert getattr(info.value, "code", None) == -32007
-    assert len(env.model.requests) == 1
+    assert len(env.model.requests) == calls
 
 
 @pytest.mark.parametrize("kind", PROVIDER_KINDS)
@@ -326,12 +332,7 @@ def test_attempts_cut_mid_tool_call_count_against_the_budget(env: Env, kind: str
         events = collect_run(c, run.run_id)
     assert [e.type for e in events].count("llm.retry") == 3
     assert events[-1].data["outcome"] == "error"
-    assert pod.call("usage")["totals"]["calls"] == 4  # once each, not twice, not zero
-    assert pod.call("status")["budget"]["spent"] >= 400  # ~100 tokens of input each
-    with pod.client() as c, pytest.raises(Exception) as info:
-        c.run("again")
-    assert getattr(info.value, "code", None) == -32007
-    assert len(env.model.requests) == 4
+    _charged_then_refused(env, pod, calls=4)  # once each, not twice, not zero
 
 
 @pytest.mark.parametrize("kind", PROVIDER_KINDS)
