@@ -1,6 +1,19 @@
 """1. Socket: `status` round trip and throughput against a raw uvloop echo server."""
 
-from bench.harness import Home, LoadResult, Row, Section, echo_server, load, ratio_le, request_line
+import os
+
+from bench.harness import (
+    Home,
+    LoadResult,
+    Row,
+    Section,
+    echo_server,
+    load,
+    peer_pid,
+    pinned,
+    ratio_le,
+    request_line,
+)
 
 ROUNDS = 3
 CALLS = 2000  # per round and target: 6,000 timed calls each
@@ -12,16 +25,12 @@ def run(sec: Section) -> None:
     line = request_line("status")
     with Home() as home, echo_server() as echo:
         pod = home.start_pod("sock")
-        pod_runs: list[LoadResult] = []
-        echo_runs: list[LoadResult] = []
-        # Interleaved rounds, so drift (other load, CPU frequency) hits both sides alike.
-        for _ in range(ROUNDS):
-            echo_runs.append(load(echo, line, count=CALLS, warmup=200))
-            pod_runs.append(load(pod.socket, line, count=CALLS, warmup=200))
-        pod_lat = [x for r in pod_runs for x in r.lat_us]
-        echo_lat = [x for r in echo_runs for x in r.lat_us]
-        pod_one = LoadResult(1, len(pod_lat), 1.0, pod_lat)
-        echo_one = LoadResult(1, len(echo_lat), 1.0, echo_lat)
+        # One client's round trips, each server and its client on one CPU (see `pinned`: a
+        # wake-up across CPUs costs more than the whole echo here, and which side of that
+        # draw a connection lands on changes from run to run), then free, for comparison.
+        cpu = min(os.sched_getaffinity(0))
+        pod_one, echo_one = _round_trips(pod.socket, echo, line, cpu, pod.pid)
+        pod_free, echo_free = _round_trips(pod.socket, echo, line)
         sec.add(
             Row(
                 "status RTT p50, 1 connection",
@@ -34,6 +43,15 @@ def run(sec: Section) -> None:
         )
         sec.add(
             Row("status RTT p99, 1 connection", pod_one.p99, "µs", echo_one.p99, "echo RTT p99")
+        )
+        sec.add(
+            Row(
+                "status RTT p50, 1 connection, unpinned",
+                pod_free.p50,
+                "µs",
+                echo_free.p50,
+                "echo RTT p50",
+            )
         )
         echo_tp = load(echo, line, clients=CLIENTS, duration=DURATION)
         pod_tp = load(pod.socket, line, clients=CLIENTS, duration=DURATION)
@@ -50,11 +68,30 @@ def run(sec: Section) -> None:
             Row(f"status p50 under {CLIENTS} clients", pod_tp.p50, "µs", echo_tp.p50, "echo p50")
         )
         sec.note(
-            f"{len(pod_lat)} timed calls per side in {ROUNDS} interleaved rounds, "
+            f"{len(pod_one.lat_us)} timed calls per side in {ROUNDS} interleaved rounds, "
+            f"server and client on CPU {cpu} (unpinned: the same, on any CPU); "
             f"reply {len(_status_reply(pod.socket, line))} B vs echo {len(line)} B; "
             f"throughput: {CLIENTS} processes, own connection each, NOT pipelined "
             f"(send, wait for the reply line, repeat), {DURATION} s"
         )
+
+
+def _round_trips(
+    pod: str, echo: str, line: bytes, cpu: int | None = None, pod_pid: int = 0
+) -> tuple[LoadResult, LoadResult]:
+    """One client's round trips to the pod and to the echo server, in interleaved rounds (so
+    drift, other load and CPU frequency, hits both alike); with `cpu`, each server and its
+    client run on that CPU."""
+    pod_lat: list[float] = []
+    echo_lat: list[float] = []
+    for _ in range(ROUNDS):
+        for path, lat, pid in ((echo, echo_lat, peer_pid(echo)), (pod, pod_lat, pod_pid)):
+            if cpu is None:
+                lat += load(path, line, count=CALLS, warmup=200).lat_us
+                continue
+            with pinned(pid, cpu):
+                lat += load(path, line, count=CALLS, warmup=200, cpu=cpu).lat_us
+    return LoadResult(1, len(pod_lat), 1.0, pod_lat), LoadResult(1, len(echo_lat), 1.0, echo_lat)
 
 
 def _status_reply(path: str, line: bytes) -> bytes:

@@ -3,7 +3,6 @@ typed params; a method either answers from the pod's state or runs a command thr
 machine and awaits the machine's reply."""
 
 import asyncio
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -358,7 +357,7 @@ def status(pod: "Pod", scope: list[ScopeEntry]) -> StatusResult:
     st = pod.machine.state
     return StatusResult(
         name=pod.name,
-        pid=os.getpid(),
+        pid=pod.s.entry.pid,  # (its own: the registry holds it, no syscall per status)
         state=pod.machine.pod_state,
         run_id=st.active_run or st.paused_run,
         session_id=st.session_id or None,

@@ -568,6 +568,8 @@ class Connection(asyncio.Protocol):
             # create and step through per request.
             self._tasks.add(result)
             result.add_done_callback(functools.partial(self._future_done, rid, answer, method))
+        elif isinstance(result, msgspec.Struct):  # a result at once (status): no abc check
+            answer(_reply(rid, result))
         elif inspect.isawaitable(result):
             task = asyncio.ensure_future(self._finish(result, rid, answer, method))
             self._tasks.add(task)
