@@ -24,7 +24,7 @@ import msgspec
 
 from poddaemon.scope import Mount, Rule, Scope, on_devices, write_overlap
 from protocol import paths
-from protocol.framing import UNREADABLE
+from protocol.unreadable import UNREADABLE
 
 if TYPE_CHECKING:
     import filelock  # imported when a transaction first locks: readers (podctl ls) skip ~10 ms

@@ -32,12 +32,12 @@ from protocol.errors import RpcError
 from protocol.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     HEAD_BYTES,
-    UNREADABLE,
     LineFramer,
     Oversize,
 )
 from protocol.methods import METHODS
 from protocol.types import NoParams, Request, Result
+from protocol.unreadable import UNREADABLE
 
 log = logging.getLogger("poddaemon.server")
 

@@ -21,7 +21,6 @@ from protocol.errors import (
 from protocol.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_REPLY_BYTES,
-    UNREADABLE,
     LineFramer,
     Oversize,
 )
@@ -40,6 +39,7 @@ from protocol.types import (
     Response,
     SubscribeParams,
 )
+from protocol.unreadable import UNREADABLE
 
 T = TypeVar("T")
 R = TypeVar("R")

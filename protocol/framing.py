@@ -1,11 +1,6 @@
 """Newline-delimited JSON framing as a sans-IO buffer: bytes in, complete lines out."""
 
-import msgspec
-
-# What msgspec raises for input that is not JSON: a nesting deeper than its limit is a
-# RecursionError, invalid UTF-8 inside a string a UnicodeDecodeError (not a DecodeError), and a
-# str holding a lone surrogate a UnicodeEncodeError.
-UNREADABLE = (msgspec.DecodeError, UnicodeError, RecursionError)
+# Standard library only (nothing at all): podctl's fast path (protocol.oneshot) frames with it.
 
 DEFAULT_MAX_FRAME_BYTES = 8 * 1024 * 1024
 # Replies may be larger than requests (history): a client reads up to this much per frame.

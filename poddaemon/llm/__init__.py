@@ -24,7 +24,7 @@ from poddaemon.llm.types import (
     TextDelta,
     ToolSpec,
 )
-from protocol.framing import UNREADABLE
+from protocol.unreadable import UNREADABLE
 
 if TYPE_CHECKING:
     from poddaemon.config.manifest import Manifest

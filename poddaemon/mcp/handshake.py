@@ -14,7 +14,7 @@ import msgspec
 
 import poddaemon
 from poddaemon.mcp.stdio import StdioProcess, reply_id
-from protocol.framing import UNREADABLE
+from protocol.unreadable import UNREADABLE
 
 # The newest revision reachable with `initialize` (mcp_types.version.LATEST_HANDSHAKE_VERSION).
 PROTOCOL_VERSION = "2025-11-25"

@@ -48,7 +48,7 @@ from poddaemon.store.log import (
     verify_line,
 )
 from protocol import paths
-from protocol.framing import UNREADABLE
+from protocol.unreadable import UNREADABLE
 
 __all__ = [
     "HeadMoved",

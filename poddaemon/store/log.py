@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from protocol.framing import UNREADABLE
+from protocol.unreadable import UNREADABLE
 
 __all__ = [
     "GENESIS",
