@@ -7,7 +7,7 @@ from pathlib import Path
 
 from bench.harness import PY, Home, Row, Rpc, Section, median, pss_mb, value_le
 
-SPAWNS = 5
+SPAWNS = 11  # medians of 11: with 5, one slow start (host noise) moved the row by ~15 ms
 
 
 def _python_pass(env: dict[str, str]) -> tuple[float, float]:
