@@ -184,7 +184,9 @@ def imported_modules(importtime_stderr: str) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("args", [["--help"], ["status", "nosuchpod"]], ids=" ".join)
+@pytest.mark.parametrize(
+    "args", [["--help"], ["status", "nosuchpod"], ["notify", "nosuchpod", "hi"]], ids=" ".join
+)
 def test_start_up_never_imports_heavy_modules(home: Path, args: list[str]) -> None:
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "cli.main", *args],
@@ -199,6 +201,9 @@ def test_start_up_never_imports_heavy_modules(home: Path, args: list[str]) -> No
     assert "typer" in modules  # the parse worked
     heavy = {m for m in modules if m.split(".")[0] in {"openai", "anthropic", "asyncio", "uvloop"}}
     assert not heavy
+    if args != ["--help"]:  # the one-call fast path (protocol.oneshot): not even msgspec, ~10
+        # ms with what it brings; it crept back in once, through protocol.framing
+        assert not {m for m in modules if m.split(".")[0] == "msgspec"}
     assert not {m for m in modules if m.startswith(("poddaemon.store", "poddaemon.testing"))}
 
 
