@@ -313,9 +313,12 @@ class Hooks(Interceptor):
             runs.append(run)
             # An allow does not stop the hooks after it: as in Claude Code, where every
             # matching hook runs and a deny beats an allow, one guard cannot wave a call
-            # past another's block. A Stop hook's block does not either: a later one may
-            # say "continue": false, which beats it.
-            if run.decision in ("block", "stop") and event != "Stop":
+            # past another's block. Only a guard's block (or halt) ends the event's hooks:
+            # the call or prompt is refused, nothing is left for the rest to judge. Any
+            # other event's block refuses nothing (a Stop hook's: a later one may say
+            # "continue": false, which beats it), and the hooks after it still run (skipped,
+            # a SessionStart or PostToolUse hook's context never reached the model).
+            if run.decision in ("block", "stop") and event in GUARDS:
                 break
         return runs
 

@@ -958,3 +958,30 @@ def test_a_stop_hooks_stop_reason_reaches_the_user(env: Env) -> None:
     pod = env.start("stopsaid", extra=hooks_toml("Stop", f"echo {shlex.quote(stop)}"))
     alert = first_alert_of_a_finished_run(pod, "work")
     assert alert.data["source"] == "hook" and "out of time" in alert.data["message"]
+
+
+def test_a_block_that_stops_nothing_does_not_skip_the_events_other_hooks(env: Env) -> None:
+    """Claude Code runs every matching hook of an event. A pod stopped at the first block, which
+    is right where the block refuses something (PreToolUse, UserPromptSubmit), but exit 2 of a
+    SessionStart or PostToolUse hook stops nothing: the hooks after it never ran, and the
+    context they add (the project's notes, a linter's report) silently never reached the model."""
+    fail = "echo 'lint is unhappy' >&2; exit 2"
+    notes = "echo 'NOTES: use tabs'"
+    linted = json.dumps({"hookSpecificOutput": {"additionalContext": "LINT: 2 warnings"}})
+    extra = (
+        hooks_toml("SessionStart", fail)
+        + hooks_toml("SessionStart", notes)
+        + hooks_toml("PostToolUse", fail, matcher="list_dir")
+        + hooks_toml("PostToolUse", f"echo {shlex.quote(linted)}", matcher="list_dir")
+    )
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}, {"text": "done"}
+    )
+    pod = env.start("allrun", tools=["list_dir"], extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("work").outcome == "finished"
+    assert "NOTES: use tabs" in str(env.model.requests[0]["body"])
+    (tool,) = tool_results(pod)
+    assert "lint is unhappy" in tool["output"] and "LINT: 2 warnings" in tool["output"]
+    runs = [(r["event"], r["decision"]) for r in hook_runs(pod)]
+    assert runs.count(("SessionStart", "ok")) == 1 and runs.count(("PostToolUse", "ok")) == 1
