@@ -98,6 +98,7 @@ NO_REASON = "no reason given"  # a block whose hook said nothing (the caller nam
 
 GUARDS = ("PreToolUse", "UserPromptSubmit")  # the events whose "block" stops an action
 HALTS = ("Stop", "SubagentStop", "PreToolUse", "PostToolUse")  # "continue": false ends the run
+NOT_RUN = (126, 127)  # sh: the command is not executable / not found
 # Events whose "block" (exit 2) stops nothing: Claude Code "shows stderr to user only".
 ADVISORY = ("SessionStart", "Notification", "SubagentStop", "PreCompact")
 
@@ -124,6 +125,12 @@ def _judge(
         return "warning", "timed out: killed with its process group", ""
     if code == 2:
         return "block", stderr.strip() or NO_REASON, ""
+    if code in NOT_RUN and event in GUARDS:
+        # sh's "not found" / "cannot execute": the guard never judged the call, so it fails
+        # closed, as one the runner could not start. A warning let every call through once
+        # the model's own bash removed (or chmod -x'd) a guard script lying in its scope.
+        said = stderr.strip()[:500] or "its command could not run"
+        return "block", f"the hook could not run (exit {code}): {said}", ""
     if code != 0:
         said = stderr.strip()[:500]
         what = f"exit {code}" if code > 0 else f"killed by signal {-code} ({_signal_name(-code)})"

@@ -643,11 +643,16 @@ class Pod:
         return reserved.session_id, str(reserved.path)
 
     def _record_hook(self, run: "HookRun") -> None:
-        from poddaemon.hooks import ADVISORY
+        from poddaemon.hooks import ADVISORY, NOT_RUN
 
         # A block where nothing can be blocked is a message for the user (Claude Code shows
-        # its stderr): recorded alone, no one saw it.
-        if run.decision == "warning" or (run.decision == "block" and run.event in ADVISORY):
+        # its stderr): recorded alone, no one saw it. So is a guard that could not run (it
+        # blocks every call it guards until someone restores its script).
+        if (
+            run.decision == "warning"
+            or (run.decision == "block" and run.event in ADVISORY)
+            or run.exit in NOT_RUN
+        ):
             self.alert("warning", f"{run.event} hook `{run.command}`: {run.reason}", "hook")
         if run.message:
             self.alert("warning", f"{run.event} hook `{run.command}`: {run.message}", "hook")

@@ -985,3 +985,26 @@ def test_a_block_that_stops_nothing_does_not_skip_the_events_other_hooks(env: En
     assert "lint is unhappy" in tool["output"] and "LINT: 2 warnings" in tool["output"]
     runs = [(r["event"], r["decision"]) for r in hook_runs(pod)]
     assert runs.count(("SessionStart", "ok")) == 1 and runs.count(("PostToolUse", "ok")) == 1
+
+
+@pytest.mark.parametrize("disarm", ["rm -f guard.sh", "chmod -x guard.sh"])
+def test_a_guard_script_the_model_removes_still_guards(env: Env, disarm: str) -> None:
+    """A guard script in the pod's writable scope: the model's own bash removed it (or made it
+    not executable), sh exited 127 (126), a warning, and every call it guarded ran from then
+    on. A guard that cannot run has judged nothing: it blocks, as one that cannot start."""
+    guard = env.work / "guard.sh"
+    guard.write_text(SH_GUARD)
+    guard.chmod(0o755)
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": disarm}}]},
+        {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]},
+        {"text": "done"},
+    )
+    extra = hooks_toml("PreToolUse", str(guard), matcher="write_file")
+    pod = env.start("disarmed", tools=["bash", "write_file"], extra=extra)
+    alert = first_alert_of_a_finished_run(pod, "work")  # the user hears of it too
+    assert alert.data["source"] == "hook" and "could not run" in alert.data["message"]
+    assert not (env.work / "x.txt").exists()
+    disarmed, write = tool_results(pod)
+    assert not disarmed["is_error"]
+    assert write["is_error"] and "the hook could not run (exit 12" in write["output"]

@@ -14,7 +14,7 @@ from poddaemon.hooks import TEXT_LIMIT, judge
         (2, "", "no secrets\n", ("block", "no secrets", "")),
         (2, "", "", ("block", "no reason given", "")),  # "blocked by a PreToolUse hook: " …
         (1, "", "oops", ("warning", "exit 1: oops", "")),
-        (127, "", "sh: not found", ("warning", "exit 127: sh: not found", "")),
+        (127, "", "sh: nf", ("block", "the hook could not run (exit 127): sh: nf", "")),
         (None, "", "", ("warning", "timed out: killed with its process group", "")),
         (0, '{"decision": "block", "reason": "r"}', "", ("block", "r", "")),
         (0, "{not json", "", ("ok", "", "")),
@@ -24,6 +24,13 @@ def test_exit_codes_and_json_decisions(
     code: int | None, stdout: str, stderr: str, expected: tuple[str, str, str]
 ) -> None:
     assert judge("PreToolUse", code, stdout, stderr) == expected
+
+
+def test_a_hook_that_could_not_run_blocks_only_where_it_guards() -> None:
+    """sh's 127 (not found) and 126 (not executable): a guard judged nothing and fails closed;
+    elsewhere, as any failing hook, a warning."""
+    assert judge("UserPromptSubmit", 126, "", "")[0] == "block"
+    assert judge("PostToolUse", 127, "", "nf") == ("warning", "exit 127: nf", "")
 
 
 def test_permission_decisions_of_pre_tool_use() -> None:
