@@ -98,6 +98,7 @@ NO_REASON = "no reason given"  # a block whose hook said nothing (the caller nam
 
 GUARDS = ("PreToolUse", "UserPromptSubmit")  # the events whose "block" stops an action
 HALTS = ("Stop", "SubagentStop", "PreToolUse", "PostToolUse")  # "continue": false ends the run
+AFTER_THE_FACT = 4  # Stop hooks of runs that did not finish running at once (see Hooks)
 NOT_RUN = (126, 127)  # sh: the command is not executable / not found
 # Events whose "block" (exit 2) stops nothing: Claude Code "shows stderr to user only".
 ADVISORY = ("SessionStart", "Notification", "SubagentStop", "PreCompact")
@@ -203,6 +204,9 @@ class Hooks(Interceptor):
         self.record = record
         self._kept_going: set[str] = set()  # runs a Stop hook kept going (stop_hook_active)
         self._halted: dict[str, str] = {}  # runs a tool hook stopped ("continue": false): why
+        # Stop hooks of runs that did not finish, run in the background: a few at a time, as
+        # handlers.MAX_BACKGROUND_HOOKS (cancelling 40 queued runs started 40 hooks at once).
+        self._after_the_fact = asyncio.Semaphore(AFTER_THE_FACT)
 
     # --- the interceptor -------------------------------------------------------------------------
 
@@ -273,7 +277,8 @@ class Hooks(Interceptor):
         self._halted.pop(run_id, None)  # (it ended before its next model call: a cancel)
         if outcome != "finished":
             fields = {"stop_hook_active": kept_going, "run_id": run_id, "outcome": outcome}
-            await self.run("Stop", fields)
+            async with self._after_the_fact:
+                await self.run("Stop", fields)
 
     async def before_compact(self, reason: str) -> None:
         await self.run("PreCompact", {"trigger": reason, "custom_instructions": ""})

@@ -1008,3 +1008,33 @@ def test_a_guard_script_the_model_removes_still_guards(env: Env, disarm: str) ->
     disarmed, write = tool_results(pod)
     assert not disarmed["is_error"]
     assert write["is_error"] and "the hook could not run (exit 12" in write["output"]
+
+
+def test_stop_hooks_of_a_burst_of_cancelled_runs_run_a_few_at_a_time(env: Env) -> None:
+    """A run that does not finish runs its Stop hooks after the fact, in the background. Each
+    started as its run ended: cancelling 40 queued runs ran 40 hook commands at once (80
+    processes with their shells), where Notification hooks are held to a few at a time."""
+    from poddaemon.hooks import AFTER_THE_FACT
+
+    log = env.work / "stops.log"
+    stop = f"echo start >> {log}; sleep 0.2; echo end >> {log}"
+    env.model.script({"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]})
+    extra = hooks_toml("PreToolUse", "sleep 193", timeout=60) + hooks_toml("Stop", stop)
+    pod = env.start("cancels", tools=["list_dir"], extra=extra)
+    count = 3 * AFTER_THE_FACT
+    with pod.client() as c:
+        c.call_raw("run", {"input": "held in its guard"})
+        wait_until(lambda: any(e["kind"] == "assistant" for e in entries(pod)))
+        queued = [json.loads(bytes(c.call_raw("run", {"input": f"q{i}"}))) for i in range(count)]
+        assert all(q["state"] == "queued" for q in queued)
+        for q in queued:
+            c.call_raw("cancel", {"run_id": q["run_id"]})
+        c.call_raw("cancel", {})  # the held one too
+
+    stops = lambda: [r for r in hook_runs(pod) if r["event"] == "Stop"]  # noqa: E731
+    wait_until(lambda: len(stops()) == count + 1, what="every Stop hook")
+    running = most = 0
+    for line in log.read_text().split():
+        running += 1 if line == "start" else -1
+        most = max(most, running)
+    assert most <= AFTER_THE_FACT
