@@ -93,6 +93,16 @@ def script_grants(scripts: Sequence[str], scope: Scope) -> list[Grant]:
     return grants
 
 
+def _script_note(path: str, scope: Scope) -> str:
+    """What `podctl status` says of a hook script. One lying where the pod's commands may write
+    can be replaced by them (rewritten, or a new file renamed over it: a deny rule on the file
+    keeps its contents, not its name), and a guard there guards only until the model does so."""
+    note = f"{path}: a hook script: commands may read and run it"
+    if scope.access(os.path.realpath(os.path.dirname(path))) >= Access.WRITE:
+        note += "; it lies in the pod's writable scope: they can replace it (keep guards out)"
+    return note
+
+
 def pod_sandbox(
     *,
     name: str,
@@ -147,7 +157,7 @@ def pod_sandbox(
     policy = build(scope)
     box.policy = policy.encode()
     box.files = tuple(scripts)
-    extra_notes = [f"{p}: a hook script: commands may read and run it" for p in scripts]
+    extra_notes = [_script_note(p, scope) for p in scripts]
     if abi < 6:  # the scopes came with ABI 6
         extra_notes.append(
             f"Landlock ABI {abi}: commands can send signals to any process of this user and "

@@ -1038,3 +1038,20 @@ def test_stop_hooks_of_a_burst_of_cancelled_runs_run_a_few_at_a_time(env: Env) -
         running += 1 if line == "start" else -1
         most = max(most, running)
     assert most <= AFTER_THE_FACT
+
+
+@pytest.mark.skipif(not available(), reason="needs Landlock")
+def test_status_says_which_guard_scripts_the_pods_commands_can_replace(env: Env) -> None:
+    """A guard in the pod's writable scope is one `printf 'exit 0' > guard.sh` from letting
+    everything through (a deny rule on it keeps its contents, not its name: a new file can be
+    renamed over it). README says to keep guards outside; nothing told a user who did not."""
+    inside = env.work / "guard.sh"
+    outside = env.home / "outside-guard.sh"
+    for guard in (inside, outside):
+        guard.write_text(SH_GUARD)
+        guard.chmod(0o755)
+    extra = hooks_toml("PreToolUse", str(inside)) + hooks_toml("PreToolUse", str(outside))
+    pod = env.start("exposed", tools=["list_dir"], extra=extra)
+    status = env.podctl("status", pod.name).stdout
+    replaceable = [line for line in status.splitlines() if "can replace it" in line]
+    assert len(replaceable) == 1 and str(inside) in replaceable[0], status
