@@ -209,7 +209,9 @@ def _read(path: Path, shown: str, *, missing: str | None) -> str:
     except OSError as e:
         raise ManifestError(f"{shown}: cannot read: {e.strerror or e}") from None
     try:
-        return raw.decode("utf-8")
+        # An editor's "UTF-8 with BOM" (Notepad's default) put U+FEFF before the first key:
+        # "invalid TOML: Invalid statement (at line 1, column 1)", a character nobody can see.
+        return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as e:
         raise ManifestError(
             f"{shown}: invalid TOML: not UTF-8 ({e.reason} at byte {e.start})"

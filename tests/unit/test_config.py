@@ -676,6 +676,16 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
         load_manifest("b.toml")
 
 
+def test_a_utf8_byte_order_mark_is_ignored(tmp_path: Path) -> None:
+    # What an editor saving "UTF-8 with BOM" writes; tomllib refuses U+FEFF as a statement.
+    (tmp_path / "bom.toml").write_bytes(b"\xef\xbb\xbf" + MINIMAL.encode())
+    assert same(load_manifest("bom.toml"), load_manifest(write(MINIMAL)))
+    # Only at the start: elsewhere it is a character like any other, and line numbers hold.
+    (tmp_path / "mid.toml").write_bytes(MINIMAL.encode() + b"\xef\xbb\xbfx = 1\n")
+    with pytest.raises(ManifestError, match=r"^mid\.toml:11: invalid TOML: "):
+        load_manifest("mid.toml")
+
+
 def test_only_a_regular_file_of_bounded_size_is_read(tmp_path: Path) -> None:
     # A device would be read forever (`/dev/zero`: all memory) and a wrong path to a log
     # would be parsed whole: each is one clear line instead.
