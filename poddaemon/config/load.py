@@ -423,7 +423,18 @@ _KEY = re.compile(rf"^\s*({_DOTTED})\s*=")
 
 
 def _split_key(dotted: str) -> list[str]:
-    return [p.strip("\"'") for p in re.findall(_KEY_PART, dotted)]
+    return [_unquote(p) for p in re.findall(_KEY_PART, dotted)]
+
+
+def _unquote(part: str) -> str:
+    """A key part as the parser names it: a basic string's escapes (`"caf\\u00e9"`) decoded,
+    else an unknown key written so was pinned on its table's line, not its own."""
+    if part.startswith('"') and "\\" in part:
+        try:
+            return next(iter(tomllib.loads(f"{part} = 0")))
+        except tomllib.TOMLDecodeError:
+            pass
+    return part.strip("\"'")
 
 
 def _key_lines(text: str) -> dict[Key, int]:

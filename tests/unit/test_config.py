@@ -504,6 +504,13 @@ def test_dotted_keys_are_found_too() -> None:
     assert error_of(MINIMAL + "worker.x = 3\n") == "m.toml:11: scope.allow[0].worker: unknown key"
 
 
+def test_quoted_keys_with_escapes_are_found_on_their_own_line() -> None:
+    text = '[worker]\nmax_tokens = 5\n"caf\\u00e9" = 1\n' + MINIMAL
+    assert error_of(text) == "m.toml:3: worker.café: unknown key"
+    text = '[worker]\nmax_tokens = 5\n[worker.tool_output."a\\tb"]\nx = 1\n' + MINIMAL
+    assert error_of(text) == "m.toml:3: worker.tool_output.a\tb: unknown key"
+
+
 def test_keys_inside_multiline_strings_are_not_mistaken_for_keys() -> None:
     text = '[worker]\ninstruction = """\nbogus = 1\n"""\nbogus = 2\n' + MINIMAL
     assert error_of(text) == "m.toml:5: worker.bogus: unknown key"
