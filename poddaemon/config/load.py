@@ -137,9 +137,23 @@ def load_manifest(
             if origin is not src:  # from defaults.toml or a --set: a template error names it
                 note = f" ({origin.note})" if origin.note else ""
                 manifest = msgspec.structs.replace(manifest, instruction_source=origin.name + note)
+            if key == "instruction_file" and not origin.note and origin is not src:
+                manifest = _file_from_defaults(manifest, origin.name)
     manifest = _resolve_paths(manifest, Path(path))
     _check_utf8(manifest.to_dict(), (), src.name)
     return manifest
+
+
+def _file_from_defaults(m: Manifest, defaults: str) -> Manifest:
+    """defaults.toml's `instruction_file`, when relative, is relative to defaults.toml: it goes
+    under every pod, and against each pod's own pwd it named a different file (or none) each."""
+    name = m.worker.instruction_file
+    if name is None:
+        return m
+    found = os.path.join(os.path.dirname(_absolute(defaults)), os.path.expanduser(name))
+    return msgspec.structs.replace(
+        m, worker=msgspec.structs.replace(m.worker, instruction_file=found)
+    )
 
 
 def _check_utf8(value: Any, key: Key, shown: str) -> None:

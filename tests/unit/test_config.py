@@ -370,6 +370,24 @@ def test_set_overrides_scalars_and_nested_keys() -> None:
     assert m.worker.instruction == "Be brief. Very."
 
 
+def test_a_defaults_instruction_file_is_relative_to_defaults_toml(tmp_path: Path) -> None:
+    # The same defaults go under every pod: against each pod's pwd the name meant nothing.
+    write('[worker]\ninstruction_file = "prompts/common.md"\n', "cfg/defaults.toml")
+    text = MINIMAL.replace('name = "reviewer"', 'name = "reviewer"\npwd = "proj"')
+    m = load_manifest(write(text, "pods/m.toml"), (), Path("cfg/defaults.toml"))
+    assert m.worker.instruction_file == str(tmp_path / "cfg/prompts/common.md")
+    assert m.instruction_source == "cfg/defaults.toml"
+    # The manifest's own, and a --set one, stay relative to the pod's pwd.
+    own = text + '[worker]\ninstruction_file = "p.md"\n'
+    m = load_manifest(write(own, "pods/m.toml"), (), Path("cfg/defaults.toml"))
+    assert m.worker.instruction_file == str(tmp_path / "pods/proj/p.md")
+    m = load_manifest("pods/m.toml", ["worker.instruction_file=q.md"], Path("cfg/defaults.toml"))
+    assert m.worker.instruction_file == str(tmp_path / "pods/proj/q.md")
+    write('[worker]\ninstruction_file = "/abs/common.md"\n', "cfg/defaults.toml")
+    m = load_manifest(write(text, "pods/m.toml"), (), Path("cfg/defaults.toml"))
+    assert m.worker.instruction_file == "/abs/common.md"
+
+
 def test_set_wins_over_defaults_and_replaces_the_other_instruction_form() -> None:
     write('[worker]\nmax_turns = 3\ninstruction_file = "x.md"\n', "defaults.toml")
     m = load_manifest(
