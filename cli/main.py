@@ -45,6 +45,9 @@ def _closed_stdio_on_devnull() -> None:
 
 def main() -> None:
     _closed_stdio_on_devnull()
+    from protocol.paths import absolute_env
+
+    absolute_env()
     # What a terminal's encoding cannot hold (a pod's Chinese answer under LANG=en_US.ISO-8859-1)
     # shown as \\uXXXX: it raised mid-answer, read as a bad argument (exit 2). UTF-8 is as is.
     for stream in (sys.stdout, sys.stderr):

@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # (SIGINT: Python's own, unless ignored)
         signal.signal(sig, signal.default_int_handler)
     sdnotify.claim()
+    paths.absolute_env()  # before a hook, command or child pod inherits them
     args = parse_args(argv)
     # The model thread parses streams while the loop answers clients; a waiting thread gets the
     # GIL only after this interval (default 5 ms), which an ack would pay several times over.

@@ -17,6 +17,24 @@ def _env(name: str) -> str | None:
     return value or None  # empty variables count as unset
 
 
+_DIR_VARS = (
+    "PODDAEMON_HOME",
+    "PODDAEMON_CONFIG_DIR",
+    "PODDAEMON_DATA_DIR",
+    "PODDAEMON_RUNTIME_DIR",
+)
+
+
+def absolute_env() -> None:
+    """Make a relative directory variable (`PODDAEMON_HOME=h podctl spawn …`) absolute, from
+    where the user stands. A pod's hooks and commands run in its pwd and inherit the variable:
+    `podctl status` from a hook looked for the pods under `<pwd>/h` and found none."""
+    for name in _DIR_VARS:
+        value = os.environ.get(name)
+        if value and not os.path.isabs(value):
+            os.environ[name] = os.path.abspath(value)
+
+
 def home_dir() -> Path | None:
     home = _env("PODDAEMON_HOME")
     return Path(home) if home else None

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -681,3 +682,39 @@ def test_send_shows_the_answers_escape_sequences_to_a_terminal_and_passes_them_t
         assert proc.wait(30) == 0
     os.close(main)
     assert b"\x1b" not in shown and b"look \\x1b]52;c;ZWNobyBwd25lZA==\\x07 here" in shown, shown
+
+
+def test_a_relative_poddaemon_home_reaches_the_pods_hooks_as_the_same_home(
+    cleanup: Env,
+) -> None:
+    """`PODDAEMON_HOME=pd… podctl spawn`: the pod's hooks (and commands) run in its pwd and
+    inherit the variable. Left relative, `podctl status` from a hook looked under <pwd>/pd…
+    and said its own pod was not running."""
+    env = cleanup
+    out = env.work / "hook.out"
+    podctl = f"{shlex.quote(sys.executable)} -m cli.main"
+    path = env.manifest(
+        "rel",
+        extra=(
+            "[sandbox]\nmode = 'off'\n[[hooks.UserPromptSubmit]]\n"
+            f"command = {json.dumps(f'{podctl} status rel > {out} 2>&1')}\n"
+        ),
+    )
+    relative = {**env.env, "PODDAEMON_HOME": env.home.name}
+
+    def podctl_here(*args: str) -> "subprocess.CompletedProcess[str]":
+        return subprocess.run(
+            [sys.executable, "-m", "cli.main", *args],
+            env=relative,
+            cwd=env.home.parent,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    spawn = podctl_here("spawn", str(path))
+    assert spawn.returncode == 0, spawn.stderr
+    send = podctl_here("send", "rel", "hi")
+    assert send.returncode == 0, send.stderr
+    assert "state:" in out.read_text() and "not running" not in out.read_text()
+    assert podctl_here("stop", "rel").returncode == 0
