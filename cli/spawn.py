@@ -22,7 +22,9 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Protocol
 
 from poddaemon import forkclient
@@ -126,6 +128,33 @@ def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str,
     Raises SpawnFailed when the pod exits (or closes stderr) first, or after `timeout` seconds,
     plus those a `PODDAEMON-STARTING` line asks for (then its whole process group is killed).
     """
+    with _terminate_as_exit():
+        return _spawn_detached(cmd, timeout)
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM or SIGHUP to a waiting podctl (`timeout 10 podctl spawn`, a cancelled CI job, a
+    closed terminal) raise SystemExit(128 + signal), as Ctrl-C raises KeyboardInterrupt: the
+    pod being started is stopped with it. By default podctl died on the spot and left the pod,
+    in a session of its own, starting (or stuck: a FIFO manifest without writer) for nobody."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    sigs = (signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, terminated) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _spawn_detached(cmd: list[str], timeout: float) -> tuple[str, str, bytes]:
     fd, write_end = os.pipe2(os.O_CLOEXEC)
     try:
         proc = start([*cmd, "--stderr-log"], write_end)
@@ -202,7 +231,8 @@ def _await_ready(proc: Started, fd: int, timeout: float) -> tuple[str, str, byte
                     output += line + b"\n"
     except BaseException:
         if proc.poll() is None and not isinstance(sys.exc_info()[1], SpawnFailed):
-            _kill_group(proc, signal.SIGTERM)  # Ctrl-C while waiting: do not leave a half pod
+            # Ctrl-C (or SIGTERM, SIGHUP) while waiting: do not leave a half pod
+            _kill_group(proc, signal.SIGTERM)
         raise
     # EOF before READY: the pod is exiting (or closed its stderr, which is as good as failing).
     output += pending

@@ -718,3 +718,33 @@ def test_a_relative_poddaemon_home_reaches_the_pods_hooks_as_the_same_home(
     assert send.returncode == 0, send.stderr
     assert "state:" in out.read_text() and "not running" not in out.read_text()
     assert podctl_here("stop", "rel").returncode == 0
+
+
+def test_spawn_terminated_while_waiting_stops_the_pod_it_started(cleanup: Env) -> None:
+    """`timeout 10 podctl spawn m.toml`, a cancelled CI job: SIGTERM to podctl while its pod
+    starts. podctl died on the spot, and the pod (a session of its own) went on starting for
+    nobody; from a FIFO manifest nobody writes, it waited for ever."""
+    env = cleanup
+    fifo = env.home / "nobody-writes.toml"
+    os.mkfifo(fifo)
+
+    def starting() -> list[int]:
+        found = []
+        for proc in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                args = (proc / "cmdline").read_bytes().split(b"\0")
+                if proc.name.isdigit() and str(fifo).encode() in args and b"run" in args:
+                    found.append(int(proc.name))
+        return found
+
+    spawn = env.podctl_popen("spawn", str(fifo))
+    try:
+        wait_until(starting, what="the pod started by podctl spawn")
+        spawn.send_signal(signal.SIGTERM)
+        assert spawn.wait(15) == 128 + signal.SIGTERM
+        wait_until(lambda: not starting(), what="the pod gone with podctl")
+    finally:
+        spawn.kill()
+        for pid in starting():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
