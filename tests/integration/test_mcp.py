@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from poddaemon.testing.cleanup import alive
-from tests.conftest import Env, StartFailed, ppid, wait_until
+from tests.conftest import Env, PodProcess, StartFailed, ppid, wait_until
 
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
 LEGACY = str(Path(__file__).with_name("mcp_legacy_server.py"))  # hand-written, 2025-era
@@ -69,6 +69,13 @@ def alerts(pod: Any) -> list[str]:
             if event.type == "run.finished":
                 return out
     return out
+
+
+def assert_the_same_server_serves(pod: PodProcess) -> None:
+    """The pod's one MCP server is up and was never restarted: what went wrong cost a call,
+    not the server."""
+    (server,) = pod.call("status")["mcp"]
+    assert (server["state"], server["restarts"]) == ("ready", 0)
 
 
 @pytest.mark.parametrize("kind", ["openai", "anthropic"])
@@ -583,8 +590,7 @@ def test_a_reply_over_the_line_limit_fails_its_call_and_the_server_stays(env: En
     big, small = tool_results(pod)
     assert big["is_error"] and "over the 64 MiB limit; it was discarded" in big["output"], big
     assert not small["is_error"] and small["output"].startswith("xxxx"), small["output"][:200]
-    (server,) = pod.call("status")["mcp"]
-    assert (server["state"], server["restarts"]) == ("ready", 0)
+    assert_the_same_server_serves(pod)
 
 
 def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
@@ -604,8 +610,7 @@ def test_a_slow_tool_on_a_server_without_ping_only_times_out(env: Env) -> None:
     for nap in (nap1, nap2):
         assert nap["is_error"] and "timed out after 1 s (MCP server 'old'" in nap["output"], nap
     assert (shout["output"], shout["is_error"]) == ("STILL HERE", False)
-    (server,) = pod.call("status")["mcp"]
-    assert (server["state"], server["restarts"]) == ("ready", 0)
+    assert_the_same_server_serves(pod)
 
 
 def test_a_hook_matcher_on_the_prefixed_name_blocks_an_mcp_tool(env: Env) -> None:
@@ -661,8 +666,7 @@ def test_a_reply_the_sdk_cannot_parse_fails_its_call_at_once(env: Env) -> None:
     assert deep["is_error"] and "the server's reply cannot be read" in deep["output"], deep
     assert "timed out" not in deep["output"]
     assert (shallow["output"], shallow["is_error"]) == ("a tree", False)
-    (server,) = pod.call("status")["mcp"]
-    assert (server["state"], server["restarts"]) == ("ready", 0)
+    assert_the_same_server_serves(pod)
 
 
 def test_a_tool_list_too_deep_to_read_fails_the_start_at_once_saying_why(env: Env) -> None:
@@ -771,8 +775,7 @@ def test_an_http_answer_over_the_size_limit_fails_its_call_and_the_server_stays(
         huge, echo = tool_results(pod)
         assert huge["is_error"] and "over the 64 MiB limit; it was discarded" in huge["output"]
         assert (echo["output"], echo["is_error"]) == ("echoed", False)
-        (server,) = pod.call("status")["mcp"]
-        assert (server["state"], server["restarts"]) == ("ready", 0)
+        assert_the_same_server_serves(pod)
     finally:
         proc.kill()
         proc.wait()
@@ -794,5 +797,4 @@ def test_a_busy_server_that_keeps_talking_is_not_taken_for_hung(env: Env) -> Non
     chat, shout = tool_results(pod)
     assert chat["is_error"] and "timed out after 3 s (MCP server 'old'" in chat["output"], chat
     assert (shout["output"], shout["is_error"]) == ("STILL HERE", False)
-    (server,) = pod.call("status")["mcp"]
-    assert (server["state"], server["restarts"]) == ("ready", 0)
+    assert_the_same_server_serves(pod)

@@ -581,6 +581,14 @@ def test_a_live_childs_report_comes_from_its_own_process_only(tree: Env) -> None
     _kill_and_see_it_reported_errored(env, parent, "v1")
 
 
+def _kill_and_see_it_gone(env: Env, parent: PodProcess, kid: str) -> None:
+    """kill -9 the child `kid`; return once its spawner lists no live child."""
+    entry = Registry(env.home / "run").get(kid)
+    assert entry is not None
+    os.kill(entry.pid, signal.SIGKILL)
+    wait_until(lambda: parent.call("status")["children"] == [], 20, f"the end of {kid}, killed")
+
+
 def _kill_and_see_it_reported_errored(env: Env, parent: PodProcess, kid: str) -> None:
     entry = Registry(env.home / "run").get(kid)
     assert entry is not None
@@ -605,10 +613,7 @@ def test_a_report_for_an_ended_child_comes_only_from_that_child_restarted(tree: 
     parent = start_parent(env, extra="[budget]\nmax_total_tokens = 100000\n")
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     wait_until(lambda: _finished_reports(parent, "v2"), 20, "the child's report")
-    entry = Registry(env.home / "run").get("v2")
-    assert entry is not None
-    os.kill(entry.pid, signal.SIGKILL)
-    wait_until(lambda: parent.call("status")["children"] == [], 10, "the child's end")
+    _kill_and_see_it_gone(env, parent, "v2")
     drained(parent)
     before = parent.call("status")["budget"]
     with PodClient.connect(parent.socket, timeout=10) as c, pytest.raises(RpcError) as err:
@@ -1055,10 +1060,7 @@ def test_a_child_restarted_after_a_crash_counts_what_it_spent_not_its_whole_gran
     parent = start_parent(env, extra=f"[budget]\nmax_total_tokens = {cap}\n")
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     wait_until(lambda: _finished_reports(parent, "kid"), 30, "the kid's report")
-    kid = Registry(env.home / "run").get("kid")
-    assert kid is not None
-    os.kill(kid.pid, signal.SIGKILL)
-    wait_until(lambda: parent.call("status")["children"] == [], 20, "the kid's end")
+    _kill_and_see_it_gone(env, parent, "kid")
     assert env.podctl("restart", "kid").returncode == 0
     wait_until(lambda: parent.call("status")["children"], 20, "the kid taken back")
     drained(parent)
