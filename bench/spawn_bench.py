@@ -5,6 +5,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from bench.cli_bench import NOOP_APP
 from bench.harness import PY, Home, Row, Rpc, Section, median, pss_mb, value_le
 
 SPAWNS = 11  # medians of 11: with 5, one slow start (host noise) moved the row by ~15 ms
@@ -105,11 +106,17 @@ def run(sec: Section) -> None:
         base = [_python_pass(home.env) for _ in range(11)]
         alone = [_spawn(home, manifest)[0] for _ in range(SPAWNS)]  # exec'd: no pod runs
         companion = home.start_pod("companion")  # from now on pods are forked by the server
+        noop_app = home.path / "noop_app.py"
+        noop_app.write_text(NOOP_APP)
         walls: list[float] = []  # the first starts the fork server
         pss: list[float] = []
+        noop: list[float] = []  # podctl's floor, alternated with the spawns
         for i in range(SPAWNS + 1):
             if i == 1:
                 _settle_server(home)  # let it load the SDK the first pod asked for
+            t = time.perf_counter()
+            subprocess.run([PY, str(noop_app), "x"], env=home.env, check=True)
+            noop.append((time.perf_counter() - t) * 1e3)
             ms, mb = _spawn(home, manifest)
             walls.append(ms)
             pss.append(mb)
@@ -123,6 +130,15 @@ def run(sec: Section) -> None:
                 base_ms,
                 "python -c pass",
                 value_le(100, "ms"),
+            )
+        )
+        sec.add(
+            Row(
+                "podctl spawn to READY, fork server running, against typer",
+                median(walls[1:]),
+                "ms",
+                median(noop[1:]),
+                "no-op typer app",
             )
         )
         sec.add(
@@ -196,6 +212,7 @@ def run(sec: Section) -> None:
         sec.note(
             f"{SPAWNS + 1} spawns of one manifest (each shut down before the next); "
             f"spawn walls {', '.join(f'{w:.0f}' for w in walls)} ms; "
+            f"the no-op typer app (podctl's floor) {', '.join(f'{w:.0f}' for w in noop)} ms; "
             f"poddaemon run to READY {', '.join(f'{w:.0f}' for w in ready)} ms; "
             f"the READY floor {', '.join(f'{w:.0f}' for w in floor)} ms"
         )
