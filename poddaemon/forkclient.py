@@ -41,6 +41,7 @@ class Request(NamedTuple):
     title: list[str]  # the command line `ps` shows: what the pod would have been exec'd as
     nofile: tuple[int, ...] = ()  # the caller's open-file limit (soft, hard), as exec would keep
     token: str = ""  # the server's token file's contents: proof the caller may read our runtime dir
+    nice: int | None = None  # the caller's nice value, as exec would keep
 
 
 def encode_request(req: Request) -> bytes:
@@ -69,10 +70,15 @@ def decode_request(body: bytes) -> Request:
         isinstance(n, int) and not isinstance(n, bool) and -1 <= n < 1 << 63 for n in nofile
     ):
         raise ValueError("nofile: want [soft, hard]")
+    nice = raw.get("nice")
+    if nice is not None and not (isinstance(nice, int) and not isinstance(nice, bool)):
+        raise ValueError("nice: want an integer")
+    if nice is not None and not -20 <= nice <= 19:
+        raise ValueError("nice: want -20 to 19")
     token = raw.get("token", "")
     if not isinstance(token, str):
         raise ValueError("token: want a string")
-    return Request(argv, env, cwd, umask, [str(t) for t in title], tuple(nofile), token)
+    return Request(argv, env, cwd, umask, [str(t) for t in title], tuple(nofile), token, nice)
 
 
 class Forked:
@@ -215,6 +221,7 @@ def fork_pod(
         umask=current_umask(),
         title=cmd,
         nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
+        nice=os.getpriority(os.PRIO_PROCESS, 0),
     )
     for attempt in range(2):  # a stale server steps aside: the second try starts a fresh one
         try:

@@ -11,7 +11,8 @@ forked 228 MB, this server included. Forking is safe because this process never 
 
 The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
 - request: a 4-byte big-endian length and a JSON object `{argv, env, cwd, umask, title,
-  nofile, token}` (nofile: the caller's open-file limit, which the pod gets, as an exec would;
+  nofile, nice, token}` (nofile and nice: the caller's open-file limit and nice value, which
+  the pod gets, as an exec would;
   token: the contents of `<runtime>/forkserver.<key>.token`, written by the server at start,
   0600); the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
 - replies, one JSON line each: `{"pid": N}` once forked, then `{"exit": code}` when the pod
@@ -439,6 +440,7 @@ class Server:
         if threading.active_count() != 1:  # a preload started one: a fork could deadlock
             raise OSError(f"{threading.active_count()} threads in the fork server")
         _allow_limits(req.nofile)
+        _allow_nice(req.nice)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()  # the preloads were frozen (load()): what a request made stays collectable
@@ -463,6 +465,8 @@ class Server:
             os.umask(req.umask)
             if req.nofile:  # the caller's, not this server's (started from another shell)
                 resource.setrlimit(resource.RLIMIT_NOFILE, (req.nofile[0], req.nofile[1]))
+            if req.nice is not None:  # the caller's (`nice podctl spawn`), not this server's
+                os.setpriority(os.PRIO_PROCESS, 0, req.nice)
             os.environ.clear()
             os.environ.update(req.env)
             time.tzset()  # the caller's TZ, for the pod's log timestamps
@@ -594,6 +598,23 @@ def _allow_limits(nofile: tuple[int, ...]) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, wanted))
     except (ValueError, OSError):
         raise OSError(f"the caller's open-file limit ({wanted}) is above this server's") from None
+
+
+def _allow_nice(nice: int | None) -> None:
+    """Make sure a pod can have its caller's nice value: a server started by `nice -n 19 podctl
+    spawn` forked every later pod at 19. A lower value than this server's needs the privilege
+    to raise a priority (CAP_SYS_NICE or RLIMIT_NICE): tried here, on this process, and put
+    back; OSError (the client then execs the pod itself) when it is not allowed."""
+    if nice is None:
+        return
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice >= own:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError:
+        raise OSError(f"the caller's nice value ({nice}) is below this server's ({own})") from None
+    os.setpriority(os.PRIO_PROCESS, 0, own)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,6 +195,39 @@ def test_a_server_started_with_a_low_open_file_limit_does_not_hold_later_pods_to
     assert got == (max(soft, min(hard, 4096)), hard)
 
 
+def _spawn_niced(env: Env, name: str, nice: int) -> subprocess.CompletedProcess[str]:
+    """`nice -n NICE podctl spawn` a pod with its own directory."""
+    manifest = env.manifest(name, write=[str(env.work / name)])
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", "spawn", str(manifest)],
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, nice),
+    )
+
+
+def test_a_forked_pod_has_its_callers_nice_value_not_the_servers(env: Env) -> None:
+    """`nice -n 10 podctl spawn` of the second pod started the server at 10, and every pod it
+    forked afterwards ran at 10, from any shell, until it went idle; `nice -n 15 podctl spawn`
+    through it gave the server's 10, where an exec'd pod has its caller's nice value."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    if own > 17:
+        pytest.skip(f"the tests run at nice {own}: no higher value to start the server at")
+    spawn(env, "lone")
+    server = min(own + 10, 18)
+    assert _spawn_niced(env, "server", server).returncode == 0  # starts the server, niced
+    assert os.getpriority(os.PRIO_PROCESS, server_pid(env)) == server
+    for name, nice in (("higher", server + 1), ("same", own)):
+        done = _spawn_niced(env, name, nice)
+        assert done.returncode == 0, done.stderr
+        pid = pod_pid(env, name)
+        assert ppid(pid) == server_pid(env)  # forked, not exec'd
+        assert os.getpriority(os.PRIO_PROCESS, pid) == nice, name
+    assert os.getpriority(os.PRIO_PROCESS, server_pid(env)) == server  # put back
+
+
 def test_a_server_out_of_descriptors_fails_that_request_and_serves_on(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
