@@ -27,6 +27,7 @@ SECTIONS: list[tuple[str, str, str]] = [
     ("sandbox", "13. Sandbox: Landlock per command and at start", "bench.sandbox_bench"),
     ("podbox", "15. Pod's bash and hooks: sandboxed vs not, hook cost", "bench.pod_sandbox_bench"),
     ("systemd", "14. systemd unit: start, restart after kill -9", "bench.systemd_bench"),
+    ("mcp", "20. MCP: READY with a stdio server, tool call cost", "bench.mcp_bench"),
     ("compaction", "16. Compaction: request size, its cost, restore", "bench.compaction_bench"),
     ("tree", "17. Spawn trees: spawn_pod, report latency, PSS", "bench.tree_bench"),
     ("history", "18. Warm text turn vs history length", "bench.history_bench"),

@@ -1,4 +1,4 @@
-"""9. MCP: pod start-up to READY with one stdio MCP server vs none, and the cost of one MCP tool
+"""20. MCP: pod start-up to READY with one stdio MCP server vs none, and the cost of one MCP tool
 call vs a builtin one.
 
 `python bench/mcp_bench.py serve` is the MCP server measured (the `mcp` SDK's MCPServer with one
