@@ -388,7 +388,8 @@ def wait(
 ) -> None:
     """Block until the pod is idle with an empty queue.
 
-    Exit 0 when it is, 4 on timeout, 3 when the pod is not running.
+    Exit 0 when it is, 4 on timeout, 3 when the pod is not running. A pod still starting
+    (`podctl ls`: starting) is waited for.
     """
     from cli.app import rpc_errors
     from protocol import oneshot, paths
@@ -399,7 +400,7 @@ def wait(
     deadline = None if timeout is None else time.monotonic() + timeout
     status: dict[str, Any] | None = None
     told: str | None = None
-    looked_again = False
+    looked_again = starting = False
     with rpc_errors(pod, WAIT_CALL_TIMEOUT):
         paths.check_private_dirs()
         while True:
@@ -410,24 +411,32 @@ def wait(
                 status = oneshot.call(
                     pod, "status", timeout=min(max(left, WAIT_CALL_MIN), WAIT_CALL_TIMEOUT)
                 )
+                starting = False
             except TimeoutError:
                 if deadline is None:
                     raise
                 status = None
             except (PodNotRunning, ConnectionClosed):
-                # Between a crash and its restart its unit is activating. Active: the pod came
-                # up since this call, or went down before systemd saw it: look once more.
-                unit, state = _unit_state(pod)
-                if unit is None or state not in ("activating", "reloading", "active"):
-                    raise
-                if state == "active" and looked_again:
-                    raise
-                looked_again = state == "active"
                 status = None
-                if told != unit:  # between a crash and its restart: its queue is still to do
-                    told = unit
-                    sys.stderr.write(f"podctl: pod '{pod}' is being restarted by {unit}\n")
-                    sys.stderr.flush()
+                starting = _starting(pod)  # registered, not listening yet: SessionStart hooks, MCP
+                if starting:
+                    if told != STARTING:
+                        told = STARTING
+                        sys.stderr.write(f"podctl: pod '{pod}' is starting ({STARTING})\n")
+                        sys.stderr.flush()
+                else:
+                    # Between a crash and its restart its unit is activating. Active: the pod
+                    # came up since this call, or went down before systemd saw it: look again.
+                    unit, state = _unit_state(pod)
+                    if unit is None or state not in ("activating", "reloading", "active"):
+                        raise
+                    if state == "active" and looked_again:
+                        raise
+                    looked_again = state == "active"
+                    if told != unit:  # between a crash and its restart: its queue is still to do
+                        told = unit
+                        sys.stderr.write(f"podctl: pod '{pod}' is being restarted by {unit}\n")
+                        sys.stderr.flush()
             if status is not None and _idle(status):
                 break
             why = _why_not_idle(status) if status is not None else None
@@ -440,11 +449,30 @@ def wait(
                     print_json({"idle": False, "status": status})
                 name = status.get("name", pod) if status else pod
                 doing = f"still {_doing(status)}" if status else "not answering"
+                if status is None and starting:
+                    doing = "still starting"
                 sys.stderr.write(f"podctl: pod '{name}' {doing} after {timeout:g} s\n")
                 raise typer.Exit(EXIT_TIMEOUT)
             time.sleep(WAIT_POLL)  # polling a condition: status is cheap and always answered
     if as_json:
         print_json({"idle": True, "status": status})
+
+
+STARTING = "its socket does not listen yet"
+
+
+def _starting(target: str) -> bool:
+    """A pod that holds its registry entry but does not listen yet (its SessionStart hooks or
+    MCP servers are still at work): `ls` lists it as `starting`, and it is running."""
+    from poddaemon.registry import Registry, RegistryError
+    from protocol import paths
+
+    if "/" in target:  # a socket path: no name to look up
+        return False
+    try:
+        return Registry(paths.runtime_dir()).get(target) is not None
+    except (RegistryError, OSError):
+        return False
 
 
 def _unit_state(target: str) -> tuple[str | None, str]:

@@ -214,6 +214,23 @@ def test_ls_lists_a_registered_pod_whose_socket_does_not_listen_yet_as_starting(
     assert (row["name"], row["pid"], row["state"]) == ("slow", os.getpid(), "starting")
 
 
+def test_wait_waits_for_a_pod_that_is_still_starting(env: Env) -> None:
+    """`podctl wait` of a pod that `ls` lists as starting (SessionStart hooks, MCP servers at
+    work) exited 3, "not running", at once: a script's `podctl spawn … &` then `podctl wait`
+    (README: "blocks until the pod is idle") gave up on a pod that was coming up."""
+    registry = Registry(env.home / "run")
+    sock = env.home / "run" / "pods" / "slow" / "sock"
+    registry.register(make_entry("slow", str(sock), Scope(allow=(), deny=())))
+    try:
+        waited = env.podctl("wait", "slow", "--timeout", "1")
+    finally:
+        registry.release("slow", os.getpid())
+    assert waited.returncode == 4, waited.stderr
+    assert "is starting" in waited.stderr and "still starting after 1 s" in waited.stderr
+    gone = env.podctl("wait", "slow", "--timeout", "1")  # its entry gone: not running
+    assert gone.returncode == 3, gone.stderr
+
+
 # --- item 18: exit codes ------------------------------------------------------------------------
 
 
