@@ -533,8 +533,11 @@ class Connection(asyncio.Protocol):
                 params = decoder.decode(raw)
             except msgspec.ValidationError as exc:
                 if bytes(raw).lstrip()[:1] not in (b"{", b"["):  # JSON-RPC: structured or absent
+                    # Not a valid request, so no notification either: answered (id null) even
+                    # without an id, as a wrong `jsonrpc` or `method` is. Dropped silently, a
+                    # `notify` sent with `"params": "text"` was lost without a word.
                     message = "invalid request: params must be an object or an array"
-                    answer(_error(rid, errors.INVALID_REQUEST, message))
+                    reply(_error(rid, errors.INVALID_REQUEST, message))
                     return
                 answer(_error(rid, errors.INVALID_PARAMS, _params_message(exc)))
                 return

@@ -401,6 +401,25 @@ def test_params_that_are_neither_object_nor_array_are_an_invalid_request(
     sock.close()
 
 
+@pytest.mark.parametrize("params", [b'"x"', b"null", b"3"])
+def test_a_request_without_id_and_with_unstructured_params_is_answered_invalid(
+    env: Env, params: bytes
+) -> None:
+    """Such a request is not valid, so it is no notification: JSON-RPC 2.0 answers it -32600
+    with a null id (its own example: `{"jsonrpc": "2.0", "method": 1, "params": "bar"}`), as
+    the pod does for a wrong `jsonrpc` or `method` without an id. It was dropped silently,
+    alone or in a batch: `notify` with `"params": "text"` lost its message without a word."""
+    pod = env.start()
+    sock = raw(pod)
+    line = b'{"jsonrpc":"2.0","method":"notify","params":%b}\n' % params
+    reply = rpc(sock, line)
+    assert reply["id"] is None and reply["error"]["code"] == -32600, reply
+    (item,) = rpc(sock, b"[" + line.rstrip() + b"]\n")  # type: ignore[misc]
+    assert item["id"] is None and item["error"]["code"] == -32600, item
+    assert rpc(sock, b'{"jsonrpc":"2.0","id":6,"method":"status"}\n')["id"] == 6
+    sock.close()
+
+
 def test_an_id_that_is_not_utf8_is_a_parse_error(env: Env) -> None:
     """The frame is not UTF-8 JSON: -32700 (with a null id: none can be read), not the
     -32603 "internal error" it was (reading the id for the reply raised)."""
