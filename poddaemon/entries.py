@@ -286,6 +286,13 @@ def body_of(entry: Entry) -> dict[str, Any]:
     body: dict[str, Any] = msgspec.to_builtins(entry)
     for key in ("kind", "seq", "ts"):
         body.pop(key, None)
+    if type(entry) is SessionStart:
+        # SPEC §8: a session_start holds its initial history and its forked_from /
+        # compacted_from links; written even when empty or null (omitted, a fresh session's
+        # first entry had neither a history nor the links for a reader to find).
+        body.setdefault("history", [])
+        body.setdefault("forked_from", None)
+        body.setdefault("compacted_from", None)
     return body
 
 

@@ -563,6 +563,25 @@ def test_kill_twice_while_restoring(env: Env) -> None:
 # --- damaged logs -------------------------------------------------------------------------------
 
 
+def test_a_fresh_sessions_first_entry_holds_its_history_and_links(env: Env) -> None:
+    """SPEC §8: session_start carries the rendered system prompt, the config, the initial
+    history and the forked_from / compacted_from links. A fresh session's were empty and null,
+    and were left out of the line altogether: a reader found no `history` key at all."""
+    pod = env.start("fresh")
+    with pod.client() as c:
+        c.run_wait("one")
+        sid = c.status().session_id
+    path = sessions_dir(env) / f"{sid}.jsonl"
+    start = json.loads(path.read_bytes().split(b"\n", 1)[0])
+    assert start["kind"] == "session_start" and start["seq"] == 1
+    assert {"system_prompt", "config"} <= start.keys(), start.keys()
+    assert start.get("history", "absent") == [], start.keys()
+    assert start.get("forked_from", "absent") is None, start.keys()
+    assert start.get("compacted_from", "absent") is None, start.keys()
+    assert pod.stop() == 0
+    verify_ok(env, sid)
+
+
 def test_torn_last_line_is_cut_with_an_alert(env: Env) -> None:
     pod = env.start("torn")
     with pod.client() as c:
