@@ -286,14 +286,29 @@ def body_of(entry: Entry) -> dict[str, Any]:
     body: dict[str, Any] = msgspec.to_builtins(entry)
     for key in ("kind", "seq", "ts"):
         body.pop(key, None)
+    _spelled_out(entry, body)
+    return body
+
+
+def record_of(entry: Entry) -> dict[str, Any]:
+    """What the log writes for `entry` with its kind and ts (PodLog.write; seq is the log's)."""
+    record: dict[str, Any] = msgspec.to_builtins(entry)
+    record["ts"] = entry.ts  # kept even when 0.0 (a default, omitted above)
+    if type(entry) is RunEnd:
+        _spelled_out(entry, record)
+    return record
+
+
+def _spelled_out(entry: Entry, body: dict[str, Any]) -> None:
+    """SPEC §8 names these fields of their kinds: they are written even when empty, null or
+    false (omit_defaults left them out: a fresh session's first entry had no history and no
+    links, and a run_end no `interrupted`, for a reader of the format to find)."""
     if type(entry) is SessionStart:
-        # SPEC §8: a session_start holds its initial history and its forked_from /
-        # compacted_from links; written even when empty or null (omitted, a fresh session's
-        # first entry had neither a history nor the links for a reader to find).
         body.setdefault("history", [])
         body.setdefault("forked_from", None)
         body.setdefault("compacted_from", None)
-    return body
+    elif type(entry) is RunEnd:
+        body.setdefault("interrupted", False)
 
 
 # --- events: the projection of committed entries --------------------------------------------

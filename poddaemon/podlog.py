@@ -19,8 +19,6 @@ import signal
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-import msgspec
-
 from poddaemon.entries import (
     Entry,
     PauseRequested,
@@ -30,6 +28,7 @@ from poddaemon.entries import (
     SystemItem,
     UserInput,
     body_of,
+    record_of,
 )
 from poddaemon.store.file import HeadMoved, Reservation, SessionLog
 from poddaemon.store.log import new_session_id
@@ -135,8 +134,7 @@ class PodLog:
                 log.flush()
                 if not log.head_is_mine():
                     raise HeadMoved(0, "head moved")
-            record = msgspec.to_builtins(entry)  # with its kind (the tag); seq is the log's
-            record["ts"] = entry.ts  # kept even when 0.0 (a default, omitted above)
+            record = record_of(entry)  # with its kind (the tag) and ts; seq is the log's
             seq = log.stage_record(record)
             self._staged = True
             kind = type(entry)

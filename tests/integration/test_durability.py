@@ -563,10 +563,11 @@ def test_kill_twice_while_restoring(env: Env) -> None:
 # --- damaged logs -------------------------------------------------------------------------------
 
 
-def test_a_fresh_sessions_first_entry_holds_its_history_and_links(env: Env) -> None:
+def test_the_fields_spec_names_are_written_even_when_empty(env: Env) -> None:
     """SPEC §8: session_start carries the rendered system prompt, the config, the initial
-    history and the forked_from / compacted_from links. A fresh session's were empty and null,
-    and were left out of the line altogether: a reader found no `history` key at all."""
+    history and the forked_from / compacted_from links; run_end its outcome and `interrupted`.
+    Empty, null or false, they were left out of the line altogether: a reader found no
+    `history` key in a fresh session, and no `interrupted` in a run that ended normally."""
     pod = env.start("fresh")
     with pod.client() as c:
         c.run_wait("one")
@@ -578,6 +579,9 @@ def test_a_fresh_sessions_first_entry_holds_its_history_and_links(env: Env) -> N
     assert start.get("history", "absent") == [], start.keys()
     assert start.get("forked_from", "absent") is None, start.keys()
     assert start.get("compacted_from", "absent") is None, start.keys()
+    lines = [json.loads(line) for line in path.read_bytes().splitlines()]
+    [end] = [e for e in lines if e["kind"] == "run_end"]
+    assert end["outcome"] == "finished" and end.get("interrupted", "absent") is False, end
     assert pod.stop() == 0
     verify_ok(env, sid)
 
@@ -1003,7 +1007,7 @@ def test_a_pause_acknowledged_before_a_crash_keeps_the_run_paused(env: Env, fork
     ends = [e for e in entries if e["kind"] == "run_end" and e["run_id"] == run.run_id]
     assert [(e["outcome"], e.get("interrupted")) for e in ends] == [
         ("paused", True),
-        ("finished", None),
+        ("finished", False),
     ]
     verify_ok(env, sid)
 

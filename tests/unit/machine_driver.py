@@ -6,9 +6,14 @@ what was synced) at will. Tests drive the real `Machine` through it."""
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
-from poddaemon.entries import SessionStart, SystemItem, UserInput, body_of, events_of
+from poddaemon.entries import (
+    SessionStart,
+    SystemItem,
+    UserInput,
+    body_of,
+    events_of,
+    record_of,
+)
 from poddaemon.history import AssistantMessage, ToolCall, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError, StopReason
 from poddaemon.machine import (
@@ -125,8 +130,7 @@ class Driver:
         # The pod writes typed entries without body_of's copy (PodLog.write): the same bytes.
         # (A session_start only ever goes through body_of: PodLog.open, _fork and switch.)
         if not isinstance(entry, SessionStart):
-            record = msgspec.to_builtins(entry)
-            record["ts"] = entry.ts
+            record = record_of(entry)
             assert encode_record(entry.seq, self.prev, record) == (line, stored["hash"])
         self.prev = stored["hash"]
         self.lines.append(line)
