@@ -68,7 +68,7 @@ class LineFramer:
                 continue
             if nl < 0:
                 self._buf += data[start:]
-                if len(self._buf) > self.max_frame_bytes:
+                if len(self._buf) > self.max_frame_bytes and not self._cr_past(self._buf):
                     self._discarding = len(self._buf)
                     self._head = bytes(self._buf[:HEAD_BYTES])
                     self._buf.clear()
@@ -80,11 +80,16 @@ class LineFramer:
             else:
                 line = data[start:nl]
             start = nl + 1
-            if len(line) > self.max_frame_bytes:
+            if len(line) > self.max_frame_bytes and not self._cr_past(line):
                 out.append(Oversize(len(line), line[:HEAD_BYTES]))
             elif line.strip():
                 out.append(line)
         return out
+
+    def _cr_past(self, line: bytes | bytearray) -> bool:
+        """The one byte past the limit is a CRLF line end's CR: the line itself is within it
+        (a request of exactly the limit sent with CRLF, as `nc -C` or a Windows file does)."""
+        return len(line) == self.max_frame_bytes + 1 and line[-1] == 0x0D
 
     def close(self) -> list[bytes | Oversize]:
         """At end of stream: the last line, when it had no newline (as `printf '{...}' | socat`)."""

@@ -83,6 +83,19 @@ def test_line_of_exactly_the_limit_is_delivered() -> None:
     assert framer.feed(b"\n") == [b"0123456789"]
 
 
+def test_line_of_exactly_the_limit_ended_by_crlf_is_delivered() -> None:
+    """CRLF line ends are accepted (README); the CR ends the line, it is not part of it. A
+    request of exactly the limit sent with CRLF was refused as oversize: whole, and (worse)
+    when its CR arrived before its LF, which switched the framer to discarding."""
+    framer = LineFramer(max_frame_bytes=10)
+    assert framer.feed(b"0123456789\r\n") == [b"0123456789\r"]
+    assert framer.feed(b"0123456789\r") == []
+    assert framer.feed(b"\n") == [b"0123456789\r"]
+    assert framer.feed(b"0123456789\rx\n") == [Oversize(12)]  # a CR inside is content
+    assert _sizes(framer.feed(b"0123456789x\r\n")) == [12]
+    assert framer.feed(b"ok\n") == [b"ok"]
+
+
 def _sizes(out: list[bytes | Oversize]) -> list[int | bytes]:
     return [o.size if isinstance(o, Oversize) else o for o in out]
 
