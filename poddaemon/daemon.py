@@ -1089,6 +1089,7 @@ def _run_loop(main: Coroutine[Any, Any, int]) -> int:
 
 def _move_stderr(path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(fd, 0o600)  # whatever the umask: a 0400 log refused the restarted pod its stderr
     os.dup2(fd, 2)
     os.close(fd)
 

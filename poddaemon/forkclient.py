@@ -183,6 +183,7 @@ def _start_server(path: str) -> bool:
     """Start a fork server for `path` and wait until it listens (or another one does)."""
     log = os.open(path[: -len(".sock")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
+        os.fchmod(log, 0o600)  # whatever the umask: the next server appends to it too
         server = subprocess.Popen(
             [sys.executable, "-P", "-m", "poddaemon.forkserver", path],
             stdin=subprocess.DEVNULL,

@@ -86,6 +86,38 @@ def test_every_directory_is_created_0700_under_umask_0(env: Env) -> None:
         proc.stderr.close()
 
 
+def test_files_a_pod_reopens_are_0600_under_a_read_only_umask(env: Env) -> None:
+    """Under umask 0277 (new files read-only for their owner) the session log and stderr.log
+    were made 0400: `podctl restart` (`--resume`) then failed to reopen the session ("Permission
+    denied", exit 78) and the restarted pod could not append to its stderr.log, for any uid but
+    root. Like the registry and the kept configuration, they are 0600 whatever the umask."""
+    manifest = env.manifest("readonly")
+    proc = env.popen(str(manifest), "--stderr-log", preexec_fn=lambda: os.umask(0o277))
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    try:
+        assert line.startswith("PODDAEMON-READY"), line + proc.stderr.read()
+        sock = line.rstrip("\n").split("\t")[2]
+        from protocol import PodClient
+
+        with PodClient.connect(sock) as c:
+            c.run_wait("make a session")
+            session = c.status().session_id
+        files = [
+            env.home / "data" / "sessions" / f"{session}.jsonl",
+            Path(sock).parent / "stderr.log",
+        ]
+        assert {str(f): oct(mode(f)) for f in files} == {str(f): "0o600" for f in files}
+        with PodClient.connect(sock) as c:
+            c.shutdown()
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
+
+
 # --- refused directories (as root, handing them to a second uid) -------------------------------
 
 
