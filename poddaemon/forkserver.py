@@ -617,6 +617,21 @@ def _allow_nice(nice: int | None) -> None:
     os.setpriority(os.PRIO_PROCESS, 0, own)
 
 
+def _open_lock(path: str) -> int:
+    """The server's lock file, opened for writing (it holds the pid), 0600 whatever the umask:
+    one made under umask 0277 came out 0400 and stayed, and every later server of that user
+    died opening it ("Permission denied"), each spawn falling back to exec. One left so by
+    an earlier version is mended: it lies in our private runtime dir (checked 0700, ours)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o600)
+    except PermissionError:
+        os.chmod(path, 0o600)  # (a symlink planted there fails the open: O_NOFOLLOW)
+        fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m poddaemon.forkserver SOCKET`: serve until idle. Prints READY (or RUNNING when
     another server holds this socket's lock) on stdout, then detaches stdout."""
@@ -627,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
     sock_path = args[0]
     if os.fork():  # whoever started us (podctl, a pod) reaps this parent now, never the server
         os._exit(0)
-    lock_fd = os.open(sock_path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock_fd = _open_lock(sock_path + ".lock")
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -758,3 +758,31 @@ def test_an_open_file_limit_beyond_any_rlimit_is_a_bad_request_not_the_servers_e
         os.close(null)
     assert "bad request: nofile" in str(reply.get("error")), reply
     assert alive(server) and ppid(spawn(env, "two")) == server
+
+
+def test_the_servers_files_are_0600_under_a_read_only_umask(env: Env) -> None:
+    """A server started under umask 0277 made its lock file 0400, and it stays: every later
+    server of that user (any umask, any uid but root) died opening it for writing
+    ("Permission denied" traceback in forkserver.log) and each `podctl spawn` fell back to exec
+    without the shared preloaded pages. Its lock and log are 0600 whatever the umask."""
+
+    def podctl_spawn(name: str) -> None:
+        manifest = env.manifest(name, write=[str(env.work / name)])
+        done = subprocess.run(
+            [sys.executable, "-m", "cli.main", "spawn", str(manifest)],
+            env=env.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            preexec_fn=lambda: os.umask(0o277),
+        )
+        assert done.returncode == 0, done.stderr
+
+    podctl_spawn("lone")
+    podctl_spawn("two")  # starts the server
+    server_pid(env)
+    run = env.home / "run"
+    files = [*run.glob("forkserver.*.lock"), *run.glob("forkserver.*.log")]
+    assert len(files) == 2
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in files}
+    assert modes == {f.name: "0o600" for f in files}
