@@ -55,6 +55,9 @@ def _make_tmpdir(prefix: str) -> str:
             os.mkdir(path, 0o700)
         except FileExistsError:
             continue
+        # mkdir's mode went through the umask: under 0277 the dir was 0500 and the commands
+        # could not make a file in their own $TMPDIR.
+        os.chmod(path, 0o700)
         return path
     raise FileExistsError(f"no unused name for a temporary directory in {base}")
 

@@ -60,6 +60,22 @@ def test_the_new_dir_is_private_fresh_and_under_tmpdir(
         assert st.st_uid == os.getuid()
 
 
+
+@pytest.mark.parametrize("umask", [0o000, 0o277, 0o777])
+def test_the_new_dir_is_0700_whatever_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, umask: int
+) -> None:
+    """Under umask 0277 the commands' temp dir came out 0500: a pod's bash could not make a
+    file in its own $TMPDIR (`mktemp` failed) for any uid but root. SPEC §2: directories are
+    created 0700 whatever the umask."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    old = os.umask(umask)
+    try:
+        path = _make_tmpdir("poddaemon-kid-")
+    finally:
+        os.umask(old)
+    assert oct(os.lstat(path).st_mode & 0o777) == "0o700"
+
 def test_the_pod_sandbox_module_imports_neither_tempfile_nor_shutil() -> None:
     """tempfile imports shutil, which imports bz2 and lzma: ~2 ms of every pod's start."""
     code = (
