@@ -2,9 +2,9 @@
 # The interpreter: the distribution's /usr/bin/python3 when it is 3.11+ and has venv, else the
 # first python3 on PATH (`make install PYTHON=...` picks another). Debian's links libpython into
 # the executable; pyenv's default build (configured without --enable-optimizations) calls it
-# through a shared library. Measured on these machines, Debian's against pyenv's: `poddaemon run`
-# to READY 78-86 ms against 104-150, `podctl status` 45 against 55 ms, a pure-Python loop 9%
-# faster.
+# through a shared library. Measured side by side on these machines, Debian's takes about a fifth
+# less time to READY and for `podctl status`, and runs a pure-Python loop 9% faster (absolute
+# times move with the host's speed: `make bench` prints the day's).
 SYSTEM_PYTHON := /usr/bin/python3
 PYTHON ?= $(shell $(SYSTEM_PYTHON) -c 'import sys, ensurepip, venv; \
   sys.exit(sys.version_info < (3, 11))' >/dev/null 2>&1 && echo $(SYSTEM_PYTHON) || echo python3)
