@@ -572,8 +572,8 @@ def logs(
 ) -> None:
     """The pod's own log lines, with timestamps.
 
-    From the journal for a pod run by its systemd unit, else from
-    <runtime>/pods/NAME/stderr.log. `-f` follows until Ctrl-C (exit 130).
+    From the journal for a pod run by its systemd unit, else from <log>/NAME.log (where
+    podctl spawn keeps it). `-f` follows until Ctrl-C (exit 130).
     """
     from protocol import paths
 
@@ -628,7 +628,11 @@ def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> 
     from cli.render import printable
     from protocol import paths
 
-    path = paths.pod_dir(name) / "stderr.log"
+    path = paths.log_dir() / f"{name}.log"
+    with contextlib.suppress(FileNotFoundError):
+        paths.check_dir(path.parent, "log directory")  # another user's: their lines, not ours
+    if not path.exists():  # one started by a version that kept it in the pod's runtime dir
+        path = paths.pod_dir(name) / "stderr.log"
     try:
         f = path.open("r", errors="replace")
     except FileNotFoundError:

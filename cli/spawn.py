@@ -9,11 +9,11 @@ are this podctl's.
 
 The pod runs in its own session (no controlling terminal, immune to the shell's Ctrl-C). Its
 stderr is a pipe to podctl until it prints `PODDAEMON-READY\\t<name>\\t<socket>`; with
-`--stderr-log` the daemon then moves its stderr to `<runtime>/pods/<name>/stderr.log`, so podctl
-can close the pipe and exit. Anything the pod printed before READY is its own error message when
-start-up fails, and is passed on to the user either way, except `PODDAEMON-STARTING\t<seconds>`:
-the pod may take that much longer (its MCP servers' start_timeout, SessionStart hooks), and podctl
-waits for it that much longer.
+`--stderr-log` the daemon then moves its stderr to `<log>/<name>.log` (linked from
+`<runtime>/pods/<name>/stderr.log`), so podctl can close the pipe and exit. Anything the pod
+printed before READY is its own error message when start-up fails, and is passed on to the user
+either way, except `PODDAEMON-STARTING\t<seconds>`: the pod may take that much longer (its MCP
+servers' start_timeout, SessionStart hooks), and podctl waits for it that much longer.
 """
 
 import contextlib

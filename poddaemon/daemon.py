@@ -143,7 +143,8 @@ def parse_args(argv: list[str] | None) -> "argparse.Namespace":
     run.add_argument(
         "--stderr-log",
         action="store_true",
-        help="after READY, move stderr to <runtime>/pods/<name>/stderr.log (used by podctl spawn)",
+        help="after READY, move stderr to <log>/<name>.log, linked from "
+        "<runtime>/pods/<name>/stderr.log (used by podctl spawn)",
     )
     return parser.parse_args(argv)
 
@@ -720,7 +721,7 @@ def _serve(
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: what it awaits
         _say(f"{readyline.READY}\t{manifest.pod.name}\t{sock_path}")
         if args.stderr_log:
-            _move_stderr(sock_path.parent / "stderr.log")
+            _move_stderr(manifest.pod.name, sock_path.parent)
             _said_before_ready.replay()
         sdnotify.notify("READY=1")
         collector.resume()  # paused since the process started (poddaemon/__main__.py)
@@ -1087,8 +1088,35 @@ def _run_loop(main: Coroutine[Any, Any, int]) -> int:
             loop.close()
 
 
-def _move_stderr(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+LOG_KEEP_BYTES = 16 << 20  # a log longer than this at start is kept as <name>.log.1 (once)
+
+
+def _move_stderr(name: str, pod_dir: Path) -> None:
+    """stderr to `<log>/<name>.log` (SPEC §2: kept, where the runtime dir is wiped at reboot
+    with the reason a pod died), and `<runtime>/pods/<name>/stderr.log` (SPEC §7) a symlink
+    to it. A log directory we may not use (another user's) leaves the file in the pod dir."""
+    link = pod_dir / "stderr.log"
+    try:
+        kept = paths.ensure_dir(paths.log_dir(), "log directory") / f"{name}.log"
+    except OSError as exc:
+        log.warning("keeping the log in %s: %s", pod_dir, os_error_line(exc))
+        if link.is_symlink():  # to the log directory, from an earlier start
+            link.unlink()
+        _append_stderr_to(link)
+        return
+    with contextlib.suppress(OSError):  # (a first start: no log yet)
+        if os.stat(kept).st_size > LOG_KEEP_BYTES:
+            os.replace(kept, kept.with_name(f"{name}.log.1"))
+    _append_stderr_to(kept)
+    tmp = pod_dir / ".stderr.log.tmp"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a start killed between these two steps left it
+    os.symlink(kept, tmp)
+    os.replace(tmp, link)  # (the file an older version kept here goes)
+
+
+def _append_stderr_to(path: Path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     os.fchmod(fd, 0o600)  # whatever the umask: a 0400 log refused the restarted pod its stderr
     os.dup2(fd, 2)
     os.close(fd)

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -397,6 +398,27 @@ def test_logs_of_a_running_pod_without_a_log_file_is_an_error_not_not_running(en
     assert logs.returncode == 1, logs.stderr
     assert logs.stderr.startswith("podctl: pod 'pod' keeps no log file")
     assert env.podctl("logs", "ghost").returncode == 3
+
+
+def test_logs_are_kept_in_the_log_dir_when_the_runtime_dir_is_wiped(env: Env) -> None:
+    """SPEC §2 puts logs in `H/log`; they lived only in `<runtime>/pods/<name>/stderr.log`,
+    and a reboot (which wipes the runtime dir) took the reason a pod died with it. The file
+    is `<log>/<name>.log`; §7's stderr.log links to it; a long one is kept once as `.1`."""
+    logs = env.home / "log"
+    logs.mkdir(mode=0o700)
+    with open(logs / "kept.log", "wb") as f:  # from earlier starts: over the 16 MiB kept
+        f.truncate((16 << 20) + 1)
+    spawned = env.podctl("spawn", str(env.manifest("kept")))
+    assert spawned.returncode == 0, spawned.stderr
+    link = env.home / "run" / "pods" / "kept" / "stderr.log"
+    assert link.is_symlink() and link.resolve() == (logs / "kept.log").resolve()
+    assert (logs / "kept.log.1").stat().st_size == (16 << 20) + 1
+    assert oct((logs / "kept.log").stat().st_mode & 0o777) == "0o600"
+    assert env.podctl("stop", "kept").returncode == 0
+    shutil.rmtree(env.home / "run")  # as a reboot does
+    shown = env.podctl("logs", "kept")
+    assert shown.returncode == 0, shown.stderr
+    assert "ready on" in shown.stdout and "\0" not in shown.stdout, shown.stdout[:300]
 
 
 def test_send_whose_output_cannot_be_written_does_not_blame_the_pod(env: Env) -> None:
