@@ -112,9 +112,31 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     raise typer.Exit(code)
 
 
+STARTING = "its socket does not listen yet"
+
+
 def not_running(exc: "PodNotRunning") -> NoReturn:
-    """`pod 'x' is not running: no socket at …`: where podctl looked is half the answer."""
+    """`pod 'x' is not running: no socket at …`: where podctl looked is half the answer. One
+    that holds its registry entry and does not listen yet is starting, as `podctl ls` says
+    (still exit 3: it cannot take the request yet)."""
+    if starting(exc.target):
+        target = exc.target
+        fail(f"pod '{target}' is starting: {STARTING} (podctl wait {target})", EXIT_NOT_RUNNING)
     fail(str(exc), EXIT_NOT_RUNNING)
+
+
+def starting(target: str) -> bool:
+    """A pod that holds its registry entry but does not listen yet (its SessionStart hooks or
+    MCP servers are still at work): `ls` lists it as `starting`, and it is running."""
+    from poddaemon.registry import Registry, RegistryError
+    from protocol import paths
+
+    if "/" in target:  # a socket path: no name to look up
+        return False
+    try:
+        return Registry(paths.runtime_dir()).get(target) is not None
+    except (RegistryError, OSError):
+        return False
 
 
 def connection_lost(target: str, when: str = "") -> NoReturn:

@@ -9,6 +9,7 @@ import typer
 from cli.app import (
     EXIT_ERROR,
     EXIT_USAGE,
+    STARTING,
     JsonOpt,
     PodArg,
     app,
@@ -107,9 +108,6 @@ def _socket_names() -> set[str]:
         return {e.name for e in (paths.runtime_dir() / "pods").iterdir() if (e / "sock").exists()}
     except (FileNotFoundError, NotADirectoryError):
         return set()
-
-
-STARTING = "its socket does not listen yet"
 
 
 def _query(name: str, registered: bool) -> dict[str, Any] | str | None:

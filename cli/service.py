@@ -22,6 +22,7 @@ from cli.app import (
     EXIT_INTERRUPTED,
     EXIT_NOT_RUNNING,
     EXIT_USAGE,
+    STARTING,
     PodArg,
     app,
     check_stdout,
@@ -29,6 +30,7 @@ from cli.app import (
     print_json,
     seconds,
 )
+from cli.app import starting as is_starting
 
 EXIT_TIMEOUT = 4
 WAIT_POLL = 0.05
@@ -418,7 +420,7 @@ def wait(
                 status = None
             except (PodNotRunning, ConnectionClosed):
                 status = None
-                starting = _starting(pod)  # registered, not listening yet: SessionStart hooks, MCP
+                starting = is_starting(pod)  # registered, not listening: SessionStart hooks, MCP
                 if starting:
                     if told != STARTING:
                         told = STARTING
@@ -456,23 +458,6 @@ def wait(
             time.sleep(WAIT_POLL)  # polling a condition: status is cheap and always answered
     if as_json:
         print_json({"idle": True, "status": status})
-
-
-STARTING = "its socket does not listen yet"
-
-
-def _starting(target: str) -> bool:
-    """A pod that holds its registry entry but does not listen yet (its SessionStart hooks or
-    MCP servers are still at work): `ls` lists it as `starting`, and it is running."""
-    from poddaemon.registry import Registry, RegistryError
-    from protocol import paths
-
-    if "/" in target:  # a socket path: no name to look up
-        return False
-    try:
-        return Registry(paths.runtime_dir()).get(target) is not None
-    except (RegistryError, OSError):
-        return False
 
 
 def _unit_state(target: str) -> tuple[str | None, str]:

@@ -214,6 +214,26 @@ def test_ls_lists_a_registered_pod_whose_socket_does_not_listen_yet_as_starting(
     assert (row["name"], row["pid"], row["state"]) == ("slow", os.getpid(), "starting")
 
 
+def test_a_pod_still_starting_is_said_to_be_starting_not_not_running(env: Env) -> None:
+    """`podctl status|send|notify` of a pod that `ls` lists as starting said "is not running:
+    no socket at …", which `ls` contradicted. Still exit 3 (it cannot take the request yet),
+    with what is going on and how to wait for it; a pod without an entry is not running."""
+    registry = Registry(env.home / "run")
+    sock = env.home / "run" / "pods" / "slow" / "sock"
+    registry.register(make_entry("slow", str(sock), Scope(allow=(), deny=())))
+    try:
+        told = [env.podctl(*args) for args in (("status", "slow"), ("notify", "slow", "hi"))]
+    finally:
+        registry.release("slow", os.getpid())
+    for done in told:
+        assert done.returncode == 3, done.stderr
+        assert done.stderr == (
+            "podctl: pod 'slow' is starting: its socket does not listen yet (podctl wait slow)\n"
+        )
+    gone = env.podctl("status", "slow")
+    assert gone.returncode == 3 and "'slow' is not running" in gone.stderr, gone.stderr
+
+
 def test_wait_waits_for_a_pod_that_is_still_starting(env: Env) -> None:
     """`podctl wait` of a pod that `ls` lists as starting (SessionStart hooks, MCP servers at
     work) exited 3, "not running", at once: a script's `podctl spawn … &` then `podctl wait`
