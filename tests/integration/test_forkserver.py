@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -154,8 +155,10 @@ def test_a_forked_pod_takes_arguments_that_are_not_utf8(env: Env) -> None:
     assert answers(env, "two")
 
 
-def _spawn_with(env: Env, name: str, limit: tuple[int, int]) -> "subprocess.CompletedProcess[str]":
-    """`podctl spawn` from a shell whose open-file limit is `limit`."""
+def _spawn_from(
+    env: Env, name: str, preexec: Callable[[], object]
+) -> "subprocess.CompletedProcess[str]":
+    """`podctl spawn` a pod with its own directory, from a shell `preexec` sets up."""
     manifest = env.manifest(name, write=[str(env.work / name)])
     return subprocess.run(
         [sys.executable, "-m", "cli.main", "spawn", str(manifest)],
@@ -163,8 +166,13 @@ def _spawn_with(env: Env, name: str, limit: tuple[int, int]) -> "subprocess.Comp
         capture_output=True,
         text=True,
         timeout=60,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit),
+        preexec_fn=preexec,
     )
+
+
+def _spawn_with(env: Env, name: str, limit: tuple[int, int]) -> "subprocess.CompletedProcess[str]":
+    """`podctl spawn` from a shell whose open-file limit is `limit`."""
+    return _spawn_from(env, name, lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit))
 
 
 def test_a_forked_pod_has_its_callers_open_file_limit_not_the_servers(env: Env) -> None:
@@ -195,17 +203,9 @@ def test_a_server_started_with_a_low_open_file_limit_does_not_hold_later_pods_to
     assert got == (max(soft, min(hard, 4096)), hard)
 
 
-def _spawn_niced(env: Env, name: str, nice: int) -> subprocess.CompletedProcess[str]:
+def _spawn_niced(env: Env, name: str, nice: int) -> "subprocess.CompletedProcess[str]":
     """`nice -n NICE podctl spawn` a pod with its own directory."""
-    manifest = env.manifest(name, write=[str(env.work / name)])
-    return subprocess.run(
-        [sys.executable, "-m", "cli.main", "spawn", str(manifest)],
-        env=env.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, nice),
-    )
+    return _spawn_from(env, name, lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
 
 
 def test_a_forked_pod_has_its_callers_nice_value_not_the_servers(env: Env) -> None:

@@ -5,6 +5,7 @@ directories to a second real uid (nobody, 65534) and also runs the pod *as* that
 system python 3.11 and this checkout's installed packages on PYTHONPATH).
 """
 
+import contextlib
 import os
 import shutil
 import stat
@@ -47,20 +48,37 @@ def start_fails(env: Env, manifest: Path, **extra_env: str) -> str:
 # --- 0700 whatever the umask ---------------------------------------------------------------------
 
 
-def test_every_directory_is_created_0700_under_umask_0(env: Env) -> None:
-    home = env.home / "fresh"  # does not exist yet: the pod creates all of it
-    env.env["PODDAEMON_HOME"] = str(home)
-    manifest = env.manifest("private")
-    proc = env.popen(str(manifest), preexec_fn=lambda: os.umask(0))
+@contextlib.contextmanager
+def pod_under_umask(env: Env, name: str, umask: int, *args: str) -> Iterator[tuple[str, str]]:
+    """A pod started under `umask` that has made its first session: (its socket, the session
+    id). Shut down (exit 0) when the block ends."""
+    from protocol import PodClient
+
+    proc = env.popen(str(env.manifest(name)), *args, preexec_fn=lambda: os.umask(umask))
     assert proc.stderr is not None
     line = proc.stderr.readline()
     try:
         assert line.startswith("PODDAEMON-READY"), line + proc.stderr.read()
         sock = line.rstrip("\n").split("\t")[2]
-        from protocol import PodClient
-
         with PodClient.connect(sock) as c:
             c.run_wait("make a session")
+            session = c.status().session_id
+        assert session is not None
+        yield sock, session
+        with PodClient.connect(sock) as c:
+            c.shutdown()
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stderr.close()
+
+
+def test_every_directory_is_created_0700_under_umask_0(env: Env) -> None:
+    home = env.home / "fresh"  # does not exist yet: the pod creates all of it
+    env.env["PODDAEMON_HOME"] = str(home)
+    with pod_under_umask(env, "private", 0, "--stderr-log") as (sock, _):
         dirs = [
             home,
             home / "data",
@@ -68,22 +86,15 @@ def test_every_directory_is_created_0700_under_umask_0(env: Env) -> None:
             home / "run",
             home / "run" / "pods",
             home / "run" / "pods" / "private",
+            home / "log",
         ]
         assert {str(d): oct(mode(d)) for d in dirs} == {str(d): "0o700" for d in dirs}
         assert oct(mode(home / "run" / "pods.json")) == "0o600"
-        assert oct(mode(sock)) == "0o600"
+        assert oct(mode(Path(sock))) == "0o600"
         # A kept configuration grants scope on `podctl restart`: nobody else may write it, even
         # where its directory was made beforehand and readable by others.
         files = [home / "run" / "pods" / "private" / "pid", home / "data" / "pods" / "private.toml"]
         assert {str(f): oct(mode(f)) for f in files} == {str(f): "0o600" for f in files}
-        with PodClient.connect(sock) as c:
-            c.shutdown()
-        assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        proc.stderr.close()
 
 
 def test_files_a_pod_reopens_are_0600_under_a_read_only_umask(env: Env) -> None:
@@ -91,31 +102,13 @@ def test_files_a_pod_reopens_are_0600_under_a_read_only_umask(env: Env) -> None:
     were made 0400: `podctl restart` (`--resume`) then failed to reopen the session ("Permission
     denied", exit 78) and the restarted pod could not append to its stderr.log, for any uid but
     root. Like the registry and the kept configuration, they are 0600 whatever the umask."""
-    manifest = env.manifest("readonly")
-    proc = env.popen(str(manifest), "--stderr-log", preexec_fn=lambda: os.umask(0o277))
-    assert proc.stderr is not None
-    line = proc.stderr.readline()
-    try:
-        assert line.startswith("PODDAEMON-READY"), line + proc.stderr.read()
-        sock = line.rstrip("\n").split("\t")[2]
-        from protocol import PodClient
-
-        with PodClient.connect(sock) as c:
-            c.run_wait("make a session")
-            session = c.status().session_id
+    with pod_under_umask(env, "readonly", 0o277, "--stderr-log") as (sock, session):
         files = [
             env.home / "data" / "sessions" / f"{session}.jsonl",
-            Path(sock).parent / "stderr.log",
+            Path(sock).parent / "stderr.log",  # (a link to the log dir's readonly.log)
+            env.home / "log" / "readonly.log",
         ]
         assert {str(f): oct(mode(f)) for f in files} == {str(f): "0o600" for f in files}
-        with PodClient.connect(sock) as c:
-            c.shutdown()
-        assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        proc.stderr.close()
 
 
 # --- refused directories (as root, handing them to a second uid) -------------------------------
