@@ -214,17 +214,28 @@ def test_ls_lists_a_registered_pod_whose_socket_does_not_listen_yet_as_starting(
     assert (row["name"], row["pid"], row["state"]) == ("slow", os.getpid(), "starting")
 
 
+@contextlib.contextmanager
+def registered_not_listening(env: Env, name: str) -> Iterator[None]:
+    """What a pod starting up shows before it listens: its registry entry and its pid file
+    (this process's, taken away again before the teardown's safety net kills pid files)."""
+    registry = Registry(env.home / "run")
+    sock = env.home / "run" / "pods" / name / "sock"
+    registry.register(make_entry(name, str(sock), Scope(allow=(), deny=())))
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    (sock.parent / "pid").write_text(f"{os.getpid()}\n")
+    try:
+        yield
+    finally:
+        (sock.parent / "pid").unlink()
+        registry.release(name, os.getpid())
+
+
 def test_a_pod_still_starting_is_said_to_be_starting_not_not_running(env: Env) -> None:
     """`podctl status|send|notify` of a pod that `ls` lists as starting said "is not running:
     no socket at …", which `ls` contradicted. Still exit 3 (it cannot take the request yet),
     with what is going on and how to wait for it; a pod without an entry is not running."""
-    registry = Registry(env.home / "run")
-    sock = env.home / "run" / "pods" / "slow" / "sock"
-    registry.register(make_entry("slow", str(sock), Scope(allow=(), deny=())))
-    try:
+    with registered_not_listening(env, "slow"):
         told = [env.podctl(*args) for args in (("status", "slow"), ("notify", "slow", "hi"))]
-    finally:
-        registry.release("slow", os.getpid())
     for done in told:
         assert done.returncode == 3, done.stderr
         assert done.stderr == (
@@ -238,13 +249,8 @@ def test_wait_waits_for_a_pod_that_is_still_starting(env: Env) -> None:
     """`podctl wait` of a pod that `ls` lists as starting (SessionStart hooks, MCP servers at
     work) exited 3, "not running", at once: a script's `podctl spawn … &` then `podctl wait`
     (README: "blocks until the pod is idle") gave up on a pod that was coming up."""
-    registry = Registry(env.home / "run")
-    sock = env.home / "run" / "pods" / "slow" / "sock"
-    registry.register(make_entry("slow", str(sock), Scope(allow=(), deny=())))
-    try:
+    with registered_not_listening(env, "slow"):
         waited = env.podctl("wait", "slow", "--timeout", "1")
-    finally:
-        registry.release("slow", os.getpid())
     assert waited.returncode == 4, waited.stderr
     assert "is starting" in waited.stderr and "still starting after 1 s" in waited.stderr
     gone = env.podctl("wait", "slow", "--timeout", "1")  # its entry gone: not running
