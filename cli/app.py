@@ -380,7 +380,6 @@ def _status(exc: SystemExit) -> int:
 def _reader_gone() -> int:
     """Our stdout's reader went away (`podctl history x | head`): stop quietly, as other Unix
     tools do, with nothing more to flush there."""
-
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     return EXIT_ERROR
@@ -390,7 +389,6 @@ def exit_now(code: int) -> NoReturn:
     """Exit without the interpreter's shutdown: a finished command holds nothing that needs it
     (no threads, no temporary files, no log handlers), and tearing down typer's modules takes
     about a sixth of a `podctl status`. Only stdio is flushed first."""
-
     try:
         sys.stdout.flush()
     except BrokenPipeError:

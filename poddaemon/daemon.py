@@ -1116,8 +1116,8 @@ def _move_stderr(name: str, pod_dir: Path) -> None:
 
 
 def _append_stderr_to(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-    os.fchmod(fd, 0o600)  # whatever the umask: a 0400 log refused the restarted pod its stderr
+    # 0600 whatever the umask: a 0400 log refused the restarted pod its stderr
+    fd = paths.open_private(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
     os.dup2(fd, 2)
     os.close(fd)
 

@@ -181,9 +181,10 @@ def _connect(path: str, patience: float = 0.0) -> socket.socket | None:
 
 def _start_server(path: str) -> bool:
     """Start a fork server for `path` and wait until it listens (or another one does)."""
-    log = os.open(path[: -len(".sock")] + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    from protocol.paths import open_private  # (0600 whatever the umask: the next server appends)
+
+    log = open_private(path[: -len(".sock")] + ".log", os.O_WRONLY | os.O_APPEND)
     try:
-        os.fchmod(log, 0o600)  # whatever the umask: the next server appends to it too
         server = subprocess.Popen(
             [sys.executable, "-P", "-m", "poddaemon.forkserver", path],
             stdin=subprocess.DEVNULL,

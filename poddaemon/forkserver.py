@@ -622,14 +622,14 @@ def _open_lock(path: str) -> int:
     one made under umask 0277 came out 0400 and stayed, and every later server of that user
     died opening it ("Permission denied"), each spawn falling back to exec. One left so by
     an earlier version is mended: it lies in our private runtime dir (checked 0700, ours)."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    from protocol.paths import open_private
+
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags, 0o600)
+        return open_private(path, flags)
     except PermissionError:
         os.chmod(path, 0o600)  # (a symlink planted there fails the open: O_NOFOLLOW)
-        fd = os.open(path, flags, 0o600)
-    os.fchmod(fd, 0o600)
-    return fd
+        return open_private(path, flags)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -387,11 +387,9 @@ class Registry:
         # writer killed before its rename left there is overwritten by the next (a unique
         # name per write piled up one file per such crash).
         tmp = self.runtime_dir / ".pods.json.tmp"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600)
+        fd = paths.open_private(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             with os.fdopen(fd, "wb") as f:
-                os.fchmod(f.fileno(), 0o600)
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())

@@ -264,12 +264,24 @@ def _chmod_dir(path: Path) -> None:
         os.close(fd)
 
 
+def open_private(path: "str | os.PathLike[str]", flags: int) -> int:
+    """`os.open(path, flags | O_CREAT)`, the file mode 0600 whatever the umask (an existing file
+    too): what poddaemon keeps on disk is nobody else's to read or change, and under umask 0277
+    its own files came out 0400, which the next start could not reopen for writing."""
+    fd = os.open(path, flags | os.O_CREAT, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write_private(path: Path, text: str) -> None:
     """Write `path` whole as UTF-8, mode 0600 whatever the umask (an existing file too): what
     a pod keeps on disk is nobody else's to read or change, wherever its directory came from."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = open_private(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     with open(fd, "w", encoding="utf-8") as f:
-        os.fchmod(fd, 0o600)
         f.write(text)
 
 

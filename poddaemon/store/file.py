@@ -133,16 +133,9 @@ def _ensure_dir(path: Path) -> None:
 def _new_file(path: Path) -> int:
     """Create a session's file (and its directory, if need be); FileExistsError if it exists."""
     _ensure_dir(path.parent)
-    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
-    fd = os.open(path, flags, 0o600)
-    try:
-        # 0600 whatever the umask: under 0277 the file came out 0400 and a restore, which
-        # reopens it for appending, was refused it ("Permission denied") for any uid but root.
-        os.fchmod(fd, 0o600)
-    except BaseException:
-        _close_and_remove(fd, path)
-        raise
-    return fd
+    # 0600 whatever the umask: under 0277 the file came out 0400 and a restore, which reopens
+    # it for appending, was refused it ("Permission denied") for any uid but root.
+    return paths.open_private(path, os.O_RDWR | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -343,10 +336,8 @@ class SessionLog:
         line, entry = encode_entry(
             1, time.time() if ts is None else ts, "session_start", GENESIS, start_body
         )
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600)
+        fd = paths.open_private(tmp, os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC)
         try:
-            os.fchmod(fd, 0o600)  # whatever the umask (see _new_file)
             _write_all(fd, line)
             if written is not None:
                 written()
