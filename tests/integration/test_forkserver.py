@@ -765,21 +765,9 @@ def test_the_servers_files_are_0600_under_a_read_only_umask(env: Env) -> None:
     server of that user (any umask, any uid but root) died opening it for writing
     ("Permission denied" traceback in forkserver.log) and each `podctl spawn` fell back to exec
     without the shared preloaded pages. Its lock and log are 0600 whatever the umask."""
-
-    def podctl_spawn(name: str) -> None:
-        manifest = env.manifest(name, write=[str(env.work / name)])
-        done = subprocess.run(
-            [sys.executable, "-m", "cli.main", "spawn", str(manifest)],
-            env=env.env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            preexec_fn=lambda: os.umask(0o277),
-        )
+    for name in ("lone", "two"):  # the second starts the server
+        done = _spawn_from(env, name, lambda: os.umask(0o277))
         assert done.returncode == 0, done.stderr
-
-    podctl_spawn("lone")
-    podctl_spawn("two")  # starts the server
     server_pid(env)
     run = env.home / "run"
     files = [*run.glob("forkserver.*.lock"), *run.glob("forkserver.*.log")]
