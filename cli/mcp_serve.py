@@ -33,7 +33,12 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
     pod must not hang the MCP client's tool call)."""
     from mcp.server.mcpserver import MCPServer
 
-    server = MCPServer("poddaemon", instructions=INSTRUCTIONS, log_level="WARNING")
+    from poddaemon import __version__
+
+    # The version is what a client shows next to the name (serverInfo); the SDK's default is "".
+    server = MCPServer(
+        "poddaemon", instructions=INSTRUCTIONS, version=__version__, log_level="WARNING"
+    )
 
     @server.tool()
     async def list_pods() -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from typing import Any
 
+from poddaemon import __version__
 from tests.conftest import ROOT, Env, wait_until
 
 TOOLS = {"list_pods", "send_to_pod", "notify_pod", "pod_status", "pod_history"}
@@ -40,6 +41,8 @@ async def test_an_mcp_client_drives_pods_through_mcp_serve(env: Env) -> None:
     env.model.script({"text": "the answer is 42"})
     pod = env.start("worker")
     async with Client(serve(env)) as client:
+        assert client.server_info is not None
+        assert (client.server_info.name, client.server_info.version) == ("poddaemon", __version__)
         listed = await client.list_tools()
         assert {t.name for t in listed.tools} == TOOLS
         send = next(t for t in listed.tools if t.name == "send_to_pod")
