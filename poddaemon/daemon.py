@@ -720,8 +720,9 @@ def _serve(
             loop.add_signal_handler(sig, ending.request)
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: what it awaits
         _say(f"{readyline.READY}\t{manifest.pod.name}\t{sock_path}")
+        kept_log = None
         if args.stderr_log:
-            _move_stderr(manifest.pod.name, sock_path.parent)
+            kept_log = _move_stderr(manifest.pod.name, sock_path.parent)
             _said_before_ready.replay()
         sdnotify.notify("READY=1")
         collector.resume()  # paused since the process started (poddaemon/__main__.py)
@@ -749,6 +750,7 @@ def _serve(
             }
 
         watch = asyncio.create_task(watch_claim(claim, lost, changed, pod.named_session, children))
+        rotation = asyncio.create_task(keep_log_bounded(kept_log)) if kept_log else None
         try:
             await pod.serve()
             if pod.failure is not None and ending.failure is None:
@@ -759,6 +761,8 @@ def _serve(
         finally:
             watch.cancel()
             supervisor.cancel()
+            if rotation is not None:
+                rotation.cancel()
             if tree is not None:
                 tree.cancel()
             sdnotify.stopping()
@@ -1088,13 +1092,17 @@ def _run_loop(main: Coroutine[Any, Any, int]) -> int:
             loop.close()
 
 
-LOG_KEEP_BYTES = 16 << 20  # a log longer than this at start is kept as <name>.log.1 (once)
+# A log longer than this is kept as <name>.log.1 (one only) and started afresh: at the pod's
+# start, and while it runs (looked at every LOG_CHECK_INTERVAL seconds: an fstat).
+LOG_KEEP_BYTES = 16 << 20
+LOG_CHECK_INTERVAL = 1.0
 
 
-def _move_stderr(name: str, pod_dir: Path) -> None:
+def _move_stderr(name: str, pod_dir: Path) -> Path:
     """stderr to `<log>/<name>.log` (SPEC §2: kept, where the runtime dir is wiped at reboot
     with the reason a pod died), and `<runtime>/pods/<name>/stderr.log` (SPEC §7) a symlink
-    to it. A log directory we may not use (another user's) leaves the file in the pod dir."""
+    to it. A log directory we may not use (another user's) leaves the file in the pod dir.
+    Returns the file stderr now goes to."""
     link = pod_dir / "stderr.log"
     try:
         kept = paths.ensure_dir(paths.log_dir(), "log directory") / f"{name}.log"
@@ -1103,7 +1111,7 @@ def _move_stderr(name: str, pod_dir: Path) -> None:
         if link.is_symlink():  # to the log directory, from an earlier start
             link.unlink()
         _append_stderr_to(link)
-        return
+        return link
     with contextlib.suppress(OSError):  # (a first start: no log yet)
         if os.stat(kept).st_size > LOG_KEEP_BYTES:
             os.replace(kept, kept.with_name(f"{name}.log.1"))
@@ -1113,6 +1121,27 @@ def _move_stderr(name: str, pod_dir: Path) -> None:
         tmp.unlink()  # a start killed between these two steps left it
     os.symlink(kept, tmp)
     os.replace(tmp, link)  # (the file an older version kept here goes)
+    return kept
+
+
+async def keep_log_bounded(kept: Path) -> None:
+    """Rotate the log while the pod runs too: a pod that runs for months and logs a line per
+    run would otherwise fill the disk before its next start rotates it. Only while stderr is
+    still `kept` (a file moved or replaced there by the user is theirs)."""
+    while True:
+        await asyncio.sleep(LOG_CHECK_INTERVAL)
+        try:
+            ours = os.fstat(2)
+            if ours.st_size <= LOG_KEEP_BYTES:
+                continue
+            named = os.stat(kept)
+            if (named.st_dev, named.st_ino) != (ours.st_dev, ours.st_ino):
+                continue
+            os.replace(kept, kept.with_name(f"{kept.name}.1"))
+            _append_stderr_to(kept)
+        except OSError as exc:  # a full disk, a directory gone: the log goes on where it is
+            log.warning("could not rotate the log %s: %s", kept, os_error_line(exc))
+            return
 
 
 def _append_stderr_to(path: Path) -> None:

@@ -421,6 +421,22 @@ def test_logs_are_kept_in_the_log_dir_when_the_runtime_dir_is_wiped(env: Env) ->
     assert "ready on" in shown.stdout and "\0" not in shown.stdout, shown.stdout[:300]
 
 
+def test_a_running_pods_log_is_rotated_once_it_grows_past_the_bound(env: Env) -> None:
+    """Rotated only at start, the log of a pod that runs for months grew until the disk was
+    full. Past 16 MiB it is kept as `.log.1` and started afresh while the pod runs."""
+    spawned = env.podctl("spawn", str(env.manifest("long")))
+    assert spawned.returncode == 0, spawned.stderr
+    logs = env.home / "log"
+    with open(logs / "long.log", "ab") as f:  # as 16 MiB of the pod's own lines would
+        f.write(b"old line\n" * ((16 << 20) // 9 + 1))
+    wait_until(lambda: (logs / "long.log.1").exists(), what="the log rotated")
+    assert (logs / "long.log.1").stat().st_size > 16 << 20
+    assert env.podctl("stop", "long").returncode == 0
+    fresh = (logs / "long.log").read_text()
+    assert "old line" not in fresh and "shut down" in fresh, fresh[-300:]
+    assert oct((logs / "long.log").stat().st_mode & 0o777) == "0o600"
+
+
 def test_send_whose_output_cannot_be_written_does_not_blame_the_pod(env: Env) -> None:
     """`podctl send` to a full disk said "cannot talk to pod 'pod': [Errno 28] …": the run
     was acknowledged and goes on, but a script reading that would send it again."""
