@@ -5,7 +5,8 @@ from typing import Annotated
 
 import typer
 
-from cli.app import app, fail, sub_app
+from cli.app import app, sub_app
+from cli.common import fail
 
 dev_app = sub_app("Developer tools.", no_args_is_help=True)
 app.add_typer(dev_app, name="dev")

@@ -58,7 +58,8 @@ def main() -> None:
     # typer and the command's module live as long as podctl: the collector would walk them ~50
     # times while they load, for nothing (~4 ms). It runs as usual for the command itself.
     with collector.paused():
-        from cli.app import exit_now, invoke, load
+        from cli.app import invoke, load
+        from cli.common import exit_now
 
         modules = modules_for(sys.argv[1:])
         load(modules, only=sys.argv[1] if len(modules) == 1 else None)

@@ -6,20 +6,16 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from cli.app import (
+from cli.app import JsonOpt, PodArg, app, pod_name, seconds
+from cli.common import (
     EXIT_ERROR,
     EXIT_USAGE,
     STARTING,
-    JsonOpt,
-    PodArg,
-    app,
     call,
     fail,
     not_running,
-    pod_name,
     print_json,
     rpc_errors,
-    seconds,
 )
 
 if TYPE_CHECKING:
@@ -312,7 +308,7 @@ def _stop(
         if top:
             not_running(exc)
         return left  # a child that already went
-    except typer.Exit:
+    except SystemExit:  # fail() for this pod
         if top:
             raise
         return [*left, name]

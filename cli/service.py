@@ -18,19 +18,17 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.app import (
+from cli.app import PodArg, app, seconds
+from cli.common import (
     EXIT_INTERRUPTED,
     EXIT_NOT_RUNNING,
     EXIT_USAGE,
     STARTING,
-    PodArg,
-    app,
     check_stdout,
     fail,
     print_json,
-    seconds,
 )
-from cli.app import starting as is_starting
+from cli.common import starting as is_starting
 
 EXIT_TIMEOUT = 4
 WAIT_POLL = 0.05
@@ -393,7 +391,7 @@ def wait(
     Exit 0 when it is, 4 on timeout, 3 when the pod is not running. A pod still starting
     (`podctl ls`: starting) is waited for.
     """
-    from cli.app import rpc_errors
+    from cli.common import rpc_errors
     from protocol import oneshot, paths
     from protocol.errors import ConnectionClosed, PodNotRunning
 

@@ -6,7 +6,8 @@ from typing import Annotated, Any
 
 import typer
 
-from cli.app import EXIT_USAGE, JsonOpt, app, fail, print_json, sub_app
+from cli.app import JsonOpt, app, sub_app
+from cli.common import EXIT_USAGE, fail, print_json
 
 sessions_app = sub_app("Browse and check session logs.")
 app.add_typer(sessions_app, name="sessions")

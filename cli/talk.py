@@ -7,15 +7,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
-from cli.app import (
+from cli.app import JsonOpt, PodArg, app
+from cli.common import (
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_LIMIT,
     EXIT_USAGE,
     UNANSWERED_INPUT,
-    JsonOpt,
-    PodArg,
-    app,
     call,
     check_stdout,
     connect,

@@ -48,7 +48,7 @@ def test_anything_else_loads_every_module_in_help_order() -> None:
 # status must be the one `sys.exit` would have given. Each case runs in its own interpreter.
 EXIT_PROBE = """
 import sys
-from cli.app import exit_now
+from cli.common import exit_now
 sys.stdout.write("printed before exit")
 exit_now({code})
 """
@@ -141,7 +141,7 @@ def test_podctl_statuses_are_the_ones_sys_exit_gives() -> None:
         )
         assert done.returncode == code, (args, done.stderr)
     assert done.stdout.startswith("podctl ")
-    from cli.app import _status
+    from cli.common import _status
 
     assert _status(SystemExit(None)) == 0
     assert _status(SystemExit(4)) == 4

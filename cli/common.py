@@ -1,0 +1,304 @@
+"""What podctl's commands share without typer: exit codes, error handling, one call to a pod,
+reading a message, and exiting. `cli/plain.py` runs the most used one-call commands with this
+module alone (no typer: half of `podctl notify`'s time); `cli/app.py` adds the typer app.
+
+Exit codes (SPEC §6): 0 ok · 1 error (an RPC error prints `podctl: <message> (<code>)`), a run
+that ended in error, was cancelled or paused · 2 usage error only, except `send`'s "limit
+reached" · 3 the pod is not running (`podctl: pod 'x' is not running`). A pod that does not
+answer (ANSWER_TIMEOUT) is an error: podctl never hangs on one. `fail` ends a command with its
+message and code as a `SystemExit`, which typer lets through to `run`/`invoke` alike.
+"""
+
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from protocol.client import PodClient
+    from protocol.errors import PodNotRunning
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_NOT_RUNNING = 3
+EXIT_LIMIT = 2  # `send` only, documented in its --help (SPEC §6)
+EXIT_INTERRUPTED = 130
+# A pod that has not answered a request within this many seconds (SIGSTOPped, its loop wedged)
+# is an error, not a hang: `podctl notify` in cron or CI must end. Only the answer is timed:
+# `send` waits for its run as long as it lasts, and `compact` and `rpc` (a summary, `run` with
+# `wait`) as long as the pod takes.
+ANSWER_TIMEOUT = 30.0
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
+    from cli.render import printable
+
+    sys.stdout.flush()
+    sys.stderr.write(f"podctl: {printable(message)}\n")  # it may quote a pod's error text
+    raise SystemExit(code)
+
+
+STARTING = "its socket does not listen yet"
+
+
+def not_running(exc: "PodNotRunning") -> NoReturn:
+    """`pod 'x' is not running: no socket at …`: where podctl looked is half the answer. One
+    that holds its registry entry and does not listen yet is starting, as `podctl ls` says
+    (still exit 3: it cannot take the request yet)."""
+    if starting(exc.target):
+        target = exc.target
+        fail(f"pod '{target}' is starting: {STARTING} (podctl wait {target})", EXIT_NOT_RUNNING)
+    fail(str(exc), EXIT_NOT_RUNNING)
+
+
+def starting(target: str) -> bool:
+    """A pod that holds its registry entry but does not listen yet (its SessionStart hooks or
+    MCP servers are still at work): `ls` lists it as `starting`, and it is running."""
+    from protocol import paths
+
+    if "/" in target:  # a socket path: no name to look up
+        return False
+    # Its pid file first (written right after the claim, gone after a clean stop): for the
+    # usual "not running" the registry, and the msgspec it needs (~10 ms), is never loaded.
+    try:
+        os.kill(int((paths.pod_dir(target) / "pid").read_text().split()[0]), 0)
+    except PermissionError:
+        pass  # someone's process: the registry says whose
+    except (OSError, ValueError):
+        return False
+    from poddaemon.registry import Registry, RegistryError
+
+    try:
+        return Registry(paths.runtime_dir()).get(target) is not None
+    except (RegistryError, OSError):
+        return False
+
+
+def connection_lost(target: str, when: str = "") -> NoReturn:
+    """The pod closed our connection. When its socket no longer answers it went away (killed,
+    crashed, stopped): exit 3 like any pod that is not running. Otherwise it dropped just this
+    client: an error."""
+    from protocol import oneshot
+    from protocol.errors import ConnectionClosed, PodNotRunning
+
+    gone = f"pod '{target}' is not running: it went away {when or 'while podctl was connected'}"
+    try:
+        oneshot.call(target, "status", timeout=2.0)
+    except PodNotRunning:
+        fail(gone, EXIT_NOT_RUNNING)
+    except ConnectionClosed:  # (a dying pod may still accept, then drop us)
+        pid = _live_pid(target)
+        if pid is None:
+            fail(gone, EXIT_NOT_RUNNING)
+        # It runs, and takes connections only to drop them.
+        fail(
+            f"pod '{target}' (pid {pid}) runs but dropped the connection without answering: "
+            "it may be at its open-file limit (clients that keep connections open)"
+        )
+    except Exception:  # it is there, in no state to answer: all we know is that it closed
+        pass
+    fail(f"pod '{target}' closed the connection")
+
+
+def _live_pid(target: str) -> int | None:
+    """The pid of pod `target` (a name) when the registry has it alive, serving the socket
+    podctl used: a pod out of descriptors drops every connection the moment it accepts it."""
+    import time
+
+    from poddaemon.registry import Registry, RegistryError
+    from protocol import paths
+
+    if "/" in target:
+        return None
+    time.sleep(0.2)  # a pod that dropped us as it exits is gone by then
+    try:
+        entry = Registry(paths.runtime_dir()).get(target)
+    except (OSError, RegistryError):
+        return None
+    if entry is None or entry.socket != str(paths.socket_path(target)):
+        return None
+    return entry.pid
+
+
+def check_stdout() -> None:
+    """BrokenPipeError when our stdout is a pipe whose reader went (`podctl attach x | head`).
+    A follower with nothing to write asks now and then: it would otherwise only learn it at its
+    next write, which a quiet pod may never cause."""
+    import select
+
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), 0)  # errors are always reported: POLLERR, no reader
+    if poller.poll(0):
+        raise BrokenPipeError("podctl's stdout has no reader")
+
+
+def print_json(value: Any) -> None:
+    import json
+
+    from cli.render import json_text
+
+    sys.stdout.write(json_text(json.dumps(value, indent=2, ensure_ascii=False)) + "\n")
+
+
+def read_message(message: str) -> str:
+    """MESSAGE as given, or stdin for `-` (without its trailing newlines). Empty, or not UTF-8
+    (the wire is UTF-8 JSON, and the pod gets nothing altered): a usage error."""
+    if message == "-":
+        from protocol.framing import DEFAULT_MAX_FRAME_BYTES as limit
+
+        # No pod reads a frame larger than this: read no more of stdin (a runaway pipe of
+        # gigabytes was all read into memory, then refused).
+        raw = sys.stdin.buffer.read(limit + 1)
+        if len(raw) > limit:
+            fail(
+                f"stdin holds more than {limit >> 20} MiB, more than a pod takes in one "
+                "message; save it in a file the pod can read and send its path",
+                EXIT_USAGE,
+            )
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError as exc:
+            fail(
+                f"stdin is not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})",
+                EXIT_USAGE,
+            )
+        text = text.rstrip("\n")
+    else:
+        text = message
+        try:
+            text.encode()
+        except UnicodeEncodeError as exc:
+            not_utf8(exc, "MESSAGE")
+    if not text.strip():
+        fail("empty message", EXIT_USAGE)
+    return text
+
+
+def not_utf8(exc: UnicodeEncodeError, what: str = "an argument") -> NoReturn:
+    """Text that cannot go on the UTF-8 wire (nothing was sent): bytes from the shell that are
+    not UTF-8 (Python holds byte B as the lone surrogate U+DC00+B), or a lone surrogate of
+    its own (`\ud83d` in rpc's JSON)."""
+    code = ord(exc.object[exc.start])
+    bad = f"byte {code - 0xDC00:#04x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:X}"
+    fail(f"{what} is not UTF-8 text ({bad})", EXIT_USAGE)
+
+
+# Said when a pod that was sent input does not answer: stopped or wedged, it still reads its
+# socket once it runs again, so "failed" would invite a retry that delivers the input twice.
+UNANSWERED_INPUT = "; it may still take what was sent once it runs again"
+
+
+@contextlib.contextmanager
+def rpc_errors(target: str, timeout: float | None = None, unanswered: str = "") -> Iterator[None]:
+    """Map the client's exceptions to podctl's one-line messages and exit codes (`unanswered`:
+    added to the message of a pod that did not answer in time)."""
+    from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+
+    try:
+        yield
+    except PodNotRunning as exc:
+        not_running(exc)
+    except RpcError as exc:
+        fail(f"{exc.message} ({exc.code})")
+    except ConnectionClosed:
+        connection_lost(target)
+    except BrokenPipeError:
+        raise  # our stdout went away (e.g. `| head`): main() handles it
+    except UnicodeEncodeError as exc:  # encoding the request: nothing was sent
+        not_utf8(exc)
+    except TimeoutError:
+        within = f"within {timeout:g} s" if timeout else "in time"
+        fail(f"pod '{target}' did not answer {within}{unanswered}")
+    except OSError as exc:
+        fail(f"cannot talk to pod '{target}': {exc}")
+
+
+def call(
+    target: str,
+    method: str,
+    params: dict[str, Any] | None = None,
+    timeout: float | None = ANSWER_TIMEOUT,
+) -> Any:
+    """One call to `target`, its result as plain JSON data, with podctl's error handling
+    (`timeout`: a pod that does not answer within it is an error; None waits for ever).
+
+    Through `protocol.oneshot` (standard library only): for a one-call command, importing
+    PodClient would cost more than the rest of podctl's own start-up.
+    """
+    from protocol import oneshot, paths
+
+    result: Any = None
+    unanswered = UNANSWERED_INPUT if method in ("run", "notify") else ""
+    with rpc_errors(target, timeout, unanswered):
+        paths.check_private_dirs()  # another user must not be able to swap what we talk to
+        result = oneshot.call(target, method, params, timeout=timeout)
+    return result
+
+
+@contextlib.contextmanager
+def connect(
+    target: str, timeout: float | None = ANSWER_TIMEOUT, unanswered: str = ""
+) -> Iterator["PodClient"]:
+    """A PodClient for `target`, with podctl's error handling around everything in the block.
+    `timeout` bounds each call's answer (and each read: follow events with `next_event`)."""
+    from protocol import paths
+    from protocol.client import PodClient
+
+    with rpc_errors(target, timeout, unanswered):
+        paths.check_private_dirs()  # another user must not be able to swap what we talk to
+        with PodClient.connect(target, timeout=timeout) as client:
+            yield client
+
+
+def run(command: Callable[[], object]) -> int:
+    """Run a command; its exit status, with podctl's handling of what ends it early."""
+    try:
+        command()
+    except SystemExit as exc:
+        return _status(exc)
+    except BrokenPipeError:
+        return _reader_gone()
+    except OSError as exc:  # an unsafe directory, a full disk under our stdout: one line
+        from protocol.errors import os_error_line
+
+        sys.stderr.write(f"podctl: {os_error_line(exc)}\n")
+        return EXIT_ERROR
+    return 0
+
+
+def _status(exc: SystemExit) -> int:
+    """The exit status `sys.exit` gives: a non-integer is printed to stderr and means 1."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    sys.stderr.write(f"{exc.code}\n")
+    return EXIT_ERROR
+
+
+def _reader_gone() -> int:
+    """Our stdout's reader went away (`podctl history x | head`): stop quietly, as other Unix
+    tools do, with nothing more to flush there."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return EXIT_ERROR
+
+
+def exit_now(code: int) -> NoReturn:
+    """Exit without the interpreter's shutdown: a finished command holds nothing that needs it
+    (no threads, no temporary files, no log handlers), and tearing down typer's modules takes
+    about a sixth of a `podctl status`. Only stdio is flushed first."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        code = code or _reader_gone()
+    except OSError as exc:
+        if not code:  # the command went well, its output did not get out: say so once
+            from protocol.errors import os_error_line
+
+            sys.stderr.write(f"podctl: cannot write the output: {os_error_line(exc)}\n")
+            code = EXIT_ERROR
+    except ValueError:  # stdout closed by the command itself
+        pass
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+    os._exit(code)
