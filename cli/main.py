@@ -1,7 +1,9 @@
 """podctl: the user's command line for pods (SPEC §6). This module only assembles it.
 
-The shared parts (the typer app, exit codes, error handling, connect) are in `cli/app.py`; each
-command group lives in its own module and registers its commands on `cli.app.app` when imported.
+`podctl notify` and `podctl status POD`, spelled as scripts spell them, run without typer
+(`cli/plain.py`); everything else goes through the typer app (`cli/app.py`), on which each
+command group registers its commands when its module is imported. What they share without typer
+(exit codes, error handling, one call to a pod) is in `cli/common.py`.
 """
 
 import contextlib
@@ -53,6 +55,18 @@ def main() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(AttributeError, ValueError):
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+    from cli import plain
+
+    command = plain.parse(sys.argv[1:])
+    if command is not None:  # `notify` and `status POD`, as scripts run them: no typer
+        from cli.common import exit_now, run
+
+        exit_now(run(command))
+    with_typer()
+
+
+def with_typer() -> None:
+    """podctl through its typer app: every command, help and usage error."""
     from poddaemon import collector  # (the standard library only)
 
     # typer and the command's module live as long as podctl: the collector would walk them ~50

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from pathlib import Path
 
 LS_TIMEOUT = 2.0  # a pod slower than this to answer `status` is listed as unresponsive
-STATUS_TIMEOUT = 10.0  # `podctl status POD`: a pod that does not answer is an error, not a hang
 STOP_TIMEOUT = 10.0
 POLL = 0.02
 
@@ -203,13 +202,9 @@ def status(
     if pod is None:
         ls(as_json)
         return
-    st = call(pod, "status", timeout=STATUS_TIMEOUT)
-    if as_json:
-        print_json(st)
-        return
-    from cli.render import status_text
+    from cli import plain  # (what runs it without typer, cli/main.py's usual way in)
 
-    sys.stdout.write(status_text(st))
+    plain.status(pod, as_json)
 
 
 # --- stop ---------------------------------------------------------------------------------------

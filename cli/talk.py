@@ -290,18 +290,9 @@ def notify(
     acknowledge it within 30 s (stopped, wedged) is an error (exit 1); it may still take the
     notification when it runs again.
     """
-    text = read_message(message)
-    params: dict[str, str] = {"message": text}
-    if source is not None:
-        params["source"] = source
-    if client_key is not None:
-        params["client_key"] = client_key
-    result = call(pod, "notify", params)
-    # stdout is the id alone, whatever the pod's state (`nid=$(podctl notify …)`).
-    sys.stdout.write(f"{result['notification_id']}\n")
-    if result["wakes"]:
-        sys.stdout.flush()
-        sys.stderr.write("(woke the pod)\n")
+    from cli import plain  # (what runs it without typer, cli/main.py's usual way in)
+
+    plain.notify(pod, message, source, client_key)
 
 
 @app.command()

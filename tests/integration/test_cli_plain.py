@@ -1,0 +1,110 @@
+"""`podctl notify` and `podctl status POD` run without typer (cli/plain.py): for every spelling
+the plain parser takes, podctl must say and exit exactly as its typer app does, and every
+spelling it leaves to typer must still get typer's help and usage errors."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from cli.plain import notify, parse, status
+from tests.conftest import Env
+
+# podctl run through its typer app whatever the arguments: the plain parser turned off.
+THROUGH_TYPER = (
+    "import sys; from cli import main, plain; plain.parse = lambda argv: None; main.main()"
+)
+ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def test_the_common_spellings_are_taken_without_typer() -> None:
+    taken = {
+        ("status", "pod"): ("pod",),
+        ("status", "pod", "--json"): ("pod",),
+        ("status", "/run/x/sock"): ("/run/x/sock",),
+        ("notify", "pod", "hi"): ("pod", "hi"),
+        ("notify", "pod", "-"): ("pod", "-"),
+        ("notify", "--source", "ci", "pod", "hi", "--client-key", "k"): ("pod", "hi"),
+    }
+    for argv, arguments in taken.items():
+        command = parse(list(argv))
+        assert command is not None, argv
+        assert command.func in (notify, status) and command.args == arguments  # type: ignore[attr-defined]
+    assert parse(["status", "pod", "--json"]).keywords == {"as_json": True}  # type: ignore[union-attr]
+    assert parse(["notify", "p", "m", "--source", "ci"]).keywords == {"source": "ci"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["status"],  # (the table of live pods)
+        ["status", "--json"],
+        ["status", "Pod"],  # no pod name: typer's usage error
+        ["status", "pod", "extra"],
+        ["status", "pod", "--json", "--json"],
+        ["status", "pod", "-h"],
+        ["status", "--help"],
+        ["status", "pod", "--jso"],
+        ["notify", "pod"],
+        ["notify", "pod", "hi", "--source"],
+        ["notify", "pod", "hi", "--source", "-x"],
+        ["notify", "pod", "hi", "--source=ci"],
+        ["notify", "pod", "hi", "--source", "a", "--source", "b"],
+        ["notify", "pod", "--", "-x"],
+        ["notify", "pod", "-x"],
+        ["notify", "-", "hi"],
+        ["send", "pod", "hi"],
+        ["statu", "pod"],
+    ],
+    ids=" ".join,
+)
+def test_anything_else_is_left_to_typer(argv: list[str]) -> None:
+    assert parse(argv) is None
+
+
+def both_ways(env: Env, *args: str, input: str = "") -> list[tuple[int, str, str]]:
+    """podctl ARGS as users run it (plain, when it takes them), then through typer."""
+    outcomes = []
+    for cmd in (["-m", "cli.main"], ["-c", THROUGH_TYPER]):
+        done = subprocess.run(
+            [sys.executable, *cmd, *args],
+            env=env.env,
+            input=input,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        outcomes.append((done.returncode, ID.sub("<id>", done.stdout), done.stderr))
+    return outcomes
+
+
+def test_plain_and_typer_say_and_exit_the_same(env: Env) -> None:
+    env.model.script({"gate": "never", "text": "held"})  # busy: status stays as it is
+    pod = env.start("pod")
+    pod.call("run", input="work")
+    env.model.wait_for_requests(1)
+    socket = str(pod.socket)
+    cases: list[tuple[list[str], str]] = [
+        (["status", "pod"], ""),
+        (["status", "pod", "--json"], ""),
+        (["status", socket], ""),
+        (["status", "ghost"], ""),
+        (["status", "/nowhere/sock"], ""),
+        (["notify", "pod", "the build is green"], ""),
+        (["notify", "--source", "ci", "pod", "hi", "--client-key", "k1"], ""),
+        (["notify", "pod", "-"], "from stdin\n"),
+        (["notify", "pod", ""], ""),
+        (["notify", "pod", "-"], ""),
+        (["notify", "pod", "\udcff"], ""),
+        (["notify", "ghost", "hi"], ""),
+        (["notify", socket, "hi", "--source", ""], ""),
+    ]
+    for args, stdin in cases:
+        plain, typer = both_ways(env, *args, input=stdin)
+        assert plain == typer, args
+        assert plain[0] in (0, 2, 3), (args, plain)
+    notes = [e["text"] for e in pod.call("history")["entries"] if e["kind"] == "system_item"]
+    assert notes.count("the build is green") == 2 and notes.count("from stdin") == 2
+    assert notes.count("hi") == 3  # keyed k1: taken once of two; by its socket: both
