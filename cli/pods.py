@@ -8,7 +8,6 @@ import typer
 
 from cli.app import JsonOpt, PodArg, app, pod_name, seconds
 from cli.common import (
-    EXIT_ERROR,
     EXIT_USAGE,
     STARTING,
     call,
@@ -47,38 +46,9 @@ def spawn(
 
     Waits until the pod is ready; on failure prints the pod's own error and exits 1.
     """
-    import os
+    from cli import plain  # (what runs it without typer, cli/main.py's usual way in)
 
-    from cli.spawn import SpawnFailed, daemon_command, shortened, spawn_detached
-
-    if session and resume:
-        fail("--session and --resume exclude each other", EXIT_USAGE)
-    from poddaemon.overrides import split_override
-
-    for text in set_ or []:
-        if split_override(text) is None:  # (the manifest loader's rule, but exit 2: usage)
-            fail(f"--set {text}: expected section.key=value", EXIT_USAGE)
-    cmd = daemon_command(manifest, set_ or [], session, resume)
-    if foreground:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(cmd[0], cmd)
-    try:
-        name, socket, early = spawn_detached(cmd)
-    except SpawnFailed as exc:
-        sys.stdout.flush()
-        if exc.output.strip():
-            said = shortened(exc.output)
-            sys.stderr.buffer.write(said if said.endswith(b"\n") else said + b"\n")
-            sys.stderr.flush()
-            if "ready within" in exc.message:
-                fail(exc.message)
-            raise typer.Exit(EXIT_ERROR) from None
-        fail(exc.message)
-    if early:
-        sys.stderr.buffer.write(shortened(early, name))  # warnings it printed while starting
-        sys.stderr.flush()
-    sys.stdout.write(f"{name}\t{socket}\n")
+    plain.spawn(manifest, set_, session, resume, foreground)
 
 
 # --- ls -----------------------------------------------------------------------------------------

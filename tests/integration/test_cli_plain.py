@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from cli.plain import notify, parse, status
+from cli.plain import notify, parse, spawn, status
 from tests.conftest import Env
 
 # podctl run through its typer app whatever the arguments: the plain parser turned off.
@@ -26,13 +26,19 @@ def test_the_common_spellings_are_taken_without_typer() -> None:
         ("notify", "pod", "hi"): ("pod", "hi"),
         ("notify", "pod", "-"): ("pod", "-"),
         ("notify", "--source", "ci", "pod", "hi", "--client-key", "k"): ("pod", "hi"),
+        ("spawn", "m.toml"): ("m.toml",),
+        ("spawn", "--set", "a.b=1", "Pod.toml", "--set", "c.d=2", "--resume"): ("Pod.toml",),
     }
     for argv, arguments in taken.items():
         command = parse(list(argv))
         assert command is not None, argv
-        assert command.func in (notify, status) and command.args == arguments  # type: ignore[attr-defined]
+        assert command.func in (notify, spawn, status) and command.args == arguments  # type: ignore[attr-defined]
     assert parse(["status", "pod", "--json"]).keywords == {"as_json": True}  # type: ignore[union-attr]
     assert parse(["notify", "p", "m", "--source", "ci"]).keywords == {"source": "ci"}  # type: ignore[union-attr]
+    assert parse(["spawn", "--set", "a.b=1", "m", "--set", "c.d=2", "--resume"]).keywords == {  # type: ignore[union-attr]
+        "set_": ["a.b=1", "c.d=2"],
+        "resume": True,
+    }
 
 
 @pytest.mark.parametrize(
@@ -55,6 +61,12 @@ def test_the_common_spellings_are_taken_without_typer() -> None:
         ["notify", "pod", "--", "-x"],
         ["notify", "pod", "-x"],
         ["notify", "-", "hi"],
+        ["spawn"],
+        ["spawn", "m.toml", "--resume", "--resume"],
+        ["spawn", "m.toml", "--session"],
+        ["spawn", "m.toml", "--set", "--x"],
+        ["spawn", "-m.toml"],
+        ["spawn", "a.toml", "b.toml"],
         ["send", "pod", "hi"],
         ["statu", "pod"],
     ],
@@ -64,8 +76,9 @@ def test_anything_else_is_left_to_typer(argv: list[str]) -> None:
     assert parse(argv) is None
 
 
-def both_ways(env: Env, *args: str, input: str = "") -> list[tuple[int, str, str]]:
-    """podctl ARGS as users run it (plain, when it takes them), then through typer."""
+def both_ways(env: Env, *args: str, input: str = "", stop: str = "") -> list[tuple[int, str, str]]:
+    """podctl ARGS as users run it (plain, when it takes them), then through typer; `stop`:
+    the pod a spawn may have started, stopped after each."""
     outcomes = []
     for cmd in (["-m", "cli.main"], ["-c", THROUGH_TYPER]):
         done = subprocess.run(
@@ -77,6 +90,8 @@ def both_ways(env: Env, *args: str, input: str = "") -> list[tuple[int, str, str
             timeout=60,
         )
         outcomes.append((done.returncode, ID.sub("<id>", done.stdout), done.stderr))
+        if stop and done.returncode == 0:
+            assert env.podctl("stop", stop).returncode == 0
     return outcomes
 
 
@@ -108,3 +123,18 @@ def test_plain_and_typer_say_and_exit_the_same(env: Env) -> None:
     notes = [e["text"] for e in pod.call("history")["entries"] if e["kind"] == "system_item"]
     assert notes.count("the build is green") == 2 and notes.count("from stdin") == 2
     assert notes.count("hi") == 3  # keyed k1: taken once of two; by its socket: both
+
+
+def test_plain_and_typer_spawn_alike(env: Env) -> None:
+    manifest = str(env.manifest("sp"))
+    cases = [
+        ["spawn", "/nowhere/m.toml"],
+        ["spawn", manifest, "--session", "x", "--resume"],
+        ["spawn", manifest, "--set", "no-equals"],
+        ["spawn", manifest, "--set", "pod.nosuchkey=1"],
+        ["spawn", manifest, "--set", "worker.max_turns=3", "--resume"],
+    ]
+    for args in cases:
+        plain, typer = both_ways(env, *args, stop="sp")
+        assert plain == typer, args
+    assert plain[0] == 0 and plain[1].startswith("sp\t"), plain  # (the last one started)
