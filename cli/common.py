@@ -257,6 +257,11 @@ def run(command: Callable[[], object]) -> int:
         command()
     except SystemExit as exc:
         return _status(exc)
+    except KeyboardInterrupt:  # Ctrl-C: as typer ends a command it runs
+        return EXIT_INTERRUPTED
+    except EOFError:
+        sys.stderr.write("\nAborted!\n")
+        return EXIT_ERROR
     except BrokenPipeError:
         return _reader_gone()
     except OSError as exc:  # an unsafe directory, a full disk under our stdout: one line

@@ -2,14 +2,17 @@
 the plain parser takes, podctl must say and exit exactly as its typer app does, and every
 spelling it leaves to typer must still get typer's help and usage errors."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from cli.plain import notify, parse, spawn, status
-from tests.conftest import Env
+from tests.conftest import Env, wait_until
+from tests.integration.test_clients import connected
 
 # podctl run through its typer app whatever the arguments: the plain parser turned off.
 THROUGH_TYPER = (
@@ -138,3 +141,30 @@ def test_plain_and_typer_spawn_alike(env: Env) -> None:
         plain, typer = both_ways(env, *args, stop="sp")
         assert plain == typer, args
     assert plain[0] == 0 and plain[1].startswith("sp\t"), plain  # (the last one started)
+
+
+def interrupted(env: Env, *cmd: str) -> tuple[int, str, str]:
+    """podctl status of a pod that never answers, sent SIGINT (Ctrl-C) once connected."""
+    proc = subprocess.Popen(
+        [sys.executable, *cmd, "status", "pod"],
+        env=env.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(lambda: connected(proc.pid), what="podctl status to connect")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    return proc.returncode, out, err
+
+
+def test_ctrl_c_ends_a_plain_command_as_it_ends_a_typer_one(env: Env) -> None:
+    """typer ends a command on Ctrl-C with status 130, quietly; a plain one left a traceback."""
+    pod = env.start()
+    os.kill(pod.proc.pid, signal.SIGSTOP)  # connections are taken, never answered
+    try:
+        plain = interrupted(env, "-m", "cli.main")
+        typer = interrupted(env, "-c", THROUGH_TYPER)
+    finally:
+        os.kill(pod.proc.pid, signal.SIGCONT)
+    assert plain == typer == (130, "", ""), (plain, typer)
