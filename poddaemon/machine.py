@@ -434,9 +434,10 @@ class Machine:
 
         return self._handle(go)
 
-    def child_ended(self, name: str, reason: str) -> list[Effect]:
+    def child_ended(self, name: str, reason: str, told: bool = False) -> list[Effect]:
         """A child's process is gone. Without a final report its grant stays charged (it may
-        have spent it); one that died without reporting is reported `errored` here."""
+        have spent it); one that died without reporting is reported `errored` here, unless
+        `told`: its spawn_pod failed and the model has that error already."""
 
         def go() -> None:
             child = self.state.children.get(name)
@@ -444,7 +445,7 @@ class Machine:
                 return
             final = child.last_kind in FINAL_REPORTS
             spent = child.spent if final or child.grant is None else max(child.grant, child.spent)
-            if not final and not self.stopping:
+            if not final and not self.stopping and not told:
                 event_id = f"died-{name}-{self.new_id()}"
                 self._note_arrived()
                 self._commit(

@@ -160,6 +160,10 @@ class Children:
         self._taken_back: set[str] = set()
         self._registry_seen: tuple[int, int, int] | None = None  # pods.json as we last read it
         self._not_ours: set[str] = set()  # named us parent, scope not inside ours (warned)
+        # Children we stop because their spawn_pod failed (task refused, no answer): the model
+        # has that error. Stopped before their first input, they have no log to report
+        # `shutdown` from, and were reported `errored`, "died without a final report".
+        self._failed_spawns: set[str] = set()
 
     # --- start-up: re-adopt --------------------------------------------------------------------
 
@@ -573,7 +577,11 @@ class Children:
                 socket, "run", {"input": task, "client_key": f"{SPAWNER_KEY}task"}
             )
         except BaseException as exc:
-            await self._stop_child(child)
+            self._failed_spawns.add(name)
+            try:
+                await self._stop_child(child)
+            finally:
+                self._failed_spawns.discard(name)
             if isinstance(exc, ToolError):
                 raise ToolError(f"child pod {name!r} refused its task: {exc}") from None
             raise
@@ -723,7 +731,7 @@ class Children:
         # goes, and we refuse delivery then; from our log they reach the restored model.
         if not final and (left := reports_left(pod, name)):
             pod.feed(pod.machine.child_left_reports(name, left))
-        pod.feed(pod.machine.child_ended(name, reason))
+        pod.feed(pod.machine.child_ended(name, reason, told=name in self._failed_spawns))
 
     def _refresh_scope(self) -> None:
         """Our tools' scope: the granted one minus what live children hold (a registry

@@ -1171,6 +1171,34 @@ def test_spawn_failures_leave_nothing_behind(tree: Env) -> None:
     assert not list((env.home / "data" / "pods").glob(".spawn-*"))
 
 
+def test_a_child_stopped_because_its_task_was_refused_is_not_reported_errored(
+    tree: Env,
+) -> None:
+    """The child's UserPromptSubmit hook (its spawner's) refuses its task: spawn_pod fails with
+    the hook's reason and the spawner stops the child. Stopped before its first input, the
+    child has no log to report `shutdown` from: its spawner reported it `errored`, "died
+    without a final report", a second, false account that woke its model once more."""
+    env = tree
+    (env.work / "s1").mkdir()
+    quiet_children(env, "s1")
+    hook = env.home / "prompt.sh"
+    hook.write_text("#!/bin/sh\nif grep -q forbidden; then echo 'no such tasks' >&2; exit 2; fi\n")
+    hook.chmod(0o755)
+    env.model.script(
+        {"tool_calls": [spawn_call("s1", "forbidden work", [str(env.work / "s1")])]},
+        {"text": "done"},
+    )
+    parent = start_parent(env, extra=f'[[hooks.UserPromptSubmit]]\ncommand = "{hook}"\n')
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    (result,) = [r for r in tool_results(parent) if r["name"] == "spawn_pod"]
+    assert result["is_error"] and "no such tasks" in result["output"], result
+    entries = lambda: parent.call("history", limit=10000)["entries"]  # noqa: E731
+    wait_until(lambda: any(e["kind"] == "child_ended" for e in entries()), 20, "the child's end")
+    drained(parent)
+    assert reports(parent) == []
+    assert Registry(env.home / "run").get("s1") is None
+
+
 def test_a_spawn_cancelled_while_the_fork_server_starts_leaves_no_child(tree: Env) -> None:
     """The run is cancelled while the first spawn starts the fork server (the fork runs in a
     thread, which goes on): the child it forks for nobody is stopped, not left running with
