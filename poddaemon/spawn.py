@@ -171,6 +171,7 @@ class Children:
         """Watch the live children the registry names us parent of; a child the log knows as
         live but that is gone ended while we were down."""
         pod = self.pod
+        _remove_stale_spawn_files()
         mine = {
             e.name: e
             for e in pod.s.registry.live()
@@ -746,6 +747,28 @@ class Children:
         if scope != pod.scope:
             pod.scope = scope
             pod.tool_ctx.scope_changed()  # commands too (when the sandbox confines them)
+
+
+def _remove_stale_spawn_files() -> None:
+    """Remove the manifests `_start` hands children (`.spawn-<name>-<pid>.toml`) that a
+    spawner killed mid-spawn left: a copy of a child's whole configuration, scope included,
+    that nothing else ever removes. Ours (from an earlier process with our pid: we spawned
+    nothing yet) and those whose spawner is gone."""
+    for path in (paths.data_dir() / "pods").glob(".spawn-*-*.toml"):
+        pid = path.stem.rpartition("-")[2]
+        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _exited(child: _Live) -> None:

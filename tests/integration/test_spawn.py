@@ -683,6 +683,33 @@ def test_kill9_parent_while_its_child_starts_up_stops_the_child(tree: Env) -> No
     assert Registry(env.home / "run").live() == []
 
 
+def test_a_spawner_killed_mid_spawn_leaves_no_childs_manifest_once_restored(tree: Env) -> None:
+    """The manifest a spawner hands its child (`<data>/pods/.spawn-<name>-<pid>.toml`, the
+    child's whole configuration) is removed when spawn_pod returns; a spawner kill -9ed while
+    its child started left it for good. Any pod starting up removes such leftovers."""
+    env = tree
+    (env.work / "s1").mkdir()
+    quiet_children(env, "s1")
+    gate = env.home / "gate"
+    hook = env.home / "hold.sh"
+    hook.write_text(  # the child's start-up (its pwd is work/s1) waits for the gate
+        "#!/bin/sh\n"
+        'case "$PWD" in */s1) touch starting; '
+        f"while [ ! -e {gate} ]; do sleep 0.02; done;; esac\n"
+    )
+    hook.chmod(0o755)
+    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
+    parent = start_parent(env, extra=f'[[hooks.SessionStart]]\ncommand = "{hook}"\n')
+    with parent.client() as c:
+        c.run("go")
+    wait_until(lambda: (env.work / "s1" / "starting").exists(), 20, "the child's start-up")
+    parent.kill9()
+    gate.touch()
+    wait_until(lambda: not _stray(env), 20, "the child to stop with its spawner")
+    env.restart(parent, "--resume")
+    assert not list((env.home / "data" / "pods").glob(".spawn-*"))
+
+
 def test_a_child_stopped_by_its_spawners_kill9_reports_its_shutdown_on_restore(tree: Env) -> None:
     """A child that stops because its spawner was killed (on_parent_exit = "stop") leaves its
     `shutdown` report, with what it spent, in its log for the restored spawner. It used to
