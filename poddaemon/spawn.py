@@ -584,7 +584,9 @@ class Children:
             finally:
                 self._failed_spawns.discard(name)
             if isinstance(exc, ToolError):
-                raise ToolError(f"child pod {name!r} refused its task: {exc}") from None
+                # "Refused" only when it said no: one that died or hung did not refuse.
+                how = "refused" if isinstance(exc, _Refused) else "did not take"
+                raise ToolError(f"child pod {name!r} {how} its task: {exc}") from None
             raise
         self._expect(name, str(result["run_id"]))
         return {"name": name, "socket": socket}
@@ -598,7 +600,7 @@ class Children:
                 async with await AsyncPodClient.connect(socket) as client:
                     raw = await client.call_raw(method, params)
         except RpcError as exc:  # the child's own refusal (-32007 budget, -32004 stopping, …)
-            raise ToolError(str(exc)) from None
+            raise _Refused(str(exc)) from None
         except TimeoutError:
             raise ToolError(f"the child pod did not answer within {limit:g} s") from None
         except Exception as exc:  # no socket, connection lost
@@ -747,6 +749,10 @@ class Children:
         if scope != pod.scope:
             pod.scope = scope
             pod.tool_ctx.scope_changed()  # commands too (when the sandbox confines them)
+
+
+class _Refused(ToolError):
+    """The child answered a call with an error: its own refusal."""
 
 
 def _remove_stale_spawn_files() -> None:

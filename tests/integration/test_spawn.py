@@ -1226,6 +1226,31 @@ def test_a_child_stopped_because_its_task_was_refused_is_not_reported_errored(
     assert Registry(env.home / "run").get("s1") is None
 
 
+def test_a_child_killed_before_it_takes_its_task_is_not_said_to_refuse_it(tree: Env) -> None:
+    """The child dies (kill -9) while its UserPromptSubmit hook decides its task: spawn_pod
+    fails, saying it did not take its task, where it said it "refused" it (a refusal is the
+    child's own answer, as a hook's exit 2)."""
+    env = tree
+    (env.work / "s1").mkdir()
+    hook = env.home / "prompt.sh"
+    hook.write_text('#!/bin/sh\ncase "$PWD" in */s1) touch deciding; sleep 30;; esac\n')
+    hook.chmod(0o755)
+    env.model.script(
+        {"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]}, {"text": "done"}
+    )
+    parent = start_parent(env, extra=f'[[hooks.UserPromptSubmit]]\ncommand = "{hook}"\n')
+    with parent.client() as c:
+        c.run("go")
+    wait_until(lambda: (env.work / "s1" / "deciding").exists(), 20, "the child's hook")
+    entry = Registry(env.home / "run").get("s1")
+    assert entry is not None
+    os.kill(entry.pid, signal.SIGKILL)
+    drained(parent)
+    (result,) = [r for r in tool_results(parent) if r["name"] == "spawn_pod"]
+    assert result["is_error"], result
+    assert "child pod 's1' did not take its task" in result["output"], result
+
+
 def test_a_spawn_cancelled_while_the_fork_server_starts_leaves_no_child(tree: Env) -> None:
     """The run is cancelled while the first spawn starts the fork server (the fork runs in a
     thread, which goes on): the child it forks for nobody is stopped, not left running with
