@@ -102,6 +102,7 @@ AFTER_THE_FACT = 4  # Stop hooks of runs that did not finish running at once (se
 NOT_RUN = (126, 127)  # sh: the command is not executable / not found
 # Events whose "block" (exit 2) stops nothing: Claude Code "shows stderr to user only".
 ADVISORY = ("SessionStart", "Notification", "SubagentStop", "PreCompact")
+CONTEXT_EVENTS = ("SessionStart", "UserPromptSubmit")  # plain stdout on exit 0: context
 
 
 def judge(
@@ -148,10 +149,15 @@ def _judge(
         # (uncaught, it failed the tool call, the prompt, or the pod's start-up for good).
         why = "its JSON output is nested too deeply: its decision could not be read"
         return ("block" if event in GUARDS else "warning"), why, ""
-    except ValueError:
+    except ValueError as exc:
+        if event not in CONTEXT_EVENTS:
+            # Meant as a decision, unreadable (Python's `print(dict)`, two objects): it goes
+            # on, as plain output does, but the user is told. Read as "ok", a guard that
+            # meant to block let every call through without a word.
+            return "warning", f"its output is not valid JSON ({exc}): no decision read", ""
         out = None
     if not isinstance(out, dict):
-        context = stdout.strip() if event in ("SessionStart", "UserPromptSubmit") else ""
+        context = stdout.strip() if event in CONTEXT_EVENTS else ""
         return "ok", "", context
     specific = out.get("hookSpecificOutput") or {}
     permission = specific.get("permissionDecision") if isinstance(specific, dict) else None

@@ -17,13 +17,23 @@ from poddaemon.hooks import TEXT_LIMIT, judge
         (127, "", "sh: nf", ("block", "the hook could not run (exit 127): sh: nf", "")),
         (None, "", "", ("warning", "timed out: killed with its process group", "")),
         (0, '{"decision": "block", "reason": "r"}', "", ("block", "r", "")),
-        (0, "{not json", "", ("ok", "", "")),
     ],
 )
 def test_exit_codes_and_json_decisions(
     code: int | None, stdout: str, stderr: str, expected: tuple[str, str, str]
 ) -> None:
     assert judge("PreToolUse", code, stdout, stderr) == expected
+
+
+def test_a_json_answer_that_cannot_be_read_is_a_warning_where_stdout_is_no_context() -> None:
+    """A guard printing Python's `print(dict)` (single quotes) or two objects meant to block:
+    read as plain output, "ok", the call ran and nobody was told."""
+    for bad in ("{'decision': 'block', 'reason': 'r'}", '{"decision": "block"}\n{"x": 1}'):
+        for event in ("PreToolUse", "PostToolUse", "Stop", "Notification"):
+            decision, reason, _ = judge(event, 0, bad, "")
+            assert decision == "warning" and "not valid JSON" in reason, (event, reason)
+    assert judge("UserPromptSubmit", 0, "{not json", "") == ("ok", "", "{not json")  # context
+    assert judge("PreToolUse", 0, "plain words", "") == ("ok", "", "")
 
 
 def test_a_hook_that_could_not_run_blocks_only_where_it_guards() -> None:
