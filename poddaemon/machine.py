@@ -437,7 +437,7 @@ class Machine:
     def child_ended(self, name: str, reason: str, told: bool = False) -> list[Effect]:
         """A child's process is gone. Without a final report its grant stays charged (it may
         have spent it); one that died without reporting is reported `errored` here, unless
-        `told`: its spawn_pod failed and the model has that error already."""
+        `told`: the model knows already (its spawn_pod failed, or stop_pod stopped it)."""
 
         def go() -> None:
             child = self.state.children.get(name)

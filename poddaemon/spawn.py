@@ -160,10 +160,10 @@ class Children:
         self._taken_back: set[str] = set()
         self._registry_seen: tuple[int, int, int] | None = None  # pods.json as we last read it
         self._not_ours: set[str] = set()  # named us parent, scope not inside ours (warned)
-        # Children we stop because their spawn_pod failed (task refused, no answer): the model
-        # has that error. Stopped before their first input, they have no log to report
-        # `shutdown` from, and were reported `errored`, "died without a final report".
-        self._failed_spawns: set[str] = set()
+        # Children we stop as our model is told (its spawn_pod failed, or stop_pod). One
+        # stopped before its first input has no log to report `shutdown` from: it was
+        # reported `errored`, "died without a final report", after the model was told.
+        self._stopping: set[str] = set()
 
     # --- start-up: re-adopt --------------------------------------------------------------------
 
@@ -380,7 +380,7 @@ class Children:
         child = self._child(pod_name)
         for entry in self._descendants(pod_name):
             await self._stop_child(_Live(entry.name, entry.pid, entry.socket), watch=True)
-        await self._stop_child(child)
+        await self._stop_told(child)
         return {"stopped": True}
 
     # --- status and shutdown -------------------------------------------------------------------
@@ -578,11 +578,7 @@ class Children:
                 socket, "run", {"input": task, "client_key": f"{SPAWNER_KEY}task"}
             )
         except BaseException as exc:
-            self._failed_spawns.add(name)
-            try:
-                await self._stop_child(child)
-            finally:
-                self._failed_spawns.discard(name)
+            await self._stop_told(child)
             if isinstance(exc, ToolError):
                 # "Refused" only when it said no: one that died or hung did not refuse.
                 how = "refused" if isinstance(exc, _Refused) else "did not take"
@@ -666,6 +662,14 @@ class Children:
             for r in record.scope
         )
 
+    async def _stop_told(self, child: _Live) -> None:
+        """Stop `child` where the model learns of it from its tool call: its end is no news."""
+        self._stopping.add(child.name)
+        try:
+            await self._stop_child(child)
+        finally:
+            self._stopping.discard(child.name)
+
     async def _stop_child(self, child: _Live, watch: bool = False) -> None:
         """`shutdown`, then wait for the process; SIGTERM, then SIGKILL its group if it lingers.
         `watch`: a descendant that is not our child, whose exit we learn of here."""
@@ -734,7 +738,7 @@ class Children:
         # goes, and we refuse delivery then; from our log they reach the restored model.
         if not final and (left := reports_left(pod, name)):
             pod.feed(pod.machine.child_left_reports(name, left))
-        pod.feed(pod.machine.child_ended(name, reason, told=name in self._failed_spawns))
+        pod.feed(pod.machine.child_ended(name, reason, told=name in self._stopping))
 
     def _refresh_scope(self) -> None:
         """Our tools' scope: the granted one minus what live children hold (a registry

@@ -710,6 +710,45 @@ def test_a_spawner_killed_mid_spawn_leaves_no_childs_manifest_once_restored(tree
     assert not list((env.home / "data" / "pods").glob(".spawn-*"))
 
 
+def test_stop_pod_of_a_child_that_never_got_its_task_reports_no_error(tree: Env) -> None:
+    """A detached child that was starting when its spawner was kill -9ed never got its task;
+    the restored spawner takes it back and its model stops it (stop_pod: {stopped: true}).
+    With no input it has no log to report `shutdown` from: the spawner then told its model
+    the child "died without a final report", `errored`, against what stop_pod said."""
+    env = tree
+    (env.work / "s1").mkdir()
+    quiet_children(env, "s1")
+    gate = env.home / "gate"
+    hook = env.home / "hold.sh"
+    hook.write_text(  # the child's start-up (its pwd is work/s1) waits for the gate
+        "#!/bin/sh\n"
+        'case "$PWD" in */s1) touch starting; '
+        f"while [ ! -e {gate} ]; do sleep 0.02; done;; esac\n"
+    )
+    hook.chmod(0o755)
+    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
+    extra = f'[[hooks.SessionStart]]\ncommand = "{hook}"\n[spawn]\non_parent_exit = "detach"\n'
+    parent = start_parent(env, extra=extra)
+    with parent.client() as c:
+        c.run("go")
+    wait_until(lambda: (env.work / "s1" / "starting").exists(), 20, "the child's start-up")
+    parent.kill9()
+    gate.touch()
+    registry = Registry(env.home / "run")
+    wait_until(lambda: registry.get("s1"), 20, "the child's entry")
+    env.model.script(
+        {"text": "restored"}, {"tool_calls": [tool("stop_pod", pod="s1")]}, {"text": "stopped"}
+    )
+    again = env.restart(parent, "--resume")
+    drained(again)
+    assert run_and_wait(again, "stop it")["outcome"] == "finished"
+    assert json.loads(tool_results(again)[-1]["output"]) == {"stopped": True}
+    entries = lambda: again.call("history", limit=10000)["entries"]  # noqa: E731
+    wait_until(lambda: any(e["kind"] == "child_ended" for e in entries()), 20, "the child's end")
+    drained(again)
+    assert reports(again) == []
+
+
 def test_a_child_stopped_by_its_spawners_kill9_reports_its_shutdown_on_restore(tree: Env) -> None:
     """A child that stops because its spawner was killed (on_parent_exit = "stop") leaves its
     `shutdown` report, with what it spent, in its log for the restored spawner. It used to
