@@ -422,7 +422,8 @@ def check_args(params: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:
             typ == "boolean" or not isinstance(value, bool)
         )
         if not ok:
-            raise ToolError(f"argument {name} must be a {typ}, got {_json_type(value)}")
+            article = "an" if typ[0] in "aeiou" else "a"  # an integer, an array, an object
+            raise ToolError(f"argument {name} must be {article} {typ}, got {_json_type(value)}")
         out[name] = value
     return out
 

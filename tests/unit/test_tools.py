@@ -1495,8 +1495,8 @@ async def test_execute_caps_output_per_tool(root: Path) -> None:
         ("read_file", "{}", "missing required argument: path"),
         ("read_file", '{"path": null}', "missing required argument: path"),
         ("read_file", '{"path": 3}', "argument path must be a string, got integer"),
-        ("read_file", '{"path": "a", "limit": "10"}', "argument limit must be a integer"),
-        ("read_file", '{"path": "a", "limit": true}', "argument limit must be a integer"),
+        ("read_file", '{"path": "a", "limit": "10"}', "argument limit must be an integer"),
+        ("read_file", '{"path": "a", "limit": true}', "argument limit must be an integer"),
         ("read_file", '{"path": "a", "colour": 1}', "unknown argument: colour"),
         ("edit_file", '{"path": "a", "old_string": "x"}', "missing required argument: new_string"),
         (
