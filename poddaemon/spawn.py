@@ -32,7 +32,7 @@ from poddaemon.entries import SPAWNER_KEY, Entry, OutboxItem, SystemItem
 from poddaemon.machine import FINAL_REPORTS
 from poddaemon.readyline import parse_ready, parse_starting
 from poddaemon.scope import Access, Rule, resolve
-from poddaemon.session import KEPT_REPORT_IDS
+from poddaemon.session import KEPT_REPORT_IDS, input_size
 from poddaemon.store.log import new_session_id
 from poddaemon.tools.base import ToolError
 from protocol import paths
@@ -293,6 +293,13 @@ class Children:
         self._refuse_anothers_name(name)
         grant = self._grant(args.get("budget_tokens"))
         manifest = self._child_manifest(name, args, grant)
+        limit = manifest.worker.max_input_bytes
+        if (size := input_size(str(args["task"]))) > limit:  # the child would refuse it
+            raise ToolError(
+                f"cannot spawn: the task is {size:,} bytes, over the child's "
+                f"worker.max_input_bytes ({limit:,}); put it in a file the child can read "
+                "and give its path"
+            )
         self._spawning.add(name)
         try:
             return await self._start(name, manifest, str(args["task"]), grant)

@@ -1789,3 +1789,24 @@ def test_a_child_cannot_take_a_stopped_pods_name_and_its_kept_configuration(tree
     assert taken["is_error"] and "is the name of another pod" in taken["output"], taken
     assert kept.read_text() == before
     assert not mine["is_error"] and not again["is_error"], (mine, again)
+
+
+def test_a_task_over_the_childs_input_limit_is_refused_before_a_child_starts(tree: Env) -> None:
+    """The child refused it at once (-32602, over worker.max_input_bytes), but only after it
+    was started, had claimed its scope and reached READY, to be stopped again."""
+    env = tree
+    (env.work / "s1").mkdir()
+    task = "x" * 3000
+    env.model.script(
+        {"tool_calls": [spawn_call("s1", task, [str(env.work / "s1")])]}, {"text": "done"}
+    )
+    parent = env.start("parent", "--set", "worker.max_input_bytes=2000", tools=POD_TOOLS)
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    (result,) = [r for r in tool_results(parent) if r["name"] == "spawn_pod"]
+    assert result["is_error"], result
+    assert "the task is 3,000 bytes, over the child's worker.max_input_bytes (2,000)" in (
+        result["output"]
+    )
+    kinds = {e["kind"] for e in parent.call("history", limit=10000)["entries"]}
+    assert "child_started" not in kinds
+    assert not (env.home / "log" / "s1.log").exists()  # never started: no log
