@@ -312,7 +312,9 @@ def pod_table(statuses: Sequence[Mapping[str, Any]], home: str | None = None) ->
     """The `podctl ls` table, header included, columns padded to their widest cell; children
     indented under their parent. An unresponsive pod shows what the registry knows of it."""
     rows: list[tuple[str, ...]] = [TABLE_HEADER]
+    listed = {st.get("name") for st in statuses}  # live pods: a parent not among them is gone
     for depth, st in tree_order(statuses):
+        parent = st.get("parent")
         unresponsive = st.get("state") == "unresponsive"
         cells = (
             TREE_INDENT * depth + str(st.get("name", "?")),
@@ -320,7 +322,7 @@ def pod_table(statuses: Sequence[Mapping[str, Any]], home: str | None = None) ->
             str(st.get("state", "?")),
             _cell(st.get("model")),
             scope_cell(st.get("scope") or [], home),
-            _cell(st.get("parent")),
+            _cell(parent) if parent is None or parent in listed else f"{parent} (gone)",
             "-" if unresponsive else queue_cell(st),
             "-" if unresponsive else str(tokens(st)),
             "-" if unresponsive else str(st.get("sandbox") or "none"),

@@ -233,6 +233,13 @@ def test_pod_table_indents_children_and_shows_unresponsive_pods() -> None:
     assert lines[3].split() == ["lost", "-", "unresponsive", "-", "-", "-", "-", "-", "-"]
 
 
+def test_pod_table_says_a_parent_that_is_not_running_is_gone() -> None:
+    """A detached child whose spawner died was listed at the top, its PARENT named as if it
+    ran."""
+    lines = pod_table([pod("orphan", "par", state="idle")], home="/home/u").splitlines()
+    assert lines[1].split()[5:7] == ["par", "(gone)"]
+
+
 class Stream(io.StringIO):
     def __init__(self, tty: bool) -> None:
         super().__init__()
