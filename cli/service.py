@@ -148,7 +148,26 @@ def stop_unit_pod(
     if unit is None:
         return False
     children = [str(c["name"]) for c in status.get("children") or []]
+    if not _manager_answers():
+        # A shell with no user bus (cron, su, ssh without a session): systemctl cannot stop
+        # the unit, but the pod answers, and its clean exit 0 after `shutdown` is one
+        # Restart=on-failure leaves down: the caller's shutdown over the socket stops the unit.
+        sys.stderr.write(
+            f"podctl: no systemd user manager answers here; shutting {status['name']} down "
+            f"over its socket (its unit {unit} stays down: it exits 0)\n"
+        )
+        return False
     return _stop_unit(str(status["name"]), unit, children, before)
+
+
+def _manager_answers() -> bool:
+    """Whether `systemctl --user` reaches a user manager from this environment."""
+    from cli.unit import UnitError, systemctl
+
+    try:
+        return systemctl("show-environment", check=False).returncode == 0
+    except UnitError:
+        return False
 
 
 def _stop_unit(

@@ -507,6 +507,31 @@ def test_podctl_stop_stops_the_unit_and_logs_show_the_journal(sd: Sd) -> None:
     assert sd.podctl("status", "stopme").returncode == 3
 
 
+def test_podctl_stop_from_a_shell_with_no_user_bus_still_stops_the_unit(sd: Sd) -> None:
+    """cron, `su`, ssh with no session: no XDG_RUNTIME_DIR, so `systemctl --user` cannot reach
+    the manager. `podctl stop` failed ("Failed to connect to bus") and left the pod running;
+    the pod answers, and its exit 0 after `shutdown` is one systemd does not restart."""
+    sd.install("nobus")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS")
+    }
+    stopped = subprocess.run(
+        [sys.executable, "-m", "cli.main", "stop", "nobus"],
+        env={**env, **sd.podenv},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert stopped.returncode == 0, stopped.stderr
+    assert "no systemd user manager answers" in stopped.stderr
+    sd.wait_prop("nobus", "ActiveState", "inactive")
+    assert sd.prop("nobus", "SubState") == "dead"  # not auto-restart: nothing will start it
+    assert sd.prop("nobus", "Result") == "success"
+    assert sd.prop("nobus", "NRestarts") == "0"
+
+
 def test_podctl_stop_between_a_crash_and_its_restart_stops_the_unit(sd: Sd) -> None:
     """kill -9, then `podctl stop` while systemd waits RestartSec to start it again: stop said
     "not running" (exit 3) and the pod came back 2 s later; a crash-looping pod could not be
