@@ -698,8 +698,8 @@ def _serve(
                 pod.feed(pod.machine.add_context(context, "hook:SessionStart"))
         try:
             mcp = await mcp_start
-        except McpStartupError as exc:  # (a required server may come up next time)
-            raise StartupError(str(exc), lasting=False) from None
+        except McpStartupError as exc:
+            raise StartupError(str(exc), lasting=exc.lasting) from None
         for tool in mcp.tools.values():
             services.tools.add(tool)
         _check_tool_count(pod, manifest.provider.kind, len(services.tools.tools))

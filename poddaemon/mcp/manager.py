@@ -23,7 +23,13 @@ if TYPE_CHECKING:  # imported by start_mcp: a pod without servers never loads th
 
 
 class McpStartupError(Exception):
-    """The pod must not start: a `${VAR}` that is not set, or a required server that failed."""
+    """The pod must not start: a `${VAR}` that is not set, or a required server that failed.
+    `lasting`: starting again as it is changes nothing (the unset variable), as for a
+    provider key that is not set; a required server may come up next time."""
+
+    def __init__(self, message: str, *, lasting: bool = False) -> None:
+        super().__init__(message)
+        self.lasting = lasting
 
 
 class McpManager:
@@ -82,7 +88,9 @@ async def start_mcp(
         try:
             envs[cfg.name] = server_env(cfg.env, environ)
         except EnvError as exc:
-            raise McpStartupError(f"{manifest.source}: mcp.servers[{i}].{exc}") from None
+            raise McpStartupError(
+                f"{manifest.source}: mcp.servers[{i}].{exc}", lasting=True
+            ) from None
     # ~0.6 s of imports, in a thread, once, when the first server needs it.
     loaded: list[asyncio.Future[None]] = []
 
