@@ -242,6 +242,8 @@ class Machine:
         # log may have made its file ahead (PodLog.reserve).
         self.first_session_id = first_session_id or new_id
         self.system_prompt = system_prompt
+        # What this start rendered; a restored session keeps its own until `take_rendered_prompt`.
+        self.rendered_prompt = system_prompt
         self.state = SessionState()
         self.turn: Turn | None = None
         self.stopping = False
@@ -813,6 +815,14 @@ class Machine:
             self._emit(Sync())
 
         return self._handle(go)
+
+    def take_rendered_prompt(self) -> bool:
+        """After `restore`: continue with the prompt this start rendered (the instruction was
+        edited, or what it renders changed). True when it differs from the session's: the
+        caller forks, so that each session's first entry holds the prompt its calls carry."""
+        changed = self.system_prompt != self.rendered_prompt
+        self.system_prompt = self.rendered_prompt
+        return changed
 
     def fork(self) -> SessionStart:
         """Another writer moved our log's head: continue, from the state as it is now, in a new

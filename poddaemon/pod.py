@@ -725,6 +725,9 @@ class Pod:
         elif later := continued_by(self.s.sessions_dir, session_id, self.name):
             why = f"was continued already by session {later[0]}"
         effects, warnings = self.plog.restore(session_id, self.machine.restore)
+        # An edited instruction applies at the next start, as the rest of the manifest does.
+        if self.machine.take_rendered_prompt() and why is None:
+            why = "has another system prompt than this start rendered"
         if why is not None:
             self.plog.fork_now(why)  # its first entry holds the state the effects made
         self.feed(effects, in_log=why is not None)

@@ -1228,3 +1228,32 @@ def test_history_of_a_damaged_live_log_says_what_is_wrong(env: Env) -> None:
     assert "(-32603)" in shown.stderr
     given = env.podctl("history", "damaged", "--session", sid)  # asked for it by name
     assert given.returncode == 1 and "session_id: session log damaged" in given.stderr
+
+
+def test_an_edited_instruction_applies_at_the_next_resume_in_a_linked_session(env: Env) -> None:
+    """Found by QA: `--resume` (a unit's every start, `podctl restart`) kept the system prompt
+    the session began with, so an edited instruction never reached the model, while the rest
+    of the edited manifest applied. It applies now, in a fork whose first entry holds it."""
+    pod = env.start("reprompt", instruction="PROMPT-A")
+    with pod.client() as c:
+        assert c.run_wait("first task").outcome == "finished"
+        old = c.status().session_id
+    assert old and pod.stop() == 0
+    env.manifest("reprompt", instruction="PROMPT-B")
+    again = env.restart(pod, "--resume")
+    with again.client() as c:
+        assert c.run_wait("second task").outcome == "finished"
+        new = c.status().session_id
+    body = env.model.requests[-1]["body"]
+    assert body["messages"][0] == {"role": "system", "content": "PROMPT-B"}
+    assert "first task" in str(body)  # the conversation goes on
+    assert new and new != old
+    start = read_session(sessions_dir(env), new).entries[0]
+    assert (start["forked_from"], start["system_prompt"]) == (old, "PROMPT-B")
+    verify_ok(env, old)
+    verify_ok(env, new)
+    # Unchanged, it stays in its session.
+    assert again.stop() == 0
+    third = env.restart(again, "--resume")
+    assert third.call("status")["session_id"] == new
+    assert third.stop() == 0
