@@ -130,6 +130,16 @@ def build_history(
     return out, (1 if run_from is not None else None)
 
 
+def summarizable(history: list[Item], run_from: int | None, retained_turns: int) -> bool:
+    """Whether a compaction would replace anything with its summary. Not when every item is
+    one it keeps (the rounds `retained_turns` keeps are all there is, and the inputs kept
+    verbatim): the summary could only make the context larger, a call paid for nothing."""
+    if run_from is not None and min(run_from, len(history)) > 0:
+        return True  # what came before the active run
+    kept, _ = build_history(history, run_from, "", retained_turns, [])
+    return len(kept) - 1 < len(history)  # (the summary's own item aside)
+
+
 def shrink(before: int, after: int) -> float:
     """How much smaller the context got (0.1 = by 10 %); negative if it grew."""
     return 1.0 - after / before if before > 0 else 0.0

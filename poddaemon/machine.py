@@ -987,7 +987,12 @@ class Machine:
             return False
         if self.budget_exhausted():
             return False  # the request is refused anyway
-        return self._context_size() >= threshold
+        if self._context_size() < threshold:
+            return False
+        # Rounds too few to summarize any (all within compact_retained_turns): not yet.
+        return compaction.summarizable(
+            self.state.history, self.state.run_from, self.cfg.compact_retained_turns
+        )
 
     def _begin_compaction(self, reason: str, run_id: str | None, token: int | None) -> None:
         before = self._context_size()

@@ -85,6 +85,7 @@ def test_a_compaction_a_crash_cut_short_is_made_again_after_the_restore() -> Non
     died would have (it used to send the whole context again)."""
     d = driver(threshold=100)
     d.call("run", "the task")
+    tool_round(d, usage=50)  # a round a summary can replace
     tool_round(d, usage=150)
     assert isinstance(d.inflight, Summarize)
     again = Driver(cfg=d.cfg, now=d.now + 100, n=d.n + 1000)  # kill -9 mid-summary
@@ -98,6 +99,7 @@ def test_a_compaction_a_crash_cut_short_is_made_again_after_the_restore() -> Non
 def test_notifications_acked_before_a_compaction_reach_the_first_request_after_it() -> None:
     d = driver(threshold=100)
     d.call("run", "task")
+    tool_round(d, usage=50)  # a round a summary can replace
     d.model("working", calls=1, usage=500)
     note = d.call("notify", "the build failed", source="ci")
     assert d.answer(note).result.notification_id
@@ -113,6 +115,29 @@ def test_notifications_acked_before_a_compaction_reach_the_first_request_after_i
     assert "arrived during the summary" in notes[-1].text
 
 
+def test_no_summary_is_asked_while_every_round_is_one_compaction_keeps() -> None:
+    """Over the threshold with no more rounds than compact_retained_turns keeps, a summary
+    could only add to the context: it was asked for anyway (a call over the whole context,
+    paid for nothing), and thrown away. The first round it can replace is summarized."""
+    d = driver(threshold=100, retained=2)
+    d.call("run", "task")
+    tool_round(d, usage=500)
+    assert isinstance(d.inflight, CallModel) and not events(d, "compaction.started")
+    tool_round(d, usage=500)
+    assert isinstance(d.inflight, CallModel)  # two rounds: both kept
+    tool_round(d, usage=500)
+    assert isinstance(d.inflight, Summarize)  # the first of three can go
+
+
+def test_summarizable_is_false_only_when_compaction_would_keep_everything() -> None:
+    task, answer = UserMessage(text="task"), AssistantMessage(text="a")
+    assert not compaction.summarizable([], None, 2)
+    assert not compaction.summarizable([task, answer], 0, 2)
+    assert compaction.summarizable([task, answer], 0, 0)  # no round kept
+    assert compaction.summarizable([task, answer, UserMessage(text="t2")], 2, 2)  # before the run
+    assert compaction.summarizable([answer, answer, answer], None, 2)
+
+
 def test_no_compaction_without_config_or_below_the_threshold() -> None:
     d = driver(threshold=None)
     d.call("run", "task")
@@ -124,6 +149,7 @@ def test_no_compaction_without_config_or_below_the_threshold() -> None:
 def test_a_useless_summary_is_not_applied_and_not_repeated_in_that_run() -> None:
     d = driver(threshold=100)
     d.call("run", "task")
+    tool_round(d, usage=50)  # a round a summary can replace
     tool_round(d, usage=500)
     sid = d.machine.state.session_id
     d.summarize("x" * 100_000)  # larger than the history it replaces
@@ -146,6 +172,7 @@ def test_an_empty_summary_is_a_failure_the_next_round_retries_not_a_useless_one(
     whose context then grew unchecked until the provider refused it."""
     d = driver(threshold=100)
     d.call("run", "task")
+    tool_round(d, usage=50)  # a round a summary can replace
     tool_round(d, usage=500)
     sid = d.machine.state.session_id
     d.summarize("  \n")
@@ -195,6 +222,7 @@ def test_a_compaction_shrinking_less_than_5_percent_is_kept_but_not_repeated_in_
 def test_the_run_ends_context_full_only_when_the_provider_then_rejects_the_request() -> None:
     d = driver(threshold=100)
     d.call("run", "task")
+    tool_round(d, usage=50)  # a round a summary can replace
     tool_round(d, usage=500)
     d.summarize("z" * 100_000)
     tool_round(d, usage=500)
@@ -206,6 +234,7 @@ def test_the_run_ends_context_full_only_when_the_provider_then_rejects_the_reque
 def test_three_failures_in_a_row_trip_the_breaker_until_a_manual_compact_succeeds() -> None:
     d = driver(threshold=100)
     d.call("run", "task")
+    tool_round(d, usage=50)  # a round a summary can replace
     for _ in range(3):
         tool_round(d, usage=500)
         d.summarize_fails("the compaction model is down")
@@ -285,6 +314,7 @@ def test_a_notification_during_a_manual_compaction_says_it_wakes_the_pod() -> No
 def test_cancel_during_a_compaction_ends_the_run_cancelled_in_the_old_session() -> None:
     d = driver(threshold=100)
     d.call("run", "task")
+    tool_round(d, usage=50)  # a round a summary can replace
     tool_round(d, usage=500)
     sid = d.machine.state.session_id
     d.call("cancel")
@@ -320,6 +350,7 @@ def test_cancel_stops_a_manual_compaction_and_the_queued_run_starts_in_the_old_s
 def test_shutdown_during_a_compaction_keeps_the_old_session() -> None:
     d = driver(threshold=100)
     d.call("run", "task")
+    tool_round(d, usage=50)  # a round a summary can replace
     tool_round(d, usage=500)
     d.call("shutdown")
     assert d.interrupted and not d.stopped
