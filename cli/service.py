@@ -275,9 +275,11 @@ def _restart(pod: str) -> None:
     name = str(status["name"]) if status is not None else _name_of(pod) or pod
     unit = pod_unit(pod, status)
     if unit is not None:
-        from cli.unit import UnitError, start_unit
+        from cli.unit import NO_MANAGER, UnitError, start_unit
         from protocol import paths
 
+        if not _manager_answers():  # cron, su, ssh without a session: systemd's bus error said
+            fail(f"cannot restart {unit}: {NO_MANAGER}")  # only "Failed to connect to bus"
         try:
             start_unit(unit, "restart", then=f"Fix that, then `podctl restart {name}`.")
         except UnitError as exc:

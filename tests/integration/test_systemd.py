@@ -532,6 +532,28 @@ def test_podctl_stop_from_a_shell_with_no_user_bus_still_stops_the_unit(sd: Sd) 
     assert sd.prop("nobus", "NRestarts") == "0"
 
 
+def test_podctl_restart_from_a_shell_with_no_user_bus_says_why_it_cannot(sd: Sd) -> None:
+    """It printed systemd's "Failed to connect to bus: No medium found" alone."""
+    sd.install("nobus2")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS")
+    }
+    restarted = subprocess.run(
+        [sys.executable, "-m", "cli.main", "restart", "nobus2"],
+        env={**env, **sd.podenv},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert restarted.returncode == 1, restarted.stderr
+    assert restarted.stderr.startswith("podctl: cannot restart poddaemon-nobus2.service: no ")
+    assert "enable-linger" in restarted.stderr and restarted.stderr.count("\n") == 1
+    assert sd.prop("nobus2", "NRestarts") == "0"
+    assert sd.prop("nobus2", "ActiveState") == "active"  # left as it was
+
+
 def test_podctl_stop_between_a_crash_and_its_restart_stops_the_unit(sd: Sd) -> None:
     """kill -9, then `podctl stop` while systemd waits RestartSec to start it again: stop said
     "not running" (exit 3) and the pod came back 2 s later; a crash-looping pod could not be
