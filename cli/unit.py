@@ -493,6 +493,11 @@ def install_cmd(
         )
     elif now:
         sys.stdout.write(f"{unit_path(pod)} (enabled and started)\n")
+    elif _unit_running(unit_name(pod)):  # "start it" said of a running unit misled
+        sys.stdout.write(
+            f"{unit_path(pod)}\nit runs with its old unit and manifest until it restarts: "
+            f"podctl restart {pod}\n"
+        )
     else:
         sys.stdout.write(
             f"{unit_path(pod)}\nstart it: systemctl --user enable --now {unit_name(pod)}\n"

@@ -391,6 +391,11 @@ def test_install_now_of_a_running_unit_says_it_was_not_restarted(sd: Sd) -> None
     restarted = sd.podctl("restart", "again")
     assert restarted.returncode == 0, restarted.stderr
     assert sd.main_pid("again") != pid and sd.prop("again", "WatchdogUSec") == "0"
+    plain = sd.podctl("unit", "install", str(path))  # without --now: not "start it"
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.endswith(
+        "\nit runs with its old unit and manifest until it restarts: podctl restart again\n"
+    )
     sd.podctl("stop", "again")
     again = sd.podctl("unit", "install", str(path), "--now")  # stopped: started, and says so
     assert again.stdout.endswith(" (enabled and started)\n"), again.stdout + again.stderr
