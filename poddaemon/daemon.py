@@ -719,10 +719,17 @@ def _serve(
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, ending.request)
         loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)  # `kill -USR1 PID`: what it awaits
+        # The log file and its link are there before READY (`podctl spawn x && podctl logs x`);
+        # stderr moves to it after, once READY is in the pipe the spawner reads.
+        log_file = (
+            _open_stderr_log(manifest.pod.name, sock_path.parent) if args.stderr_log else None
+        )
         _say(f"{readyline.READY}\t{manifest.pod.name}\t{sock_path}")
         kept_log = None
-        if args.stderr_log:
-            kept_log = _move_stderr(manifest.pod.name, sock_path.parent)
+        if log_file is not None:
+            kept_log, fd = log_file
+            os.dup2(fd, 2)
+            os.close(fd)
             _said_before_ready.replay()
         sdnotify.notify("READY=1")
         collector.resume()  # paused since the process started (poddaemon/__main__.py)
@@ -1098,11 +1105,11 @@ LOG_KEEP_BYTES = 16 << 20
 LOG_CHECK_INTERVAL = 1.0
 
 
-def _move_stderr(name: str, pod_dir: Path) -> Path:
-    """stderr to `<log>/<name>.log` (SPEC §2: kept, where the runtime dir is wiped at reboot
-    with the reason a pod died), and `<runtime>/pods/<name>/stderr.log` (SPEC §7) a symlink
-    to it. A log directory we may not use (another user's) leaves the file in the pod dir.
-    Returns the file stderr now goes to."""
+def _open_stderr_log(name: str, pod_dir: Path) -> tuple[Path, int]:
+    """The file stderr is to go to, and a descriptor appending to it: `<log>/<name>.log`
+    (SPEC §2: kept, where the runtime dir is wiped at reboot with the reason a pod died), and
+    `<runtime>/pods/<name>/stderr.log` (SPEC §7) a symlink to it. A log directory we may not
+    use (another user's) leaves the file in the pod dir."""
     link = pod_dir / "stderr.log"
     try:
         kept = paths.ensure_dir(paths.log_dir(), "log directory") / f"{name}.log"
@@ -1110,18 +1117,17 @@ def _move_stderr(name: str, pod_dir: Path) -> Path:
         log.warning("keeping the log in %s: %s", pod_dir, os_error_line(exc))
         if link.is_symlink():  # to the log directory, from an earlier start
             link.unlink()
-        _append_stderr_to(link)
-        return link
+        return link, _open_log(link)
     with contextlib.suppress(OSError):  # (a first start: no log yet)
         if os.stat(kept).st_size > LOG_KEEP_BYTES:
             os.replace(kept, kept.with_name(f"{name}.log.1"))
-    _append_stderr_to(kept)
+    fd = _open_log(kept)
     tmp = pod_dir / ".stderr.log.tmp"
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()  # a start killed between these two steps left it
     os.symlink(kept, tmp)
     os.replace(tmp, link)  # (the file an older version kept here goes)
-    return kept
+    return kept, fd
 
 
 async def keep_log_bounded(kept: Path) -> None:
@@ -1138,17 +1144,17 @@ async def keep_log_bounded(kept: Path) -> None:
             if (named.st_dev, named.st_ino) != (ours.st_dev, ours.st_ino):
                 continue
             os.replace(kept, kept.with_name(f"{kept.name}.1"))
-            _append_stderr_to(kept)
+            fd = _open_log(kept)
+            os.dup2(fd, 2)
+            os.close(fd)
         except OSError as exc:  # a full disk, a directory gone: the log goes on where it is
             log.warning("could not rotate the log %s: %s", kept, os_error_line(exc))
             return
 
 
-def _append_stderr_to(path: Path) -> None:
+def _open_log(path: Path) -> int:
     # 0600 whatever the umask: a 0400 log refused the restarted pod its stderr
-    fd = paths.open_private(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
-    os.dup2(fd, 2)
-    os.close(fd)
+    return paths.open_private(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
 
 
 if __name__ == "__main__":
