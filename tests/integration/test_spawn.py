@@ -654,17 +654,14 @@ def test_kill9_parent_stops_the_tree(tree: Env) -> None:
     assert Registry(tree.home / "run").live() == []
 
 
-def test_kill9_parent_while_its_child_starts_up_stops_the_child(tree: Env) -> None:
-    """on_parent_exit = "stop": a spawner kill -9ed while its child was still starting (its
-    spawn_pod waiting for the child's READY). The child, finding its spawner dead by the time
-    it followed it, took it for one gone before a `podctl restart` and waited for it to come
-    back: it ran on for good, holding its area, with nobody to report to."""
-    env = tree
+def kill_spawner_mid_child_start(env: Env, extra: str = "") -> PodProcess:
+    """A parent whose child s1 is still starting (a SessionStart hook holds the child's
+    start-up, its pwd work/s1, until a gate file appears; the parent's does not), kill -9ed
+    then; the child is let go on. The dead parent's process object is returned."""
     (env.work / "s1").mkdir()
     quiet_children(env, "s1")
     gate = env.home / "gate"
     hook = env.home / "hold.sh"
-    # The child's start-up (its pwd is work/s1) waits for the gate; the parent's does not.
     hook.write_text(
         "#!/bin/sh\n"
         'case "$PWD" in */s1) touch starting; '
@@ -673,12 +670,22 @@ def test_kill9_parent_while_its_child_starts_up_stops_the_child(tree: Env) -> No
     )
     hook.chmod(0o755)
     env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
-    parent = start_parent(env, extra=f'[[hooks.SessionStart]]\ncommand = "{hook}"\n')
+    parent = start_parent(env, extra=f'[[hooks.SessionStart]]\ncommand = "{hook}"\n{extra}')
     with parent.client() as c:
         c.run("go")
     wait_until(lambda: (env.work / "s1" / "starting").exists(), 20, "the child's start-up")
     parent.kill9()
-    gate.touch()  # the child gets READY with its spawner gone
+    gate.touch()
+    return parent
+
+
+def test_kill9_parent_while_its_child_starts_up_stops_the_child(tree: Env) -> None:
+    """on_parent_exit = "stop": a spawner kill -9ed while its child was still starting (its
+    spawn_pod waiting for the child's READY). The child, finding its spawner dead by the time
+    it followed it, took it for one gone before a `podctl restart` and waited for it to come
+    back: it ran on for good, holding its area, with nobody to report to."""
+    env = tree
+    kill_spawner_mid_child_start(env)  # the child gets READY with its spawner gone
     wait_until(lambda: not _stray(env), 20, "the child to stop with its spawner")
     assert Registry(env.home / "run").live() == []
 
@@ -688,23 +695,7 @@ def test_a_spawner_killed_mid_spawn_leaves_no_childs_manifest_once_restored(tree
     child's whole configuration) is removed when spawn_pod returns; a spawner kill -9ed while
     its child started left it for good. Any pod starting up removes such leftovers."""
     env = tree
-    (env.work / "s1").mkdir()
-    quiet_children(env, "s1")
-    gate = env.home / "gate"
-    hook = env.home / "hold.sh"
-    hook.write_text(  # the child's start-up (its pwd is work/s1) waits for the gate
-        "#!/bin/sh\n"
-        'case "$PWD" in */s1) touch starting; '
-        f"while [ ! -e {gate} ]; do sleep 0.02; done;; esac\n"
-    )
-    hook.chmod(0o755)
-    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
-    parent = start_parent(env, extra=f'[[hooks.SessionStart]]\ncommand = "{hook}"\n')
-    with parent.client() as c:
-        c.run("go")
-    wait_until(lambda: (env.work / "s1" / "starting").exists(), 20, "the child's start-up")
-    parent.kill9()
-    gate.touch()
+    parent = kill_spawner_mid_child_start(env)
     wait_until(lambda: not _stray(env), 20, "the child to stop with its spawner")
     env.restart(parent, "--resume")
     assert not list((env.home / "data" / "pods").glob(".spawn-*"))
@@ -716,24 +707,7 @@ def test_stop_pod_of_a_child_that_never_got_its_task_reports_no_error(tree: Env)
     With no input it has no log to report `shutdown` from: the spawner then told its model
     the child "died without a final report", `errored`, against what stop_pod said."""
     env = tree
-    (env.work / "s1").mkdir()
-    quiet_children(env, "s1")
-    gate = env.home / "gate"
-    hook = env.home / "hold.sh"
-    hook.write_text(  # the child's start-up (its pwd is work/s1) waits for the gate
-        "#!/bin/sh\n"
-        'case "$PWD" in */s1) touch starting; '
-        f"while [ ! -e {gate} ]; do sleep 0.02; done;; esac\n"
-    )
-    hook.chmod(0o755)
-    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
-    extra = f'[[hooks.SessionStart]]\ncommand = "{hook}"\n[spawn]\non_parent_exit = "detach"\n'
-    parent = start_parent(env, extra=extra)
-    with parent.client() as c:
-        c.run("go")
-    wait_until(lambda: (env.work / "s1" / "starting").exists(), 20, "the child's start-up")
-    parent.kill9()
-    gate.touch()
+    parent = kill_spawner_mid_child_start(env, extra='[spawn]\non_parent_exit = "detach"\n')
     registry = Registry(env.home / "run")
     wait_until(lambda: registry.get("s1"), 20, "the child's entry")
     env.model.script(

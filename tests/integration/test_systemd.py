@@ -512,23 +512,29 @@ def test_podctl_stop_stops_the_unit_and_logs_show_the_journal(sd: Sd) -> None:
     assert sd.podctl("status", "stopme").returncode == 3
 
 
-def test_podctl_stop_from_a_shell_with_no_user_bus_still_stops_the_unit(sd: Sd) -> None:
-    """cron, `su`, ssh with no session: no XDG_RUNTIME_DIR, so `systemctl --user` cannot reach
-    the manager. `podctl stop` failed ("Failed to connect to bus") and left the pod running;
-    the pod answers, and its exit 0 after `shutdown` is one systemd does not restart."""
-    sd.install("nobus")
+def podctl_without_user_bus(sd: Sd, *args: str) -> subprocess.CompletedProcess[str]:
+    """podctl as cron, `su` or ssh with no session run it: no XDG_RUNTIME_DIR, so
+    `systemctl --user` cannot reach the manager."""
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS")
     }
-    stopped = subprocess.run(
-        [sys.executable, "-m", "cli.main", "stop", "nobus"],
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
         env={**env, **sd.podenv},
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+def test_podctl_stop_from_a_shell_with_no_user_bus_still_stops_the_unit(sd: Sd) -> None:
+    """cron, `su`, ssh with no session: no XDG_RUNTIME_DIR, so `systemctl --user` cannot reach
+    the manager. `podctl stop` failed ("Failed to connect to bus") and left the pod running;
+    the pod answers, and its exit 0 after `shutdown` is one systemd does not restart."""
+    sd.install("nobus")
+    stopped = podctl_without_user_bus(sd, "stop", "nobus")
     assert stopped.returncode == 0, stopped.stderr
     assert "no systemd user manager answers" in stopped.stderr
     sd.wait_prop("nobus", "ActiveState", "inactive")
@@ -540,18 +546,7 @@ def test_podctl_stop_from_a_shell_with_no_user_bus_still_stops_the_unit(sd: Sd) 
 def test_podctl_restart_from_a_shell_with_no_user_bus_says_why_it_cannot(sd: Sd) -> None:
     """It printed systemd's "Failed to connect to bus: No medium found" alone."""
     sd.install("nobus2")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("XDG_RUNTIME_DIR", "DBUS_SESSION_BUS_ADDRESS")
-    }
-    restarted = subprocess.run(
-        [sys.executable, "-m", "cli.main", "restart", "nobus2"],
-        env={**env, **sd.podenv},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    restarted = podctl_without_user_bus(sd, "restart", "nobus2")
     assert restarted.returncode == 1, restarted.stderr
     assert restarted.stderr.startswith("podctl: cannot restart poddaemon-nobus2.service: no ")
     assert "enable-linger" in restarted.stderr and restarted.stderr.count("\n") == 1
