@@ -61,6 +61,9 @@ class PodSection(Struct, kw_only=True, forbid_unknown_fields=True):
         _check_path("pwd", self.pwd)
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 class ProviderConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     kind: Literal["anthropic", "openai", "openai_responses"]
     model: str
@@ -83,6 +86,13 @@ class ProviderConfig(Struct, kw_only=True, forbid_unknown_fields=True):
             self.base_url = None
         if self.api_key_env is not None and not self.api_key_env:
             raise FieldError("api_key_env", "must not be empty")
+        if self.api_key_env and not _ENV_NAME.fullmatch(self.api_key_env):
+            # (it said "MY KEY is not set", with the key in the environment as MY_KEY)
+            raise FieldError(
+                "api_key_env",
+                f"{self.api_key_env!r} is no environment variable's name "
+                "(letters, digits and _, not starting with a digit)",
+            )
 
     @property
     def api_key_var(self) -> str:

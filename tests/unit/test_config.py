@@ -770,6 +770,18 @@ def test_a_wrong_type_inside_per_tool_names_the_table() -> None:
     )
 
 
+def test_api_key_env_must_be_a_variable_name() -> None:
+    manifest = MINIMAL.replace(
+        'model = "claude-sonnet-4-5"\n', 'model = "m"\napi_key_env = "MY KEY"\n'
+    )
+    assert error_of(manifest) == (
+        "m.toml:7: provider.api_key_env: 'MY KEY' is no environment variable's name "
+        "(letters, digits and _, not starting with a digit)"
+    )
+    for name in ("MY_KEY", "_k2", "key"):
+        assert ProviderConfig(kind="openai", model="m", api_key_env=name).api_key_var == name
+
+
 def test_structs_validate_when_built_in_code() -> None:
     with pytest.raises(FieldError, match="not a valid pod name"):
         PodSection(name="UP")
