@@ -408,7 +408,8 @@ def test_a_session_the_registry_could_not_name_is_named_once_it_can(env: Env) ->
     registry = Registry(env.home / "run")
     with registry_lock_held(env):
         session = pod.call("compact")["session_id"]  # after the first try timed out
-        assert "cannot name session" in pod.text()
+        # Written before the reply went, read by the harness's stderr thread maybe after it
+        wait_until(lambda: "cannot name session" in pod.text(), what="the warning")
     entry = wait_until(
         lambda: (e := registry.get("naming")) is not None and e.session == session and e,
         timeout=20,
