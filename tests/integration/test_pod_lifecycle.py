@@ -427,5 +427,5 @@ def test_a_stuck_registry_lock_does_not_hold_a_stop(env: Env) -> None:
         stop = env.podctl("stop", "locked")
         assert (stop.returncode, stop.stdout) == (0, "stopped locked\n"), stop.stderr
         assert pod.proc.wait(5) == 0
-        assert "could not release the registry entry (left stale)" in pod.text()
+        assert "could not release the registry entry (left stale)" in pod.final_text()
     assert env.start("locked").call("status")["name"] == "locked"  # the stale entry reclaimed

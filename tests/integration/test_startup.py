@@ -193,7 +193,8 @@ def test_a_pod_whose_entry_went_registers_again(env: Env, how: str) -> None:
         before["scope"],
     )
     assert pod.call("status")["state"] == "idle" and pod.proc.poll() is None
-    assert "registered it again" in pod.text()
+    # (the harness's stderr thread may read the line after the registry shows the entry)
+    wait_until(lambda: "registered it again" in pod.text(), what="the log line")
     with pytest.raises(StartFailed) as refused:
         env.start("rival", write=[str(env.work)])
     assert "claimed" in refused.value.stderr
