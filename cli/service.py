@@ -162,12 +162,13 @@ def stop_unit_pod(
 
 def _manager_answers() -> bool:
     """Whether `systemctl --user` reaches a user manager from this environment."""
-    from cli.unit import UnitError, systemctl
+    from cli.unit import UnitError, manager_environment
 
     try:
-        return systemctl("show-environment", check=False).returncode == 0
+        manager_environment()
     except UnitError:
         return False
+    return True
 
 
 def _stop_unit(
@@ -275,11 +276,13 @@ def _restart(pod: str) -> None:
     name = str(status["name"]) if status is not None else _name_of(pod) or pod
     unit = pod_unit(pod, status)
     if unit is not None:
-        from cli.unit import NO_MANAGER, UnitError, start_unit
+        from cli.unit import UnitError, manager_environment, start_unit
         from protocol import paths
 
-        if not _manager_answers():  # cron, su, ssh without a session: systemd's bus error said
-            fail(f"cannot restart {unit}: {NO_MANAGER}")  # only "Failed to connect to bus"
+        try:  # cron, su, ssh without a session: say so (systemctl said only "Failed to connect")
+            manager_environment()
+        except UnitError as exc:
+            fail(f"cannot restart {unit}: {exc}")
         try:
             start_unit(unit, "restart", then=f"Fix that, then `podctl restart {name}`.")
         except UnitError as exc:
