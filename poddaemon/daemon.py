@@ -728,8 +728,7 @@ def _serve(
         kept_log = None
         if log_file is not None:
             kept_log, fd = log_file
-            os.dup2(fd, 2)
-            os.close(fd)
+            _stderr_to(fd)
             _said_before_ready.replay()
         sdnotify.notify("READY=1")
         collector.resume()  # paused since the process started (poddaemon/__main__.py)
@@ -1144,9 +1143,7 @@ async def keep_log_bounded(kept: Path) -> None:
             if (named.st_dev, named.st_ino) != (ours.st_dev, ours.st_ino):
                 continue
             os.replace(kept, kept.with_name(f"{kept.name}.1"))
-            fd = _open_log(kept)
-            os.dup2(fd, 2)
-            os.close(fd)
+            _stderr_to(_open_log(kept))
         except OSError as exc:  # a full disk, a directory gone: the log goes on where it is
             log.warning("could not rotate the log %s: %s", kept, os_error_line(exc))
             return
@@ -1155,6 +1152,12 @@ async def keep_log_bounded(kept: Path) -> None:
 def _open_log(path: Path) -> int:
     # 0600 whatever the umask: a 0400 log refused the restarted pod its stderr
     return paths.open_private(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+
+
+def _stderr_to(fd: int) -> None:
+    """Make `fd` the process's stderr (threads and children writing it see the switch)."""
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 if __name__ == "__main__":
