@@ -58,9 +58,9 @@ def sub_app(help: str, **kwargs: Any) -> typer.Typer:
 def pod_name(value: str | None) -> str | None:
     """A name spawn refuses names no pod: a usage error, not 'not running' (a typo in the case
     of a letter would otherwise read as a pod that stopped)."""
-    from protocol.paths import POD_NAME_RE
+    from cli.common import names_a_pod
 
-    if value is not None and "/" not in value and not POD_NAME_RE.fullmatch(value):
+    if value is not None and not names_a_pod(value):
         raise typer.BadParameter(
             f"{value!r} is not a valid pod name "
             "(lowercase letters, digits, '-' and '_', at most 48 characters)"

@@ -39,6 +39,14 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     raise SystemExit(code)
 
 
+def names_a_pod(target: str) -> bool:
+    """A pod name or a socket path: what a POD argument may be. Any other text is a usage
+    error, not 'not running' (a typo in the case of a letter would read as a stopped pod)."""
+    from protocol.paths import POD_NAME_RE
+
+    return "/" in target or POD_NAME_RE.fullmatch(target) is not None
+
+
 STARTING = "its socket does not listen yet"
 
 

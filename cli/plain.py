@@ -14,7 +14,15 @@ import functools
 import sys
 from collections.abc import Callable
 
-from cli.common import EXIT_ERROR, EXIT_USAGE, call, fail, print_json, read_message
+from cli.common import (
+    EXIT_ERROR,
+    EXIT_USAGE,
+    call,
+    fail,
+    names_a_pod,
+    print_json,
+    read_message,
+)
 
 STATUS_TIMEOUT = 10.0  # `podctl status POD`: a pod that does not answer is an error, not a hang
 
@@ -147,13 +155,6 @@ def parse(argv: list[str]) -> Callable[[], None] | None:
             return None
         else:
             arguments.append(arg)
-    if len(arguments) != grammar.arity or (grammar.pod_first and not _pod(arguments[0])):
+    if len(arguments) != grammar.arity or (grammar.pod_first and not names_a_pod(arguments[0])):
         return None
     return functools.partial(grammar.run, *arguments, **named)
-
-
-def _pod(target: str) -> bool:
-    """A pod name or a socket path, as the typer commands' POD argument takes it."""
-    from protocol.paths import POD_NAME_RE
-
-    return "/" in target or POD_NAME_RE.fullmatch(target) is not None
