@@ -1,7 +1,8 @@
-"""2. CLI: `podctl status|notify` wall time against a one-command typer app that does nothing.
+"""2. CLI: `podctl status|notify|send --no-wait` wall time against a one-command typer app that
+does nothing.
 
 Issue 15's target: each command within 1.2x of that app (same typer, same interpreter: what typer
-itself costs is the floor) and under 70 ms. Both run without typer (cli/plain.py); `status`
+itself costs is the floor) and under 70 ms. All three run without typer (cli/plain.py); `status`
 through podctl's typer app, as every other command runs, is a row of its own.
 """
 
@@ -69,6 +70,7 @@ def run(sec: Section) -> None:
             "noop": [py, str(app), "cli"],
             "status": [PODCTL, "status", "cli"],
             "notify": [PODCTL, "notify", "cli", "msg"],
+            "send": [PODCTL, "send", "--no-wait", "cli", "msg"],
             "status via typer": [py, "-c", THROUGH_TYPER, "status", "cli"],
         }
         times: dict[str, list[float]] = {k: [] for k in cmds}
@@ -105,6 +107,16 @@ def run(sec: Section) -> None:
         )
         sec.add(
             Row(
+                "podctl send --no-wait <pod> msg, median",
+                median(times["send"]),
+                "ms",
+                base,
+                "no-op typer app",
+                all_of(ratio_le(RATIO), value_lt(ABSOLUTE_MS, "ms")),
+            )
+        )
+        sec.add(
+            Row(
                 "podctl status <pod> through its typer app",
                 median(times["status via typer"]),
                 "ms",
@@ -116,7 +128,8 @@ def run(sec: Section) -> None:
         sec.note(
             f"{RUNS} runs each, interleaved; via {PODCTL}; the no-op app is one command with "
             f"one argument on the typer podctl runs on ({version('typer')}), run by the same "
-            f"interpreter; the pod is busy (a gated model call), so notify only commits"
+            f"interpreter; the pod is busy (a gated model call), so notify only commits and send "
+            f"only queues its run"
         )
         cpu_base = median(cpu["noop"])
         sec.note(

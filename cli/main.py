@@ -1,6 +1,6 @@
 """podctl: the user's command line for pods (SPEC §6). This module only assembles it.
 
-`podctl notify`, `status POD` and `spawn`, spelled as scripts spell them, run without typer
+`podctl notify`, `send`, `status POD` and `spawn`, spelled as scripts spell them, run without typer
 (`cli/plain.py`); everything else goes through the typer app (`cli/app.py`), on which each
 command group registers its commands when its module is imported. What they share without typer
 (exit codes, error handling, one call to a pod) is in `cli/common.py`.
@@ -58,7 +58,7 @@ def main() -> None:
     from cli import plain
 
     command = plain.parse(sys.argv[1:])
-    if command is not None:  # `notify`, `status POD`, `spawn` as scripts run them: no typer
+    if command is not None:  # `notify`, `send`, `status POD`, `spawn` as scripts run them
         from cli.common import exit_now, run
 
         exit_now(run(command))

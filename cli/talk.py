@@ -2,35 +2,16 @@
 
 import itertools
 import sys
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from collections.abc import Iterable
+from typing import Annotated, Any
 
 import typer
 
 from cli.app import JsonOpt, PodArg, app
-from cli.common import (
-    EXIT_ERROR,
-    EXIT_INTERRUPTED,
-    EXIT_LIMIT,
-    EXIT_USAGE,
-    UNANSWERED_INPUT,
-    call,
-    check_stdout,
-    connect,
-    connection_lost,
-    fail,
-    print_json,
-    read_message,
-)
+from cli.common import EXIT_INTERRUPTED, EXIT_USAGE, call, connect, fail, print_json
+from cli.runs import HISTORY_PAGE, follow, history_pages, last_run_end, log_entries
 
-if TYPE_CHECKING:
-    from protocol.client import PodClient
-    from protocol.types import Event
-
-FOLLOW_CHECK = 1.0  # seconds a follower waits for an event before it checks its stdout
 HISTORY_TAIL = 50  # entries `podctl history` shows without --all/--since/--limit
-HISTORY_PAGE = 10_000  # entries asked for per `history` call (the pod caps a page there)
-USAGE_KEYS = ("input", "output", "cache_read", "cache_write")
 
 ClientKeyOption = Annotated[
     str | None,
@@ -41,17 +22,6 @@ ClientKeyOption = Annotated[
         "answered as the first time (a cron job that may run twice).",
     ),
 ]
-
-
-def follow(client: "PodClient") -> Iterator["Event"]:
-    """`client.events()`, ended (BrokenPipeError) when our stdout's reader goes, even while the
-    pod is quiet: `podctl attach x | head -3` returns once `head` has its lines."""
-    while True:
-        event = client.next_event(FOLLOW_CHECK)
-        if event is None:
-            check_stdout()
-        else:
-            yield event
 
 
 @app.command()
@@ -92,185 +62,9 @@ def send(
     acknowledge the message within 30 s (stopped, wedged) is an error (exit 1); it may still
     take the message when it runs again.
     """
-    import msgspec
+    from cli import runs
 
-    from cli.render import one_line, printable, retry_line
-    from protocol.errors import ConnectionClosed
-
-    text = read_message(message)
-    mode: Literal["queue", "steer"] = "steer" if steer else "queue"
-    with connect(pod, unanswered=UNANSWERED_INPUT) as client:
-        if no_wait:
-            result = _submit(client, text, mode, client_key)
-            if as_json:
-                print_json(msgspec.to_builtins(result))
-            else:
-                sys.stdout.write(f"{result.run_id} {result.state}\n")
-            return
-        client.subscribe()
-        result = _submit(client, text, mode, client_key)
-        run_id = result.run_id  # steered: the run it joined, followed to its end
-        # A retry of a keyed run that has ended since gets its first reply: its end is only
-        # in the log now (what ends after subscribing comes as an event).
-        ended = run_end_in_log(client, run_id) if client_key is not None else None
-        if result.state == "queued" and sys.stderr.isatty():
-            position = f" (position {result.position})" if result.position is not None else ""
-            sys.stderr.write(f"podctl: run {run_id} queued{position}\n")
-        if result.state == "queued" and client.status().state == "paused":
-            # Nothing starts until then: a silent wait would look like a hang.
-            sys.stderr.write(
-                f"podctl: pod '{pod}' is paused: the run waits for `podctl resume {pod}`"
-                " (or a cancel of the paused run)\n"
-            )
-            sys.stderr.flush()
-        wrote, ends_nl = False, True
-        # To a terminal, the answer's control characters are shown as \xNN (newlines and tabs
-        # kept): a file the model read could make it echo an escape sequence that writes the
-        # clipboard (OSC 52) or retitles the terminal. To a pipe or file, verbatim.
-        shown = printable if sys.stdout.isatty() else str
-        between_messages = False  # the model's text so far has ended (a tool call came)
-        finished: dict[str, Any] | None = ended
-        trouble = ""  # the last error alert: why the pod stopped, should it close on us
-        try:
-            if ended is not None and ended["text"] and not as_json:  # its reply, as it streamed
-                _out(shown(ended["text"]))
-                wrote, ends_nl = True, ended["text"].endswith("\n")
-            for event in follow(client) if ended is None else ():
-                if event.type == "gap":
-                    sys.stderr.write("podctl: some events were missed; output may be incomplete\n")
-                    finished = run_end_in_log(client, run_id)  # its run.finished may be one
-                    if finished is not None:
-                        break
-                if event.type == "alert" and event.data.get("level") == "error":
-                    trouble = one_line(str(event.data.get("message", "")), 1000)
-                if event.run_id != run_id:
-                    continue
-                if event.type == "text.delta" and not as_json:
-                    delta = str(event.data.get("text", ""))
-                    if delta:
-                        if not ends_nl and between_messages:  # a new round's text
-                            delta = "\n" + delta
-                        _out(shown(delta))
-                        wrote, ends_nl, between_messages = True, delta.endswith("\n"), False
-                elif event.type == "run.finished":
-                    finished = dict(event.data)
-                    break
-                elif event.type == "llm.retry":  # a silent wait would look like a hung pod
-                    between_messages = True
-                    if wrote and not ends_nl:
-                        _out("\n")
-                        ends_nl = True
-                    sys.stderr.write(f"podctl: model call failed; {retry_line(event.data)}\n")
-                elif event.type != "reasoning.delta":  # a tool call, the model call's usage…
-                    between_messages = True
-        except KeyboardInterrupt:
-            if wrote and not ends_nl:
-                sys.stdout.write("\n")
-            fail(f"stopped waiting; run {run_id} goes on (podctl cancel {pod})", EXIT_INTERRUPTED)
-        except _OutputLost as lost:
-            # Not the pod's fault: "cannot talk to pod" would invite a retry, a second run.
-            goes_on = f" and goes on (podctl cancel {pod})" if ended is None else ""
-            fail(f"cannot write the output: {lost}; run {run_id} was taken{goes_on}")
-        except ConnectionClosed:
-            if wrote and not ends_nl:
-                sys.stdout.write("\n")
-            why = f": {trouble}" if trouble else ""  # the pod's own last word, if it said one
-            connection_lost(pod, f"before run {run_id} finished{why}")
-    assert finished is not None
-    if wrote and not ends_nl:
-        sys.stdout.write("\n")
-    if as_json:
-        print_json({"run_id": run_id, **finished})
-    outcome = finished.get("outcome")
-    if outcome == "finished":
-        return
-    error = finished.get("error")  # for limit_reached, which limit: max_turns, the budget
-    # The pod's error quotes what failed (a provider's error body, say): no escape sequences.
-    said = f": {one_line(str(error), 1000)}" if error else ""
-    if outcome == "limit_reached":
-        if not as_json:
-            sys.stderr.write(f"podctl: run {run_id} reached its limit{said}\n")
-        raise typer.Exit(EXIT_LIMIT)
-    if not as_json:
-        sys.stderr.write(f"podctl: run {run_id} {outcome}{said}\n")
-    raise typer.Exit(EXIT_ERROR)
-
-
-class _OutputLost(Exception):
-    """podctl's stdout failed (a full disk, /dev/full): an OSError would read as the pod's."""
-
-
-def _out(text: str) -> None:
-    """Write and flush a piece of `send`'s answer (BrokenPipeError: the reader went, as ever)."""
-    from protocol.errors import os_error_line
-
-    try:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise
-    except OSError as exc:
-        raise _OutputLost(os_error_line(exc)) from None
-
-
-def _submit(
-    client: "PodClient",
-    text: str,
-    mode: Literal["queue", "steer"] = "queue",
-    client_key: str | None = None,
-) -> Any:
-    """`run`; a pod out of budget refuses it (-32007): exit 2, as a run that reaches its limit."""
-    from protocol.errors import BudgetExhausted
-
-    try:
-        return client.run(text, mode=mode, client_key=client_key)
-    except BudgetExhausted as exc:
-        fail(f"{exc.message} ({exc.code})", EXIT_LIMIT)
-
-
-def run_end_in_log(client: "PodClient", run_id: str) -> dict[str, Any] | None:
-    """The `run.finished` data of run `run_id` as its session log holds it, or None while it has
-    not ended: for a follower told `gap`, whose missed events may have held it. The pod's session
-    first, then the ones it continues (a compaction may have come after the run ended)."""
-    entry = last_run_end(client, run_id)
-    if entry is None:
-        return None
-    if entry.get("outcome") == "paused":  # not final: resumed since, it goes on
-        status = client.status()
-        if status.run_id == run_id and status.state != "paused":
-            return None
-    data = {"outcome": entry.get("outcome"), "text": entry.get("text", "")}
-    if entry.get("error") is not None:
-        data["error"] = entry["error"]
-    data["usage"] = entry.get("usage") or dict.fromkeys(USAGE_KEYS, 0)
-    return data
-
-
-def last_run_end(client: "PodClient", run_id: str) -> dict[str, Any] | None:
-    """The newest `run_end` entry of run `run_id`: a run paused (not a final outcome) and
-    resumed has another after it, maybe in a later session (a compaction in between)."""
-    found: dict[str, Any] | None = None
-    for entry in log_entries(client):
-        if entry.get("kind") == "session_start" and found is not None:
-            return found  # an earlier session: what it holds came before
-        if entry.get("kind") == "run_end" and entry.get("run_id") == run_id:
-            found = entry
-    return found
-
-
-def log_entries(client: "PodClient") -> Iterator[dict[str, Any]]:
-    """Every entry of the pod's session log, then of the sessions it continues (compacted or
-    forked from), newest session first, each oldest entry first."""
-    session: str | None = None
-    searched: set[str] = set()
-    while True:
-        links: list[str] = []
-        for page in history_pages(client, 0, session, links):
-            yield from page
-        session = next((s for s in links if s not in searched), None)
-        if session is None:
-            return
-        searched.add(session)
+    runs.send(pod, message, no_wait, steer, as_json, client_key)
 
 
 @app.command()
@@ -335,33 +129,6 @@ def attach(
             if seen_shutdown:
                 return
             raise
-
-
-def history_pages(
-    client: "PodClient",
-    since: int,
-    session_id: str | None = None,
-    links: list[str] | None = None,
-    size: int = HISTORY_PAGE,
-) -> Iterable[list[dict[str, Any]]]:
-    """Every entry after seq `since`, page by page (of at most `size`), oldest first. `links`
-    receives the session the pages continue (compacted or forked from), if any."""
-    while True:
-        # session_id only when asked for: a pod of an earlier version does not know it.
-        extra = {"session_id": session_id} if session_id else {}
-        page = client.history(since=since, limit=size, **extra)
-        # Every later page from the session this one came from: a compaction in between moves
-        # the pod to a new session, whose entries would go on from another log's seq.
-        session_id = session_id or getattr(page, "session_id", None)
-        previous = getattr(page, "previous", None)
-        if links is not None and previous and previous not in links:
-            links.append(previous)
-        if not page.entries:
-            return
-        yield page.entries
-        if page.next <= since:
-            return  # a pod that does not advance would loop forever
-        since = page.next
 
 
 def newest(pages: Iterable[list[dict[str, Any]]], keep: int | None) -> tuple[list[Any], int]:

@@ -185,7 +185,14 @@ def imported_modules(importtime_stderr: str) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    "args", [["--help"], ["status", "nosuchpod"], ["notify", "nosuchpod", "hi"]], ids=" ".join
+    "args",
+    [
+        ["--help"],
+        ["status", "nosuchpod"],
+        ["notify", "nosuchpod", "hi"],
+        ["send", "nosuchpod", "hi"],
+    ],
+    ids=" ".join,
 )
 def test_start_up_never_imports_heavy_modules(home: Path, args: list[str]) -> None:
     proc = subprocess.run(
@@ -198,11 +205,11 @@ def test_start_up_never_imports_heavy_modules(home: Path, args: list[str]) -> No
     )
     assert proc.returncode == (0 if args == ["--help"] else 3)
     modules = imported_modules(proc.stderr)
-    # status POD and notify run without typer (cli/plain.py); the rest through it
+    # status POD, notify and send run without typer (cli/plain.py); the rest through it
     assert ("typer" in modules) == (args == ["--help"])
     heavy = {m for m in modules if m.split(".")[0] in {"openai", "anthropic", "asyncio", "uvloop"}}
     assert not heavy
-    if args != ["--help"]:  # the one-call fast path (protocol.oneshot): not even msgspec, ~10
+    if args[0] in ("status", "notify"):  # one call (protocol.oneshot): not even msgspec, ~10
         # ms with what it brings; it crept back in once, through protocol.framing
         assert not {m for m in modules if m.split(".")[0] == "msgspec"}
     assert not {m for m in modules if m.startswith(("poddaemon.store", "poddaemon.testing"))}

@@ -1,16 +1,19 @@
-"""`podctl notify` and `podctl status POD` run without typer (cli/plain.py): for every spelling
-the plain parser takes, podctl must say and exit exactly as its typer app does, and every
-spelling it leaves to typer must still get typer's help and usage errors."""
+"""`podctl notify`, `send`, `status POD` and `spawn` run without typer (cli/plain.py): for
+every spelling the plain parser takes, podctl must say and exit exactly as its typer app does,
+and every spelling it leaves to typer must still get typer's help and usage errors."""
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 from cli.plain import notify, parse, spawn, status
+from cli.runs import send
 from tests.conftest import Env, wait_until
 from tests.integration.test_clients import connected
 
@@ -29,15 +32,21 @@ def test_the_common_spellings_are_taken_without_typer() -> None:
         ("notify", "pod", "hi"): ("pod", "hi"),
         ("notify", "pod", "-"): ("pod", "-"),
         ("notify", "--source", "ci", "pod", "hi", "--client-key", "k"): ("pod", "hi"),
+        ("send", "pod", "hi"): ("pod", "hi"),
+        ("send", "--no-wait", "pod", "-", "--json", "--steer", "--client-key", "k"): ("pod", "-"),
         ("spawn", "m.toml"): ("m.toml",),
         ("spawn", "--set", "a.b=1", "Pod.toml", "--set", "c.d=2", "--resume"): ("Pod.toml",),
     }
     for argv, arguments in taken.items():
         command = parse(list(argv))
         assert command is not None, argv
-        assert command.func in (notify, spawn, status) and command.args == arguments  # type: ignore[attr-defined]
+        assert command.func in (notify, send, spawn, status) and command.args == arguments  # type: ignore[attr-defined]
     assert parse(["status", "pod", "--json"]).keywords == {"as_json": True}  # type: ignore[union-attr]
     assert parse(["notify", "p", "m", "--source", "ci"]).keywords == {"source": "ci"}  # type: ignore[union-attr]
+    assert parse(["send", "p", "m", "--no-wait", "--json"]).keywords == {  # type: ignore[union-attr]
+        "no_wait": True,
+        "as_json": True,
+    }
     assert parse(["spawn", "--set", "a.b=1", "m", "--set", "c.d=2", "--resume"]).keywords == {  # type: ignore[union-attr]
         "set_": ["a.b=1", "c.d=2"],
         "resume": True,
@@ -70,7 +79,11 @@ def test_the_common_spellings_are_taken_without_typer() -> None:
         ["spawn", "m.toml", "--set", "--x"],
         ["spawn", "-m.toml"],
         ["spawn", "a.toml", "b.toml"],
-        ["send", "pod", "hi"],
+        ["send", "pod"],
+        ["send", "pod", "hi", "--no-wait", "--no-wait"],
+        ["send", "pod", "hi", "--client-key"],
+        ["send", "pod", "hi", "--source", "ci"],
+        ["send", "pod", "hi", "-w"],
         ["statu", "pod"],
     ],
     ids=" ".join,
@@ -92,7 +105,7 @@ def both_ways(env: Env, *args: str, input: str = "", stop: str = "") -> list[tup
             text=True,
             timeout=60,
         )
-        outcomes.append((done.returncode, ID.sub("<id>", done.stdout), done.stderr))
+        outcomes.append((done.returncode, ID.sub("<id>", done.stdout), ID.sub("<id>", done.stderr)))
         if stop and done.returncode == 0:
             assert env.podctl("stop", stop).returncode == 0
     return outcomes
@@ -126,6 +139,40 @@ def test_plain_and_typer_say_and_exit_the_same(env: Env) -> None:
     notes = [e["text"] for e in pod.call("history")["entries"] if e["kind"] == "system_item"]
     assert notes.count("the build is green") == 2 and notes.count("from stdin") == 2
     assert notes.count("hi") == 3  # keyed k1: taken once of two; by its socket: both
+
+
+def test_plain_and_typer_send_alike(env: Env) -> None:
+    """`podctl send` both ways, each case with the model's replies for its two runs: an answer
+    (as text, as --json, from stdin), a provider's refusal (exit 1), a limit (exit 2), keyed
+    retries (the second is answered from the first run, its end read from the log), and what
+    fails before any run."""
+    pod = env.start("pod", "--set", "worker.max_turns=1")
+    answer = {"text": "hello there", "usage": {"input": 7, "output": 3}}
+    tool = {"text": "looking", "tool_calls": [{"name": "list_dir", "arguments": "{}"}]}
+    refusal = {"fault": {"kind": "status", "status": 400, "message": "no such model"}}
+    cases: list[tuple[list[str], str, list[dict[str, Any]]]] = [
+        (["send", "pod", "hi"], "", [answer, answer]),
+        (["send", "pod", "hi", "--json"], "", [answer, answer]),
+        (["send", "pod", "-"], "from stdin\n", [answer, answer]),
+        (["send", "pod", "fail"], "", [refusal, refusal]),
+        (["send", "pod", "look"], "", [tool, tool]),
+        (["send", "--client-key", "k1", "pod", "once"], "", [answer]),
+        (["send", "--no-wait", "--client-key", "k2", "pod", "later", "--json"], "", [answer]),
+        (["send", "ghost", "hi"], "", []),
+        (["send", "pod", ""], "", []),
+    ]
+    said = []
+    for args, stdin, replies in cases:
+        env.model.script(*replies)
+        plain, typer = both_ways(env, *args, input=stdin)
+        assert plain == typer, args
+        said.append(plain)
+        wait_until(lambda: pod.call("status")["state"] == "idle", what="the runs to end")
+        assert env.model.pending == 0, args
+    assert [code for code, _, _ in said] == [0, 0, 0, 1, 2, 0, 0, 3, 2]
+    assert said[0] == said[2] == said[5] == (0, "hello there\n", "")
+    assert json.loads(said[1][1])["usage"]["output"] == 3
+    assert json.loads(said[6][1]) == {"run_id": "<id>", "state": "started"}
 
 
 def test_plain_and_typer_spawn_alike(env: Env) -> None:

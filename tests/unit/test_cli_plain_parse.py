@@ -17,7 +17,7 @@ PODCTL = get_command(app)
 TOKENS = [
     "pod", "p-2", "/x/sock", "Bad", "-", "--", "--json", "--source", "--client-key", "--set",
     "a.b=1", "c.d=x y", "--session", "--resume", "--foreground", "-x", "--jso", "--source=ci",
-    "msg", "", "m.toml", "-h", "notify", "status",
+    "msg", "", "m.toml", "-h", "notify", "status", "--no-wait", "--steer",
 ]  # fmt: skip
 
 
@@ -42,7 +42,7 @@ def plain_values(argv: list[str]) -> dict[str, Any] | None:
 
 @settings(max_examples=400, deadline=None)
 @given(
-    st.sampled_from(["status", "notify", "spawn"]),
+    st.sampled_from(["status", "notify", "send", "spawn"]),
     st.lists(st.sampled_from(TOKENS), max_size=6),
 )
 def test_what_plain_parses_typer_parses_alike(command: str, rest: list[str]) -> None:
