@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from cli.common import (
+    ANSWER_TIMEOUT,
     EXIT_ERROR,
     EXIT_INTERRUPTED,
     EXIT_LIMIT,
@@ -17,6 +18,7 @@ from cli.common import (
     fail,
     print_json,
     read_message,
+    rpc_errors,
 )
 
 if TYPE_CHECKING:
@@ -37,21 +39,19 @@ def send(
     client_key: str | None = None,
 ) -> None:
     """`podctl send` (its exit statuses are in its --help, cli/talk.py)."""
-    import msgspec
-
     from cli.render import one_line, printable, retry_line
     from protocol.errors import ConnectionClosed
 
     text = read_message(message)
     mode: Literal["queue", "steer"] = "steer" if steer else "queue"
+    if no_wait:
+        submitted = _submit_once(pod, text, mode, client_key)
+        if as_json:
+            print_json(submitted)
+        else:
+            sys.stdout.write(f"{submitted['run_id']} {submitted['state']}\n")
+        return
     with connect(pod, unanswered=UNANSWERED_INPUT) as client:
-        if no_wait:
-            result = _submit(client, text, mode, client_key)
-            if as_json:
-                print_json(msgspec.to_builtins(result))
-            else:
-                sys.stdout.write(f"{result.run_id} {result.state}\n")
-            return
         client.subscribe()
         result = _submit(client, text, mode, client_key)
         run_id = result.run_id  # steered: the run it joined, followed to its end
@@ -156,6 +156,26 @@ def _out(text: str) -> None:
         raise
     except OSError as exc:
         raise _OutputLost(os_error_line(exc)) from None
+
+
+def _submit_once(
+    pod: str, text: str, mode: Literal["queue", "steer"], client_key: str | None
+) -> dict[str, Any]:
+    """`run` as one call (protocol.oneshot: no PodClient, no msgspec, ~20 ms of podctl's
+    start-up), for --no-wait; an exhausted budget exits 2, as in `_submit`."""
+    from protocol import oneshot, paths
+    from protocol.errors import BudgetExhausted
+
+    params = {"input": text, "mode": mode}
+    if client_key is not None:
+        params["client_key"] = client_key
+    with rpc_errors(pod, ANSWER_TIMEOUT, UNANSWERED_INPUT):
+        paths.check_private_dirs()  # another user must not be able to swap what we talk to
+        try:
+            result: dict[str, Any] = oneshot.call(pod, "run", params, timeout=ANSWER_TIMEOUT)
+        except BudgetExhausted as exc:
+            fail(f"{exc.message} ({exc.code})", EXIT_LIMIT)
+    return result
 
 
 def _submit(
