@@ -64,10 +64,23 @@ def spawn(
 ) -> None:
     import os
 
-    from cli.spawn import SpawnFailed, daemon_command, shortened, spawn_detached
+    from cli.spawn import (
+        SpawnFailed,
+        daemon_command,
+        podctl_descriptor,
+        shortened,
+        spawn_detached,
+    )
 
     if session and resume:
         fail("--session and --resume exclude each other", EXIT_USAGE)
+    if not foreground and podctl_descriptor(manifest):
+        # It said "manifest not found", of a path that is there (for podctl).
+        fail(
+            f"{manifest} is podctl's own descriptor (as `<(…)` gives), which the pod cannot "
+            "open: write the manifest to a file, or start the pod with --foreground",
+            EXIT_USAGE,
+        )
     from poddaemon.overrides import split_override
 
     for text in set_ or []:

@@ -64,6 +64,18 @@ def daemon_command(manifest: str, sets: list[str], session: str | None, resume: 
     return cmd
 
 
+def podctl_descriptor(manifest: str) -> bool:
+    """Whether `manifest` names one of podctl's own descriptors (`<(…)` gives `/dev/fd/63`):
+    a detached pod, another process, opens its own descriptor of that number, or none."""
+    import re
+
+    path = "/" + os.path.normpath(os.path.abspath(manifest)).lstrip("/")  # (`//dev`: `/dev`)
+    return (
+        re.fullmatch(r"/(?:dev|proc/self|proc/thread-self)/fd/\d+|/dev/std(?:in|out|err)", path)
+        is not None
+    )
+
+
 class Started(Protocol):
     """A pod process podctl started, exec'd or forked."""
 

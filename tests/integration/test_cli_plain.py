@@ -179,15 +179,20 @@ def test_plain_and_typer_spawn_alike(env: Env) -> None:
     manifest = str(env.manifest("sp"))
     cases = [
         ["spawn", "/nowhere/m.toml"],
+        ["spawn", "/dev/fd/0"],
         ["spawn", manifest, "--session", "x", "--resume"],
         ["spawn", manifest, "--set", "no-equals"],
         ["spawn", manifest, "--set", "pod.nosuchkey=1"],
         ["spawn", manifest, "--set", "worker.max_turns=3", "--resume"],
     ]
+    said = []
     for args in cases:
         plain, typer = both_ways(env, *args, stop="sp")
         assert plain == typer, args
+        said.append(plain)
     assert plain[0] == 0 and plain[1].startswith("sp\t"), plain  # (the last one started)
+    # `spawn <(…)`: the pod said "manifest not found" of a path podctl has
+    assert said[1][0] == 2 and "podctl's own descriptor" in said[1][2], said[1]
 
 
 def interrupted(env: Env, *cmd: str) -> tuple[int, str, str]:

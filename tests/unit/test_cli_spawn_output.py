@@ -1,6 +1,11 @@
-"""What podctl shows of a pod's output before READY (`cli.spawn.shortened`); pure."""
+"""What podctl shows of a pod's output before READY (`cli.spawn.shortened`), and which
+manifest paths are podctl's own descriptors (`cli.spawn.podctl_descriptor`); pure."""
 
-from cli.spawn import EARLY_HEAD, EARLY_TAIL, shortened
+from pathlib import Path
+
+import pytest
+
+from cli.spawn import EARLY_HEAD, EARLY_TAIL, podctl_descriptor, shortened
 
 
 def test_a_short_start_up_is_shown_whole() -> None:
@@ -25,3 +30,15 @@ def test_control_characters_are_shown_not_sent() -> None:
     assert shortened(said, "kid") == (
         b"poddaemon: kid.toml: pod.pwd: /w/k\\x1b]52;c;aGk=\\x07 does not exist\n\\xff\n"
     )
+
+
+def test_podctl_s_own_descriptors_are_told_from_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`podctl spawn <(…)` hands podctl `/dev/fd/63`: a detached pod cannot open it."""
+    own = ["/dev/fd/63", "/proc/self/fd/0", "/proc/thread-self/fd/9", "/dev/stdin", "//dev/fd/3"]
+    paths = ["/dev/fd", "/dev/fd/x", "/dev/null", "/proc/1/fd/3", str(tmp_path / "fd" / "3")]
+    assert [podctl_descriptor(p) for p in own] == [True] * len(own)
+    assert [podctl_descriptor(p) for p in paths] == [False] * len(paths)
+    monkeypatch.chdir("/dev")
+    assert podctl_descriptor("fd/63") and podctl_descriptor("./stdin")
