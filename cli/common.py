@@ -34,7 +34,12 @@ ANSWER_TIMEOUT = 30.0
 def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     from cli.render import printable
 
-    sys.stdout.flush()
+    try:
+        sys.stdout.flush()  # what was said before, first
+    except BrokenPipeError:
+        raise  # the reader went: podctl stops quietly (run)
+    except OSError:
+        pass  # our stdout fails (a full disk): the message may say so, it must not be lost
     sys.stderr.write(f"podctl: {printable(message)}\n")  # it may quote a pod's error text
     raise SystemExit(code)
 

@@ -3,7 +3,7 @@ both run `send` here), and what `attach` and `history` share with it: the event 
 the pod's session log read page by page."""
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from cli.common import (
@@ -46,10 +46,13 @@ def send(
     mode: Literal["queue", "steer"] = "steer" if steer else "queue"
     if no_wait:
         submitted = _submit_once(pod, text, mode, client_key)
+        # Written once the pod is let go, naming the run: a stdout that fails (a full disk)
+        # must not read as the pod's failure, which invites a second run.
+        run = submitted["run_id"]
         if as_json:
-            print_json(submitted)
+            _written(lambda: print_json(submitted), run)
         else:
-            sys.stdout.write(f"{submitted['run_id']} {submitted['state']}\n")
+            _written(lambda: sys.stdout.write(f"{run} {submitted['state']}\n"), run)
         return
     with connect(pod, unanswered=UNANSWERED_INPUT) as client:
         client.subscribe()
@@ -125,7 +128,7 @@ def send(
     if wrote and not ends_nl:
         sys.stdout.write("\n")
     if as_json:
-        print_json({"run_id": run_id, **finished})
+        _written(lambda: print_json({"run_id": run_id, **finished}), run_id)
     outcome = finished.get("outcome")
     if outcome == "finished":
         return
@@ -176,6 +179,20 @@ def _submit_once(
         except BudgetExhausted as exc:
             fail(f"{exc.message} ({exc.code})", EXIT_LIMIT)
     return result
+
+
+def _written(write: Callable[[], object], run_id: str) -> None:
+    """`write` and flush what `send` prints once its run was taken: an OSError there is our
+    stdout's (a full disk), not the pod's, and the run must not read as failed."""
+    from protocol.errors import os_error_line
+
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # the reader went, as ever
+    except OSError as exc:
+        fail(f"cannot write the output: {os_error_line(exc)}; run {run_id} was taken")
 
 
 def _submit(

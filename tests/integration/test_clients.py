@@ -437,23 +437,37 @@ def test_a_running_pods_log_is_rotated_once_it_grows_past_the_bound(env: Env) ->
     assert oct((logs / "long.log").stat().st_mode & 0o777) == "0o600"
 
 
-def test_send_whose_output_cannot_be_written_does_not_blame_the_pod(env: Env) -> None:
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+@pytest.mark.parametrize(
+    ("args", "goes_on"),
+    [([], True), (["--json"], False), (["--no-wait"], False), (["--no-wait", "--json"], False)],
+    ids=["text", "json", "no-wait", "no-wait-json"],
+)
+def test_send_whose_output_cannot_be_written_does_not_blame_the_pod(
+    env: Env, args: list[str], goes_on: bool, unbuffered: bool
+) -> None:
     """`podctl send` to a full disk said "cannot talk to pod 'pod': [Errno 28] …": the run
-    was acknowledged and goes on, but a script reading that would send it again."""
+    was acknowledged and goes on, but a script reading that would send it again. Then, with
+    stdout buffered (no PYTHONUNBUFFERED), `fail` flushing it first raised the same error
+    again: "podctl: No space left on device", not a word of the run; and --no-wait printed
+    inside the connection, so its write (unbuffered) still read "cannot talk to pod"."""
     env.start()
+    environ = {k: v for k, v in env.env.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        environ["PYTHONUNBUFFERED"] = "1"
     with open("/dev/full", "w") as full:
         done = subprocess.run(
-            [sys.executable, "-m", "cli.main", "send", "pod", "hello"],
-            env=env.env,
+            [sys.executable, "-m", "cli.main", "send", "pod", "hello", *args],
+            env=environ,
             stdout=full,
             stderr=subprocess.PIPE,
             text=True,
             timeout=60,
         )
     assert done.returncode == 1
+    goes = r" and goes on \(podctl cancel pod\)" if goes_on else ""
     assert re.fullmatch(
-        r"podctl: cannot write the output: No space left on device; run \S+ was taken"
-        r" and goes on \(podctl cancel pod\)\n",
+        rf"podctl: cannot write the output: No space left on device; run \S+ was taken{goes}\n",
         done.stderr,
     ), done.stderr
 
