@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 FOLLOW_CHECK = 1.0  # seconds a follower waits for an event before it checks its stdout
 HISTORY_PAGE = 10_000  # entries asked for per `history` call (the pod caps a page there)
 USAGE_KEYS = ("input", "output", "cache_read", "cache_write")
+# Said when a pod does not answer `send`'s subscribe, asked before the input: not sent.
+NOT_SENT = "; the message was not sent"
 
 
 def send(
@@ -55,7 +57,9 @@ def send(
             _written(lambda: sys.stdout.write(f"{run} {submitted['state']}\n"), run)
         return
     with connect(pod, unanswered=UNANSWERED_INPUT) as client:
-        client.subscribe()
+        # Before the input: a pod that does not answer this has not been sent it either.
+        with rpc_errors(pod, ANSWER_TIMEOUT, NOT_SENT):
+            client.subscribe()
         result = _submit(client, text, mode, client_key)
         run_id = result.run_id  # steered: the run it joined, followed to its end
         # A retry of a keyed run that has ended since gets its first reply: its end is only

@@ -60,7 +60,7 @@ def send(
     Ctrl-C stops only the waiting (exit 130): the run was acknowledged and goes on;
     `podctl cancel POD` ends it, `podctl attach POD` follows it again. A pod that does not
     acknowledge the message within 30 s (stopped, wedged) is an error (exit 1); it may still
-    take the message when it runs again.
+    take the message when it runs again, unless podctl says it was not sent.
     """
     from cli import runs
 

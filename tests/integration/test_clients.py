@@ -490,7 +490,7 @@ ANSWER_TIMEOUT = 30.0  # what a pod has to answer podctl (cli.app.ANSWER_TIMEOUT
 # Every command that asks a pod something: none may wait for ever for the answer.
 ASKING = [
     ["notify", "pod", "build failed"],
-    ["send", "pod", "hi"],
+    ["send", "pod", "never sent"],  # (it asks `subscribe` first: that is not answered)
     ["send", "pod", "hi", "--no-wait"],
     ["pause", "pod"],
     ["resume", "pod"],
@@ -576,11 +576,13 @@ def test_no_command_hangs_on_a_stopped_pod(env: Env) -> None:
     took = time.monotonic() - started
     for args, result in zip(ASKING, results, strict=True):
         said = "podctl: pod 'pod' did not answer within 30 s"
-        if args[0] in ("notify", "send"):  # not "failed": a retry would deliver it twice
-            said += "; it may still take what was sent once it runs again"
+        if args[0] == "notify" or args[-1] == "--no-wait":  # not "failed": a retry would
+            said += "; it may still take what was sent once it runs again"  # deliver it twice
+        elif args[0] == "send":  # it waits for the answer to `subscribe`, asked first
+            said += "; the message was not sent"
         assert result == (1, "", said + "\n"), args
     assert took < ANSWER_TIMEOUT + 20, took
-    # Nothing was lost, only the answers: the pod reads it all once it runs again.
+    # Nothing sent was lost, only the answers: the pod reads it all once it runs again.
     os.kill(pod.proc.pid, signal.SIGCONT)
 
     def notified() -> bool:
@@ -588,3 +590,9 @@ def test_no_command_hangs_on_a_stopped_pod(env: Env) -> None:
             return any(e.get("text") == "build failed" for e in client.history().entries)
 
     wait_until(notified, 20, "the notification, read late")
+
+    def inputs() -> list[str]:
+        return [e["text"] for e in pod.call("history")["entries"] if e["kind"] == "user_input"]
+
+    # The --no-wait send's input, read late too; not the waiting one's, never sent.
+    assert wait_until(inputs, 20, "the input sent with --no-wait") == ["hi"]
