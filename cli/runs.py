@@ -65,10 +65,12 @@ def send(
         # A retry of a keyed run that has ended since gets its first reply: its end is only
         # in the log now (what ends after subscribing comes as an event).
         ended = run_end_in_log(client, run_id) if client_key is not None else None
-        if result.state == "queued" and sys.stderr.isatty():
+        # (A retry is answered as the first time, "queued" too, whatever the run did since.)
+        queued = result.state == "queued" and ended is None
+        if queued and sys.stderr.isatty():
             position = f" (position {result.position})" if result.position is not None else ""
             sys.stderr.write(f"podctl: run {run_id} queued{position}\n")
-        if result.state == "queued" and client.status().state == "paused":
+        if queued and client.status().state == "paused":
             # Nothing starts until then: a silent wait would look like a hang.
             sys.stderr.write(
                 f"podctl: pod '{pod}' is paused: the run waits for `podctl resume {pod}`"

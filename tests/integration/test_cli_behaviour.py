@@ -642,6 +642,32 @@ def test_send_to_a_paused_pod_says_why_it_waits(env: Env) -> None:
     assert send.returncode == 0 and out == "second done\n"
 
 
+def test_keyed_send_retried_after_its_run_ended_does_not_say_it_waits(env: Env) -> None:
+    """A keyed `send` is answered as the first time, `queued` for a run that was queued then,
+    however long ago it ended: retried while the pod is paused (by a later run), it printed
+    the old run's reply *and* "the run waits for `podctl resume`", which it never would."""
+    env.model.script_when("busy", {"text": "busy done", "gate": "g1"})
+    env.model.script_when("nightly", {"text": "the summary"})
+    env.model.script_when(
+        "later", {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g2"}
+    )
+    pod = env.start("held")
+    with pod.client() as c:
+        c.run("busy")
+        env.model.wait_for_requests(1)
+        first = env.podctl("send", "held", "nightly", "--client-key", "k", "--no-wait")
+        assert first.returncode == 0 and first.stdout.endswith(" queued\n"), first
+        env.model.open_gate("g1")
+        wait_until(lambda: c.status().state == "idle", what="both runs to end")
+        c.run("later")
+        env.model.wait_for_requests(3)
+        assert c.pause().paused
+        env.model.open_gate("g2")
+        wait_until(lambda: c.status().state == "paused", what="the pod paused")
+    again = env.podctl("send", "held", "nightly", "--client-key", "k", timeout=30)
+    assert (again.returncode, again.stdout, again.stderr) == (0, "the summary\n", "")
+
+
 def test_wait_on_a_pod_out_of_budget_says_why_its_queue_does_not_empty(env: Env) -> None:
     """A pod with no budget left takes a notification and starts no run for it: `podctl wait`
     waited forever, and at its timeout said the pod was "still idle", what it waits for."""
