@@ -64,7 +64,8 @@ def send(
         run_id = result.run_id  # steered: the run it joined, followed to its end
         # A retry of a keyed run that has ended since gets its first reply: its end is only
         # in the log now (what ends after subscribing comes as an event).
-        ended = run_end_in_log(client, run_id) if client_key is not None else None
+        rounds: list[str] = []  # its rounds' text, should it have ended
+        ended = run_end_in_log(client, run_id, rounds) if client_key is not None else None
         # (A retry is answered as the first time, "queued" too, whatever the run did since.)
         queued = result.state == "queued" and ended is None
         if queued and sys.stderr.isatty():
@@ -86,9 +87,10 @@ def send(
         finished: dict[str, Any] | None = ended
         trouble = ""  # the last error alert: why the pod stopped, should it close on us
         try:
-            if ended is not None and ended["text"] and not as_json:  # its reply, as it streamed
-                _out(shown(ended["text"]))
-                wrote, ends_nl = True, ended["text"].endswith("\n")
+            reply = rounds_text(rounds) or (ended or {}).get("text", "")
+            if ended is not None and reply and not as_json:  # its reply, as it streamed
+                _out(shown(reply))
+                wrote, ends_nl = True, reply.endswith("\n")
             for event in follow(client) if ended is None else ():
                 if event.type == "gap":
                     sys.stderr.write("podctl: some events were missed; output may be incomplete\n")
@@ -216,11 +218,23 @@ def _submit(
         fail(f"{exc.message} ({exc.code})", EXIT_LIMIT)
 
 
-def run_end_in_log(client: "PodClient", run_id: str) -> dict[str, Any] | None:
+def rounds_text(texts: list[str]) -> str:
+    """A run's answer as `send` streams it: each round's text, on a line of its own."""
+    said = ""
+    for text in texts:
+        if text:
+            said += ("\n" if said and not said.endswith("\n") else "") + text
+    return said
+
+
+def run_end_in_log(
+    client: "PodClient", run_id: str, texts: list[str] | None = None
+) -> dict[str, Any] | None:
     """The `run.finished` data of run `run_id` as its session log holds it, or None while it has
     not ended: for a follower told `gap`, whose missed events may have held it. The pod's session
-    first, then the ones it continues (a compaction may have come after the run ended)."""
-    entry = last_run_end(client, run_id)
+    first, then the ones it continues (a compaction may have come after the run ended). `texts`
+    receives the text of each of its rounds (`run.finished` has the last one's only)."""
+    entry = last_run_end(client, run_id, texts)
     if entry is None:
         return None
     if entry.get("outcome") == "paused":  # not final: resumed since, it goes on
@@ -234,15 +248,33 @@ def run_end_in_log(client: "PodClient", run_id: str) -> dict[str, Any] | None:
     return data
 
 
-def last_run_end(client: "PodClient", run_id: str) -> dict[str, Any] | None:
+def last_run_end(
+    client: "PodClient", run_id: str, texts: list[str] | None = None
+) -> dict[str, Any] | None:
     """The newest `run_end` entry of run `run_id`: a run paused (not a final outcome) and
-    resumed has another after it, maybe in a later session (a compaction in between)."""
+    resumed has another after it, maybe in a later session (a compaction in between).
+    `texts` receives the text of each of the run's rounds, oldest first, when it ended."""
     found: dict[str, Any] | None = None
+    sessions: list[list[str]] = [[]]  # the run's rounds' text in each session, newest first
+    begun = False  # the run's start seen (its rounds are in this session and later ones)
+    found_in = 0  # the session (len(sessions)) `found` was read in
     for entry in log_entries(client):
-        if entry.get("kind") == "session_start" and found is not None:
-            return found  # an earlier session: what it holds came before
-        if entry.get("kind") == "run_end" and entry.get("run_id") == run_id:
-            found = entry
+        kind = entry.get("kind")
+        if kind == "session_start":
+            if found is not None and (texts is None or begun):
+                break  # an earlier session: what it holds came before
+            sessions.append([])
+        elif entry.get("run_id") != run_id:
+            continue
+        elif kind == "run_end":
+            if found is None or len(sessions) == found_in:  # (an earlier session's: older)
+                found, found_in = entry, len(sessions)
+        elif kind == "run_start" and entry.get("trigger") != "resume":
+            begun = True
+        elif kind == "assistant":
+            sessions[-1].append(str((entry.get("item") or {}).get("text") or ""))
+    if texts is not None and found is not None:
+        texts.extend(text for session in reversed(sessions) for text in session)
     return found
 
 

@@ -336,6 +336,24 @@ def test_notify_and_send_with_a_client_key_are_taken_once(env: Env) -> None:
     assert len(env.model.requests) == 2
 
 
+def test_keyed_send_retried_prints_every_round_as_the_first_did(env: Env) -> None:
+    """A keyed `send` answered from the log (its run has ended) printed `run.finished`'s text,
+    the last round's only: the first send streamed "looking" and "the summary", its retry "the
+    summary". A first send did the same whenever its run ended before podctl had read the
+    pod's log, which is every time for a pod of some 40,000 entries and a quick model."""
+    env.model.script(
+        {"text": "looking", "tool_calls": [{"name": "list_dir", "arguments": {}}]},
+        {"text": "the summary"},
+    )
+    env.start("keyed")
+    first = env.podctl("send", "keyed", "summarise", "--client-key", "nightly-1")
+    again = env.podctl("send", "keyed", "summarise", "--client-key", "nightly-1", timeout=30)
+    assert (first.returncode, first.stdout) == (0, "looking\nthe summary\n"), first.stderr
+    assert (again.returncode, again.stdout, again.stderr) == (0, first.stdout, "")
+    as_json = env.podctl("send", "keyed", "summarise", "--client-key", "nightly-1", "--json")
+    assert json.loads(as_json.stdout)["text"] == "the summary"  # run.finished's, as ever
+
+
 def test_cancelled_run_exits_1_and_missing_pod_3(env: Env) -> None:
     env.start("talk")
     env.model.script({"gate": "hold", "text": "too late"})
