@@ -62,31 +62,33 @@ def send(
             client.subscribe()
         result = _submit(client, text, mode, client_key)
         run_id = result.run_id  # steered: the run it joined, followed to its end
-        # A retry of a keyed run that has ended since gets its first reply: its end is only
-        # in the log now (what ends after subscribing comes as an event).
-        rounds: list[str] = []  # its rounds' text, should it have ended
-        ended = run_end_in_log(client, run_id, rounds) if client_key is not None else None
-        # (A retry is answered as the first time, "queued" too, whatever the run did since.)
-        queued = result.state == "queued" and ended is None
-        if queued and sys.stderr.isatty():
-            position = f" (position {result.position})" if result.position is not None else ""
-            sys.stderr.write(f"podctl: run {run_id} queued{position}\n")
-        if queued and client.status().state == "paused":
-            # Nothing starts until then: a silent wait would look like a hang.
-            sys.stderr.write(
-                f"podctl: pod '{pod}' is paused: the run waits for `podctl resume {pod}`"
-                " (or a cancel of the paused run)\n"
-            )
-            sys.stderr.flush()
         wrote, ends_nl = False, True
         # To a terminal, the answer's control characters are shown as \xNN (newlines and tabs
         # kept): a file the model read could make it echo an escape sequence that writes the
         # clipboard (OSC 52) or retitles the terminal. To a pipe or file, verbatim.
         shown = printable if sys.stdout.isatty() else str
         between_messages = False  # the model's text so far has ended (a tool call came)
-        finished: dict[str, Any] | None = ended
+        ended: dict[str, Any] | None = None
+        finished: dict[str, Any] | None = None
         trouble = ""  # the last error alert: why the pod stopped, should it close on us
-        try:
+        try:  # (from here on the run is taken: Ctrl-C says which, and that it goes on)
+            # A retry of a keyed run that has ended since gets its first reply: its end is
+            # only in the log now (what ends after subscribing comes as an event).
+            rounds: list[str] = []  # its rounds' text, should it have ended
+            ended = run_end_in_log(client, run_id, rounds) if client_key is not None else None
+            finished = ended
+            # (A retry is answered as the first time, "queued" too, whatever the run did since.)
+            queued = result.state == "queued" and ended is None
+            if queued and sys.stderr.isatty():
+                position = f" (position {result.position})" if result.position is not None else ""
+                sys.stderr.write(f"podctl: run {run_id} queued{position}\n")
+            if queued and client.status().state == "paused":
+                # Nothing starts until then: a silent wait would look like a hang.
+                sys.stderr.write(
+                    f"podctl: pod '{pod}' is paused: the run waits for `podctl resume {pod}`"
+                    " (or a cancel of the paused run)\n"
+                )
+                sys.stderr.flush()
             reply = rounds_text(rounds) or (ended or {}).get("text", "")
             if ended is not None and reply and not as_json:  # its reply, as it streamed
                 _out(shown(reply))
