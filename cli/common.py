@@ -40,7 +40,10 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
         raise  # the reader went: podctl stops quietly (run)
     except OSError:
         pass  # our stdout fails (a full disk): the message may say so, it must not be lost
-    sys.stderr.write(f"podctl: {printable(message)}\n")  # it may quote a pod's error text
+    # (A stderr that fails, to a full disk or a closed pipe, must not change the exit status
+    # that says what happened: 3 is "not running" to a script whatever became of the words.)
+    with contextlib.suppress(OSError):
+        sys.stderr.write(f"podctl: {printable(message)}\n")  # it may quote a pod's error text
     raise SystemExit(code)
 
 

@@ -390,6 +390,26 @@ def test_ctrl_c_after_a_keyed_send_was_taken_says_its_run_goes_on(env: Env, way:
     assert [(e["run_id"], e["outcome"]) for e in ends] == [(done.stderr.split()[4], "finished")]
 
 
+@pytest.mark.parametrize(
+    "args",
+    [["send", "ghost", "hi"], ["notify", "ghost", "hi"], ["status", "ghost"], ["pause", "ghost"]],
+    ids=" ".join,
+)
+def test_exit_status_holds_when_stderr_cannot_be_written(env: Env, args: list[str]) -> None:
+    """A pod not running is exit 3 (SPEC §6) to a script that sends stderr to a full disk too:
+    the message's write failed, and podctl exited 1 for that instead."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "cli.main", *args],
+            env=env.env,
+            stdout=subprocess.PIPE,
+            stderr=full,
+            text=True,
+            timeout=60,
+        )
+    assert (done.returncode, done.stdout) == (3, "")
+
+
 def test_cancelled_run_exits_1_and_missing_pod_3(env: Env) -> None:
     env.start("talk")
     env.model.script({"gate": "hold", "text": "too late"})
