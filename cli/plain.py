@@ -48,10 +48,17 @@ def notify(
     if client_key is not None:
         params["client_key"] = client_key
     result = call(pod, "notify", params)
-    # stdout is the id alone, whatever the pod's state (`nid=$(podctl notify …)`).
-    sys.stdout.write(f"{result['notification_id']}\n")
-    if result["wakes"]:
+    nid = result["notification_id"]
+    try:  # stdout is the id alone, whatever the pod's state (`nid=$(podctl notify …)`)
+        sys.stdout.write(f"{nid}\n")
         sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # the reader went, as ever
+    except OSError as exc:  # a full disk: the pod has it, a retry would be a second one
+        from protocol.errors import os_error_line
+
+        fail(f"cannot write the output: {os_error_line(exc)}; notification {nid} was taken")
+    if result["wakes"]:
         sys.stderr.write("(woke the pod)\n")
 
 

@@ -472,6 +472,32 @@ def test_send_whose_output_cannot_be_written_does_not_blame_the_pod(
     ), done.stderr
 
 
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+def test_notify_whose_output_cannot_be_written_says_it_was_taken(
+    env: Env, unbuffered: bool
+) -> None:
+    """`podctl notify` to a full disk said "podctl: No space left on device": the pod had
+    the notification, and a script reading that would send it again."""
+    env.start()
+    environ = {k: v for k, v in env.env.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        environ["PYTHONUNBUFFERED"] = "1"
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "cli.main", "notify", "pod", "build failed"],
+            env=environ,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert re.fullmatch(
+        r"podctl: cannot write the output: No space left on device; notification \S+ was taken\n",
+        done.stderr,
+    ), done.stderr
+
+
 def test_logs_of_a_path_that_does_not_answer_is_not_running(env: Env) -> None:
     """`podctl logs PATH` of a socket path nothing listens on joined PATH under <runtime>/pods
     and read `PATH/stderr.log`: any file named so, through `..` too, and a stopped pod's socket
