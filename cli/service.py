@@ -283,6 +283,7 @@ def _restart(pod: str) -> None:
             manager_environment()
         except UnitError as exc:
             fail(f"cannot restart {unit}: {exc}")
+        _forget_earlier_starts(unit)
         try:
             start_unit(unit, "restart", then=f"Fix that, then `podctl restart {name}`.")
         except UnitError as exc:
@@ -323,6 +324,22 @@ def _restart(pod: str) -> None:
         fail(exc.message)
     sys.stderr.buffer.write(shortened(early, name))
     sys.stdout.write(f"{started}\t{socket}\n")
+
+
+def _forget_earlier_starts(unit: str) -> None:
+    """Reset the unit's start counter before a restart the user asked for, when the unit runs
+    or was stopped. StartLimitBurst= is there to give up on a pod that keeps failing, but
+    systemd counts every start: the sixth `podctl restart` within a minute of a healthy pod
+    (applying manifest edits) stopped it and left it down, "started too often". A unit that is
+    failing (restarting after a crash, failed, given up on) keeps its count: that is what the
+    limit is for, and a restart of one it gave up on says so."""
+    from cli.unit import UnitError, active_state, systemctl
+
+    if active_state(unit) in ("active", "inactive"):
+        # reset-failed resets the start rate counter of a unit in any state; at worst (it
+        # failed) the restart is counted as before
+        with contextlib.suppress(UnitError):
+            systemctl("reset-failed", unit, check=False)
 
 
 def _unit_pod(unit: str) -> Any:

@@ -608,6 +608,26 @@ def test_restart_of_a_unit_systemd_gave_up_on_says_so_and_how(sd: Sd) -> None:
     assert again.returncode == 0, again.stderr
 
 
+def test_restarts_the_user_asks_for_do_not_use_up_the_start_limit(sd: Sd) -> None:
+    """StartLimitBurst= is there for a pod that keeps failing, but systemd counts every start:
+    after a few `podctl restart`s of a healthy pod within a minute (applying manifest edits),
+    the next one stopped it and left it down, failed (start-limit-hit), "started too often"."""
+    sd.install("edited")
+    drop_in = units_dir(sd) / "poddaemon-edited.service.d"
+    drop_in.mkdir()
+    (drop_in / "limit.conf").write_text("[Unit]\nStartLimitBurst=2\n")  # 5 by default
+    sd.m.systemctl("daemon-reload")
+    for _ in range(4):
+        out = sd.podctl("restart", "edited")
+        assert out.returncode == 0, out.stderr
+        assert sd.prop("edited", "ActiveState") == "active"
+    sd.podctl("stop", "edited")  # stopped by the user, then restarted: as many times
+    for _ in range(3):
+        out = sd.podctl("restart", "edited")
+        assert out.returncode == 0, out.stderr
+    assert sd.prop("edited", "NRestarts") == "0"  # none of them systemd's own
+
+
 def test_podctl_stop_of_a_wedged_unit_pod_goes_through_systemd(sd: Sd) -> None:
     """A unit pod that does not answer: `podctl stop` sent its pid SIGTERM, which a wedged loop
     never handles, gave up after 10 s (exit 1), and the watchdog then had systemd restart it.
