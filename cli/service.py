@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any
+from typing import IO, Annotated, Any
 
 import typer
 
@@ -658,7 +658,7 @@ def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> 
     if not path.exists():  # one started by a version that kept it in the pod's runtime dir
         path = paths.pod_dir(name) / "stderr.log"
     try:
-        f = path.open("r", errors="replace")
+        f: IO[str] = path.open("r", errors="replace")
     except FileNotFoundError:
         if running:  # started some other way (`poddaemon run`, spawn --foreground): exit 3 lies
             fail(
@@ -666,7 +666,7 @@ def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> 
                 "sent it (podctl spawn without --foreground keeps one)"
             )
         fail(f"no log for pod '{name}' ({path})", EXIT_NOT_RUNNING)
-    with f:
+    try:
         showing = after is None
         try:
             while True:
@@ -676,6 +676,11 @@ def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> 
                         return
                     sys.stdout.flush()
                     check_stdout()  # `logs -f | head`: ends once head has its lines
+                    newer = _rotated(path, f)
+                    if newer is not None:  # all of the old file read: on to the new one
+                        f.close()
+                        f = newer
+                        continue
                     time.sleep(FOLLOW_POLL)  # tail -f: wait for the pod to write more
                     continue
                 if not showing:
@@ -685,6 +690,23 @@ def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> 
                     sys.stdout.write(printable(line))
         except KeyboardInterrupt:  # as `tail -f` and every other podctl command: 130
             raise typer.Exit(EXIT_INTERRUPTED) from None
+    finally:
+        f.close()
+
+
+def _rotated(path: Path, f: IO[str]) -> IO[str] | None:
+    """The file `path` names now, opened, when it is another than the open `f`: the pod rotated
+    its log (past 16 MiB it renames it `<name>.log.1` and writes a new `<name>.log`, at its
+    start or while it runs), so `-f` follows the name, as `tail -F` does; reading on in `f`
+    showed no line again. None while it is the same file, or there is no new one yet."""
+    try:
+        named = os.stat(path)
+        held = os.fstat(f.fileno())
+        if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+            return None
+        return path.open("r", errors="replace")
+    except OSError:
+        return None
 
 
 # --- version --------------------------------------------------------------------------------

@@ -298,6 +298,37 @@ def test_logs_follow_piped_into_a_reader_that_goes_ends_while_nothing_is_written
     assert (code, err) == (1, "")
 
 
+def test_logs_follow_goes_on_in_the_new_file_once_the_log_is_rotated(env: Env) -> None:
+    """A pod past 16 MiB of log keeps it as `<name>.log.1` and writes a new `<name>.log` (at
+    its start, and while it runs). `podctl logs -f` went on reading the renamed file, which
+    nothing writes any more: no line came again, a restart's included (`tail -f`, where it
+    has to be `tail -F`)."""
+    import queue
+    import threading
+
+    logs = env.home / "log"
+    logs.mkdir(mode=0o700)
+    log = logs / "turning.log"
+    log.write_text("2026-01-01 00:00:00.000 poddaemon[1] INFO ready\n")
+    follow = env.podctl_popen("logs", "turning", "-f")
+    lines: queue.Queue[str] = queue.Queue()
+    out = follow.stdout
+    assert out is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in out], daemon=True).start()
+    try:
+        assert "INFO ready" in lines.get(timeout=10)
+        with open(log, "a") as f:  # written before the rotation, read after it: not lost
+            f.write("2026-01-01 00:00:01.000 poddaemon[1] INFO the old file's last line\n")
+        os.replace(log, logs / "turning.log.1")  # as the pod rotates it
+        time.sleep(0.5)  # (the new file comes a moment later)
+        log.write_text("2026-01-01 00:00:02.000 poddaemon[1] INFO the new file's first line\n")
+        assert "the old file's last line" in lines.get(timeout=10)
+        assert "the new file's first line" in lines.get(timeout=10)
+    finally:
+        follow.kill()
+        follow.wait(10)
+
+
 def test_ctrl_c_during_send_stops_waiting_and_the_run_goes_on_as_its_help_says(env: Env) -> None:
     pod = env.start()
     assert "Ctrl-C" in env.podctl("send", "--help").stdout
