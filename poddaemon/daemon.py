@@ -440,7 +440,7 @@ class Claim:
             return False  # not bound yet
         try:
             return os.stat(self.sock_path).st_ino != self.sock_ino
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # (its directory replaced by a file)
             return True
         except OSError:
             return False  # cannot look right now; not proof of anything

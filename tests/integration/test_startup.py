@@ -6,6 +6,7 @@ Each test drives real `poddaemon` / `podctl` processes against the fake model.
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -221,6 +222,23 @@ def test_a_pod_whose_socket_is_removed_stops_with_status_1(env: Env) -> None:
     assert "socket" in pod.text() and "Traceback" not in pod.text()
     assert registry_entries(env) == {}
     assert env.start("unreachable").call("status")["name"] == "unreachable"
+
+
+def test_a_pod_whose_socket_directory_is_replaced_by_a_file_stops_with_status_1(env: Env) -> None:
+    """Its directory removed, the pod stopped (exit 1, and its unit started it again); with a
+    file put in the directory's place, looking at the socket failed with ENOTDIR, which it
+    took for "cannot look right now": it ran on out of reach, `starting` in `podctl ls`,
+    holding its name and scope, and its unit never restarted it."""
+    pod = env.start("covered")
+    pod_dir = Path(pod.socket).parent
+    shutil.rmtree(pod_dir)
+    pod_dir.write_text("")
+    try:
+        assert pod.proc.wait(20) == 1
+    finally:
+        pod_dir.unlink()
+    assert "socket" in pod.text() and "Traceback" not in pod.text()
+    assert registry_entries(env) == {}
 
 
 def test_a_pod_that_stops_leaves_a_socket_bound_at_its_path_by_another_alone(env: Env) -> None:
