@@ -243,12 +243,21 @@ def call(
     PodClient would cost more than the rest of podctl's own start-up.
     """
     from protocol import oneshot, paths
+    from protocol.errors import PodNotRunning
 
     result: Any = None
-    unanswered = UNANSWERED_INPUT if method in ("run", "notify") else ""
+    inputs = method in ("run", "notify")
+    unanswered = UNANSWERED_INPUT if inputs else ""
     with rpc_errors(target, timeout, unanswered):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
-        result = oneshot.call(target, method, params, timeout=timeout)
+        restart = UnitRestart(target, timeout)
+        while True:
+            try:
+                result = oneshot.call(target, method, params, timeout=timeout)
+                break
+            except PodNotRunning:
+                if not (inputs and restart.waited()):
+                    raise
     return result
 
 
@@ -259,12 +268,99 @@ def connect(
     """A PodClient for `target`, with podctl's error handling around everything in the block.
     `timeout` bounds each call's answer (and each read: follow events with `next_event`)."""
     from protocol import paths
-    from protocol.client import PodClient
 
     with rpc_errors(target, timeout, unanswered):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
-        with PodClient.connect(target, timeout=timeout) as client:
+        with _connected(target, timeout, inputs=bool(unanswered)) as client:
             yield client
+
+
+def _connected(target: str, timeout: float | None, inputs: bool) -> "PodClient":
+    """`PodClient.connect`; for input (`send`), through a restart of its unit (UnitRestart)."""
+    from protocol.client import PodClient
+    from protocol.errors import PodNotRunning
+
+    restart = UnitRestart(target, timeout)
+    while True:
+        try:
+            return PodClient.connect(target, timeout=timeout)
+        except PodNotRunning:
+            if not (inputs and restart.waited()):
+                raise
+
+
+UNIT_RESTART_POLL = 0.1  # seconds between looks at a unit that systemd is restarting
+UNIT_RESTART_GRACE = 2.0  # seconds another state is waited out once it was seen restarting
+
+
+def restarting_unit(name: str) -> str | None:
+    """The unit of pod `name` (`podctl unit install`'s, or the shipped template's instance)
+    when systemd is starting it (`activating`: RestartSec= after a crash, or start-up until
+    READY), else None: no such unit, no user manager, or any other state. One `systemctl`,
+    no typer (`cli.service` has the rest): asked only of a pod that does not listen."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("systemctl")
+    if exe is None:
+        return None
+    units = [f"poddaemon-{name}.service", f"poddaemon@{name}.service"]
+    try:
+        out = subprocess.run(
+            [exe, "--user", "show", "--property=ActiveState", *units],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    states = [b.strip().removeprefix("ActiveState=") for b in out.stdout.strip().split("\n\n")]
+    return next(
+        (u for u, st in zip(units, states, strict=False) if st in ("activating", "reloading")),
+        None,
+    )
+
+
+class UnitRestart:
+    """Input for a unit pod that systemd is restarting (its unit `activating`: a crash's
+    RestartSec=, then start-up until READY) waits for the pod to listen again, within the
+    time podctl gives a pod to acknowledge input. Between a crash and its restart `send` and
+    `notify` said "not running" (exit 3) for the seconds it lasts, to a timer unit or a CI hook
+    too, where `wait` and `stop` saw the same pod being restarted. A pod that is not
+    listening was sent nothing, so sending again delivers the input once."""
+
+    def __init__(self, target: str, timeout: float | None) -> None:
+        import time
+
+        self.target = target
+        self.deadline = time.monotonic() + (ANSWER_TIMEOUT if timeout is None else timeout)
+        self.unit: str | None = None  # once seen restarting
+        self.grace = 0.0  # until when another answer is taken for a moment of that restart
+
+    def waited(self) -> bool:
+        """True after a short wait while systemd restarts the pod's unit; False when it does
+        not (no unit, stopped, failed, given up on) or the time is up."""
+        import time
+
+        now = time.monotonic()
+        if "/" in self.target or now >= self.deadline:
+            return False
+        unit = restarting_unit(self.target)
+        if unit is None:
+            # Seen restarting a moment ago: its unit `active` before the pod listens to us,
+            # or a systemctl that failed under load, is no proof that it will not.
+            if self.unit is None or now >= self.grace:
+                return False
+        else:
+            if self.unit is None:
+                sys.stderr.write(f"podctl: pod '{self.target}' is being restarted by {unit}\n")
+                sys.stderr.flush()
+            self.unit, self.grace = unit, now + UNIT_RESTART_GRACE
+        time.sleep(UNIT_RESTART_POLL)
+        return True
 
 
 def run(command: Callable[[], object]) -> int:

@@ -554,6 +554,31 @@ def test_podctl_restart_from_a_shell_with_no_user_bus_says_why_it_cannot(sd: Sd)
     assert sd.prop("nobus2", "ActiveState") == "active"  # left as it was
 
 
+def test_input_sent_while_systemd_restarts_a_crashed_pod_waits_for_it(sd: Sd) -> None:
+    """Between a crash and its restart (RestartSec=, then start-up until READY) the socket of
+    a unit pod does not listen: `podctl notify` and `send` said "not running" (exit 3) for
+    those seconds, to a timer unit or a CI hook as well, where `wait` and `stop` see the same
+    pod being restarted. Nothing was sent then, so waiting for the pod delivers it once."""
+    import json
+
+    sd.install("bouncing")
+    os.kill(sd.main_pid("bouncing"), 9)
+    sd.wait_prop("bouncing", "SubState", "auto-restart")
+    noted = sd.podctl("notify", "bouncing", "noted during the restart")
+    assert noted.returncode == 0, noted.stderr
+    assert "being restarted by poddaemon-bouncing.service" in noted.stderr
+    os.kill(sd.main_pid("bouncing"), 9)
+    sd.wait_prop("bouncing", "SubState", "auto-restart")
+    sent = sd.podctl("send", "bouncing", "sent during the restart")
+    assert sent.returncode == 0, sent.stderr
+    assert "ok: " in sent.stdout and "sent during the restart" in sent.stdout
+    logged = json.dumps(history("bouncing"))
+    assert logged.count("noted during the restart") >= 1
+    sd.podctl("stop", "bouncing")
+    refused = sd.podctl("notify", "bouncing", "to a stopped unit")  # inactive: not waited for
+    assert refused.returncode == 3, refused.stderr
+
+
 def test_podctl_stop_between_a_crash_and_its_restart_stops_the_unit(sd: Sd) -> None:
     """kill -9, then `podctl stop` while systemd waits RestartSec to start it again: stop said
     "not running" (exit 3) and the pod came back 2 s later; a crash-looping pod could not be
