@@ -65,7 +65,7 @@ def not_running(exc: "PodNotRunning") -> NoReturn:
     if starting(exc.target):
         target = exc.target
         fail(f"pod '{target}' is starting: {STARTING} (podctl wait {target})", EXIT_NOT_RUNNING)
-    fail(str(exc), EXIT_NOT_RUNNING)
+    fail(str(exc) + failed_unit(exc.target), EXIT_NOT_RUNNING)
 
 
 def starting(target: str) -> bool:
@@ -293,35 +293,56 @@ UNIT_RESTART_POLL = 0.1  # seconds between looks at a unit that systemd is resta
 UNIT_RESTART_GRACE = 2.0  # seconds another state is waited out once it was seen restarting
 
 
-def restarting_unit(name: str) -> str | None:
-    """The unit of pod `name` (`podctl unit install`'s, or the shipped template's instance)
-    when systemd is starting it (`activating`: RestartSec= after a crash, or start-up until
-    READY), else None: no such unit, no user manager, or any other state. One `systemctl`,
-    no typer (`cli.service` has the rest): asked only of a pod that does not listen."""
+def unit_properties(name: str, *properties: str) -> list[tuple[str, dict[str, str]]]:
+    """`(unit, {property: value})` of each unit that may run pod `name` (`podctl unit
+    install`'s, and the shipped template's instance), in one `systemctl --user show`; [] for
+    a socket path, no user manager or a systemctl that fails. No typer (`cli.unit` has the
+    rest): asked only of a pod that does not listen."""
     import shutil
     import subprocess
 
     exe = shutil.which("systemctl")
-    if exe is None:
-        return None
+    if exe is None or "/" in name:
+        return []
     units = [f"poddaemon-{name}.service", f"poddaemon@{name}.service"]
+    asked = [f"--property={p}" for p in properties]
     try:
         out = subprocess.run(
-            [exe, "--user", "show", "--property=ActiveState", *units],
+            [exe, "--user", "show", *asked, *units],
             capture_output=True,
             text=True,
             timeout=10,
             stdin=subprocess.DEVNULL,
         )
     except (OSError, subprocess.SubprocessError):
-        return None
+        return []
     if out.returncode != 0:
-        return None
-    states = [b.strip().removeprefix("ActiveState=") for b in out.stdout.strip().split("\n\n")]
-    return next(
-        (u for u, st in zip(units, states, strict=False) if st in ("activating", "reloading")),
-        None,
-    )
+        return []
+    blocks = out.stdout.strip().split("\n\n")  # one per unit, in the order asked
+    found = [dict(line.partition("=")[::2] for line in b.splitlines()) for b in blocks]
+    return list(zip(units, found, strict=False))
+
+
+def restarting_unit(name: str) -> str | None:
+    """The unit of pod `name` when systemd is starting it (`activating`: RestartSec= after a
+    crash, or start-up until READY), else None: no such unit, no user manager, or any other
+    state."""
+    for unit, props in unit_properties(name, "ActiveState"):
+        if props.get("ActiveState") in ("activating", "reloading"):
+            return unit
+    return None
+
+
+def failed_unit(name: str) -> str:
+    """`; its unit U failed: <why>` when a unit of pod `name` has failed, from the status the
+    pod gave systemd as it refused to start (`refused: …`), else "". A restart refused (an
+    edited manifest that is wrong) left `wait`, `status` and `send` saying "not running"
+    alone, and the reason in `systemctl --user status` only."""
+    for unit, props in unit_properties(name, "ActiveState", "StatusText"):
+        if props.get("ActiveState") == "failed":
+            why = props.get("StatusText") or f"see systemctl --user status {unit}"
+            return f"; its unit {unit} failed: {why}"
+    return ""
 
 
 class UnitRestart:

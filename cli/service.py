@@ -27,6 +27,7 @@ from cli.common import (
     check_stdout,
     fail,
     print_json,
+    restarting_unit,
 )
 from cli.common import starting as is_starting
 
@@ -140,7 +141,7 @@ def stop_unit_pod(
         return _stop_unit(name, unit, [], before)
     except (PodNotRunning, ConnectionClosed, RpcError, OSError):
         # Between a crash and systemd's restart (activating, auto-restart): still its unit's.
-        unit = _restarting_unit(target)
+        unit = restarting_unit(target)
         if unit is None:
             return False
         return _stop_unit(target, unit, [], before)
@@ -505,13 +506,6 @@ def _unit_state(target: str) -> tuple[str | None, str]:
 
     unit = pod_unit(target, None)
     return (unit, active_state(unit)) if unit is not None else (None, "")
-
-
-def _restarting_unit(target: str) -> str | None:
-    """The unit of a pod that does not listen when systemd is (re)starting it (activating:
-    a crash's auto-restart, a restart), else None."""
-    unit, state = _unit_state(target)
-    return unit if state in ("activating", "reloading") else None
 
 
 def _idle(status: dict[str, Any]) -> bool:

@@ -369,6 +369,13 @@ def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socke
     assert "bogus: unknown key" in refused.stderr, refused.stderr
     assert "Fix that, then `podctl restart edited`." in refused.stderr
     assert "systemctl --user status" not in refused.stderr
+    # What talks to it meanwhile says why too: "not running" alone sent the user to systemctl.
+    sd.wait_prop("edited", "ActiveState", "failed")
+    for args in (["status", "edited"], ["send", "edited", "hi"], ["wait", "edited"]):
+        said = sd.podctl(*args)
+        assert said.returncode == 3, (args, said.stderr)
+        assert "its unit poddaemon-edited.service failed: refused: " in said.stderr, said.stderr
+        assert "bogus: unknown key" in said.stderr, said.stderr
     path.write_text(good)
     again = sd.podctl("restart", "edited")
     assert again.returncode == 0, again.stderr
