@@ -85,36 +85,15 @@ def run(sec: Section) -> None:
                 times[key].append(took)
                 cpu[key].append(used)
         base = median(times["noop"])
-        sec.add(
-            Row(
-                "podctl status <pod>, median",
-                median(times["status"]),
-                "ms",
-                base,
-                "no-op typer app",
-                all_of(ratio_le(RATIO), value_lt(ABSOLUTE_MS, "ms")),
+        for key, label in (
+            ("status", "podctl status <pod>"),
+            ("notify", "podctl notify <pod> msg"),
+            ("send", "podctl send --no-wait <pod> msg"),
+        ):
+            target = all_of(ratio_le(RATIO), value_lt(ABSOLUTE_MS, "ms"))
+            sec.add(
+                Row(f"{label}, median", median(times[key]), "ms", base, "no-op typer app", target)
             )
-        )
-        sec.add(
-            Row(
-                "podctl notify <pod> msg, median",
-                median(times["notify"]),
-                "ms",
-                base,
-                "no-op typer app",
-                all_of(ratio_le(RATIO), value_lt(ABSOLUTE_MS, "ms")),
-            )
-        )
-        sec.add(
-            Row(
-                "podctl send --no-wait <pod> msg, median",
-                median(times["send"]),
-                "ms",
-                base,
-                "no-op typer app",
-                all_of(ratio_le(RATIO), value_lt(ABSOLUTE_MS, "ms")),
-            )
-        )
         sec.add(
             Row(
                 "podctl status <pod> through its typer app",

@@ -468,6 +468,23 @@ def test_a_running_pods_log_is_rotated_once_it_grows_past_the_bound(env: Env) ->
     assert oct((logs / "long.log").stat().st_mode & 0o777) == "0o600"
 
 
+def to_a_full_disk(env: Env, unbuffered: bool, *args: str) -> "subprocess.CompletedProcess[str]":
+    """podctl ARGS with its stdout on /dev/full; its stdio buffered as users have it (this
+    machine exports PYTHONUNBUFFERED, which hid a failure), or not."""
+    environ = {k: v for k, v in env.env.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        environ["PYTHONUNBUFFERED"] = "1"
+    with open("/dev/full", "w") as full:
+        return subprocess.run(
+            [sys.executable, "-m", "cli.main", *args],
+            env=environ,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
+
+
 @pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
 @pytest.mark.parametrize(
     ("args", "goes_on"),
@@ -483,18 +500,7 @@ def test_send_whose_output_cannot_be_written_does_not_blame_the_pod(
     again: "podctl: No space left on device", not a word of the run; and --no-wait printed
     inside the connection, so its write (unbuffered) still read "cannot talk to pod"."""
     env.start()
-    environ = {k: v for k, v in env.env.items() if k != "PYTHONUNBUFFERED"}
-    if unbuffered:
-        environ["PYTHONUNBUFFERED"] = "1"
-    with open("/dev/full", "w") as full:
-        done = subprocess.run(
-            [sys.executable, "-m", "cli.main", "send", "pod", "hello", *args],
-            env=environ,
-            stdout=full,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=60,
-        )
+    done = to_a_full_disk(env, unbuffered, "send", "pod", "hello", *args)
     assert done.returncode == 1
     goes = r" and goes on \(podctl cancel pod\)" if goes_on else ""
     assert re.fullmatch(
@@ -510,18 +516,7 @@ def test_notify_whose_output_cannot_be_written_says_it_was_taken(
     """`podctl notify` to a full disk said "podctl: No space left on device": the pod had
     the notification, and a script reading that would send it again."""
     env.start()
-    environ = {k: v for k, v in env.env.items() if k != "PYTHONUNBUFFERED"}
-    if unbuffered:
-        environ["PYTHONUNBUFFERED"] = "1"
-    with open("/dev/full", "w") as full:
-        done = subprocess.run(
-            [sys.executable, "-m", "cli.main", "notify", "pod", "build failed"],
-            env=environ,
-            stdout=full,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=60,
-        )
+    done = to_a_full_disk(env, unbuffered, "notify", "pod", "build failed")
     assert done.returncode == 1
     assert re.fullmatch(
         r"podctl: cannot write the output: No space left on device; notification \S+ was taken\n",
