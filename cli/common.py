@@ -242,23 +242,29 @@ def call(
     Through `protocol.oneshot` (standard library only): for a one-call command, importing
     PodClient would cost more than the rest of podctl's own start-up.
     """
-    from protocol import oneshot, paths
-    from protocol.errors import PodNotRunning
+    from protocol import paths
 
     result: Any = None
-    inputs = method in ("run", "notify")
-    unanswered = UNANSWERED_INPUT if inputs else ""
+    unanswered = UNANSWERED_INPUT if method in ("run", "notify") else ""
     with rpc_errors(target, timeout, unanswered):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
-        restart = UnitRestart(target, timeout)
-        while True:
-            try:
-                result = oneshot.call(target, method, params, timeout=timeout)
-                break
-            except PodNotRunning:
-                if not (inputs and restart.waited()):
-                    raise
+        result = one_call(target, method, params, timeout)
     return result
+
+
+def one_call(target: str, method: str, params: dict[str, Any] | None, timeout: float | None) -> Any:
+    """`oneshot.call`, input (`run`, `notify`) waiting out a restart of the pod's unit
+    (UnitRestart); the client's exceptions as they are (`call` maps them)."""
+    from protocol import oneshot
+    from protocol.errors import PodNotRunning
+
+    restart = UnitRestart(target, timeout)
+    while True:
+        try:
+            return oneshot.call(target, method, params, timeout=timeout)
+        except PodNotRunning:
+            if method not in ("run", "notify") or not restart.waited():
+                raise
 
 
 @contextlib.contextmanager

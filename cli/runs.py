@@ -16,6 +16,7 @@ from cli.common import (
     connect,
     connection_lost,
     fail,
+    one_call,
     print_json,
     read_message,
     rpc_errors,
@@ -176,7 +177,7 @@ def _submit_once(
 ) -> dict[str, Any]:
     """`run` as one call (protocol.oneshot: no PodClient, no msgspec, ~20 ms of podctl's
     start-up), for --no-wait; an exhausted budget exits 2, as in `_submit`."""
-    from protocol import oneshot, paths
+    from protocol import paths
     from protocol.errors import BudgetExhausted
 
     params = {"input": text, "mode": mode}
@@ -185,7 +186,7 @@ def _submit_once(
     with rpc_errors(pod, ANSWER_TIMEOUT, UNANSWERED_INPUT):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
         try:
-            result: dict[str, Any] = oneshot.call(pod, "run", params, timeout=ANSWER_TIMEOUT)
+            result: dict[str, Any] = one_call(pod, "run", params, ANSWER_TIMEOUT)
         except BudgetExhausted as exc:
             fail(f"{exc.message} ({exc.code})", EXIT_LIMIT)
     return result

@@ -579,8 +579,14 @@ def test_input_sent_while_systemd_restarts_a_crashed_pod_waits_for_it(sd: Sd) ->
     sent = sd.podctl("send", "bouncing", "sent during the restart")
     assert sent.returncode == 0, sent.stderr
     assert "ok: " in sent.stdout and "sent during the restart" in sent.stdout
+    os.kill(sd.main_pid("bouncing"), 9)
+    sd.wait_prop("bouncing", "SubState", "auto-restart")
+    queued = sd.podctl("send", "--no-wait", "bouncing", "submitted during the restart")
+    assert queued.returncode == 0, queued.stderr  # (one call, not send's connection)
+    assert "being restarted by poddaemon-bouncing.service" in queued.stderr
     logged = json.dumps(history("bouncing"))
     assert logged.count("noted during the restart") >= 1
+    assert logged.count("submitted during the restart") >= 1
     sd.podctl("stop", "bouncing")
     refused = sd.podctl("notify", "bouncing", "to a stopped unit")  # inactive: not waited for
     assert refused.returncode == 3, refused.stderr
