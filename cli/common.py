@@ -13,12 +13,13 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 if TYPE_CHECKING:
     from protocol.client import PodClient
     from protocol.errors import PodNotRunning
 
+T = TypeVar("T")
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_NOT_RUNNING = 3
@@ -202,6 +203,7 @@ def not_utf8(exc: UnicodeEncodeError, what: str = "an argument") -> NoReturn:
 
 # Said when a pod that was sent input does not answer: stopped or wedged, it still reads its
 # socket once it runs again, so "failed" would invite a retry that delivers the input twice.
+INPUTS = ("run", "notify")  # the methods that hand a pod input (its acknowledgement counts)
 UNANSWERED_INPUT = "; it may still take what was sent once it runs again"
 
 
@@ -245,7 +247,7 @@ def call(
     from protocol import paths
 
     result: Any = None
-    unanswered = UNANSWERED_INPUT if method in ("run", "notify") else ""
+    unanswered = UNANSWERED_INPUT if method in INPUTS else ""
     with rpc_errors(target, timeout, unanswered):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
         result = one_call(target, method, params, timeout)
@@ -256,15 +258,11 @@ def one_call(target: str, method: str, params: dict[str, Any] | None, timeout: f
     """`oneshot.call`, input (`run`, `notify`) waiting out a restart of the pod's unit
     (UnitRestart); the client's exceptions as they are (`call` maps them)."""
     from protocol import oneshot
-    from protocol.errors import PodNotRunning
 
-    restart = UnitRestart(target, timeout)
-    while True:
-        try:
-            return oneshot.call(target, method, params, timeout=timeout)
-        except PodNotRunning:
-            if method not in ("run", "notify") or not restart.waited():
-                raise
+    def attempt() -> Any:
+        return oneshot.call(target, method, params, timeout=timeout)
+
+    return through_restart(target, timeout, attempt) if method in INPUTS else attempt()
 
 
 @contextlib.contextmanager
@@ -284,15 +282,38 @@ def connect(
 def _connected(target: str, timeout: float | None, inputs: bool) -> "PodClient":
     """`PodClient.connect`; for input (`send`), through a restart of its unit (UnitRestart)."""
     from protocol.client import PodClient
+
+    def attempt() -> PodClient:
+        return PodClient.connect(target, timeout=timeout)
+
+    return through_restart(target, timeout, attempt) if inputs else attempt()
+
+
+def through_restart(target: str, timeout: float | None, attempt: Callable[[], T]) -> T:
+    """`attempt()`, tried again while the pod does not listen because systemd is restarting
+    its unit (UnitRestart): what a pod that is not listening was sent, it never got."""
     from protocol.errors import PodNotRunning
 
     restart = UnitRestart(target, timeout)
     while True:
         try:
-            return PodClient.connect(target, timeout=timeout)
+            return attempt()
         except PodNotRunning:
-            if not (inputs and restart.waited()):
+            if not restart.waited():
                 raise
+
+
+UNIT_PREFIX = "poddaemon-"
+
+
+def unit_name(pod: str) -> str:
+    """The unit `podctl unit install` writes for a pod."""
+    return f"{UNIT_PREFIX}{pod}.service"
+
+
+def template_unit_name(pod: str) -> str:
+    """The instance of the template unit shipped in systemd/poddaemon@.service."""
+    return f"poddaemon@{pod}.service"
 
 
 UNIT_RESTART_POLL = 0.1  # seconds between looks at a unit that systemd is restarting
@@ -310,7 +331,7 @@ def unit_properties(name: str, *properties: str) -> list[tuple[str, dict[str, st
     exe = shutil.which("systemctl")
     if exe is None or "/" in name:
         return []
-    units = [f"poddaemon-{name}.service", f"poddaemon@{name}.service"]
+    units = [unit_name(name), template_unit_name(name)]
     asked = [f"--property={p}" for p in properties]
     try:
         out = subprocess.run(

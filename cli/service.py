@@ -80,7 +80,7 @@ def _live_status(target: str, timeouts: bool = False) -> dict[str, Any] | None:
 def _own_unit(status: dict[str, Any]) -> str | None:
     """The pod's own unit. A child of a unit pod lives in its parent's cgroup, but it is not
     that unit: stopping it must not stop its parent."""
-    from cli.unit import template_unit_name, unit_name
+    from cli.common import template_unit_name, unit_name
 
     name = str(status["name"])
     unit = unit_of_pid(int(status["pid"]))
@@ -90,7 +90,8 @@ def _own_unit(status: dict[str, Any]) -> str | None:
 def pod_unit(target: str, status: dict[str, Any] | None) -> str | None:
     """The unit that runs this pod: from its process when it runs, else an installed unit file
     or an instance of the shipped template that systemd holds as the pod's."""
-    from cli.unit import unit_name, unit_path
+    from cli.common import unit_name
+    from cli.unit import unit_path
 
     if status is not None:
         return _own_unit(status)
@@ -105,7 +106,8 @@ def _template_instance(name: str) -> str | None:
     """`poddaemon@NAME.service` when it is enabled or not inactive (failed, between a crash and
     its restart): a stopped pod of the template is restarted by systemd, and its log is the
     journal. Else (started once and stopped, or no such template) None."""
-    from cli.unit import UnitError, systemctl, template_unit_name
+    from cli.common import template_unit_name
+    from cli.unit import UnitError, systemctl
 
     unit = template_unit_name(name)
     try:

@@ -17,10 +17,10 @@ from typing import Annotated, NoReturn
 
 import typer
 
+from cli.common import unit_name
 from poddaemon.readyline import EXIT_REFUSED
 
 EXIT_ERROR = 1
-UNIT_PREFIX = "poddaemon-"
 WATCHDOG_SEC = 30
 TIMEOUT_STOP_SEC = 30
 RESTART_SEC = 2
@@ -44,15 +44,6 @@ unit_app = typer.Typer(
 
 class UnitError(Exception):
     pass
-
-
-def unit_name(pod: str) -> str:
-    return f"{UNIT_PREFIX}{pod}.service"
-
-
-def template_unit_name(pod: str) -> str:
-    """The instance of the template unit shipped in systemd/poddaemon@.service."""
-    return f"poddaemon@{pod}.service"
 
 
 def unit_dir(manager_env: dict[str, str] | None = None) -> Path:
