@@ -48,6 +48,21 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
     raise SystemExit(code)
 
 
+def say_taken(write: Callable[[], object], taken: str) -> None:
+    """`write`, then flush, what podctl prints once the pod took input (`taken`: "run R",
+    "notification N"). An OSError there is our stdout's (a full disk), not the pod's: said
+    so, with what was taken, since a script reading a failure would send it again."""
+    try:
+        write()
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # the reader went, as ever
+    except OSError as exc:
+        from protocol.errors import os_error_line
+
+        fail(f"cannot write the output: {os_error_line(exc)}; {taken} was taken")
+
+
 def names_a_pod(target: str) -> bool:
     """A pod name or a socket path: what a POD argument may be. Any other text is a usage
     error, not 'not running' (a typo in the case of a letter would read as a stopped pod)."""

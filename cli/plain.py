@@ -22,6 +22,7 @@ from cli.common import (
     names_a_pod,
     print_json,
     read_message,
+    say_taken,
 )
 from cli.runs import send
 
@@ -49,15 +50,8 @@ def notify(
         params["client_key"] = client_key
     result = call(pod, "notify", params)
     nid = result["notification_id"]
-    try:  # stdout is the id alone, whatever the pod's state (`nid=$(podctl notify …)`)
-        sys.stdout.write(f"{nid}\n")
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise  # the reader went, as ever
-    except OSError as exc:  # a full disk: the pod has it, a retry would be a second one
-        from protocol.errors import os_error_line
-
-        fail(f"cannot write the output: {os_error_line(exc)}; notification {nid} was taken")
+    # stdout is the id alone, whatever the pod's state (`nid=$(podctl notify …)`)
+    say_taken(lambda: sys.stdout.write(f"{nid}\n"), f"notification {nid}")
     if result["wakes"]:
         sys.stderr.write("(woke the pod)\n")
 

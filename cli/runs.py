@@ -3,7 +3,7 @@ both run `send` here), and what `attach` and `history` share with it: the event 
 the pod's session log read page by page."""
 
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from cli.common import (
@@ -20,6 +20,7 @@ from cli.common import (
     print_json,
     read_message,
     rpc_errors,
+    say_taken,
 )
 
 if TYPE_CHECKING:
@@ -53,9 +54,9 @@ def send(
         # must not read as the pod's failure, which invites a second run.
         run = submitted["run_id"]
         if as_json:
-            _written(lambda: print_json(submitted), run)
+            say_taken(lambda: print_json(submitted), f"run {run}")
         else:
-            _written(lambda: sys.stdout.write(f"{run} {submitted['state']}\n"), run)
+            say_taken(lambda: sys.stdout.write(f"{run} {submitted['state']}\n"), f"run {run}")
         return
     with connect(pod, unanswered=UNANSWERED_INPUT) as client:
         # Before the input: a pod that does not answer this has not been sent it either.
@@ -139,7 +140,7 @@ def send(
     if wrote and not ends_nl:
         sys.stdout.write("\n")
     if as_json:
-        _written(lambda: print_json({"run_id": run_id, **finished}), run_id)
+        say_taken(lambda: print_json({"run_id": run_id, **finished}), f"run {run_id}")
     outcome = finished.get("outcome")
     if outcome == "finished":
         return
@@ -190,20 +191,6 @@ def _submit_once(
         except BudgetExhausted as exc:
             fail(f"{exc.message} ({exc.code})", EXIT_LIMIT)
     return result
-
-
-def _written(write: Callable[[], object], run_id: str) -> None:
-    """`write` and flush what `send` prints once its run was taken: an OSError there is our
-    stdout's (a full disk), not the pod's, and the run must not read as failed."""
-    from protocol.errors import os_error_line
-
-    try:
-        write()
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise  # the reader went, as ever
-    except OSError as exc:
-        fail(f"cannot write the output: {os_error_line(exc)}; run {run_id} was taken")
 
 
 def _submit(
