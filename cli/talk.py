@@ -9,7 +9,7 @@ import typer
 
 from cli.app import JsonOpt, PodArg, app
 from cli.common import EXIT_INTERRUPTED, EXIT_USAGE, call, connect, fail, print_json
-from cli.runs import HISTORY_PAGE, follow, history_pages, last_run_end, log_entries
+from cli.runs import HISTORY_PAGE, entries_newest_first, follow, history_pages, last_run_end
 
 HISTORY_TAIL = 50  # entries `podctl history` shows without --all/--since/--limit
 
@@ -282,7 +282,9 @@ def _not_cancelled(pod: str, run_id: str) -> str:
     A typo or another pod's run id must not read as done: a script would go on as if it were."""
     with connect(pod) as client:
         end = last_run_end(client, run_id)
-        known = end is not None or any(e.get("run_id") == run_id for e in log_entries(client))
+        known = end is not None or any(
+            e.get("run_id") == run_id for e in entries_newest_first(client)
+        )
     if not known:
         fail(f"pod '{pod}' has no run {run_id}")
     said = f": {end.get('outcome')}" if end is not None else ""
