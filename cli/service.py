@@ -593,7 +593,8 @@ def logs(
     """The pod's own log lines, with timestamps.
 
     From the journal for a pod run by its systemd unit, else from <log>/NAME.log (where
-    podctl spawn keeps it). `-f` follows until Ctrl-C (exit 130).
+    podctl spawn keeps it); for a stopped pod whose unit was removed, from the journal still,
+    unless it ran since without one. `-f` follows until Ctrl-C (exit 130).
     """
     from protocol import paths
 
@@ -611,7 +612,62 @@ def logs(
     unit = pod_unit(pod, status)
     if unit is not None:
         _journal(unit, follow, after)
-    _stderr_log(name, follow, after, running=status is not None)
+    unread = ""
+    if status is None:  # no unit now: one removed since may have logged last (its journal)
+        former, unread = _removed_unit_journal(name)
+        if former is not None:
+            sys.stderr.write(
+                f"podctl: pod '{name}' has no unit now; its lines from {former}, "
+                f"which was removed, are in the journal\n"
+            )
+            _journal(former, follow, after)
+    _stderr_log(name, follow, after, running=status is not None, unread=unread)
+
+
+def _removed_unit_journal(name: str) -> tuple[str | None, str]:
+    """The unit of pod `name` whose journal holds its latest lines, when that unit is gone
+    (`podctl unit remove`) and the pod has logged nothing since to its log file (started
+    otherwise): `remove` deletes the unit file, not the journal, and `logs` looked for a
+    unit file only, saying "no log for pod" over every line the pod had written. None when the
+    journal has none, with journalctl's complaint when it cannot be read ("" otherwise)."""
+    import json
+    import shutil
+    import subprocess
+
+    from cli.common import template_unit_name, unit_name
+    from protocol import paths
+
+    exe = shutil.which("journalctl")
+    if exe is None:
+        return None, ""
+    units = (unit_name(name), template_unit_name(name))
+    try:  # the newest entry of either unit: the pod's lines and the manager's about it
+        out = subprocess.run(
+            [exe, *(f"--user-unit={u}" for u in units), "-n1", "-ojson", "--no-pager", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None, ""
+    if out.returncode != 0:
+        return None, out.stderr.strip().rstrip(".") or f"journalctl: exit {out.returncode}"
+    try:
+        last = json.loads(out.stdout.splitlines()[-1]) if out.stdout.strip() else None
+        when = int(last["__REALTIME_TIMESTAMP"]) / 1e6 if last else None
+    except (ValueError, KeyError, TypeError):
+        return None, ""
+    if last is None or when is None:
+        return None, ""
+    for path in (paths.log_dir() / f"{name}.log", paths.pod_dir(name) / "stderr.log"):
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_mtime > when:  # it ran since, not as that unit: its file
+                return None, ""
+            break
+    # Whichever of the two the entry is about (a unit's own line, or the manager's on it).
+    about = {str(last.get("_SYSTEMD_USER_UNIT")), str(last.get("USER_UNIT"))}
+    return next((u for u in units if u in about), units[0]), ""
 
 
 def _journal(unit: str, follow: bool, after: float | None) -> None:
@@ -644,7 +700,9 @@ def _journal(unit: str, follow: bool, after: float | None) -> None:
     os.execv(exe, cmd)
 
 
-def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> None:
+def _stderr_log(
+    name: str, follow: bool, after: float | None, running: bool, unread: str = ""
+) -> None:
     from cli.render import printable
     from protocol import paths
 
@@ -660,6 +718,15 @@ def _stderr_log(name: str, follow: bool, after: float | None, running: bool) -> 
             fail(
                 f"pod '{name}' keeps no log file ({path}): its stderr goes where its starter "
                 "sent it (podctl spawn without --foreground keeps one)"
+            )
+        if unread:  # a removed unit's lines may be there: say where, and why podctl cannot
+            from cli.common import unit_name
+
+            fail(
+                f"no log for pod '{name}' ({path}); if it ran as a systemd unit, its lines are "
+                f"in the journal (`journalctl --user-unit={unit_name(name)}`), which podctl "
+                f"cannot read here ({unread})",
+                EXIT_NOT_RUNNING,
             )
         fail(f"no log for pod '{name}' ({path})", EXIT_NOT_RUNNING)
     try:

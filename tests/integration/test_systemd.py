@@ -985,3 +985,43 @@ def test_wait_outlasts_the_restart_of_a_unit_pod_that_crashed(sd: Sd) -> None:
     with sd.client("crashy") as c:
         assert c.status().pid == pid
     assert "acknowledged work" in requests_text(sd, 0)
+
+
+def test_logs_of_a_pod_whose_unit_was_removed_still_read_the_journal(sd: Sd) -> None:
+    """`podctl unit remove` deletes the unit file, not the journal: `podctl logs` looked for a
+    unit file, found none, and said "no log for pod" (exit 3) while the journal held every
+    line the pod wrote."""
+    path = sd.install("gone")
+    assert sd.podctl("send", "gone", "say something").returncode == 0
+    removed = sd.podctl("unit", "remove", "gone")
+    assert removed.returncode == 0, removed.stderr
+    assert not (units_dir(sd) / "poddaemon-gone.service").exists()
+    logs = sd.podctl("logs", "gone")
+    assert logs.returncode == 0, logs.stderr
+    ready = [line for line in logs.stdout.splitlines() if "PODDAEMON-READY" in line]
+    assert ready and ready[0][:4].isdigit(), logs.stdout + logs.stderr  # journal, timestamped
+    assert "Stopped" in logs.stdout, logs.stdout  # the manager's lines on it too, to its end
+    assert "poddaemon-gone.service, which was removed" in logs.stderr, logs.stderr
+    assert sd.podctl("logs", "gone", "--since", "10m").stdout == logs.stdout
+    assert "PODDAEMON-READY" not in sd.podctl("logs", "gone", "--since", "2999-01-01").stdout
+    # A journal this user may not read: where the lines are, and why podctl cannot show them.
+    shim = unreadable_journal(sd)
+    unread = sd.m.run(
+        [sys.executable, "-m", "cli.main", "logs", "gone"],
+        {**sd.podenv, "PATH": f"{shim}:{sd.m.env['PATH']}"},
+    )
+    assert unread.returncode == 3, unread.stderr
+    assert "journalctl --user-unit=poddaemon-gone.service" in unread.stderr, unread.stderr
+    assert "insufficient permissions" in unread.stderr and unread.stderr.count("\n") == 1
+
+    # Started since by podctl (not as a unit): its log file is newer, and is what logs shows.
+    spawned = sd.m.run(
+        [sys.executable, "-m", "cli.main", "spawn", str(path)],
+        {**sd.podenv, "FAKE_API_KEY": "test-key"},
+    )
+    assert spawned.returncode == 0, spawned.stderr
+    assert sd.podctl("stop", "gone").returncode == 0
+    plain = sd.podctl("logs", "gone")
+    assert plain.returncode == 0, plain.stderr
+    assert "ready on" in plain.stdout and "PODDAEMON-READY" not in plain.stdout, plain.stdout
+    assert "removed" not in plain.stderr, plain.stderr
