@@ -331,6 +331,15 @@ def template_unit_name(pod: str) -> str:
     return f"poddaemon@{pod}.service"
 
 
+def pod_of_unit(unit: str) -> str:
+    """The pod a unit of either name runs (`poddaemon-NAME.service`, `poddaemon@NAME.service`);
+    "" for any other unit."""
+    for prefix in (UNIT_PREFIX, "poddaemon@"):
+        if unit.startswith(prefix) and unit.endswith(".service"):
+            return unit[len(prefix) : -len(".service")]
+    return ""
+
+
 UNIT_RESTART_POLL = 0.1  # seconds between looks at a unit that systemd is restarting
 UNIT_RESTART_GRACE = 2.0  # seconds another state is waited out once it was seen restarting
 

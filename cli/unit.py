@@ -8,7 +8,9 @@ is killed and restarted. API keys come from `EnvironmentFile=-<config>/env`.
 """
 
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -359,8 +361,10 @@ def start_unit(unit: str, *how: str, then: str) -> None:
     try:
         systemctl(*how, unit)
     except UnitError as exc:
+        ended = _ended_properties(unit)  # first: systemd resets them as it starts it again
         said = _journal_since(unit, since)
-        if any("Start request repeated too quickly" in line for line in said):
+        gave_up = ended.get("Result") == "start-limit-hit"  # (its journal line may lag)
+        if gave_up or any("Start request repeated too quickly" in line for line in said):
             raise UnitError(  # systemctl blames the last failure ("a fatal signal was ...")
                 f"{unit} was started too often (StartLimitBurst= starts within "
                 f"StartLimitIntervalSec=) and systemd gave up on it: run `systemctl --user "
@@ -372,10 +376,70 @@ def start_unit(unit: str, *how: str, then: str) -> None:
         if not errors:  # a journal we may not read: the pod's status line (STATUS=) says it
             errors = _why_not_started(unit)
         if not errors:
-            raise UnitError(str(exc)) from None
+            # Killed, crashed or timed out before READY, with no word of its own: what systemd
+            # saw (systemctl printed its "Job for ... failed because ..." over three lines).
+            what, again = _how_it_ended(unit, ended, str(exc))
+            # Being started again by systemd, "fix that, then restart it" is no next step.
+            next_step = "" if again else f"\n{then}"
+            raise UnitError(f"{unit} did not start: {what}{next_step}") from None
         # The pod's own error (what `podctl spawn` would have shown), this start's only.
         why = f"{unit} did not start: {errors[-1]}"
         raise UnitError(f"{why}\n{then}") from None
+
+
+# systemd's Result= of a service whose main process ended before READY (`man systemd.exec`).
+_RESULTS = {
+    "timeout": "did not get ready within TimeoutStartSec= and was stopped",
+    "watchdog": "stopped pinging the watchdog (WatchdogSec=) and was killed",
+    "oom-kill": "was killed for want of memory (the OOM killer)",
+    "protocol": "exited without telling systemd it was ready",
+    "resources": "could not be started: systemd lacked a resource it needed",
+}
+# `Job for U failed because <why>.` (`systemctl start`'s words), when the unit says no more.
+_JOB_FAILED = re.compile(r"Job for \S+ failed because (.+?)\.(?:\s|$)")
+
+
+def _ended_properties(unit: str) -> dict[str, str]:
+    """The unit's properties that say how its last main process ended and what systemd does
+    now; they hold until systemd starts it again (RestartSec=). {} when systemctl cannot say."""
+    from cli.common import pod_of_unit, unit_properties
+
+    wanted = ("Result", "ExecMainPID", "ExecMainCode", "ExecMainStatus", "SubState")
+    return dict(unit_properties(pod_of_unit(unit), *wanted, "RestartUSec")).get(unit, {})
+
+
+def _how_it_ended(unit: str, props: dict[str, str], said: str) -> tuple[str, bool]:
+    """What became of the pod of a start that failed before READY (`props`: the unit's
+    `_ended_properties`; `said`: systemctl's error), what systemd does now, and where its
+    lines are, in one line; and whether systemd starts it again."""
+    from cli.common import pod_of_unit
+
+    name = pod_of_unit(unit)
+    result, pid = props.get("Result", ""), props.get("ExecMainPID", "0")
+    code, status = props.get("ExecMainCode", "0"), props.get("ExecMainStatus", "0")
+    pod = f"its pod (pid {pid})" if pid not in ("", "0") else "its pod"
+    if result in _RESULTS:
+        what = f"{pod} {_RESULTS[result]}"
+    elif result in ("signal", "core-dump") and code in ("2", "3") and status.isdigit():
+        how = "was killed by" if code == "2" else "dumped core on"
+        what = f"{pod} {how} signal {status} ({_signal_name(int(status))}) before it was ready"
+    elif result == "exit-code" and code == "1":
+        what = f"{pod} exited with status {status} before it was ready"
+    else:  # systemd started it again already, or says no more than systemctl did
+        found = _JOB_FAILED.search(said)
+        what = "it failed before it was ready" + (f" ({found.group(1)})" if found else "")
+    again = props.get("SubState") == "auto-restart"
+    if again:
+        after = props.get("RestartUSec") or "RestartSec="
+        what += f"; systemd starts it again in {after} (Restart=on-failure)"
+    return f"{what}. Its lines: podctl logs {name} (or systemctl --user status {unit})", again
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown"
 
 
 def _why_not_started(unit: str) -> list[str]:

@@ -1025,3 +1025,100 @@ def test_logs_of_a_pod_whose_unit_was_removed_still_read_the_journal(sd: Sd) -> 
     assert plain.returncode == 0, plain.stderr
     assert "ready on" in plain.stdout and "PODDAEMON-READY" not in plain.stdout, plain.stdout
     assert "removed" not in plain.stderr, plain.stderr
+
+
+def mute_mcp_manifest(sd: Sd, name: str, start_timeout: int = 30) -> Path:
+    """A pod held in start-up (before READY) by an MCP server that never answers `initialize`,
+    for `start_timeout` s (then it starts without it): long enough to be killed there."""
+    import json
+
+    from tests.integration.test_mcp import SERVER, server_toml
+
+    mute = [sys.executable, "-c", "import time; time.sleep(600)"]
+    extra = server_toml("mute", start_timeout=start_timeout).replace(
+        json.dumps([sys.executable, SERVER]), json.dumps(mute)
+    )
+    return sd.env.manifest(name, extra=extra)
+
+
+@pytest.mark.parametrize(
+    ("sig", "what"),
+    [
+        (9, "was killed by signal 9 (SIGKILL) before it was ready"),
+        # SIGTERM while starting: the pod stops, exit 0, and systemd's Result= is `protocol`.
+        (15, "exited without telling systemd it was ready"),
+    ],
+)
+def test_install_now_of_a_pod_killed_before_ready_says_what_happened_and_where_to_look(
+    sd: Sd, sig: int, what: str
+) -> None:
+    """The pod is killed while it starts (before READY): `install --now` printed systemctl's
+    raw "Job for … failed because a fatal signal was delivered to the control process. See
+    "systemctl --user status …" and "journalctl --user -xeu …" for details." over three lines,
+    where podctl says in one what became of the pod, what systemd does now and where to look."""
+    path = mute_mcp_manifest(sd, "doomed")
+    installing = subprocess.Popen(
+        sd.m.command(
+            [sys.executable, "-m", "cli.main", "unit", "install", str(path), "--now"], sd.podenv
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Killed once it says it is starting (its MCP server holds it there), not before.
+        wait_until(lambda: "PODDAEMON-STARTING" in sd.journal("doomed"), 20, "the STARTING line")
+        assert sd.prop("doomed", "ActiveState") == "activating"
+        pid = sd.main_pid("doomed")
+        os.kill(pid, sig)
+        _, err = installing.communicate(timeout=30)
+    finally:
+        if installing.poll() is None:
+            installing.kill()
+            installing.communicate()
+    assert installing.returncode == 1, err
+    assert err == (
+        f"podctl: poddaemon-doomed.service did not start: its pod (pid {pid}) {what}; systemd "
+        f"starts it again in 2s (Restart=on-failure). Its lines: podctl logs doomed (or "
+        f"systemctl --user status poddaemon-doomed.service)\n"
+    ), err
+    # As it says: systemd starts it again (a new pid), and its lines are where it says.
+    wait_until(lambda: sd.main_pid("doomed") not in (0, pid), 20, "the unit's next start")
+    logs = sd.podctl("logs", "doomed")
+    assert logs.returncode == 0 and "PODDAEMON-STARTING" in logs.stdout, logs.stderr
+
+
+def test_a_restart_killed_before_ready_says_what_happened_and_where_to_look(sd: Sd) -> None:
+    """`podctl restart` of a unit pod goes through the same start: a pod killed before READY
+    had it print systemctl's three raw lines too."""
+    path = mute_mcp_manifest(sd, "redoomed", start_timeout=2)  # READY after 2 s without it
+    assert sd.podctl("unit", "install", str(path), "--now").returncode == 0
+    first = sd.main_pid("redoomed")
+
+    def starting_lines() -> int:
+        return sd.journal("redoomed").count("PODDAEMON-STARTING")
+
+    assert starting_lines() == 1
+    restarting = subprocess.Popen(
+        sd.m.command([sys.executable, "-m", "cli.main", "restart", "redoomed"], sd.podenv),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: starting_lines() == 2, 20, "the restarted pod's STARTING line")
+        pid = sd.main_pid("redoomed")
+        assert pid != first
+        os.kill(pid, 9)
+        out, err = restarting.communicate(timeout=30)
+    finally:
+        if restarting.poll() is None:
+            restarting.kill()
+            restarting.communicate()
+    assert restarting.returncode == 1 and out == "", out + err
+    assert err == (
+        f"podctl: poddaemon-redoomed.service did not start: its pod (pid {pid}) was killed by "
+        f"signal 9 (SIGKILL) before it was ready; systemd starts it again in 2s "
+        f"(Restart=on-failure). Its lines: podctl logs redoomed (or systemctl --user status "
+        f"poddaemon-redoomed.service)\n"
+    ), err

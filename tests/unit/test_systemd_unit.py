@@ -276,3 +276,35 @@ def test_version() -> None:
     )
     assert out.returncode == 0
     assert out.stdout == f"podctl {__version__} (protocol 1)\n"
+
+
+def test_how_a_start_ended_before_ready_in_one_line() -> None:
+    """What `install --now` and `restart` say of a pod that ended before READY with no word of
+    its own, from the unit's properties, else from systemctl's "Job for ... failed because"."""
+    from cli.common import pod_of_unit
+
+    assert pod_of_unit("poddaemon-a_b.service") == "a_b"
+    assert pod_of_unit("poddaemon@tmpl.service") == "tmpl"
+    assert pod_of_unit("other.service") == ""
+    exited = {"Result": "exit-code", "ExecMainPID": "42", "ExecMainCode": "1",
+              "ExecMainStatus": "1", "SubState": "failed"}  # fmt: skip
+    what, again = unit._how_it_ended("poddaemon-x.service", exited, "")
+    assert not again
+    assert what == (
+        "its pod (pid 42) exited with status 1 before it was ready. Its lines: podctl logs x "
+        "(or systemctl --user status poddaemon-x.service)"
+    )
+    dumped = {**exited, "Result": "core-dump", "ExecMainCode": "3", "ExecMainStatus": "6",
+              "SubState": "auto-restart", "RestartUSec": "100ms"}  # fmt: skip
+    what, again = unit._how_it_ended("poddaemon@x.service", dumped, "")
+    assert again and what.startswith(
+        "its pod (pid 42) dumped core on signal 6 (SIGABRT) before it was ready; systemd "
+        "starts it again in 100ms (Restart=on-failure). Its lines: podctl logs x"
+    )
+    said = (
+        "systemctl --user restart poddaemon-x.service failed: Job for poddaemon-x.service "
+        'failed because a timeout was exceeded.\nSee "systemctl --user status ..."'
+    )
+    what, again = unit._how_it_ended("poddaemon-x.service", {}, said)  # systemctl could not say
+    assert not again
+    assert what.startswith("it failed before it was ready (a timeout was exceeded). Its lines")
