@@ -355,7 +355,7 @@ def _claim_and_serve(
     problem = paths.socket_path_problem(sock_path)
     if problem:
         raise StartupError(problem)
-    registry = Registry(runtime)
+    registry = Registry(runtime, sessions_dir=paths.sessions_dir())
     session_id = _session_to_restore(args, name)
     parent, spawner_entry = _spawner(args, registry)
     # The session is claimed with the name, in one locked transaction: no two pods restore it.
@@ -462,7 +462,11 @@ class Claim:
 
         # Not the full lock wait: an entry left behind is stale once this process is gone (the
         # next transaction reclaims it), and a stop should not wait on a stuck lock holder.
-        registry = Registry(self.registry.runtime_dir, lock_timeout=RELEASE_LOCK_TIMEOUT)
+        registry = Registry(
+            self.registry.runtime_dir,
+            lock_timeout=RELEASE_LOCK_TIMEOUT,
+            sessions_dir=self.registry.sessions_dir,
+        )
         try:
             registry.release(self.entry.name, self.entry.pid)
         except RegistryError as exc:

@@ -247,8 +247,17 @@ def read_mounts() -> list[Mount]:
 
 
 class Registry:
-    def __init__(self, runtime_dir: Path | str, *, lock_timeout: float = LOCK_TIMEOUT) -> None:
+    def __init__(
+        self,
+        runtime_dir: Path | str,
+        *,
+        lock_timeout: float = LOCK_TIMEOUT,
+        sessions_dir: Path | str | None = None,
+    ) -> None:
         self.runtime_dir = Path(runtime_dir)
+        # Where the pods' session logs are: given, a reclaimed pod's empty session file (made
+        # ahead of a first input that never came) goes with its entry. Readers need none.
+        self.sessions_dir = None if sessions_dir is None else Path(sessions_dir)
         self.path = self.runtime_dir / "pods.json"
         self.lock_path = self.runtime_dir / "pods.json.lock"
         self._lock_timeout = lock_timeout
@@ -347,17 +356,36 @@ class Registry:
             except BaseException:
                 if reclaimed:
                     self._write(pods)
+                    self._remove_empty_sessions(reclaimed, pods)
                 raise
             if pods != before:
                 self._write(pods)
+            self._remove_empty_sessions(reclaimed, pods)
             return result
 
-    def _reclaim(self, pods: dict[str, PodEntry]) -> bool:
+    def _reclaim(self, pods: dict[str, PodEntry]) -> list[PodEntry]:
         dead = [e for e in pods.values() if not is_alive(e)]
         for entry in dead:
             self._drop(pods, entry)
             self._remove_stale_files(entry.name)
-        return bool(dead)
+        return dead
+
+    def _remove_empty_sessions(self, dead: list[PodEntry], pods: dict[str, PodEntry]) -> None:
+        """Remove the session files the `dead` pods named that are still empty: a pod names
+        its first session's file as soon as it makes it, ahead of its first input, and one
+        killed before that input (`kill -9`, a crash loop under `Restart=on-failure`) left one
+        more empty file per life. Only now, its entry gone under the lock, is nobody writing
+        there: a live pod (`pods`) naming the same session keeps it. A file with any byte in
+        it is never removed (see `remove_if_empty`)."""
+        if self.sessions_dir is None or not dead:
+            return
+        from poddaemon.store.file import remove_if_empty
+
+        held = {p.session for p in pods.values()}
+        for entry in dead:
+            if entry.session is not None and entry.session not in held:
+                with contextlib.suppress(OSError, ValueError):  # best effort, like the socket
+                    remove_if_empty(self.sessions_dir, entry.session)
 
     def _drop(self, pods: dict[str, PodEntry], entry: PodEntry) -> None:
         """Remove `entry` and hand its delegated areas back to its parent."""

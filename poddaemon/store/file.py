@@ -65,6 +65,7 @@ __all__ = [
     "newest_session_for",
     "read_page",
     "read_session",
+    "remove_if_empty",
     "session_path",
     "session_pod",
     "session_to_resume",
@@ -203,6 +204,30 @@ class Reservation:
         """Remove the file, unless a log took it."""
         if self.fd is not None:
             _close_and_remove(self.take(), self.path)
+
+
+def remove_if_empty(sessions_dir: StrPath, session_id: str) -> bool:
+    """Remove a session's file if it is empty (0 bytes): a `Reservation` whose pod died before
+    its first input (``kill -9``, a crash loop), which nothing removed. Empty, it holds no
+    entry, so nothing acknowledged: an input is acked only once it is fsync'd after the
+    session's first line. A file with any byte in it is never removed. Call it only for a
+    session whose writer is gone (the registry, reclaiming a dead pod's entry under its lock):
+    a live pod's reservation is empty too until its first input. True if it was removed."""
+    path = session_path(sessions_dir, session_id)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False  # gone already, or no file of ours (a link, say)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != 0 or not _still_named(path, fd):
+            return False
+        path.unlink()
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 class SessionNotFound(FileNotFoundError):
