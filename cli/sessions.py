@@ -60,9 +60,17 @@ def _scan(session_id: str) -> Any:
     from poddaemon.store.file import SessionScan
 
     try:
-        return SessionScan(_sessions_dir(), session_id)
+        # An empty file is a session with no entries: one a pod made ahead of its first input
+        # and was stopped (killed) before any came. Nothing in it was ever acknowledged.
+        return SessionScan(_sessions_dir(), session_id, allow_empty=True)
     except ValueError as exc:  # not a session id: a usage error, unlike a damaged log (1)
         fail(str(exc), EXIT_USAGE)
+
+
+EMPTY_NOTE = (
+    "an empty file: a pod makes its first session's file ahead of its first input, and none "
+    "came (the pod was stopped first, or waits still); nothing in it was acknowledged"
+)
 
 
 def _entries(scan: Any) -> Iterator[dict[str, Any]]:
@@ -121,6 +129,8 @@ def sessions_show(
             sys.stderr.write(
                 f"podctl: {sid}: torn last line after byte {scan.end_offset} (not shown)\n"
             )
+        if scan.empty:
+            sys.stderr.write(f"podctl: {sid}: no entries ({EMPTY_NOTE})\n")
 
 
 def _chain(session_id: str) -> tuple[list[str], str | None]:
@@ -145,11 +155,15 @@ def sessions_verify(
 ) -> None:
     """Check a session log's hash chain.
 
-    Prints `ok: N entries, head H`, or the first bad line and exits 1.
+    Prints `ok: N entries, head H`, or the first bad line and exits 1. An empty file (a
+    session a pod made ahead of its first input, stopped before any came) is `ok: 0 entries`.
     """
     scan = _scan(session_id)
     for _ in _entries(scan):
         pass
+    if scan.empty:
+        sys.stdout.write(f"ok: 0 entries ({EMPTY_NOTE})\n")
+        return
     sys.stdout.write(f"ok: {scan.count} entries, head {scan.head[:12]}\n")
     if scan.torn:
         sys.stderr.write(

@@ -730,9 +730,21 @@ class SessionScan:
     size (``read_session`` holds all of it). Iterate it for the entries (``LogCorrupt`` naming
     the file and line for damage); then ``count``, ``head``, ``torn``, ``end_offset`` and
     ``last`` (the last complete line, its newline included) say what was read. Given `fd` (at
-    offset 0), it reads that descriptor and leaves it open."""
+    offset 0), it reads that descriptor and leaves it open.
 
-    def __init__(self, sessions_dir: StrPath, session_id: str, fd: int | None = None) -> None:
+    An empty file (0 bytes) is an error (``LogCorrupt``: the session never started), as for
+    a restore, unless `allow_empty`: then it is a session with no entries (``empty`` says so),
+    as a reader such as ``podctl sessions verify`` sees it: a pod's file made ahead of a first
+    input that never came. A file with bytes but no complete entry stays an error."""
+
+    def __init__(
+        self,
+        sessions_dir: StrPath,
+        session_id: str,
+        fd: int | None = None,
+        *,
+        allow_empty: bool = False,
+    ) -> None:
         self.path = session_path(sessions_dir, session_id)
         self.session_id = session_id
         self.count = 0
@@ -740,7 +752,9 @@ class SessionScan:
         self.torn = False
         self.end_offset = 0
         self.last = b""
+        self.empty = False  # the file was empty (only with allow_empty)
         self._fd = fd
+        self._allow_empty = allow_empty
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self._fd is None:
@@ -764,6 +778,9 @@ class SessionScan:
                 self.last = line
                 yield entry
         if self.count == 0:
+            if self._allow_empty and not self.torn:
+                self.empty = True
+                return
             _check_first(None, self.path)
 
 
