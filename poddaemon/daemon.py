@@ -582,6 +582,15 @@ def _session_to_restore(args: "argparse.Namespace", name: str) -> str | None:
             raise StartupError(f"--session: {exc}") from None
         if not path.is_file():
             raise StartupError(f"--session: no session {sid} under {sessions}")
+        with contextlib.suppress(OSError):  # (unreadable: the restore says why)
+            if path.stat().st_size == 0:
+                # A file made ahead of a first input that never came (its pod was killed
+                # first): no entry, no conversation, nothing acknowledged to continue.
+                raise StartupError(
+                    f"--session: session {sid} has no entries (an empty file a pod made "
+                    "ahead of a first input that never came): nothing to restore; start "
+                    "without --session for a new session, or with --resume"
+                )
         return sid
     if args.resume:
         from poddaemon.store.file import damaged_continuations, session_to_resume
