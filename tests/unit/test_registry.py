@@ -188,6 +188,55 @@ def test_reclaim_happens_even_when_the_change_fails(reg: Registry, runtime: Path
     assert list(raw["pods"]) == ["live"]
 
 
+def _ghost(name: str, session: str) -> PodEntry:
+    """The entry a pod killed with -9 left, naming `session`."""
+    pid, start = _dead_pid()
+    sc = scope(f"/w/{name}").to_dicts()
+    return PodEntry(
+        name=name, pid=pid, start_time=start, socket="/x", scope=sc, started_at=0, session=session
+    )
+
+
+def test_reclaiming_a_dead_pod_removes_its_empty_session_file_and_nothing_else(
+    runtime: Path,
+) -> None:
+    """A pod names its first session's file as soon as it makes it, ahead of its first input;
+    killed before that input, it left an empty file, one more per life of a crash loop. The
+    reclaim removes it: empty, it holds nothing acknowledged. A file with bytes stays, and so
+    does an empty one a live pod names (the same session: a restore asked for it)."""
+    sessions = runtime.parent / "data" / "sessions"
+    sessions.mkdir(parents=True)
+    files = {n: sessions / f"s-{n}.jsonl" for n in ("empty", "full", "shared")}
+    for path in files.values():
+        path.write_bytes(b"")
+    files["full"].write_bytes(b'{"seq":1')  # even a torn first line: bytes are kept
+    runtime.mkdir(parents=True)
+    ghosts = {n: _ghost(n, f"s-{n}") for n in files}
+    (runtime / "pods.json").write_bytes(msgspec.json.encode({"version": 1, "pods": ghosts}))
+    reg = Registry(runtime, sessions_dir=sessions)
+    holder = make_entry("holder", "/run/holder/sock", scope("/w/holder"), session="s-shared")
+    reg.register(holder)
+    assert [e.name for e in reg.live()] == ["holder"]
+    assert not files["empty"].exists()
+    assert files["full"].read_bytes() == b'{"seq":1'
+    assert files["shared"].exists()
+
+
+def test_a_registry_told_no_sessions_dir_removes_no_session_file(runtime: Path) -> None:
+    sessions = runtime.parent / "data" / "sessions"
+    sessions.mkdir(parents=True)
+    (sessions / "s-ghost.jsonl").write_bytes(b"")
+    runtime.mkdir(parents=True)
+    ghost = _ghost("ghost", "s-ghost")
+    (runtime / "pods.json").write_bytes(
+        msgspec.json.encode({"version": 1, "pods": {"ghost": ghost}})
+    )
+    reg = Registry(runtime)  # as podctl makes one, to read: it knows no sessions directory
+    reg.register(entry("other", scope("/w/other")))
+    assert reg.entry("ghost") is None  # reclaimed
+    assert (sessions / "s-ghost.jsonl").exists()
+
+
 def test_file_modes(reg: Registry, runtime: Path) -> None:
     reg.register(entry("m", scope("/w")))
     assert stat.S_IMODE((runtime / "pods.json").stat().st_mode) == 0o600

@@ -26,6 +26,7 @@ from poddaemon.store.file import (
     newest_session_for,
     read_page,
     read_session,
+    remove_if_empty,
     session_to_resume,
 )
 from poddaemon.store.log import LogCorrupt, new_session_id, verify
@@ -774,6 +775,49 @@ def test_an_empty_session_file_is_no_session(sessions: Path) -> None:
     (sessions / f"{empty}.jsonl").write_bytes(b"")
     assert [i.id for i in list_sessions(sessions)] == [older.session_id]
     assert newest_session_for(sessions, "rev") == older.session_id
+
+
+def test_remove_if_empty_removes_only_an_empty_regular_file(sessions: Path) -> None:
+    """What the registry does with a dead pod's session file: an empty one (a reservation the
+    first input never came to) goes; a file with any byte in it, even one torn line, stays."""
+    reserved = Reservation(sessions, new_session_id())
+    os.close(reserved.take())  # as a pod killed before its first input leaves it
+    assert remove_if_empty(sessions, reserved.session_id) is True
+    assert not reserved.path.exists()
+    assert remove_if_empty(sessions, reserved.session_id) is False  # gone: nothing to do
+    started = SessionLog.create(sessions, new_session_id(), START)
+    started.close()
+    torn = sessions / f"{new_session_id()}.jsonl"
+    torn.write_bytes(b'{"seq":1')  # a first line cut short: bytes, so never removed
+    target = sessions / "elsewhere"
+    target.write_bytes(b"")
+    link = sessions / f"{new_session_id()}.jsonl"
+    link.symlink_to(target)  # a link is no file a pod made: left alone
+    for path in (started.path, torn, link):
+        assert remove_if_empty(sessions, path.name.removesuffix(".jsonl")) is False
+        assert os.path.lexists(path)
+    assert target.exists()
+
+
+def test_a_reader_that_allows_it_sees_an_empty_file_as_a_session_with_no_entries(
+    sessions: Path,
+) -> None:
+    """`podctl sessions verify`/`show` read with allow_empty; a restore (SessionLog.open) never
+    takes an empty file as a session, and a first line cut short stays damage for both."""
+    sid = new_session_id()
+    sessions.mkdir(parents=True)
+    (sessions / f"{sid}.jsonl").write_bytes(b"")
+    scan = SessionScan(sessions, sid, allow_empty=True)
+    assert list(scan) == [] and scan.empty and scan.count == 0 and not scan.torn
+    with pytest.raises(LogCorrupt, match="never started"):
+        list(SessionScan(sessions, sid))
+    with pytest.raises(LogCorrupt, match="never started"):
+        SessionLog.open(sessions, sid, list)
+    (sessions / f"{sid}.jsonl").write_bytes(b'{"seq":1')
+    scan = SessionScan(sessions, sid, allow_empty=True)
+    with pytest.raises(LogCorrupt, match="never started"):
+        list(scan)
+    assert not scan.empty
 
 
 # --- staged lines: entries of one loop pass, one os.write ----------------------------------------
