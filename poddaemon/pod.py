@@ -225,6 +225,7 @@ class Pod:
         self._naming: asyncio.Task[None] | None = None
         self._after_naming: list[tuple[asyncio.Future[Any] | Pending, Any]] = []
         self._naming_failed = False  # the registry refused: replies no longer wait for it
+        self._naming_waiters: list[asyncio.Future[None]] = []  # see _named
 
     @property
     def pod_state(self) -> str:
@@ -398,6 +399,19 @@ class Pod:
         waiting, self._after_naming = self._after_naming, []
         for reply, result in waiting:
             self._answer_durable(reply, result)
+        waiters, self._naming_waiters = self._naming_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _named(self) -> None:
+        """Return once the registry names the session last handed to `_session_moved`, or
+        naming fails for now (it retries; the claim watcher stops a pod whose entry is gone)."""
+        if self._naming is None or self._naming_failed:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._naming_waiters.append(waiter)
+        await waiter
 
     def _fail(self, message: str) -> None:
         """The log cannot be written: nothing more can be acknowledged, so stop (a supervisor
@@ -676,15 +690,24 @@ class Pod:
             self.spawn_background(self.reserve_session())
 
     async def reserve_session(self) -> None:
+        if self.plog.log is not None:  # the first input came first: its session is named
+            return
+        # Named in the registry before its file is made, so the first input waits for neither
+        # (a pod asked to restore this session is refused from here on, as for any session a
+        # pod holds), and so that a pod killed before its first input leaves its empty file
+        # named by its entry: the transaction that reclaims the entry removes it. Made first,
+        # a kill before the naming left the file to nobody, one more per life of a crash loop.
+        session_id = new_session_id()
+        self._session_moved(session_id)
+        await self._named()
         try:
-            reservation = await asyncio.to_thread(self.plog.reserve)
+            reservation = await asyncio.to_thread(self.plog.reserve, session_id)
         except OSError as exc:  # the first input creates its file as it would have anyway
             log.debug("cannot make the first session's file ahead: %s", exc)
             return
         if self.plog.offer(reservation):
             log.debug("the first session's file is made: %s", reservation.path)
-            # Named in the registry now too, so the first input waits for neither: a pod asked
-            # to restore this session is refused from here on, as for any session a pod holds.
+            # (Named already, unless another reservation was named since: the kept one is.)
             self._session_moved(reservation.session_id)
         else:  # the first input came first, or the pod stops
             with contextlib.suppress(OSError):

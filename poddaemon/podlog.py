@@ -74,10 +74,11 @@ class PodLog:
         self.log, folded, warnings = SessionLog.open(self.sessions_dir, session_id, fold)
         return folded, warnings
 
-    def reserve(self) -> Reservation:
-        """Make the first session's file ahead of it (blocking: call it in a thread, while the
-        pod waits for its first input); hand it over with `offer`."""
-        return Reservation(self.sessions_dir, new_session_id())
+    def reserve(self, session_id: str) -> Reservation:
+        """Make the first session's file, `session_id`'s, ahead of it (blocking: call it in a
+        thread, while the pod waits for its first input); hand it over with `offer`. The pod
+        names the session in the registry first (see `Pod.reserve_session`)."""
+        return Reservation(self.sessions_dir, session_id)
 
     def offer(self, reservation: Reservation) -> bool:
         """Keep `reservation` for the first session; False (the caller discards it) once a

@@ -430,7 +430,7 @@ def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env
     new name's directory too) and waits for no registry update. Empty, it is no session:
     status says none, listings skip it. The first run's session is
     written there; a pod stopped before any input removes it; one killed leaves it empty, and
-    `--resume` passes over it."""
+    `--resume` passes over it (and removes it: the start reclaims the dead pod's entry)."""
     env.env["PODDAEMON_LOG_LEVEL"] = "DEBUG"
     pod = env.start("ahead")
     made = _made_ahead(pod)
@@ -459,6 +459,7 @@ def test_the_first_sessions_file_is_made_ahead_and_never_taken_for_a_session(env
     assert left.exists() and left.stat().st_size == 0
     again = env.restart(killed, "--resume")
     assert again.call("status")["session_id"] is None
+    assert not left.exists()  # empty: nothing acknowledged was in it
     again.call("run", input="after the kill", wait=True)
     sid = again.call("status")["session_id"]
     assert sid and sid != left.stem
