@@ -173,6 +173,16 @@ def print_json(value: Any) -> None:
     sys.stdout.write(json_text(json.dumps(value, indent=2, ensure_ascii=False)) + "\n")
 
 
+# What the one-line refusal of a message too large for any pod adds (podctl cannot know the
+# pod's own limit without asking it: a pod refuses one over it with -32602, naming it).
+DEFAULT_MAX_INPUT_KIB = 256  # worker.max_input_bytes's default (test_cli_common checks)
+TOO_LARGE_ADVICE = (
+    f"a pod takes at most its worker.max_input_bytes of input in one message "
+    f"({DEFAULT_MAX_INPUT_KIB} KiB unless its manifest says more): save it in a file the pod can "
+    "read and send its path"
+)
+
+
 def read_message(message: str) -> str:
     """MESSAGE as given, or stdin for `-` (without its trailing newlines). Empty, or not UTF-8
     (the wire is UTF-8 JSON, and the pod gets nothing altered): a usage error."""
@@ -184,8 +194,8 @@ def read_message(message: str) -> str:
         raw = sys.stdin.buffer.read(limit + 1)
         if len(raw) > limit:
             fail(
-                f"stdin holds more than {limit >> 20} MiB, more than a pod takes in one "
-                "message; save it in a file the pod can read and send its path",
+                f"stdin holds more than {limit >> 20} MiB, more than one request to a pod "
+                f"carries; {TOO_LARGE_ADVICE}",
                 EXIT_USAGE,
             )
         try:
@@ -226,12 +236,17 @@ UNANSWERED_INPUT = "; it may still take what was sent once it runs again"
 def rpc_errors(target: str, timeout: float | None = None, unanswered: str = "") -> Iterator[None]:
     """Map the client's exceptions to podctl's one-line messages and exit codes (`unanswered`:
     added to the message of a pod that did not answer in time)."""
-    from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+    from protocol.errors import ConnectionClosed, FrameTooLarge, PodNotRunning, RpcError
 
     try:
         yield
     except PodNotRunning as exc:
         not_running(exc)
+    except FrameTooLarge as exc:
+        # Refused before a byte was sent: the caller's input is larger than any request a pod
+        # reads (a message of 8 MiB or a little less, or one its JSON escapes make so). A usage
+        # error, as the same message on stdin over 8 MiB is (2), not a pod's error (1).
+        fail(f"{exc.message}; {TOO_LARGE_ADVICE}", EXIT_USAGE)
     except RpcError as exc:
         fail(f"{exc.message} ({exc.code})")
     except ConnectionClosed:
