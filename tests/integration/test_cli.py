@@ -243,8 +243,10 @@ def test_a_message_on_stdin_larger_than_any_frame_is_refused_unread(
     proc = podctl(home, command, "ghost", "-", stdin="x" * ((8 << 20) + 1))
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == (
-        "podctl: stdin holds more than 8 MiB, more than a pod takes in one message; "
-        "save it in a file the pod can read and send its path\n"
+        "podctl: stdin holds more than 8 MiB, more than one request to a pod carries; "
+        "a pod takes at most its worker.max_input_bytes of input in one message "
+        "(256 KiB unless its manifest says more): save it in a file the pod can read and send "
+        "its path\n"
     )
 
 

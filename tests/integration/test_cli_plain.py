@@ -175,6 +175,34 @@ def test_plain_and_typer_send_alike(env: Env) -> None:
     assert json.loads(said[6][1]) == {"run_id": "<id>", "state": "started"}
 
 
+def test_a_message_too_large_for_a_request_is_a_usage_error_both_ways(env: Env) -> None:
+    """A message on stdin of exactly 8 MiB (or a little less, or one JSON escapes make larger)
+    passed podctl's stdin check, and the client then refused its request before sending it:
+    exit 1, as if the pod had failed, where one byte more exited 2. Now 2 for all, plain and
+    through typer alike, and the pod is sent nothing. (Over its worker.max_input_bytes but
+    within a request, the pod's own refusal stays an error: 1.)"""
+    big = ("--set", f"worker.max_input_bytes={8 << 20}")
+    pod = env.start("pod", *big, write=[str(env.work / "pod")])
+    frame = 8 << 20
+    sizes = {"a frame": "x" * frame, "under a frame": "x" * (frame - 10)}
+    sizes["escaped"] = "\x01" * (2 << 20)  # 2 MiB, 12 MiB as JSON (\u0001)
+    for command in ("notify", "send"):
+        for what, text in sizes.items():
+            plain, typer = both_ways(env, command, "pod", "-", input=text)
+            assert plain == typer, (command, what)
+            code, out, err = plain
+            assert (code, out) == (2, ""), (command, what, err)
+            assert err.startswith("podctl: request of ") and "nothing was sent; " in err
+            assert "worker.max_input_bytes" in err and err.count("\n") == 1
+        plain, typer = both_ways(env, command, "pod", "-", input="x" * (frame + 1))
+        assert plain == typer and plain[0] == 2 and "more than 8 MiB" in plain[2]
+    assert pod.call("status")["session_id"] is None  # no input ever reached it
+    small = env.start("small", write=[str(env.work / "small")])  # 256 KiB, the default
+    plain, typer = both_ways(env, "notify", "small", "-", input="x" * 300_000)
+    assert plain == typer and plain[0] == 1 and "over worker.max_input_bytes (262,144)" in plain[2]
+    assert small.call("status")["session_id"] is None
+
+
 def test_plain_and_typer_spawn_alike(env: Env) -> None:
     manifest = str(env.manifest("sp"))
     cases = [

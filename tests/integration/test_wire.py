@@ -324,7 +324,7 @@ def test_podctl_send_of_10mb_from_stdin_fails_fast_with_one_line(env: Env) -> No
     assert time.monotonic() - started < 30
     assert proc.returncode == 2, proc.stderr  # a usage error: no pod takes such a message
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "more than a pod takes in one message" in lines[0], proc.stderr
+    assert len(lines) == 1 and "more than one request to a pod carries" in lines[0], proc.stderr
 
 
 def test_a_lone_surrogate_is_a_parse_error_that_says_so(env: Env) -> None:
