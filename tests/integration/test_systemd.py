@@ -467,6 +467,36 @@ def test_kill9_restarts_and_resumes_every_acknowledged_input(sd: Sd) -> None:
     assert note.notification_id
 
 
+def _made_ahead(sd: Sd, name: str, other_than: str = "") -> str | None:
+    """The session `name`'s pod named in the registry and made the file of, still empty, ahead
+    of its first input (a session other than `other_than`: an earlier life's)."""
+    from poddaemon.registry import Registry
+
+    entry = Registry(sd.env.home / "run").get(name)
+    sid = entry.session if entry is not None else None
+    path = sd.env.home / "data" / "sessions" / f"{sid}.jsonl"
+    if sid is None or sid == other_than or not path.is_file() or path.stat().st_size:
+        return None
+    return sid
+
+
+def test_a_crash_loop_before_any_input_leaves_no_pile_of_empty_session_files(sd: Sd) -> None:
+    """Killed (-9) before any input, over and over, and restarted by Restart=on-failure with
+    --resume: each life made its first session's file ahead, empty, and left it behind, one
+    more per restart. Each start now reclaims the last life's entry and removes its file."""
+    sd.install("loopy")
+    sessions = sd.env.home / "data" / "sessions"
+    held: str = wait_until(lambda: _made_ahead(sd, "loopy"), what="the file made ahead")
+    for restarts in range(1, 4):
+        os.kill(sd.main_pid("loopy"), 9)
+        sd.wait_prop("loopy", "NRestarts", str(restarts))
+        sd.wait_prop("loopy", "ActiveState", "active")
+        held = wait_until(lambda e=held: _made_ahead(sd, "loopy", e), what="the next one")
+        assert {p.stem: p.stat().st_size for p in sessions.glob("*.jsonl")} == {held: 0}
+    listed = sd.podctl("sessions", "list")
+    assert (listed.returncode, listed.stdout) == (0, "")
+
+
 def test_wedged_loop_is_killed_by_the_watchdog_and_resumed(sd: Sd) -> None:
     wedge = sd.env.home / "wedge"
     sd.write_env(FAKE_API_KEY="test-key", PODDAEMON_TEST_WEDGE_FILE=str(wedge))
