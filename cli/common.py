@@ -333,7 +333,8 @@ def through_restart(target: str, timeout: float | None, attempt: Callable[[], T]
                 raise
 
 
-UNIT_PREFIX = "poddaemon-"
+UNIT_PREFIX = "poddaemon-"  # `podctl unit install`'s units
+TEMPLATE_PREFIX = "poddaemon@"  # instances of systemd/poddaemon@.service
 
 
 def unit_name(pod: str) -> str:
@@ -343,13 +344,13 @@ def unit_name(pod: str) -> str:
 
 def template_unit_name(pod: str) -> str:
     """The instance of the template unit shipped in systemd/poddaemon@.service."""
-    return f"poddaemon@{pod}.service"
+    return f"{TEMPLATE_PREFIX}{pod}.service"
 
 
 def pod_of_unit(unit: str) -> str:
     """The pod a unit of either name runs (`poddaemon-NAME.service`, `poddaemon@NAME.service`);
     "" for any other unit."""
-    for prefix in (UNIT_PREFIX, "poddaemon@"):
+    for prefix in (UNIT_PREFIX, TEMPLATE_PREFIX):
         if unit.startswith(prefix) and unit.endswith(".service"):
             return unit[len(prefix) : -len(".service")]
     return ""
