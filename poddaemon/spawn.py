@@ -82,6 +82,23 @@ def reports_left(pod: "Pod", name: str) -> list[OutboxItem]:
         return []
 
 
+def _kept_grant(name: str) -> int | None:
+    """The budget a live child our log does not know holds, from its kept configuration
+    (`<data>/pods/<name>.toml`: spawn_pod writes the grant there as its cap). Such a child was
+    starting when we crashed, before `child_started` was committed; taken back with no grant,
+    it was charged nothing while it could spend all of it, and its grant was granted again."""
+    import tomllib
+
+    try:
+        with open(paths.data_dir() / "pods" / f"{name}.toml", "rb") as f:
+            budget = tomllib.load(f).get("budget")
+    except (OSError, ValueError) as exc:
+        log.warning("cannot read the budget of child pod %r: %s", name, exc)
+        return None
+    cap = budget.get("max_total_tokens") if isinstance(budget, dict) else None
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) else None
+
+
 def _path_arg(path: str, what: str) -> str:
     """`path` as given, or a ToolError: a NUL byte (no path has one) was an "internal error"."""
     if "\0" in path:
@@ -180,7 +197,8 @@ class Children:
         for name, entry in mine.items():
             record = pod.state.children.get(name)
             if record is None or not record.live:
-                pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope, True))
+                grant = _kept_grant(name) if record is None else None
+                pod.feed(pod.machine.child_started(name, entry.socket, grant, entry.scope, True))
             self._watch(_Live(name, entry.pid, entry.socket))
             self._taken_back.add(name)
         for name, record in list(pod.state.children.items()):
@@ -245,7 +263,8 @@ class Children:
             return
         if not self._within_our_scope(entry):
             return
-        pod.feed(pod.machine.child_started(name, entry.socket, None, entry.scope, True))
+        grant = _kept_grant(name) if name not in pod.state.children else None
+        pod.feed(pod.machine.child_started(name, entry.socket, grant, entry.scope, True))
         self._watch(_Live(name, entry.pid, entry.socket))
         self._taken_back.add(name)
         self._refresh_scope()

@@ -654,7 +654,7 @@ def test_kill9_parent_stops_the_tree(tree: Env) -> None:
     assert Registry(tree.home / "run").live() == []
 
 
-def kill_spawner_mid_child_start(env: Env, extra: str = "") -> PodProcess:
+def kill_spawner_mid_child_start(env: Env, extra: str = "", **call: Any) -> PodProcess:
     """A parent whose child s1 is still starting (a SessionStart hook holds the child's
     start-up, its pwd work/s1, until a gate file appears; the parent's does not), kill -9ed
     then; the child is let go on. The dead parent's process object is returned."""
@@ -669,7 +669,7 @@ def kill_spawner_mid_child_start(env: Env, extra: str = "") -> PodProcess:
         "echo '{}'\n"
     )
     hook.chmod(0o755)
-    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
+    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")], **call)]})
     parent = start_parent(env, extra=f'[[hooks.SessionStart]]\ncommand = "{hook}"\n{extra}')
     with parent.client() as c:
         c.run("go")
@@ -699,6 +699,29 @@ def test_a_spawner_killed_mid_spawn_leaves_no_childs_manifest_once_restored(tree
     wait_until(lambda: not _stray(env), 20, "the child to stop with its spawner")
     env.restart(parent, "--resume")
     assert not list((env.home / "data" / "pods").glob(".spawn-*"))
+
+
+def test_a_child_taken_back_after_a_kill9_mid_spawn_keeps_its_grant_charged(tree: Env) -> None:
+    """A spawner kill -9ed while its detached child (budget_tokens = 80,000 of its 100,000)
+    was starting: the child came up holding its grant, and the restored spawner took it back
+    with none (its log never got to say `child_started`). It charged the child nothing and
+    granted the same 80,000 again: a tree capped at 100,000 could spend 160,000."""
+    env = tree
+    extra = '[spawn]\non_parent_exit = "detach"\n[budget]\nmax_total_tokens = 100000\n'
+    parent = kill_spawner_mid_child_start(env, extra=extra, budget_tokens=80000)
+    registry = Registry(env.home / "run")
+    wait_until(lambda: registry.get("s1"), 20, "the child's entry")
+    (env.work / "s2").mkdir()
+    quiet_children(env, "s2")
+    again_call = spawn_call("s2", "work", [str(env.work / "s2")], budget_tokens=80000)
+    env.model.script({"text": "restored"}, {"tool_calls": [again_call]}, {"text": "done"})
+    again = env.restart(parent, "--resume")
+    drained(again)
+    budget = again.call("status")["budget"]
+    assert budget["left"] <= 100000 - 80000, budget
+    assert run_and_wait(again, "spawn another")["outcome"] == "finished"
+    refused = tool_results(again)[-1]
+    assert refused["is_error"] and "cannot grant budget_tokens = 80000" in refused["output"]
 
 
 def test_stop_pod_of_a_child_that_never_got_its_task_reports_no_error(tree: Env) -> None:
