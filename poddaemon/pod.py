@@ -69,7 +69,7 @@ from poddaemon.tools.base import (
     printable_utf8,
 )
 from poddaemon.toolset import Toolset
-from poddaemon.turn import CANCELLED_WHILE_RUNNING, NOT_RUN_CANCELLED
+from poddaemon.turn import CANCELLED_WHILE_RUNNING, HOOKS_CUT_SHORT, NOT_RUN_CANCELLED
 from protocol import errors
 from protocol.errors import RpcError
 
@@ -564,22 +564,27 @@ class Pod:
 
     async def _run_tool(self, effect: RunTool) -> None:
         call = effect.call
+        ran: ToolOutcome | None = None  # the tool's own outcome, once it has returned
         try:
             self.children.before_tool()  # a child restarted just now holds its area again
             denied = await self.chain.before_tool(effect.run_id, call)
             if denied is not None:
                 outcome = ToolOutcome(output=denied.reason, is_error=True, summary="denied")
             else:
-                outcome = await execute(
+                outcome = ran = await execute(
                     call.name, call.arguments, self.tool_ctx, self.s.tools.tools
                 )
                 outcome = await self.chain.after_tool(effect.run_id, call, outcome)
         except asyncio.CancelledError:  # an `Interrupt` (cancel, shutdown) of this call
             if self.machine.in_flight != "tool":
                 raise
-            outcome = ToolOutcome(
-                output=CANCELLED_WHILE_RUNNING, is_error=True, summary="cancelled"
-            )
+            if ran is not None:  # cut short in its PostToolUse hooks: the tool itself finished
+                outcome = ran
+                outcome.output += f"\n{HOOKS_CUT_SHORT}"
+            else:
+                outcome = ToolOutcome(
+                    output=CANCELLED_WHILE_RUNNING, is_error=True, summary="cancelled"
+                )
         except Exception as exc:
             log.exception("tool %s failed", call.name)
             outcome = ToolOutcome(output=f"internal error: {exc}", is_error=True)

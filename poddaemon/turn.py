@@ -34,6 +34,11 @@ CANCELLED_WHILE_RUNNING = (
     "and every process it started were killed. It did not finish: check its effects before "
     "running it again."
 )
+# A call whose tool had returned when a cancel or shutdown cut its PostToolUse hooks short.
+HOOKS_CUT_SHORT = (
+    "[PostToolUse hook] not run to the end: the run was cancelled (or the pod shut down) "
+    "after this call had finished"
+)
 # What a restored session says of a call a crash cut off, by what the call was doing.
 INTERRUPTED = (
     "interrupted: the pod stopped while this call ran. It did not finish: check its effects "

@@ -634,8 +634,8 @@ if not marker.exists():
 """
 
 
-def hook_gone(env: Env) -> bool:
-    found = subprocess.run(["pgrep", "-f", str(env.work / "slow_stop.py")], check=False)
+def hook_gone(env: Env, name: str = "slow_stop.py") -> bool:
+    found = subprocess.run(["pgrep", "-f", str(env.work / name)], check=False)
     return found.returncode == 1
 
 
@@ -686,6 +686,39 @@ def test_cancel_during_a_stop_hook_kills_it_and_ends_the_run_cancelled(env: Env)
     ]
     wait_until(lambda: hook_gone(env), timeout=5, what="the Stop hook to be killed")
     assert pod.stop() == 0
+
+
+@pytest.mark.parametrize("how", ["cancel", "stop"])
+def test_a_call_whose_posttooluse_hook_is_cut_short_keeps_what_the_tool_did(
+    env: Env, how: str
+) -> None:
+    """The command had finished (its output in hand) when a cancel or a shutdown cut its slow
+    PostToolUse hook short: its result told the model "It did not finish: check its effects
+    before running it again" and dropped the output, so a model would run an append twice."""
+    marker = env.work / "post-hook-started"
+    hook = script(env, "slow_post.py", SLOW_STOP.format(marker=str(marker)))
+    command = "echo line >> appended.txt; echo appended-once"
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]},
+        {"text": "after"},
+    )
+    extra = hooks_toml("PostToolUse", hook, matcher="bash", timeout=3600)
+    pod = env.start("cutpost", tools=["bash"], extra=extra)
+    with pod.client() as c:
+        c.run("append a line")
+    wait_until(marker.exists, what="the PostToolUse hook to run")
+    assert (env.work / "appended.txt").read_text() == "line\n"
+    if how == "cancel":
+        assert pod.call("cancel")["cancelled"]
+        wait_until(lambda: tool_results(pod), what="the call's result")
+        (result,) = tool_results(pod)
+    else:
+        assert pod.stop() == 0
+        again = env.restart(pod, "--resume")
+        (result,) = tool_results(again)
+    assert "appended-once" in result["output"], result
+    assert "did not finish" not in result["output"], result
+    wait_until(lambda: hook_gone(env, "slow_post.py"), what="the PostToolUse hook to be killed")
 
 
 DEEP_JSON = 'import sys; sys.stdout.write("{\\"a\\": " + "[" * 200000)\n'
