@@ -247,6 +247,36 @@ class ToolContext(msgspec.Struct):
             raise
         return fd
 
+    def open_plain(self, given: str, want: Access, flags: int) -> tuple[int, str] | None:
+        """The model's path opened at once, and its resolved path, when it is plain: no `..`
+        in it and no symlink on the way (the open follows none), so it is its own resolution,
+        and the check of what was opened (as `open_checked` makes it) is the whole check.
+        That spares `check`'s walk, an lstat per component of a path the open walks anyway.
+        None for anything else (a symlink, `..`, a path that does not open, is out of scope or
+        was moved meanwhile): the caller takes the long way, `check` then `open_checked`,
+        whose errors say what is wrong. Not for O_CREAT, nor for what may be a FIFO or a
+        device: opening those acts on them before they can be looked at."""
+        if "\0" in given or ".." in given.split("/"):
+            return None
+        path = os.path.normpath(os.path.join(self.pwd, given))
+        try:
+            fd = open_resolved(path, flags)
+        except OSError:
+            return None
+        try:
+            # The kernel's name for it is the path itself, unless a rename moved it meanwhile.
+            if opened_path(fd) == path and self.scope.access(path) >= want:
+                if self._note_denies():
+                    self.denied.check(fd, "", path, want)
+                return fd, path
+        except ScopeDenied:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        return None
+
     def check_opened(self, fd: int, want: Access, name: str = "") -> None:
         """ScopeDenied unless the object behind `fd` (or its entry `name`, for a directory fd)
         is, where it is now, within scope."""

@@ -32,6 +32,7 @@ DEFAULT_READ_LIMIT = 2000
 MAX_LINE_CHARS = 2000
 EDIT_MAX_BYTES = 32 << 20  # edit_file holds a file ~5 times over (bytes, text, edited, encoded)
 MAX_LIST_ENTRIES = 1000  # names list_dir shows; it says how many more there are
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY
 MAX_LINE_BYTES = 4 * MAX_LINE_CHARS + 1  # enough for MAX_LINE_CHARS of any UTF-8, and one more
 # A file no bigger than this is read a whole line at a time (no line of it can cost more), at
 # the speed of the file's own line iterator; a bigger one through `bounded_lines`.
@@ -529,11 +530,14 @@ class ListDir:
     parameters = schema({}, {"path": ("string", "directory (default .)")})
 
     async def run(self, ctx: ToolContext, args: dict[str, Any]) -> ToolOutcome:
-        path = ctx.check(args.get("path", "."), Access.READ)
+        given = args.get("path", ".")
+        # A directory is opened at no cost to anyone (O_DIRECTORY: never a FIFO or a device).
+        opened = ctx.open_plain(given, Access.READ, _DIR_FLAGS)
+        fd, path = opened or (None, ctx.check(given, Access.READ))
         shown = ctx.display(path)
         # Most directories are small: read at once (a thread hand-off would triple the cost).
         # A big one is read again in a thread, where millions of entries stall nobody.
-        listed = _list(ctx, path, Stop(), most=MAX_LIST_ENTRIES)
+        listed = _list(ctx, path, Stop(), most=MAX_LIST_ENTRIES, fd=fd)
         listed = listed or await in_thread(_list, ctx, path)
         assert listed is not None  # (with no `most`, always a listing)
         names, total = listed
@@ -548,12 +552,13 @@ class ListDir:
 
 
 def _list(
-    ctx: ToolContext, path: str, stop: Stop, most: int | None = None
+    ctx: ToolContext, path: str, stop: Stop, most: int | None = None, fd: int | None = None
 ) -> tuple[list[str], int] | None:
     """The first MAX_LIST_ENTRIES names in sort order (a directory's end in /) and how many
     there are, holding that many names at most however big the directory; None when there are
-    more than `most`."""
-    fd = ctx.open_checked(path, Access.READ, os.O_RDONLY | os.O_DIRECTORY)
+    more than `most`. `fd`: the directory, opened and checked already (closed here)."""
+    if fd is None:
+        fd = ctx.open_checked(path, Access.READ, _DIR_FLAGS)
     try:
         with os.scandir(fd) as it:
             if most is None:

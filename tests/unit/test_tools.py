@@ -572,6 +572,100 @@ async def test_list_dir_reads_a_big_directory_off_the_event_loop(
     assert threads[0] is threading.main_thread() and threads[-1] is not threads[0]
 
 
+class CountingScope:
+    """A scope that counts `check`, the walk that resolves a path (an lstat per component)."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+        self.checks = 0
+        self.deny = scope.deny
+
+    def check(self, path: str, want: Access, cwd: str) -> str:
+        self.checks += 1
+        return self.scope.check(path, want, cwd)
+
+    def access(self, path: str) -> Access:
+        return self.scope.access(path)
+
+
+@pytest.mark.parametrize("opener", ["openat2", "walk"])
+async def test_list_dir_of_a_plain_path_is_judged_by_what_it_opened_without_a_walk_first(
+    root: Path, outside: Path, opener: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if opener == "walk":  # as on kernels without openat2 (< 5.6) or under seccomp
+        from poddaemon.tools import fsopen
+
+        monkeypatch.setattr(fsopen._openat2(), "works", False)
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / "src" / "pkg" / "m.py").write_text("")
+    (root / "inner").symlink_to(root / "src")
+    (root / "door").symlink_to(outside)
+    scope = CountingScope(
+        Scope.from_config([(str(root), "write", True)], [(str(root / "src"), "write", True)])
+    )  # (a deny of writing: src may still be read)
+    ctx = ToolContext(scope=scope, pwd=str(root))
+    for path in ["src", "src/", "./src", str(root / "src"), "src/pkg", ""]:
+        out = await call(ctx, "list_dir", path=path)
+        want = {"src/pkg": "m.py", "": "door\ninner\nsrc/"}.get(path, "pkg/")
+        assert not out.is_error and out.output == want, (path, out.output)
+    assert scope.checks == 0
+    # A symlink on the way or `..` in it: resolved first (`check`), as before.
+    assert (await call(ctx, "list_dir", path="inner")).output == "pkg/"
+    assert (await call(ctx, "list_dir", path="src/pkg/..")).output == "pkg/"
+    assert scope.checks == 2
+    for path in ["door", "door/", "..", str(outside), "/etc", "src/../door"]:
+        out = await call(ctx, "list_dir", path=path)
+        assert out.is_error and out.output.startswith("outside scope:"), (path, out.output)
+        assert "secret.txt" not in out.output
+    # What the long way says of a path that does not open, as before.
+    out = await call(ctx, "list_dir", path="nope")
+    assert out.is_error and "nope" in out.output
+
+
+async def test_list_dir_refuses_a_plain_path_under_a_deny_rule_or_in_poddaemons_own_dirs(
+    root: Path,
+) -> None:
+    (root / "secrets").mkdir()
+    (root / "secrets" / "key.pem").write_text("")
+    (root / "own").mkdir()
+    (root / "own" / "pods.json").write_text("")
+    scope = Scope.from_config([(str(root), "write", True)], [(str(root / "secrets"), "read", True)])
+    ctx = ToolContext(
+        scope=msgspec.structs.replace(scope, private=(str(root / "own"),)), pwd=str(root)
+    )
+    for path in ["secrets", "own"]:
+        out = await call(ctx, "list_dir", path=path)
+        assert out.is_error and out.output.startswith("outside scope:"), out.output
+        assert "key.pem" not in out.output and "pods.json" not in out.output
+
+
+async def test_list_dir_of_a_plain_path_moved_away_as_it_is_opened_is_judged_again(
+    root: Path, outside: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`d` is swapped for a link to outside right after the open, before what was opened is
+    named: the opened directory is no longer at `d`, so the path is resolved anew (the link:
+    outside the scope), never listed as `d`."""
+    from poddaemon.tools import base
+
+    (root / "d").mkdir()
+    (outside / "d-was-here").mkdir()
+    (root / "link").symlink_to(outside)
+    racer = SwapAfterCheck(
+        Scope.from_config([(str(root), "write", True)]), root / "d", root / "link"
+    )
+    real = base.opened_path
+
+    def swap_then_name(fd: int) -> str:
+        monkeypatch.setattr(base, "opened_path", real)
+        racer.swap()
+        return real(fd)
+
+    monkeypatch.setattr(base, "opened_path", swap_then_name)
+    out = await call(ToolContext(scope=racer.scope, pwd=str(root)), "list_dir", path="d")
+    assert out.is_error and out.output.startswith(f"outside scope: {outside}"), out.output
+    assert "d-was-here" not in out.output and "secret.txt" not in out.output
+
+
 # --- glob --------------------------------------------------------------------------------------
 
 
