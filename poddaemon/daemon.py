@@ -358,6 +358,8 @@ def _claim_and_serve(
     registry = Registry(runtime, sessions_dir=paths.sessions_dir())
     session_id = _session_to_restore(args, name)
     parent, spawner_entry = _spawner(args, registry)
+    if parent is not None and spawner_entry is None:
+        _refuse_orphan_start(args, manifest, parent)
     # The session is claimed with the name, in one locked transaction: no two pods restore it.
     entry = make_entry(name, str(sock_path), scope, parent=parent, session=session_id)
     try:
@@ -523,6 +525,33 @@ def _spawner(args: "argparse.Namespace", registry: Any) -> tuple[str | None, Any
     if paths.POD_NAME_RE.match(name) and os.path.abspath(paths.socket_path(name)) == callback:
         return str(name), None
     return None, None
+
+
+def _refuse_orphan_start(args: "argparse.Namespace", manifest: "Manifest", parent: str) -> None:
+    """A child its spawner's spawn_pod started (`--adopt --callback` without `--resume` or
+    `--session`: `podctl restart` of a child always resumes) whose spawner is gone by the time
+    the child looks for it: the spawner died (kill -9, a crash) while the child started up. With
+    on_parent_exit = "stop" the child stops with its spawner, so it does not start: taking the
+    spawner for one a `podctl restart` of the child found down, it waited for it to come back,
+    and ran on for good, holding its area, with no task and nobody to report to. A spawner that
+    lives but is missing from pods.json (removed: it registers again) still takes connections
+    on its socket: the child then starts, and follows it once it is back."""
+    if args.resume or args.session or manifest.spawn.on_parent_exit != "stop":
+        return
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(os.path.abspath(args.callback))
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTDIR):
+                return  # (its backlog full, say): not proof that it went
+    raise StartupError(
+        f"its spawner {parent!r} is not running (it went while this child started up); "
+        'with spawn.on_parent_exit = "stop" the child does not start without it'
+    )
 
 
 def _hook_scripts(manifest: Any) -> list[str]:

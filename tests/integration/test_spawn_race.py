@@ -1,0 +1,53 @@
+"""Spawn trees under races (SPEC §4, §9): spawners that go while their children start up."""
+
+import os
+import threading
+from pathlib import Path
+
+from poddaemon.registry import Registry
+from tests.conftest import Env, wait_until
+from tests.integration.test_spawn import _stray, quiet_children, spawn_call, start_parent, tree
+
+__all__ = ["tree"]  # the fixture, imported for the tests here
+
+
+def _feed_fifo(fifo: Path, text: str = "\n") -> threading.Thread:
+    """Write `text` to `fifo` once a reader opens it (in a thread: opening waits for one)."""
+
+    def feed() -> None:
+        with open(fifo, "w") as f:
+            f.write(text)
+
+    thread = threading.Thread(target=feed, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_child_whose_spawner_died_before_the_child_looked_for_it_stops(tree: Env) -> None:
+    """on_parent_exit = "stop": a spawner kill -9ed before its child, still starting, looked
+    for it in the registry (here: the child reads a defaults.toml that is a pipe, and is let
+    go on only after its spawner died). The child took its spawner for one gone before a
+    `podctl restart` of the child, waited for it to come back, and ran on for good, holding
+    its delegated area, with nobody to report to, nobody to stop it with its spawner."""
+    env = tree
+    (env.work / "s1").mkdir()
+    quiet_children(env, "s1")
+    config = env.home / "config"
+    config.mkdir(mode=0o700)
+    fifo = config / "defaults.toml"
+    os.mkfifo(fifo, 0o600)
+    fed = _feed_fifo(fifo)  # the spawner's own read of it
+    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
+    parent = start_parent(env)
+    fed.join(10)
+    with parent.client() as c:
+        c.run("go")
+    # The child is started and waits on the pipe, before it has looked for its spawner.
+    wait_until(lambda: len(_stray(env)) == 2, 20, "the child process")
+    assert Registry(env.home / "run").get("s1") is None
+    parent.kill9()
+    fed = _feed_fifo(fifo)  # the child goes on, its spawner dead
+    fed.join(20)
+    wait_until(lambda: not _stray(env), 20, "the child to stop with its dead spawner")
+    assert Registry(env.home / "run").live() == []
+
