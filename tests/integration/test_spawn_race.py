@@ -51,3 +51,27 @@ def test_a_child_whose_spawner_died_before_the_child_looked_for_it_stops(tree: E
     wait_until(lambda: not _stray(env), 20, "the child to stop with its dead spawner")
     assert Registry(env.home / "run").live() == []
 
+
+def test_a_spawner_stopped_while_its_child_starts_leaves_no_child(tree: Env) -> None:
+    """`podctl stop` of a spawner whose spawn_pod waits for a child still starting (held on
+    a defaults.toml that is a pipe): the spawner stops (exit 0), and the child with it."""
+    env = tree
+    (env.work / "s1").mkdir()
+    quiet_children(env, "s1")
+    config = env.home / "config"
+    config.mkdir(mode=0o700)
+    fifo = config / "defaults.toml"
+    os.mkfifo(fifo, 0o600)
+    fed = _feed_fifo(fifo)
+    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
+    parent = start_parent(env)
+    fed.join(10)
+    with parent.client() as c:
+        c.run("go")
+    wait_until(lambda: len(_stray(env)) == 2, 20, "the child process")
+    stop = env.podctl_popen("stop", "parent")
+    _, err = stop.communicate(timeout=60)
+    assert stop.returncode == 0, err
+    assert parent.proc.wait(20) == 0
+    wait_until(lambda: not _stray(env), 20, "the child to be gone")
+    assert Registry(env.home / "run").live() == []
