@@ -88,6 +88,10 @@ class RegistryConflict(RegistryError):
     """A live pod already holds the name or an overlapping write claim."""
 
 
+class _LockLost(Exception):
+    """The lock file was removed or replaced while this transaction held it: nothing written."""
+
+
 def _read_regular(path: Path, limit: int) -> bytes:
     """A regular file's bytes, up to `limit`. Anything else there is an OSError at once: a FIFO
     in the registry's place blocked every pod's loop in open(), a link to /dev/zero filled its
@@ -346,7 +350,21 @@ class Registry:
         """Run `change` on the reclaimed pods under the lock and persist the result.
 
         `change` must check before it mutates: if it raises, only the reclaim is written.
+        Run again, on what is there then, when the lock file was removed or replaced while
+        we held it (see `_holds_lock_file`).
         """
+        deadline = time.monotonic() + self._lock_timeout
+        while True:
+            try:
+                return self._transact_once(change)
+            except _LockLost:
+                if time.monotonic() >= deadline:
+                    raise RegistryError(
+                        f"the registry lock {self.lock_path} was removed or replaced during "
+                        f"every transaction for {self._lock_timeout:g}s; leave it in place"
+                    ) from None
+
+    def _transact_once(self, change: Callable[[dict[str, PodEntry]], _T]) -> _T:
         with self._locked():
             pods = self._read()
             before = dict(pods)
@@ -355,13 +373,32 @@ class Registry:
                 result = change(pods)
             except BaseException:
                 if reclaimed:
-                    self._write(pods)
-                    self._remove_empty_sessions(reclaimed, pods)
+                    with contextlib.suppress(_LockLost):  # the next transaction reclaims
+                        self._write(pods)
+                        self._remove_empty_sessions(reclaimed, pods)
                 raise
             if pods != before:
                 self._write(pods)
             self._remove_empty_sessions(reclaimed, pods)
             return result
+
+    def _holds_lock_file(self) -> bool:
+        """The file we hold locked is still the one at the lock's path. Removed (or replaced)
+        under a holder, the lock let the next transaction lock a new file and run at once: both
+        decided on the same pods.json, and the later write lost the other's claim (two pods
+        told yes for overlapping write scopes). True when it cannot be told (filelock keeps
+        the descriptor in `_context.lock_file_fd`, from 3.13 on)."""
+        fd = getattr(getattr(self._lock, "_context", None), "lock_file_fd", None)
+        if not isinstance(fd, int):
+            return True
+        try:
+            held = os.fstat(fd)
+            named = os.stat(self.lock_path, follow_symlinks=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:
+            return True  # cannot look: not proof of anything
+        return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
 
     def _reclaim(self, pods: dict[str, PodEntry]) -> list[PodEntry]:
         dead = [e for e in pods.values() if not is_alive(e)]
@@ -421,6 +458,8 @@ class Registry:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
+            if not self._holds_lock_file():  # (looked at last: the fsync takes milliseconds)
+                raise _LockLost
             os.replace(tmp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):

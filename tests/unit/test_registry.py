@@ -496,3 +496,33 @@ def test_the_files_of_a_dead_pod_hold_nobody_off(reg: Registry, runtime: Path) -
     _pod_files(runtime, "reused", os.getppid())  # a pid file older than the process: reused
     os.utime(runtime / "pods" / "reused" / "pid", (0, 0))
     reg.register(entry("alive2", scope("/x")))
+
+
+@pytest.mark.parametrize("how", ["removed", "replaced"])
+def test_a_lock_file_removed_mid_transaction_never_lets_two_claims_in(
+    runtime: Path, how: str
+) -> None:
+    """pods.json.lock removed (or replaced: a new file in its place) while a transaction holds
+    it: the next transaction locks the new file and runs at once. The first one wrote its
+    decision over the second's (both were told yes, for overlapping write scopes; the second
+    pod's entry vanished, and it stopped seconds later with "lost the registry claim"). It
+    must find its lock gone before it writes, and decide again under the new one."""
+    first, second = Registry(runtime), Registry(runtime, lock_timeout=2.0)
+    admit = first._admit
+    calls = []
+
+    def admit_then_lose_the_lock(*args: object, **kwargs: object) -> PodEntry:
+        stored = admit(*args, **kwargs)  # type: ignore[arg-type]
+        if not calls:
+            calls.append(1)
+            lock = runtime / "pods.json.lock"
+            lock.unlink()
+            if how == "replaced":
+                lock.write_text("")
+            second.register(entry("second", scope("/w/sub")))
+        return stored
+
+    first._admit = admit_then_lose_the_lock  # type: ignore[method-assign]
+    with pytest.raises(RegistryConflict, match=r"'second'.*already holds write access to /w/sub"):
+        first.register(entry("first", scope("/w")))
+    assert [e.name for e in Registry(runtime).live()] == ["second"]
