@@ -334,7 +334,11 @@ def stop(
     is stopped (or systemd would start it again).
     """
     from cli.service import stop_unit_pod
+    from protocol import paths
 
+    # A pod that cannot be asked is sent SIGTERM at the pid its registry entry names: in a
+    # runtime dir others can write, that could be any process of ours.
+    paths.check_private_dirs()
     # A unit pod's descendants first, as for any pod: systemd would SIGKILL what its stop
     # leaves in the unit's cgroup, and detached children are not the pod's to stop.
     left: list[str] = []

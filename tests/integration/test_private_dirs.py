@@ -147,6 +147,33 @@ def test_a_runtime_dir_writable_by_others_is_refused(env: Env) -> None:
     assert not (runtime / "pods.json").exists()
 
 
+def test_stop_in_a_runtime_dir_others_can_write_signals_no_process(env: Env) -> None:
+    """A pod that cannot be asked on its socket is sent SIGTERM, at the pid its registry
+    entry names: in a runtime dir others can write, anyone could plant an entry naming any
+    process of ours (its start time is in /proc), and `podctl stop` killed it. It is refused
+    there, as `ls`, `send` and `spawn` are."""
+    from poddaemon.registry import Registry, make_entry
+    from poddaemon.scope import Scope
+
+    victim = subprocess.Popen(["sleep", "60"])
+    runtime = env.home / "run"
+    try:
+        sock = str(runtime / "pods" / "victim" / "sock")
+        Registry(runtime).register(make_entry("victim", sock, Scope((), ()), pid=victim.pid))
+        os.chmod(runtime, 0o777)
+        try:
+            proc = env.podctl("stop", "victim")
+        finally:
+            os.chmod(runtime, 0o700)
+        assert victim.poll() is None, proc.stderr
+        assert proc.returncode == 1, proc.stderr
+        (line,) = proc.stderr.splitlines()
+        assert f"runtime directory {runtime} is writable by group or others" in line
+    finally:
+        victim.kill()
+        victim.wait()
+
+
 # --- as a second real uid ----------------------------------------------------------------------
 
 
@@ -340,6 +367,8 @@ def test_other_uid_gets_one_line_for_a_home_it_cannot_reach(
         ["sessions", "verify", "01a20bcd-effe-76ac-9445-142c4fb87450"],
         ["logs", "anypod"],
         ["restart", "anypod"],  # its kept configuration grants scope
+        ["stop", "anypod"],  # it signals the pid a registry entry names
+        ["stop", "--tree", "anypod"],
     ],
 )
 def test_podctl_refuses_a_home_others_can_write_in_one_line(env: Env, command: list[str]) -> None:
