@@ -768,14 +768,25 @@ class Children:
 
     def _refresh_scope(self) -> None:
         """Our tools' scope: the granted one minus what live children hold (a registry
-        transaction reclaims a dead child's entry, which hands its areas back)."""
+        transaction reclaims a dead child's entry, which hands its areas back). The areas of
+        the children we watch stay out too, whatever pods.json says: an older copy put in its
+        place names no delegation until they register again, and meanwhile we took write
+        access back to their areas, and kept it."""
         pod = self.pod
         try:
             entry = pod.s.registry.update(pod.name, pod.s.entry.pid)
         except Exception as exc:
             log.warning("cannot refresh the delegated scope: %s", exc)
             return
-        scope = pod.s.scope.with_delegated(entry.delegated)
+        watched = [
+            r["target"]
+            for name in self.live
+            if (record := pod.state.children.get(name)) is not None
+            for r in record.scope
+            if r.get("permission") == "write" and not r.get("deny")
+        ]
+        delegated = list(dict.fromkeys([*entry.delegated, *watched]))
+        scope = pod.s.scope.with_delegated(delegated)
         if scope != pod.scope:
             pod.scope = scope
             pod.tool_ctx.scope_changed()  # commands too (when the sandbox confines them)

@@ -1,12 +1,23 @@
 """Spawn trees under races (SPEC §4, §9): spawners that go while their children start up."""
 
 import os
+import signal
 import threading
 from pathlib import Path
 
 from poddaemon.registry import Registry
+from protocol import PodClient
 from tests.conftest import Env, wait_until
-from tests.integration.test_spawn import _stray, quiet_children, spawn_call, start_parent, tree
+from tests.integration.test_spawn import (
+    _stray,
+    quiet_children,
+    run_and_wait,
+    spawn_call,
+    start_parent,
+    tool,
+    tool_results,
+    tree,
+)
 
 __all__ = ["tree"]  # the fixture, imported for the tests here
 
@@ -75,3 +86,55 @@ def test_a_spawner_stopped_while_its_child_starts_leaves_no_child(tree: Env) -> 
     assert parent.proc.wait(20) == 0
     wait_until(lambda: not _stray(env), 20, "the child to be gone")
     assert Registry(env.home / "run").live() == []
+
+
+def test_a_spawner_keeps_out_of_a_live_childs_area_whatever_an_old_registry_says(
+    tree: Env,
+) -> None:
+    """pods.json replaced by an older copy (from before the children were spawned: no
+    child entries, no delegation), and a child ending before its sibling registered again:
+    the spawner took its scope from that registry (granted minus delegated), got write access
+    back to the live sibling's area, and kept it after the sibling was back, so both wrote
+    there. The areas of the children it watches stay out of its scope, whatever pods.json says.
+    """
+    env = tree
+    for n in ("a", "b"):
+        (env.work / n).mkdir()
+    quiet_children(env, "c1", "c2")
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn_call("c1", "t", [str(env.work / "a")]),
+                spawn_call("c2", "t", [str(env.work / "b")]),
+            ]
+        },
+        {"text": "spawned"},
+        {"tool_calls": [tool("write_file", path=str(env.work / "a" / "x"), content="parent")]},
+        {"text": "done"},
+    )
+    parent = start_parent(env)
+    path = env.home / "run" / "pods.json"
+    old = path.read_bytes()  # the parent alone
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    registry = Registry(env.home / "run")
+    c1, c2 = registry.get("c1"), registry.get("c2")
+    assert c1 is not None and c2 is not None
+    os.kill(c1.pid, signal.SIGSTOP)  # c1 registers again only once the parent saw c2 go
+    try:
+        copy = env.home / "run" / "old.json"
+        copy.write_bytes(old)
+        os.replace(copy, path)
+        with PodClient.connect(c2.socket) as c:
+            c.shutdown()
+        wait_until(
+            lambda: [c["name"] for c in parent.call("status")["children"]] == ["c1"],
+            20,
+            "the parent to see c2 go",
+        )
+    finally:
+        os.kill(c1.pid, signal.SIGCONT)
+    wait_until(lambda: registry.get("c1") is not None, 20, "c1 registered again")
+    assert run_and_wait(parent, "write")["outcome"] == "finished"
+    write = tool_results(parent)[-1]
+    assert write["is_error"] and "outside scope" in write["output"], write
+    assert not (env.work / "a" / "x").exists()
