@@ -404,7 +404,7 @@ class Registry:
         dead = [e for e in pods.values() if not is_alive(e)]
         for entry in dead:
             self._drop(pods, entry)
-            self._remove_stale_files(entry.name)
+            self._remove_stale_files(entry)
         return dead
 
     def _remove_empty_sessions(self, dead: list[PodEntry], pods: dict[str, PodEntry]) -> None:
@@ -434,9 +434,13 @@ class Registry:
             if kept != parent.delegated:
                 pods[parent.name] = msgspec.structs.replace(parent, delegated=kept)
 
-    def _remove_stale_files(self, name: str) -> None:
-        # Best effort: nobody live holds this name (claim before bind), so these are leftovers.
-        pod_dir = self.runtime_dir / "pods" / name
+    def _remove_stale_files(self, entry: PodEntry) -> None:
+        # Best effort: nobody live holds this name (claim before bind), so these are leftovers,
+        # unless a live pod of this name has no entry (pods.json replaced by an older copy that
+        # names an earlier process of it): its socket and pid file are its own.
+        pod_dir = self.runtime_dir / "pods" / entry.name
+        if _running_pid(pod_dir) not in (None, entry.pid):
+            return
         for leftover in ("sock", "pid"):
             with contextlib.suppress(OSError):
                 (pod_dir / leftover).unlink()
@@ -512,17 +516,9 @@ class Registry:
         for name in names:
             if name in pods or name == entry.name:
                 continue
-            pid_file = pods_dir / name / "pid"
-            try:
-                pid = int(pid_file.read_text().strip())
-                written = pid_file.stat().st_mtime
-                if not stat.S_ISSOCK((pods_dir / name / "sock").lstat().st_mode):
-                    continue
-            except (OSError, ValueError):
+            pid = _running_pid(pods_dir / name)
+            if pid is None or pid == entry.pid:
                 continue
-            started = _started_at(pid)
-            if pid == entry.pid or started is None or started > written + 1:
-                continue  # gone, or a later process that reused the pid of a dead pod
             raise RegistryConflict(
                 f"pod {name!r} (pid {pid}) is running but has no entry in {self.path} (removed "
                 "or rewritten?); it registers itself again within seconds: try again then"
@@ -648,6 +644,22 @@ class Registry:
             return stored
 
         return self._transact(change)
+
+
+def _running_pid(pod_dir: Path) -> int | None:
+    """The pid in `pod_dir`'s pid file when that process runs, started before the file was
+    written, and the socket is there: a pod running under this name, listed or not. None when
+    it is gone, or a later process reused the pid of a dead pod."""
+    pid_file = pod_dir / "pid"
+    try:
+        pid = int(pid_file.read_text().strip())
+        written = pid_file.stat().st_mtime
+        if not stat.S_ISSOCK((pod_dir / "sock").lstat().st_mode):
+            return None
+    except (OSError, ValueError):
+        return None
+    started = _started_at(pid)
+    return None if started is None or started > written + 1 else pid
 
 
 def _delegable(rule: Rule, parent: Scope, child: Scope) -> bool:

@@ -526,3 +526,32 @@ def test_a_lock_file_removed_mid_transaction_never_lets_two_claims_in(
     with pytest.raises(RegistryConflict, match=r"'second'.*already holds write access to /w/sub"):
         first.register(entry("first", scope("/w")))
     assert [e.name for e in Registry(runtime).live()] == ["second"]
+
+
+def test_reclaiming_a_stale_entry_leaves_the_files_of_a_live_pod_of_its_name(
+    reg: Registry, runtime: Path
+) -> None:
+    """pods.json replaced by an older copy, which names an earlier (dead) process of a pod
+    running now: the reclaim of that stale entry removed the live pod's socket and pid file
+    (the name's files), and the live pod, unreachable, stopped with status 1."""
+    dead, start = _dead_pid()
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        _pod_files(runtime, "px", holder.pid)  # the pod running now, unlisted
+        stale = PodEntry(
+            name="px",
+            pid=dead,
+            start_time=start,
+            socket=str(runtime / "pods" / "px" / "sock"),
+            scope=scope("/w/px").to_dicts(),
+            started_at=0.0,
+        )
+        (runtime / "pods.json").write_bytes(
+            msgspec.json.encode({"version": 1, "pods": {"px": stale}})
+        )
+        reg.register(entry("px", scope("/w/px"), pid=holder.pid), returning=True)
+        assert (runtime / "pods" / "px" / "pid").read_text() == f"{holder.pid}\n"
+        assert stat.S_ISSOCK((runtime / "pods" / "px" / "sock").lstat().st_mode)
+    finally:
+        holder.kill()
+        holder.wait()
