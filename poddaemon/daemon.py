@@ -423,6 +423,12 @@ class Claim:
         try:
             self.entry = self.registry.register(entry, kin=list(children), returning=True)
         except RegistryError as exc:
+            # Refused because our entry is there again: a transaction that read pods.json
+            # before it was replaced wrote it back meanwhile ("a pod named … is already
+            # running", our own pid). Ours, not lost.
+            with contextlib.suppress(RegistryError):
+                if self.still_held():
+                    return True
             log.warning("cannot register the pod again (yet): %s", exc)
             return False
         return True
