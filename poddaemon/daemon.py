@@ -357,7 +357,10 @@ def _claim_and_serve(
         raise StartupError(problem)
     registry = Registry(runtime, sessions_dir=paths.sessions_dir())
     session_id = _session_to_restore(args, name)
-    parent, spawner_entry = _spawner(args, registry)
+    try:
+        parent, spawner_entry = _spawner(args, registry)
+    except RegistryError as exc:  # a corrupt pods.json, read for the spawner: as register says
+        raise StartupError(f"cannot start pod {name!r}: {exc}") from None
     if parent is not None and spawner_entry is None:
         _refuse_orphan_start(args, manifest, parent)
     # The session is claimed with the name, in one locked transaction: no two pods restore it.

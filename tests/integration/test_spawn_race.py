@@ -5,9 +5,12 @@ import signal
 import threading
 from pathlib import Path
 
+import pytest
+
+from poddaemon.readyline import EXIT_REFUSED
 from poddaemon.registry import Registry
 from protocol import PodClient
-from tests.conftest import Env, wait_until
+from tests.conftest import Env, StartFailed, wait_until
 from tests.integration.test_spawn import (
     _stray,
     quiet_children,
@@ -138,3 +141,19 @@ def test_a_spawner_keeps_out_of_a_live_childs_area_whatever_an_old_registry_says
     write = tool_results(parent)[-1]
     assert write["is_error"] and "outside scope" in write["output"], write
     assert not (env.work / "a" / "x").exists()
+
+
+def test_a_child_started_while_the_registry_is_corrupt_says_so_in_one_line(env: Env) -> None:
+    """A child (`--adopt --callback`: spawn_pod, `podctl restart CHILD`) started while
+    pods.json is corrupt: looking up its spawner there raised past the start-up's error
+    handling, a traceback (and exit 1) where any other pod says in one line why."""
+    run = env.home / "run"
+    run.mkdir(mode=0o700)
+    (run / "pods.json").write_text("garbage")
+    callback = str(run / "pods" / "parent" / "sock")
+    with pytest.raises(StartFailed) as refused:
+        env.start("child", "--adopt", "--callback", callback)
+    assert refused.value.code == EXIT_REFUSED
+    (line,) = refused.value.stderr.splitlines()
+    assert line.startswith("poddaemon: cannot start pod 'child': ")
+    assert "corrupt pod registry" in line
