@@ -392,19 +392,23 @@ def _too_many_children(name: str, spawner_socket: str) -> str | None:
 
 def _cannot_start(config: Path) -> str | None:
     """Why the kept configuration could not start a pod from this shell (its provider's API key
-    variable unset here, a configuration that no longer loads), or None. A pod restarted by
-    `podctl` gets this shell's environment, not the one it was spawned with."""
+    variable unset here, a configuration that no longer loads, a corrupt pods.json), or None.
+    A pod restarted by `podctl` gets this shell's environment, not the one it was spawned with."""
     from poddaemon.config.load import ManifestError, load_manifest
     from poddaemon.llm import CredentialsError, check_manifest_credentials
+    from poddaemon.registry import Registry, RegistryError
     from protocol import paths
 
     try:
         manifest = load_manifest(str(config), (), paths.defaults_path())
         check_manifest_credentials(manifest)
+        Registry(paths.runtime_dir()).live()  # a corrupt pods.json: no pod can register
     except ManifestError as exc:
         return str(exc)
     except CredentialsError as exc:
         return f"{config}: {exc} in this shell (a restarted pod gets this environment)"
+    except RegistryError as exc:
+        return str(exc)
     return None
 
 

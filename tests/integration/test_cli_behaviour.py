@@ -650,6 +650,24 @@ def test_restart_without_the_api_key_leaves_the_pod_running(env: Env) -> None:
     assert pod.proc.wait(20) == 0
 
 
+def test_restart_with_a_corrupt_registry_leaves_the_pod_running(env: Env) -> None:
+    """pods.json corrupt: no pod can register, so a restart stopped the pod and then failed to
+    start it ("corrupt pod registry"), leaving nothing running. It is refused before the stop,
+    as a missing API key is."""
+    pod = env.start("keep")
+    registry = env.home / "run" / "pods.json"
+    good = registry.read_bytes()
+    registry.write_text("garbage")
+    try:
+        out = env.podctl("restart", "keep")
+    finally:
+        registry.write_bytes(good)
+    assert out.returncode == 1, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert "left running" in line and "corrupt pod registry" in line
+    assert pod.proc.poll() is None and pod.call("status")["pid"] == pod.proc.pid
+
+
 def test_restarts_of_one_pod_at_once_all_succeed_and_leave_one_pod(cleanup: Env) -> None:
     """Restarts of one pod at once, by name and by socket path: three of four said it was not
     running (exit 3) while the fourth restarted it. They take turns now."""
