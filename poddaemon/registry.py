@@ -449,7 +449,13 @@ class Registry:
         try:
             self._replace(_encoder.encode(_File(version=_VERSION, pods=pods)))
         except OSError as e:
-            raise RegistryError(f"cannot write the pod registry {self.path}: {_reason(e)}") from e
+            # The temporary file it is written to first, when that is what failed (something
+            # else put in its place): pods.json itself may be fine, or absent.
+            tmp = self.runtime_dir / ".pods.json.tmp"
+            where = f" ({tmp}; remove it)" if e.filename == str(tmp) and not e.filename2 else ""
+            raise RegistryError(
+                f"cannot write the pod registry {self.path}{where}: {_reason(e)}"
+            ) from e
 
     def _replace(self, data: bytes) -> None:
         # One fixed name: every writer holds the lock, so no two use it at once, and what a

@@ -555,3 +555,20 @@ def test_reclaiming_a_stale_entry_leaves_the_files_of_a_live_pod_of_its_name(
     finally:
         holder.kill()
         holder.wait()
+
+
+@pytest.mark.parametrize("kind", ["directory", "symlink"])
+def test_a_temporary_file_that_cannot_be_written_is_named(runtime: Path, kind: str) -> None:
+    """Something else where a transaction writes the new pods.json first (`.pods.json.tmp`): no
+    pod could register, and the error named pods.json ("cannot write the pod registry
+    …/pods.json: is a directory"), which was fine or absent: nothing to look at."""
+    runtime.mkdir(mode=0o700)
+    tmp = runtime / ".pods.json.tmp"
+    if kind == "directory":
+        tmp.mkdir()
+    else:
+        tmp.symlink_to(runtime / "elsewhere")
+    with pytest.raises(RegistryError) as failed:
+        Registry(runtime).register(entry("t", scope("/w")))
+    assert str(tmp) in str(failed.value), failed.value
+    assert not (runtime / "elsewhere").exists()
