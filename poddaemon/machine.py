@@ -436,10 +436,14 @@ class Machine:
 
         return self._handle(go)
 
-    def child_ended(self, name: str, reason: str, told: bool = False) -> list[Effect]:
+    def child_ended(
+        self, name: str, reason: str, told: bool = False, mid_run: bool = False
+    ) -> list[Effect]:
         """A child's process is gone. Without a final report its grant stays charged (it may
         have spent it); one that died without reporting is reported `errored` here, unless
-        `told`: the model knows already (its spawn_pod failed, or stop_pod stopped it)."""
+        `told`: the model knows already (its spawn_pod failed, or stop_pod stopped it).
+        `mid_run`: a run we gave it had not reported: that run, its last, ended in `error`
+        (wait_pods showed the run before it, `finished`, as its last)."""
 
         def go() -> None:
             child = self.state.children.get(name)
@@ -459,6 +463,7 @@ class Machine:
                         event_kind="errored",
                         event_id=event_id,
                         detail=reason,
+                        outcome="error" if mid_run else None,
                     )
                 )
             why = f"it stopped ({child.last_kind} reported)" if final else reason

@@ -444,7 +444,8 @@ def _child_report(child: ChildRecord, e: SystemItem) -> None:
     if e.tree_spent is not None:
         child.spent = max(child.spent, e.tree_spent)
         child.reported = max(child.reported or 0, e.tree_spent)
-    if e.event_kind == "run.finished":
+    # An `errored` with an outcome: the child died in a run we gave it (Machine.child_ended).
+    if e.event_kind == "run.finished" or (e.event_kind == "errored" and e.outcome is not None):
         child.outcome = e.outcome
         child.text = e.detail
 

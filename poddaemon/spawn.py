@@ -741,22 +741,22 @@ class Children:
             child.fd = -1
         child.gone.set()
         self.live.pop(child.name, None)
-        self.outstanding.pop(child.name, None)
+        mid_run = bool(self.outstanding.pop(child.name, None))
         code = child.proc.returncode if child.proc is not None else None
         how = f" (exit status {code})" if code is not None else ""
         reason = f"child pod {child.name!r} (pid {child.pid}) died without a final report{how}"
         self._refresh_scope()
-        self._ended(child.name, reason)
+        self._ended(child.name, reason, mid_run)
         self.changed.set()
         if child.proc is not None:  # reap it (asyncio's watcher does; keep the task referenced)
             task = asyncio.ensure_future(child.proc.wait())
             task.add_done_callback(lambda t: t.exception() if not t.cancelled() else None)
 
-    def _ended(self, name: str, reason: str) -> None:
+    def _ended(self, name: str, reason: str, mid_run: bool = False) -> None:
         """A child's process is gone. Unless its last delivered report was final, what it
         committed but could not deliver (its spawner was down, or it died first) waits in its
         log: taken from there, no report is lost (SPEC §9). Then its end: `errored` when
-        none of its reports was final."""
+        none of its reports was final (`mid_run`: in a run we gave it that has not reported)."""
         pod = self.pod
         record = pod.state.children.get(name)
         final = record is None or not record.live or record.last_kind in FINAL_REPORTS
@@ -764,7 +764,7 @@ class Children:
         # goes, and we refuse delivery then; from our log they reach the restored model.
         if not final and (left := reports_left(pod, name)):
             pod.feed(pod.machine.child_left_reports(name, left))
-        pod.feed(pod.machine.child_ended(name, reason, told=name in self._stopping))
+        pod.feed(pod.machine.child_ended(name, reason, name in self._stopping, mid_run))
 
     def _refresh_scope(self) -> None:
         """Our tools' scope: the granted one minus what live children hold (a registry

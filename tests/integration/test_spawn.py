@@ -568,6 +568,37 @@ def test_child_killed_without_restore_is_reported_errored(tree: Env) -> None:
     assert parent.call("status")["children"] == []
 
 
+def test_wait_pods_on_a_child_killed_in_its_second_run_gives_that_run_errored(tree: Env) -> None:
+    """wait_pods answers each child's last run's outcome and text (SPEC §9). A child kill -9ed
+    in the run send_to_pod gave it was answered with its first run, `finished`, and that run's
+    answer, as if that were its last word."""
+    env = tree
+    (env.work / "kid").mkdir()
+    env.model.script_model("m-kid", {"text": "first answer"}, {"text": "x", "gate": "never"})
+    env.model.script(
+        {"tool_calls": [spawn_call("kid", "a task", [str(env.work / "kid")])]},
+        {"tool_calls": [tool("send_to_pod", pod="kid", message="second")]},
+        {"tool_calls": [tool("wait_pods", pods=["kid"], timeout_s=60)]},
+        {"text": "parent done"},
+    )
+    parent = start_parent(env)
+    with parent.client(timeout=90) as c:
+        c.subscribe()
+        run = c.run("go")
+        for event in c.events():
+            if event.type == "tool.started" and event.data["name"] == "wait_pods":
+                break
+        wait_until(lambda: len(model_saw(env, "m-kid")) >= 2, 20, "the kid's second run")
+        entry = Registry(env.home / "run").get("kid")
+        assert entry is not None
+        os.kill(entry.pid, signal.SIGKILL)
+        assert collect_run(c, run.run_id)[-1].data["outcome"] == "finished"
+    (waited,) = [r for r in tool_results(parent) if r["name"] == "wait_pods"]
+    kid = json.loads(waited["output"])["kid"]
+    assert (kid["state"], kid["outcome"], kid["waiting"]) == ("stopped", "error", False), kid
+    assert "died without a final report" in kid["text"], kid
+
+
 def test_a_live_childs_report_comes_from_its_own_process_only(tree: Env) -> None:
     """Any process of this user reaches the spawner's socket (a child's sandboxed bash too):
     one forging a live child's `shutdown` made the spawner take that child for stopped, and

@@ -119,6 +119,23 @@ def test_grants_are_reserved_while_children_live_then_reconciled() -> None:
     }
 
 
+def test_a_child_that_died_in_a_run_we_gave_it_shows_that_run_errored_not_the_one_before() -> None:
+    """wait_pods gives each child's last run's outcome and text (SPEC §9): a child killed in
+    its second run showed its first, `finished`, with that run's answer, as its last."""
+    d = Driver()
+    for kid in ("busy", "idle"):
+        d.feed(d.machine.child_started(kid, f"/{kid}", None, []))
+        d.call("child_report", kid, "run.finished", f"e-{kid}", "r1", "first answer", "finished")
+    d.feed(d.machine.child_ended("busy", "child pod 'busy' died", mid_run=True))
+    d.feed(d.machine.child_ended("idle", "child pod 'idle' died"))  # between runs
+    for children in (d.machine.state.children, fold(d.entries).children):  # live and restored
+        busy, idle = children["busy"], children["idle"]
+        assert (busy.outcome, busy.text) == ("error", "child pod 'busy' died")
+        assert (idle.outcome, idle.text) == ("finished", "first answer")
+    errored = [e for e in d.entries if e.get("event_kind") == "errored"]
+    assert [e["pod"] for e in errored] == ["busy", "idle"]  # both told to the model, as before
+
+
 def test_a_reused_child_name_keeps_the_ended_childs_spending_charged() -> None:
     """spawn_pod may reuse the name of an ended child: its spending stays counted (it was
     dropped with the old record, so a tree could spend its cap again and again)."""
