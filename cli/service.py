@@ -735,6 +735,8 @@ def _stderr_log(
         fail(f"no log for pod '{name}' ({path})", EXIT_NOT_RUNNING)
     try:
         showing = after is None
+        if after is not None:  # the rotation moved the older lines: theirs first
+            showing = _rotated_since(path.with_name(f"{path.name}.1"), f, after)
         try:
             while True:
                 line = f.readline()
@@ -759,6 +761,31 @@ def _stderr_log(
             raise typer.Exit(EXIT_INTERRUPTED) from None
     finally:
         f.close()
+
+
+def _rotated_since(kept: Path, f: IO[str], after: float) -> bool:
+    """Print the lines of `kept` (the log the pod rotated past 16 MiB) from the first one at
+    or after `after`: `--since` reaches back before the rotation. True when one was printed
+    (every line of the open log `f` is then newer). Not when `kept` is `f` itself (rotated
+    since `f` was opened: its lines come from `f`)."""
+    from cli.render import printable
+
+    try:
+        old = kept.open("r", errors="replace")
+    except OSError:
+        return False
+    with old:
+        held, named = os.fstat(f.fileno()), os.fstat(old.fileno())
+        if (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+            return False
+        showing = False
+        for line in old:
+            if not showing:
+                stamp = _line_time(line)
+                showing = stamp is not None and stamp >= after
+            if showing:
+                sys.stdout.write(printable(line))
+    return showing
 
 
 def _rotated(path: Path, f: IO[str]) -> IO[str] | None:

@@ -329,6 +329,30 @@ def test_logs_follow_goes_on_in_the_new_file_once_the_log_is_rotated(env: Env) -
         follow.wait(10)
 
 
+def test_logs_since_reads_the_lines_the_rotation_moved_to_the_kept_file(env: Env) -> None:
+    """Past 16 MiB a pod keeps its log as `<name>.log.1` and starts a new `<name>.log`. A pod
+    that ran for days rotated an hour ago: `podctl logs POD --since 2h` showed only the new
+    file's lines, the hour before the rotation silently missing (the lines were on disk)."""
+    from datetime import datetime, timedelta
+
+    def line(ago: timedelta, text: str) -> str:
+        stamp = (datetime.now() - ago).strftime("%Y-%m-%d %H:%M:%S.000")
+        return f"{stamp} poddaemon[1] INFO {text}\n"
+
+    logs = env.home / "log"
+    logs.mkdir(mode=0o700)
+    (logs / "aged.log.1").write_text(
+        line(timedelta(hours=5), "too old") + line(timedelta(minutes=90), "before the rotation")
+    )
+    (logs / "aged.log").write_text(line(timedelta(minutes=30), "after the rotation"))
+    shown = env.podctl("logs", "aged", "--since", "2h")
+    assert shown.returncode == 0, shown.stderr
+    assert "too old" not in shown.stdout
+    assert shown.stdout.index("before the rotation") < shown.stdout.index("after the rotation")
+    recent = env.podctl("logs", "aged", "--since", "1h")  # nothing wanted from the kept file
+    assert "after the rotation" in recent.stdout and "before" not in recent.stdout
+
+
 def test_ctrl_c_during_send_stops_waiting_and_the_run_goes_on_as_its_help_says(env: Env) -> None:
     pod = env.start()
     assert "Ctrl-C" in env.podctl("send", "--help").stdout
