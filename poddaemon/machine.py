@@ -1052,6 +1052,7 @@ class Machine:
         """The new session's first entry; the machine continues in it from now on."""
         old_id = self.state.session_id
         run_usage, run_calls = self.state.run_usage, self.state.run_calls
+        self.system_prompt = self.rendered_prompt  # rendered for it (`now`: not the start's)
         continued = self.fork()
         start = msgspec.structs.replace(
             continued,

@@ -149,9 +149,7 @@ class Pod:
             reports=services.callback is not None,
             stop_hooks=bool(m.hooks.Stop),
         )
-        prompt = services.instruction.render(
-            pwd=m.pod.pwd, scope=self.scope, tools=list(m.worker.tools)
-        )
+        prompt = self.render_prompt()
         self.machine = Machine(
             cfg,
             clock=time.time,
@@ -548,6 +546,14 @@ class Pod:
                     retrying = False
                     self.feed(self.machine.model_retrying(False))
         raise ProviderError("interrupted", "the model stream ended without a response")
+
+    def render_prompt(self) -> str:
+        """The instruction rendered now (at start, and for each compacted session: `now`),
+        with the scope configured (not narrowed by what a child holds for the moment)."""
+        m = self.m
+        return self.s.instruction.render(
+            pwd=m.pod.pwd, scope=self.s.scope, tools=list(m.worker.tools)
+        )
 
     async def _summarize(self, effect: Summarize) -> None:
         try:

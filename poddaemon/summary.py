@@ -56,6 +56,7 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
             # Still better than the context it replaces, but the model must know it is partial.
             pod.alert("warning", CUT_OFF_ALERT.format(pod.m.worker.max_tokens), "compaction")
             summary += CUT_OFF_NOTE
+        _render_again(pod)
         return machine.compaction_returned(summary, response.usage, live_children(machine.state))
     except ProviderError as exc:
         _alert(pod, f"compaction: {exc.message}")
@@ -63,6 +64,18 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
     except Exception as exc:  # CancelledError is the caller's
         log.exception("compaction failed")
         return machine.compaction_failed(f"internal error: {exc}")
+
+
+def _render_again(pod: "Pod") -> None:
+    """The new session starts from the instruction rendered now: rendered once at start, a pod
+    living for days told the model the day it started on (`{{ now.date() }}`) for good. A
+    rendering that fails now (an AGENTS.md made unreadable) keeps the prompt it has."""
+    from poddaemon.prompt import PromptError
+
+    try:
+        pod.machine.rendered_prompt = pod.render_prompt()
+    except (PromptError, OSError) as exc:
+        log.warning("compaction keeps the system prompt: %s", exc)
 
 
 def _alert(pod: "Pod", message: str) -> None:

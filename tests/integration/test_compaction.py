@@ -589,3 +589,28 @@ def test_why_compaction_failed_and_went_off_is_in_the_pods_log(env: Env) -> None
     text = pod.text()
     assert text.count("compaction failed: the summary was empty") == 3, text
     assert "automatic compaction is off" in text, text
+
+
+def test_a_compaction_renders_the_instruction_again_so_now_is_not_the_start_day(
+    env: Env,
+) -> None:
+    """SPEC §3's instruction says "Today is {{ now.date() }}". It was rendered once, at start:
+    a pod living for days, compacted many times, told the model the day it started on, for
+    good. The new session of a compaction starts from the instruction rendered anew (and its
+    first entry keeps that prompt, the one its calls carry)."""
+    from datetime import datetime
+
+    pod = env.start(instruction="You are a test pod. Now: {{ now.isoformat() }}")
+    with pod.client() as c:
+        c.run_wait("hello")
+    out = env.podctl("compact", "pod", "--json")
+    assert out.returncode == 0, out.stderr
+    with pod.client() as c:
+        c.run_wait("again")
+    work = [r["body"] for r in env.model.requests if not is_summary_request("openai", r["body"])]
+    before, after = (b["messages"][0]["content"] for b in (work[0], work[-1]))
+    stamp = [datetime.fromisoformat(s.rsplit("Now: ", 1)[1]) for s in (before, after)]
+    assert stamp[1] > stamp[0], (before, after)
+    first = pod.call("history", since=0, limit=1)["entries"][0]
+    assert first["kind"] == "session_start" and first["system_prompt"] == after
+    assert first["session_id"] == json.loads(out.stdout)["session_id"]
