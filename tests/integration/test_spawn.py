@@ -111,6 +111,17 @@ def quiet_children(env: Env, *names: str) -> None:
         env.model.script_model(f"m-{n}")  # their own (empty) queue: the echo answer
 
 
+def _run_into_tool(c: PodClient, text: str, name: str) -> Any:
+    """Start a run of `text` on `c` (subscribed); return it once its call of tool `name` has
+    started."""
+    c.subscribe()
+    run = c.run(text)
+    for event in c.events():
+        if event.type == "tool.started" and event.data["name"] == name:
+            return run
+    raise AssertionError(f"the run ended without calling {name}")
+
+
 def run_and_wait(pod: PodProcess, text: str, timeout: float = 60) -> dict[str, Any]:
     with pod.client(timeout=timeout) as c:
         import msgspec
@@ -284,11 +295,7 @@ def test_wait_pods_after_a_restore_waits_for_a_child_still_at_work(tree: Env) ->
         {"tool_calls": [tool("wait_pods", pods=["d1"], timeout_s=30)]}, {"text": "waited"}
     )
     with again.client(timeout=60) as c:
-        c.subscribe()
-        run = c.run("wait for d1")
-        for event in c.events():
-            if event.type == "tool.started" and event.data["name"] == "wait_pods":
-                break
+        run = _run_into_tool(c, "wait for d1", "wait_pods")
         env.model.open_gate("child")  # only now: wait_pods must still be waiting
         assert collect_run(c, run.run_id)[-1].data["outcome"] == "finished"
     (waited,) = [r for r in tool_results(again) if r["name"] == "wait_pods"]
@@ -583,11 +590,7 @@ def test_wait_pods_on_a_child_killed_in_its_second_run_gives_that_run_errored(tr
     )
     parent = start_parent(env)
     with parent.client(timeout=90) as c:
-        c.subscribe()
-        run = c.run("go")
-        for event in c.events():
-            if event.type == "tool.started" and event.data["name"] == "wait_pods":
-                break
+        run = _run_into_tool(c, "go", "wait_pods")
         wait_until(lambda: len(model_saw(env, "m-kid")) >= 2, 20, "the kid's second run")
         entry = Registry(env.home / "run").get("kid")
         assert entry is not None

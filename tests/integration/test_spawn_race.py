@@ -10,7 +10,7 @@ import pytest
 from poddaemon.readyline import EXIT_REFUSED
 from poddaemon.registry import Registry
 from protocol import PodClient
-from tests.conftest import Env, StartFailed, wait_until
+from tests.conftest import Env, PodProcess, StartFailed, wait_until
 from tests.integration.test_spawn import (
     _stray,
     quiet_children,
@@ -37,13 +37,10 @@ def _feed_fifo(fifo: Path, text: str = "\n") -> threading.Thread:
     return thread
 
 
-def test_a_child_whose_spawner_died_before_the_child_looked_for_it_stops(tree: Env) -> None:
-    """on_parent_exit = "stop": a spawner kill -9ed before its child, still starting, looked
-    for it in the registry (here: the child reads a defaults.toml that is a pipe, and is let
-    go on only after its spawner died). The child took its spawner for one gone before a
-    `podctl restart` of the child, waited for it to come back, and ran on for good, holding
-    its delegated area, with nobody to report to, nobody to stop it with its spawner."""
-    env = tree
+def _parent_of_a_child_held_starting(env: Env) -> tuple[PodProcess, Path]:
+    """A spawner whose spawn_pod started child s1, held before it looks for its spawner: the
+    child reads a defaults.toml that is a pipe (fed once here for the spawner's own read; feed
+    it again to let the child go on). The pod and the pipe."""
     (env.work / "s1").mkdir()
     quiet_children(env, "s1")
     config = env.home / "config"
@@ -56,8 +53,18 @@ def test_a_child_whose_spawner_died_before_the_child_looked_for_it_stops(tree: E
     fed.join(10)
     with parent.client() as c:
         c.run("go")
-    # The child is started and waits on the pipe, before it has looked for its spawner.
     wait_until(lambda: len(_stray(env)) == 2, 20, "the child process")
+    return parent, fifo
+
+
+def test_a_child_whose_spawner_died_before_the_child_looked_for_it_stops(tree: Env) -> None:
+    """on_parent_exit = "stop": a spawner kill -9ed before its child, still starting, looked
+    for it in the registry (here: the child reads a defaults.toml that is a pipe, and is let
+    go on only after its spawner died). The child took its spawner for one gone before a
+    `podctl restart` of the child, waited for it to come back, and ran on for good, holding
+    its delegated area, with nobody to report to, nobody to stop it with its spawner."""
+    env = tree
+    parent, fifo = _parent_of_a_child_held_starting(env)
     assert Registry(env.home / "run").get("s1") is None
     parent.kill9()
     fed = _feed_fifo(fifo)  # the child goes on, its spawner dead
@@ -70,19 +77,7 @@ def test_a_spawner_stopped_while_its_child_starts_leaves_no_child(tree: Env) -> 
     """`podctl stop` of a spawner whose spawn_pod waits for a child still starting (held on
     a defaults.toml that is a pipe): the spawner stops (exit 0), and the child with it."""
     env = tree
-    (env.work / "s1").mkdir()
-    quiet_children(env, "s1")
-    config = env.home / "config"
-    config.mkdir(mode=0o700)
-    fifo = config / "defaults.toml"
-    os.mkfifo(fifo, 0o600)
-    fed = _feed_fifo(fifo)
-    env.model.script({"tool_calls": [spawn_call("s1", "work", [str(env.work / "s1")])]})
-    parent = start_parent(env)
-    fed.join(10)
-    with parent.client() as c:
-        c.run("go")
-    wait_until(lambda: len(_stray(env)) == 2, 20, "the child process")
+    parent, _ = _parent_of_a_child_held_starting(env)
     stop = env.podctl_popen("stop", "parent")
     _, err = stop.communicate(timeout=60)
     assert stop.returncode == 0, err
