@@ -265,9 +265,8 @@ class ToolContext(msgspec.Struct):
             return None
         try:
             # The kernel's name for it is the path itself, unless a rename moved it meanwhile.
-            if opened_path(fd) == path and self.scope.access(path) >= want:
-                if self._note_denies():
-                    self.denied.check(fd, "", path, want)
+            if opened_path(fd) == path:
+                self.check_opened(fd, want, where=path)
                 return fd, path
         except ScopeDenied:
             pass
@@ -277,10 +276,12 @@ class ToolContext(msgspec.Struct):
         os.close(fd)
         return None
 
-    def check_opened(self, fd: int, want: Access, name: str = "") -> None:
+    def check_opened(
+        self, fd: int, want: Access, name: str = "", where: str | None = None
+    ) -> None:
         """ScopeDenied unless the object behind `fd` (or its entry `name`, for a directory fd)
-        is, where it is now, within scope."""
-        where = opened_path(fd)
+        is, where it is now, within scope. `where`: the kernel's name for `fd`, if read already."""
+        where = opened_path(fd) if where is None else where
         actual = os.path.join(where, name) if name else where
         has = self.scope.access(actual)
         if has < want:
