@@ -206,12 +206,6 @@ def _systemctl_or_fail(*args: str) -> None:
 # --- restart --------------------------------------------------------------------------------
 
 
-def kept_config(name: str) -> Path:
-    from protocol import paths
-
-    return paths.data_dir() / "pods" / f"{name}.toml"
-
-
 def restart(pod: PodArg) -> None:
     """Stop the pod (if running), then start it again with --resume.
 
@@ -239,7 +233,7 @@ def _one_restart_at_a_time(pod: str) -> Iterator[None]:
     # before a reboot emptied the runtime dir: a name with neither has nothing to restart,
     # and leaves nothing behind.
     home = paths.socket_path(name).parent if name is not None else None
-    if home is None or not (home.is_dir() or kept_config(str(name)).exists()):
+    if home is None or not (home.is_dir() or paths.kept_config(str(name)).exists()):
         yield
         return
     paths.ensure_dir(home, "pod directory")
@@ -271,6 +265,8 @@ def _name_of(pod: str) -> str | None:
 
 
 def _restart(pod: str) -> None:
+    from protocol import paths
+
     unanswering = False
     try:
         status = _live_status(pod, timeouts=True)
@@ -280,7 +276,6 @@ def _restart(pod: str) -> None:
     unit = pod_unit(pod, status)
     if unit is not None:
         from cli.unit import UnitError, manager_environment, start_unit
-        from protocol import paths
 
         try:  # cron, su, ssh without a session: say so (systemctl said only "Failed to connect")
             manager_environment()
@@ -298,7 +293,7 @@ def _restart(pod: str) -> None:
         return
     if "/" in name:
         fail(f"pod '{pod}' is not running; restart it by name", EXIT_NOT_RUNNING)
-    config = kept_config(name)
+    config = paths.kept_config(name)
     if not config.exists():
         if status is None:
             fail(f"pod '{name}' is not running and has no kept configuration", EXIT_NOT_RUNNING)
@@ -370,10 +365,10 @@ def _too_many_children(name: str, spawner_socket: str) -> str | None:
     if spawner is None:
         return None
     # The spawner's own limit (its kept configuration); a child inherits it, as a fallback.
-    config = kept_config(spawner)
+    config = paths.kept_config(spawner)
     try:
         manifest = load_manifest(
-            str(config if config.exists() else kept_config(name)), (), paths.defaults_path()
+            str(config if config.exists() else paths.kept_config(name)), (), paths.defaults_path()
         )
     except ManifestError:
         return None

@@ -491,8 +491,9 @@ def _keep_config(manifest: object, callback: str | None = None) -> None:
     from poddaemon.config.manifest import Manifest
 
     assert isinstance(manifest, Manifest)
-    folder = paths.ensure_dir(paths.data_dir() / "pods")
-    _replace_file(folder / f"{manifest.pod.name}.toml", manifest.to_toml())
+    config = paths.kept_config(manifest.pod.name)
+    folder = paths.ensure_dir(config.parent)
+    _replace_file(config, manifest.to_toml())
     sidecar = folder / f"{manifest.pod.name}.callback"
     if callback is None:
         with contextlib.suppress(FileNotFoundError):

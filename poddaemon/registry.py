@@ -451,17 +451,21 @@ class Registry:
         except OSError as e:
             # The temporary file it is written to first, when that is what failed (something
             # else put in its place): pods.json itself may be fine, or absent.
-            tmp = self.runtime_dir / ".pods.json.tmp"
+            tmp = self._tmp_path
             where = f" ({tmp}; remove it)" if e.filename == str(tmp) and not e.filename2 else ""
             raise RegistryError(
                 f"cannot write the pod registry {self.path}{where}: {_reason(e)}"
             ) from e
 
-    def _replace(self, data: bytes) -> None:
+    @property
+    def _tmp_path(self) -> Path:
         # One fixed name: every writer holds the lock, so no two use it at once, and what a
         # writer killed before its rename left there is overwritten by the next (a unique
         # name per write piled up one file per such crash).
-        tmp = self.runtime_dir / ".pods.json.tmp"
+        return self.runtime_dir / ".pods.json.tmp"
+
+    def _replace(self, data: bytes) -> None:
+        tmp = self._tmp_path
         fd = paths.open_private(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             with os.fdopen(fd, "wb") as f:

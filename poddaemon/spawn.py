@@ -90,7 +90,7 @@ def _kept_grant(name: str) -> int | None:
     import tomllib
 
     try:
-        with open(paths.data_dir() / "pods" / f"{name}.toml", "rb") as f:
+        with open(paths.kept_config(name), "rb") as f:
             budget = tomllib.load(f).get("budget")
     except (OSError, ValueError) as exc:
         log.warning("cannot read the budget of child pod %r: %s", name, exc)

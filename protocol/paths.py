@@ -323,6 +323,12 @@ def pod_dir(name: str) -> Path:
     return runtime_dir() / "pods" / name
 
 
+def kept_config(name: str) -> Path:
+    """`<data>/pods/<name>.toml`: a pod's fully resolved configuration (SPEC §9), what
+    `podctl restart` starts it from."""
+    return data_dir() / "pods" / f"{name}.toml"
+
+
 def socket_path(name: str) -> Path:
     return pod_dir(name) / "sock"
 
