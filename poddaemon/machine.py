@@ -76,9 +76,22 @@ RESTART_NOTE = (
 )
 
 
-def _restart_note(run_id: str) -> SystemItem:
-    """Tells the model its run `run_id` was cut off (a restart): the next run takes it up."""
-    return SystemItem(id=f"{RESTART_NOTE_ID}{run_id}", text=RESTART_NOTE, source="poddaemon")
+# Runs in a row a crash or a stop cut off that the pod takes up by itself. Past it the note
+# waits for the next input: a run that crashes the pod every time (a command that takes all the
+# memory, say) would otherwise spend tokens in a loop under `Restart=on-failure`, and what a
+# model call cut off by a crash spent is never counted against the budget.
+MAX_TAKEN_UP_IN_ROW = 3
+
+
+def _restart_note(run_id: str, in_row: int) -> SystemItem:
+    """Tells the model its run `run_id` was cut off (a restart, the `in_row`th cut off in a
+    row): the next run takes it up, started by this note unless too many were cut off."""
+    return SystemItem(
+        id=f"{RESTART_NOTE_ID}{run_id}",
+        text=RESTART_NOTE,
+        source="poddaemon",
+        context=in_row > MAX_TAKEN_UP_IN_ROW,
+    )
 
 
 # What the model reads at its next request after a `cancel` cut its run short, as Claude Code and
@@ -815,7 +828,7 @@ class Machine:
                         error = "interrupted: the pod stopped during this run"
                         self._report("run.finished", run_id=run_id, text=error, outcome="error")
                     self._note_arrived()
-                    self._commit(_restart_note(run_id))
+                    self._note_cut_off(run_id)
             self._announced = self.pod_state  # (paused, say) what later changes are told against
             self._emit(Sync())
 
@@ -1365,7 +1378,7 @@ class Machine:
                 usage=run_usage_dict,
             )
         if interrupted:  # as after a crash (see restore): the next start picks the work up
-            self._commit(_restart_note(run_id))
+            self._note_cut_off(run_id)
         elif started and outcome == "cancelled":  # told at the next request; wakes nothing
             note = SystemItem(id=self.new_id(), text=CANCEL_NOTE, source="poddaemon", context=True)
             self._commit(note)
@@ -1453,6 +1466,18 @@ class Machine:
         if self.stopping:
             self._error(token, errors.SHUTTING_DOWN, "the pod is shutting down")
         return self.stopping
+
+    def _note_cut_off(self, run_id: str) -> None:
+        """The restart note for `run_id`, just ended as cut off (its `RunEnd` is committed)."""
+        in_row = self.state.interrupted_in_row
+        note = _restart_note(run_id, in_row)
+        self._commit(note)
+        if note.context:
+            message = (
+                f"{in_row} runs in a row were cut off by a crash or a stop; the pod does not "
+                "take the work up again by itself: it waits for the next input"
+            )
+            self._publish("alert", {"level": "warning", "source": "poddaemon", "message": message})
 
     def _taken_up(self) -> str | None:
         """The spawner's run, cut off by a restart, whose note the run starting now carries

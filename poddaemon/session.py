@@ -158,6 +158,9 @@ class SessionState(msgspec.Struct):
     pending_notifications: int = 0
     pending_steers: int = 0
     pending_context: int = 0  # of the pending notifications, hook context (wakes no run)
+    # Runs in a row a crash or a stop cut off (a run that ends otherwise resets it): the pod
+    # takes cut-off work up by itself only so many times (see machine.MAX_TAKEN_UP_IN_ROW).
+    interrupted_in_row: int = 0
 
     def add_pending(self, p: PendingInput) -> None:
         if p.id in self.pending_inputs:
@@ -396,6 +399,8 @@ def _apply(s: SessionState, e: Entry) -> None:
             if s.active_run == run_id:
                 s.active_run = None
                 s.open_calls = []
+                if e.outcome != "paused":
+                    s.interrupted_in_row = s.interrupted_in_row + 1 if e.interrupted else 0
             # A queued run cancelled before it started touches neither the active nor the
             # paused run.
             if e.outcome == "paused":

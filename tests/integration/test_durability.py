@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from poddaemon.machine import MAX_TAKEN_UP_IN_ROW, RESTART_NOTE
 from poddaemon.podlog import POWER_CUT_ENV
 from poddaemon.store.file import SessionLog, read_session
 from poddaemon.store.log import GENESIS, encode_entry, new_session_id
@@ -204,6 +205,34 @@ def test_a_graceful_stop_mid_run_is_picked_up_like_a_crash(env: Env) -> None:
     again = restart(env, pod, "resume", sid)
     check_restored(env, again, sid, runs={run.run_id: text}, interrupted=run.run_id, before=before)
     assert text in requests_since(env, before)
+
+
+def test_a_pod_killed_in_every_run_stops_taking_the_work_up_by_itself(env: Env) -> None:
+    """A run that crashes the pod each time (a command that takes all the memory) under
+    `Restart=on-failure`: each start takes the cut-off work up again and spends a model call
+    no usage entry ever counts. After MAX_TAKEN_UP_IN_ROW the note waits for the next input."""
+    env.model.script(*[{"text": "never delivered", "gate": "hold"}] * (MAX_TAKEN_UP_IN_ROW + 1))
+    pod = env.start("looping")
+    with pod.client() as c:
+        c.run("work that kills the pod")
+        sid = c.status().session_id
+    for n in range(1, MAX_TAKEN_UP_IN_ROW + 1):
+        env.model.wait_for_requests(n)  # the call in flight when the pod dies
+        pod.kill9()
+        pod = restart(env, pod, "resume", sid)
+    env.model.wait_for_requests(MAX_TAKEN_UP_IN_ROW + 1)
+    pod.kill9()
+    pod = restart(env, pod, "resume", sid)
+    wait_until(lambda: "runs in a row were cut off" in pod.text(), what="the alert")
+    (note,) = [e for e in all_history(pod) if e["kind"] == "system_item"][-1:]
+    assert note["text"] == RESTART_NOTE and note["context"] is True  # it wakes nothing
+    assert pod.call("status")["state"] == "idle"
+    before = len(env.model.requests)
+    env.model.script({"text": "looked"})
+    assert pod.call("run", input="look at it again", wait=True)["text"] == "looked"
+    (request,) = env.model.requests[before:]  # no run of its own: it came with the input
+    assert RESTART_NOTE in str(request["body"]) and "look at it again" in str(request["body"])
+    verify_ok(env, sid)
 
 
 @pytest.mark.parametrize("rep", REPS)

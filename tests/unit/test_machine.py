@@ -6,8 +6,10 @@ from poddaemon.history import AssistantMessage, SystemNote, Usage, UserMessage
 from poddaemon.llm.types import ModelResponse, ProviderError
 from poddaemon.machine import (
     CANCEL_NOTE,
+    MAX_TAKEN_UP_IN_ROW,
     NOTIFY_MAX_DELAY,
     NOTIFY_QUIET,
+    RESTART_NOTE,
     CallModel,
     Commit,
     Interrupt,
@@ -625,6 +627,39 @@ def test_restore_closes_open_calls_ends_the_run_and_notes_the_restart() -> None:
     assert [getattr(i, "text", "") for i in again.inflight.items][-2:-1] == ["next"]
     assert "restarted" in again.inflight.items[-1].text  # type: ignore[union-attr]
     assert d.answers[queued].result.state == "queued"
+
+
+def _crash_and_restore(d: Driver) -> Driver:
+    again = Driver()
+    again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
+    again.feed(again.machine.restore(d.entries))
+    again.tick(NOTIFY_MAX_DELAY)
+    return again
+
+
+def test_a_pod_that_crashes_in_every_run_stops_taking_the_work_up_by_itself() -> None:
+    """Under `Restart=on-failure` a run that crashes the pod each time would be taken up after
+    every start, its cut-off model calls spent and never counted: after MAX_TAKEN_UP_IN_ROW
+    the note waits for the next input, and says so in an alert."""
+    d = Driver()
+    d.call("run", "work")
+    for _ in range(MAX_TAKEN_UP_IN_ROW):
+        d = _crash_and_restore(d)  # the model call in flight dies with the pod
+        assert isinstance(d.inflight, CallModel)
+        assert "restarted" in d.inflight.items[-1].text  # type: ignore[union-attr]
+        assert not [e for t, e, _ in d.events if t == "alert"]
+    d = _crash_and_restore(d)
+    assert d.inflight is None and d.machine.pod_state == "idle"
+    (alert,) = [e for t, e, _ in d.events if t == "alert"]
+    assert alert["message"].startswith(f"{MAX_TAKEN_UP_IN_ROW + 1} runs in a row were cut off")
+    d.call("run", "look again")  # the user's next input carries the note to the model
+    assert isinstance(d.inflight, CallModel)
+    texts = [getattr(i, "text", "") for i in d.inflight.items]
+    assert texts[-2] == "look again" and RESTART_NOTE in texts[-1]
+    d.model()  # a run that ends as runs do: the count starts again
+    d.call("run", "more")
+    d = _crash_and_restore(d)
+    assert isinstance(d.inflight, CallModel)
 
 
 def test_a_later_notification_moves_the_burst_deadline_at_the_next_tick() -> None:
