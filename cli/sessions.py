@@ -24,23 +24,28 @@ def _sessions_dir() -> Any:
 def sessions(ctx: typer.Context) -> None:
     """Browse and check session logs (without a subcommand: list)."""
     if ctx.invoked_subcommand is None:
-        sessions_list(False)
+        sessions_list(None, False)
 
 
 @sessions_app.command("list")
-def sessions_list(as_json: JsonOpt = False) -> None:
-    """Every session log, newest first."""
+def sessions_list(
+    pod: Annotated[str | None, typer.Argument(help="Only this pod's sessions.")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every session log (or POD's), newest first."""
     import msgspec
 
     from cli.render import format_time
     from poddaemon.store.file import list_sessions
 
     infos = list_sessions(_sessions_dir())
+    if pod is not None:  # ten pods that compact make a long list
+        infos = [info for info in infos if info.pod == pod]
     if as_json:
         print_json(msgspec.to_builtins(infos))
         return
     if not infos:
-        sys.stderr.write("podctl: no sessions\n")
+        sys.stderr.write(f"podctl: no sessions{'' if pod is None else f' of pod {pod}'}\n")
         return
     rows = [("ID", "POD", "STARTED", "BYTES", "FROM")]
     for info in infos:

@@ -315,6 +315,12 @@ def test_sessions_verify_and_show(home: Path) -> None:
     log.close()
     listed = podctl(home, "sessions")
     assert listed.returncode == 0 and listed.stdout.splitlines()[1].split()[:2] == ["s1", "p"]
+    SessionLog.create(sessions, "s2", {"pod": "q", "system_prompt": "be brief"}).close()
+    only_p = podctl(home, "sessions", "list", "p", "--json")
+    assert [info["id"] for info in json.loads(only_p.stdout)] == ["s1"]
+    none = podctl(home, "sessions", "list", "nopod")
+    assert (none.returncode, none.stdout) == (0, "")
+    assert none.stderr == "podctl: no sessions of pod nopod\n"
     ok = podctl(home, "sessions", "verify", "s1")
     assert ok.returncode == 0
     assert ok.stdout.startswith("ok: 2 entries, head ") and len(ok.stdout.split()[-1]) == 12
