@@ -454,7 +454,7 @@ def entry_summary(entry: Mapping[str, Any]) -> str:
         for call in item.get("tool_calls") or []:
             parts.append(f"⚙ {call.get('name', '?')} {_args_text(call.get('arguments', ''))}")
         return one_line(" ".join(parts)) if parts else "(empty)"
-    if kind == "tool_result":
+    if kind in ("tool_result", "tool_output"):
         mark = "✗" if item.get("is_error") else "✓"
         return one_line(f"{mark} {item.get('name', '?')}: {item.get('output', '')}")
     if kind == "llm_usage":

@@ -178,6 +178,16 @@ class ToolResultEntry(Entry, tag="tool_result"):
     summary: str = ""
 
 
+class ToolOutput(Entry, tag="tool_output"):
+    """A tool's own result, written as it returns, before its PostToolUse hooks run: a crash
+    while they run restores this (what the tool did), not "interrupted". Its `tool_result`
+    (with what the hooks added) follows when they end."""
+
+    run_id: str
+    item: ToolResult
+    summary: str = ""
+
+
 class TurnEnd(Entry, tag="turn_end"):
     run_id: str
     round: int
@@ -237,6 +247,7 @@ AnyEntry = (
     | InputsDelivered
     | Assistant
     | ToolResultEntry
+    | ToolOutput
     | TurnEnd
     | LlmUsage
     | RunEnd
@@ -258,6 +269,7 @@ BY_KIND: dict[str, type[Entry]] = {
         InputsDelivered,
         Assistant,
         ToolResultEntry,
+        ToolOutput,
         TurnEnd,
         LlmUsage,
         RunEnd,

@@ -201,8 +201,11 @@ class Hooks(Interceptor):
         runner: Callable[[str], Awaitable[CommandRunner]],  # given the transcript it reads
         session: Callable[[], tuple[str, str]],  # (session id, its log's path)
         record: Callable[[HookRun], None],
+        # Told a tool's own outcome before its PostToolUse hooks run (written to the log).
+        keep: Callable[[ToolCall, ToolOutcome], None] | None = None,
     ) -> None:
         self.config = config
+        self.keep = keep
         self.pod = pod
         self.cwd = cwd
         self.runner = runner
@@ -251,6 +254,10 @@ class Hooks(Interceptor):
             "tool_use_id": call.id,
             "tool_response": {"output": outcome.output, "is_error": outcome.is_error},
         }
+        if self.keep is not None and any(matches(h, call.name) for h in self.config.PostToolUse):
+            # A crash while the hooks run must not lose what the tool did (a command that
+            # deployed, a file written): the restored result is this, not "interrupted".
+            self.keep(call, outcome)
         for run in await self.run("PostToolUse", fields, tool=call.name):
             # The tool already ran: the model is told why a hook blocks, or what it adds
             # (Claude Code's additionalContext: "lint: 2 warnings in the file just written").

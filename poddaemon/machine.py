@@ -36,10 +36,11 @@ from poddaemon.entries import (
     RunStart,
     SessionStart,
     SystemItem,
+    ToolOutput,
     UserInput,
     from_log,
 )
-from poddaemon.history import AssistantMessage, Item, ToolCall, Usage
+from poddaemon.history import AssistantMessage, Item, ToolCall, ToolResult, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError
 from poddaemon.session import (
     CONTEXT_SOURCE,
@@ -751,6 +752,25 @@ class Machine:
 
         return self._handle(go)
 
+    def tool_finished(
+        self, call_id: str, output: str, is_error: bool, summary: str = ""
+    ) -> list[Effect]:
+        """The tool of the call in flight returned, its PostToolUse hooks are about to run:
+        what it did is written now, so a crash during the hooks keeps it (`tool_returned`
+        follows with the result the hooks leave)."""
+
+        def go() -> None:
+            turn = self.turn
+            if turn is None or self.in_flight != "tool":
+                raise RuntimeError("a tool output with no tool in flight")
+            call = next((c for c in self.state.open_calls if c.id == call_id), None)
+            if call is None:
+                raise RuntimeError(f"a tool output for {call_id}, not an open call")
+            item = ToolResult(call_id=call_id, name=call.name, output=output, is_error=is_error)
+            self._commit(ToolOutput(run_id=turn.run_id, item=item, summary=summary))
+
+        return self._handle(go)
+
     def tool_returned(
         self, call_id: str, output: str, is_error: bool, summary: str = ""
     ) -> list[Effect]:
@@ -812,7 +832,8 @@ class Machine:
                 # Paused by a client before the crash, short of its safe point, it stays paused
                 # (its open calls closed as interrupted) and nothing takes it up until `resume`.
                 paused = run_id == self.state.pause_requested
-                self._commit_all(interrupted_results(self.state.open_calls, run_id))
+                s = self.state
+                self._commit_all(interrupted_results(s.open_calls, run_id, s.tool_outputs))
                 self._commit(
                     RunEnd(
                         run_id=run_id,

@@ -188,6 +188,7 @@ class Pod:
                 runner=self.tool_ctx.hook_runner,
                 session=self._session_ref,
                 record=self._record_hook,
+                keep=self._keep_tool_output,
             )
             self.chain.interceptors.append(self.hooks)
         self.plog = PodLog(
@@ -666,6 +667,12 @@ class Pod:
         if self.machine.state.session_id or reserved is None:
             return self.machine.state.session_id, self.plog.path
         return reserved.session_id, str(reserved.path)
+
+    def _keep_tool_output(self, call: ToolCall, outcome: ToolOutcome) -> None:
+        self.feed(
+            self.machine.tool_finished(call.id, outcome.output, outcome.is_error, outcome.summary)
+        )
+        self.plog.flush()  # written before the hooks start, not at the end of this loop pass
 
     def _record_hook(self, run: "HookRun") -> None:
         from poddaemon.hooks import ADVISORY, NOT_RUN

@@ -31,6 +31,7 @@ from poddaemon.entries import (
     RunStart,
     SessionStart,
     SystemItem,
+    ToolOutput,
     ToolResultEntry,
     UserInput,
     from_log,
@@ -140,6 +141,8 @@ class SessionState(msgspec.Struct):
     paused_run: str | None = None
     pause_requested: str | None = None  # the active run a `pause` was acknowledged for
     open_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    # Open calls whose tool returned, their PostToolUse hooks not yet through: call id -> it.
+    tool_outputs: dict[str, ToolOutput] = msgspec.field(default_factory=dict)
     run_outcomes: dict[str, dict[str, Any]] = msgspec.field(default_factory=dict)  # keyed runs
     # keyed run id -> the position its `run` was answered (0: started), for a retry of its key
     run_positions: dict[str, int] = msgspec.field(default_factory=dict)
@@ -365,6 +368,9 @@ def _apply(s: SessionState, e: Entry) -> None:
         case ToolResultEntry(item=item):
             s.history.append(item)
             s.open_calls = [c for c in s.open_calls if c.id != item.call_id]
+            s.tool_outputs.pop(item.call_id, None)
+        case ToolOutput(item=item):
+            s.tool_outputs[item.call_id] = e
         case LlmUsage():
             u = e.usage()
             s.usage.add(u)
@@ -399,6 +405,7 @@ def _apply(s: SessionState, e: Entry) -> None:
             if s.active_run == run_id:
                 s.active_run = None
                 s.open_calls = []
+                s.tool_outputs.clear()
                 if e.outcome != "paused":
                     s.interrupted_in_row = s.interrupted_in_row + 1 if e.interrupted else 0
             # A queued run cancelled before it started touches neither the active nor the

@@ -14,12 +14,13 @@ Pause and cancel are requests: they take effect at the next safe point (before a
 before a tool), except that the pod also interrupts whatever is in flight on cancel.
 """
 
+from collections.abc import Mapping
 from enum import Enum
 from typing import Literal
 
 import msgspec
 
-from poddaemon.entries import Assistant, Entry, ToolResultEntry, TurnEnd
+from poddaemon.entries import Assistant, Entry, ToolOutput, ToolResultEntry, TurnEnd
 from poddaemon.history import AssistantMessage, ToolCall, ToolResult, Usage
 from poddaemon.llm.types import ModelResponse, ProviderError
 
@@ -38,6 +39,11 @@ CANCELLED_WHILE_RUNNING = (
 HOOKS_CUT_SHORT = (
     "[PostToolUse hook] not run to the end: the run was cancelled (or the pod shut down) "
     "after this call had finished"
+)
+# What a restored session adds to the output of a call whose tool had returned when a crash
+# cut its PostToolUse hooks short.
+HOOKS_CUT_SHORT_BY_CRASH = (
+    "[PostToolUse hook] not run to the end: the pod stopped after this call had finished"
 )
 # What a restored session says of a call a crash cut off, by what the call was doing.
 INTERRUPTED = (
@@ -341,15 +347,22 @@ class Turn(msgspec.Struct):
             raise RuntimeError(f"unexpected result in state {self._state.value}")
 
 
-def interrupted_results(calls: list[ToolCall], run_id: str) -> list[Entry]:
-    """Results for tool calls a crash left without one (used when a session is restored)."""
-    return [
-        ToolResultEntry(
-            run_id=run_id,
-            item=ToolResult(
-                call_id=c.id, name=c.name, output=interrupted_output(c.name), is_error=True
-            ),
-            summary="interrupted",
+def interrupted_results(
+    calls: list[ToolCall], run_id: str, finished: Mapping[str, ToolOutput] | None = None
+) -> list[Entry]:
+    """Results for tool calls a crash left without one (used when a session is restored).
+    A call in `finished` had returned, its PostToolUse hooks cut short: its output stands."""
+    results: list[Entry] = []
+    for c in calls:
+        done = finished.get(c.id) if finished else None
+        if done is not None:
+            item = msgspec.structs.replace(
+                done.item, output=f"{done.item.output}\n{HOOKS_CUT_SHORT_BY_CRASH}"
+            )
+            results.append(ToolResultEntry(run_id=run_id, item=item, summary=done.summary))
+            continue
+        item = ToolResult(
+            call_id=c.id, name=c.name, output=interrupted_output(c.name), is_error=True
         )
-        for c in calls
-    ]
+        results.append(ToolResultEntry(run_id=run_id, item=item, summary="interrupted"))
+    return results

@@ -688,13 +688,14 @@ def test_cancel_during_a_stop_hook_kills_it_and_ends_the_run_cancelled(env: Env)
     assert pod.stop() == 0
 
 
-@pytest.mark.parametrize("how", ["cancel", "stop"])
+@pytest.mark.parametrize("how", ["cancel", "stop", "kill9"])
 def test_a_call_whose_posttooluse_hook_is_cut_short_keeps_what_the_tool_did(
     env: Env, how: str
 ) -> None:
-    """The command had finished (its output in hand) when a cancel or a shutdown cut its slow
-    PostToolUse hook short: its result told the model "It did not finish: check its effects
-    before running it again" and dropped the output, so a model would run an append twice."""
+    """The command had finished (its output in hand) when a cancel, a shutdown or a crash cut
+    its slow PostToolUse hook short: its result told the model "It did not finish: check its
+    effects before running it again" and dropped the output, so a model would run an append
+    twice."""
     marker = env.work / "post-hook-started"
     hook = script(env, "slow_post.py", SLOW_STOP.format(marker=str(marker)))
     command = "echo line >> appended.txt; echo appended-once"
@@ -713,9 +714,13 @@ def test_a_call_whose_posttooluse_hook_is_cut_short_keeps_what_the_tool_did(
         wait_until(lambda: tool_results(pod), what="the call's result")
         (result,) = tool_results(pod)
     else:
-        assert pod.stop() == 0
+        if how == "stop":
+            assert pod.stop() == 0
+        else:
+            pod.kill9()
         again = env.restart(pod, "--resume")
         (result,) = tool_results(again)
+        assert "not run to the end" in result["output"], result
     assert "appended-once" in result["output"], result
     assert "did not finish" not in result["output"], result
     wait_until(lambda: hook_gone(env, "slow_post.py"), what="the PostToolUse hook to be killed")

@@ -22,7 +22,13 @@ from poddaemon.machine import (
     Stopped,
 )
 from poddaemon.session import MAX_NOTIFICATIONS_PER_REQUEST
-from poddaemon.turn import CANCELLED_WHILE_RUNNING, NOT_RUN_CANCELLED, NOT_RUN_PAUSED
+from poddaemon.turn import (
+    CANCELLED_WHILE_RUNNING,
+    HOOKS_CUT_SHORT_BY_CRASH,
+    NOT_RUN_CANCELLED,
+    NOT_RUN_PAUSED,
+    interrupted_output,
+)
 from protocol import errors
 from tests.unit.machine_driver import Driver
 
@@ -660,6 +666,25 @@ def test_a_pod_that_crashes_in_every_run_stops_taking_the_work_up_by_itself() ->
     d.call("run", "more")
     d = _crash_and_restore(d)
     assert isinstance(d.inflight, CallModel)
+
+
+def test_a_crash_in_post_tool_use_hooks_keeps_what_the_tool_did() -> None:
+    """A call whose tool returned (its output written) when a crash cut its PostToolUse hooks
+    short is restored with that output, not as interrupted; the next call of the batch, never
+    run, is."""
+    d = Driver()
+    d.call("run", "append a line")
+    d.model(calls=2)
+    assert isinstance(d.inflight, RunTool)
+    d.feed(d.machine.tool_finished(d.inflight.call.id, "appended-once", False, "1 line"))
+    again = _crash_and_restore(d)
+    results = [e for e in again.entries if e["kind"] == "tool_result"]
+    assert [r["item"]["output"] for r in results] == [
+        f"appended-once\n{HOOKS_CUT_SHORT_BY_CRASH}",
+        interrupted_output("read_file"),
+    ]
+    assert [r["item"]["is_error"] for r in results] == [False, True]
+    assert results[0]["summary"] == "1 line"
 
 
 def test_a_later_notification_moves_the_burst_deadline_at_the_next_tick() -> None:

@@ -83,7 +83,12 @@ def work(d: Driver, data: st.DataObject) -> None:
                 "answer", calls=data.draw(st.integers(0, 3)), usage=data.draw(st.integers(0, 9))
             )
     elif isinstance(d.inflight, RunTool):
-        d.tool("tool output", is_error=data.draw(st.booleans()))
+        is_error = data.draw(st.booleans())
+        if data.draw(st.booleans()):  # PostToolUse hooks to run: the tool's own output first
+            d.feed(d.machine.tool_finished(d.inflight.call.id, "tool output", is_error))
+            if data.draw(st.booleans()):
+                return  # a crash (or more commands) while the hooks run
+        d.tool("tool output", is_error=is_error)
     elif d.timer is not None:
         d.tick(d.timer - d.now + 0.001)
 
