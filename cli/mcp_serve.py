@@ -13,7 +13,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectSendStream
     from mcp.server.mcpserver import MCPServer
+    from mcp.shared.message import SessionMessage
 
     from protocol.aio import AsyncPodClient
 
@@ -191,6 +193,86 @@ def _plain(value: Any) -> dict[str, Any]:
     return out
 
 
+def refusal(line: str) -> tuple[bool, Any]:
+    """Whether the SDK's stdio transport can take `line`; if not, the JSON-RPC error it
+    deserves (None: a notification or a response, which get no answer). The transport drops
+    what it cannot read without a word: a client whose request had a bad field (`"params":
+    []`, `"jsonrpc": "1.0"`) or was no JSON waited for its answer for ever."""
+    import json
+
+    from mcp import types
+
+    try:
+        types.jsonrpc_message_adapter.validate_json(line, by_name=False)
+        return True, None
+    except ValueError:  # pydantic's ValidationError: its text lists every union member's
+        pass
+    try:
+        msg = json.loads(line)
+    except (ValueError, RecursionError):
+        error = types.ErrorData(code=types.PARSE_ERROR, message="Parse error")
+        return False, types.JSONRPCError(jsonrpc="2.0", id=None, error=error)
+    id_ = None
+    if isinstance(msg, dict):
+        if "id" not in msg or ("method" not in msg and ("result" in msg or "error" in msg)):
+            return False, None  # a notification, or a response to us: never answered
+        id_ = msg["id"]
+    if isinstance(id_, bool) or not isinstance(id_, int | str):
+        id_ = None
+    why = 'not a JSON-RPC 2.0 message ("jsonrpc": "2.0", a "method", "params" an object)'
+    error = types.ErrorData(code=types.INVALID_REQUEST, message=f"Invalid Request: {why}")
+    return False, types.JSONRPCError(jsonrpc="2.0", id=id_, error=error)
+
+
+class _Answered:
+    """The lines of stdin the SDK's transport can take; the others are answered here, through
+    the transport's own writer (so replies never interleave on stdout)."""
+
+    def __init__(self, lines: Any) -> None:
+        import anyio
+
+        self._lines = lines
+        self._out: MemoryObjectSendStream[SessionMessage] | None = None
+        self._ready = anyio.Event()
+
+    def answer_with(self, out: "MemoryObjectSendStream[SessionMessage]") -> None:
+        self._out = out
+        self._ready.set()
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        from mcp.shared.message import SessionMessage
+
+        async for line in self._lines:
+            if not line.strip():
+                continue  # a blank line: nothing was asked
+            ok, error = refusal(line)
+            if ok:
+                yield line
+            elif error is not None:
+                await self._ready.wait()
+                assert self._out is not None
+                await self._out.send(SessionMessage(error))
+
+
+async def serve_stdio(server: "MCPServer") -> None:
+    """`server` on stdio, as the SDK's `run("stdio")`, with every line that is no message it
+    can take answered (`refusal`) instead of dropped."""
+    import io
+    import sys
+
+    import anyio
+    from mcp.server.stdio import stdio_server
+
+    text = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", errors="replace")
+    lines = _Answered(anyio.wrap_file(text))
+    async with stdio_server(stdin=lines) as (read_stream, write_stream):  # type: ignore[arg-type]
+        lines.answer_with(write_stream)
+        lowlevel = server._lowlevel_server
+        await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
+
+
 def main(timeout: float = CALL_TIMEOUT) -> int:
-    build_server(timeout).run("stdio")
+    import anyio
+
+    anyio.run(serve_stdio, build_server(timeout))
     return 0

@@ -220,3 +220,37 @@ async def test_pod_history_pages_the_session_a_compaction_continued(env: Env) ->
         assert any(e.get("text") == "said before the compaction" for e in entries)
         other = await client.call_tool("pod_history", {"pod": "worker", "session_id": "nope"})
         assert other.is_error and "no session nope" in other.content[0].text
+
+
+def test_a_line_the_sdk_cannot_read_is_answered_and_the_server_stays(env: Env) -> None:
+    """Found by QA: the SDK's stdio transport dropped a line it could not read without a word,
+    so a client whose request had one bad field (`"params": []`, `"jsonrpc": "1.0"`), or was
+    no JSON, waited for its answer for ever. Each gets its JSON-RPC error, under its id when
+    it has one; notifications and responses stay unanswered; the next request is served."""
+    client = {"name": "t", "version": "1"}
+    init = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": client}
+    lines = [
+        json.dumps({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": init}),
+        json.dumps({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+        "not json at all",
+        json.dumps({"jsonrpc": "2.0", "id": 2, "method": "ping", "params": []}),
+        json.dumps({"jsonrpc": "1.0", "id": "three", "method": "ping"}),
+        json.dumps({"id": 4}),
+        json.dumps([{"jsonrpc": "2.0", "id": 5, "method": "ping"}]),
+        json.dumps({"jsonrpc": "2.0", "method": "notifications/x", "params": []}),
+        json.dumps({"jsonrpc": "2.0", "id": 6, "result": [], "extra": 1, "error": 1}),
+        "",
+        json.dumps({"jsonrpc": "2.0", "id": 7, "method": "ping"}),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "cli.main", "mcp-serve"],
+        input="\n".join(lines) + "\n",
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    replies = [json.loads(line) for line in proc.stdout.splitlines()]
+    errors = [(r["id"], r["error"]["code"]) for r in replies if "error" in r]
+    assert errors == [(None, -32700), (2, -32600), ("three", -32600), (4, -32600), (None, -32600)]
+    assert [r["id"] for r in replies if "result" in r] == [1, 7]
