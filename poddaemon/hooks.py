@@ -85,12 +85,24 @@ def system_message(stdout: str) -> str:
 
 
 def capped(text: str, unread: int = 0) -> str:
-    """`text` cut to TEXT_LIMIT; `unread`: what followed it that was never read (bytes past
-    OUTPUT_LIMIT), counted in what the note says was cut."""
+    """`text` cut to TEXT_LIMIT, as UTF-8 can carry it (`utf8`); `unread`: what followed it
+    that was never read (bytes past OUTPUT_LIMIT), counted in what the note says was cut."""
+    text = utf8(text)
     if len(text) <= TEXT_LIMIT:
         return text
     more = len(text) - TEXT_LIMIT + unread
     return f"{text[:TEXT_LIMIT]}\n[hook output cut: {more} more characters]"
+
+
+def utf8(text: str) -> str:
+    """`text` with each lone surrogate made U+FFFD. A JSON answer's `"\\ud800"` escape
+    decodes to one, which no UTF-8 encoder takes: a hook's block reason or context holding one
+    failed the session log's write, and the pod stopped (exit 1)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
 
 
 NO_REASON = "no reason given"  # a block whose hook said nothing (the caller names the hook)

@@ -1093,3 +1093,40 @@ def test_status_says_which_guard_scripts_the_pods_commands_can_replace(env: Env)
     status = env.podctl("status", pod.name).stdout
     replaceable = [line for line in status.splitlines() if "can replace it" in line]
     assert len(replaceable) == 1 and str(inside) in replaceable[0], status
+
+
+# A JSON answer's "\ud800" escape: json.loads makes it a lone surrogate, which UTF-8 cannot carry.
+LONE_SURROGATE = r"""print('{"decision": "block", "reason": "no \\ud800 here", '
+      '"systemMessage": "said \\udfff", '
+      '"hookSpecificOutput": {"additionalContext": "ctx \\ud800"}}')
+"""
+
+
+@pytest.mark.parametrize("event", ["PreToolUse", "PostToolUse", "UserPromptSubmit"])
+def test_a_hook_answer_with_a_lone_surrogate_escape_does_not_stop_the_pod(
+    env: Env, event: str
+) -> None:
+    """Found by QA: the text of a hook's JSON answer went to the session log as it came, and
+    one holding a lone surrogate (valid JSON) failed the log's write: the pod stopped (exit 1)
+    in the middle of the run. It is kept with U+FFFD in its place."""
+    hook = script(env, "surrogate.py", LONE_SURROGATE)
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {"path": "."}}]}, {"text": "done"}
+    )
+    pod = env.start("lone", tools=["list_dir"], extra=hooks_toml(event, hook))
+    with pod.client() as c:
+        if event == "UserPromptSubmit":
+            with pytest.raises(RpcError) as refused:
+                c.run_wait("go")
+            assert refused.value.code == -32009 and "no \ufffd here" in refused.value.message
+        else:
+            assert c.run_wait("go").outcome == "finished"
+    if event != "UserPromptSubmit":  # (a refused prompt commits nothing)
+        (run,) = hook_runs(pod)
+        assert run["decision"] == "block" and run["reason"] == "no \ufffd here", run
+        (result,) = tool_results(pod)
+        said = "blocked by a PreToolUse hook: " if event == "PreToolUse" else "[PostToolUse hook] "
+        assert f"{said}no \ufffd here" in result["output"], result
+        sid = pod.call("status")["session_id"]
+        assert env.podctl("sessions", "verify", sid).returncode == 0
+    assert pod.stop() == 0
