@@ -82,6 +82,22 @@ def reports_left(pod: "Pod", name: str) -> list[OutboxItem]:
         return []
 
 
+def _drop_kept(name: str, callback: str) -> None:
+    """Remove the kept configuration a child that never became ready wrote (`<name>.toml` and
+    the `.callback` naming us): spawn_pod failed, so no pod of that name ever was. Left, it
+    made the name "another pod's" to every other spawner, and `podctl restart` started the
+    configuration that failed. Only when the callback names us: else the files are not its."""
+    sidecar = paths.data_dir() / "pods" / f"{name}.callback"
+    try:
+        if os.path.abspath(sidecar.read_text().strip()) != os.path.abspath(callback):
+            return
+    except OSError:
+        return
+    for path in (paths.kept_config(name), sidecar):  # (the configuration first: it is what
+        with contextlib.suppress(OSError):  # names a pod; a lone callback names none)
+            path.unlink()
+
+
 def _kept_grant(name: str) -> int | None:
     """The budget a live child our log does not know holds, from its kept configuration
     (`<data>/pods/<name>.toml`: spawn_pod writes the grant there as its cap). Such a child was
@@ -567,6 +583,7 @@ class Children:
         pod = self.pod
         folder = paths.ensure_dir(paths.data_dir() / "pods")
         path = folder / f".spawn-{name}-{os.getpid()}.toml"
+        fresh = not paths.kept_config(name).exists()  # no pod had this name yet
         paths.write_private(path, manifest.to_toml())  # the child's scope: ours alone to write
         cmd = [
             sys.executable,
@@ -588,6 +605,8 @@ class Children:
                 socket = await _await_ready(started, str(path))
             except BaseException:
                 await started.kill()
+                if fresh:
+                    _drop_kept(name, pod.s.entry.socket)
                 raise
             finally:
                 started.close()

@@ -1841,3 +1841,33 @@ def test_a_task_over_the_childs_input_limit_is_refused_before_a_child_starts(tre
     kinds = {e["kind"] for e in parent.call("history", limit=10000)["entries"]}
     assert "child_started" not in kinds
     assert not (env.home / "log" / "s1.log").exists()  # never started: no log
+
+
+def test_a_child_that_never_became_ready_leaves_its_name_free(tree: Env) -> None:
+    """Found by QA: a child that failed at start-up (here its instruction's template) had
+    written its kept configuration and callback already: the name stayed "another pod's"
+    to every other spawner, though no pod of that name ever ran."""
+    env = tree
+    for d in ("p1/kid", "p2/kid"):
+        (env.work / d).mkdir(parents=True)
+    quiet_children(env, "kid")
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn_call("kid", "t", [str(env.work / "p1" / "kid")], instruction="{{ nope() }}")
+            ]
+        },
+        {"text": "first done"},
+        {"tool_calls": [spawn_call("kid", "t", [str(env.work / "p2" / "kid")])]},
+        {"text": "second done"},
+    )
+    first = start_parent(env, "first", write=[str(env.work / "p1")])
+    assert run_and_wait(first, "go")["outcome"] == "finished"
+    (failed,) = tool_results(first)
+    assert failed["is_error"] and "child pod failed to start" in failed["output"], failed
+    kept = env.home / "data" / "pods"
+    assert not (kept / "kid.toml").exists() and not (kept / "kid.callback").exists()
+    second = start_parent(env, "second", write=[str(env.work / "p2")])
+    assert run_and_wait(second, "go")["outcome"] == "finished"
+    (spawned,) = tool_results(second)
+    assert not spawned["is_error"], spawned
