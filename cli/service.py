@@ -298,7 +298,7 @@ def _restart(pod: str) -> None:
         if status is None:
             fail(f"pod '{name}' is not running and has no kept configuration", EXIT_NOT_RUNNING)
         fail(f"pod '{name}' has no kept configuration ({config}); stop it and spawn it again")
-    callback = config.with_suffix(".callback")
+    callback = paths.kept_callback(name)
     spawner = callback.read_text().strip() if callback.exists() else None
     problem = _cannot_start(config) or (_too_many_children(name, spawner) if spawner else None)
     if problem is not None:  # found before the stop: a restart that cannot start keeps the pod

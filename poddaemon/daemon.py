@@ -492,9 +492,9 @@ def _keep_config(manifest: object, callback: str | None = None) -> None:
 
     assert isinstance(manifest, Manifest)
     config = paths.kept_config(manifest.pod.name)
-    folder = paths.ensure_dir(config.parent)
+    paths.ensure_dir(config.parent)
     _replace_file(config, manifest.to_toml())
-    sidecar = folder / f"{manifest.pod.name}.callback"
+    sidecar = paths.kept_callback(manifest.pod.name)
     if callback is None:
         with contextlib.suppress(FileNotFoundError):
             sidecar.unlink()

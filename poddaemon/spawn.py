@@ -68,7 +68,7 @@ def reports_left(pod: "Pod", name: str) -> list[OutboxItem]:
     from poddaemon.store.file import newest_session_for, read_session
     from poddaemon.store.log import LogCorrupt
 
-    callback = paths.data_dir() / "pods" / f"{name}.callback"
+    callback = paths.kept_callback(name)
     try:
         if os.path.abspath(callback.read_text().strip()) != os.path.abspath(pod.s.entry.socket):
             return []
@@ -87,7 +87,7 @@ def _drop_kept(name: str, callback: str) -> None:
     the `.callback` naming us): spawn_pod failed, so no pod of that name ever was. Left, it
     made the name "another pod's" to every other spawner, and `podctl restart` started the
     configuration that failed. Only when the callback names us: else the files are not its."""
-    sidecar = paths.data_dir() / "pods" / f"{name}.callback"
+    sidecar = paths.kept_callback(name)
     try:
         if os.path.abspath(sidecar.read_text().strip()) != os.path.abspath(callback):
             return
@@ -467,11 +467,10 @@ class Children:
         (what `podctl restart` starts, SPEC §9) and its sessions are another pod's, and the
         child would replace that configuration with its own. A live pod's name is left to
         the registry (which says which pod runs)."""
-        folder = paths.data_dir() / "pods"
-        if not (folder / f"{name}.toml").exists() or self.pod.s.registry.get(name) is not None:
+        if not paths.kept_config(name).exists() or self.pod.s.registry.get(name) is not None:
             return
         try:
-            owner = (folder / f"{name}.callback").read_text().strip()
+            owner = paths.kept_callback(name).read_text().strip()
         except FileNotFoundError:
             owner = ""
         except OSError as exc:

@@ -329,6 +329,12 @@ def kept_config(name: str) -> Path:
     return data_dir() / "pods" / f"{name}.toml"
 
 
+def kept_callback(name: str) -> Path:
+    """`<data>/pods/<name>.callback`: the socket of the pod that spawned `name` (its parent),
+    kept with its configuration so that a restarted child reports to it again."""
+    return data_dir() / "pods" / f"{name}.callback"
+
+
 def socket_path(name: str) -> Path:
     return pod_dir(name) / "sock"
 
