@@ -6,7 +6,7 @@ Its RPC methods (run, notify, status, ...) are declared once for both clients in
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine, Generator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
@@ -43,10 +43,18 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
         self.target = target
 
     @classmethod
-    async def connect(
+    def connect(
         cls, target: str | Path, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    ) -> "AsyncPodClient":
-        """As PodClient.connect: refuses a socket another user owns or serves."""
+    ) -> "_Connecting":
+        """As PodClient.connect: refuses a socket another user owns or serves.
+
+        Await it for the client (`client = await AsyncPodClient.connect(...)`), or use it as
+        the twin of `with PodClient.connect(...) as pod:`, `async with AsyncPodClient.connect(
+        ...) as pod:`, which closes the connection at the block's end."""
+        return _Connecting(cls._open(target, max_frame_bytes))
+
+    @classmethod
+    async def _open(cls, target: str | Path, max_frame_bytes: int) -> "AsyncPodClient":
         path = resolve_socket(target)
         try:
             check_socket_owner(path)
@@ -171,3 +179,36 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
                 raise self._closed
             self._event_ready.clear()
             await self._event_ready.wait()
+
+
+class _Connecting(Coroutine[Any, Any, AsyncPodClient]):
+    """What AsyncPodClient.connect returns: awaitable (the client), and an async context
+    manager (the client, closed on exit), so `async with AsyncPodClient.connect(pod)` works
+    as the sync `with PodClient.connect(pod)` does, not only `async with await ...`. A
+    coroutine still (it delegates to the one it wraps): `asyncio.create_task` takes it."""
+
+    def __init__(self, opening: Coroutine[Any, Any, AsyncPodClient]) -> None:
+        self._opening = opening
+        self._client: AsyncPodClient | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncPodClient]:
+        return self._opening.__await__()
+
+    def send(self, value: Any) -> Any:
+        return self._opening.send(value)
+
+    def throw(self, *args: Any) -> Any:
+        return self._opening.throw(*args)
+
+    def close(self) -> None:
+        self._opening.close()
+
+    async def __aenter__(self) -> AsyncPodClient:
+        self._client = await self._opening
+        return self._client
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._client is not None:
+            await self._client.close()

@@ -102,6 +102,26 @@ def test_async_client_raises_connection_closed_when_the_pod_dies_with_our_reques
     asyncio.run(go())
 
 
+def test_async_client_connect_is_a_context_manager_as_the_sync_one_is(env: Env) -> None:
+    """The README calls AsyncPodClient the asyncio twin of `with PodClient.connect(...) as pod`:
+    `async with AsyncPodClient.connect(...) as pod` works (no `await` between), and closes the
+    connection at the block's end; `await AsyncPodClient.connect(...)` still gives the client."""
+    pod = env.start()
+
+    async def go() -> None:
+        async with AsyncPodClient.connect(pod.socket) as client:
+            assert (await client.status()).name == pod.name
+        with pytest.raises(ConnectionClosed):
+            await client.status()
+        async with await AsyncPodClient.connect(pod.socket) as again:
+            assert (await again.status()).name == pod.name
+        task = asyncio.create_task(AsyncPodClient.connect(pod.socket))  # a coroutine still
+        async with await task as third:
+            assert (await third.status()).name == pod.name
+
+    asyncio.run(go())
+
+
 def test_async_client_calls_to_a_pod_that_reads_nothing_wait_instead_of_piling_up(
     env: Env,
 ) -> None:
