@@ -24,10 +24,19 @@ import sys
 import time
 from pathlib import Path
 
-# Run from a checkout without installing: make the repo's `protocol` package importable.
+# Run from a checkout without installing: make the repo's `protocol` package importable. Its
+# dependencies (msgspec) are in the repo's venv, not in the system's python3 that the shebang
+# may find: say so in one line rather than with a traceback.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocol import PodClient, PodNotRunning, RpcError
+try:
+    from protocol import PodClient, PodNotRunning, RpcError
+except ModuleNotFoundError as exc:
+    sys.exit(
+        f"{sys.argv[0]}: this Python lacks poddaemon's dependencies ({exc}): run it with the "
+        "repo's venv, `.venv/bin/python examples/watch_and_notify.py ...` (or after "
+        "`. .venv/bin/activate`)"
+    )
 
 Snapshot = dict[str, list[int]]  # relative path -> [mtime_ns, size]
 MAX_LISTED = 50  # files named in one notification; the rest are counted

@@ -867,6 +867,21 @@ def test_watch_and_notify_once(env: Env) -> None:
     assert "~ b.txt" in json.dumps(bodies(env)[-1])
 
 
+def test_watch_and_notify_run_by_a_python_without_the_venv_says_so_in_one_line() -> None:
+    """Its shebang finds the system's python3, which lacks msgspec: one line saying to use the
+    venv, not a ModuleNotFoundError traceback (`-S`: this venv's site-packages left out)."""
+    proc = subprocess.run(
+        [sys.executable, "-S", str(EXAMPLES / "watch_and_notify.py"), ".", "pod", "--once"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1, proc
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert ".venv/bin/python" in proc.stderr and "msgspec" in proc.stderr, proc.stderr
+
+
 def test_ci_notify_script(env: Env) -> None:
     pod = env.start("ci-target")
     run = subprocess.run(
