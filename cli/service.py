@@ -705,7 +705,7 @@ def _stderr_log(
     from cli.render import printable
     from protocol import paths
 
-    path = paths.log_dir() / f"{name}.log"
+    path = kept = paths.log_dir() / f"{name}.log"
     with contextlib.suppress(FileNotFoundError):
         paths.check_dir(path.parent, "log directory")  # another user's: their lines, not ours
     if not path.exists():  # one started by a version that kept it in the pod's runtime dir
@@ -713,6 +713,7 @@ def _stderr_log(
     try:
         f: IO[str] = path.open("r", errors="replace")
     except FileNotFoundError:
+        path = kept  # name where the log is kept, not the old place looked at last
         if running:  # started some other way (`poddaemon run`, spawn --foreground): exit 3 lies
             fail(
                 f"pod '{name}' keeps no log file ({path}): its stderr goes where its starter "

@@ -472,7 +472,11 @@ def test_logs_of_a_running_pod_without_a_log_file_is_an_error_not_not_running(en
     logs = env.podctl("logs", "pod")
     assert logs.returncode == 1, logs.stderr
     assert logs.stderr.startswith("podctl: pod 'pod' keeps no log file")
-    assert env.podctl("logs", "ghost").returncode == 3
+    ghost = env.podctl("logs", "ghost")
+    assert ghost.returncode == 3, ghost.stderr
+    # where podctl spawn keeps it (README: `<log>/<name>.log`), not the runtime dir's old place
+    assert f"({env.home / 'log' / 'ghost.log'})" in ghost.stderr, ghost.stderr
+    assert "stderr.log" not in logs.stderr + ghost.stderr
 
 
 def test_logs_are_kept_in_the_log_dir_when_the_runtime_dir_is_wiped(env: Env) -> None:
