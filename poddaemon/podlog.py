@@ -238,10 +238,14 @@ class PodLog:
         fails."""
         if self.log is not None and not self.failed:
             self.flush()
-            if not self.failed and not self.log.named():  # what it makes durable, none could find
+            # What it makes durable, none could find. A closed log is neither: `close` made all
+            # of it durable, and a reply committed after it (at shutdown) must not fork one.
+            if not self.failed and not self.log.closed and not self.log.named():
                 self._fork("was removed or replaced on disk")
             if self.failed:
                 raise OSError(errno.EIO, "the session log could not be written")
+            if self.log.closed and self.log.durable_seq < self.log.seq:  # its last fsync failed
+                raise OSError(errno.EIO, "the session log was closed before it was durable")
             if _power_cut_at:
                 _power_cut_point(self.log)
             self.log.sync_now()

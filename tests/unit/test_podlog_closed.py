@@ -1,6 +1,7 @@
 """PodLog after the pod closed it, on its way out."""
 
 import asyncio
+import os
 import tempfile
 
 from poddaemon.entries import ChildEnded, PauseRequested, RunEnd, SessionStart, SystemItem
@@ -71,3 +72,30 @@ def test_what_a_client_is_told_waits_for_the_fsync_as_an_input_does() -> None:
         with tempfile.TemporaryDirectory(dir="/tmp") as sessions:
             waits = not asyncio.run(durable_before_and_after(entry, sessions))
         assert waits is (entry in told), entry
+
+
+def test_a_commit_after_the_close_forks_no_new_session() -> None:
+    """Found by hand (`podctl stop --tree` of a spawner restarted while its detached child
+    lived): a reply committed after the spawner had closed its log (the child's redelivered
+    report, answered `accepted` without an entry) ran the fsync, which took the closed log for
+    one "removed or replaced on disk" and forked a new session after the pod had shut down:
+    a WARNING in its log, a stray session, and the next `--resume` continued the fork."""
+    alerts: list[str] = []
+    failures: list[str] = []
+
+    async def go(sessions: str) -> PodLog:
+        def fork() -> SessionStart:
+            return SessionStart(session_id=new_session_id(), seq=1, ts=3.0)
+
+        plog = PodLog(sessions, failures.append, lambda _: None, alerts.append, fork)
+        plog.open(SessionStart(session_id=new_session_id(), seq=1, ts=1.0))
+        plog.write(SystemItem(id="n1", text="before", source="ci", seq=2, ts=2.0))
+        plog.sync_now()
+        await plog.close()
+        plog.sync_now()  # a reply's commit after the close: everything is durable already
+        return plog
+
+    with tempfile.TemporaryDirectory(dir="/tmp") as sessions:
+        plog = asyncio.run(go(sessions))
+        assert (alerts, failures, plog.forks) == ([], [], 0)
+        assert len(os.listdir(sessions)) == 1
