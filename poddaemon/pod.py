@@ -762,7 +762,7 @@ class Pod:
         owner = session_pod(self.s.sessions_dir, session_id)
         why = None
         if owner is not None and owner != self.name:
-            why = f"is pod {owner!r}'s"
+            why = f"belongs to pod {owner!r}"  # (not "is pod 'a''s")
         elif later := continued_by(self.s.sessions_dir, session_id, self.name):
             why = f"was continued already by session {later[0]}"
         effects, warnings = self.plog.restore(session_id, self.machine.restore)

@@ -1099,7 +1099,9 @@ def test_a_pod_restored_from_another_pods_session_shows_its_history(env: Env) ->
     with unrelated.client() as c:
         c.run_wait("not yours")
         unrelated_sid = c.status().session_id
-    env.start("second", "--session", sid, write=[str(env.home / "s")])
+    second = env.start("second", "--session", sid, write=[str(env.home / "s")])
+    # its log says why it forked, readably (it said "session … is pod 'first''s; …")
+    assert f"session {sid} belongs to pod 'first'; continuing in session" in second.text()
     shown = env.podctl("history", "second", "--all", "--json")
     assert shown.returncode == 0, shown.stderr
     # second goes on in a session of its own, forked from first's, which it pages back to.
