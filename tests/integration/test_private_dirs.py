@@ -137,6 +137,35 @@ def test_a_data_dir_owned_by_another_user_is_refused(env: Env) -> None:
     assert f"data directory {data} is owned by uid {OTHER_UID}" in err
 
 
+@needs_root
+@pytest.mark.parametrize("where", ["target", "above it"])
+def test_a_scope_target_through_another_users_symlink_is_refused(env: Env, where: str) -> None:
+    """A second user who may write in a shared tree planted a link where a scope target was
+    to be (or on its way) pointing at root's private directory: the target was resolved
+    through it and root's pod got write access there, its `bash` reading and planting files."""
+    secret = env.home / "secret"
+    secret.mkdir(mode=0o700)
+    shared = env.home / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)  # a tree both users write in, no sticky bit
+    link = shared / "proj"
+    link.symlink_to(secret if where == "target" else env.home)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    target = link if where == "target" else link / "secret"
+    manifest = env.manifest("victim", write=[str(env.work), str(target)], pwd=str(env.work))
+    proc = env.popen(str(manifest))
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    if first.startswith("PODDAEMON-READY"):  # it took the link's target as its scope
+        proc.terminate()
+    _, rest = proc.communicate(timeout=30)
+    assert first == (
+        f"poddaemon: {manifest}: scope.allow[1].target: {target} is reached through the "
+        f"symlink {link}, owned by uid {OTHER_UID}, who could repoint it: refusing it\n"
+    )
+    assert (proc.returncode, rest) == (EXIT_REFUSED, "")
+
+
 def test_a_runtime_dir_writable_by_others_is_refused(env: Env) -> None:
     manifest = env.manifest("hijack")
     runtime = env.home / "openrun"
