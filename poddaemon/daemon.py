@@ -326,6 +326,13 @@ def run_pod(args: "argparse.Namespace") -> int:
     for i, rule in enumerate(scope.allow):  # a typo, most likely: say so, it may appear later
         if not os.path.exists(rule.target):
             _warn(f"{manifest.source}: scope.allow[{i}].target: {rule.target} does not exist")
+        elif rule.access is Access.WRITE and (shared := _shared_with_others(rule.target)):
+            # SPEC §4 refuses overlapping write scopes, but the registry is this user's: a pod
+            # of another user's writing the same tree starts without a word from either.
+            _warn(
+                f"{manifest.source}: scope.allow[{i}]: {rule.target} {shared}: pods of other "
+                "users (not in this user's registry) may write there too, unchecked"
+            )
         if rule.access is Access.WRITE and "bash" in manifest.worker.tools:
             for own in scope.private:
                 if rule.covers(own):  # the file tools refuse it; the kernel cannot fully
@@ -1037,6 +1044,19 @@ def _check_tool_count(pod: Any, kind: str, count: int) -> None:
 def _provider_warning(pod: Any, message: str) -> None:
     _warn(message)  # stderr once (an alert would log it a second time): subscribers too
     pod.bus.publish("alert", {"level": "warning", "source": "provider", "message": message})
+
+
+def _shared_with_others(path: str) -> str | None:
+    """Why other users may write in the directory `path` (its owner, its mode), or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if st.st_uid not in (0, os.geteuid()):
+        return f"is owned by uid {st.st_uid}"
+    if st.st_mode & 0o002:
+        return f"is writable by others (mode {st.st_mode & 0o7777:04o})"
+    return None
 
 
 def _warn(message: str) -> None:

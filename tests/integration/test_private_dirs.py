@@ -166,6 +166,27 @@ def test_a_scope_target_through_another_users_symlink_is_refused(env: Env, where
     assert (proc.returncode, rest) == (EXIT_REFUSED, "")
 
 
+def test_a_write_scope_other_users_may_write_in_is_warned_about(env: Env) -> None:
+    """The registry is one per user: a pod of another user's writing the same tree started,
+    both did, without a word, though SPEC §4 refuses overlapping write scopes."""
+    shared = env.home / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    manifest = env.manifest("sharer", write=[str(env.work), str(shared)], pwd=str(env.work))
+    proc = env.popen(str(manifest))
+    assert proc.stderr is not None
+    lines = []
+    while not (line := proc.stderr.readline()).startswith("PODDAEMON-READY") and line:
+        lines.append(line)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    assert lines == [
+        f"poddaemon: warning: {manifest}: scope.allow[1]: {shared} is writable by others "
+        "(mode 0777): pods of other users (not in this user's registry) may write there too, "
+        "unchecked\n"
+    ]
+
+
 def test_a_runtime_dir_writable_by_others_is_refused(env: Env) -> None:
     manifest = env.manifest("hijack")
     runtime = env.home / "openrun"
