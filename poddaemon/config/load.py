@@ -19,6 +19,7 @@ from typing import Any, get_args
 import msgspec
 
 from poddaemon.overrides import split_override
+from poddaemon.scope import foreign_link
 from protocol import paths
 
 from .manifest import (
@@ -549,6 +550,16 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
 
     def rules(rs: list[ScopeRule]) -> list[ScopeRule]:
         return [msgspec.structs.replace(r, target=under(pwd, r.target)) for r in rs]
+
+    for i, rule in enumerate(m.scope.allow):
+        # `_absolute` resolves what comes before a `..`, so the start-up check (which refuses
+        # a target reached through another user's symlink) would no longer see such a link.
+        raw = os.path.join(pwd, os.path.expanduser(rule.target))
+        if ".." in raw.split(os.sep) and (link := foreign_link(raw)) is not None:
+            raise ManifestError(
+                f"{source}: scope.allow[{i}].target: {rule.target} is reached through the "
+                f"symlink {link[0]}, owned by uid {link[1]}, who could repoint it: refusing it"
+            )
 
     def hook(h: HookConfig) -> HookConfig:
         # A script named by path runs from anywhere: a child pod (another pwd) runs it too,

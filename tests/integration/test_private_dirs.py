@@ -138,7 +138,7 @@ def test_a_data_dir_owned_by_another_user_is_refused(env: Env) -> None:
 
 
 @needs_root
-@pytest.mark.parametrize("where", ["target", "above it"])
+@pytest.mark.parametrize("where", ["target", "above it", "before a .."])
 def test_a_scope_target_through_another_users_symlink_is_refused(env: Env, where: str) -> None:
     """A second user who may write in a shared tree planted a link where a scope target was
     to be (or on its way) pointing at root's private directory: the target was resolved
@@ -149,10 +149,14 @@ def test_a_scope_target_through_another_users_symlink_is_refused(env: Env, where
     shared.mkdir()
     os.chmod(shared, 0o777)  # a tree both users write in, no sticky bit
     link = shared / "proj"
-    link.symlink_to(secret if where == "target" else env.home)
+    link.symlink_to(env.home if where == "above it" else secret)
     os.lchown(link, OTHER_UID, OTHER_UID)
-    target = link if where == "target" else link / "secret"
-    manifest = env.manifest("victim", write=[str(env.work), str(target)], pwd=str(env.work))
+    target = {
+        "target": str(link),
+        "above it": f"{link}/secret",
+        "before a ..": f"{link}/../secret",  # resolved while the manifest is read
+    }[where]
+    manifest = env.manifest("victim", write=[str(env.work), target], pwd=str(env.work))
     proc = env.popen(str(manifest))
     assert proc.stderr is not None
     first = proc.stderr.readline()
