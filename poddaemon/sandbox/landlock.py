@@ -171,7 +171,7 @@ def restrict(
     try:
         for path, access in rules:
             try:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW)
+                fd = _open_unlinked(path)
             except OSError:
                 missing.append(path)
                 continue
@@ -193,6 +193,25 @@ def restrict(
     finally:
         os.close(ruleset)
     return missing
+
+
+def _open_unlinked(path: str) -> int:
+    """An O_PATH descriptor of the absolute `path`, following no symlink on the way: the
+    policy's paths were resolved when it was built, so a link met now is a directory swapped
+    since (another user renaming one in a tree they may write, with a link to elsewhere put in
+    its place), and Landlock would grant wherever it points. OSError then (ELOOP, ENOTDIR). A
+    link as the last component is opened itself (it grants nothing)."""
+    flags = os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open("/", flags | os.O_DIRECTORY)
+    try:
+        parts = [p for p in path.split("/") if p]
+        for name in parts[:-1]:
+            nxt = os.open(name, flags | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        return os.open(parts[-1], flags, dir_fd=fd) if parts else os.dup(fd)
+    finally:
+        os.close(fd)
 
 
 def restrict_scope() -> None:

@@ -362,3 +362,36 @@ def test_the_sandbox_survives_setsid_and_nohup(world: World) -> None:
     r = world.run(f'setsid nohup cat "$OUT/secret.txt" > {world.work}/src/out.log 2>&1; true')
     assert r.returncode == 0
     assert "Permission denied" in (world.work / "src" / "out.log").read_text()
+
+
+def test_a_directory_swapped_for_a_link_after_the_policy_was_built_grants_nothing() -> None:
+    """The policy holds resolved paths; the runner opens them when it starts, later. Another
+    user who may write in a tree above a write grant (`shared/proj/src`, `shared` 0777)
+    renamed `proj` away and put a link to elsewhere in its place: Landlock followed it and
+    granted the link's target, and root's `bash` wrote there."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        base = Path(os.path.realpath(d))
+        (base / "shared" / "proj" / "src").mkdir(parents=True)
+        (base / "elsewhere" / "src").mkdir(parents=True)
+        (base / "tmp").mkdir()
+        scope = Scope.from_config([(str(base / "shared" / "proj" / "src"), "write", True)])
+        policy = build_policy(scope, pwd=str(base / "tmp"), tmpdir=str(base / "tmp"))
+        (base / "policy.json").write_bytes(policy.encode())
+        (base / "control.json").write_bytes(msgspec.structs.replace(policy, mode="off").encode())
+        (base / "shared" / "proj").rename(base / "shared" / "old")
+        (base / "shared" / "proj").symlink_to(base / "elsewhere")
+        script = ["bash", "-c", f'echo pwn > "{base}/shared/proj/src/x"']
+        launcher = [sys.executable, "-I", "-m", "poddaemon.sandbox.exec"]
+        for pol in ("policy.json", "control.json"):
+            r = subprocess.run(
+                [*launcher, str(base / pol), "--", *script],
+                cwd=base / "tmp",
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            if pol == "policy.json":
+                assert r.returncode != 0 and "Permission denied" in r.stderr, r
+                assert not (base / "elsewhere" / "src" / "x").exists()
+            else:
+                assert r.returncode == 0, f"the attack itself is broken: {r.stderr}"
