@@ -38,7 +38,13 @@ def check_socket_owner(path: Path) -> None:
 
     Raises FileNotFoundError when there is no socket, like connect() would.
     """
-    _check_uid(os.stat(path).st_uid, f"socket {path}")
+    try:
+        st = os.stat(path)
+    except PermissionError:  # a directory on the way we may not enter: someone else's
+        raise UnsafeSocket(
+            f"socket {path} is out of your reach (permission denied): another user's, most likely"
+        ) from None
+    _check_uid(st.st_uid, f"socket {path}")
 
 
 def check_peer(sock: _socket.socket, path: Path) -> None:

@@ -326,6 +326,17 @@ def other(env: Env) -> Iterator[Other]:
     shutil.rmtree(base, ignore_errors=True)
 
 
+def test_another_users_pod_socket_is_refused_in_one_clear_line(env: Env, other: Other) -> None:
+    # Said "[Errno 13] Permission denied: '<socket>'": the path twice, and no hint of why.
+    sock = env.start("roots").socket
+    proc = other.podctl("status", str(sock))
+    assert (proc.returncode, proc.stderr) == (
+        1,
+        f"podctl: cannot talk to pod '{sock}': socket {sock} is out of your reach (permission "
+        "denied): another user's, most likely\n",
+    )
+
+
 def one_line_failure(proc: subprocess.CompletedProcess[str]) -> str:
     assert proc.returncode in (1, EXIT_REFUSED), proc.stderr  # a failure, or a refusal
     assert "Traceback" not in proc.stderr, proc.stderr
