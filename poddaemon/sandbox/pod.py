@@ -83,15 +83,16 @@ def replace_leftover(record: Path, name: str, tmpdir: str | None) -> None:
 def script_grants(scripts: Sequence[str], scope: Scope) -> list[Grant]:
     """Hook scripts run wherever they are (outside the scope, in a denied directory, in the
     spawner's tree for a child): that one file is readable and executable, nothing around it.
-    A grant holds the file itself, never a symlink to it (Landlock rules are opened without
-    following one): a script that is a link is granted the file it points to now, unless the
-    pod could repoint the link (it lies where it may write) and have any file granted."""
+    A grant holds the file itself, never a symlink to it (Landlock rules are opened following
+    no link, on the way either): it names the directory the script lies in as resolved now, and
+    a script that is a link is granted the file it points to now, unless the pod could repoint
+    the link (it lies where it may write) and have any file granted."""
     grants = []
     for path in scripts:
-        target = path
         where = os.path.realpath(os.path.dirname(path))  # the dir the link lies in
-        if os.path.islink(path) and scope.access(where) < Access.WRITE:
-            target = os.path.realpath(path)
+        target = os.path.join(where, os.path.basename(path))
+        if os.path.islink(target) and scope.access(where) < Access.WRITE:
+            target = os.path.realpath(target)
         grants.append(Grant(target, FS.READ_FILE | FS.EXECUTE, exempt=True))
     return grants
 
@@ -142,7 +143,12 @@ def pod_sandbox(
     def build(live: Scope, reads: Sequence[str] = ()) -> Policy:
         # `reads`: files granted read-only by identity, deny rules aside (the session log
         # lies in poddaemon's own data dir, which commands are never granted).
-        files = [Grant(p, FS.READ_FILE, exempt=True) for p in reads if os.path.isfile(p)]
+        # Resolved: grants are opened following no link on the way (sandbox.landlock).
+        files = [
+            Grant(os.path.realpath(p), FS.READ_FILE, exempt=True)
+            for p in reads
+            if os.path.isfile(p)
+        ]
         return build_policy(
             live,
             pwd=pwd,

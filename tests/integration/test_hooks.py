@@ -328,6 +328,29 @@ def test_a_guard_script_outside_the_scope_still_guards(env: Env) -> None:
     assert any("a hook script" in n for n in pod.call("status")["sandbox_notes"])
 
 
+def test_a_guard_script_reached_through_a_linked_directory_runs(env: Env) -> None:
+    """A hooks directory that is a symlink (stow, a dotfile manager, /home linked elsewhere):
+    the sandbox opens its grants following no link on the way (another user could swap a
+    directory for one), so the script's grant must name the directory the link resolves to,
+    or the guard cannot run (exit 126: it blocks every call, never with its own reason)."""
+    hooks, linked = env.home / "hooks", env.home / "linked"
+    hooks.mkdir()
+    (hooks / "guard.sh").write_text(SH_GUARD)
+    (hooks / "guard.sh").chmod(0o755)
+    linked.symlink_to(hooks)
+    env.model.script(
+        {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]},
+        {"text": "done"},
+    )
+    extra = hooks_toml("PreToolUse", str(linked / "guard.sh"), matcher="write_file")
+    pod = env.start("linkdir", tools=["write_file", "bash"], extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("write").outcome == "finished"
+    assert not (env.work / "x.txt").exists()
+    (result,) = tool_results(pod)
+    assert result["is_error"] and "guarded: no writes here" in result["output"], result
+
+
 def _guards_before_and_after(env: Env, name: str, guard: Path, replace: Callable[[], None]) -> None:
     """A pod whose PreToolUse guard `guard` blocks write_file: a write is blocked, `replace`
     puts the guard's second version ("still no writes") in place, and a write is blocked by
@@ -864,6 +887,29 @@ with open(event["transcript_path"]) as log:
 with open(sys.argv[1], "a") as out:
     out.write(json.dumps([event["session_id"], last]) + "\\n")
 """
+
+
+@pytest.mark.skipif(available() == 0, reason="this kernel has no Landlock")
+def test_a_stop_hook_reads_its_transcript_when_the_home_is_reached_through_a_link(
+    env: Env,
+) -> None:
+    """The sandbox opens its grants following no link on the way (another user could swap a
+    directory for one): the transcript's grant names the file as resolved, or a home reached
+    through a symlink (`/home` linked elsewhere) left the hook unable to read it."""
+    link = env.home.parent / f"{env.home.name}-link"
+    link.symlink_to(env.home)
+    try:
+        env.env["PODDAEMON_HOME"] = str(link)
+        seen = env.work / "seen.jsonl"
+        env.model.script({"text": "the last words"})
+        stop = hooks_toml("Stop", f"{script(env, 'last.py', LAST_WORDS)} {seen}")
+        pod = env.start("linkedhome", tools=["bash"], extra=stop)
+        with pod.client() as c:
+            assert c.run_wait("talk").outcome == "finished"
+            session = pod.call("status")["session_id"]
+        assert json.loads(seen.read_text()) == [session, "the last words"]
+    finally:
+        link.unlink()
 
 
 # A jq-free shell hook: the transcript's size (`wc` fails if it cannot open it: exit 1).
