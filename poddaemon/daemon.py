@@ -268,7 +268,7 @@ def run_pod(args: "argparse.Namespace") -> int:
     from poddaemon.config.load import ManifestError, load_manifest
     from poddaemon.llm import CredentialsError, check_manifest_credentials
     from poddaemon.prompt import PromptError, load_instruction
-    from poddaemon.scope import Access, Scope, foreign_link, resolve
+    from poddaemon.scope import Access, Scope, resolve
     from poddaemon.tools import BUILTIN
 
     try:
@@ -299,14 +299,6 @@ def run_pod(args: "argparse.Namespace") -> int:
         raise StartupError(f"{manifest.source}: pod.pwd: {pwd} does not exist")
     if not os.path.isdir(pwd):
         raise StartupError(f"{manifest.source}: pod.pwd: {pwd} is not a directory")
-    for i, spec in enumerate(manifest.scope.allow):
-        # Resolved once, here: another user's link on the way would choose what we may write.
-        link = foreign_link(spec.target)
-        if link is not None:
-            raise StartupError(
-                f"{manifest.source}: scope.allow[{i}].target: {spec.target} is reached through "
-                f"the symlink {link[0]}, owned by uid {link[1]}, who could repoint it: refusing it"
-            )
     scope = Scope.from_config(manifest.scope.allow, manifest.scope.deny, cwd=manifest.pod.pwd)
     scope = msgspec.structs.replace(scope, private=_own_dirs())
     if scope.access(pwd) < Access.READ:

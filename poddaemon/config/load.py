@@ -552,10 +552,11 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
         return [msgspec.structs.replace(r, target=under(pwd, r.target)) for r in rs]
 
     for i, rule in enumerate(m.scope.allow):
-        # `_absolute` resolves what comes before a `..`, so the start-up check (which refuses
-        # a target reached through another user's symlink) would no longer see such a link.
+        # Resolved once, at start-up: another user's link on the way would choose what the pod
+        # may write. Checked as written: `_absolute` resolves what comes before a `..`, which
+        # would hide such a link.
         raw = os.path.join(pwd, os.path.expanduser(rule.target))
-        if ".." in raw.split(os.sep) and (link := foreign_link(raw)) is not None:
+        if (link := foreign_link(raw)) is not None:
             raise ManifestError(
                 f"{source}: scope.allow[{i}].target: {rule.target} is reached through the "
                 f"symlink {link[0]}, owned by uid {link[1]}, who could repoint it: refusing it"
