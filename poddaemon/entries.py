@@ -74,6 +74,9 @@ class SessionStart(Entry, tag="session_start"):
     # Spawn trees: {outbox, children, spawner_runs, owed_runs, report_ids, ended_spent}
     # (SessionState.tree_snapshot).
     tree: dict[str, Any] = {}
+    # Runs in a row a crash or a stop cut off (SessionState.interrupted_in_row): a fork (an
+    # instruction rendering `now` forks at every start) must not start the count again.
+    interrupted_in_row: int = 0
 
 
 class UserInput(Entry, tag="user_input"):

@@ -891,6 +891,7 @@ class Machine:
             run_outcomes=snap["run_outcomes"],
             run_positions=snap["run_positions"],
             tree=old.tree_snapshot(),
+            interrupted_in_row=old.interrupted_in_row,
             seq=1,
             ts=self.clock(),
         )

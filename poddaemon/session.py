@@ -501,6 +501,7 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
         s.run_usage = Usage(**msgspec.structs.asdict(e.run_usage))
         s.run_calls = e.run_calls
     s.open_calls = list(e.open_calls)
+    s.interrupted_in_row = e.interrupted_in_row
     tree = e.tree
     if tree:
         for o in tree.get("outbox", []):

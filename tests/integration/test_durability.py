@@ -235,6 +235,27 @@ def test_a_pod_killed_in_every_run_stops_taking_the_work_up_by_itself(env: Env) 
     verify_ok(env, sid)
 
 
+def test_a_crash_loop_stops_though_every_start_forks_the_session(env: Env) -> None:
+    """An instruction that renders `now` differs at every start, so every restore continues in
+    a fork. The fork started the count of runs cut off in a row again: the loop never ended."""
+    env.model.script(*[{"text": "never delivered", "gate": "hold"}] * (MAX_TAKEN_UP_IN_ROW + 1))
+    pod = env.start("forkloop", instruction="It is {{ now }}.")
+    with pod.client() as c:
+        c.run("work that kills the pod")
+    sessions = set()
+    for n in range(1, MAX_TAKEN_UP_IN_ROW + 2):
+        env.model.wait_for_requests(n)  # the call in flight when the pod dies
+        pod.kill9()
+        pod = env.restart(pod, "--resume")
+        sessions.add(pod.call("status")["session_id"])
+    assert len(sessions) == MAX_TAKEN_UP_IN_ROW + 1  # a fork at each start
+    wait_until(lambda: "runs in a row were cut off" in pod.text(), what="the alert")
+    assert pod.call("status")["state"] == "idle"
+    assert len(env.model.requests) == MAX_TAKEN_UP_IN_ROW + 1
+    for sid in sessions:
+        verify_ok(env, sid)
+
+
 @pytest.mark.parametrize("rep", REPS)
 def test_kill_mid_tool(env: Env, rep: int) -> None:
     pidfile = env.work / "tool.pid"
