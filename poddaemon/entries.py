@@ -42,6 +42,14 @@ class PendingInputSnap(msgspec.Struct, kw_only=True, omit_defaults=True):
     context: bool = False
 
 
+class ToolOutputSnap(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An open call's `tool_output` (its tool returned, its PostToolUse hooks not through)."""
+
+    run_id: str
+    item: ToolResult
+    summary: str = ""
+
+
 class SessionStart(Entry, tag="session_start"):
     session_id: str = ""
     pod: str = ""
@@ -67,6 +75,9 @@ class SessionStart(Entry, tag="session_start"):
     paused_run: str | None = None
     pause_requested: str | None = None  # the active run a `pause` was acknowledged for
     open_calls: list[ToolCall] = []
+    # Of the open calls, those whose tool had returned: a crash after the fork restores what
+    # they did, not "interrupted" (see ToolOutput).
+    tool_outputs: list[ToolOutputSnap] = []
     run_outcomes: dict[str, dict[str, Any]] = {}
     run_from: int | None = None  # index in `history` where the active run's items begin
     run_usage: Usage | None = None  # the active (or paused) run's usage and calls so far

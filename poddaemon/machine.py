@@ -37,6 +37,7 @@ from poddaemon.entries import (
     SessionStart,
     SystemItem,
     ToolOutput,
+    ToolOutputSnap,
     UserInput,
     from_log,
 )
@@ -888,6 +889,10 @@ class Machine:
             paused_run=old.paused_run,
             pause_requested=old.pause_requested,
             open_calls=list(old.open_calls),
+            tool_outputs=[
+                ToolOutputSnap(run_id=o.run_id, item=o.item, summary=o.summary)
+                for o in old.tool_outputs.values()
+            ],
             run_outcomes=snap["run_outcomes"],
             run_positions=snap["run_positions"],
             tree=old.tree_snapshot(),

@@ -501,6 +501,10 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
         s.run_usage = Usage(**msgspec.structs.asdict(e.run_usage))
         s.run_calls = e.run_calls
     s.open_calls = list(e.open_calls)
+    s.tool_outputs = {
+        o.item.call_id: ToolOutput(run_id=o.run_id, item=o.item, summary=o.summary)
+        for o in e.tool_outputs
+    }
     s.interrupted_in_row = e.interrupted_in_row
     tree = e.tree
     if tree:

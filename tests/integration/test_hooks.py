@@ -14,7 +14,7 @@ import pytest
 from poddaemon.sandbox import available
 from protocol.errors import RpcError
 from tests.conftest import Env, PodProcess, collect_run, drained, wait_until
-from tests.integration.test_durability import check_restored
+from tests.integration.test_durability import check_restored, intrude
 
 PY = sys.executable
 
@@ -746,6 +746,39 @@ def test_a_call_whose_posttooluse_hook_is_cut_short_keeps_what_the_tool_did(
         assert "not run to the end" in result["output"], result
     assert "appended-once" in result["output"], result
     assert "did not finish" not in result["output"], result
+    wait_until(lambda: hook_gone(env, "slow_post.py"), what="the PostToolUse hook to be killed")
+
+
+def test_a_call_whose_posttooluse_hook_a_crash_cuts_short_after_a_fork_keeps_its_output(
+    env: Env,
+) -> None:
+    """Another writer moved the log's head while the hook ran: the pod forked at its next
+    entry (a notification), and the fork's first entry did not carry the call's tool_output.
+    A crash then restored the finished command as "It did not finish: check its effects"."""
+    marker = env.work / "post-hook-started"
+    hook = script(env, "slow_post.py", SLOW_STOP.format(marker=str(marker)))
+    command = "echo line >> appended.txt; echo appended-once"
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]},
+        {"text": "after"},
+    )
+    extra = hooks_toml("PostToolUse", hook, matcher="bash", timeout=3600)
+    pod = env.start("forkpost", tools=["bash"], extra=extra)
+    with pod.client() as c:
+        c.run("append a line")
+        old = c.status().session_id
+    wait_until(marker.exists, what="the PostToolUse hook to run")
+    intrude(env, old)
+    pod.call("notify", message="while the hook runs", source="ci")
+    new = pod.call("status")["session_id"]
+    assert new != old
+    pod.kill9()
+    again = env.restart(pod, "--resume")
+    (result,) = tool_results(again)
+    assert "appended-once" in result["output"] and "not run to the end" in result["output"]
+    assert "did not finish" not in result["output"], result
+    assert (env.work / "appended.txt").read_text() == "line\n"
+    assert env.podctl("sessions", "verify", new).returncode == 0
     wait_until(lambda: hook_gone(env, "slow_post.py"), what="the PostToolUse hook to be killed")
 
 
