@@ -83,16 +83,25 @@ RESTART_NOTE = (
 # memory, say) would otherwise spend tokens in a loop under `Restart=on-failure`, and what a
 # model call cut off by a crash spent is never counted against the budget.
 MAX_TAKEN_UP_IN_ROW = 3
+# The note past MAX_TAKEN_UP_IN_ROW, read with the next input: told only to "continue where you
+# left off", the model went back to the work that had stopped the pod each time.
+HELD_RESTART_NOTE = (
+    "The pod restarted while your previous run was in progress; it was interrupted. "
+    "{in_row} runs in a row were cut off by a crash or a stop, so the pod did not take the "
+    "work up again by itself: what that work did may be what stops the pod (a command that "
+    "takes all the memory, say). Check the state of your work before doing any of it again."
+)
 
 
 def _restart_note(run_id: str, in_row: int) -> SystemItem:
     """Tells the model its run `run_id` was cut off (a restart, the `in_row`th cut off in a
     row): the next run takes it up, started by this note unless too many were cut off."""
+    held = in_row > MAX_TAKEN_UP_IN_ROW
     return SystemItem(
         id=f"{RESTART_NOTE_ID}{run_id}",
-        text=RESTART_NOTE,
+        text=HELD_RESTART_NOTE.format(in_row=in_row) if held else RESTART_NOTE,
         source="poddaemon",
-        context=in_row > MAX_TAKEN_UP_IN_ROW,
+        context=held,
     )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from poddaemon.machine import MAX_TAKEN_UP_IN_ROW, RESTART_NOTE
+from poddaemon.machine import HELD_RESTART_NOTE, MAX_TAKEN_UP_IN_ROW
 from poddaemon.podlog import POWER_CUT_ENV
 from poddaemon.store.file import SessionLog, read_session
 from poddaemon.store.log import GENESIS, encode_entry, new_session_id
@@ -225,13 +225,14 @@ def test_a_pod_killed_in_every_run_stops_taking_the_work_up_by_itself(env: Env) 
     pod = restart(env, pod, "resume", sid)
     wait_until(lambda: "runs in a row were cut off" in pod.text(), what="the alert")
     (note,) = [e for e in all_history(pod) if e["kind"] == "system_item"][-1:]
-    assert note["text"] == RESTART_NOTE and note["context"] is True  # it wakes nothing
+    held = HELD_RESTART_NOTE.format(in_row=MAX_TAKEN_UP_IN_ROW + 1)
+    assert note["text"] == held and note["context"] is True  # it wakes nothing
     assert pod.call("status")["state"] == "idle"
     before = len(env.model.requests)
     env.model.script({"text": "looked"})
     assert pod.call("run", input="look at it again", wait=True)["text"] == "looked"
     (request,) = env.model.requests[before:]  # no run of its own: it came with the input
-    assert RESTART_NOTE in str(request["body"]) and "look at it again" in str(request["body"])
+    assert held in str(request["body"]) and "look at it again" in str(request["body"])
     verify_ok(env, sid)
 
 

@@ -661,7 +661,10 @@ def test_a_pod_that_crashes_in_every_run_stops_taking_the_work_up_by_itself() ->
     d.call("run", "look again")  # the user's next input carries the note to the model
     assert isinstance(d.inflight, CallModel)
     texts = [getattr(i, "text", "") for i in d.inflight.items]
-    assert texts[-2] == "look again" and RESTART_NOTE in texts[-1]
+    assert texts[-2] == "look again" and RESTART_NOTE not in texts[-1]
+    # Why the work waited, not "continue where you left off": that work may stop the pod.
+    assert f"{MAX_TAKEN_UP_IN_ROW + 1} runs in a row were cut off" in texts[-1]
+    assert "before doing any of it again" in texts[-1]
     d.model()  # a run that ends as runs do: the count starts again
     d.call("run", "more")
     d = _crash_and_restore(d)
