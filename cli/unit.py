@@ -261,6 +261,23 @@ def manifest_problem(manifest: Path) -> str | None:
     return None
 
 
+def config_dir_problem(config: Path) -> str | None:
+    """None when nobody else can put files in `config`; else why the unit must not use it.
+    The unit reads `<config>/env` at every start, unattended, as you, whether it is there
+    today or not: in a directory another user may write in (or make first, in /tmp) they could
+    create it later with LD_PRELOAD or PYTHONPATH and run code as you. A missing one is made
+    0700, as the pod makes its own directories, so that nobody else can make it first."""
+    from protocol import paths
+
+    try:
+        paths.ensure_dir(config, "config directory")
+    except paths.UnsafeDirectory as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"config directory {config}: {exc.strerror or exc}"
+    return None
+
+
 def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | None:
     """None when the pod's API key variable reaches the unit; else how to make it so."""
     from_file = read_env_file(env_file)
@@ -325,8 +342,10 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
     key_vars = [m.provider.api_key_var]
     if m.compaction is not None and m.compaction.provider is not None:
         key_vars.append(m.compaction.provider.api_key_var)
-    problem = env_file_problem(config / "env") or next(
-        (p for v in key_vars if (p := key_problem(v, config / "env", manager_env))), None
+    problem = (
+        config_dir_problem(config)
+        or env_file_problem(config / "env")
+        or next((p for v in key_vars if (p := key_problem(v, config / "env", manager_env))), None)
     )
     if problem:
         raise UnitError(problem)

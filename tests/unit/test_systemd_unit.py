@@ -180,6 +180,44 @@ def test_install_refuses_a_manifest_another_user_may_change(
     assert not (tmp_path / "xdg").exists()  # no unit written
 
 
+def test_install_refuses_a_config_dir_another_user_may_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The unit reads <config>/env at every start (EnvironmentFile=), there or not today: in a
+    # config dir others may write in, one of them could create it later with LD_PRELOAD and
+    # run code as you. With no env file yet, such a dir was accepted.
+    tmp_path.chmod(0o755)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(
+        '[pod]\nname = "cfg"\npwd = "/tmp"\n[provider]\nkind = "openai"\nmodel = "m"\n'
+        '[worker]\ninstruction = "x"\n[[scope.allow]]\ntarget = "/tmp"\npermission = "read"\n'
+    )
+    manifest.chmod(0o644)
+    config = tmp_path / "config"
+    config.mkdir()
+    config.chmod(0o777)  # a shared directory: no env file in it (yet)
+    monkeypatch.delenv("PODDAEMON_HOME", raising=False)
+    monkeypatch.setenv("PODDAEMON_CONFIG_DIR", str(config))
+    monkeypatch.setenv("PODDAEMON_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("PODDAEMON_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("OPENAI_API_KEY", "x")
+    monkeypatch.setattr(unit, "manager_environment", lambda: {"OPENAI_API_KEY": "x"})
+    monkeypatch.setattr(unit, "unit_dir", lambda manager_env=None: tmp_path / "units")
+    monkeypatch.setattr(unit, "systemctl", lambda *a, **k: pytest.fail("unit installed"))
+    with pytest.raises(unit.UnitError, match=f"config directory {config} is writable by group"):
+        unit.install(str(manifest), now=False)
+    assert not (tmp_path / "units").exists()
+    config.chmod(0o700)
+    if os.geteuid() == 0:  # another user's directory, as one made first in /tmp would be
+        os.chown(config, 65534, 65534)
+        with pytest.raises(unit.UnitError, match=f"config directory {config} is owned by uid"):
+            unit.install(str(manifest), now=False)
+    # A missing one is made 0700, before anyone else can make it.
+    config.rmdir()
+    assert unit.config_dir_problem(config) is None
+    assert config.stat().st_mode & 0o7777 == 0o700
+
+
 def test_install_without_a_user_manager_says_how(tmp_path: Path) -> None:
     if shutil.which("systemctl") is None:
         pytest.skip("systemctl not installed")
