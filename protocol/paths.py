@@ -135,7 +135,6 @@ def check_dir(path: Path, what: str = "directory") -> None:
         # Its name goes into the registry, the kept configurations and the wire, all UTF-8:
         # a PODDAEMON_HOME that is not ended in a UnicodeEncodeError traceback instead.
         raise UnsafeDirectory(f"{what} {path} is not UTF-8: refusing it") from None
-    me = os.geteuid()
     try:
         st = os.stat(path)
     except PermissionError:  # behind a directory we may not enter: someone else's
@@ -145,18 +144,49 @@ def check_dir(path: Path, what: str = "directory") -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise UnsafeDirectory(f"{what} {path} is not a directory")
     _check_ours(st, path, what, _WHY)
-    written = Path(os.path.abspath(path))
-    for step in (written, *written.parents):  # a link its owner may repoint, even in /tmp
+    _check_links(path, what)
+    _check_parents(path, what)
+
+
+def _links_on_the_way(path: Path) -> list[tuple[Path, os.stat_result]]:
+    """Every symlink the kernel follows to reach `path`, where it lies, with its lstat: those
+    of the path as written and those met on the way from one link to the next (a link of ours
+    to another user's link: only the first and the last path of the chain were looked at)."""
+    todo = list(reversed(Path(os.path.join(os.getcwd(), path)).parts[1:]))
+    here = Path("/")
+    found: list[tuple[Path, os.stat_result]] = []
+    while todo and len(found) <= 40:  # (ELOOP past that: stat, before us, said so)
+        part = todo.pop()
+        if part == "..":
+            here = here.parent
+            continue
+        step = here / part
         try:
             lst = os.lstat(step)
         except OSError:
-            continue  # (stat above reached it: a parent we may not look into)
-        if stat.S_ISLNK(lst.st_mode) and lst.st_uid not in (0, me):
+            break  # (stat reached it: a parent we may not look into)
+        if not stat.S_ISLNK(lst.st_mode):
+            here = step
+            continue
+        found.append((step, lst))
+        target = Path(os.readlink(step))
+        if target.is_absolute():
+            here = Path("/")
+        todo.extend(reversed(target.parts[1:] if target.is_absolute() else target.parts))
+    return found
+
+
+def _check_links(path: Path, what: str) -> None:
+    """Raise `UnsafeDirectory` if a symlink on the way to `path` is another user's (its owner
+    may repoint it, even in /tmp) or lies where another user could swap it."""
+    me = os.geteuid()
+    for link, lst in _links_on_the_way(path):
+        if lst.st_uid not in (0, me):
             raise UnsafeDirectory(
-                f"{what} {path} is reached through the symlink {step}, owned by uid "
+                f"{what} {path} is reached through the symlink {link}, owned by uid "
                 f"{lst.st_uid}, who could repoint it: refusing it"
             )
-    _check_parents(path, what)
+        _check_parents(path, what, below=link)
 
 
 def _check_parents(path: Path, what: str, below: Path | None = None) -> None:
@@ -200,6 +230,7 @@ def check_file(path: Path, what: str, why: str) -> None:
     in a directory `check_dir` accepts; `why` says what another user could do with it."""
     _check_ours(os.stat(path), path, what, why)
     check_dir(path.parent, f"{what}'s directory")
+    _check_links(path, what)  # the file itself may be a link, to a link of another user's
 
 
 def _check_ours(st: os.stat_result, path: Path, what: str, why: str) -> None:

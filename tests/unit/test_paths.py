@@ -132,6 +132,33 @@ def test_a_symlink_another_user_owns_is_refused_even_in_a_sticky_dir(tmp: Path) 
         check_dir(link / "sub")  # a link on the way counts too
 
 
+@needs_root
+def test_another_users_symlink_in_the_middle_of_a_chain_is_refused(tmp: Path) -> None:
+    """A link of ours to a link of theirs: only the path as written and the one it resolves
+    to were looked at, so the home (or the manifest a unit runs) was accepted, and its owner
+    could repoint their link, while the pod ran, at a tree of their own."""
+    (tmp / "real").mkdir(mode=0o700)
+    shared = tmp / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)  # like /tmp
+    theirs = shared / "theirs"
+    theirs.symlink_to(tmp / "real")
+    os.lchown(theirs, OTHER_UID, OTHER_UID)
+    ours = tmp / "home"
+    ours.symlink_to(theirs)
+    with pytest.raises(UnsafeDirectory, match=f"through the symlink {theirs}, owned by uid"):
+        check_dir(ours)
+    manifest = tmp / "real" / "m.toml"
+    manifest.write_text("[pod]\n")
+    (shared / "m.toml").symlink_to(manifest)
+    os.lchown(shared / "m.toml", OTHER_UID, OTHER_UID)
+    (tmp / "real" / "link.toml").symlink_to(shared / "m.toml")
+    with pytest.raises(UnsafeDirectory, match=f"through the symlink {shared}/m.toml, owned by"):
+        paths.check_file(tmp / "real" / "link.toml", "manifest", "they could change it")
+    os.lchown(theirs, 0, 0)  # ours after all: the chain is fine
+    check_dir(ours)
+
+
 def test_ensure_private_dirs_and_the_client_check(
     tmp: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
