@@ -15,12 +15,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
 from cli.common import unit_name
 from poddaemon.readyline import EXIT_REFUSED
+
+if TYPE_CHECKING:
+    from poddaemon.config.manifest import Manifest
 
 EXIT_ERROR = 1
 WATCHDOG_SEC = 30
@@ -278,6 +281,34 @@ def config_dir_problem(config: Path) -> str | None:
     return None
 
 
+def files_problem(m: "Manifest") -> str | None:
+    """Why the unit must not start the pod of manifest `m` for the files it names, or None.
+    At every start, unattended, as you, the pod reads its instruction file and runs its hook
+    scripts and stdio MCP servers named by path (a server outside any sandbox): another user
+    who could change or swap one of them would write your pod's prompt or run code as you,
+    as with the manifest itself. Files of yours or root's that only you and root may change."""
+    from protocol import paths
+
+    named: list[tuple[str, str]] = []
+    if m.worker.instruction_file is not None:
+        named.append(("worker.instruction_file", m.worker.instruction_file))
+    for event in m.hooks.__struct_fields__:
+        for i, hook in enumerate(getattr(m.hooks, event)):
+            if (script := hook.script()) is not None:
+                named.append((f"hooks.{event}[{i}] script", script))
+    for i, server in enumerate(m.mcp.servers):
+        if server.command is not None and "/" in server.command[0]:
+            named.append((f"mcp.servers[{i}].command", os.path.join(m.pod.pwd, server.command[0])))
+    for what, file in named:
+        try:
+            paths.check_unchangeable(Path(file), f"{m.source}: {what}", "as they could change it")
+        except FileNotFoundError:
+            continue  # the pod's own start says so, in its words
+        except paths.UnsafeDirectory as exc:
+            return str(exc)
+    return None
+
+
 def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | None:
     """None when the pod's API key variable reaches the unit; else how to make it so."""
     from_file = read_env_file(env_file)
@@ -330,7 +361,7 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
         m = load_manifest(str(path), (), paths.defaults_path())
     except ManifestError as exc:
         raise UnitError(str(exc)) from None
-    problem = manifest_problem(path)
+    problem = manifest_problem(path) or files_problem(m)
     if problem:
         raise UnitError(problem)
     pod = m.pod.name

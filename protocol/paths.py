@@ -233,6 +233,21 @@ def check_file(path: Path, what: str, why: str) -> None:
     _check_links(path, what)  # the file itself may be a link, to a link of another user's
 
 
+def check_unchangeable(path: Path, what: str, why: str) -> None:
+    """Raise `UnsafeDirectory` unless nobody but you and root could change file `path` or swap
+    it: a file run or read as you that you need not own (a hook script in /usr/local/bin)."""
+    st = os.stat(path)
+    if st.st_uid not in (0, os.geteuid()):
+        raise UnsafeDirectory(f"{what} {path} is owned by uid {st.st_uid}: refusing it, {why}")
+    if st.st_mode & 0o022:
+        raise UnsafeDirectory(
+            f"{what} {path} is writable by group or others (mode {st.st_mode & 0o7777:04o}): "
+            f"refusing it, {why}; run chmod go-w {path}"
+        )
+    _check_links(path, what)
+    _check_parents(path, what)
+
+
 def _check_ours(st: os.stat_result, path: Path, what: str, why: str) -> None:
     me = os.geteuid()
     if st.st_uid != me:

@@ -2,6 +2,7 @@
 verifier; the pieces around them (quoting, env files, key check, cgroup detection, --since)."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cli import service, unit
+from poddaemon.config.load import load_manifest
 from poddaemon.readyline import EXIT_REFUSED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,6 +218,46 @@ def test_install_refuses_a_config_dir_another_user_may_write(
     config.rmdir()
     assert unit.config_dir_problem(config) is None
     assert config.stat().st_mode & 0o7777 == 0o700
+
+
+def test_install_refuses_hooks_mcp_servers_and_instructions_others_may_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The unit reads its instruction file and runs its hook scripts and stdio MCP servers at
+    # every start, unattended, as you: only the manifest itself was judged, so a hook script
+    # in a shared directory was installed, and its writers' code ran as you at the next start.
+    tmp_path.chmod(0o755)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone may swap what it holds
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    for where in (shared, mine):
+        (where / "guard.sh").write_text("#!/bin/sh\n")
+        (where / "guard.sh").chmod(0o755)
+        (where / "prompt.md").write_text("x\n")
+        (where / "prompt.md").chmod(0o644)
+    head = '[pod]\nname = "files"\npwd = "/tmp"\n[provider]\nkind = "openai"\nmodel = "m"\n'
+    scope = '[[scope.allow]]\ntarget = "/tmp"\npermission = "read"\n'
+    monkeypatch.setenv("PODDAEMON_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(unit, "manager_environment", lambda: pytest.fail("a bad file went by"))
+    cases = {
+        "worker.instruction_file": f'[worker]\ninstruction_file = "{{}}/prompt.md"\n{scope}',
+        "hooks.PreToolUse[0] script": f'{scope}[[hooks.PreToolUse]]\ncommand = "{{}}/guard.sh"\n',
+        "mcp.servers[0].command": (
+            f'{scope}[[mcp.servers]]\nname = "s"\ncommand = ["{{}}/guard.sh"]\n'
+        ),
+    }
+    for what, body in cases.items():
+        manifest = mine / "m.toml"
+        manifest.write_text(head + body.format(mine))
+        manifest.chmod(0o644)
+        assert unit.files_problem(load_manifest(manifest)) is None  # ours: fine
+        manifest.write_text(head + body.format(shared))
+        with pytest.raises(
+            unit.UnitError, match=re.escape(what) + f" {shared}/.* is inside {shared}"
+        ):
+            unit.install(str(manifest), now=False)
 
 
 def test_install_without_a_user_manager_says_how(tmp_path: Path) -> None:
