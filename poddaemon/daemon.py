@@ -275,6 +275,7 @@ def run_pod(args: "argparse.Namespace") -> int:
         manifest = load_manifest(args.manifest, args.set, paths.defaults_path())
     except ManifestError as exc:
         raise StartupError(str(exc)) from None
+    _refuse_foreign_links(manifest)
     from poddaemon.mcp import preload_sdk
 
     preload_sdk(manifest)  # the SDK import overlaps the rest of start-up
@@ -569,6 +570,33 @@ def _refuse_orphan_start(args: "argparse.Namespace", manifest: "Manifest", paren
         f"its spawner {parent!r} is not running (it went while this child started up); "
         'with spawn.on_parent_exit = "stop" the child does not start without it'
     )
+
+
+def _refuse_foreign_links(manifest: "Manifest") -> None:
+    """Refuse a pwd, instruction file, hook script or MCP server named through another user's
+    symlink. The pod checks where such a path leads at start-up, then goes on using it as
+    written: hooks ran `<pwd>/hooks/guard.sh` wherever the link's owner had pointed it since
+    (a guard bypassed under the sandbox, their script run as you without it)."""
+    named = [("pod.pwd", manifest.pod.pwd)]
+    if manifest.worker.instruction_file is not None:
+        named.append(("worker.instruction_file", manifest.worker.instruction_file))
+    for event in manifest.hooks.__struct_fields__:
+        for i, hook in enumerate(getattr(manifest.hooks, event)):
+            if (script := hook.script()) is not None:
+                named.append((f"hooks.{event}[{i}].command", script))
+    for i, server in enumerate(manifest.mcp.servers):
+        if server.command is not None and "/" in server.command[0]:
+            named.append(
+                (f"mcp.servers[{i}].command", os.path.join(manifest.pod.pwd, server.command[0]))
+            )
+    for field, path in named:
+        found = paths.foreign_symlink(Path(path))
+        if found is not None:
+            link, uid = found
+            raise StartupError(
+                f"{manifest.source}: {field}: {path} is reached through the symlink {link}, "
+                f"owned by uid {uid}, who could repoint it while the pod runs: refusing it"
+            )
 
 
 def _hook_scripts(manifest: Any) -> list[str]:

@@ -176,6 +176,16 @@ def _links_on_the_way(path: Path) -> list[tuple[Path, os.stat_result]]:
     return found
 
 
+def foreign_symlink(path: Path) -> tuple[Path, int] | None:
+    """The first symlink on the way to `path` (link chains included) that another user owns,
+    and its owner: they may repoint it whenever they like. None when there is none."""
+    me = os.geteuid()
+    for link, lst in _links_on_the_way(path):
+        if lst.st_uid not in (0, me) and not _root_unmapped_here(lst.st_uid):
+            return link, lst.st_uid
+    return None
+
+
 def _check_links(path: Path, what: str) -> None:
     """Raise `UnsafeDirectory` if a symlink on the way to `path` is another user's (its owner
     may repoint it, even in /tmp) or lies where another user could swap it."""

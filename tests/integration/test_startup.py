@@ -620,3 +620,31 @@ def test_a_pod_without_mcp_servers_starts_without_what_it_does_not_use(
     assert not imported & {"poddaemon.mcp.connection", "tempfile", "shutil", "bz2", "lzma"}
     # bash is listed, so the sandbox made the commands' temp dir (that is what it needs).
     assert pod.call("status")["sandbox"].startswith("landlock-abi-")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_a_pwd_or_hook_script_through_another_users_symlink_is_refused(env: Env) -> None:
+    """The pod checked where its pwd led at start-up, then ran `<pwd>/hooks/guard.sh` through
+    the link as written: its owner repointed it at a tree of theirs, and their guard.sh ran
+    as the pod's user (sandbox off); under the sandbox it could not run, and the write it
+    guarded went ahead."""
+    hooks = env.work / "hooks"
+    hooks.mkdir(parents=True)
+    (hooks / "guard.sh").write_text("#!/bin/sh\nexit 2\n")
+    (hooks / "guard.sh").chmod(0o755)
+    link = env.home / "current"
+    link.symlink_to(env.work)
+    os.lchown(link, 65534, 65534)  # another user's link, as in a shared /tmp
+    hook = '[[hooks.PreToolUse]]\nmatcher = "write_file"\ncommand = "./hooks/guard.sh"\n'
+    with pytest.raises(StartFailed) as refused:
+        env.start("linked", pwd=str(link), extra=hook)
+    assert (
+        f"pod.pwd: {link} is reached through the symlink {link}, owned by uid 65534, who could "
+        "repoint it while the pod runs: refusing it"
+    ) in refused.value.stderr
+    script = f'[[hooks.PreToolUse]]\nmatcher = "write_file"\ncommand = "{link}/hooks/guard.sh"\n'
+    with pytest.raises(StartFailed) as refused:
+        env.start("linked", extra=script)
+    assert f"hooks.PreToolUse[0].command: {link}/hooks/guard.sh is reached" in refused.value.stderr
+    os.lchown(link, 0, 0)  # ours: fine
+    assert env.start("linked", pwd=str(link), extra=hook).stop() == 0
