@@ -1,13 +1,12 @@
 """Scope rules: which paths a pod may read or write (SPEC §4).
 
-Everything here is pure except `resolve` (and `Scope.check`, which calls it) and `foreign_link`:
-rules and scopes are values, paths given to `Scope.access` must already be absolute and resolved.
+Everything here is pure except `resolve` (and `Scope.check`, which calls it): rules and scopes are
+values, paths given to `Scope.access` must already be absolute and resolved.
 
 Paths are compared by components, never by string prefix: `/a/bc` is not under `/a/b`.
 """
 
 import os
-import stat
 from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
 from typing import Any, Protocol
@@ -19,7 +18,6 @@ __all__ = [
     "Rule",
     "Scope",
     "ScopeDenied",
-    "foreign_link",
     "resolve",
     "write_overlap",
 ]
@@ -154,43 +152,6 @@ def resolve(path: str, cwd: str) -> str:
     paths.
     """
     return os.path.realpath(os.path.join(cwd, os.fspath(path)))
-
-
-def foreign_link(path: str) -> tuple[str, int] | None:
-    """The first symlink that resolving the absolute `path` goes through (its own links
-    followed, and theirs) owned by neither this user nor root, with its owner; None if none.
-
-    A scope target is resolved once, at start-up: such a link lets its owner pick what the
-    pod may write (a link planted at `/tmp/work`, or in a shared tree, pointing at `~/.ssh`).
-    """
-    me = os.geteuid()
-    done = "/"
-    parts = [p for p in path.split("/") if p]
-    for _ in range(256):  # (more hops than the kernel's 40 links plus any path's components)
-        if not parts:
-            return None
-        part = parts.pop(0)
-        if part in (".", ".."):
-            done = done if part == "." else os.path.dirname(done)
-            continue
-        step = os.path.join(done, part)
-        try:
-            st = os.lstat(step)
-        except OSError:
-            return None  # not there yet (or not ours to look at): nothing more to follow
-        if not stat.S_ISLNK(st.st_mode):
-            done = step
-            continue
-        if st.st_uid not in (0, me):
-            return step, st.st_uid
-        try:
-            link = os.readlink(step)
-        except OSError:
-            return None
-        if link.startswith("/"):
-            done = "/"
-        parts = [p for p in link.split("/") if p] + parts
-    return None
 
 
 PRIVATE = "poddaemon's own files (session logs, registry, sockets, keys): no tool may touch them"

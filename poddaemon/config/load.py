@@ -19,7 +19,6 @@ from typing import Any, get_args
 import msgspec
 
 from poddaemon.overrides import split_override
-from poddaemon.scope import foreign_link
 from protocol import paths
 
 from .manifest import (
@@ -556,7 +555,7 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
         # may write. Checked as written: `_absolute` resolves what comes before a `..`, which
         # would hide such a link.
         raw = os.path.join(pwd, os.path.expanduser(rule.target))
-        if (link := foreign_link(raw)) is not None:
+        if (link := paths.foreign_symlink(Path(raw))) is not None:
             raise ManifestError(
                 f"{source}: scope.allow[{i}].target: {rule.target} is reached through the "
                 f"symlink {link[0]}, owned by uid {link[1]}, who could repoint it: refusing it"
