@@ -289,17 +289,7 @@ def files_problem(m: "Manifest") -> str | None:
     as with the manifest itself. Files of yours or root's that only you and root may change."""
     from protocol import paths
 
-    named: list[tuple[str, str]] = []
-    if m.worker.instruction_file is not None:
-        named.append(("worker.instruction_file", m.worker.instruction_file))
-    for event in m.hooks.__struct_fields__:
-        for i, hook in enumerate(getattr(m.hooks, event)):
-            if (script := hook.script()) is not None:
-                named.append((f"hooks.{event}[{i}] script", script))
-    for i, server in enumerate(m.mcp.servers):
-        if server.command is not None and "/" in server.command[0]:
-            named.append((f"mcp.servers[{i}].command", os.path.join(m.pod.pwd, server.command[0])))
-    for what, file in named:
+    for what, file in m.named_files():
         try:
             paths.check_unchangeable(Path(file), f"{m.source}: {what}", "as they could change it")
         except FileNotFoundError:

@@ -577,19 +577,7 @@ def _refuse_foreign_links(manifest: "Manifest") -> None:
     symlink. The pod checks where such a path leads at start-up, then goes on using it as
     written: hooks ran `<pwd>/hooks/guard.sh` wherever the link's owner had pointed it since
     (a guard bypassed under the sandbox, their script run as you without it)."""
-    named = [("pod.pwd", manifest.pod.pwd)]
-    if manifest.worker.instruction_file is not None:
-        named.append(("worker.instruction_file", manifest.worker.instruction_file))
-    for event in manifest.hooks.__struct_fields__:
-        for i, hook in enumerate(getattr(manifest.hooks, event)):
-            if (script := hook.script()) is not None:
-                named.append((f"hooks.{event}[{i}].command", script))
-    for i, server in enumerate(manifest.mcp.servers):
-        if server.command is not None and "/" in server.command[0]:
-            named.append(
-                (f"mcp.servers[{i}].command", os.path.join(manifest.pod.pwd, server.command[0]))
-            )
-    for field, path in named:
+    for field, path in [("pod.pwd", manifest.pod.pwd), *manifest.named_files()]:
         found = paths.foreign_symlink(Path(path))
         if found is not None:
             link, uid = found

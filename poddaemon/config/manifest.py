@@ -6,6 +6,7 @@ relative to the Struct; the loader turns that into `<file>:<line>: <dotted.field
 """
 
 import math
+import os
 import re
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -395,6 +396,24 @@ class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
         if self.compaction is not None and self.compaction.provider is not None:
             return self.compaction.provider
         return self.provider
+
+    def named_files(self) -> list[tuple[str, str]]:
+        """(field, path) of the files the pod reads or runs by path at every start: its
+        instruction file, its hook scripts, its stdio MCP servers named by path (these run
+        outside any sandbox). Whoever may change one, or swap it, writes its prompt or runs
+        code as its user."""
+        named: list[tuple[str, str]] = []
+        if self.worker.instruction_file is not None:
+            named.append(("worker.instruction_file", self.worker.instruction_file))
+        for event in self.hooks.__struct_fields__:
+            for i, hook in enumerate(getattr(self.hooks, event)):
+                if (script := hook.script()) is not None:
+                    named.append((f"hooks.{event}[{i}].command", script))
+        for i, server in enumerate(self.mcp.servers):
+            if server.command is not None and "/" in server.command[0]:
+                path = os.path.join(self.pod.pwd, server.command[0])
+                named.append((f"mcp.servers[{i}].command", path))
+        return named
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for the manifest, without None values and without LOADER_FIELDS."""

@@ -243,7 +243,7 @@ def test_install_refuses_hooks_mcp_servers_and_instructions_others_may_change(
     monkeypatch.setattr(unit, "manager_environment", lambda: pytest.fail("a bad file went by"))
     cases = {
         "worker.instruction_file": f'[worker]\ninstruction_file = "{{}}/prompt.md"\n{scope}',
-        "hooks.PreToolUse[0] script": f'{scope}[[hooks.PreToolUse]]\ncommand = "{{}}/guard.sh"\n',
+        "hooks.PreToolUse[0].command": f'{scope}[[hooks.PreToolUse]]\ncommand = "{{}}/guard.sh"\n',
         "mcp.servers[0].command": (
             f'{scope}[[mcp.servers]]\nname = "s"\ncommand = ["{{}}/guard.sh"]\n'
         ),
