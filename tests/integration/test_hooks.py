@@ -711,14 +711,8 @@ def test_cancel_during_a_stop_hook_kills_it_and_ends_the_run_cancelled(env: Env)
     assert pod.stop() == 0
 
 
-@pytest.mark.parametrize("how", ["cancel", "stop", "kill9"])
-def test_a_call_whose_posttooluse_hook_is_cut_short_keeps_what_the_tool_did(
-    env: Env, how: str
-) -> None:
-    """The command had finished (its output in hand) when a cancel, a shutdown or a crash cut
-    its slow PostToolUse hook short: its result told the model "It did not finish: check its
-    effects before running it again" and dropped the output, so a model would run an append
-    twice."""
+def _held_in_a_post_hook(env: Env, name: str) -> PodProcess:
+    """A pod whose `bash` call appended a line (once) and waits on a slow PostToolUse hook."""
     marker = env.work / "post-hook-started"
     hook = script(env, "slow_post.py", SLOW_STOP.format(marker=str(marker)))
     command = "echo line >> appended.txt; echo appended-once"
@@ -727,11 +721,23 @@ def test_a_call_whose_posttooluse_hook_is_cut_short_keeps_what_the_tool_did(
         {"text": "after"},
     )
     extra = hooks_toml("PostToolUse", hook, matcher="bash", timeout=3600)
-    pod = env.start("cutpost", tools=["bash"], extra=extra)
+    pod = env.start(name, tools=["bash"], extra=extra)
     with pod.client() as c:
         c.run("append a line")
     wait_until(marker.exists, what="the PostToolUse hook to run")
     assert (env.work / "appended.txt").read_text() == "line\n"
+    return pod
+
+
+@pytest.mark.parametrize("how", ["cancel", "stop", "kill9"])
+def test_a_call_whose_posttooluse_hook_is_cut_short_keeps_what_the_tool_did(
+    env: Env, how: str
+) -> None:
+    """The command had finished (its output in hand) when a cancel, a shutdown or a crash cut
+    its slow PostToolUse hook short: its result told the model "It did not finish: check its
+    effects before running it again" and dropped the output, so a model would run an append
+    twice."""
+    pod = _held_in_a_post_hook(env, "cutpost")
     if how == "cancel":
         assert pod.call("cancel")["cancelled"]
         wait_until(lambda: tool_results(pod), what="the call's result")
@@ -755,19 +761,8 @@ def test_a_call_whose_posttooluse_hook_a_crash_cuts_short_after_a_fork_keeps_its
     """Another writer moved the log's head while the hook ran: the pod forked at its next
     entry (a notification), and the fork's first entry did not carry the call's tool_output.
     A crash then restored the finished command as "It did not finish: check its effects"."""
-    marker = env.work / "post-hook-started"
-    hook = script(env, "slow_post.py", SLOW_STOP.format(marker=str(marker)))
-    command = "echo line >> appended.txt; echo appended-once"
-    env.model.script(
-        {"tool_calls": [{"name": "bash", "arguments": {"command": command}}]},
-        {"text": "after"},
-    )
-    extra = hooks_toml("PostToolUse", hook, matcher="bash", timeout=3600)
-    pod = env.start("forkpost", tools=["bash"], extra=extra)
-    with pod.client() as c:
-        c.run("append a line")
-        old = c.status().session_id
-    wait_until(marker.exists, what="the PostToolUse hook to run")
+    pod = _held_in_a_post_hook(env, "forkpost")
+    old = pod.call("status")["session_id"]
     intrude(env, old)
     pod.call("notify", message="while the hook runs", source="ci")
     new = pod.call("status")["session_id"]
