@@ -307,13 +307,21 @@ exit 2
 """
 
 
-def test_a_guard_script_outside_the_scope_still_guards(env: Env) -> None:
-    # Kept out of the scope so the model cannot rewrite its own guard: the sandbox lets
-    # commands read and run that one file, so the hook runs (it failed open with exit 126).
+@pytest.mark.parametrize("linked", [False, True], ids=["its directory", "a linked directory"])
+def test_a_guard_script_outside_the_scope_still_guards(env: Env, linked: bool) -> None:
+    """Kept out of the scope so the model cannot rewrite its own guard: the sandbox lets
+    commands read and run that one file, so the hook runs (it failed open with exit 126).
+    Also through a hooks directory that is a symlink (stow, /home linked elsewhere): the
+    sandbox opens its grants following no link on the way, so the grant must name the
+    directory the link resolves to, or the guard cannot run (exit 126: it blocks every call,
+    never with its own reason)."""
     hooks = env.home / "hooks"
     hooks.mkdir()
     (hooks / "guard.sh").write_text(SH_GUARD)
     (hooks / "guard.sh").chmod(0o755)
+    if linked:
+        (env.home / "linked").symlink_to(hooks)
+        hooks = env.home / "linked"
     env.model.script(
         {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]},
         {"text": "done"},
@@ -324,31 +332,8 @@ def test_a_guard_script_outside_the_scope_still_guards(env: Env) -> None:
         assert c.run_wait("write").outcome == "finished"
     assert not (env.work / "x.txt").exists()
     (result,) = tool_results(pod)
-    assert result["is_error"] and "guarded: no writes here" in result["output"]
-    assert any("a hook script" in n for n in pod.call("status")["sandbox_notes"])
-
-
-def test_a_guard_script_reached_through_a_linked_directory_runs(env: Env) -> None:
-    """A hooks directory that is a symlink (stow, a dotfile manager, /home linked elsewhere):
-    the sandbox opens its grants following no link on the way (another user could swap a
-    directory for one), so the script's grant must name the directory the link resolves to,
-    or the guard cannot run (exit 126: it blocks every call, never with its own reason)."""
-    hooks, linked = env.home / "hooks", env.home / "linked"
-    hooks.mkdir()
-    (hooks / "guard.sh").write_text(SH_GUARD)
-    (hooks / "guard.sh").chmod(0o755)
-    linked.symlink_to(hooks)
-    env.model.script(
-        {"tool_calls": [{"name": "write_file", "arguments": {"path": "x.txt", "content": "x"}}]},
-        {"text": "done"},
-    )
-    extra = hooks_toml("PreToolUse", str(linked / "guard.sh"), matcher="write_file")
-    pod = env.start("linkdir", tools=["write_file", "bash"], extra=extra)
-    with pod.client() as c:
-        assert c.run_wait("write").outcome == "finished"
-    assert not (env.work / "x.txt").exists()
-    (result,) = tool_results(pod)
     assert result["is_error"] and "guarded: no writes here" in result["output"], result
+    assert any("a hook script" in n for n in pod.call("status")["sandbox_notes"])
 
 
 def _guards_before_and_after(env: Env, name: str, guard: Path, replace: Callable[[], None]) -> None:
