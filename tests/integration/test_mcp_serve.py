@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from typing import Any
 
 from poddaemon import __version__
@@ -242,15 +243,32 @@ def test_a_line_the_sdk_cannot_read_is_answered_and_the_server_stays(env: Env) -
         "",
         json.dumps({"jsonrpc": "2.0", "id": 7, "method": "ping"}),
     ]
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "cli.main", "mcp-serve"],
-        input="\n".join(lines) + "\n",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
         env=env.env,
-        capture_output=True,
         text=True,
-        timeout=60,
     )
-    replies = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert proc.stdin is not None and proc.stdout is not None
+    watchdog = threading.Timer(60, proc.kill)  # a reply that never comes ends the reads below
+    watchdog.start()
+    try:
+        proc.stdin.write("\n".join(lines) + "\n")
+        proc.stdin.flush()
+        # stdin stays open until the last request is answered, as an MCP client keeps it: at
+        # EOF the SDK's session ends and may drop a request still in hand.
+        replies = []
+        while not replies or replies[-1].get("id") != 7:
+            line = proc.stdout.readline()
+            assert line, f"mcp-serve ended after {replies}"
+            replies.append(json.loads(line))
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        watchdog.cancel()
+        proc.kill()
+        proc.wait()
     errors = [(r["id"], r["error"]["code"]) for r in replies if "error" in r]
     assert errors == [(None, -32700), (2, -32600), ("three", -32600), (4, -32600), (None, -32600)]
     assert [r["id"] for r in replies if "result" in r] == [1, 7]
