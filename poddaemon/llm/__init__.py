@@ -177,6 +177,14 @@ def assembled(
 ) -> ModelResponse:
     """The response a stream's pieces add up to; `stop` as `map_stop` gives it."""
     reason, detail = stop
+    # A negative count (a broken or hostile server) would refund a capped pod's budget: spent
+    # went below zero and the pod called on past `max_total_tokens`. None counts less than 0.
+    usage = Usage(
+        input=max(0, usage.input),
+        output=max(0, usage.output),
+        cache_read=max(0, usage.cache_read),
+        cache_write=max(0, usage.cache_write),
+    )
     message = AssistantMessage(
         text="".join(text), reasoning="".join(reasoning), tool_calls=unique_ids(calls)
     )

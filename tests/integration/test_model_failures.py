@@ -352,3 +352,65 @@ def test_a_huge_error_message_is_cut_short(env: Env, kind: str) -> None:
     assert failed.error.endswith("…") and len(failed.error) <= 2000
     alerts = [e.data["message"] for e in events if e.type == "alert"]
     assert alerts and all(len(m) <= 2000 for m in alerts)
+
+
+def _whole_answer(kind: str, text: str, input_tokens: int, output_tokens: int) -> str:
+    """An answer sent whole as one JSON body, with the usage numbers as given (the fake
+    model's own `usage` takes only sound ones)."""
+    if kind == "anthropic":
+        return json.dumps(
+            {
+                "id": "msg_1",
+                "type": "message",
+                "role": "assistant",
+                "model": "fake-model",
+                "content": [{"type": "text", "text": text}],
+                "stop_reason": "end_turn",
+                "stop_sequence": None,
+                "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens},
+            }
+        )
+    return json.dumps(
+        {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 1,
+            "model": "fake-model",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": input_tokens,
+                "completion_tokens": output_tokens,
+                "total_tokens": input_tokens + output_tokens,
+            },
+        }
+    )
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_a_negative_usage_count_refunds_no_budget(env: Env, kind: str) -> None:
+    """A server that reports a negative token count: the pod counted it as given, `spent`
+    went to -999995 and a pod capped at 150 tokens went on calling the model past its cap."""
+    answer = _whole_answer(kind, "refund", -1_000_000, 5)
+    env.model.script(
+        {
+            "fault": {
+                "kind": "status",
+                "status": 200,
+                "body": answer,
+                "content_type": "application/json",
+            }
+        },
+        {"text": "dear", "usage": {"input": 200, "output": 5}},
+    )
+    pod = env.start("refund", kind=kind, extra="[budget]\nmax_total_tokens = 150\n")
+    with pod.client() as c:
+        assert c.run_wait("one").text == "refund"
+        assert c.status().budget.spent == 5
+        assert c.run_wait("two").text == "dear"
+    _charged_then_refused(env, pod, calls=2)
