@@ -664,9 +664,15 @@ class Machine:
         """The response with the usage the budget counts: a server that reports none would
         spend a capped pod's budget for nothing, so its call is counted by the estimate
         compaction uses (bytes / 4), and an alert says so once."""
-        u = response.usage
+        usage = self._billed(response.usage, response.message)
+        return (
+            response if usage is response.usage else msgspec.structs.replace(response, usage=usage)
+        )
+
+    def _billed(self, u: Usage, answer: AssistantMessage) -> Usage:
+        """`u`, or for a capped pod whose provider reported none, the bytes / 4 estimate."""
         if self.cfg.budget_cap is None or u.total or u.cache_read or u.cache_write:
-            return response
+            return u
         if not self._usage_estimated:
             self._usage_estimated = True
             message = (
@@ -674,8 +680,7 @@ class Machine:
                 "(the request's and the answer's bytes / 4)"
             )
             self._publish("alert", {"level": "warning", "source": "provider", "message": message})
-        guess = compaction.estimated_usage(self.system_prompt, self.state.history, response.message)
-        return msgspec.structs.replace(response, usage=guess)
+        return compaction.estimated_usage(self.system_prompt, self.state.history, answer)
 
     def attempt_cut(self) -> list[Effect]:
         """An attempt of the call in flight broke after the provider began its answer, before
@@ -944,17 +949,7 @@ class Machine:
 
         def go() -> None:
             c = self._end_compaction()
-            u = usage
-            self._commit(
-                LlmUsage(
-                    run_id=c.run_id,
-                    model=self.cfg.compaction_model or self.cfg.model,
-                    input=u.input,
-                    output=u.output,
-                    cache_read=u.cache_read,
-                    cache_write=u.cache_write,
-                )
-            )
+            self._charge_summary(c, usage, AssistantMessage(text=summary))
             run_from = self.state.run_from if c.run_id is not None else None
             history, new_run_from = compaction.build_history(
                 self.state.history,
@@ -1000,11 +995,20 @@ class Machine:
 
         return self._handle(go)
 
-    def compaction_failed(self, error: str | None) -> list[Effect]:
-        """The summary call failed, or (None) was interrupted: the old session stays."""
+    def compaction_failed(
+        self,
+        error: str | None,
+        usage: Usage | None = None,
+        answer: AssistantMessage | None = None,
+    ) -> list[Effect]:
+        """The summary call failed, or (None) was interrupted: the old session stays. `answer`:
+        what the provider answered, though it is no summary (a tool call, a refusal, a stream
+        cut mid-answer), with its `usage` if it came: the provider bills it all the same."""
 
         def go() -> None:
             c = self._end_compaction()
+            if answer is not None and (usage is not None or self.cfg.budget_cap is not None):
+                self._charge_summary(c, usage or Usage(), answer)
             if error is None and c.cancelled:  # asked for: no failure the breaker counts
                 self._publish("compaction.failed", {"error": "cancelled"}, c.run_id)
                 if c.token is not None:
@@ -1068,6 +1072,22 @@ class Machine:
         if c.run_id is None:
             self._announce_due = True  # idle, unless a run queued meanwhile starts at once
         return c
+
+    def _charge_summary(self, c: _Compaction, usage: Usage, answer: AssistantMessage) -> None:
+        """A summary call's cost, counted as a model call's is: one that came to nothing (no
+        summary, a stream cut short, no usage reported) cost its whole context all the same,
+        and a capped pod kept compacting for free past `max_total_tokens`."""
+        u = self._billed(usage, answer)
+        self._commit(
+            LlmUsage(
+                run_id=c.run_id,
+                model=self.cfg.compaction_model or self.cfg.model,
+                input=u.input,
+                output=u.output,
+                cache_read=u.cache_read,
+                cache_write=u.cache_write,
+            )
+        )
 
     def _compaction_failed(self, c: _Compaction, error: str) -> None:
         self._compact_failures += 1

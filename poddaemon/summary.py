@@ -6,6 +6,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
+from poddaemon.history import AssistantMessage
 from poddaemon.llm.types import (
     ModelClient,
     ModelRequest,
@@ -47,11 +48,15 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
             # replace the whole context. The old session stays, as for any failed summary.
             reason = response.detail or response.stop.replace("_", " ")
             _alert(pod, f"compaction: the summary was stopped: {reason}")
-            return machine.compaction_failed(f"the summary was stopped: {reason}")
+            return machine.compaction_failed(
+                f"the summary was stopped: {reason}", response.usage, response.message
+            )
         if response.message.tool_calls:
             # Told not to, it went on working: its text is a preamble ("Let me read the file
             # first"), no summary, and kept it would replace the whole context.
-            return machine.compaction_failed("the model called a tool instead of summarizing")
+            return machine.compaction_failed(
+                "the model called a tool instead of summarizing", response.usage, response.message
+            )
         if response.stop == "max_tokens" and summary.strip():
             # Still better than the context it replaces, but the model must know it is partial.
             pod.alert("warning", CUT_OFF_ALERT.format(pod.m.worker.max_tokens), "compaction")
@@ -60,7 +65,9 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
         return machine.compaction_returned(summary, response.usage, live_children(machine.state))
     except ProviderError as exc:
         _alert(pod, f"compaction: {exc.message}")
-        return machine.compaction_failed(exc.message)
+        # Cut off once the provider had begun its answer: billed, though no usage came.
+        cut = exc.answered or exc.kind in ("interrupted", "stalled")
+        return machine.compaction_failed(exc.message, answer=AssistantMessage() if cut else None)
     except Exception as exc:  # CancelledError is the caller's
         log.exception("compaction failed")
         return machine.compaction_failed(f"internal error: {exc}")

@@ -614,3 +614,33 @@ def test_a_compaction_renders_the_instruction_again_so_now_is_not_the_start_day(
     first = pod.call("history", since=0, limit=1)["entries"][0]
     assert first["kind"] == "session_start" and first["system_prompt"] == after
     assert first["session_id"] == json.loads(out.stdout)["session_id"]
+
+
+@pytest.mark.parametrize("how", ["tool_call", "content_filter", "cut", "no_usage"])
+def test_a_summary_call_that_came_to_nothing_counts_against_the_budget(
+    env: Env, how: str
+) -> None:
+    """A summary answered with a tool call or a refusal, cut mid-answer, or with no usage
+    reported: each cost the provider the whole context, yet the pod counted nothing, and a
+    capped pod went on compacting (manually, or automatically at every round) for free past
+    `max_total_tokens`."""
+    pod = env.start(extra="[budget]\nmax_total_tokens = 200\n")
+    env.model.script({"text": "the answer", "usage": {"input": 10, "output": 10}})
+    with pod.client() as c:
+        c.run_wait("the question: " + "x" * 1000)
+    summary = "summary " * 100
+    reply: dict[str, Any] = {
+        "tool_call": {"text": "Let me", "tool_calls": [{"name": "list_dir"}]},
+        "content_filter": {"text": "no", "stop": "content_filter"},
+        "cut": {"text": summary, "fault": {"kind": "cut", "after_chunks": 2}},
+        "no_usage": {"text": summary, "usage": {"input": 0, "output": 0}},
+    }[how]
+    if how in ("tool_call", "content_filter"):
+        reply["usage"] = {"input": 300, "output": 5}
+    env.model.script_when(MARKER, reply, reply)
+    env.podctl("compact", "pod")
+    assert pod.call("status")["budget"]["spent"] > 200
+    again = env.podctl("compact", "pod")
+    assert again.returncode == 1 and "budget exhausted" in again.stderr, again.stderr
+    bodies = [r["body"] for r in env.model.requests]
+    assert sum(is_summary_request("openai", b) for b in bodies) == 1
