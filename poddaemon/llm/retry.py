@@ -246,6 +246,10 @@ def classify(exc: BaseException) -> ProviderError:
         label = f"HTTP {status} from {url}: {text}" if url else f"HTTP {status}: {text}"
         if status in (401, 403):
             return ProviderError("auth", label, status)
+        if status == 429 and code == "insufficient_quota":
+            # OpenAI's "You exceeded your current quota": a 429 no wait cures (billing does),
+            # retried it held every run for minutes before the same error.
+            return ProviderError("fatal", label, status)
         if status in (408, 409, 429) or status >= 500:
             return ProviderError("transient", label, status)
         if status in (400, 413, 422) and (

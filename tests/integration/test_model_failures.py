@@ -414,3 +414,22 @@ def test_a_negative_usage_count_refunds_no_budget(env: Env, kind: str) -> None:
         assert c.status().budget.spent == 5
         assert c.run_wait("two").text == "dear"
     _charged_then_refused(env, pod, calls=2)
+
+
+@pytest.mark.parametrize("kind", ["openai", "openai_responses"])
+def test_a_429_for_an_exhausted_quota_is_not_retried(env: Env, kind: str) -> None:
+    """OpenAI answers 429 `insufficient_quota` to an account out of credit: no wait cures it,
+    yet it was retried as a rate limit (every run held for minutes, then the same error)."""
+    message = "You exceeded your current quota, please check your plan and billing details."
+    quota = {
+        "fault": {"kind": "status", "status": 429, "type": "insufficient_quota", "message": message}
+    }
+    env.model.script(*[quota] * 4)
+    pod = env.start("broke", kind=kind)
+    with pod.client() as c:
+        c.subscribe()
+        failed = c.run_wait("go")
+        events = collect_run(c)
+    assert failed.outcome == "error" and message in (failed.error or "")
+    assert "llm.retry" not in [e.type for e in events]
+    assert len(env.model.requests) == 1
