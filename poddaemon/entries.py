@@ -70,6 +70,7 @@ class SessionStart(Entry, tag="session_start"):
     usage: Usage | None = None
     usage_calls: list[dict[str, Any]] = []  # the newest (session.KEPT_USAGE_CALLS)
     usage_call_count: int | None = None  # all of them (before 0.4: len(usage_calls))
+    spent: int | None = None  # counted against the budget so far (None: usage's input + output)
     active_run: str | None = None
     rounds: int = 0
     paused_run: str | None = None
@@ -214,6 +215,9 @@ class LlmUsage(Entry, tag="llm_usage"):
     output: int
     cache_read: int
     cache_write: int
+    # What the call counts against the budget: every token of its request, cached or not,
+    # and its output. None (older logs): input + output.
+    counted: int | None = None
 
     def usage(self) -> Usage:
         return Usage(

@@ -375,7 +375,7 @@ def status(pod: "Pod", scope: list[ScopeEntry]) -> StatusResult:
         children=[],
         budget=BudgetInfo(
             limit=pod.m.budget.max_total_tokens,
-            spent=st.usage.total,
+            spent=st.spent,
             tree_spent=pod.machine.tree_spent(),
             left=pod.machine.budget_remaining(),
         ),

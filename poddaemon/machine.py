@@ -78,6 +78,13 @@ RESTART_NOTE = (
 )
 
 
+def _counted_tokens(u: Usage, provider_kind: str) -> int:
+    """What a call counts against the budget: its whole request and its output. Anthropic's
+    `input` leaves out the cached tokens: counted as input + output, a pod whose calls hit the
+    cache spent 300,000 tokens and counted 6 of them against its cap."""
+    return compaction.context_tokens(u, provider_kind) + u.output
+
+
 # Runs in a row a crash or a stop cut off that the pod takes up by itself. Past it the note
 # waits for the next input: a run that crashes the pod every time (a command that takes all the
 # memory, say) would otherwise spend tokens in a loop under `Restart=on-failure`, and what a
@@ -235,6 +242,7 @@ class MachineConfig(msgspec.Struct, frozen=True):
     compact_retained_turns: int = 2
     provider_kind: str = ""
     compaction_model: str = ""
+    compaction_kind: str = ""  # its provider's kind ("": the pod's own)
     reports: bool = False  # started by a spawner: commit reports for it (spawn trees, §9)
     stop_hooks: bool = False  # Stop hooks may block a run's end: ask them first (RunStopHooks)
 
@@ -321,13 +329,13 @@ class Machine:
     def tree_spent(self) -> int:
         """Tokens this pod and its descendants spent, as far as their reports tell."""
         s = self.state
-        return s.usage.total + s.ended_spent + sum(c.earlier + c.spent for c in s.children.values())
+        return s.spent + s.ended_spent + sum(c.earlier + c.spent for c in s.children.values())
 
     def budget_charged(self) -> int:
         """What counts against the cap: own spending, children's grants while they live (so
         the tree cannot overspend), their actual spending once they are gone."""
         s = self.state
-        return s.usage.total + s.ended_spent + sum(c.charged() for c in s.children.values())
+        return s.spent + s.ended_spent + sum(c.charged() for c in s.children.values())
 
     def budget_remaining(self) -> int | None:
         cap = self.cfg.budget_cap
@@ -652,6 +660,7 @@ class Machine:
                     output=u.output,
                     cache_read=u.cache_read,
                     cache_write=u.cache_write,
+                    counted=_counted_tokens(u, self.cfg.provider_kind),
                 )
             )
             more = self.state.pending_steers > 0 or self._notes_overflow
@@ -895,6 +904,7 @@ class Machine:
             run_key_digests=snap["run_key_digests"],
             notify_key_digests=snap["notify_key_digests"],
             usage=old.usage,
+            spent=old.spent,
             usage_calls=old.usage_calls,
             usage_call_count=old.call_count,
             active_run=old.active_run,
@@ -1086,6 +1096,7 @@ class Machine:
                 output=u.output,
                 cache_read=u.cache_read,
                 cache_write=u.cache_write,
+                counted=_counted_tokens(u, self.cfg.compaction_kind or self.cfg.provider_kind),
             )
         )
 

@@ -146,6 +146,7 @@ class Pod:
             compact_retained_turns=m.compaction.compact_retained_turns if m.compaction else 2,
             provider_kind=m.provider.kind,
             compaction_model=m.compaction_provider.model,
+            compaction_kind=m.compaction_provider.kind,
             reports=services.callback is not None,
             stop_hooks=bool(m.hooks.Stop),
         )

@@ -130,6 +130,7 @@ class SessionState(msgspec.Struct):
     usage_calls: list[dict[str, Any]] = msgspec.field(default_factory=list)  # the newest
     call_count: int = 0  # model calls ever made (usage_calls keeps the newest)
     usage: Usage = msgspec.field(default_factory=Usage)
+    spent: int = 0  # what the calls count against the budget (LlmUsage.counted)
     run_usage: Usage = msgspec.field(default_factory=Usage)  # of the active (or paused) run
     run_calls: int = 0  # model calls of the active (or paused) run
     # Child reports accepted (dedup): the newest KEPT_REPORT_IDS, oldest first (a dict as an
@@ -374,6 +375,7 @@ def _apply(s: SessionState, e: Entry) -> None:
         case LlmUsage():
             u = e.usage()
             s.usage.add(u)
+            s.spent += u.total if e.counted is None else e.counted
             if e.run_id is not None and e.run_id in (s.active_run, s.paused_run):
                 s.run_usage.add(u)
                 s.run_calls += 1
@@ -490,6 +492,7 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     s.run_positions = {rid: p for rid, p in e.run_positions.items() if rid in s.keyed_runs}
     if e.usage is not None:
         s.usage = Usage(**msgspec.structs.asdict(e.usage))
+    s.spent = e.spent if e.spent is not None else s.usage.total
     s.usage_calls = list(e.usage_calls[-KEPT_USAGE_CALLS:])
     s.call_count = len(e.usage_calls) if e.usage_call_count is None else e.usage_call_count
     s.active_run = e.active_run

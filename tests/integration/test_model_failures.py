@@ -433,3 +433,23 @@ def test_a_429_for_an_exhausted_quota_is_not_retried(env: Env, kind: str) -> Non
     assert failed.outcome == "error" and message in (failed.error or "")
     assert "llm.retry" not in [e.type for e in events]
     assert len(env.model.requests) == 1
+
+
+def test_cached_input_counts_against_the_budget(env: Env) -> None:
+    """Anthropic reports cached tokens apart from `input_tokens`: counted as input + output,
+    a pod whose calls read 100,000 tokens from the cache counted 2 of them each and never
+    reached its cap. Counted whole, the cap holds, and still holds once the pod is restored."""
+    cached = {
+        "text": "a",
+        "usage": {"input": 1, "output": 1, "cache_read": 50000, "cache_write": 50000},
+    }
+    env.model.script(cached, cached)
+    pod = env.start("cached", kind="anthropic", extra="[budget]\nmax_total_tokens = 150000\n")
+    with pod.client() as c:
+        assert c.run_wait("one").outcome == "finished"
+        assert c.status().budget.spent == 100_002
+        assert c.run_wait("two").outcome == "finished"
+    pod.kill9()
+    again = env.restart(pod, "--resume")
+    assert again.call("status")["budget"]["spent"] == 200_004
+    _charged_then_refused(env, again, calls=2)
