@@ -693,15 +693,21 @@ class Machine:
 
     def attempt_cut(self) -> list[Effect]:
         """An attempt of the call in flight broke after the provider began its answer, before
-        anything was shown (a tool call's arguments), and is retried: charged as a cut call."""
+        anything was shown (a tool call's arguments), and is retried: charged as a cut call.
+        A summary call's attempts too: a provider that kept cutting them was retried free."""
 
         def go() -> None:
             if self.turn is not None and self.in_flight == "model":
                 self._charge_cut_call(self.turn.run_id, True, "")
+            elif self._compacting is not None and self.in_flight == "compact":
+                model = self.cfg.compaction_model or self.cfg.model
+                self._charge_cut_call(self._compacting.run_id, True, "", model)
 
         return self._handle(go)
 
-    def _charge_cut_call(self, run_id: str, answered: bool, partial: str) -> None:
+    def _charge_cut_call(
+        self, run_id: str | None, answered: bool, partial: str, model: str = ""
+    ) -> None:
         """A call cut short once the provider answered (a broken or stalled stream, a cancel
         mid-answer) cost its request and what it produced, yet no usage came (it comes last):
         a capped pod counts it by the bytes / 4 estimate, or a provider that keeps cutting its
@@ -714,7 +720,7 @@ class Machine:
         self._commit(
             LlmUsage(
                 run_id=run_id,
-                model=self.cfg.model,
+                model=model or self.cfg.model,
                 input=u.input,
                 output=u.output,
                 cache_read=0,

@@ -98,6 +98,8 @@ async def _answer(
             if isinstance(event, RetryScheduled):
                 data = {"attempt": event.attempt, "delay": event.delay, "error": event.error}
                 pod.bus.publish("llm.retry", data, run_id)
+                if event.answered:
+                    pod.feed(pod.machine.attempt_cut())
             elif isinstance(event, ModelResponse):
                 return event
     raise ProviderError("interrupted", "the model stream ended without a response")

@@ -617,9 +617,7 @@ def test_a_compaction_renders_the_instruction_again_so_now_is_not_the_start_day(
 
 
 @pytest.mark.parametrize("how", ["tool_call", "content_filter", "cut", "no_usage"])
-def test_a_summary_call_that_came_to_nothing_counts_against_the_budget(
-    env: Env, how: str
-) -> None:
+def test_a_summary_call_that_came_to_nothing_counts_against_the_budget(env: Env, how: str) -> None:
     """A summary answered with a tool call or a refusal, cut mid-answer, or with no usage
     reported: each cost the provider the whole context, yet the pod counted nothing, and a
     capped pod went on compacting (manually, or automatically at every round) for free past
@@ -644,3 +642,21 @@ def test_a_summary_call_that_came_to_nothing_counts_against_the_budget(
     assert again.returncode == 1 and "budget exhausted" in again.stderr, again.stderr
     bodies = [r["body"] for r in env.model.requests]
     assert sum(is_summary_request("openai", b) for b in bodies) == 1
+
+
+def test_retried_summary_attempts_cut_mid_answer_count_against_the_budget(env: Env) -> None:
+    """A summary call whose attempts break mid-answer (a tool call's arguments, nothing shown)
+    is retried; each attempt was billed by the provider, as a model call's are, yet only the
+    run's model calls counted them: the summary's retries were free."""
+    pod = env.start(extra="[budget]\nmax_total_tokens = 100000\n")
+    env.model.script({"text": "the answer", "usage": {"input": 10, "output": 10}})
+    with pod.client() as c:
+        c.run_wait("the question: " + "x" * 1000)
+    call = {"name": "write_file", "arguments": {"path": "a.txt", "content": "x" * 400}}
+    cut = {"tool_calls": [call], "fault": {"kind": "cut", "after_chunks": 2}}
+    env.model.script_when(MARKER, *[cut] * 4)
+    out = env.podctl("compact", "pod")
+    assert out.returncode == 1, out.stdout
+    bodies = [r["body"] for r in env.model.requests]
+    assert sum(is_summary_request("openai", b) for b in bodies) == 4
+    assert pod.call("usage")["totals"]["calls"] == 1 + 4  # the run's, then every attempt once
