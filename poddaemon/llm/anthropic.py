@@ -302,9 +302,13 @@ class AnthropicClient(RetryingClient):
                     yield None
             if not stopped and stop_raw is None:  # a cut after message_delta keeps the answer
                 raise ended_early(stream, "stream ended before message_stop", events)
+            # A server that gives a tool_use no id (some compatible ones do): sent back as "",
+            # the API refuses every later request of the session (ids match [a-zA-Z0-9_-]+).
             calls = tuple(
-                ToolCall(id=cid, name=name, arguments=tool_arguments("".join(parts)))
-                for _, (cid, name, parts) in sorted(tools.items())
+                ToolCall(
+                    id=cid or f"toolu_{index}", name=name, arguments=tool_arguments("".join(parts))
+                )
+                for index, (cid, name, parts) in sorted(tools.items())
             )
             yield assembled(text, reasoning, calls, map_stop(stop_raw, bool(calls)), usage)
         finally:

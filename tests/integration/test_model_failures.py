@@ -1,6 +1,7 @@
 """A pod whose model provider misbehaves: real pods, the real SDKs, a local server."""
 
 import json
+import re
 import socket
 import time
 from pathlib import Path
@@ -453,3 +454,32 @@ def test_cached_input_counts_against_the_budget(env: Env) -> None:
     again = env.restart(pod, "--resume")
     assert again.call("status")["budget"]["spent"] == 200_004
     _charged_then_refused(env, again, calls=2)
+
+
+def test_anthropic_tool_calls_without_ids_get_ids_the_api_takes_back(env: Env) -> None:
+    """A Messages-compatible server whose tool_use blocks carry an empty id: the pod kept ""
+    (and "_2" for the next one) and sent them back, which the Anthropic API refuses (ids must
+    match [a-zA-Z0-9_-]+): every later request of the session failed. Chat got `call_<i>`."""
+    block = {"type": "tool_use", "id": "", "name": "list_dir", "input": {}}
+    answer = json.dumps(
+        {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "fake-model",
+            "content": [block, block],
+            "stop_reason": "tool_use",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 10, "output_tokens": 5},
+        }
+    )
+    body = {"kind": "status", "status": 200, "body": answer, "content_type": "application/json"}
+    env.model.script({"fault": body}, {"text": "done"})
+    pod = env.start("noids", kind="anthropic", tools=["list_dir"])
+    with pod.client() as c:
+        assert c.run_wait("go").text == "done"
+    blocks = [b for m in env.model.requests[-1]["body"]["messages"] for b in m["content"]]
+    uses = [b["id"] for b in blocks if b.get("type") == "tool_use"]
+    results = [b["tool_use_id"] for b in blocks if b.get("type") == "tool_result"]
+    assert len(set(uses)) == 2 and all(re.fullmatch(r"[a-zA-Z0-9_-]+", i) for i in uses), uses
+    assert results == uses
