@@ -1,6 +1,7 @@
 """Anthropic Messages API adapter (``provider.kind = "anthropic"``)."""
 
 import os
+import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -41,6 +42,16 @@ from poddaemon.llm.types import (
 # Rendering (pure)
 
 
+_ID_CHAR = re.compile(r"[^a-zA-Z0-9_-]")
+
+
+def wire_id(call_id: str) -> str:
+    """A call's id as the API takes it back (it refuses any outside [a-zA-Z0-9_-]+): another
+    server's ids ("call:1", "fc.1 a") and a compaction provider fed another kind's history
+    made every later request fail. Mapped the same way for the call and its result."""
+    return _ID_CHAR.sub("_", call_id) or "toolu_"
+
+
 class Fold:
     """Anthropic messages built one ordered item at a time. Roles must alternate, so items
     merge into the message before them: `feed` replaces a message it extends rather than change
@@ -76,7 +87,7 @@ class Fold:
                 content.append(
                     {
                         "type": "tool_use",
-                        "id": call.id,
+                        "id": wire_id(call.id),
                         "name": call.name,
                         "input": tool_input(call.arguments),
                     }
@@ -92,7 +103,7 @@ class Fold:
         elif isinstance(item, ToolResult):
             block: dict[str, Any] = {
                 "type": "tool_result",
-                "tool_use_id": item.call_id,
+                "tool_use_id": wire_id(item.call_id),
                 "content": item.output if item.output else "(no output)",
             }
             if item.is_error:

@@ -456,18 +456,22 @@ def test_cached_input_counts_against_the_budget(env: Env) -> None:
     _charged_then_refused(env, again, calls=2)
 
 
-def test_anthropic_tool_calls_without_ids_get_ids_the_api_takes_back(env: Env) -> None:
-    """A Messages-compatible server whose tool_use blocks carry an empty id: the pod kept ""
-    (and "_2" for the next one) and sent them back, which the Anthropic API refuses (ids must
-    match [a-zA-Z0-9_-]+): every later request of the session failed. Chat got `call_<i>`."""
-    block = {"type": "tool_use", "id": "", "name": "list_dir", "input": {}}
+@pytest.mark.parametrize("ids", [("", ""), ("call:1", "fc.1 a")])
+def test_anthropic_tool_call_ids_go_back_as_the_api_takes_them(
+    env: Env, ids: tuple[str, str]
+) -> None:
+    """A Messages-compatible server whose tool_use ids are empty or hold characters the
+    Anthropic API refuses (ids must match [a-zA-Z0-9_-]+): the pod sent them back as they came
+    ("" and "_2" for two empty ones), and the API would refuse every later request of the
+    session. Chat got `call_<i>` for a missing id."""
+    blocks = [{"type": "tool_use", "id": i, "name": "list_dir", "input": {}} for i in ids]
     answer = json.dumps(
         {
             "id": "msg_1",
             "type": "message",
             "role": "assistant",
             "model": "fake-model",
-            "content": [block, block],
+            "content": blocks,
             "stop_reason": "tool_use",
             "stop_sequence": None,
             "usage": {"input_tokens": 10, "output_tokens": 5},
@@ -478,8 +482,8 @@ def test_anthropic_tool_calls_without_ids_get_ids_the_api_takes_back(env: Env) -
     pod = env.start("noids", kind="anthropic", tools=["list_dir"])
     with pod.client() as c:
         assert c.run_wait("go").text == "done"
-    blocks = [b for m in env.model.requests[-1]["body"]["messages"] for b in m["content"]]
-    uses = [b["id"] for b in blocks if b.get("type") == "tool_use"]
-    results = [b["tool_use_id"] for b in blocks if b.get("type") == "tool_result"]
+    sent = [b for m in env.model.requests[-1]["body"]["messages"] for b in m["content"]]
+    uses = [b["id"] for b in sent if b.get("type") == "tool_use"]
+    results = [b["tool_use_id"] for b in sent if b.get("type") == "tool_result"]
     assert len(set(uses)) == 2 and all(re.fullmatch(r"[a-zA-Z0-9_-]+", i) for i in uses), uses
     assert results == uses
