@@ -46,6 +46,15 @@ def _closed_stdio_on_devnull() -> None:
 
 
 def main() -> None:
+    try:
+        _main()
+    except KeyboardInterrupt:
+        # Ctrl-C while podctl starts (its imports, typer building the command: the first
+        # ~100 ms, before `run` handles it) ended in a traceback of whatever was importing.
+        os._exit(130)  # cli.common.EXIT_INTERRUPTED, which may be half imported right now
+
+
+def _main() -> None:
     _closed_stdio_on_devnull()
     from protocol.paths import absolute_env
 

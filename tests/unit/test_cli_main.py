@@ -146,3 +146,33 @@ def test_podctl_statuses_are_the_ones_sys_exit_gives() -> None:
     assert _status(SystemExit(None)) == 0
     assert _status(SystemExit(4)) == 4
     assert _status(SystemExit("podctl: gone")) == 1
+
+
+# Ctrl-C as podctl starts: the signal arrives while `where` (the plain parser, typer's loading
+# of the command) runs, before `run` handles it as it does for a command that has started.
+CTRL_C_PROBE = """
+import os, signal, sys
+import cli.app, cli.main, cli.plain
+where = {"plain": cli.plain, "typer": cli.app}[sys.argv[1]]
+name = {"plain": "parse", "typer": "load"}[sys.argv[1]]
+real = getattr(where, name)
+def interrupted(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return real(*args, **kwargs)
+setattr(where, name, interrupted)
+sys.argv = ["podctl", *sys.argv[2:]]
+cli.main.main()
+"""
+
+
+def test_ctrl_c_while_podctl_starts_is_130_not_a_traceback() -> None:
+    for where, args in (("plain", ["send", "p", "hi"]), ("typer", ["ls"])):
+        done = subprocess.run(
+            [sys.executable, "-c", CTRL_C_PROBE, where, *args],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+            env={**os.environ, "XDG_RUNTIME_DIR": "/nonexistent-podctl-test"},
+        )
+        assert (done.returncode, done.stderr) == (130, ""), (where, done.stderr)
