@@ -258,6 +258,12 @@ def rpc_errors(target: str, timeout: float | None = None, unanswered: str = "") 
     except TimeoutError:
         within = f"within {timeout:g} s" if timeout else "in time"
         fail(f"pod '{target}' did not answer {within}{unanswered}")
+    except KeyboardInterrupt:
+        if not unanswered:
+            raise  # nothing handed over: 130 without a word, as ever
+        # Ctrl-C before a stopped or slow pod acknowledged input: like a timeout, what was
+        # sent may still be taken, and a silent 130 read as "not sent" (sent again: twice).
+        fail(f"interrupted before pod '{target}' answered{unanswered}", EXIT_INTERRUPTED)
     except OSError as exc:
         fail(f"cannot talk to pod '{target}': {exc}")
 

@@ -696,3 +696,23 @@ def test_no_command_hangs_on_a_stopped_pod(env: Env) -> None:
 
     # The --no-wait send's input, read late too; not the waiting one's, never sent.
     assert wait_until(inputs, 20, "the input sent with --no-wait") == ["hi"]
+
+
+def test_ctrl_c_before_a_stopped_pod_answered_input_says_it_may_still_take_it(env: Env) -> None:
+    """Ctrl-C while a stopped (or slow) pod has not acknowledged a notification: a silent 130
+    read as "not sent", yet the pod takes it once it runs again; sent again, it came twice."""
+    pod = env.start()
+    os.kill(pod.proc.pid, signal.SIGSTOP)
+    try:
+        proc = env.podctl_popen("notify", "pod", "build failed")
+        wait_until(lambda: proc.poll() is not None or connected(proc.pid), 20, "podctl connected")
+        proc.send_signal(signal.SIGINT)
+        result = finish(proc)
+    finally:
+        os.kill(pod.proc.pid, signal.SIGCONT)
+    assert result == (
+        130,
+        "",
+        "podctl: interrupted before pod 'pod' answered; "
+        "it may still take what was sent once it runs again\n",
+    )
