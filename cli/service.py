@@ -320,6 +320,17 @@ def _restart(pod: str) -> None:
     except SpawnFailed as exc:
         sys.stderr.buffer.write(shortened(exc.output, name))
         fail(exc.message)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        # Ctrl-C, SIGTERM or SIGHUP (SystemExit(128 + signal), cli.spawn) while the pod starts
+        # again: the start is undone, and the pod, stopped above, is left stopped. A silent
+        # 130 after "stopped NAME" read as a restart cut short with the old pod still there.
+        code = exc.code if isinstance(exc, SystemExit) else EXIT_INTERRUPTED
+        if not isinstance(code, int) or code <= 128:
+            raise  # an exit of its own, not a signal
+        fail(
+            f"interrupted: pod '{name}' was stopped and not started again (podctl restart {name})",
+            code,
+        )
     sys.stderr.buffer.write(shortened(early, name))
     sys.stdout.write(f"{started}\t{socket}\n")
 

@@ -691,6 +691,31 @@ def test_restarts_of_one_pod_at_once_all_succeed_and_leave_one_pod(cleanup: Env)
     assert env.podctl("stop", "busy").returncode == 0
 
 
+def test_ctrl_c_while_a_restarted_pod_starts_says_it_is_left_stopped(env: Env) -> None:
+    """Ctrl-C once `podctl restart` had stopped the pod and was starting it again: the start
+    was undone and podctl ended with a silent 130 after "stopped NAME", as if cut short
+    before the stop. It says the pod is left stopped, and how to start it."""
+    flag, starting = env.work / "slow-start", env.work / "starting"
+    hook = f"if [ -e {flag} ]; then touch {starting}; sleep 60; fi"
+    pod = env.start("again", extra=f"[[hooks.SessionStart]]\ncommand = {json.dumps(hook)}\n")
+    flag.touch()  # the restarted pod waits in its SessionStart hook
+    proc = env.podctl_popen("restart", "again")
+    try:
+        wait_until(lambda: proc.poll() is not None or starting.exists(), 30, "the new start")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert pod.proc.wait(10) == 0  # stopped by the restart
+    assert (proc.returncode, out) == (130, "stopped again\n"), err
+    assert err.splitlines()[-1:] == [
+        "podctl: interrupted: pod 'again' was stopped and not started again (podctl restart again)"
+    ]
+    assert env.podctl("status", "again").returncode == 3
+
+
 def test_restart_of_a_name_never_run_leaves_nothing_behind(env: Env) -> None:
     """`podctl restart nope` says it is not running (exit 3); it left a `restart-nope.lock`
     in the runtime dir, one per name ever tried."""
