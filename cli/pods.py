@@ -283,8 +283,14 @@ def _stop(
             fail(f"pod '{name}' did not stop within {STOP_TIMEOUT:g} s")
         sys.stderr.write(f"podctl: pod '{name}' did not stop within {STOP_TIMEOUT:g} s\n")
         return [*left, name]
-    sys.stdout.write(f"stopped {name}\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(f"stopped {name}\n")
+        sys.stdout.flush()
+    except OSError:  # a full disk, `| true`'s reader gone
+        if top:
+            raise  # `podctl stop`'s own output: said as ever
+        # Raised here, it ended `restart` between its stop and its start (the pod left
+        # stopped) or a --tree stop midway; what they print last says it failed.
     return left
 
 

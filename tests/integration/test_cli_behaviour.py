@@ -716,6 +716,33 @@ def test_ctrl_c_while_a_restarted_pod_starts_says_it_is_left_stopped(env: Env) -
     assert env.podctl("status", "again").returncode == 3
 
 
+def test_restart_whose_stdout_fails_still_starts_the_pod_again(env: Env) -> None:
+    """`podctl restart p >/dev/full` (or into a pipe whose reader went): "stopped p" could not
+    be written, and that error ended the restart between its stop and its start, leaving
+    the pod stopped. The output's failure is said (status 1); the pod runs again."""
+    pod = env.start("again")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # `podctl restart again | true`
+    try:
+        with open("/dev/full", "w") as full:
+            for stdout in (full.fileno(), write_end):
+                done = subprocess.run(
+                    [sys.executable, "-m", "cli.main", "restart", "again"],
+                    env=env.env,
+                    stdout=stdout,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    timeout=60,
+                    check=False,
+                )
+                assert done.returncode == 1, done.stderr
+                assert env.podctl("status", "again").returncode == 0, done.stderr
+    finally:
+        os.close(write_end)
+    assert pod.proc.wait(10) == 0
+    assert env.podctl("stop", "again").returncode == 0
+
+
 def test_restart_of_a_name_never_run_leaves_nothing_behind(env: Env) -> None:
     """`podctl restart nope` says it is not running (exit 3); it left a `restart-nope.lock`
     in the runtime dir, one per name ever tried."""
