@@ -63,6 +63,24 @@ def say_taken(write: Callable[[], object], taken: str) -> None:
         fail(f"cannot write the output: {os_error_line(exc)}; {taken} was taken")
 
 
+def say_started(name: str, socket: str) -> None:
+    """`NAME<tab>SOCKET` once a pod runs (`spawn`, `restart`). A stdout that fails there (a
+    full disk) said only "No space left on device", exit 1: read as a start that failed, a
+    retry then failed on the name the running pod holds. Said so, with the pod's name."""
+    try:
+        sys.stdout.write(f"{name}\t{socket}\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise  # the reader went, as ever
+    except OSError as exc:
+        from protocol.errors import os_error_line
+
+        fail(
+            f"cannot write the output: {os_error_line(exc)}; pod '{name}' was started and runs "
+            f"(podctl stop {name})"
+        )
+
+
 def names_a_pod(target: str) -> bool:
     """A pod name or a socket path: what a POD argument may be. Any other text is a usage
     error, not 'not running' (a typo in the case of a letter would read as a stopped pod)."""

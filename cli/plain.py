@@ -22,6 +22,7 @@ from cli.common import (
     names_a_pod,
     print_json,
     read_message,
+    say_started,
     say_taken,
 )
 from cli.runs import send
@@ -107,7 +108,7 @@ def spawn(
     if early:
         sys.stderr.buffer.write(shortened(early, name))  # warnings it printed while starting
         sys.stderr.flush()
-    sys.stdout.write(f"{name}\t{socket}\n")
+    say_started(name, socket)
 
 
 class Grammar:

@@ -28,6 +28,7 @@ from cli.common import (
     fail,
     print_json,
     restarting_unit,
+    say_started,
 )
 from cli.common import starting as is_starting
 
@@ -332,7 +333,7 @@ def _restart(pod: str) -> None:
             code,
         )
     sys.stderr.buffer.write(shortened(early, name))
-    sys.stdout.write(f"{started}\t{socket}\n")
+    say_started(started, socket)
 
 
 def _forget_earlier_starts(unit: str) -> None:

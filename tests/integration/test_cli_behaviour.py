@@ -743,6 +743,31 @@ def test_restart_whose_stdout_fails_still_starts_the_pod_again(env: Env) -> None
     assert env.podctl("stop", "again").returncode == 0
 
 
+def test_spawn_whose_stdout_fails_says_the_pod_runs(env: Env) -> None:
+    """`podctl spawn p.toml >/dev/full`: "No space left on device", exit 1, read as a start
+    that failed, while the pod ran (a retry then fails on its name). It says the pod runs."""
+    manifest = env.manifest("full")
+    try:
+        with open("/dev/full", "w") as full:
+            done = subprocess.run(
+                [sys.executable, "-m", "cli.main", "spawn", str(manifest)],
+                env=env.env,
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        assert (done.returncode, done.stderr) == (
+            1,
+            "podctl: cannot write the output: No space left on device; pod 'full' was started "
+            "and runs (podctl stop full)\n",
+        )
+        assert env.podctl("status", "full").returncode == 0
+    finally:
+        env.podctl("stop", "full")
+
+
 def test_restart_of_a_name_never_run_leaves_nothing_behind(env: Env) -> None:
     """`podctl restart nope` says it is not running (exit 3); it left a `restart-nope.lock`
     in the runtime dir, one per name ever tried."""
