@@ -716,6 +716,20 @@ def test_ctrl_c_while_a_restarted_pod_starts_says_it_is_left_stopped(env: Env) -
     assert env.podctl("status", "again").returncode == 3
 
 
+def _podctl_into(env: Env, stdout: int, *args: str) -> "subprocess.CompletedProcess[str]":
+    """`podctl ARGS` with its stdout on the descriptor `stdout` (a full disk, a pipe whose
+    reader went)."""
+    return subprocess.run(
+        [sys.executable, "-m", "cli.main", *args],
+        env=env.env,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_restart_whose_stdout_fails_still_starts_the_pod_again(env: Env) -> None:
     """`podctl restart p >/dev/full` (or into a pipe whose reader went): "stopped p" could not
     be written, and that error ended the restart between its stop and its start, leaving
@@ -726,15 +740,7 @@ def test_restart_whose_stdout_fails_still_starts_the_pod_again(env: Env) -> None
     try:
         with open("/dev/full", "w") as full:
             for stdout in (full.fileno(), write_end):
-                done = subprocess.run(
-                    [sys.executable, "-m", "cli.main", "restart", "again"],
-                    env=env.env,
-                    stdout=stdout,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                    timeout=60,
-                    check=False,
-                )
+                done = _podctl_into(env, stdout, "restart", "again")
                 assert done.returncode == 1, done.stderr
                 assert env.podctl("status", "again").returncode == 0, done.stderr
     finally:
@@ -749,15 +755,7 @@ def test_spawn_whose_stdout_fails_says_the_pod_runs(env: Env) -> None:
     manifest = env.manifest("full")
     try:
         with open("/dev/full", "w") as full:
-            done = subprocess.run(
-                [sys.executable, "-m", "cli.main", "spawn", str(manifest)],
-                env=env.env,
-                stdout=full,
-                stderr=subprocess.PIPE,
-                text=True,
-                timeout=60,
-                check=False,
-            )
+            done = _podctl_into(env, full.fileno(), "spawn", str(manifest))
         assert (done.returncode, done.stderr) == (
             1,
             "podctl: cannot write the output: No space left on device; pod 'full' was started "
