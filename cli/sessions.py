@@ -29,7 +29,9 @@ def sessions(ctx: typer.Context) -> None:
 
 @sessions_app.command("list")
 def sessions_list(
-    pod: Annotated[str | None, typer.Argument(help="Only this pod's sessions.")] = None,
+    pod: Annotated[
+        str | None, typer.Argument(metavar="[POD]", help="Only this pod's sessions.")
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every session log (or POD's), newest first."""
