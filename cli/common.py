@@ -52,6 +52,19 @@ def say_taken(write: Callable[[], object], taken: str) -> None:
     """`write`, then flush, what podctl prints once the pod took input (`taken`: "run R",
     "notification N"). An OSError there is our stdout's (a full disk), not the pod's: said
     so, with what was taken, since a script reading a failure would send it again."""
+    _say_done(write, f"{taken} was taken")
+
+
+def say_started(name: str, socket: str) -> None:
+    """`NAME<tab>SOCKET` once a pod runs (`spawn`, `restart`). A stdout that fails there (a
+    full disk) said only "No space left on device", exit 1: read as a start that failed, a
+    retry then failed on the name the running pod holds. Said so, with the pod's name."""
+    done = f"pod '{name}' was started and runs (podctl stop {name})"
+    _say_done(lambda: sys.stdout.write(f"{name}\t{socket}\n"), done)
+
+
+def _say_done(write: Callable[[], object], done: str) -> None:
+    """`write` and flush; an OSError of our stdout's (not the pod's) fails saying `done`."""
     try:
         write()
         sys.stdout.flush()
@@ -60,25 +73,7 @@ def say_taken(write: Callable[[], object], taken: str) -> None:
     except OSError as exc:
         from protocol.errors import os_error_line
 
-        fail(f"cannot write the output: {os_error_line(exc)}; {taken} was taken")
-
-
-def say_started(name: str, socket: str) -> None:
-    """`NAME<tab>SOCKET` once a pod runs (`spawn`, `restart`). A stdout that fails there (a
-    full disk) said only "No space left on device", exit 1: read as a start that failed, a
-    retry then failed on the name the running pod holds. Said so, with the pod's name."""
-    try:
-        sys.stdout.write(f"{name}\t{socket}\n")
-        sys.stdout.flush()
-    except BrokenPipeError:
-        raise  # the reader went, as ever
-    except OSError as exc:
-        from protocol.errors import os_error_line
-
-        fail(
-            f"cannot write the output: {os_error_line(exc)}; pod '{name}' was started and runs "
-            f"(podctl stop {name})"
-        )
+        fail(f"cannot write the output: {os_error_line(exc)}; {done}")
 
 
 def names_a_pod(target: str) -> bool:
