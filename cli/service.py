@@ -815,12 +815,9 @@ def _rotated(path: Path, f: IO[str]) -> IO[str] | None:
 
 
 def version_text() -> str:
-    import protocol
-    from poddaemon import __version__
+    from poddaemon import version_line
 
-    # The wire protocol's version, where the protocol package declares one.
-    proto = getattr(protocol, "PROTOCOL_VERSION", "1")
-    return f"podctl {__version__} (protocol {proto})\n"
+    return version_line("podctl") + "\n"
 
 
 __all__ = [

@@ -128,7 +128,11 @@ def parse_args(argv: list[str] | None) -> "argparse.Namespace":
         return plain
     import argparse
 
+    from poddaemon import version_line
+
     parser = argparse.ArgumentParser(prog="poddaemon", description="Run one pod.")
+    # Which build a unit runs (its `ExecStart=` names an installation, not a version).
+    parser.add_argument("--version", action="version", version=version_line("poddaemon"))
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a pod in the foreground")
     run.add_argument("manifest")

@@ -23,12 +23,15 @@ from protocol.errors import (
     UnsafeSocket,
 )
 
+PROTOCOL_VERSION = 1  # of the wire format SPEC §5 describes; `--version` says it
+
 if TYPE_CHECKING:
     from protocol.aio import AsyncPodClient
     from protocol.client import PodClient
     from protocol.types import Event
 
 __all__ = [
+    "PROTOCOL_VERSION",
     "AsyncPodClient",
     "BudgetExhausted",
     "Busy",

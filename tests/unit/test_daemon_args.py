@@ -50,3 +50,12 @@ def test_anything_else_goes_to_argparse(argv: list[str]) -> None:
 def test_argparse_still_rejects_conflicts() -> None:
     with pytest.raises(SystemExit):
         daemon.parse_args(["run", "m.toml", "--resume", "--session", "x"])
+
+
+def test_version_names_the_program_and_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+    import poddaemon
+
+    with pytest.raises(SystemExit) as exited:
+        daemon.parse_args(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"poddaemon {poddaemon.__version__} (protocol 1)\n"
