@@ -893,8 +893,15 @@ def _page_entry(line: bytes, seq: int | None, path: Path) -> dict[str, Any]:
 
 
 def _first_line(path: Path) -> bytes:
+    """A file's first line (without its newline). A fifo or a device named as a session is an
+    OSError, opened without blocking: read, a fifo left `--resume` (and every start, under a
+    `.tmp` name) waiting for a writer that never comes."""
     parts: list[bytes] = []
-    with open(path, "rb") as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    with os.fdopen(fd, "rb") as f:
         while True:
             chunk = f.read(_CHUNK)
             if not chunk:

@@ -687,6 +687,23 @@ def test_flipped_byte_in_the_middle_refuses_to_start(env: Env) -> None:
     assert verify.returncode != 0 and f"line {lineno}" in verify.stderr + verify.stdout
 
 
+def test_a_fifo_named_as_a_session_is_never_waited_on(env: Env) -> None:
+    """A fifo under a session's name (or a compaction's `.tmp` name) was opened to read its
+    first line, blocking: `--resume` hung before READY, for good, saying nothing."""
+    pod = env.start("fifo")
+    with pod.client() as c:
+        c.run_wait("kept")
+        sid = c.status().session_id
+    assert pod.stop() == 0
+    fifo = new_session_id()  # newer than the pod's own: `--resume` looks at what it holds
+    os.mkfifo(sessions_dir(env) / f"{fifo}.jsonl")
+    os.mkfifo(sessions_dir(env) / f"{new_session_id()}.jsonl.tmp")
+    again = env.restart(pod, "--resume")
+    assert again.call("status")["session_id"] == sid
+    assert f"session log(s) {fifo} written since name no pod" in again.text()
+    assert again.stop() == 0
+
+
 def test_a_damaged_pod_name_in_a_compacted_sessions_first_line_refuses_resume(env: Env) -> None:
     """One flipped byte in the pod name of the newest session's first line: that session named
     another pod, so `--resume` took the one it was compacted from for this pod's newest and
