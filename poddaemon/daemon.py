@@ -646,8 +646,10 @@ def _session_to_restore(args: "argparse.Namespace", name: str) -> str | None:
             path = session_path(sessions, sid)
         except ValueError as exc:
             raise StartupError(f"--session: {exc}") from None
-        if not path.is_file():
+        if not path.exists():
             raise StartupError(f"--session: no session {sid} under {sessions}")
+        if not path.is_file():  # there, but a fifo or a directory: not "no session"
+            raise StartupError(f"--session: {path}: not a regular file")
         with contextlib.suppress(OSError):  # (unreadable: the restore says why)
             if path.stat().st_size == 0:
                 # A file made ahead of a first input that never came (its pod was killed

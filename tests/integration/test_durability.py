@@ -702,6 +702,9 @@ def test_a_fifo_named_as_a_session_is_never_waited_on(env: Env) -> None:
     assert again.call("status")["session_id"] == sid
     assert f"session log(s) {fifo} written since name no pod" in again.text()
     assert again.stop() == 0
+    with pytest.raises(StartFailed) as failed:
+        env.restart(pod, "--session", fifo)
+    assert f"{fifo}.jsonl: not a regular file" in failed.value.stderr, failed.value.stderr
 
 
 def test_a_damaged_pod_name_in_a_compacted_sessions_first_line_refuses_resume(env: Env) -> None:
