@@ -30,7 +30,7 @@ from poddaemon.entries import (
     body_of,
     record_of,
 )
-from poddaemon.store.file import HeadMoved, Reservation, SessionLog
+from poddaemon.store.file import HeadMoved, Reservation, SessionLog, session_path
 from poddaemon.store.log import new_session_id
 
 T = TypeVar("T")
@@ -220,7 +220,9 @@ class PodLog:
                     old.sync_now()  # replies waiting on the old log see it durable
         except OSError as exc:
             self.log = old
-            self._failed(f"cannot write the compacted session: {exc}")
+            # Named as a failed append is: a unit's journal has no other trace of which file.
+            path = session_path(self.sessions_dir, start.session_id)
+            self._failed(f"cannot write the compacted session {path}: {exc.strerror or exc}")
             return False
         self._input_seq = 0  # the new session is durable: its inputs are in its first entry
         if old is not None:

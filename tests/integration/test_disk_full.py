@@ -170,3 +170,29 @@ def test_podctl_send_says_why_the_pod_stopped_before_the_run_ended(
     assert err.startswith("podctl: pod 'full' is not running: it went away before run "), err
     assert "No space left on device" in err and len(err.splitlines()) == 1, err
     assert pod.proc.wait(20) == 1
+
+
+def test_a_compaction_on_a_full_disk_names_the_file_and_keeps_the_old_session(
+    env: Env, small_data_dir: Path
+) -> None:
+    """`podctl compact` (or a run's compaction) whose new session cannot be written: the pod
+    stops saying which file, as for any log it cannot write (it said only "cannot write the
+    compacted session: [Errno 28] ..."), and `--resume` goes on in the old session, whole."""
+    marker = "Your context is about to be compacted"
+    pod = env.start("full", extra="[compaction]\ncompact_threshold = 100000\n")
+    with pod.client() as c:
+        first = c.run_wait("before the disk filled up")
+        old = c.status().session_id
+    env.model.script_when(marker, {"text": "the summary"})
+    filler = fill(small_data_dir)
+    out = env.podctl("compact", "full")
+    assert out.returncode == 1
+    assert f"cannot write the compacted session {small_data_dir}/sessions/" in out.stderr
+    assert "No space left on device" in out.stderr and "Errno" not in out.stderr, out.stderr
+    assert pod.proc.wait(20) == 1
+    filler.unlink()
+    assert sorted(p.name for p in (small_data_dir / "sessions").iterdir()) == [f"{old}.jsonl"]
+    again = env.restart(pod, "--resume")
+    assert again.call("status")["session_id"] == old
+    entries = again.call("history")["entries"]
+    assert any(e["kind"] == "run_end" and e["run_id"] == first.run_id for e in entries)
