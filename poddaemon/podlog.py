@@ -113,7 +113,8 @@ class PodLog:
                 reserved=reserved,
             )
         except OSError as exc:
-            self._failed(f"cannot create session log: {exc}")
+            path = session_path(self.sessions_dir, start.session_id)
+            self._failed(f"cannot create session log {path}: {exc.strerror or exc}")
             return
         self.moved(start.session_id)
 

@@ -196,3 +196,20 @@ def test_a_compaction_on_a_full_disk_names_the_file_and_keeps_the_old_session(
     assert again.call("status")["session_id"] == old
     entries = again.call("history")["entries"]
     assert any(e["kind"] == "run_end" and e["run_id"] == first.run_id for e in entries)
+
+
+def test_a_first_input_on_a_full_disk_names_the_session_file_it_could_not_make(
+    env: Env, small_data_dir: Path
+) -> None:
+    """A pod whose first session cannot be written said "cannot create session log: [Errno
+    28] No space left on device": which file, which disk, the caller and the journal could
+    not tell."""
+    pod = env.start("full")
+    filler = fill(small_data_dir)
+    with pod.client() as c, pytest.raises(RpcError) as err:
+        c.run("x" * 64 * 1024)
+    assert f"cannot create session log {small_data_dir}/sessions/" in err.value.message
+    assert err.value.message.endswith(".jsonl: No space left on device"), err.value.message
+    assert pod.proc.wait(20) == 1
+    filler.unlink()
+    assert env.restart(pod, "--resume").call("status")["session_id"] is None  # nothing taken
