@@ -467,5 +467,13 @@ def entry_summary(entry: Mapping[str, Any]) -> str:
 def entry_line(entry: Mapping[str, Any]) -> str:
     """`seq kind summary`, control characters as \\xNN in every field: a log's pod name, model
     name or kind is as much data as the text it quotes."""
-    line = f"{entry.get('seq', '?')} {entry.get('kind', '?')} {entry_summary(entry)}".rstrip()
+    try:
+        summary = entry_summary(entry)
+    except (AttributeError, TypeError):
+        # A sound entry of a shape this version does not know (a later version's log, one
+        # made by hand: its hashes verify all the same): its body as it is, not a traceback
+        # that ends `sessions show` or `history` at it.
+        body = {k: v for k, v in entry.items() if k not in ENTRY_KEYS}
+        summary = one_line(compact_json(body))
+    line = f"{entry.get('seq', '?')} {entry.get('kind', '?')} {summary}".rstrip()
     return line.translate(_CONTROLS)
