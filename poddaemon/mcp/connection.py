@@ -11,6 +11,7 @@ tool tasks and share it while it is up.
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,23 @@ MAX_PAGES = 100  # tools/list pages followed; a paginator that never ends cannot
 CALL_MARGIN = 5.0  # seconds past `timeout` after which a call is abandoned even if the SDK hangs
 PING_TIMEOUT = 2.0  # after a call timed out: a server that cannot answer a ping in this is hung
 GIVE_UP = 5.0  # seconds past `start_timeout` a server that did not start gets to be stopped
+
+FileId = tuple[int, int, int]  # (device, inode, ctime): a rewrite or a rename over it changes it
+
+
+def program_files(command: list[str], cwd: str) -> dict[str, FileId]:
+    """The files a stdio server's command names (its program, its script: any word that is an
+    existing file, relative to `cwd` as the server sees it), each with its identity now."""
+    out: dict[str, FileId] = {}
+    for word in command:
+        path = os.path.join(cwd, word)
+        try:
+            st = os.stat(path)
+        except (OSError, ValueError):
+            continue
+        if os.path.isfile(path):
+            out[path] = (st.st_dev, st.st_ino, st.st_ctime_ns)
+    return out
 
 
 class StartFailed(Exception):
@@ -78,6 +96,7 @@ class McpConnection:
         self._holder: asyncio.Task[None] | None = None
         self._restart: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
+        self._files: dict[str, FileId] = {}  # program_files at the first start
         self._lost = asyncio.Event()  # the current connection is unusable (set by a call)
         self._usable = asyncio.Event()  # the current connection has its SDK session
         self._settled = asyncio.Event()  # not (re)starting
@@ -100,6 +119,8 @@ class McpConnection:
 
     async def start(self) -> None:
         """Connect and list the tools once; raises StartFailed."""
+        if self.cfg.command is not None:
+            self._files = program_files(self.cfg.command, self._cwd)
         try:
             listed = await self._launch()
         except StartFailed as exc:
@@ -294,6 +315,7 @@ class McpConnection:
 
     async def _relaunch(self) -> None:
         try:
+            self._unchanged()
             await self._launch()
         except StartFailed as exc:
             self.state, self.error = "dead", str(exc)
@@ -308,6 +330,22 @@ class McpConnection:
             log.info("MCP server '%s' restarted", self.name)
         finally:
             self._settled.set()
+
+    def _unchanged(self) -> None:
+        """StartFailed when a file the server's command names is another than at its start.
+        The server runs outside the sandbox: a script of it lying where the pod may write,
+        rewritten by the model's (sandboxed) commands, ran with this user's full rights once
+        the model had the server die (a crash, a hang)."""
+        if self.cfg.command is None:
+            return
+        now = program_files(self.cfg.command, self._cwd)
+        for path, was in self._files.items():
+            if now.get(path) != was:
+                raise StartFailed(
+                    f"{path} changed since the pod started the server (the pod's commands may "
+                    "have rewritten it, and the server runs outside the sandbox): not "
+                    "restarted; restart the pod to run the new one"
+                )
 
     # --- calls --------------------------------------------------------------------------------
 

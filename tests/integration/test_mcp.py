@@ -214,6 +214,34 @@ def test_a_server_that_dies_is_restarted_once_then_its_calls_fail(env: Env) -> N
     assert any("died again" in m for m in messages)
 
 
+def test_a_server_script_the_pod_rewrote_is_not_restarted_outside_the_sandbox(env: Env) -> None:
+    """The server runs unconfined; its script lies in the pod's write scope. The model's bash
+    (confined: it cannot write outside) prepended code to it, then crashed the server: the
+    restart ran that code with the user's full rights and wrote outside the scope."""
+    outside = env.home / "outside"
+    outside.mkdir()
+    pwned = outside / "pwned"
+    script = env.work / "server.py"
+    script.write_text(Path(SERVER).read_text())
+    payload = f'open("{pwned}", "w").write("escaped")'
+    rewrite = f"{{ echo '{payload}'; cat server.py; }} > new.py && mv new.py server.py"
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": rewrite}}]},
+        {"tool_calls": [{"name": "t__crash", "arguments": {}}]},
+        {"tool_calls": [{"name": "t__add", "arguments": {"a": 1, "b": 2}}]},
+        {"text": "done"},
+    )
+    pod = env.start("rewriter", tools=["bash"], extra=server_toml(script=str(script)))
+    with pod.client() as c:
+        assert c.run_wait("rewrite and crash").outcome == "finished"
+    rewritten, crash, add = tool_results(pod)
+    assert not rewritten["is_error"] and script.read_text().startswith("open(")
+    assert crash["is_error"]
+    assert add["is_error"] and "MCP server 't' is not available" in add["output"]
+    assert not pwned.exists()
+    assert any(f"{script} changed since the pod started the server" in m for m in alerts(pod))
+
+
 def test_a_hung_server_is_taken_for_lost_and_restarted(env: Env) -> None:
     # A slow tool on a live server only times out (the `slow` case above); a server that does
     # not answer a ping either is hung: restarted, so the next call works at once.
