@@ -338,6 +338,7 @@ def run_pod(args: "argparse.Namespace") -> int:
                         f"own directory {own}: bash can still create, remove or rename "
                         "entries there (Landlock cannot carve a writable tree)"
                     )
+    _warn_rewritable(manifest, scope)
 
     box = _sandbox(manifest, scope, pwd, _hook_scripts(manifest))
     try:
@@ -589,6 +590,32 @@ def _refuse_foreign_links(manifest: "Manifest") -> None:
                 f"{manifest.source}: {field}: {path} is reached through the symlink {link}, "
                 f"owned by uid {uid}, who could repoint it while the pod runs: refusing it"
             )
+
+
+def _warn_rewritable(manifest: "Manifest", scope: "Scope") -> None:
+    """Files read at the pod's next start that the pod itself may rewrite: whatever it writes
+    there is outside its confinement then (SPEC §3 [sandbox]), as the kernel cannot tell."""
+    from poddaemon.scope import may_replace
+
+    commands = "bash" in manifest.worker.tools
+    if manifest.source and may_replace(manifest.source, scope, commands):
+        _warn(
+            f"{manifest.source}: the pod may rewrite its own manifest (it lies in its write "
+            "scope): the scope, sandbox, hooks and MCP servers it writes there are what its next "
+            "start from this file (podctl spawn, its systemd unit) gets; keep it outside"
+        )
+    if not any(server.command for server in manifest.mcp.servers):
+        return
+    from poddaemon.mcp.connection import program_files
+
+    for i, server in enumerate(manifest.mcp.servers):
+        for path in program_files(server.command or [], manifest.pod.pwd):
+            if may_replace(path, scope, commands):
+                _warn(
+                    f"{manifest.source}: mcp.servers[{i}].command: {path} lies in the pod's "
+                    "write scope, and the server runs outside the sandbox: what the pod writes "
+                    "there runs with your rights at its next start; keep it outside"
+                )
 
 
 def _hook_scripts(manifest: Any) -> list[str]:

@@ -478,7 +478,22 @@ class Pod:
             for server in self.m.mcp.servers
             if server.command is not None
         ]
-        return [*self.s.sandbox.notes, *self.tool_ctx.runner_notes, *mcp]
+        return [*self.s.sandbox.notes, *self.tool_ctx.runner_notes, *mcp, *self._rewritable()]
+
+    def _rewritable(self) -> list[str]:
+        """The stdio MCP servers' files this pod may rewrite (the live scope's say): they run
+        unconfined at the pod's next start (a restart of the server refuses a changed one)."""
+        from poddaemon.mcp.connection import program_files
+        from poddaemon.scope import may_replace
+
+        commands = "bash" in self.m.worker.tools
+        return [
+            f"MCP server '{server.name}': {path} lies in the pod's write scope: what the pod "
+            "writes there runs outside the sandbox at its next start"
+            for server in self.m.mcp.servers
+            for path in program_files(server.command or [], self.m.pod.pwd)
+            if may_replace(path, self.scope, commands)
+        ]
 
     async def _synced(self) -> None:
         await self.plog.synced()

@@ -242,6 +242,27 @@ def test_a_server_script_the_pod_rewrote_is_not_restarted_outside_the_sandbox(en
     assert any(f"{script} changed since the pod started the server" in m for m in alerts(pod))
 
 
+def test_start_up_and_status_say_when_the_pod_may_rewrite_its_manifest_or_server(
+    env: Env,
+) -> None:
+    """What the pod writes into its own manifest or an MCP server's script is what its next
+    start runs, the server outside the sandbox: said at start-up and by `podctl status`; a
+    server outside the write scope is not named."""
+    script = env.work / "server.py"
+    script.write_text(Path(SERVER).read_text())
+    extra = server_toml("mine", script=str(script)) + server_toml("theirs")
+    pod = env.start("selfwriter", tools=["bash"], write=[str(env.home)], pwd=str(env.work),
+                    extra=extra)  # fmt: skip
+    manifest = env.home / "selfwriter.toml"
+    said = pod.text()
+    assert f"{manifest}: the pod may rewrite its own manifest" in said
+    assert f"mcp.servers[0].command: {script} lies in the pod's write scope" in said
+    assert "mcp.servers[1]" not in said and SERVER not in said
+    status = " ".join(env.podctl("status", "selfwriter").stdout.split())
+    assert f"MCP server 'mine': {script} lies in the pod's write scope" in status
+    assert "MCP server 'theirs':" not in status
+
+
 def test_a_hung_server_is_taken_for_lost_and_restarted(env: Env) -> None:
     # A slow tool on a live server only times out (the `slow` case above); a server that does
     # not answer a ping either is hung: restarted, so the next call works at once.
