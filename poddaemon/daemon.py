@@ -609,7 +609,7 @@ def _warn_rewritable(manifest: "Manifest", scope: "Scope") -> None:
     from poddaemon.mcp.connection import program_files
 
     for i, server in enumerate(manifest.mcp.servers):
-        for path in program_files(server.command or [], manifest.pod.pwd):
+        for path in program_files(server.command or [], server.cwd or manifest.pod.pwd):
             if may_replace(path, scope, commands):
                 _warn(
                     f"{manifest.source}: mcp.servers[{i}].command: {path} lies in the pod's "

@@ -491,7 +491,7 @@ class Pod:
             f"MCP server '{server.name}': {path} lies in the pod's write scope: what the pod "
             "writes there runs outside the sandbox at its next start"
             for server in self.m.mcp.servers
-            for path in program_files(server.command or [], self.m.pod.pwd)
+            for path in program_files(server.command or [], server.cwd or self.m.pod.pwd)
             if may_replace(path, self.scope, commands)
         ]
 

@@ -576,6 +576,13 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
     hooks = msgspec.structs.replace(
         m.hooks, **{e: [hook(h) for h in getattr(m.hooks, e)] for e in events}
     )
+    # A stdio server's relative words (`python3 server.py`) are relative to its cwd: the pwd
+    # it was written for, kept for a child, whose pwd is the area its spawner's confined
+    # commands may write (they could plant a server.py there, run unconfined by the child).
+    servers = [
+        msgspec.structs.replace(s, cwd=under(pwd, s.cwd or ".")) if s.command is not None else s
+        for s in m.mcp.servers
+    ]
     worker = m.worker
     if worker.instruction_file is not None:
         worker = msgspec.structs.replace(
@@ -586,6 +593,7 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
         pod=msgspec.structs.replace(m.pod, pwd=pwd),
         worker=worker,
         hooks=hooks,
+        mcp=msgspec.structs.replace(m.mcp, servers=servers),
         scope=msgspec.structs.replace(
             m.scope, allow=rules(m.scope.allow), deny=rules(m.scope.deny)
         ),

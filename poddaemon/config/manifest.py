@@ -315,6 +315,9 @@ class McpServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     timeout: Timeout = 60.0  # seconds per call
     start_timeout: Timeout = 30.0  # seconds for start, handshake and tool list
     required: bool = False  # a server that fails to start fails the pod's start-up
+    # A stdio server's working directory, relative to pod.pwd (its default); made absolute at
+    # load, so a child pod, another pwd, runs its spawner's servers from the same place.
+    cwd: str | None = None
 
     def __post_init__(self) -> None:
         # Providers accept tool names of [A-Za-z0-9_-]{1,64}; `__` separates server and tool.
@@ -337,6 +340,8 @@ class McpServerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
                 raise FieldError("url", f"{self.url!r} is not an http:// or https:// URL")
             if self.env:
                 raise FieldError("env", "only a stdio server (command) gets an environment")
+            if self.cwd is not None:
+                raise FieldError("cwd", "only a stdio server (command) has a working directory")
         for key in self.env:
             if not _ENV_NAME_RE.fullmatch(key):
                 raise FieldError(f"env.{key}", f"{key!r} is not a valid environment variable name")
@@ -411,7 +416,7 @@ class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
                     named.append((f"hooks.{event}[{i}].command", script))
         for i, server in enumerate(self.mcp.servers):
             if server.command is not None and "/" in server.command[0]:
-                path = os.path.join(self.pod.pwd, server.command[0])
+                path = os.path.join(server.cwd or self.pod.pwd, server.command[0])
                 named.append((f"mcp.servers[{i}].command", path))
         return named
 

@@ -100,7 +100,8 @@ async def start_mcp(
         return loaded[0]
 
     connections = [
-        McpConnection(cfg, envs.get(cfg.name), manifest.pod.pwd, sdk, alert) for cfg in servers
+        McpConnection(cfg, envs.get(cfg.name), cfg.cwd or manifest.pod.pwd, sdk, alert)
+        for cfg in servers
     ]
     results = await asyncio.gather(*(c.start() for c in connections), return_exceptions=True)
     manager = McpManager(connections)
