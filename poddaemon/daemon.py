@@ -642,7 +642,7 @@ def _sandbox(manifest: "Manifest", scope: "Scope", pwd: str, scripts: list[str])
     `scripts`: hook scripts its commands may read and run wherever they are."""
     from poddaemon.sandbox import SandboxUnavailable
     from poddaemon.sandbox.pod import pod_sandbox
-    from poddaemon.sandbox.policy import root_secrets
+    from poddaemon.sandbox.policy import manager_sockets, root_secrets
 
     tools = manifest.worker.tools
     try:
@@ -653,9 +653,10 @@ def _sandbox(manifest: "Manifest", scope: "Scope", pwd: str, scripts: list[str])
             scope=scope,
             pwd=pwd,
             # Commands never touch this user's session logs, registry, sockets' directories
-            # and keys (the config directory's env file), nor read root's secrets in /etc.
+            # and keys (the config directory's env file), nor read root's secrets in /etc, nor
+            # have the service manager start what they like outside the sandbox.
             protect=list(_own_dirs()),
-            hide=root_secrets(),
+            hide=root_secrets() + manager_sockets(),
             commands="bash" in tools or manifest.hooks.any(),
             scripts=scripts,
         )

@@ -14,7 +14,7 @@ import hashlib
 import os
 import stat
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Literal
 
 import msgspec
@@ -209,6 +209,32 @@ def root_secrets() -> list[str]:
     found = ["/etc/shadow", "/etc/shadow-", "/etc/gshadow", "/etc/gshadow-", "/etc/ssl/private"]
     found += glob.glob("/etc/ssh/ssh_host_*_key")
     return list(_existing(found))
+
+
+def manager_sockets(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The service manager's control sockets a command reaches by path (Landlock judges no
+    connect to a path below ABI 9): through them `systemd-run --user` runs any command as this
+    user, outside the sandbox (a unit pod always has that manager). As root: systemd's own and
+    the system bus too. To be hidden, as root's secrets are."""
+    env = os.environ if environ is None else environ
+    runtime = env.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
+    found = [os.path.join(runtime, "systemd", "private"), os.path.join(runtime, "bus")]
+    for address in env.get("DBUS_SESSION_BUS_ADDRESS", "").split(";"):
+        kind, _, params = address.partition(":")
+        for param in params.split(",") if kind == "unix" else ():
+            key, _, value = param.partition("=")
+            if key == "path" and value:
+                found.append(value)
+    if os.geteuid() == 0:
+        found += ["/run/systemd/private", "/run/dbus/system_bus_socket"]
+    return [p for p in _existing(found) if _is_socket(p)]
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 class _Deny(msgspec.Struct, frozen=True):

@@ -155,6 +155,29 @@ def test_install_now_is_active_only_once_ready_and_serves(sd: Sd) -> None:
         assert c.status().pid == sd.main_pid("unitpod")
 
 
+def test_a_unit_pods_commands_cannot_have_the_user_manager_run_a_command_outside(
+    sd: Sd,
+) -> None:
+    """The manager's sockets are reached by path, which Landlock (below ABI 9) does not judge:
+    `systemd-run --user` from the pod's confined bash ran its command as the user, unconfined
+    (it wrote outside the scope, where the bash itself got "Read-only file system")."""
+    outside = sd.env.home / "outside"
+    outside.mkdir()
+    escape = f"systemd-run --user --wait --collect sh -c 'echo pwn > {outside}/{{}}'"
+    sd.env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": escape.format("pod")}}]},
+        {"text": "done"},
+    )
+    sd.install("jailed", tools=["bash"])
+    with sd.client("jailed") as c:
+        assert c.run_wait("escape").outcome == "finished"
+        (result,) = [e["item"] for e in c.history().entries if e["kind"] == "tool_result"]
+    assert "exit code" in result["output"], result["output"]
+    assert not (outside / "pod").exists()
+    control = sd.m.run(["sh", "-c", escape.format("control")])  # the manager runs it
+    assert control.returncode == 0 and (outside / "control").exists(), control.stderr
+
+
 def test_install_with_a_relative_home_writes_absolute_paths(sd: Sd) -> None:
     """`PODDAEMON_HOME=rel podctl unit install`: the unit said `EnvironmentFile=-rel/config/env`,
     which systemd ignores (not absolute), and a home relative to a cwd the pod does not have;

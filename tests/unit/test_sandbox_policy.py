@@ -1,6 +1,7 @@
 """The Landlock policy builder: scope -> rules, carved around deny rules (no syscalls here)."""
 
 import os
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,14 @@ from hypothesis import strategies as st
 
 from poddaemon.sandbox import Grant, Policy, build_policy, system_grants
 from poddaemon.sandbox.landlock import FS
-from poddaemon.sandbox.policy import CONTENT, ENTRIES, ENTRY_WRITE, READ, WRITE
+from poddaemon.sandbox.policy import (
+    CONTENT,
+    ENTRIES,
+    ENTRY_WRITE,
+    READ,
+    WRITE,
+    manager_sockets,
+)
 from poddaemon.scope import Access, Scope
 
 
@@ -277,3 +285,27 @@ def test_stale_once_an_enumerated_dir_changes(root: Path) -> None:
     assert not policy(scope, root).stale()
     (root / "q" / "y").write_text("in a non-recursive target")
     assert p.stale()
+
+
+def test_manager_sockets_are_the_user_managers_and_the_session_bus_sockets() -> None:
+    # A short directory: a socket's path must fit in 108 bytes.
+    with tempfile.TemporaryDirectory(dir="/tmp") as d:
+        run = Path(d)
+        (run / "systemd").mkdir()
+        (run / "other").mkdir()
+        made = []
+        for path in (run / "systemd" / "private", run / "other" / "dbus"):
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(str(path))
+            made.append(s)
+        (run / "bus").write_text("not a socket\n")  # a file is no way in
+        env = {
+            "XDG_RUNTIME_DIR": d,
+            "DBUS_SESSION_BUS_ADDRESS": f"unix:guid=x,path={d}/other/dbus;unix:abstract=/y",
+        }
+        try:
+            found = [p for p in manager_sockets(env) if p.startswith(d)]
+        finally:
+            for s in made:
+                s.close()
+        assert found == [str(run / "systemd" / "private"), str(run / "other" / "dbus")]
