@@ -595,7 +595,7 @@ def _refuse_foreign_links(manifest: "Manifest") -> None:
 def _warn_rewritable(manifest: "Manifest", scope: "Scope") -> None:
     """Files read at the pod's next start that the pod itself may rewrite: whatever it writes
     there is outside its confinement then (SPEC §3 [sandbox]), as the kernel cannot tell."""
-    from poddaemon.scope import may_replace
+    from poddaemon.sandbox.policy import may_replace
 
     commands = "bash" in manifest.worker.tools
     if manifest.source and may_replace(manifest.source, scope, commands):
@@ -606,16 +606,15 @@ def _warn_rewritable(manifest: "Manifest", scope: "Scope") -> None:
         )
     if not any(server.command for server in manifest.mcp.servers):
         return
-    from poddaemon.mcp.connection import program_files
+    from poddaemon.mcp.connection import rewritable_files
 
     for i, server in enumerate(manifest.mcp.servers):
-        for path in program_files(server.command or [], server.cwd or manifest.pod.pwd):
-            if may_replace(path, scope, commands):
-                _warn(
-                    f"{manifest.source}: mcp.servers[{i}].command: {path} lies in the pod's "
-                    "write scope, and the server runs outside the sandbox: what the pod writes "
-                    "there runs with your rights at its next start; keep it outside"
-                )
+        for path in rewritable_files(server, manifest.pod.pwd, scope, commands):
+            _warn(
+                f"{manifest.source}: mcp.servers[{i}].command: {path} lies in the pod's write "
+                "scope, and the server runs outside the sandbox: what the pod writes there runs "
+                "with your rights at its next start; keep it outside"
+            )
 
 
 def _hook_scripts(manifest: Any) -> list[str]:

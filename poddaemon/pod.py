@@ -483,16 +483,14 @@ class Pod:
     def _rewritable(self) -> list[str]:
         """The stdio MCP servers' files this pod may rewrite (the live scope's say): they run
         unconfined at the pod's next start (a restart of the server refuses a changed one)."""
-        from poddaemon.mcp.connection import program_files
-        from poddaemon.scope import may_replace
+        from poddaemon.mcp.connection import rewritable_files
 
         commands = "bash" in self.m.worker.tools
         return [
             f"MCP server '{server.name}': {path} lies in the pod's write scope: what the pod "
             "writes there runs outside the sandbox at its next start"
             for server in self.m.mcp.servers
-            for path in program_files(server.command or [], server.cwd or self.m.pod.pwd)
-            if may_replace(path, self.scope, commands)
+            for path in rewritable_files(server, self.m.pod.pwd, self.scope, commands)
         ]
 
     async def _synced(self) -> None:

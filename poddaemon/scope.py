@@ -357,14 +357,3 @@ def write_overlap(a: Scope, b: Scope) -> str | None:
             found.append(inter.target)
     return min(found) if found else None
 
-
-def may_replace(path: str, scope: Scope, commands: bool) -> bool:
-    """The pod may rewrite the file at `path`: its file tools where the scope lets them write
-    it, its commands (`commands`) also where they may write its directory (a file renamed over
-    it; a deny on the file keeps its contents, not its name)."""
-    real = os.path.realpath(path)
-    if scope.access(real) >= Access.WRITE:
-        return True
-    link_dir = os.path.realpath(os.path.dirname(os.path.abspath(path)))  # where a link lies
-    dirs = {os.path.dirname(real), link_dir}
-    return commands and any(scope.access(d) >= Access.WRITE for d in dirs)

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -30,6 +30,9 @@ from poddaemon.mcp.tool import (
     schema_problem,
 )
 from poddaemon.tools.base import ToolOutcome
+
+if TYPE_CHECKING:
+    from poddaemon.scope import Scope
 
 log = logging.getLogger("poddaemon.mcp")
 
@@ -55,6 +58,17 @@ def program_files(command: list[str], cwd: str) -> dict[str, FileId]:
         if os.path.isfile(path):
             out[path] = (st.st_dev, st.st_ino, st.st_ctime_ns)
     return out
+
+
+def rewritable_files(
+    server: McpServerConfig, pwd: str, scope: "Scope", commands: bool
+) -> list[str]:
+    """The files `server`'s command names that a pod of `scope` may rewrite (`commands`: it
+    runs bash): the server runs them outside the sandbox at the pod's next start."""
+    from poddaemon.sandbox.policy import may_replace
+
+    files = program_files(server.command or [], server.cwd or pwd)
+    return [path for path in files if may_replace(path, scope, commands)]
 
 
 class StartFailed(Exception):
