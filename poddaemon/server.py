@@ -136,7 +136,8 @@ def _guess_id(line: bytes) -> Any:
 def id_from_head(head: bytes) -> int | str | None:
     """The top-level `"id"` of a request from its first bytes alone (an oversize or unparsable
     line), so its error still reaches the caller waiting for that id; None when not there."""
-    text = head.lstrip()
+    # A line may start with a byte order mark (skipped as the whole line's is, see _BOM).
+    text = head.removeprefix(_BOM).lstrip()
     if not text.startswith(b"{"):
         return None
     depth, i, n = 0, 0, len(text)

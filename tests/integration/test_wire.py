@@ -317,6 +317,20 @@ def test_oversize_frame_error_carries_the_request_id(env: Env) -> None:
     sock.close()
 
 
+def test_oversize_frame_error_after_a_bom_carries_the_request_id(env: Env) -> None:
+    """A request file saved "with BOM" whose line is over the limit: its -32600 still names
+    the id the caller waits for (it was null: the BOM hid the line's `{` from the id reader)."""
+    pod = env.start()
+    sock = raw(pod)
+    big = b'\xef\xbb\xbf{"jsonrpc":"2.0","id":"big-2","method":"run","params":{"input":"%b"}}\n' % (
+        b"y" * (DEFAULT_MAX_FRAME_BYTES + 10)
+    )
+    reply = rpc(sock, big)
+    assert reply["id"] == "big-2" and reply["error"]["code"] == -32600, reply
+    assert rpc(sock, b'{"jsonrpc":"2.0","id":2,"method":"status"}\n')["result"]["state"] == "idle"
+    sock.close()
+
+
 def test_podctl_send_of_10mb_from_stdin_fails_fast_with_one_line(env: Env) -> None:
     env.start("big")
     started = time.monotonic()
