@@ -79,6 +79,9 @@ _READ_ONLY = frozenset({"history", "status", "usage"})
 # A UTF-8 byte order mark: what an editor saving "UTF-8 with BOM" puts before a request file's
 # first line. RFC 8259 (8.1) lets a parser ignore it; the pod does, at the start of any line.
 _BOM = b"\xef\xbb\xbf"
+# `"params": []`: by-position params with no values, what generic JSON-RPC clients send for a
+# call without arguments; taken as params absent.
+_NO_ARGS = re.compile(rb"\s*\[\s*\]\s*")
 _ID_VALUE = re.compile(rb'\s*:\s*(-?\d{1,18}|"[^"\\\x00-\x1f]{0,200}")\s*[,}]')
 
 
@@ -528,6 +531,8 @@ class Connection(asyncio.Protocol):
         params: Any = _NO_PARAMS
         decoder = _params_decoders.get(method)
         given = req.params
+        if given is not msgspec.UNSET and _NO_ARGS.fullmatch(given):
+            given = msgspec.UNSET
         if decoder is not None and not (given is msgspec.UNSET and decoder.type is NoParams):
             raw = b"{}" if given is msgspec.UNSET else given
             try:

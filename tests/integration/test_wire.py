@@ -415,6 +415,24 @@ def test_params_that_are_neither_object_nor_array_are_an_invalid_request(
     sock.close()
 
 
+def test_an_empty_params_array_is_a_call_without_arguments(env: Env) -> None:
+    """JSON-RPC 2.0 by-position params with no values: what generic clients send for a call
+    without arguments (`"params": []`). It was -32602 "Expected `object`, got `array`" for
+    `status`, which takes none; it is answered as if params were absent, so a method that
+    needs one still names the field."""
+    pod = env.start()
+    sock = raw(pod)
+    for rid, method in enumerate(("status", "usage", "pause", "history", "cancel"), 1):
+        line = b'{"jsonrpc":"2.0","id":%d,"method":"%b","params":[ ]}\n' % (rid, method.encode())
+        reply = rpc(sock, line)
+        assert reply["id"] == rid and "result" in reply, reply
+    reply = rpc(sock, b'{"jsonrpc":"2.0","id":9,"method":"run","params":[]}\n')
+    assert reply["error"]["code"] == -32602 and "input" in reply["error"]["message"], reply
+    reply = rpc(sock, b'{"jsonrpc":"2.0","id":10,"method":"history","params":[5]}\n')
+    assert reply["error"]["code"] == -32602, reply  # values by position: still not taken
+    sock.close()
+
+
 @pytest.mark.parametrize("params", [b'"x"', b"null", b"3"])
 def test_a_request_without_id_and_with_unstructured_params_is_answered_invalid(
     env: Env, params: bytes
