@@ -82,7 +82,11 @@ _BOM = b"\xef\xbb\xbf"
 # `"params": []`: by-position params with no values, what generic JSON-RPC clients send for a
 # call without arguments; taken as params absent.
 _NO_ARGS = re.compile(rb"\s*\[\s*\]\s*")
-_ID_VALUE = re.compile(rb'\s*:\s*(-?\d{1,18}|"[^"\\\x00-\x1f]{0,200}")\s*[,}]')
+# An id value in a frame's head: any JSON number (a fraction or an exponent too, as the ids of
+# whole lines) or a string, escapes included.
+_ID_VALUE = re.compile(
+    rb'\s*:\s*(-?\d{1,18}(?:\.\d{1,18})?(?:[eE][-+]?\d{1,3})?|"(?:[^"\\\x00-\x1f]|\\.){0,200}")\s*[,}]'
+)
 
 
 def _reply(request_id: Any, result: Any) -> bytes:
@@ -136,7 +140,7 @@ def _guess_id(line: bytes) -> Any:
     return None
 
 
-def id_from_head(head: bytes) -> int | str | None:
+def id_from_head(head: bytes) -> float | str | None:
     """The top-level `"id"` of a request from its first bytes alone (an oversize or unparsable
     line), so its error still reaches the caller waiting for that id; None when not there."""
     # A line may start with a byte order mark (skipped as the whole line's is, see _BOM).
@@ -156,8 +160,8 @@ def id_from_head(head: bytes) -> int | str | None:
                 m = _ID_VALUE.match(text, j + 1)
                 if m:
                     try:
-                        rid: int | str = msgspec.json.decode(m.group(1))
-                    except UNREADABLE:  # a string that is not UTF-8: no id to give back
+                        rid: float | str = msgspec.json.decode(m.group(1))
+                    except UNREADABLE:  # not UTF-8, a lone surrogate, out of range: no id
                         return None
                     return rid
             i = j + 1

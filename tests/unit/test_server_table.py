@@ -39,7 +39,11 @@ def test_server_names_a_method_without_handler_and_a_handler_without_method() ->
         (b'{"id":{"x":1},', None),  # not a valid id
         (b"not json", None),
         (b'{"id":"a\xffb","method":"status"}', None),  # not UTF-8: no id to give back
+        (b'{"id":2.5,"method":"run","params":{"input":"xx', 2.5),  # any JSON number
+        (b'{"id":-1e3,"method":"run"', -1000.0),
+        (b'{"id":"job \\"7\\" \\u00e9","method":"run"', 'job "7" \u00e9'),  # escapes
+        (b'{"id":"\\ud800","method":"run"', None),  # a lone surrogate: no string to give back
     ],
 )
-def test_id_from_head(head: bytes, rid: int | str | None) -> None:
+def test_id_from_head(head: bytes, rid: float | str | None) -> None:
     assert id_from_head(head) == rid
