@@ -127,6 +127,19 @@ def _unreadable(exc: Exception) -> str:
     return reason
 
 
+def _utf8_error(data: bytes) -> str | None:
+    """Why a request that decoded is still not JSON text (RFC 8259: UTF-8), or None. msgspec
+    checks the strings it reads, not those of members it skips (one it does not know), so a
+    request with invalid UTF-8 there was executed where any other place gets -32700."""
+    if data.isascii():  # the common case, at memchr speed
+        return None
+    try:
+        data.decode()
+    except UnicodeDecodeError as exc:
+        return f"invalid UTF-8 at byte {exc.start}"
+    return None
+
+
 def _guess_id(line: bytes) -> Any:
     """The id of an invalid request, when one can be read (JSON-RPC allows null otherwise)."""
     try:
@@ -446,6 +459,11 @@ class Connection(asyncio.Protocol):
             )
             return
         if isinstance(msg, Request):
+            bad = _utf8_error(line)
+            if bad is not None:  # not JSON, so no notification either: answered (id null)
+                rid = None if msg.is_notification else msg.id
+                self._send(_error(rid, errors.PARSE_ERROR, f"parse error: {bad}"))
+                return
             self._dispatch(msg, self._send)
         else:
             self._handle_batch(msg)
@@ -503,6 +521,12 @@ class Connection(asyncio.Protocol):
             except (msgspec.ValidationError, *UNREADABLE) as exc:
                 message = f"invalid request: {exc}"
                 replies[i] = _error(_guess_id(bytes(raw)), errors.INVALID_REQUEST, message)
+                done()
+                return
+            bad = _utf8_error(bytes(raw))
+            if bad is not None:
+                rid = None if req.is_notification else req.id
+                replies[i] = _error(rid, errors.PARSE_ERROR, f"parse error: {bad}")
                 done()
                 return
             self._batch_subscribe = subscribe

@@ -508,6 +508,32 @@ def test_a_notification_whose_params_are_not_utf8_is_a_parse_error(env: Env) -> 
     assert texts == ["fine"]
 
 
+def test_invalid_utf8_in_a_member_the_pod_skips_is_a_parse_error_too(env: Env) -> None:
+    """Invalid UTF-8 in a member the request does not need (a client's own `"trace"` field)
+    still makes the line no JSON: -32700, nothing executed, as everywhere else in a line. The
+    request was executed: a `notify` was committed from a line another parser refuses."""
+    pod = env.start()
+    sock = raw(pod)
+    line = b'{"jsonrpc":"2.0","id":7,"method":"notify","params":{"message":"a"},"trace":"\xff"}\n'
+    reply = rpc(sock, line)
+    assert reply["id"] == 7 and reply["error"]["code"] == -32700, reply
+    assert "UTF-8" in reply["error"]["message"]
+    notification = b'{"jsonrpc":"2.0","method":"notify","params":{"message":"b"},"t":"\xe9"}\n'
+    reply = rpc(sock, notification)  # no notification, being no JSON: answered
+    assert reply["id"] is None and reply["error"]["code"] == -32700, reply
+    batch = (
+        b'[{"jsonrpc":"2.0","id":1,"method":"notify","params":{"message":"c"},"t":"\xe9"},'
+        b'{"jsonrpc":"2.0","id":2,"method":"notify","params":{"message":"fine \xc3\xa9"}}]\n'
+    )
+    reply_items: Any = rpc(sock, batch)
+    by_id = {r["id"]: r for r in reply_items}
+    assert by_id[1]["error"]["code"] == -32700 and "notification_id" in by_id[2]["result"]
+    sock.close()
+    with pod.client() as c:
+        texts = [e["text"] for e in c.history().entries if e["kind"] == "system_item"]
+    assert texts == ["fine \u00e9"]
+
+
 def test_any_json_number_is_an_id_and_is_echoed(env: Env) -> None:
     # JSON-RPC 2.0: an id is a string, a number or null; a number may have a fraction (it
     # SHOULD not) or an exponent. Such a request is valid and its reply echoes the id.
