@@ -7,6 +7,7 @@ one-call client of podctl (`protocol.oneshot`) uses this without the rest of the
 import _socket
 import errno
 import os
+import struct
 from pathlib import Path
 
 from protocol import paths
@@ -69,6 +70,35 @@ def not_running_error(target: str | os.PathLike[str], path: Path, exc: OSError) 
     return PodNotRunning(os.fspath(target), f"no socket at {path}")
 
 
+def _connect(sock: _socket.socket, path: str, timeout: float | None) -> None:
+    """connect(), waiting up to `timeout` for room when the pod's listen backlog is full.
+
+    A timeout makes Python's socket non-blocking, and a Unix socket's connect() then fails at
+    once with EAGAIN on a full backlog (a burst of clients, or one flooding the pod): `podctl
+    stop` said "Resource temporarily unavailable" with 30 s left to wait. Blocking, the kernel
+    waits for room itself, up to SO_SNDTIMEO, then says EAGAIN: a timeout here."""
+    if not timeout:
+        sock.connect(path)  # blocking (waits as long as it takes) or non-blocking by choice
+        return
+    whole = int(timeout)
+    sock.settimeout(None)
+    sock.setsockopt(
+        _socket.SOL_SOCKET,
+        _socket.SO_SNDTIMEO,
+        struct.pack("ll", whole, int((timeout - whole) * 1e6)),
+    )
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        raise TimeoutError(
+            errno.ETIMEDOUT,
+            f"{path}: the pod took no new connection in {timeout:g} s (too many at once)",
+        ) from None
+    finally:
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
+        sock.settimeout(timeout)
+
+
 def connect(target: str | os.PathLike[str], timeout: float | None) -> _socket.socket:
     """A connected socket to a pod, after checking that this user owns the socket and the pod
     serving it. PodNotRunning when nothing listens there; UnsafeSocket for another user's."""
@@ -77,7 +107,7 @@ def connect(target: str | os.PathLike[str], timeout: float | None) -> _socket.so
     try:
         sock.settimeout(timeout)
         check_socket_owner(path)
-        sock.connect(str(path))
+        _connect(sock, str(path), timeout)
         check_peer(sock, path)
     except GONE as exc:
         sock.close()

@@ -9,6 +9,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -716,3 +717,44 @@ def test_ctrl_c_before_a_stopped_pod_answered_input_says_it_may_still_take_it(en
         "podctl: interrupted before pod 'pod' answered; "
         "it may still take what was sent once it runs again\n",
     )
+
+
+def test_stop_of_a_pod_whose_backlog_is_full_waits_for_room(env: Env) -> None:
+    """Clients that connect faster than the pod accepts (a burst, or one in a tight loop) fill
+    its listen backlog. `podctl stop` then failed at once, "[Errno 11] Resource temporarily
+    unavailable" with its 30 s timeout untouched, and the pod ran on: a client with a timeout
+    connected without waiting. It waits for room, as a blocking connect does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 8192:
+        pytest.skip(f"filling a backlog of up to 4096 takes more descriptors than {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 8192), hard))
+    pod = env.start()
+    os.kill(pod.proc.pid, signal.SIGSTOP)  # it accepts nothing: its backlog fills up
+    held: list[socket.socket] = []
+    try:
+        while True:
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            client.setblocking(False)
+            held.append(client)
+            try:
+                client.connect(pod.socket)
+            except BlockingIOError:
+                break
+        stop = env.podctl_popen("stop", "pod")
+
+        def waiting() -> bool:
+            if stop.poll() is not None:
+                return True  # (failed at once: asserted below)
+            with contextlib.suppress(OSError):
+                return Path(f"/proc/{stop.pid}/wchan").read_text() == "unix_wait_for_peer"
+            return False
+
+        wait_until(waiting, 30, "podctl to wait for room in the backlog")
+    finally:
+        for client in held:
+            client.close()
+        os.kill(pod.proc.pid, signal.SIGCONT)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    out, err = stop.communicate(timeout=60)
+    assert (stop.returncode, out, err) == (0, "stopped pod\n", "")
+    assert pod.proc.wait(10) == 0
