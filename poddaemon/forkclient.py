@@ -84,9 +84,10 @@ def decode_request(body: bytes) -> Request:
 class Forked:
     """A pod forked by the fork server, which reports its exit on `conn` while we listen."""
 
-    def __init__(self, conn: socket.socket, pid: int) -> None:
+    def __init__(self, conn: socket.socket, pid: int, unread: bytes = b"") -> None:
         self.conn = conn
         self.pid = pid
+        self._unread = bytearray(unread)  # read from `conn` past the pid line
         self.code: int | None = None
         self.gone = False
 
@@ -101,7 +102,7 @@ class Forked:
             return self.code
         self.conn.settimeout(timeout)  # 0.0: only what already arrived
         try:
-            line = _read_line(self.conn)
+            line = _read_line(self.conn, self._unread)
         except (BlockingIOError, TimeoutError):
             raise subprocess.TimeoutExpired("pod", timeout) from None
         self.gone = True
@@ -114,14 +115,21 @@ class Forked:
         self.conn.close()
 
 
-def _read_line(conn: socket.socket) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
+def _read_line(conn: socket.socket, buf: bytearray) -> bytes:
+    """The next line from `conn` (what is there at EOF), taken from `buf`, which holds what
+    was read past the lines taken before and keeps what is read past this one. A pod that
+    ends at once (a name or scope another pod holds) has its exit sent right behind its pid:
+    one recv() got both, the two lines did not decode as one reply, and `podctl spawn` said
+    the fork server went away instead of the pod's own error."""
+    while b"\n" not in buf:
         chunk = conn.recv(4096)
         if not chunk:
             break
-        data += chunk
-    return data
+        buf += chunk
+    end = buf.find(b"\n") + 1 or len(buf)
+    line = bytes(buf[:end])
+    del buf[:end]
+    return line
 
 
 def server_socket() -> str:
@@ -251,7 +259,8 @@ def fork_pod(
             conn.close()
             return None  # it never had the request: exec
         try:
-            reply = json.loads(_read_line(conn))
+            unread = bytearray()
+            reply = json.loads(_read_line(conn, unread))
         except TimeoutError:  # hung: hang up, and it will not fork the request if it gets to it
             conn.close()
             return None
@@ -261,7 +270,7 @@ def fork_pod(
                 "the fork server went away while starting the pod; see `podctl ls`"
             ) from None
         if isinstance(reply.get("pid"), int):
-            return Forked(conn, reply["pid"])
+            return Forked(conn, reply["pid"], bytes(unread))
         conn.close()
         if not reply.get("stale"):
             return None

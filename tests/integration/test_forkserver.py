@@ -506,6 +506,48 @@ def test_a_request_whose_client_gave_up_is_not_forked(env: Env) -> None:
     assert ppid(spawn(env, "two")) == server
 
 
+def test_a_pod_that_ends_at_once_is_reported_by_its_exit_not_as_a_lost_server(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked pod that ends at once (a dozen spawns at once: each but one finds its name or
+    scope taken) has its exit sent right behind its pid, and one read got both lines: the
+    client took them for a garbled reply, and `podctl spawn` said "the fork server went away
+    while starting the pod" instead of the pod's own error. Here the server sends both at
+    once."""
+    import threading
+
+    monkeypatch.setenv("PYTHONPATH", env.env["PYTHONPATH"])  # podctl's key
+    path = forkclient.server_socket()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    token = Path(forkclient.token_path(path))
+    token.write_text("t\n")  # as a server writes it
+    token.chmod(0o600)
+    listener.listen(1)
+
+    def fork_and_see_it_end() -> None:
+        conn, _ = listener.accept()
+        data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+        while len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+            data += conn.recv(65536)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(b'{"pid": 4242}\n{"exit": 1}\n')
+        conn.close()
+
+    taker = threading.Thread(target=fork_and_see_it_end)
+    taker.start()
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        forked = forkclient.fork_pod(["poddaemon", "run", "x.toml"], (null, null, null))
+    finally:
+        os.close(null)
+        taker.join(10)
+        listener.close()
+    assert forked is not None
+    assert (forked.pid, forked.wait(0.0)) == (4242, 1)
+
+
 def test_a_server_that_does_not_answer_in_time_is_given_up_for_exec(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
