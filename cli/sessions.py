@@ -27,10 +27,25 @@ def sessions(ctx: typer.Context) -> None:
         sessions_list(None, False)
 
 
+def _only_a_name(value: str | None) -> str | None:
+    """A pod name, as spawn allows them: `Alpha` or `alpha.toml` (a typo) listed "no sessions"
+    with exit 0, as if the pod had never run. A usage error instead (2), as for every command
+    naming a pod; a socket path names no pod here either (sessions are on disk by name)."""
+    from protocol.paths import POD_NAME_RE
+
+    if value is not None and POD_NAME_RE.fullmatch(value) is None:
+        raise typer.BadParameter(
+            f"{value!r} is not a valid pod name "
+            "(lowercase letters, digits, '-' and '_', at most 48 characters)"
+        )
+    return value
+
+
 @sessions_app.command("list")
 def sessions_list(
     pod: Annotated[
-        str | None, typer.Argument(metavar="[POD]", help="Only this pod's sessions.")
+        str | None,
+        typer.Argument(metavar="[POD]", help="Only this pod's sessions.", callback=_only_a_name),
     ] = None,
     as_json: JsonOpt = False,
 ) -> None:

@@ -343,6 +343,19 @@ def test_sessions_verify_and_show(home: Path) -> None:
     assert malformed.returncode == 2 and "invalid session id" in malformed.stderr
 
 
+@pytest.mark.parametrize("pod", ["P", "p.toml", "/run/pods/p/sock", "\udcff"])
+def test_sessions_list_of_what_names_no_pod_is_a_usage_error(home: Path, pod: str) -> None:
+    """`podctl sessions list P` (a typo of pod p, whose sessions are there) said "no sessions
+    of pod P" and exited 0, as if p had never run: a script read it as nothing to look at."""
+    from poddaemon.store.file import SessionLog
+
+    SessionLog.create(home / "data" / "sessions", "s1", {"pod": "p", "system_prompt": "x"}).close()
+    typo = podctl(home, "sessions", "list", pod)
+    assert (typo.returncode, typo.stdout) == (2, "")
+    assert "is not a valid pod name" in typo.stderr and "Traceback" not in typo.stderr
+    assert podctl(home, "sessions", "list", "p").stdout.splitlines()[1].split()[:2] == ["s1", "p"]
+
+
 @pytest.mark.parametrize("kind", ["directory", "fifo"])
 def test_sessions_on_what_is_not_a_file_is_one_line_and_never_hangs(home: Path, kind: str) -> None:
     sessions = home / "data" / "sessions"
