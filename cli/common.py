@@ -196,9 +196,10 @@ TOO_LARGE_ADVICE = (
 )
 
 
-def read_message(message: str) -> str:
+def read_message(message: str, what: str = "message") -> str:
     """MESSAGE as given, or stdin for `-` (without its trailing newlines). Empty, or not UTF-8
-    (the wire is UTF-8 JSON, and the pod gets nothing altered): a usage error."""
+    (the wire is UTF-8 JSON, and the pod gets nothing altered): a usage error (`what` is what
+    an empty one is said to be)."""
     if message == "-":
         from protocol.framing import DEFAULT_MAX_FRAME_BYTES as limit
 
@@ -226,7 +227,7 @@ def read_message(message: str) -> str:
         except UnicodeEncodeError as exc:
             not_utf8(exc, "MESSAGE")
     if not text.strip():
-        fail("empty message", EXIT_USAGE)
+        fail(f"empty {what}", EXIT_USAGE)
     return text
 
 

@@ -14,6 +14,7 @@ from cli.common import (
     fail,
     not_running,
     print_json,
+    read_message,
     rpc_errors,
 )
 
@@ -380,7 +381,8 @@ def rpc(
     pod: PodArg,
     method: Annotated[str, typer.Argument(metavar="METHOD", help="JSON-RPC method, e.g. status.")],
     params: Annotated[
-        str | None, typer.Argument(metavar="[JSON]", help="Params: a JSON object.")
+        str | None,
+        typer.Argument(metavar="[JSON]", help="Params: a JSON object; `-` reads it from stdin."),
     ] = None,
 ) -> None:
     """Raw JSON-RPC call; prints the JSON result.
@@ -390,6 +392,10 @@ def rpc(
     import json
 
     parsed: dict[str, Any] | None = None
+    if params == "-":
+        # As `send -`: one argument holds at most 128 KiB (the kernel's MAX_ARG_STRLEN), less
+        # than the 256 KiB of input a pod takes by default, and `-` was "invalid JSON" itself.
+        params = read_message(params, "JSON params")
     if params is not None:
         try:
             value = json.loads(params, parse_constant=_not_json, parse_float=_finite)

@@ -233,6 +233,16 @@ def test_rpc_with_invalid_json_params_is_a_usage_error(home: Path) -> None:
         assert (proc.returncode, proc.stderr) == (2, f"podctl: invalid JSON params: {said}\n")
     proc = podctl(home, "rpc", "ghost", "status", "[1, 2]")
     assert (proc.returncode, proc.stderr) == (2, "podctl: JSON params must be an object\n")
+    # `-` is stdin, as for send: what is wrong there is said so too, before any pod is asked.
+    for stdin, said in [
+        ("", "empty JSON params"),
+        ("[1]\n", "JSON params must be an object"),
+        ("{oops", "invalid JSON params: Expecting property name"),
+    ]:
+        proc = podctl(home, "rpc", "ghost", "status", "-", stdin=stdin)
+        assert proc.returncode == 2 and proc.stderr.startswith(f"podctl: {said}"), proc.stderr
+    proc = podctl(home, "rpc", "ghost", "status", "-", stdin='{"a": 1}')
+    assert proc.returncode == 3 and "not running" in proc.stderr  # read, then sent
 
 
 @pytest.mark.parametrize("command", ["send", "notify"])

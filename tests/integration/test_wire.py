@@ -341,6 +341,19 @@ def test_podctl_send_of_10mb_from_stdin_fails_fast_with_one_line(env: Env) -> No
     assert len(lines) == 1 and "more than one request to a pod carries" in lines[0], proc.stderr
 
 
+def test_podctl_rpc_takes_its_params_from_stdin(env: Env) -> None:
+    """`podctl rpc POD run '{"input": …}'` of 200 KB, which the pod takes (256 KiB by
+    default), cannot be one argument (the kernel's MAX_ARG_STRLEN is 128 KiB: E2BIG before
+    podctl runs), and `-` was refused as invalid JSON. `-` reads the params from stdin."""
+    env.start("raw")
+    text = "w" * 200_000
+    params = json.dumps({"input": text, "wait": True})
+    proc = env.podctl("rpc", "raw", "run", "-", input=params)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["outcome"] == "finished" and result["text"] == "ok: " + text[:200]
+
+
 def test_a_lone_surrogate_is_a_parse_error_that_says_so(env: Env) -> None:
     # msgspec calls it "Input data was truncated", which the line plainly was not.
     pod = env.start()
