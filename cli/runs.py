@@ -95,7 +95,7 @@ def send(
                 sys.stderr.flush()
             reply = rounds_text(rounds) or (ended or {}).get("text", "")
             if ended is not None and reply and not as_json:  # its reply, as it streamed
-                _out(shown(reply))
+                write_out(shown(reply))
                 wrote, ends_nl = True, reply.endswith("\n")
             for event in follow(client) if ended is None else ():
                 if event.type == "gap":
@@ -112,7 +112,7 @@ def send(
                     if delta:
                         if not ends_nl and between_messages:  # a new round's text
                             delta = "\n" + delta
-                        _out(shown(delta))
+                        write_out(shown(delta))
                         wrote, ends_nl, between_messages = True, delta.endswith("\n"), False
                 elif event.type == "run.finished":
                     finished = dict(event.data)
@@ -120,7 +120,7 @@ def send(
                 elif event.type == "llm.retry":  # a silent wait would look like a hung pod
                     between_messages = True
                     if wrote and not ends_nl:
-                        _out("\n")
+                        write_out("\n")
                         ends_nl = True
                     sys.stderr.write(f"podctl: model call failed; {retry_line(event.data)}\n")
                 elif event.type != "reasoning.delta":  # a tool call, the model call's usage…
@@ -129,7 +129,7 @@ def send(
             if wrote and not ends_nl:
                 sys.stdout.write("\n")
             fail(f"stopped waiting; run {run_id} goes on (podctl cancel {pod})", EXIT_INTERRUPTED)
-        except _OutputLost as lost:
+        except OutputLost as lost:
             # Not the pod's fault: "cannot talk to pod" would invite a retry, a second run.
             goes_on = f" and goes on (podctl cancel {pod})" if ended is None else ""
             fail(f"cannot write the output: {lost}; run {run_id} was taken{goes_on}")
@@ -158,12 +158,13 @@ def send(
     raise SystemExit(EXIT_ERROR)
 
 
-class _OutputLost(Exception):
+class OutputLost(Exception):
     """podctl's stdout failed (a full disk, /dev/full): an OSError would read as the pod's."""
 
 
-def _out(text: str) -> None:
-    """Write and flush a piece of `send`'s answer (BrokenPipeError: the reader went, as ever)."""
+def write_out(text: str) -> None:
+    """Write and flush a piece of `send`'s answer or `attach`'s events (BrokenPipeError: the
+    reader went, as ever; any other OSError is our stdout's, not the pod's: OutputLost)."""
     from protocol.errors import os_error_line
 
     try:
@@ -172,7 +173,7 @@ def _out(text: str) -> None:
     except BrokenPipeError:
         raise
     except OSError as exc:
-        raise _OutputLost(os_error_line(exc)) from None
+        raise OutputLost(os_error_line(exc)) from None
 
 
 def _submit_once(

@@ -9,7 +9,15 @@ import typer
 
 from cli.app import JsonOpt, PodArg, app
 from cli.common import EXIT_INTERRUPTED, EXIT_USAGE, call, connect, fail, print_json
-from cli.runs import HISTORY_PAGE, entries_newest_first, follow, history_pages, last_run_end
+from cli.runs import (
+    HISTORY_PAGE,
+    OutputLost,
+    entries_newest_first,
+    follow,
+    history_pages,
+    last_run_end,
+    write_out,
+)
 
 HISTORY_TAIL = 50  # entries `podctl history` shows without --all/--since/--limit
 
@@ -116,10 +124,13 @@ def attach(
             for event in follow(client):
                 seen_shutdown = seen_shutdown or event.type == "shutdown"
                 if as_json:
-                    out.write(json_text(msgspec.json.encode(event).decode()) + "\n")
+                    write_out(json_text(msgspec.json.encode(event).decode()) + "\n")
                 else:
-                    out.write(renderer.render(msgspec.structs.asdict(event)))
-                out.flush()
+                    write_out(renderer.render(msgspec.structs.asdict(event)))
+        except OutputLost as lost:
+            # Our stdout failed (a full disk): inside connect(), an OSError read as the pod's
+            # ("cannot talk to pod 'x': [Errno 28] …"), which sends one looking at the pod.
+            fail(f"cannot write the output: {lost}")
         except KeyboardInterrupt:  # 130, as send's and wait's: exit 0 says the pod shut down
             out.write(renderer.finish())
             raise typer.Exit(EXIT_INTERRUPTED) from None

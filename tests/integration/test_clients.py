@@ -573,6 +573,23 @@ def test_notify_whose_output_cannot_be_written_says_it_was_taken(
     ), done.stderr
 
 
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+@pytest.mark.parametrize("as_json", [[], ["--json"]], ids=["text", "json"])
+def test_attach_whose_output_cannot_be_written_does_not_blame_the_pod(
+    env: Env, unbuffered: bool, as_json: list[str]
+) -> None:
+    """`podctl attach pod --since 0 >/dev/full` said "cannot talk to pod 'pod': [Errno 28] No
+    space left on device": its stdout's error, raised inside the connection, read as the
+    pod's, which sends one looking at a pod that is fine."""
+    pod = env.start()
+    assert pod.call("run", input="hello", wait=True)["outcome"] == "finished"  # events to replay
+    done = to_a_full_disk(env, unbuffered, "attach", "pod", "--since", "0", *as_json)
+    assert (done.returncode, done.stderr) == (
+        1,
+        "podctl: cannot write the output: No space left on device\n",
+    )
+
+
 def test_logs_of_a_path_that_does_not_answer_is_not_running(env: Env) -> None:
     """`podctl logs PATH` of a socket path nothing listens on joined PATH under <runtime>/pods
     and read `PATH/stderr.log`: any file named so, through `..` too, and a stopped pod's socket
