@@ -63,6 +63,16 @@ def say_started(name: str, socket: str) -> None:
     _say_done(lambda: sys.stdout.write(f"{name}\t{socket}\n"), done)
 
 
+def say_compacted(pod: str, write: Callable[[], object], session_id: str | None) -> None:
+    """`write` and flush what `podctl compact` prints. A stdout that fails there (a full disk)
+    said only "No space left on device", exit 1: read as a compaction that failed, a retry
+    paid for another summary. Said so, with the session the pod went on in."""
+    if session_id:
+        _say_done(write, f"pod '{pod}' compacted into session {session_id}")
+    else:
+        _say_done(write, f"pod '{pod}' had nothing to compact")
+
+
 def _say_done(write: Callable[[], object], done: str) -> None:
     """`write` and flush; an OSError of our stdout's (not the pod's) fails saying `done`."""
     try:

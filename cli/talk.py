@@ -8,7 +8,15 @@ from typing import Annotated, Any
 import typer
 
 from cli.app import JsonOpt, PodArg, app
-from cli.common import EXIT_INTERRUPTED, EXIT_USAGE, call, connect, fail, print_json
+from cli.common import (
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    call,
+    connect,
+    fail,
+    print_json,
+    say_compacted,
+)
 from cli.runs import (
     HISTORY_PAGE,
     OutputLost,
@@ -309,8 +317,9 @@ def compact(pod: PodArg, as_json: JsonOpt = False) -> None:
     however long the model takes."""
     session_id = call(pod, "compact", timeout=None)["session_id"]  # a model call: no limit
     if as_json:
-        print_json({"session_id": session_id})
+        say_compacted(pod, lambda: print_json({"session_id": session_id}), session_id)
         return
     # A pod with no history yet has nothing to summarize: the pod answers its session as is
     # (none: null; "" from earlier versions).
-    _say(f"compacted: session {session_id}" if session_id else "nothing to compact yet")
+    said = f"compacted: session {session_id}" if session_id else "nothing to compact yet"
+    say_compacted(pod, lambda: _say(said), session_id)

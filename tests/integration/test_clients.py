@@ -590,6 +590,27 @@ def test_attach_whose_output_cannot_be_written_does_not_blame_the_pod(
     )
 
 
+@pytest.mark.parametrize("unbuffered", [False, True], ids=["buffered", "PYTHONUNBUFFERED"])
+@pytest.mark.parametrize("as_json", [[], ["--json"]], ids=["text", "json"])
+def test_compact_whose_output_cannot_be_written_says_it_compacted(
+    env: Env, unbuffered: bool, as_json: list[str]
+) -> None:
+    """`podctl compact pod >/dev/full` said only "No space left on device", exit 1: the pod
+    had compacted, and a script reading a failure would compact again (another summary, paid
+    for). It says the session the pod went on in."""
+    pod = env.start()
+    assert pod.call("run", input="hello", wait=True)["outcome"] == "finished"
+    before = pod.call("status")["session_id"]
+    done = to_a_full_disk(env, unbuffered, "compact", "pod", *as_json)
+    after = pod.call("status")["session_id"]
+    assert after != before
+    assert (done.returncode, done.stderr) == (
+        1,
+        f"podctl: cannot write the output: No space left on device; pod 'pod' compacted into "
+        f"session {after}\n",
+    )
+
+
 def test_logs_of_a_path_that_does_not_answer_is_not_running(env: Env) -> None:
     """`podctl logs PATH` of a socket path nothing listens on joined PATH under <runtime>/pods
     and read `PATH/stderr.log`: any file named so, through `..` too, and a stopped pod's socket
