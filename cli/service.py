@@ -444,7 +444,8 @@ def wait(
     """Block until the pod is idle with an empty queue.
 
     Exit 0 when it is, 4 on timeout, 3 when the pod is not running. A pod still starting
-    (`podctl ls`: starting) is waited for.
+    (`podctl ls`: starting) is waited for. A pod that does not answer (stopped, wedged) is not
+    idle yet with --timeout; without it, one silent for 30 s is an error (exit 1).
     """
     from cli.common import rpc_errors
     from protocol import oneshot, paths

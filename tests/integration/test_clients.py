@@ -214,6 +214,24 @@ def test_wait_with_a_timeout_gives_up_on_a_stopped_pod_in_time(env: Env) -> None
     assert took < 15, took  # the status call's own 30 s did not outlast --timeout
 
 
+def test_wait_without_a_timeout_on_a_stopped_pod_ends_as_its_help_says(env: Env) -> None:
+    """`podctl wait pod` (no --timeout) of a SIGSTOPped pod exits 1 after 30 s, "did not
+    answer": its help listed only 0, 4 and 3 (and SPEC §6 "block until idle"), so a script
+    took the 1 for a bug or the pod's failure. The help now says what it does."""
+    helped = env.podctl("wait", "--help")
+    assert "without it, one silent for 30 s is an error (exit 1)" in " ".join(
+        helped.stdout.split()
+    )
+    pod = env.start()
+    os.kill(pod.proc.pid, signal.SIGSTOP)
+    try:
+        waited = env.podctl("wait", "pod", timeout=90)
+    finally:
+        os.kill(pod.proc.pid, signal.SIGCONT)
+    assert (waited.returncode, waited.stdout) == (1, "")
+    assert waited.stderr == "podctl: pod 'pod' did not answer within 30 s\n"
+
+
 def test_status_of_a_stopped_pod_is_an_error_not_a_hang(env: Env) -> None:
     pod = env.start()
     os.kill(pod.proc.pid, signal.SIGSTOP)
