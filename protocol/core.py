@@ -140,7 +140,13 @@ class ClientCore:
             raise error_for(reply.error.code, reply.error.message, reply.error.data)
         if isinstance(reply.result, msgspec.UnsetType):
             raise RpcError(INTERNAL_ERROR, "reply has neither result nor error")
-        result = msgspec.json.decode(reply.result, type=result_type)
+        try:
+            result = msgspec.json.decode(reply.result, type=result_type)
+        except UNREADABLE as exc:
+            # A result not of the method's shape (`null`, a string: a socket that is not a
+            # pod's): a typed error, as a malformed envelope is, not a msgspec traceback.
+            self._subscribes.discard(request_id)
+            raise RpcError(PARSE_ERROR, f"the pod's reply is malformed: {exc}") from None
         if request_id in self._subscribes:
             self._subscribes.discard(request_id)
             self.subscribed = True

@@ -106,4 +106,9 @@ def _result(reply: dict[str, Any]) -> Any:
         raise error_for(error["code"], error["message"], error.get("data"))
     if "result" not in reply:
         raise RpcError(INTERNAL_ERROR, "reply has neither result nor error")
-    return reply["result"]
+    result = reply["result"]
+    if not isinstance(result, dict):  # every method's result is an object (SPEC §5)
+        # `null` or a string from a socket that is not a pod's: podctl then indexed it
+        # (`result["paused"]`) and ended in a TypeError traceback.
+        raise RpcError(PARSE_ERROR, "the pod's reply is malformed: its result is not an object")
+    return result

@@ -161,6 +161,44 @@ def test_a_socket_that_is_no_pods_is_one_line_not_a_traceback(
     )
 
 
+@pytest.mark.parametrize("result", [b"null", b'"text"'], ids=["null", "string"])
+@pytest.mark.parametrize(
+    "command",
+    [["status"], ["notify", "hi"], ["pause"], ["rpc", "status"], ["send", "hi"], ["attach"]],
+    ids=" ".join,
+)
+def test_a_result_that_is_no_object_is_one_line_not_a_traceback(
+    home: Path, command: list[str], result: bytes
+) -> None:
+    """A socket that answers JSON-RPC with a `result` of no pod's shape (`null`, a string):
+    podctl indexed it (`result["paused"]`: a TypeError traceback) or, through PodClient, let
+    msgspec's ValidationError out. Every method's result is an object (SPEC §5)."""
+    import socket
+    import threading
+
+    path = home / "other.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen()
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b'{"jsonrpc":"2.0","id":1,"result":%b}\n' % result)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        proc = podctl(home, command[0], str(path), *command[1:])
+    finally:
+        thread.join(10)
+        server.close()
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr.startswith("podctl: the pod's reply is malformed: "), proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
 def test_stale_socket_counts_as_not_running(home: Path) -> None:
     import socket
 

@@ -112,8 +112,17 @@ def test_the_result_comes_back_as_json_data(sock_path: Path) -> None:
 
 def test_events_before_the_answer_are_skipped(sock_path: Path) -> None:
     event = {"jsonrpc": "2.0", "method": "event", "params": {"seq": 1, "ts": 1.0, "type": "x"}}
-    with serving(sock_path, event, {"jsonrpc": "2.0", "id": 1, "result": [1]}):
-        assert oneshot.call(sock_path, "status", timeout=10) == [1]
+    with serving(sock_path, event, {"jsonrpc": "2.0", "id": 1, "result": {"n": 1}}):
+        assert oneshot.call(sock_path, "status", timeout=10) == {"n": 1}
+
+
+@pytest.mark.parametrize("result", [None, [1], "text", 5])
+def test_a_result_that_is_no_object_is_a_parse_error(sock_path: Path, result: object) -> None:
+    # Every method's result is an object (SPEC §5): podctl indexed one that was not.
+    answer = {"jsonrpc": "2.0", "id": 1, "result": result}
+    with serving(sock_path, answer), pytest.raises(RpcError, match="not an object") as info:
+        oneshot.call(sock_path, "pause", timeout=10)
+    assert info.value.code == errors.PARSE_ERROR
 
 
 def test_a_null_id_error_is_the_answer(sock_path: Path) -> None:

@@ -154,8 +154,10 @@ def test_typed_result_decoding_rejects_a_wrong_shape() -> None:
     core = ClientCore()
     rid, _ = core.request("run", {"input": "x"})
     core.feed(reply(rid, {"run_id": "R", "state": "exploded"}))
-    with pytest.raises(msgspec.ValidationError, match=r"state"):
+    # A typed error, as for a malformed envelope: msgspec's own escaped podctl as a traceback.
+    with pytest.raises(RpcError, match=r"^the pod's reply is malformed: .*state") as info:
         core.take(rid, RunResult)
+    assert info.value.code == errors.PARSE_ERROR
 
 
 def test_typed_status_result() -> None:
