@@ -27,6 +27,16 @@ from protocol.framing import DEFAULT_MAX_FRAME_BYTES, MAX_REPLY_BYTES, LineFrame
 from protocol.sockets import connect
 
 _ID = 1  # the one request on the connection
+# What callers read of a result without looking (SPEC §5): one without it is malformed, where
+# podctl's `result["paused"]` ended in a KeyError traceback (a socket that is not a pod's).
+RESULT_FIELDS: dict[str, tuple[str, ...]] = {
+    "run": ("run_id",),
+    "notify": ("notification_id", "wakes"),
+    "pause": ("paused",),
+    "resume": ("run_id",),
+    "cancel": ("cancelled",),
+    "compact": ("session_id",),
+}
 
 
 def call(
@@ -40,7 +50,11 @@ def call(
     sock = connect(target, timeout)
     try:
         sock.sendall(request(method, params, max_frame_bytes))
-        return _answer(sock, os.fspath(target))
+        result = _answer(sock, os.fspath(target))
+        missing = [key for key in RESULT_FIELDS.get(method, ()) if key not in result]
+        if missing:
+            raise RpcError(PARSE_ERROR, f"the pod's reply is malformed: no {missing[0]!r}")
+        return result
     except LOST as exc:  # the pod went mid-call: as when it closes without answering
         raise ConnectionClosed(f"pod {os.fspath(target)!r} closed the connection") from exc
     finally:

@@ -161,18 +161,24 @@ def test_a_socket_that_is_no_pods_is_one_line_not_a_traceback(
     )
 
 
-@pytest.mark.parametrize("result", [b"null", b'"text"'], ids=["null", "string"])
 @pytest.mark.parametrize(
-    "command",
-    [["status"], ["notify", "hi"], ["pause"], ["rpc", "status"], ["send", "hi"], ["attach"]],
-    ids=" ".join,
+    ("command", "result"),
+    [
+        (command, result)
+        for result in (b"null", b'"text"')
+        for command in (["status"], ["notify", "hi"], ["pause"], ["rpc", "status"], ["send", "hi"])
+    ]
+    + [(["attach"], b"null")]
+    + [(command, b"{}") for command in (["notify", "hi"], ["pause"], ["cancel"], ["compact"])],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v.decode(),
 )
 def test_a_result_that_is_no_object_is_one_line_not_a_traceback(
     home: Path, command: list[str], result: bytes
 ) -> None:
-    """A socket that answers JSON-RPC with a `result` of no pod's shape (`null`, a string):
-    podctl indexed it (`result["paused"]`: a TypeError traceback) or, through PodClient, let
-    msgspec's ValidationError out. Every method's result is an object (SPEC §5)."""
+    """A socket that answers JSON-RPC with a `result` of no pod's shape (`null`, a string,
+    `{}`): podctl indexed it (`result["paused"]`: a TypeError or KeyError traceback) or,
+    through PodClient, let msgspec's ValidationError out. Every method's result is an object
+    with its fields (SPEC §5)."""
     import socket
     import threading
 

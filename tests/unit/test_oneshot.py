@@ -125,6 +125,25 @@ def test_a_result_that_is_no_object_is_a_parse_error(sock_path: Path, result: ob
     assert info.value.code == errors.PARSE_ERROR
 
 
+@pytest.mark.parametrize(
+    ("method", "result", "missing"),
+    [
+        ("pause", {}, "paused"),
+        ("notify", {"notification_id": "n"}, "wakes"),
+        ("run", {"state": "started"}, "run_id"),
+        ("compact", {"id": "s"}, "session_id"),
+    ],
+)
+def test_a_result_without_what_spec_gives_it_is_a_parse_error(
+    sock_path: Path, method: str, result: dict[str, object], missing: str
+) -> None:
+    # `{}` from a socket that is not a pod's: podctl's result["paused"] was a KeyError traceback.
+    answer = {"jsonrpc": "2.0", "id": 1, "result": result}
+    with serving(sock_path, answer), pytest.raises(RpcError, match=f"no '{missing}'") as info:
+        oneshot.call(sock_path, method, timeout=10)
+    assert info.value.code == errors.PARSE_ERROR
+
+
 def test_a_null_id_error_is_the_answer(sock_path: Path) -> None:
     err = {"code": errors.INVALID_REQUEST, "message": "frame too large; discarded"}
     answer = {"jsonrpc": "2.0", "id": None, "error": err}
