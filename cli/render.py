@@ -53,8 +53,11 @@ def retry_line(data: Mapping[str, Any]) -> str:
     parts = ["retry"]
     if "attempt" in data:
         parts.append(f"#{data['attempt']}")
-    if "delay" in data:
-        parts.append(f"in {float(data['delay']):.1f}s")
+    delay = data.get("delay")
+    # Not a number: what no pod sends, but a socket that is no pod's may (POD can be a path);
+    # float("soon") ended `podctl attach` in a ValueError traceback.
+    if isinstance(delay, int | float):
+        parts.append(f"in {delay:.1f}s")
     line = " ".join(parts)
     if data.get("error"):
         line += f": {one_line(str(data['error']))}"

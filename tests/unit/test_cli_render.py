@@ -448,6 +448,26 @@ def test_no_field_of_any_event_reaches_the_terminal_raw(event: dict[str, Any]) -
     assert "\\x1b]52;c;aGk=\\x07\\x9b2J\\x0dy" in out
 
 
+@pytest.mark.parametrize(
+    "event",
+    [
+        ev("llm.retry", attempt="x", delay="soon", error=None),
+        ev("llm.retry", delay=None),
+        ev("text.delta", text=5),
+        ev("tool.started", call_id=None, name=["x"], args="not a dict"),
+        ev("tool.finished", call_id=1, name=2, is_error="yes", summary=None),
+        ev("run.finished", outcome=None, text=3, usage="x"),
+        ev("llm.usage", input="a", output=None),
+        ev("run.queued", position="z"),
+        ev("shutdown", reason=5),
+    ],
+)
+def test_an_event_of_no_pods_shape_is_rendered_not_a_traceback(event: dict[str, Any]) -> None:
+    """`podctl attach SOCKET` of a socket that is no pod's: an `llm.retry` whose delay was no
+    number (`float("soon")`) ended attach in a ValueError traceback."""
+    assert render_all([event])
+
+
 def test_no_field_of_a_history_entry_reaches_the_terminal_raw() -> None:
     """`podctl history` and `sessions show` print a log's pod name, model name and kind too."""
     entries = [
