@@ -31,13 +31,10 @@ def _only_a_name(value: str | None) -> str | None:
     """A pod name, as spawn allows them: `Alpha` or `alpha.toml` (a typo) listed "no sessions"
     with exit 0, as if the pod had never run. A usage error instead (2), as for every command
     naming a pod; a socket path names no pod here either (sessions are on disk by name)."""
-    from protocol.paths import POD_NAME_RE
+    from protocol.paths import pod_name_problem
 
-    if value is not None and POD_NAME_RE.fullmatch(value) is None:
-        raise typer.BadParameter(
-            f"{value!r} is not a valid pod name "
-            "(lowercase letters, digits, '-' and '_', at most 48 characters)"
-        )
+    if value is not None and (problem := pod_name_problem(value)):
+        raise typer.BadParameter(problem)
     return value
 
 

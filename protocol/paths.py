@@ -9,6 +9,16 @@ from pathlib import Path
 
 APP = "poddaemon"
 POD_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9_-]{0,47}\Z")
+
+
+def pod_name_problem(name: str) -> str | None:
+    """Why `name` is no pod name (the manifest's `pod.name`, podctl's POD), or None."""
+    if POD_NAME_RE.fullmatch(name):
+        return None
+    return (
+        f"{name!r} is not a valid pod name "
+        "(lowercase letters, digits, '-' and '_', at most 48 characters)"
+    )
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 
 

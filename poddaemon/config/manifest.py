@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from msgspec import Meta, Struct, field
 
-from protocol.paths import POD_NAME_RE
+from protocol.paths import pod_name_problem
 
 FILE_TOOLS = ("read_file", "write_file", "edit_file", "list_dir", "glob", "grep")
 POD_TOOLS = ("spawn_pod", "send_to_pod", "wait_pods", "list_pods", "stop_pod")
@@ -52,13 +52,8 @@ class PodSection(Struct, kw_only=True, forbid_unknown_fields=True):
     pwd: str = "."
 
     def __post_init__(self) -> None:
-        # fullmatch: the pattern ends in `$`, which would let a trailing newline through.
-        if not POD_NAME_RE.fullmatch(self.name):
-            raise FieldError(
-                "name",
-                f"{self.name!r} is not a valid pod name "
-                "(lowercase letters, digits, '-' and '_', at most 48 characters)",
-            )
+        if problem := pod_name_problem(self.name):
+            raise FieldError("name", problem)
         _check_path("pwd", self.pwd)
 
 
