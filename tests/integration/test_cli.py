@@ -133,27 +133,8 @@ def test_a_socket_that_is_no_pods_is_one_line_not_a_traceback(
 ) -> None:
     # POD may be a socket path: one of this user's that answers in another format (the fork
     # server's `{"error": "..."}`) made these commands end in a msgspec traceback.
-    import socket
-    import threading
-
-    path = home / "other.sock"
-    server = socket.socket(socket.AF_UNIX)
-    server.bind(str(path))
-    server.listen()
-
-    def answer() -> None:
-        conn, _ = server.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b'{"jsonrpc":"2.0","id":1,"error":"bad request"}\n')
-
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    try:
-        proc = podctl(home, command[0], str(path), *command[1:])
-    finally:
-        thread.join(10)
-        server.close()
+    reply = b'{"jsonrpc":"2.0","id":1,"error":"bad request"}\n'
+    proc = _podctl_against(home, reply, command)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr == (
         "podctl: the pod's reply is malformed: Expected `object`, got `str` - at `$.error`"
@@ -179,6 +160,17 @@ def test_a_result_that_is_no_object_is_one_line_not_a_traceback(
     `{}`): podctl indexed it (`result["paused"]`: a TypeError or KeyError traceback) or,
     through PodClient, let msgspec's ValidationError out. Every method's result is an object
     with its fields (SPEC §5)."""
+    proc = _podctl_against(home, b'{"jsonrpc":"2.0","id":1,"result":%b}\n' % result, command)
+    assert (proc.returncode, proc.stdout) == (1, "")
+    assert proc.stderr.startswith("podctl: the pod's reply is malformed: "), proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def _podctl_against(
+    home: Path, reply: bytes, command: list[str]
+) -> "subprocess.CompletedProcess[str]":
+    """`podctl COMMAND` aimed at a socket of this user's that is no pod's: it reads the
+    request, sends `reply` and hangs up."""
     import socket
     import threading
 
@@ -191,18 +183,15 @@ def test_a_result_that_is_no_object_is_one_line_not_a_traceback(
         conn, _ = server.accept()
         with conn:
             conn.recv(65536)
-            conn.sendall(b'{"jsonrpc":"2.0","id":1,"result":%b}\n' % result)
+            conn.sendall(reply)
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     try:
-        proc = podctl(home, command[0], str(path), *command[1:])
+        return podctl(home, command[0], str(path), *command[1:])
     finally:
         thread.join(10)
         server.close()
-    assert (proc.returncode, proc.stdout) == (1, "")
-    assert proc.stderr.startswith("podctl: the pod's reply is malformed: "), proc.stderr
-    assert proc.stderr.count("\n") == 1
 
 
 def test_stale_socket_counts_as_not_running(home: Path) -> None:

@@ -3,6 +3,7 @@ are forked from one preloaded process, each still the same pod an exec would hav
 line, environment, working directory), and the server steps aside when the code changes, dies,
 idles out, or is turned off."""
 
+import contextlib
 import json
 import os
 import resource
@@ -11,8 +12,9 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -429,35 +431,11 @@ def test_a_server_that_vanishes_with_the_request_is_an_error_not_a_second_start(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """It may have forked the pod already: exec'ing it as well would start it twice."""
-    import threading
-
     spawn(env, "lone")
     monkeypatch.setenv("PYTHONPATH", env.env["PYTHONPATH"])  # podctl's key
-    path = forkclient.server_socket()
-    assert path.startswith(str(env.home))
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    token = Path(forkclient.token_path(path))
-    token.write_text("t\n")  # as a server writes it
-    token.chmod(0o600)
-    listener.listen(1)
-
-    def take_and_vanish() -> None:  # reads the whole request, then dies without a word
-        conn, _ = listener.accept()
-        data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
-        while len(data) < 4 + struct.unpack(">I", data[:4])[0]:
-            data += conn.recv(65536)
-        for fd in fds:
-            os.close(fd)
-        conn.close()
-
-    taker = threading.Thread(target=take_and_vanish)
-    taker.start()
-    try:
+    assert forkclient.server_socket().startswith(str(env.home))
+    with _stand_in_server(socket.socket.close):  # reads the whole request, then dies silently
         done = env.podctl("spawn", str(env.manifest("two", write=[str(env.work / "two")])))
-    finally:
-        taker.join(10)
-        listener.close()
     assert done.returncode == 1, done.stderr
     assert "fork server went away" in done.stderr
     assert not (env.home / "run" / "pods" / "two" / "sock").exists()
@@ -514,36 +492,14 @@ def test_a_pod_that_ends_at_once_is_reported_by_its_exit_not_as_a_lost_server(
     client took them for a garbled reply, and `podctl spawn` said "the fork server went away
     while starting the pod" instead of the pod's own error. Here the server sends both at
     once."""
-    import threading
-
     monkeypatch.setenv("PYTHONPATH", env.env["PYTHONPATH"])  # podctl's key
-    path = forkclient.server_socket()
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    token = Path(forkclient.token_path(path))
-    token.write_text("t\n")  # as a server writes it
-    token.chmod(0o600)
-    listener.listen(1)
 
-    def fork_and_see_it_end() -> None:
-        conn, _ = listener.accept()
-        data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
-        while len(data) < 4 + struct.unpack(">I", data[:4])[0]:
-            data += conn.recv(65536)
-        for fd in fds:
-            os.close(fd)
+    def fork_and_see_it_end(conn: socket.socket) -> None:
         conn.sendall(b'{"pid": 4242}\n{"exit": 1}\n')
         conn.close()
 
-    taker = threading.Thread(target=fork_and_see_it_end)
-    taker.start()
-    null = os.open(os.devnull, os.O_RDWR)
-    try:
-        forked = forkclient.fork_pod(["poddaemon", "run", "x.toml"], (null, null, null))
-    finally:
-        os.close(null)
-        taker.join(10)
-        listener.close()
+    with _stand_in_server(fork_and_see_it_end):
+        forked = _fork_pod()
     assert forked is not None
     assert (forked.pid, forked.wait(0.0)) == (4242, 1)
 
@@ -553,37 +509,58 @@ def test_a_server_that_does_not_answer_in_time_is_given_up_for_exec(
 ) -> None:
     """After the reply timeout the client hangs up (so that the server, should it come to the
     request, does not fork it) and the caller execs the pod."""
-    import threading
-
     monkeypatch.setenv("PYTHONPATH", env.env["PYTHONPATH"])  # podctl's key
     monkeypatch.setattr(forkclient, "READY_TIMEOUT", 0.5)
+    hung_up: list[bool] = []
+
+    def say_nothing(conn: socket.socket) -> None:
+        conn.settimeout(10)
+        hung_up.append(conn.recv(1) == b"")  # nothing more comes, then the client's hang-up
+        conn.close()
+
+    with _stand_in_server(say_nothing):
+        forked = _fork_pod()
+    assert forked is None  # exec it
+    assert hung_up == [True]
+
+
+@contextlib.contextmanager
+def _stand_in_server(answer: Callable[[socket.socket], object]) -> Iterator[None]:
+    """A fork server of our own on the real one's path: it takes one request whole (closing
+    the descriptors passed with it), then `answer`s on that connection."""
     path = forkclient.server_socket()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
+    token = Path(forkclient.token_path(path))
+    token.write_text("t\n")  # as a server writes it
+    token.chmod(0o600)
     listener.listen(1)
-    heard: list[bytes] = []
 
-    def take_and_say_nothing() -> None:
+    def serve() -> None:
         conn, _ = listener.accept()
         data, fds, _, _ = socket.recv_fds(conn, 65536, 3)
+        while len(data) < 4 + struct.unpack(">I", data[:4])[0]:
+            data += conn.recv(65536)
         for fd in fds:
             os.close(fd)
-        conn.settimeout(10)
-        while data := conn.recv(65536):  # the request, then the client's hang-up
-            heard.append(data)
-        conn.close()
+        answer(conn)
 
-    taker = threading.Thread(target=take_and_say_nothing)
-    taker.start()
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        yield
+    finally:
+        server.join(10)
+        listener.close()
+    assert not server.is_alive()
+
+
+def _fork_pod() -> "forkclient.Forked | None":
     null = os.open(os.devnull, os.O_RDWR)
     try:
-        forked = forkclient.fork_pod(["poddaemon", "run", "x.toml"], (null, null, null))
+        return forkclient.fork_pod(["poddaemon", "run", "x.toml"], (null, null, null))
     finally:
         os.close(null)
-        taker.join(10)
-        listener.close()
-    assert forked is None  # exec it
-    assert not taker.is_alive()  # it saw the hang-up
 
 
 def test_a_server_whose_backlog_is_full_is_passed_over_not_waited_for(env: Env) -> None:
