@@ -225,6 +225,9 @@ class Hooks(Interceptor):
         self.record = record
         self._kept_going: set[str] = set()  # runs a Stop hook kept going (stop_hook_active)
         self._halted: dict[str, str] = {}  # runs a tool hook stopped ("continue": false): why
+        # Runs whose Stop hooks on the final answer are running, or were killed there by a
+        # cancel or a stop: those hooks had their turn, `on_run_end` does not start them again.
+        self._checking: set[str] = set()
         # Stop hooks of runs that did not finish, run in the background: a few at a time, as
         # handlers.MAX_BACKGROUND_HOOKS (cancelling 40 queued runs started 40 hooks at once).
         self._after_the_fact = asyncio.Semaphore(AFTER_THE_FACT)
@@ -285,7 +288,9 @@ class Hooks(Interceptor):
         """The Stop hooks on a final answer, before the run ends: the reason the first one
         that blocked gave (the run goes on), or None (it ends `finished`)."""
         fields = {"stop_hook_active": stop_hook_active, "run_id": run_id, "outcome": "finished"}
-        runs = await self.run("Stop", fields)
+        self._checking.add(run_id)
+        runs = await self.run("Stop", fields)  # (cancelled: the mark stays for on_run_end)
+        self._checking.discard(run_id)
         if any(run.decision == "stop" for run in runs):
             return None
         for run in runs:
@@ -300,6 +305,12 @@ class Hooks(Interceptor):
         kept_going = run_id in self._kept_going  # (a run a Stop hook kept going may run out)
         self._kept_going.discard(run_id)
         self._halted.pop(run_id, None)  # (it ended before its next model call: a cancel)
+        if run_id in self._checking:
+            # Cancelled (or the pod stopped) while its Stop hooks judged its final answer:
+            # they were killed for that end. Started again here, each ran twice for one run,
+            # and a stop waited out its 5 s grace on the very hook it had just killed.
+            self._checking.discard(run_id)
+            return
         if outcome != "finished":
             fields = {"stop_hook_active": kept_going, "run_id": run_id, "outcome": outcome}
             async with self._after_the_fact:

@@ -696,6 +696,37 @@ def test_cancel_during_a_stop_hook_kills_it_and_ends_the_run_cancelled(env: Env)
     assert pod.stop() == 0
 
 
+COUNTING_STOP = """
+import json, sys, time
+with open({seen!r}, "a") as f:
+    f.write(json.load(sys.stdin)["outcome"] + "\\n")
+time.sleep(1391)
+"""
+
+
+@pytest.mark.parametrize("how", ["cancel", "stop"])
+def test_a_stop_hook_killed_on_a_final_answer_is_not_started_again_after_the_fact(
+    env: Env, how: str
+) -> None:
+    """A cancel or a stop kills the Stop hook that holds up a run's end; it ran again at once
+    for the same run (outcome `cancelled` or `error`), and a stop waited 5 s on it."""
+    seen = env.work / "seen"
+    hook = script(env, "counting_stop.py", COUNTING_STOP.format(seen=str(seen)))
+    env.model.script({"text": "an answer"})
+    pod = env.start("countstop", extra=hooks_toml("Stop", hook, timeout=3600))
+    with pod.client() as c:
+        c.run("the work")
+    wait_until(seen.exists, what="the Stop hook to run")
+    if how == "cancel":
+        assert pod.call("cancel")["cancelled"]
+        wait_until(
+            lambda: [e for e in entries(pod) if e["kind"] == "run_end"], what="the run's end"
+        )
+    assert pod.stop() == 0  # (background hooks have up to 5 s: an after-the-fact one started)
+    assert seen.read_text().splitlines() == ["finished"]
+    wait_until(lambda: hook_gone(env, "counting_stop.py"), what="the Stop hook to be killed")
+
+
 def _held_in_a_post_hook(env: Env, name: str) -> PodProcess:
     """A pod whose `bash` call appended a line (once) and waits on a slow PostToolUse hook."""
     marker = env.work / "post-hook-started"
