@@ -253,6 +253,15 @@ def _check_tool_names(field: str, matcher: str | None) -> None:
     if matcher is None or not _PLAIN_NAMES.fullmatch(matcher):
         return
     for name in matcher.split("|"):
+        server, _, tool = name.partition(MCP_SEP)
+        if server == "mcp" and MCP_SEP in tool:
+            # Claude Code's name for an MCP tool (mcp__<server>__<tool>), which no tool here
+            # has: passed as an MCP name (it has a "__"), the guard never ran, silently.
+            raise FieldError(
+                field,
+                f"no tool is named {name!r}: MCP tools are <server>__<tool> here, without "
+                f"Claude Code's mcp__ prefix ({tool!r})",
+            )
         if name not in KNOWN_TOOLS and MCP_SEP not in name:
             raise FieldError(
                 field,

@@ -605,7 +605,14 @@ def test_a_matcher_naming_no_tool_is_refused() -> None:
     assert error_of(MINIMAL + hook).startswith(
         "m.toml:13: hooks.PreToolUse[0].matcher: no tool is named 'Bash' (known: bash, "
     )
-    for fine in ("write_file|bash", "github__create_issue", "^list", "Bash.*"):
+    # Claude Code's name for an MCP tool passed as one of ours (it has a "__"): never matched.
+    hook = '[[hooks.PostToolUse]]\ncommand = "true"\nmatcher = "bash|mcp__github__get_file"\n'
+    assert error_of(MINIMAL + hook) == (
+        "m.toml:13: hooks.PostToolUse[0].matcher: no tool is named 'mcp__github__get_file': "
+        "MCP tools are <server>__<tool> here, without Claude Code's mcp__ prefix "
+        "('github__get_file')"
+    )
+    for fine in ("write_file|bash", "github__create_issue", "mcp__create", "^list", "Bash.*"):
         hook = f'[[hooks.PreToolUse]]\ncommand = "true"\nmatcher = "{fine}"\n'
         assert load_manifest(write(MINIMAL + hook)).hooks.PreToolUse[0].matcher == fine
 
