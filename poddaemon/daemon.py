@@ -633,6 +633,10 @@ def _hook_scripts(manifest: Any) -> list[str]:
             if found.direct and not os.access(found.path, os.X_OK):
                 raise StartupError(f"{where}: {found.path} is not executable (chmod +x)")
             scripts.append(found.path)
+            if found.interpreter is not None:  # `/opt/py/bin/python3 g.py`: it runs too
+                if not os.access(found.interpreter, os.X_OK) or os.path.isdir(found.interpreter):
+                    raise StartupError(f"{where}: {found.interpreter} is not an executable file")
+                scripts.append(found.interpreter)
     return scripts
 
 

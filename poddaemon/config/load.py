@@ -22,7 +22,6 @@ from poddaemon.overrides import split_override
 from protocol import paths
 
 from .manifest import (
-    _INTERPRETER,
     LOADER_FIELDS,
     FieldError,
     HookConfig,
@@ -32,6 +31,7 @@ from .manifest import (
     SandboxConfig,
     ScopeRule,
     SpawnConfig,
+    script_start,
 )
 
 __all__ = [
@@ -529,8 +529,8 @@ def _project_script(command: str, pwd: str) -> str:
     """`command` with a script named through CLAUDE_PROJECT_DIR named by its path under
     `pwd` (the pod's project), so it is checked at start-up and granted like any script, and
     a child pod (another pwd) runs its spawner's file, not one under its own pwd."""
-    interpreter = _INTERPRETER.match(command)
-    found = _PROJECT_SCRIPT.match(command, interpreter.end() if interpreter else 0)
+    at = script_start(command)
+    found = None if at is None else _PROJECT_SCRIPT.match(command, at)
     if found is None:
         return command
     rest = found["a"] or found["b"] or found["c"] or ""

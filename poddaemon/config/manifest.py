@@ -197,7 +197,48 @@ _SCRIPT_RE = re.compile(rf"\s*(~?(?:(?![~=]){_WORD})*/{_WORD}*)(?=\s|$)")
 # ... or single-quoted, as `shlex.quote` writes a path with a space (the resolved manifest does)
 _QUOTED_SCRIPT_RE = re.compile(r"\s*'((?!~)[^']*/[^']*)'(?=\s|$)")
 # ... or the second word, after an interpreter that runs it: `bash ./guard.sh`, `python3 g/x.py`
-_INTERPRETER = re.compile(r"\s*(?:sh|bash|dash|zsh|python3?(?:\.\d+)?|node|perl|ruby)\s+")
+# The interpreter may be named by its path and given options (`/usr/bin/python3 -u g.py`):
+# read as the script itself, or stopped at an option, it left the real script unchecked and
+# ungranted, and a Python hook outside the scope exited 2 ("can't open file"), which from a
+# Stop hook blocked every final answer until max_turns. (A relative path, `./venv/bin/python`,
+# stays the script itself, made absolute against pwd as before.)
+_INTERPRETER = re.compile(
+    rf"\s*(?P<dir>(?:/{_WORD}*/|/)?)(?P<name>sh|bash|dash|zsh|python3?(?:\.\d+)?|node|perl|ruby)\s+"
+    r"(?P<options>(?:--?[A-Za-z][A-Za-z-]*\s+)*)"
+)
+# The options after which the next word is code or a module, not a script (`sh -c ./g.sh`)
+_CODE_OPTIONS = {
+    "sh": "c",
+    "bash": "c",
+    "dash": "c",
+    "zsh": "c",
+    "python": "cm",
+    "node": "ep",
+    "perl": "eE",
+    "ruby": "e",
+}
+_CODE_LONG_OPTIONS = ("--eval", "--print", "--command")
+
+
+def script_start(command: str) -> int | None:
+    """Where a hook command's script word may start: 0, or after an interpreter and its
+    options; None when an option makes the next word code (`sh -c`, `python3 -m`)."""
+    found = _INTERPRETER.match(command)
+    if found is None:
+        return 0
+    code = _CODE_OPTIONS[found["name"].rstrip("0123456789.")]
+    for option in found["options"].split():
+        if option in _CODE_LONG_OPTIONS or (
+            not option.startswith("--") and any(c in code for c in option[1:])
+        ):
+            return None
+    return found.end()
+
+
+def _interpreter_path(command: str) -> str | None:
+    """The interpreter's own word when it is a path (`/usr/bin/python3 g.py`), else None."""
+    found = _INTERPRETER.match(command)
+    return found["dir"] + found["name"] if found is not None and found["dir"] else None
 
 
 _PLAIN_NAMES = re.compile(r"[\w|-]+", re.ASCII)  # a matcher of names, as hooks._NAMES
@@ -210,6 +251,7 @@ class Script(NamedTuple):
     end: int
     path: str
     direct: bool  # run itself (so it must be executable), not by an interpreter before it
+    interpreter: str | None = None  # the interpreter running it, when named by a path
 
 
 class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
@@ -226,12 +268,19 @@ class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         return found.path if found else None
 
     def script_word(self) -> Script | None:
-        interpreter = _INTERPRETER.match(self.command)
-        at = interpreter.end() if interpreter else 0
-        if found := _SCRIPT_RE.match(self.command, at):
-            return Script(found.start(1), found.end(1), found.group(1), not interpreter)
-        if found := _QUOTED_SCRIPT_RE.match(self.command, at):
-            return Script(found.start(1) - 1, found.end(1) + 1, found.group(1), not interpreter)
+        at = script_start(self.command)
+        if at is not None:
+            direct = at == 0
+            interpreter = None if direct else _interpreter_path(self.command)
+            if found := _SCRIPT_RE.match(self.command, at):
+                return Script(found.start(1), found.end(1), found.group(1), direct, interpreter)
+            if found := _QUOTED_SCRIPT_RE.match(self.command, at):
+                start, end = found.start(1) - 1, found.end(1) + 1
+                return Script(start, end, found.group(1), direct, interpreter)
+        if at != 0 and (found := _SCRIPT_RE.match(self.command)):
+            # No script after it (`/opt/py/bin/python3 -c …`): the interpreter, named by its
+            # path, is the file that runs.
+            return Script(found.start(1), found.end(1), found.group(1), True)
         return None
 
     def __post_init__(self) -> None:

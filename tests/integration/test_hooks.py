@@ -727,6 +727,21 @@ def test_a_stop_hook_killed_on_a_final_answer_is_not_started_again_after_the_fac
     wait_until(lambda: hook_gone(env, "counting_stop.py"), what="the Stop hook to be killed")
 
 
+def test_a_hook_script_run_with_interpreter_options_outside_the_scope_runs(env: Env) -> None:
+    """`python -u /elsewhere/stop.py`: the script behind an option was not granted, Python
+    exited 2 ("can't open file"), which a Stop hook means as a block: every final answer was
+    refused, and the run went on to max_turns (50 model calls)."""
+    hooks = env.home / "hooks"
+    hooks.mkdir()
+    (hooks / "stop.py").write_text("import json, sys\nassert json.load(sys.stdin)['outcome']\n")
+    env.model.script(*[{"text": "the answer"}] * 3)
+    pod = env.start("optioned", extra=hooks_toml("Stop", f"{PY} -u {hooks}/stop.py"))
+    with pod.client() as c:
+        assert c.run_wait("go").outcome == "finished"
+    assert len(env.model.requests) == 1
+    assert [(r["event"], r["exit"], r["decision"]) for r in hook_runs(pod)] == [("Stop", 0, "ok")]
+
+
 def _held_in_a_post_hook(env: Env, name: str) -> PodProcess:
     """A pod whose `bash` call appended a line (once) and waits on a slow PostToolUse hook."""
     marker = env.work / "post-hook-started"

@@ -866,7 +866,18 @@ def test_to_toml_round_trips(tmp_path: Path, m: Manifest) -> None:
         ("python3 hooks/g.py", "hooks/g.py"),  # run by an interpreter
         ("bash ./guard.sh --strict", "./guard.sh"),
         ("python3.11 '/my proj/g.py'", "/my proj/g.py"),
-        ("sh -c ./g.sh", None),  # an option first: left to the shell
+        ("sh -c ./g.sh", None),  # code, not a script: left to the shell
+        ("python3 -u hooks/g.py x", "hooks/g.py"),  # options before the script
+        ("bash -e --norc ./g.sh", "./g.sh"),
+        ("python3 -m hooks/g", None),  # a module
+        ("python3 -Bc 'print(1/2)'", None),
+        ("node --eval 'a/b'", None),
+        ("perl -w -e 'print 1/2'", None),
+        ("python3 -W ignore hooks/g.py", None),  # an option's value first: left to the shell
+        ("/usr/bin/python3 -u /h/g.py", "/h/g.py"),  # an interpreter named by its path
+        ("/opt/py/bin/python3 -c 'print(1/2)'", "/opt/py/bin/python3"),  # no script: itself
+        ("/opt/xbash ./g.sh", "/opt/xbash"),  # no interpreter we know: the program itself
+        ("./venv/bin/python g.py", "./venv/bin/python"),  # relative: itself, as before
         ("bash", None),
         ("echo ./not/run", None),  # no interpreter
         ("FOO=1 ./g.sh", None),  # an assignment first
@@ -884,6 +895,9 @@ def test_a_hook_script_is_the_first_word_when_it_is_a_plain_path(
     from poddaemon.config.manifest import HookConfig
 
     assert HookConfig(command=command).script() == script
+    if command.startswith("/usr/bin/python3 "):  # granted and checked with its script
+        found = HookConfig(command=command).script_word()
+        assert found is not None and found.interpreter == "/usr/bin/python3"
 
 
 def test_hook_scripts_are_made_absolute_against_pwd(tmp_path: Path) -> None:
