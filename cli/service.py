@@ -622,6 +622,10 @@ def logs(
         fail(f"pod '{pod}' is not running; show its log by name", EXIT_NOT_RUNNING)
     name = str(status["name"]) if status is not None else pod
     unit = pod_unit(pod, status)
+    if unit is not None and status is None and _ran_since_without(name):
+        # Its unit is installed but stopped, and it ran since as a plain pod (podctl spawn):
+        # its latest lines, a crash of that run's say, are in its log file, not the journal.
+        unit = None
     if unit is not None:
         _journal(unit, follow, after)
     unread = ""
@@ -642,12 +646,34 @@ def _removed_unit_journal(name: str) -> tuple[str | None, str]:
     otherwise): `remove` deletes the unit file, not the journal, and `logs` looked for a
     unit file only, saying "no log for pod" over every line the pod had written. None when the
     journal has none, with journalctl's complaint when it cannot be read ("" otherwise)."""
+    from cli.common import template_unit_name, unit_name
+
+    last, unread = _newest_unit_entry(name)
+    if last is None or _logged_since(name, last[0]):
+        return None, unread
+    # Whichever of the two the entry is about (a unit's own line, or the manager's on it).
+    units = (unit_name(name), template_unit_name(name))
+    return next((u for u in units if u in last[1]), units[0]), ""
+
+
+def _ran_since_without(name: str) -> bool:
+    """Whether stopped pod `name` wrote its log file after the newest journal line of its
+    units: it ran as a plain pod since its unit last did. False when the journal has no line
+    of them or cannot be read (then the journal is where to look, and `logs` says why not)."""
+    last, _ = _newest_unit_entry(name)
+    return last is not None and _logged_since(name, last[0])
+
+
+def _newest_unit_entry(name: str) -> tuple[tuple[float, set[str]] | None, str]:
+    """When the newest journal entry of pod `name`'s units (`poddaemon-NAME.service`,
+    `poddaemon@NAME.service`) was written and which units it is about (the pod's own line or
+    the manager's on it); None when there is none, with journalctl's complaint when it cannot
+    be read ("" otherwise)."""
     import json
     import shutil
     import subprocess
 
     from cli.common import template_unit_name, unit_name
-    from protocol import paths
 
     exe = shutil.which("journalctl")
     if exe is None:
@@ -672,14 +698,17 @@ def _removed_unit_journal(name: str) -> tuple[str | None, str]:
         return None, ""
     if last is None or when is None:
         return None, ""
+    return (when, {str(last.get("_SYSTEMD_USER_UNIT")), str(last.get("USER_UNIT"))}), ""
+
+
+def _logged_since(name: str, when: float) -> bool:
+    """Whether pod `name`'s log file (podctl spawn's) was written after `when`."""
+    from protocol import paths
+
     for path in (paths.log_dir() / f"{name}.log", paths.pod_dir(name) / "stderr.log"):
         with contextlib.suppress(OSError):
-            if os.stat(path).st_mtime > when:  # it ran since, not as that unit: its file
-                return None, ""
-            break
-    # Whichever of the two the entry is about (a unit's own line, or the manager's on it).
-    about = {str(last.get("_SYSTEMD_USER_UNIT")), str(last.get("USER_UNIT"))}
-    return next((u for u in units if u in about), units[0]), ""
+            return os.stat(path).st_mtime > when  # it ran since, not as that unit: its file
+    return False
 
 
 def _journal(unit: str, follow: bool, after: float | None) -> None:

@@ -1175,3 +1175,30 @@ def test_a_restart_killed_before_ready_says_what_happened_and_where_to_look(sd: 
         f"(Restart=on-failure). Its lines: podctl logs redoomed (or systemctl --user status "
         f"poddaemon-redoomed.service)\n"
     ), err
+
+
+def test_logs_of_a_pod_run_plain_since_its_unit_stopped_read_its_log_file(sd: Sd) -> None:
+    """Its unit installed but stopped, the pod was started by `podctl spawn` (to try a change,
+    say) and stopped or crashed: `podctl logs` showed the unit's journal, lines of the run
+    before, and none of that run's, which are in its log file."""
+    path = sd.install("both")
+    assert sd.podctl("stop", "both").returncode == 0
+    spawned = sd.m.run(
+        [sys.executable, "-m", "cli.main", "spawn", str(path)],
+        {**sd.podenv, "FAKE_API_KEY": "test-key"},
+    )
+    assert spawned.returncode == 0, spawned.stderr
+    with sd.client("both") as c:
+        plain_pid = c.status().pid
+    assert sd.podctl("stop", "both").returncode == 0
+    logs = sd.podctl("logs", "both")
+    assert logs.returncode == 0, logs.stderr
+    assert f"poddaemon[{plain_pid}] INFO ready on" in logs.stdout, logs.stdout
+    assert "systemd[" not in logs.stdout, logs.stdout  # none of the unit's journal
+    # Started by its unit again, its lines are the journal's once more, stopped or not.
+    assert sd.m.systemctl("start", sd.unit("both")).returncode == 0
+    unit_pid = sd.main_pid("both")
+    assert sd.podctl("stop", "both").returncode == 0
+    again = sd.podctl("logs", "both")
+    assert again.returncode == 0, again.stderr
+    assert f"poddaemon[{unit_pid}]: INFO shut down" in again.stdout, again.stdout
