@@ -310,6 +310,14 @@ def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | 
         )
     if from_file.get(var) or manager_env.get(var):
         return None
+    if any(key.split() == ["export", var] for key in from_file):
+        # A shell's (or a .env file's) line: systemd ignores it as an invalid assignment, and
+        # "set neither in <the file that holds it>" left the user staring at their key.
+        return (
+            f"{var} (the provider's API key) is set in {env_file} as `export {var}=...`, "
+            f"a line systemd ignores (it takes no `export`), so the pod could not start: "
+            f"write it as {var}=... there"
+        )
     return (
         f"{var} (the provider's API key) is set neither in {env_file} nor in the user "
         f"manager's environment, so the pod could not start. Set it with:\n"

@@ -110,6 +110,22 @@ def test_env_file_and_key_check(tmp_path: Path) -> None:
     assert problem is not None and "is empty in" in problem
 
 
+def test_key_check_names_an_export_line_systemd_ignores(tmp_path: Path) -> None:
+    """`export MY_KEY=...` (a shell's or .env file's line) is no assignment to systemd, which
+    ignores it: install said the key was "set neither in" the file that held it."""
+    env_file = tmp_path / "env"
+    env_file.write_text("export  MY_KEY=secret\n")
+    problem = unit.key_problem("MY_KEY", env_file, {})
+    assert problem == (
+        f"MY_KEY (the provider's API key) is set in {env_file} as `export MY_KEY=...`, a line "
+        f"systemd ignores (it takes no `export`), so the pod could not start: write it as "
+        f"MY_KEY=... there"
+    )
+    # Set in the manager's environment, the key reaches the unit all the same.
+    assert unit.key_problem("MY_KEY", env_file, {"MY_KEY": "x"}) is None
+    assert "set neither" in str(unit.key_problem("OTHER_KEY", env_file, {}))
+
+
 def test_env_file_others_may_neither_write_nor_read(tmp_path: Path) -> None:
     config = tmp_path / "config"
     config.mkdir(mode=0o700)
