@@ -215,8 +215,10 @@ def fork_pod(
     """Have the fork server start `cmd` (a `poddaemon run` command line) with these stdin,
     stdout and stderr; None when the server cannot be had (or is stopped, or does not answer
     in time), and the caller execs instead. With no server running, one is started only if
-    another pod runs (or `alone_ok`). Raises ServerLost when it cannot be known whether the
-    pod was started."""
+    another pod runs (or `alone_ok`), and never by a caller in a systemd service: the server
+    would live in that unit's cgroup, and every pod it forked later, for any shell, would be
+    killed with it when the unit stops (a timer's `podctl spawn` job, done). Raises
+    ServerLost when it cannot be known whether the pod was started."""
 
     try:
         path = server_socket()
@@ -239,6 +241,8 @@ def fork_pod(
             if conn is None:
                 if attempt == 0 and not alone_ok and not _pods_alive(os.path.dirname(path)):
                     return None  # a lone pod is exec'd: a server would cost more than it shares
+                if "INVOCATION_ID" in os.environ:  # systemd sets it for a unit's processes
+                    return None
                 if _start_server(path):
                     conn = _connect(path, patience=2.0)
         except BlockingIOError:  # its backlog is full: it never had our request, exec

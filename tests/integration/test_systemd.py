@@ -1202,3 +1202,36 @@ def test_logs_of_a_pod_run_plain_since_its_unit_stopped_read_its_log_file(sd: Sd
     again = sd.podctl("logs", "both")
     assert again.returncode == 0, again.stderr
     assert f"poddaemon[{unit_pid}]: INFO shut down" in again.stdout, again.stdout
+
+
+def test_a_podctl_spawn_in_a_service_starts_no_fork_server_to_die_with_it(sd: Sd) -> None:
+    """A timer's job (a oneshot service) ran `podctl spawn` while another pod ran: the fork
+    server it started lived in the job's cgroup, a pod spawned from a shell meanwhile was
+    forked by it, into that cgroup, and was killed with the job's unit when it stopped."""
+    sd.env.start("other", write=[str(sd.env.work / "other")])  # (a second pod: a server pays)
+    job = sd.env.manifest("job", write=[str(sd.env.work / "job")])
+    started = sd.m.run(
+        [
+            "systemd-run",
+            "--user",
+            "--unit=nightly",
+            "--property=Type=oneshot",
+            "--property=RemainAfterExit=yes",  # its cgroup held until stopped, as a job's is
+            *(f"--setenv={k}={v}" for k, v in {**sd.podenv, "FAKE_API_KEY": "test-key"}.items()),
+            sys.executable,
+            "-m",
+            "cli.main",
+            "spawn",
+            str(job),
+        ]
+    )
+    assert started.returncode == 0, started.stderr + sd.journal("job")
+    assert sd.podctl("status", "job").returncode == 0
+    shell = sd.env.podctl("spawn", str(sd.env.manifest("shell", write=[str(sd.env.work / "s")])))
+    assert shell.returncode == 0, shell.stderr
+    with sd.client("shell") as c:
+        pid = c.status().pid
+    assert sd.m.systemctl("stop", "nightly.service").returncode == 0  # the job is done
+    assert sd.podctl("status", "job").returncode == 3  # its own pod went with it, as exec'd
+    with sd.client("shell") as c:
+        assert c.status().pid == pid
