@@ -18,6 +18,7 @@ tear its modules down (up to 800 ms with the anthropic SDK loaded).
 import asyncio
 import contextlib
 import errno
+import faulthandler
 import gc
 import logging
 import os
@@ -160,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):  # (SIGINT: Python's own, unless ignored)
         signal.signal(sig, signal.default_int_handler)
     sdnotify.claim()
+    # Killed for a fatal signal, the pod says where each thread was: the watchdog's SIGABRT
+    # (WatchdogSec=: a wedged event loop) left only "dumped core" in the journal, no word of
+    # what held the loop, and a restart that wedges again the same way.
+    faulthandler.enable(all_threads=True)
     paths.absolute_env()  # before a hook, command or child pod inherits them
     args = parse_args(argv)
     # The model thread parses streams while the loop answers clients; a waiting thread gets the

@@ -538,6 +538,9 @@ def test_wedged_loop_is_killed_by_the_watchdog_and_resumed(sd: Sd) -> None:
     sd.wait_prop("wedgy", "ActiveState", "active")
     assert sd.main_pid("wedgy") != pid
     assert "Watchdog timeout" in sd.m.run(["journalctl", "--no-pager"]).stdout
+    # Where it hung: the pod's threads at the watchdog's SIGABRT, the loop's in the wedge.
+    said = sd.journal("wedgy")
+    assert "Fatal Python error: Aborted" in said and " in _wedge" in said, said
     with sd.client("wedgy") as c:
         assert c.status().session_id == sid
     assert any(e.get("text") == "before the wedge" for e in history("wedgy"))
