@@ -327,6 +327,30 @@ def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | 
     )
 
 
+def command_path_problem(
+    m: "Manifest", env_file: Path, manager_env: dict[str, str], shell_path: str
+) -> str | None:
+    """Why a stdio MCP server of manifest `m` named by a bare command would not start under
+    the unit though it does from this shell, or None: the unit's pod finds it in the user
+    manager's PATH (or the env file's), which a shell profile (`~/.local/bin`, `~/go/bin`)
+    does not reach. The pod then started without the server's tools, a warning in the journal
+    and "enabled and started" on the terminal."""
+    unit_path = read_env_file(env_file).get("PATH") or manager_env.get("PATH", "")
+    for i, server in enumerate(m.mcp.servers):
+        if server.command is None or "/" in server.command[0] or "PATH" in server.env:
+            continue
+        name = server.command[0]
+        here = shutil.which(name, path=shell_path)
+        if here is None or shutil.which(name, path=unit_path) is not None:
+            continue
+        return (
+            f"{m.source}: mcp.servers[{i}].command: {name!r} is {here} in this shell's PATH "
+            f"but is not in the PATH the unit's pod gets ({unit_path or 'none'}), so the "
+            f"server would not start there: give its absolute path, or set PATH in {env_file}"
+        )
+    return None
+
+
 def _xdg_pins(manager_env: dict[str, str], environment: dict[str, str]) -> dict[str, str]:
     """Without PODDAEMON_HOME, podctl finds config, data and runtime dirs from this shell's
     XDG_* variables and the pod from the manager's, which a shell profile does not reach: where
@@ -375,6 +399,7 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
         config_dir_problem(config)
         or env_file_problem(config / "env")
         or next((p for v in key_vars if (p := key_problem(v, config / "env", manager_env))), None)
+        or command_path_problem(m, config / "env", manager_env, os.environ.get("PATH", ""))
     )
     if problem:
         raise UnitError(problem)

@@ -1238,3 +1238,27 @@ def test_a_podctl_spawn_in_a_service_starts_no_fork_server_to_die_with_it(sd: Sd
     assert sd.podctl("status", "job").returncode == 3  # its own pod went with it, as exec'd
     with sd.client("shell") as c:
         assert c.status().pid == pid
+
+
+def test_install_names_an_mcp_server_only_the_shells_path_reaches(sd: Sd) -> None:
+    """An MCP server named by a bare command that the shell finds in a directory of its own
+    PATH (~/.local/bin): the unit's pod, with the manager's PATH, started without it (its
+    tools absent, a warning in the journal) while `install --now` said "enabled and started"."""
+    from tests.integration.test_mcp import SERVER
+
+    bin_dir = sd.env.home / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mcpsrv").write_text(f"#!/bin/sh\nexec {sys.executable} {SERVER}\n")
+    (bin_dir / "mcpsrv").chmod(0o755)
+    path = sd.env.manifest("pathy", extra='[[mcp.servers]]\nname = "s"\ncommand = ["mcpsrv"]\n')
+    install = [sys.executable, "-m", "cli.main", "unit", "install", str(path), "--now"]
+    shell = {**sd.podenv, "PATH": f"{bin_dir}:{sd.m.env['PATH']}"}
+    out = sd.m.run(install, shell)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert f"mcp.servers[0].command: 'mcpsrv' is {bin_dir}/mcpsrv in this shell" in out.stderr
+    assert not (units_dir(sd) / "poddaemon-pathy.service").exists()
+    sd.write_env(FAKE_API_KEY="test-key", PATH=shell["PATH"])  # as it says: the unit's PATH
+    out = sd.m.run(install, shell)
+    assert out.returncode == 0, out.stderr
+    with sd.client("pathy") as c:
+        assert [s.state for s in c.status().mcp] == ["ready"]

@@ -276,6 +276,38 @@ def test_install_refuses_hooks_mcp_servers_and_instructions_others_may_change(
             unit.install(str(manifest), now=False)
 
 
+def test_an_mcp_server_only_this_shells_path_finds_is_named(tmp_path: Path) -> None:
+    """`command = ["mcpsrv"]`, found in ~/.local/bin from the shell (`podctl spawn` worked):
+    under the unit the pod gets the user manager's PATH, the server did not start, and the
+    pod ran without its tools while `unit install --now` said "enabled and started"."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "mcpsrv").write_text("#!/bin/sh\n")
+    (bin_dir / "mcpsrv").chmod(0o755)
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(
+        '[pod]\nname = "m"\npwd = "/tmp"\n[provider]\nkind = "openai"\nmodel = "m"\n'
+        '[[scope.allow]]\ntarget = "/tmp"\npermission = "read"\n'
+        '[[mcp.servers]]\nname = "s"\ncommand = ["mcpsrv", "stdio"]\n'
+    )
+    m = load_manifest(manifest)
+    env_file = tmp_path / "env"
+    shell = f"{bin_dir}:/usr/bin:/bin"
+    manager = {"PATH": "/usr/bin:/bin"}
+    assert unit.command_path_problem(m, env_file, manager, shell) == (
+        f"{manifest}: mcp.servers[0].command: 'mcpsrv' is {bin_dir}/mcpsrv in this shell's "
+        f"PATH but is not in the PATH the unit's pod gets (/usr/bin:/bin), so the server "
+        f"would not start there: give its absolute path, or set PATH in {env_file}"
+    )
+    # Reached through the manager's PATH, or the env file's (which wins): fine.
+    assert unit.command_path_problem(m, env_file, {"PATH": shell}, shell) is None
+    env_file.write_text(f"PATH={shell}\n")
+    assert unit.command_path_problem(m, env_file, manager, shell) is None
+    # Found nowhere, the pod says so wherever it starts: not the unit's problem to name.
+    env_file.unlink()
+    assert unit.command_path_problem(m, env_file, manager, "/usr/bin:/bin") is None
+
+
 def test_install_without_a_user_manager_says_how(tmp_path: Path) -> None:
     if shutil.which("systemctl") is None:
         pytest.skip("systemctl not installed")
