@@ -327,6 +327,31 @@ def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | 
     )
 
 
+def mcp_env_problem(m: "Manifest", env_file: Path, manager_env: dict[str, str]) -> str | None:
+    """None when every `${VAR}` a stdio MCP server's `env` takes from the pod's environment
+    reaches the unit (the env file or the manager's environment); else which, and how. The
+    pod refuses to start without one: with the provider's key checked and a token for its
+    server only in the shell, `unit install` without --now installed a unit that failed at
+    its first start."""
+    from poddaemon.mcp.env import referenced
+
+    from_file = read_env_file(env_file)
+    for i, server in enumerate(m.mcp.servers):
+        if server.command is None:
+            continue
+        for var in referenced(server.env):
+            if var in from_file or var in manager_env:
+                continue
+            return (
+                f"{m.source}: mcp.servers[{i}].env takes ${{{var}}}, which is set neither in "
+                f"{env_file} nor in the user manager's environment, so the pod could not "
+                f"start. Set it with:\n"
+                f"  (umask 077; echo '{var}=...' >> {env_file})   # 0600 from the start\n"
+                f"or: systemctl --user set-environment {var}=..."
+            )
+    return None
+
+
 def command_path_problem(
     m: "Manifest", env_file: Path, manager_env: dict[str, str], shell_path: str
 ) -> str | None:
@@ -399,6 +424,7 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
         config_dir_problem(config)
         or env_file_problem(config / "env")
         or next((p for v in key_vars if (p := key_problem(v, config / "env", manager_env))), None)
+        or mcp_env_problem(m, config / "env", manager_env)
         or command_path_problem(m, config / "env", manager_env, os.environ.get("PATH", ""))
     )
     if problem:

@@ -308,6 +308,31 @@ def test_an_mcp_server_only_this_shells_path_finds_is_named(tmp_path: Path) -> N
     assert unit.command_path_problem(m, env_file, manager, "/usr/bin:/bin") is None
 
 
+def test_an_mcp_servers_variable_the_unit_lacks_is_named(tmp_path: Path) -> None:
+    """`env = { GITHUB_TOKEN = "${GITHUB_TOKEN}" }`, the token in the shell only: the unit's
+    pod refused to start ("${GITHUB_TOKEN} is not set in the pod's environment"), a unit
+    `install` without --now had written and enabled all the same."""
+    manifest = tmp_path / "m.toml"
+    manifest.write_text(
+        '[pod]\nname = "m"\npwd = "/tmp"\n[provider]\nkind = "openai"\nmodel = "m"\n'
+        '[[scope.allow]]\ntarget = "/tmp"\npermission = "read"\n'
+        '[[mcp.servers]]\nname = "s"\ncommand = ["/bin/true"]\n'
+        'env = { TOKEN = "${GITHUB_TOKEN}", HOME = "/tmp" }\n'
+    )
+    m = load_manifest(manifest)
+    env_file = tmp_path / "env"
+    problem = unit.mcp_env_problem(m, env_file, {})
+    assert problem is not None
+    assert problem.startswith(
+        f"{manifest}: mcp.servers[0].env takes ${{GITHUB_TOKEN}}, which is set neither in "
+        f"{env_file} nor in the user manager's environment"
+    )
+    assert "set-environment GITHUB_TOKEN=" in problem
+    assert unit.mcp_env_problem(m, env_file, {"GITHUB_TOKEN": "x"}) is None
+    env_file.write_text("GITHUB_TOKEN=\n")  # set, if empty: the pod starts the server
+    assert unit.mcp_env_problem(m, env_file, {}) is None
+
+
 def test_install_without_a_user_manager_says_how(tmp_path: Path) -> None:
     if shutil.which("systemctl") is None:
         pytest.skip("systemctl not installed")
