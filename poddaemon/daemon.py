@@ -360,7 +360,13 @@ def _claim_and_serve(
     box: "PodSandbox",
 ) -> int:
     """Claim the name and scope in the registry, then serve until the pod stops."""
-    from poddaemon.registry import Registry, RegistryConflict, RegistryError, make_entry
+    from poddaemon.registry import (
+        Registry,
+        RegistryBusy,
+        RegistryConflict,
+        RegistryError,
+        make_entry,
+    )
     from poddaemon.sandbox.pod import replace_leftover
 
     name = manifest.pod.name
@@ -378,7 +384,8 @@ def _claim_and_serve(
     try:
         parent, spawner_entry = _spawner(args, registry)
     except RegistryError as exc:  # a corrupt pods.json, read for the spawner: as register says
-        raise StartupError(f"cannot start pod {name!r}: {exc}") from None
+        busy = isinstance(exc, RegistryBusy)
+        raise StartupError(f"cannot start pod {name!r}: {exc}", lasting=not busy) from None
     if parent is not None and spawner_entry is None:
         _refuse_orphan_start(args, manifest, parent)
     # The session is claimed with the name, in one locked transaction: no two pods restore it.
@@ -386,7 +393,10 @@ def _claim_and_serve(
     try:
         registry.register(entry)
     except (RegistryConflict, RegistryError) as exc:
-        raise StartupError(f"cannot start pod {name!r}: {exc}") from None
+        # A lock a stuck process held is no lasting refusal: under a unit, exit 1 has systemd
+        # try again (Restart=on-failure), where 78 left the pod down once the holder was gone.
+        busy = isinstance(exc, RegistryBusy)
+        raise StartupError(f"cannot start pod {name!r}: {exc}", lasting=not busy) from None
     claim = Claim(registry, entry, pod_dir)
     claim.spawner = spawner_entry
     try:

@@ -33,6 +33,7 @@ __all__ = [
     "LOCK_TIMEOUT",
     "PodEntry",
     "Registry",
+    "RegistryBusy",
     "RegistryConflict",
     "RegistryError",
     "is_alive",
@@ -86,6 +87,11 @@ class RegistryError(Exception):
 
 class RegistryConflict(RegistryError):
     """A live pod already holds the name or an overlapping write claim."""
+
+
+class RegistryBusy(RegistryError):
+    """The registry lock could not be had in time (a stuck holder): unlike the others, this
+    passes with its holder, and trying again later may well succeed."""
 
 
 class _LockLost(Exception):
@@ -333,7 +339,7 @@ class Registry:
         try:
             self._lock.acquire()
         except filelock.Timeout:
-            raise RegistryError(
+            raise RegistryBusy(
                 f"timed out after {self._lock_timeout:g}s waiting for the registry lock "
                 f"{self.lock_path}; {lock_holder(self.lock_path) or 'another process'} holds it"
             ) from None
@@ -359,7 +365,7 @@ class Registry:
                 return self._transact_once(change)
             except _LockLost:
                 if time.monotonic() >= deadline:
-                    raise RegistryError(
+                    raise RegistryBusy(
                         f"the registry lock {self.lock_path} was removed or replaced during "
                         f"every transaction for {self._lock_timeout:g}s; leave it in place"
                     ) from None

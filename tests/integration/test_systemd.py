@@ -1262,3 +1262,28 @@ def test_install_names_an_mcp_server_only_the_shells_path_reaches(sd: Sd) -> Non
     assert out.returncode == 0, out.stderr
     with sd.client("pathy") as c:
         assert [s.state for s in c.status().mcp] == ["ready"]
+
+
+def test_a_start_that_waits_out_a_stuck_registry_lock_is_tried_again(sd: Sd) -> None:
+    """A process stuck holding the registry lock (a podctl suspended with Ctrl-Z, a lock on
+    a hung NFS home) as the unit starts: the pod gave up after LOCK_TIMEOUT and exited 78,
+    "refused, starting again changes nothing", so systemd left it down after the holder had
+    gone. It exits 1 now, and Restart=on-failure starts it once the lock is free."""
+    import filelock
+
+    path = sd.env.manifest("busy")
+    assert sd.podctl("unit", "install", str(path)).returncode == 0
+    run = sd.env.home / "run"
+    run.mkdir(mode=0o700, exist_ok=True)
+    lock = filelock.FileLock(str(run / "pods.json.lock"), mode=0o600)
+    lock.acquire()
+    try:
+        assert sd.m.systemctl("start", "--no-block", sd.unit("busy")).returncode == 0
+        wait_until(lambda: "waiting for the registry lock" in sd.journal("busy"), 30, "timeout")
+        wait_until(lambda: sd.prop("busy", "ExecMainStatus") != "0", 10, "the pod's exit")
+        assert sd.prop("busy", "ExecMainStatus") == "1"
+    finally:
+        lock.release()
+    sd.wait_prop("busy", "ActiveState", "active", timeout=30)
+    with sd.client("busy") as c:
+        assert c.status().pid == sd.main_pid("busy")
