@@ -376,6 +376,36 @@ def command_path_problem(
     return None
 
 
+def env_file_dirs_problem(env_file: Path, environment: dict[str, str]) -> str | None:
+    """None unless the env file sets a PODDAEMON_* directory variable to another directory
+    than podctl uses; else why the unit must not run so. systemd applies EnvironmentFile=
+    after Environment=, so the file's value wins over the one written into the unit
+    (`environment`): the pod kept its socket and sessions elsewhere, and `podctl` said it was
+    not running right after "enabled and started"."""
+    from protocol import paths
+
+    from_file = read_env_file(env_file)
+    resolved = {
+        "PODDAEMON_CONFIG_DIR": paths.config_dir,
+        "PODDAEMON_DATA_DIR": paths.data_dir,
+        "PODDAEMON_RUNTIME_DIR": paths.runtime_dir,
+    }
+    for var in DIR_VARS:
+        if var not in from_file:
+            continue
+        value, ours = from_file[var], environment.get(var, "")
+        same = os.path.normpath(value) if value else ""
+        if same == ours or (value and var in resolved and same == os.path.abspath(resolved[var]())):
+            continue  # (a directory of podctl's own, said again)
+        return (
+            f"{env_file} sets {var}={value}, which wins over the unit's "
+            f"{f'{var}={ours}' if ours else var + ' (unset)'} (systemd applies EnvironmentFile= "
+            f"last): the pod would keep its socket and sessions where podctl does not look. "
+            f"Remove that line; the unit gets the directories podctl uses"
+        )
+    return None
+
+
 def _xdg_pins(manager_env: dict[str, str], environment: dict[str, str]) -> dict[str, str]:
     """Without PODDAEMON_HOME, podctl finds config, data and runtime dirs from this shell's
     XDG_* variables and the pod from the manager's, which a shell profile does not reach: where
@@ -433,6 +463,9 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
     # Absolute: systemd ignores a relative EnvironmentFile= and runs the pod from another cwd.
     environment = {k: os.path.abspath(os.environ[k]) for k in DIR_VARS if os.environ.get(k)}
     environment.update(_xdg_pins(manager_env, environment))
+    problem = env_file_dirs_problem(config / "env", environment)
+    if problem:
+        raise UnitError(problem)
     text = render_unit(pod, path, executable, config, environment, watchdog_sec)
     target = unit_path(pod, manager_env)
     target.parent.mkdir(parents=True, exist_ok=True)

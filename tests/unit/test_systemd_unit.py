@@ -333,6 +333,33 @@ def test_an_mcp_servers_variable_the_unit_lacks_is_named(tmp_path: Path) -> None
     assert unit.mcp_env_problem(m, env_file, {}) is None
 
 
+def test_an_env_file_that_moves_the_pods_directories_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PODDAEMON_HOME=...` in <config>/env (shell exports copied there) wins over the unit's
+    Environment= (systemd applies EnvironmentFile= last): the unit pod kept its socket in
+    another home, and `podctl` said "not running" right after "enabled and started"."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("PODDAEMON_HOME", str(home))
+    monkeypatch.delenv("PODDAEMON_DATA_DIR", raising=False)
+    env_file = tmp_path / "env"
+    pins = {"PODDAEMON_HOME": str(home)}
+    env_file.write_text(f"KEY=x\nPODDAEMON_HOME={tmp_path}/other\n")
+    assert unit.env_file_dirs_problem(env_file, pins) == (
+        f"{env_file} sets PODDAEMON_HOME={tmp_path}/other, which wins over the unit's "
+        f"PODDAEMON_HOME={home} (systemd applies EnvironmentFile= last): the pod would keep "
+        f"its socket and sessions where podctl does not look. Remove that line; the unit gets "
+        f"the directories podctl uses"
+    )
+    problem = unit.env_file_dirs_problem(env_file, {})  # podctl has none: the unit neither
+    assert problem is not None and "the unit's PODDAEMON_HOME (unset)" in problem
+    # The directories podctl uses, said again (a trailing slash, one it derives): fine.
+    env_file.write_text(f"PODDAEMON_HOME={home}/\nPODDAEMON_DATA_DIR={home}/data\n")
+    assert unit.env_file_dirs_problem(env_file, pins) is None
+    env_file.write_text("KEY=x\n")
+    assert unit.env_file_dirs_problem(env_file, pins) is None
+
+
 def test_install_without_a_user_manager_says_how(tmp_path: Path) -> None:
     if shutil.which("systemctl") is None:
         pytest.skip("systemctl not installed")
