@@ -658,10 +658,12 @@ def _removed_unit_journal(name: str) -> tuple[str | None, str]:
 
 def _ran_since_without(name: str) -> bool:
     """Whether stopped pod `name` wrote its log file after the newest journal line of its
-    units: it ran as a plain pod since its unit last did. False when the journal has no line
-    of them or cannot be read (then the journal is where to look, and `logs` says why not)."""
-    last, _ = _newest_unit_entry(name)
-    return last is not None and _logged_since(name, last[0])
+    units (or the journal has none: installed, never started): it ran as a plain pod since.
+    False when the journal cannot be read (then it is where to look, and `logs` says why)."""
+    last, unread = _newest_unit_entry(name)
+    if last is None:
+        return not unread and _logged_since(name, 0.0)
+    return _logged_since(name, last[0])
 
 
 def _newest_unit_entry(name: str) -> tuple[tuple[float, set[str]] | None, str]:

@@ -1184,6 +1184,13 @@ def test_logs_of_a_pod_run_plain_since_its_unit_stopped_read_its_log_file(sd: Sd
     """Its unit installed but stopped, the pod was started by `podctl spawn` (to try a change,
     say) and stopped or crashed: `podctl logs` showed the unit's journal, lines of the run
     before, and none of that run's, which are in its log file."""
+    # Installed, never started by its unit (no line in the journal), run plain: its file.
+    fresh = sd.env.manifest("fresh")
+    assert sd.podctl("unit", "install", str(fresh)).returncode == 0
+    assert sd.env.podctl("spawn", str(fresh)).returncode == 0
+    assert sd.podctl("stop", "fresh").returncode == 0
+    logs = sd.podctl("logs", "fresh")
+    assert logs.returncode == 0 and "INFO ready on" in logs.stdout, logs.stdout + logs.stderr
     path = sd.install("both")
     assert sd.podctl("stop", "both").returncode == 0
     spawned = sd.m.run(
