@@ -318,9 +318,14 @@ def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | 
             f"a line systemd ignores (it takes no `export`), so the pod could not start: "
             f"write it as {var}=... there"
         )
+    return f"{var} (the provider's API key) {_set_neither(var, env_file)}"
+
+
+def _set_neither(var: str, env_file: Path) -> str:
+    """What a unit's pod lacks, and the two ways to give it."""
     return (
-        f"{var} (the provider's API key) is set neither in {env_file} nor in the user "
-        f"manager's environment, so the pod could not start. Set it with:\n"
+        f"is set neither in {env_file} nor in the user manager's environment, so the pod "
+        f"could not start. Set it with:\n"
         f"  mkdir -p {env_file.parent}\n"
         f"  (umask 077; echo '{var}=...' >> {env_file})   # 0600 from the start\n"
         f"or: systemctl --user set-environment {var}=..."
@@ -343,11 +348,8 @@ def mcp_env_problem(m: "Manifest", env_file: Path, manager_env: dict[str, str]) 
             if var in from_file or var in manager_env:
                 continue
             return (
-                f"{m.source}: mcp.servers[{i}].env takes ${{{var}}}, which is set neither in "
-                f"{env_file} nor in the user manager's environment, so the pod could not "
-                f"start. Set it with:\n"
-                f"  (umask 077; echo '{var}=...' >> {env_file})   # 0600 from the start\n"
-                f"or: systemctl --user set-environment {var}=..."
+                f"{m.source}: mcp.servers[{i}].env takes ${{{var}}}, which "
+                f"{_set_neither(var, env_file)}"
             )
     return None
 
