@@ -71,9 +71,15 @@ def since_baseline(new: Snapshot, since: float) -> Snapshot:
     return {p: v if v[0] <= cutoff else [-1, -1] for p, v in new.items()}
 
 
+def shown(path: str | Path) -> str:
+    """A path as text the pod can take: a name that is not UTF-8 (os.fsdecode keeps its bytes
+    as lone surrogates, which no JSON encoder sends) has those bytes shown as \\xNN."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
 def message(root: Path, changes: list[tuple[str, str]]) -> str:
-    lines = [f"{len(changes)} file(s) changed in {root}:"]
-    lines += [f"{mark} {path}" for mark, path in changes[:MAX_LISTED]]
+    lines = [f"{len(changes)} file(s) changed in {shown(root)}:"]
+    lines += [f"{mark} {shown(path)}" for mark, path in changes[:MAX_LISTED]]
     if len(changes) > MAX_LISTED:
         lines.append(f"... and {len(changes) - MAX_LISTED} more")
     return "\n".join(lines)
@@ -107,7 +113,7 @@ def cycle(args: argparse.Namespace, root: Path, old: Snapshot) -> Snapshot:
     changes = diff(old, new)
     if changes:
         try:
-            nid = notify(args.pod, args.source or f"watch:{root}", message(root, changes))
+            nid = notify(args.pod, args.source or f"watch:{shown(root)}", message(root, changes))
         except (OSError, PodNotRunning, RpcError) as exc:
             if args.once:
                 raise

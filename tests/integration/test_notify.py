@@ -867,6 +867,32 @@ def test_watch_and_notify_once(env: Env) -> None:
     assert "~ b.txt" in json.dumps(bodies(env)[-1])
 
 
+def test_watch_and_notify_reports_a_file_whose_name_is_not_utf8(env: Env) -> None:
+    """A file named in Latin-1 (an unpacked archive, a Samba share) in the watched directory
+    made every `--once` run end in a UnicodeEncodeError traceback, its state never saved, and
+    the polling watcher die: Python keeps such a name's bytes as lone surrogates, which no
+    JSON encoder sends. Its bytes are now shown as \\xNN; the baseline keeps the real name."""
+    pod = env.start("watcher")
+    watched = env.home / "watched"
+    watched.mkdir()
+    os.close(os.open(bytes(watched) + b"/caf\xe9.txt", os.O_CREAT | os.O_WRONLY, 0o600))
+    (watched / "ok.txt").write_text("ok")
+    args = [sys.executable, str(EXAMPLES / "watch_and_notify.py"), str(watched), "watcher"]
+    args += ["--once", "--state", str(env.home / "watch-state.json")]
+
+    first = subprocess.run(args, env=env.env, capture_output=True, text=True, timeout=30)
+    assert first.returncode == 0 and "Traceback" not in first.stderr, first.stderr
+    assert first.stdout.endswith("\t2 change(s)\n"), first.stdout
+    drained(pod)
+    again = subprocess.run(args, env=env.env, capture_output=True, text=True, timeout=30)
+    assert (again.returncode, again.stdout) == (0, "no changes\n"), again.stderr
+
+    with pod.client() as c:
+        (item,) = system_items(c)
+    assert item["id"] == first.stdout.split()[0]
+    assert item["text"].splitlines()[1:] == ["+ caf\\xe9.txt", "+ ok.txt"]
+
+
 def test_watch_and_notify_run_by_a_python_without_the_venv_says_so_in_one_line() -> None:
     """Its shebang finds the system's python3, which lacks msgspec: one line saying to use the
     venv, not a ModuleNotFoundError traceback (`-S`: this venv's site-packages left out)."""
