@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 try:
-    from protocol import PodClient, PodNotRunning, RpcError
+    from protocol import ConnectionClosed, PodClient, PodNotRunning, RpcError
 except ModuleNotFoundError as exc:
     sys.exit(
         f"{sys.argv[0]}: this Python lacks poddaemon's dependencies ({exc}): run it with the "
@@ -114,7 +114,8 @@ def cycle(args: argparse.Namespace, root: Path, old: Snapshot) -> Snapshot:
     if changes:
         try:
             nid = notify(args.pod, args.source or f"watch:{shown(root)}", message(root, changes))
-        except (OSError, PodNotRunning, RpcError) as exc:
+        # ConnectionClosed: the pod went (a restart, a crash) before it answered.
+        except (OSError, PodNotRunning, RpcError, ConnectionClosed) as exc:
             if args.once:
                 raise
             print(f"notify failed, will retry: {exc}", file=sys.stderr, flush=True)
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             snap = cycle(args, root, snap)
     except KeyboardInterrupt:
         pass
-    except (OSError, PodNotRunning, RpcError) as exc:
+    except (OSError, PodNotRunning, RpcError, ConnectionClosed) as exc:
         print(f"notify failed: {exc}", file=sys.stderr)
         return 1
     return 0

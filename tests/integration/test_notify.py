@@ -5,6 +5,7 @@ sees a notification inside one `<notifications>` block line `- [time] from SOURC
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -891,6 +892,53 @@ def test_watch_and_notify_reports_a_file_whose_name_is_not_utf8(env: Env) -> Non
         (item,) = system_items(c)
     assert item["id"] == first.stdout.split()[0]
     assert item["text"].splitlines()[1:] == ["+ caf\\xe9.txt", "+ ok.txt"]
+
+
+def test_watch_and_notify_outlives_a_pod_that_goes_before_it_answers(env: Env) -> None:
+    """A pod that closed the connection before answering (restarted, crashed mid-call) raised
+    ConnectionClosed, which the watcher did not catch: the polling watcher died with a
+    traceback, and `--once` printed one instead of its one-line "notify failed" (exit 1).
+    Here a socket stands in for such a pod: it takes each request and hangs up."""
+    path = env.home / "gone.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(path))
+    listener.listen(8)
+
+    def hang_up() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = listener.accept()
+                conn.recv(65536)
+                conn.close()
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    watched = env.home / "watched"
+    watched.mkdir()
+    (watched / "a.txt").write_text("a")
+    args = [sys.executable, str(EXAMPLES / "watch_and_notify.py"), str(watched), str(path)]
+    args += ["--since", "0"]
+    try:
+        once = subprocess.run(
+            [*args, "--once"], env=env.env, capture_output=True, text=True, timeout=30
+        )
+        assert once.returncode == 1, once
+        assert once.stderr.startswith("notify failed: ") and "Traceback" not in once.stderr
+        assert len(once.stderr.splitlines()) == 1, once.stderr
+
+        polling = subprocess.Popen(
+            [*args, "--interval", "0.1"], env=env.env, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            assert polling.stderr is not None
+            # Two failures in a row: it outlived the first and tried again.
+            lines = [polling.stderr.readline() for _ in range(2)]
+            assert all(x.startswith("notify failed, will retry: ") for x in lines), lines
+            assert polling.poll() is None
+        finally:
+            polling.kill()
+            polling.wait(10)
+    finally:
+        listener.close()
 
 
 def test_watch_and_notify_run_by_a_python_without_the_venv_says_so_in_one_line() -> None:
