@@ -1272,7 +1272,10 @@ def _open_stderr_log(name: str, pod_dir: Path) -> tuple[Path, int]:
 async def keep_log_bounded(kept: Path) -> None:
     """Rotate the log while the pod runs too: a pod that runs for months and logs a line per
     run would otherwise fill the disk before its next start rotates it. Only while stderr is
-    still `kept` (a file moved or replaced there by the user is theirs)."""
+    still `kept` (a file moved or replaced there by the user is theirs). A failure is tried
+    again: giving up at the first (a disk full for a minute) left the log unbounded for the
+    rest of the pod's life."""
+    failing = False  # warned of a failure, not yet rotated since: once per streak
     while True:
         await asyncio.sleep(LOG_CHECK_INTERVAL)
         try:
@@ -1284,9 +1287,23 @@ async def keep_log_bounded(kept: Path) -> None:
                 continue
             os.replace(kept, kept.with_name(f"{kept.name}.1"))
             _stderr_to(_open_log(kept))
-        except OSError as exc:  # a full disk, a directory gone: the log goes on where it is
-            log.warning("could not rotate the log %s: %s", kept, os_error_line(exc))
-            return
+            failing = False
+        except FileNotFoundError:
+            # Renamed, but the new file could not be made (a full disk): make it now, while
+            # stderr still goes to `.1` (a log the user moved away is skipped above).
+            with contextlib.suppress(OSError):
+                if _same_file(kept.with_name(f"{kept.name}.1"), os.fstat(2)):
+                    _stderr_to(_open_log(kept))
+                    failing = False
+        except OSError as exc:  # a full disk: the log goes on where it is, until it passes
+            if not failing:
+                failing = True
+                log.warning("could not rotate the log %s: %s", kept, os_error_line(exc))
+
+
+def _same_file(path: Path, st: os.stat_result) -> bool:
+    named = os.stat(path)
+    return (named.st_dev, named.st_ino) == (st.st_dev, st.st_ino)
 
 
 def _open_log(path: Path) -> int:

@@ -535,6 +535,29 @@ def test_a_running_pods_log_is_rotated_once_it_grows_past_the_bound(env: Env) ->
     assert oct((logs / "long.log").stat().st_mode & 0o777) == "0o600"
 
 
+def test_a_running_pods_log_is_rotated_after_a_rotation_failed_once(env: Env) -> None:
+    """One failed rotation (a full disk for a minute) ended the pod's rotating for good: the
+    log of a pod that runs for weeks then grew without bound. It is tried again."""
+    spawned = env.podctl("spawn", str(env.manifest("again")))
+    assert spawned.returncode == 0, spawned.stderr
+    logs = env.home / "log"
+    blocker = logs / "again.log.1"
+    blocker.mkdir()  # a non-empty directory: renaming the log over it fails, even as root
+    (blocker / "x").write_text("x")
+    with open(logs / "again.log", "ab") as f:
+        f.write(b"old line\n" * ((16 << 20) // 9 + 1))
+    wait_until(
+        lambda: "could not rotate" in (logs / "again.log").read_text()[-2000:],
+        what="the rotation to fail",
+    )
+    shutil.rmtree(blocker)
+    wait_until(lambda: (logs / "again.log.1").is_file(), what="the log rotated after all")
+    assert (logs / "again.log.1").stat().st_size > 16 << 20
+    assert env.podctl("stop", "again").returncode == 0
+    fresh = (logs / "again.log").read_text()
+    assert "old line" not in fresh and "shut down" in fresh, fresh[-300:]
+
+
 def to_a_full_disk(env: Env, unbuffered: bool, *args: str) -> "subprocess.CompletedProcess[str]":
     """podctl ARGS with its stdout on /dev/full; its stdio buffered as users have it (this
     machine exports PYTHONUNBUFFERED, which hid a failure), or not."""
