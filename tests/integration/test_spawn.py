@@ -1034,17 +1034,17 @@ def test_a_tree_whose_registry_went_registers_again_in_any_order(tree: Env, firs
     registry = Registry(env.home / "run")
     everyone = {"parent", "mid", "leaf"}
     wait_until(lambda: {e.name for e in registry.live()} == everyone, 30, "the tree")
-    # ...and done with the registry: a pod stopped while it holds the registry's lock (naming
-    # its first session) keeps everyone out of it for as long as it is stopped.
     wait_until(lambda: all(e.session for e in registry.live()), 30, "every session named")
-    # The file names the session before its writer lets go of the lock (it fsyncs the
-    # directory first): CI once stopped the leaf in between. Taking the lock waits that out.
-    with filelock.FileLock(registry.lock_path, timeout=20):
-        pass
     pids = {e.name: e.pid for e in registry.live()}
     other = "leaf" if first == "parent" else "parent"
-    os.kill(pids["mid"], signal.SIGSTOP)
-    os.kill(pids[other], signal.SIGSTOP)  # `first` registers again first
+    # A pod stopped while it holds the registry's lock keeps everyone out of it for as long as
+    # it is stopped (CI twice stopped the leaf inside a transaction, after waiting for it to
+    # be done). Stopped while we hold the lock, neither can be: filelock polls for it, and a
+    # stopped process does not take it until it is continued.
+    with filelock.FileLock(registry.lock_path, timeout=20):
+        os.kill(pids["mid"], signal.SIGSTOP)
+        os.kill(pids[other], signal.SIGSTOP)  # `first` registers again first
+        wait_until(lambda: _stopped(pids["mid"]) and _stopped(pids[other]), 10, "both stopped")
     try:
         (env.home / "run" / "pods.json").unlink()
         wait_until(lambda: registry.get(first) is not None, 20, f"{first} back")
@@ -1058,6 +1058,10 @@ def test_a_tree_whose_registry_went_registers_again_in_any_order(tree: Env, firs
     # Alive and well: it goes idle (a report of mid's, late for the stops, may wake a turn).
     drained(parent)
     assert str(env.work / "mid") in (registry.get("parent") or registry.live()[0]).delegated
+
+
+def _stopped(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "T"
 
 
 # --- budget ----------------------------------------------------------------------------------
