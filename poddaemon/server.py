@@ -453,10 +453,9 @@ class Connection(asyncio.Protocol):
         except msgspec.ValidationError as exc:
             self._send(_error(_guess_id(line), errors.INVALID_REQUEST, f"invalid request: {exc}"))
             return
-        except UNREADABLE as exc:
-            self._send(
-                _error(_guess_id(line), errors.PARSE_ERROR, f"parse error: {_unreadable(exc)}")
-            )
+        except UNREADABLE as exc:  # not JSON at all: decoding it again would fail the same way
+            head_id = id_from_head(line[:HEAD_BYTES])
+            self._send(_error(head_id, errors.PARSE_ERROR, f"parse error: {_unreadable(exc)}"))
             return
         if isinstance(msg, Request):
             bad = _utf8_error(line)
