@@ -9,7 +9,8 @@ An entry is ``{"seq", "ts", "kind", "prev", "hash", ...body}``:
 
 The line we write is that canonical JSON with ``"hash"`` appended as the last key, then ``\\n``.
 A reader must not rely on that layout: verification decodes the line, drops ``hash`` and
-re-encodes canonically, so any writer that produces the same JSON values verifies.
+re-encodes canonically, so any writer that produces the same JSON values verifies. (A line in
+our layout is checked against its own bytes first: they are what was hashed.)
 """
 
 import gc
@@ -138,7 +139,12 @@ def _encode(
 
 
 def _line(canonical: bytes, digest: str) -> bytes:
-    return b"".join((canonical[:-1], b',"hash":"', digest.encode("ascii"), b'"}\n'))
+    return b"".join((canonical[:-1], _HASH_KEY, digest.encode("ascii"), b'"}\n'))
+
+
+_HASH_KEY = b',"hash":"'
+_HASH_KEY_LEN = len(_HASH_KEY)
+_HASH_TAIL = _HASH_KEY_LEN + 64 + len(b'"}')  # what _line appends to the canonical JSON but "}"
 
 
 def _check_entry(obj: Any, expect_seq: int, prev: str) -> str | None:
@@ -214,11 +220,18 @@ def verify_line(line: bytes, lineno: int, prev: str) -> dict[str, Any]:
     problem = _check_entry(obj, lineno, prev)
     if problem is not None:
         raise LogCorrupt(lineno, problem)
-    digest = obj.pop("hash")
+    result: dict[str, Any] = obj
+    digest = obj["hash"]
+    # Laid out as we write it, the line's bytes before the hash are the canonical JSON that was
+    # hashed: no need to encode it again (a fifth of a restore's time). Any other layout of the
+    # same values is re-encoded to be checked, as is a line whose bytes changed.
+    cut = len(line) - _HASH_TAIL
+    if line[cut : cut + _HASH_KEY_LEN] == _HASH_KEY and _hash(prev, line[:cut] + b"}") == digest:
+        return result
+    del obj["hash"]
     if _hash(prev, _canonical.encode(obj)) != digest:
         raise LogCorrupt(lineno, "hash mismatch (entry altered)")
     obj["hash"] = digest
-    result: dict[str, Any] = obj
     return result
 
 

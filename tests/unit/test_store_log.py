@@ -86,6 +86,17 @@ def test_key_order_in_the_file_does_not_matter() -> None:
     assert verify(shuffled).entries == [entry]
 
 
+def test_our_layout_with_other_whitespace_still_verifies() -> None:
+    # The hash last, as we write it, but the bytes before it not canonical: the check against
+    # the line's own bytes fails, and the canonical re-encoding decides.
+    line, entry = encode_entry(1, 1.0, "k", GENESIS, {"zz": 1, "aa": [3, {"y": 1}]})
+    spaced = line.replace(b'"kind":', b'"kind": ').replace(b",", b", ", 1)
+    assert spaced != line and spaced.endswith(b'"}\n')
+    assert verify(spaced).entries == [entry]
+    with pytest.raises(LogCorrupt, match="hash mismatch"):  # a value changed: neither check passes
+        verify(line.replace(b'"zz":1', b'"zz":2'))
+
+
 @pytest.mark.parametrize("key", ["seq", "ts", "kind", "prev", "hash"])
 def test_reserved_body_keys_are_refused(key: str) -> None:
     with pytest.raises(ValueError, match=key):
