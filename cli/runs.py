@@ -2,10 +2,11 @@
 both run `send` here), and what `attach` and `history` share with it: the event follower, and
 the pod's session log read page by page."""
 
+from __future__ import annotations
+
 import itertools
 import sys
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, Literal
 
 from cli.common import (
     ANSWER_TIMEOUT,
@@ -24,7 +25,10 @@ from cli.common import (
     say_taken,
 )
 
+TYPE_CHECKING = False  # True for type checkers only: typing costs podctl ~5 ms to import
 if TYPE_CHECKING:
+    from typing import Any, Literal
+
     from protocol.client import PodClient
     from protocol.types import Event
 
@@ -197,7 +201,7 @@ def _submit_once(
 
 
 def _submit(
-    client: "PodClient",
+    client: PodClient,
     text: str,
     mode: Literal["queue", "steer"] = "queue",
     client_key: str | None = None,
@@ -221,7 +225,7 @@ def rounds_text(texts: list[str]) -> str:
 
 
 def run_end_in_log(
-    client: "PodClient", run_id: str, texts: list[str] | None = None
+    client: PodClient, run_id: str, texts: list[str] | None = None
 ) -> dict[str, Any] | None:
     """The `run.finished` data of run `run_id` as its session log holds it, or None while it has
     not ended: for a follower told `gap`, whose missed events may have held it. The pod's session
@@ -242,7 +246,7 @@ def run_end_in_log(
 
 
 def last_run_end(
-    client: "PodClient", run_id: str, texts: list[str] | None = None
+    client: PodClient, run_id: str, texts: list[str] | None = None
 ) -> dict[str, Any] | None:
     """The newest `run_end` entry of run `run_id`: a run paused (not a final outcome) and
     resumed has another after it, maybe in a later session (a compaction in between).
@@ -276,7 +280,7 @@ def _began(kind: object, entry: dict[str, Any]) -> bool:
     return kind == "run_start" and entry.get("trigger") != "resume"
 
 
-def entries_newest_first(client: "PodClient") -> Iterator[dict[str, Any]]:
+def entries_newest_first(client: PodClient) -> Iterator[dict[str, Any]]:
     """Every entry of the pod's session log, newest first, then of the sessions it continues
     (compacted or forked from), each newest first: a reader that stops early reads only the
     end of a long log (0.36 s to page through 41,000 entries)."""
@@ -292,7 +296,7 @@ def entries_newest_first(client: "PodClient") -> Iterator[dict[str, Any]]:
 
 
 def _session_newest_first(
-    client: "PodClient", session_id: str | None, links: list[str]
+    client: PodClient, session_id: str | None, links: list[str]
 ) -> Iterator[dict[str, Any]]:
     """One session's entries, newest first, read in pages from its end backward: the newest
     BACK_PAGE first, each page further back four times larger (up to HISTORY_PAGE).
@@ -317,7 +321,7 @@ def _session_newest_first(
         last, size = since, min(size * 4, HISTORY_PAGE)
 
 
-def follow(client: "PodClient") -> Iterator["Event"]:
+def follow(client: PodClient) -> Iterator[Event]:
     """`client.events()`, ended (BrokenPipeError) when our stdout's reader goes, even while the
     pod is quiet: `podctl attach x | head -3` returns once `head` has its lines."""
     while True:
@@ -329,7 +333,7 @@ def follow(client: "PodClient") -> Iterator["Event"]:
 
 
 def history_pages(
-    client: "PodClient",
+    client: PodClient,
     since: int,
     session_id: str | None = None,
     links: list[str] | None = None,

@@ -141,6 +141,33 @@ def test_plain_and_typer_say_and_exit_the_same(env: Env) -> None:
     assert notes.count("hi") == 3  # keyed k1: taken once of two; by its socket: both
 
 
+# What podctl's plain commands must not import: each costs them milliseconds of their ~65
+# (typer ~90, msgspec ~10, typing ~5, asyncio ~60).
+HEAVY = {"typer", "click", "msgspec", "typing", "asyncio", "poddaemon"}
+
+
+def test_plain_commands_import_nothing_heavy(env: Env) -> None:
+    env.model.script({"gate": "never", "text": "held"})  # busy: send only queues its run
+    pod = env.start("pod")
+    pod.call("run", input="work")
+    env.model.wait_for_requests(1)
+    for args in (["status", "pod"], ["notify", "pod", "hi"], ["send", "--no-wait", "pod", "go"]):
+        out = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "cli.main", *args],
+            env=env.env,
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 0, (args, out.stderr[-2000:])
+        imported = [
+            line.rpartition("|")[2].strip()
+            for line in out.stderr.splitlines()
+            if line.startswith("import time:")
+        ]
+        assert "cli.plain" in imported, args  # (the plain path was taken)
+        assert [m for m in imported if m.split(".")[0] in HEAVY] == [], args
+
+
 def test_plain_and_typer_send_alike(env: Env) -> None:
     """`podctl send` both ways, each case with the model's replies for its two runs: an answer
     (as text, as --json, from stdin), a provider's refusal (exit 1), a limit (exit 2), keyed
