@@ -766,6 +766,11 @@ class Machine:
             if failure is not None and failure.kind == "context_overflow" and self._compaction_on():
                 message = f"context full: {failure.message}"
                 failure = ProviderError(failure.kind, message, failure.status)
+                # The refused request reported no size; the last call's, under the threshold
+                # (one round's tool results took it past the window), kept every later run
+                # from compacting first: each failed "context full" for good.
+                threshold = self.cfg.compact_threshold or 0
+                self._last_input = max(self._context_size(), threshold)
             self._commit_all(turn.model_failed(failure, partial))
             self._advance()
 

@@ -660,3 +660,38 @@ def test_retried_summary_attempts_cut_mid_answer_count_against_the_budget(env: E
     bodies = [r["body"] for r in env.model.requests]
     assert sum(is_summary_request("openai", b) for b in bodies) == 4
     assert pod.call("usage")["totals"]["calls"] == 1 + 4  # the run's, then every attempt once
+
+
+def test_a_context_the_provider_rejected_as_too_long_is_compacted_before_the_next_run(
+    env: Env,
+) -> None:
+    """One round's tool results took the context from under the threshold past the model's
+    window: the provider refused the request, and the run ended "context full". Its size was
+    still the last call's, under the threshold, so no later run compacted first: every one
+    failed "context full" for good, though `[compaction.provider]` (a larger window) could
+    summarize it."""
+    write_data(env)
+    extra = compaction_toml(50_000, retained=1) + (
+        "[compaction.provider]\n"
+        'kind = "anthropic"\n'
+        'model = "summarizer"\n'
+        f'base_url = "{env.model.url}"\n'
+        'api_key_env = "FAKE_API_KEY"\n'
+    )
+    pod = env.start(extra=extra)
+    too_long = "prompt is too long: 250000 tokens > 200000 maximum"
+    env.model.script(
+        *tool_replies(2)[:2], {"fault": {"kind": "status", "status": 400, "message": too_long}}
+    )
+    env.model.script_when(MARKER, {"text": "SUMMARY"})
+    with pod.client(timeout=60) as c:
+        first = c.run_wait(INPUT)
+        assert first.outcome == "error" and first.error is not None
+        assert first.error.startswith("context full: ")
+        env.model.script({"text": "on it"})
+        second = c.run_wait("Go on with the task.")
+    assert (second.outcome, second.text) == ("finished", "on it")
+    paths = [r["path"] for r in env.model.requests]
+    assert paths.count("/v1/messages") == 1  # the summary, before the second run's request
+    texts = user_texts("openai", env.model.requests[-1]["body"])
+    assert texts[0].startswith(SUMMARY_TAG) and texts[-1] == "Go on with the task."
