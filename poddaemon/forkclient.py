@@ -42,6 +42,16 @@ class Request(NamedTuple):
     nofile: tuple[int, ...] = ()  # the caller's open-file limit (soft, hard), as exec would keep
     token: str = ""  # the server's token file's contents: proof the caller may read our runtime dir
     nice: int | None = None  # the caller's nice value, as exec would keep
+    # The caller's other resource limits (`ulimit -c`, `-v`, `-u`…): (name, soft, hard) each
+    limits: tuple[tuple[str, int, int], ...] = ()
+
+
+# Every resource limit but the open-file one (`nofile`): an exec'd pod inherits them all.
+LIMITS = tuple(n for n in dir(resource) if n.startswith("RLIMIT_") and n != "RLIMIT_NOFILE")
+
+
+def current_limits() -> tuple[tuple[str, int, int], ...]:
+    return tuple((n, *resource.getrlimit(getattr(resource, n))) for n in LIMITS)
 
 
 def encode_request(req: Request) -> bytes:
@@ -66,9 +76,7 @@ def decode_request(body: bytes) -> Request:
         raise ValueError("nofile: want [soft, hard]")
     # Each a limit setrlimit takes (-1: unlimited): a larger one raised OverflowError in the
     # server's own setrlimit, past its error handling, and the whole server died.
-    if not all(
-        isinstance(n, int) and not isinstance(n, bool) and -1 <= n < 1 << 63 for n in nofile
-    ):
+    if not all(_is_rlimit(n) for n in nofile):
         raise ValueError("nofile: want [soft, hard]")
     nice = raw.get("nice")
     if nice is not None and not (isinstance(nice, int) and not isinstance(nice, bool)):
@@ -78,7 +86,34 @@ def decode_request(body: bytes) -> Request:
     token = raw.get("token", "")
     if not isinstance(token, str):
         raise ValueError("token: want a string")
-    return Request(argv, env, cwd, umask, [str(t) for t in title], tuple(nofile), token, nice)
+    limits = raw.get("limits", [])
+    if not (
+        isinstance(limits, list)
+        and all(
+            isinstance(item, list)
+            and len(item) == 3
+            and item[0] in LIMITS
+            and all(_is_rlimit(n) for n in item[1:])
+            for item in limits
+        )
+    ):
+        raise ValueError("limits: want [[RLIMIT_name, soft, hard], ...]")
+    return Request(
+        argv,
+        env,
+        cwd,
+        umask,
+        [str(t) for t in title],
+        tuple(nofile),
+        token,
+        nice,
+        tuple((str(name), int(soft), int(hard)) for name, soft, hard in limits),
+    )
+
+
+def _is_rlimit(n: object) -> bool:
+    """A limit setrlimit takes (-1: unlimited); a larger one raised OverflowError."""
+    return isinstance(n, int) and not isinstance(n, bool) and -1 <= n < 1 << 63
 
 
 class Forked:
@@ -234,6 +269,7 @@ def fork_pod(
         title=cmd,
         nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
         nice=os.getpriority(os.PRIO_PROCESS, 0),
+        limits=current_limits(),
     )
     for attempt in range(2):  # a stale server steps aside: the second try starts a fresh one
         try:

@@ -11,8 +11,8 @@ forked 228 MB, this server included. Forking is safe because this process never 
 
 The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
 - request: a 4-byte big-endian length and a JSON object `{argv, env, cwd, umask, title,
-  nofile, nice, token}` (nofile and nice: the caller's open-file limit and nice value, which
-  the pod gets, as an exec would;
+  nofile, nice, limits, token}` (nofile, nice and limits: the caller's open-file limit, nice
+  value and other resource limits, which the pod gets, as an exec would;
   token: the contents of `<runtime>/forkserver.<key>.token`, written by the server at start,
   0600); the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
 - replies, one JSON line each: `{"pid": N}` once forked, then `{"exit": code}` when the pod
@@ -439,7 +439,7 @@ class Server:
     def _fork(self, req: Request, fds: list[int]) -> int:
         if threading.active_count() != 1:  # a preload started one: a fork could deadlock
             raise OSError(f"{threading.active_count()} threads in the fork server")
-        _allow_limits(req.nofile)
+        _allow_limits(req)
         _allow_nice(req.nice)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -465,6 +465,8 @@ class Server:
             os.umask(req.umask)
             if req.nofile:  # the caller's, not this server's (started from another shell)
                 resource.setrlimit(resource.RLIMIT_NOFILE, (req.nofile[0], req.nofile[1]))
+            for name, soft, hard in req.limits:  # `ulimit -c 0`, `-v`, `-u`…: the same
+                resource.setrlimit(getattr(resource, name), (soft, hard))
             if req.nice is not None:  # the caller's (`nice podctl spawn`), not this server's
                 os.setpriority(os.PRIO_PROCESS, 0, req.nice)
             os.environ.clear()
@@ -584,20 +586,20 @@ def _set_title(title: str) -> None:
     setproctitle.setproctitle(title.encode("utf-8", "replace").decode())
 
 
-def _allow_limits(nofile: tuple[int, ...]) -> None:
-    """Let a pod have its caller's open-file limit: raise this server's hard limit to it, when
-    the server was started from a shell with a lower one. OSError (the client then execs the
-    pod itself) when that is not allowed."""
-    if not nofile:
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = nofile[1]
-    if hard == resource.RLIM_INFINITY or (wanted != resource.RLIM_INFINITY and wanted <= hard):
-        return
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, wanted))
-    except (ValueError, OSError):
-        raise OSError(f"the caller's open-file limit ({wanted}) is above this server's") from None
+def _allow_limits(req: Request) -> None:
+    """Let a pod have its caller's resource limits: raise this server's hard limits to them,
+    when the server was started from a shell with lower ones. OSError (the client then execs
+    the pod itself) when that is not allowed."""
+    wanted = [("open-file limit", resource.RLIMIT_NOFILE, req.nofile[1])] if req.nofile else []
+    wanted += [(name, getattr(resource, name), hard) for name, _, hard in req.limits]
+    for what, res, want in wanted:
+        soft, hard = resource.getrlimit(res)
+        if hard == resource.RLIM_INFINITY or (want != resource.RLIM_INFINITY and want <= hard):
+            continue
+        try:
+            resource.setrlimit(res, (soft, want))
+        except (ValueError, OSError):
+            raise OSError(f"the caller's {what} ({want}) is above this server's") from None
 
 
 def _allow_nice(nice: int | None) -> None:

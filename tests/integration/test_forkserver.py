@@ -205,6 +205,46 @@ def test_a_server_started_with_a_low_open_file_limit_does_not_hold_later_pods_to
     assert got == (max(soft, min(hard, 4096)), hard)
 
 
+# `ulimit -c 0 -u 4000`: limits a shell lowers, and that a server started elsewhere lacks.
+_LOWERED = {resource.RLIMIT_CORE: (0, 0), resource.RLIMIT_NPROC: (4000, 4000)}
+
+
+def _lowered_limits() -> None:
+    for res, limit in _LOWERED.items():
+        resource.setrlimit(res, limit)
+
+
+def test_a_forked_pod_has_its_callers_other_limits_not_the_servers(env: Env) -> None:
+    """Found by QA: the pod got only its caller's open-file limit; `ulimit -c 0` (no core
+    dumps of a pod holding an API key), `ulimit -v`, `-u` of the shell that ran `podctl spawn`
+    were dropped for the server's, where an exec'd pod keeps them."""
+    spawn(env, "lone")
+    spawn(env, "server")  # starts the server, with this process's limits
+    lowered = _spawn_from(env, "lowered", _lowered_limits)
+    assert lowered.returncode == 0, lowered.stderr
+    pid = pod_pid(env, "lowered")
+    assert ppid(pid) == server_pid(env)  # forked, not exec'd
+    for res, limit in _LOWERED.items():
+        assert resource.prlimit(pid, res) == limit, res
+
+
+def test_a_server_started_with_lowered_limits_does_not_hold_later_pods_to_them(
+    env: Env,
+) -> None:
+    """Found by QA: a server started by `ulimit -c 0; podctl spawn` forked every later pod
+    with no core dumps, from any shell, until it went idle. It now raises its own hard limit
+    to the caller's, or (not allowed to) leaves the pod to be exec'd: either way the pod has
+    its caller's limits."""
+    spawn(env, "lone")
+    assert _spawn_from(env, "low", _lowered_limits).returncode == 0  # starts the server
+    assert resource.prlimit(server_pid(env), resource.RLIMIT_CORE) == (0, 0)
+    normal = _spawn_from(env, "normal", lambda: None)
+    assert normal.returncode == 0, normal.stderr
+    pid = pod_pid(env, "normal")
+    for res in _LOWERED:
+        assert resource.prlimit(pid, res) == resource.getrlimit(res), res
+
+
 def _spawn_niced(env: Env, name: str, nice: int) -> "subprocess.CompletedProcess[str]":
     """`nice -n NICE podctl spawn` a pod with its own directory."""
     return _spawn_from(env, name, lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
