@@ -19,7 +19,8 @@ The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
   exits while the client is still connected; or `{"error": why}` (nothing was forked), or
   `{"stale": true}` when a module this server loaded changed on disk (an upgrade, an edit): the
   server then gives up its socket and lock at once, and exits once its waiting clients are
-  answered; the client starts a fresh one.
+  answered; the client starts a fresh one. So is every client still queued when the server
+  gives its socket up for any reason (stale, socket removed, idle).
 - a client that finds the server stopped execs the pod itself, and so does one that waited
   `READY_TIMEOUT` for the reply in vain, after hanging up: the server forks no request whose
   client has hung up.
@@ -495,8 +496,23 @@ class Server:
             self.sel.unregister(self.listener)
         with contextlib.suppress(OSError):
             os.unlink(self.sock_path)
+        self._send_away()
         self.listener.close()
         os.close(self.lock_fd)
+
+    def _send_away(self) -> None:
+        """Tell each client still queued on the listener (it connected before the unlink) to
+        start a fresh server, as a stale one does. Closed with them queued, the listener reset
+        their connections after they had sent their requests, and such a client cannot tell
+        that nothing was forked: its `podctl spawn` failed ("the fork server went away")."""
+        self.listener.setblocking(False)
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # none left (or none to be had: those are reset, as before)
+                return
+            self._reply(conn, {"stale": True})
+            conn.close()
 
 
 def _spare() -> int:

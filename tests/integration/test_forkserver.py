@@ -353,6 +353,94 @@ def test_a_stale_server_is_replaced(env: Env) -> None:
     assert answers(env, "one") and answers(env, "two")
 
 
+def _queue_requests(env: Env, sock: Path, n: int) -> list[socket.socket]:
+    """`n` clients connected to the (stopped) server at `sock`, their requests sent with the
+    token and the pod's stdio, each waiting for its reply as `podctl spawn` does."""
+    token = forkclient._read_token(str(sock))
+    assert token is not None
+    null = os.open(os.devnull, os.O_RDWR)
+    clients = []
+    try:
+        for i in range(n):
+            request = forkclient.Request(
+                ["run", str(env.manifest(f"q{i}", write=[str(env.work / f"q{i}")]))],
+                dict(env.env),
+                str(env.home),
+                0o22,
+                [],
+                token=token,
+            )
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(sock))
+            socket.send_fds(s, [forkclient.encode_request(request)], [null] * 3)
+            s.settimeout(30)
+            clients.append(s)
+    finally:
+        os.close(null)
+    return clients
+
+
+def _replies(clients: list[socket.socket]) -> list[bytes]:
+    replies = []
+    for s in clients:
+        with s:
+            try:
+                replies.append(s.recv(4096))
+            except ConnectionResetError:
+                replies.append(b"reset")
+    return replies
+
+
+def test_clients_queued_on_a_server_that_steps_aside_are_sent_on_not_dropped(
+    env: Env,
+) -> None:
+    """Found by QA: a server whose socket file was removed closed its listener with the
+    clients that had connected just before still queued on it: their connections were reset
+    after they had sent their requests, and since such a client cannot tell that nothing was
+    forked, `podctl spawn` failed ("the fork server went away while starting the pod"). They
+    are now told to go to a fresh server, as a stale one tells them."""
+    spawn(env, "lone")
+    spawn(env, "one")
+    old = server_pid(env)
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    os.kill(old, signal.SIGSTOP)  # so that the clients are queued before it sees the removal
+    try:
+        clients = _queue_requests(env, sock, 1)
+        sock.unlink()
+    finally:
+        os.kill(old, signal.SIGCONT)
+    assert _replies(clients) == [b'{"stale": true}\n']
+    wait_until(lambda: not alive(old), what="the unreachable server to leave")
+    assert not (env.home / "run" / "pods" / "q0").exists()  # nothing was forked
+
+
+def test_clients_queued_behind_the_one_that_finds_the_server_stale_are_sent_on(
+    env: Env,
+) -> None:
+    """Found by QA: two `podctl spawn` at once after a `git pull`: the first was told the
+    server is stale and started a fresh one, the second, queued behind it, had its connection
+    reset and failed ("the fork server went away while starting the pod")."""
+    spawn(env, "lone")
+    spawn(env, "one")
+    old = server_pid(env)
+    (sock,) = (env.home / "run").glob("forkserver.*.sock")
+    import poddaemon.sdnotify  # a module every pod loads
+
+    module = Path(poddaemon.sdnotify.__file__ or "")
+    stat = module.stat()
+    os.kill(old, signal.SIGSTOP)
+    try:
+        clients = _queue_requests(env, sock, 3)
+        os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # "edited"
+        os.kill(old, signal.SIGCONT)
+        replies = _replies(clients)
+    finally:
+        os.kill(old, signal.SIGCONT)
+        os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert replies == [b'{"stale": true}\n'] * 3
+    wait_until(lambda: not alive(old), what="the stale server exits")
+
+
 def test_a_killed_server_leaves_its_pods_and_is_restarted(env: Env) -> None:
     spawn(env, "lone")
     first = spawn(env, "one")
