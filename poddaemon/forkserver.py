@@ -494,8 +494,9 @@ class Server:
             return
         with contextlib.suppress(KeyError):
             self.sel.unregister(self.listener)
-        with contextlib.suppress(OSError):
-            os.unlink(self.sock_path)
+        if self._reachable():  # not a successor's: ours was removed, and one took its place
+            with contextlib.suppress(OSError):
+                os.unlink(self.sock_path)
         self._send_away()
         self.listener.close()
         os.close(self.lock_fd)

@@ -353,6 +353,28 @@ def test_a_stale_server_is_replaced(env: Env) -> None:
     assert answers(env, "one") and answers(env, "two")
 
 
+def test_a_server_stepping_aside_leaves_its_successors_socket_alone(env: Env) -> None:
+    """Found by QA: `rm run/forkserver.*` while a server ran, and a spawn within the second
+    started a new server in its place; the old one, finding its socket file gone, unlinked
+    the path on its way out, which was by then the new server's socket: that one stepped
+    aside in turn, and the next spawn started a third."""
+    spawn(env, "lone")
+    spawn(env, "one")
+    old = server_pid(env)
+    os.kill(old, signal.SIGSTOP)  # it looks at its socket file only once continued
+    try:
+        for path in (env.home / "run").glob("forkserver.*"):
+            if path.suffix in (".sock", ".lock"):
+                path.unlink()
+        two = spawn(env, "two")  # starts a new server in the old one's place
+    finally:
+        os.kill(old, signal.SIGCONT)
+    new = server_pid(env)
+    assert new != old and ppid(two) == new
+    wait_until(lambda: not alive(old), what="the unreachable server to leave")
+    assert ppid(spawn(env, "three")) == new
+
+
 def _queue_requests(env: Env, sock: Path, n: int) -> list[socket.socket]:
     """`n` clients connected to the (stopped) server at `sock`, their requests sent with the
     token and the pod's stdio, each waiting for its reply as `podctl spawn` does."""
