@@ -168,12 +168,16 @@ def _read_line(conn: socket.socket, buf: bytearray) -> bytes:
 
 
 def server_socket() -> str:
-    """This installation's fork server socket: one per interpreter, code and PYTHONPATH, so two
-    virtualenvs never fork each other's pods."""
+    """This installation's fork server socket: one per interpreter, code and PYTHON* settings,
+    so two virtualenvs never fork each other's pods."""
     from protocol import paths
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    key = "\0".join((sys.executable, root, os.environ.get("PYTHONPATH", "")))
+    # The interpreter reads these at its start only (PYTHONPATH, PYTHONDEVMODE, PYTHONOPTIMIZE,
+    # PYTHONWARNINGS, PYTHONVERBOSE…): a pod forked from a server started with others would
+    # silently run without the caller's, where an exec'd one has them.
+    python = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("PYTHON"))
+    key = "\0".join((sys.executable, root, *python))
     digest = sha1(key.encode()).hexdigest()[:12]
     return str(paths.ensure_private_dirs()[1] / f"forkserver.{digest}.sock")
 

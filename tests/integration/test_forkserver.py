@@ -245,6 +245,21 @@ def test_a_server_started_with_lowered_limits_does_not_hold_later_pods_to_them(
         assert resource.prlimit(pid, res) == resource.getrlimit(res), res
 
 
+def test_a_pod_spawned_with_other_python_settings_gets_them(env: Env) -> None:
+    """Found by QA: the interpreter reads PYTHONVERBOSE, PYTHONDEVMODE, PYTHONOPTIMIZE,
+    PYTHONWARNINGS… once, at its start: `PYTHONVERBOSE=1 podctl spawn` (to see what a pod
+    imports) gave an exec'd pod those traces, and a forked one, from a server started without
+    them, none, silently. Such a spawn now goes to a server started with the same."""
+    spawn(env, "lone")
+    plain = spawn(env, "plain")  # starts a server without them
+    assert ppid(plain) == server_pid(env)
+    spawn(env, "verbose", PYTHONVERBOSE="1")
+    assert answers(env, "plain") and answers(env, "verbose")
+    log = (env.home / "log" / "verbose.log").read_text()
+    assert "# code object from" in log, log  # what it imported after READY, traced
+    assert "# code object from" not in (env.home / "log" / "plain.log").read_text()
+
+
 def _spawn_niced(env: Env, name: str, nice: int) -> "subprocess.CompletedProcess[str]":
     """`nice -n NICE podctl spawn` a pod with its own directory."""
     return _spawn_from(env, name, lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
