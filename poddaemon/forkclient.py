@@ -44,10 +44,14 @@ class Request(NamedTuple):
     nice: int | None = None  # the caller's nice value, as exec would keep
     # The caller's other resource limits (`ulimit -c`, `-v`, `-u`…): (name, soft, hard) each
     limits: tuple[tuple[str, int, int], ...] = ()
+    cpus: tuple[int, ...] = ()  # the CPUs the caller may run on (`taskset`); () : the server's
 
 
 # Every resource limit but the open-file one (`nofile`): an exec'd pod inherits them all.
 LIMITS = tuple(n for n in dir(resource) if n.startswith("RLIMIT_") and n != "RLIMIT_NOFILE")
+
+
+MAX_CPUS = 1 << 16  # the kernel's own bound (CONFIG_NR_CPUS is at most 8192)
 
 
 def current_limits() -> tuple[tuple[str, int, int], ...]:
@@ -98,6 +102,13 @@ def decode_request(body: bytes) -> Request:
         )
     ):
         raise ValueError("limits: want [[RLIMIT_name, soft, hard], ...]")
+    cpus = raw.get("cpus", [])
+    if not (
+        isinstance(cpus, list)
+        and len(cpus) <= MAX_CPUS
+        and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < MAX_CPUS for c in cpus)
+    ):
+        raise ValueError("cpus: want a list of CPU numbers")
     return Request(
         argv,
         env,
@@ -108,6 +119,7 @@ def decode_request(body: bytes) -> Request:
         token,
         nice,
         tuple((str(name), int(soft), int(hard)) for name, soft, hard in limits),
+        tuple(cpus),
     )
 
 
@@ -274,6 +286,7 @@ def fork_pod(
         nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
         nice=os.getpriority(os.PRIO_PROCESS, 0),
         limits=current_limits(),
+        cpus=tuple(sorted(os.sched_getaffinity(0))),
     )
     for attempt in range(2):  # a stale server steps aside: the second try starts a fresh one
         try:

@@ -11,8 +11,9 @@ forked 228 MB, this server included. Forking is safe because this process never 
 
 The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
 - request: a 4-byte big-endian length and a JSON object `{argv, env, cwd, umask, title,
-  nofile, nice, limits, token}` (nofile, nice and limits: the caller's open-file limit, nice
-  value and other resource limits, which the pod gets, as an exec would;
+  nofile, nice, limits, cpus, token}` (nofile, nice, limits and cpus: the caller's open-file
+  limit, nice value, other resource limits and CPU affinity, which the pod gets, as an exec
+  would;
   token: the contents of `<runtime>/forkserver.<key>.token`, written by the server at start,
   0600); the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
 - replies, one JSON line each: `{"pid": N}` once forked, then `{"exit": code}` when the pod
@@ -442,6 +443,7 @@ class Server:
             raise OSError(f"{threading.active_count()} threads in the fork server")
         _allow_limits(req)
         _allow_nice(req.nice)
+        _allow_cpus(req.cpus)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()  # the preloads were frozen (load()): what a request made stays collectable
@@ -468,6 +470,8 @@ class Server:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (req.nofile[0], req.nofile[1]))
             for name, soft, hard in req.limits:  # `ulimit -c 0`, `-v`, `-u`…: the same
                 resource.setrlimit(getattr(resource, name), (soft, hard))
+            if req.cpus:  # the caller's (`taskset -c 0 podctl spawn`), not this server's
+                os.sched_setaffinity(0, req.cpus)
             if req.nice is not None:  # the caller's (`nice podctl spawn`), not this server's
                 os.setpriority(os.PRIO_PROCESS, 0, req.nice)
             os.environ.clear()
@@ -634,6 +638,22 @@ def _allow_nice(nice: int | None) -> None:
     except OSError:
         raise OSError(f"the caller's nice value ({nice}) is below this server's ({own})") from None
     os.setpriority(os.PRIO_PROCESS, 0, own)
+
+
+def _allow_cpus(cpus: tuple[int, ...]) -> None:
+    """Make sure a pod can have its caller's CPU affinity: tried here, on this process, and
+    put back; OSError (the client then execs the pod itself) when none of those CPUs is ours
+    to run on (a caller in another cgroup's cpuset)."""
+    if not cpus:
+        return
+    own = os.sched_getaffinity(0)
+    if set(cpus) == own:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        raise OSError(f"the caller's CPUs ({cpus}) are not this server's: {exc}") from None
+    os.sched_setaffinity(0, own)
 
 
 def _open_lock(path: str) -> int:

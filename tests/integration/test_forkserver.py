@@ -260,6 +260,24 @@ def test_a_pod_spawned_with_other_python_settings_gets_them(env: Env) -> None:
     assert "# code object from" not in (env.home / "log" / "plain.log").read_text()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: no narrower set")
+def test_a_forked_pod_runs_on_its_callers_cpus_not_the_servers(env: Env) -> None:
+    """Found by QA: `taskset -c 0 podctl spawn` gave an exec'd pod CPU 0 only, and a forked
+    one the server's CPUs; a server started by such a spawn held every later pod to CPU 0,
+    from any shell, until it went idle."""
+    spawn(env, "lone")
+    every = os.sched_getaffinity(0)
+    one = {min(every)}
+    assert _spawn_from(env, "pinned", lambda: os.sched_setaffinity(0, one)).returncode == 0
+    assert os.sched_getaffinity(server_pid(env)) == one  # the server started pinned
+    free = _spawn_from(env, "free", lambda: None)
+    assert free.returncode == 0, free.stderr
+    assert ppid(pod_pid(env, "free")) == server_pid(env)  # forked, not exec'd
+    assert os.sched_getaffinity(pod_pid(env, "free")) == every
+    assert _spawn_from(env, "pinned2", lambda: os.sched_setaffinity(0, one)).returncode == 0
+    assert os.sched_getaffinity(pod_pid(env, "pinned2")) == one
+
+
 def _spawn_niced(env: Env, name: str, nice: int) -> "subprocess.CompletedProcess[str]":
     """`nice -n NICE podctl spawn` a pod with its own directory."""
     return _spawn_from(env, name, lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
