@@ -45,6 +45,7 @@ class Request(NamedTuple):
     # The caller's other resource limits (`ulimit -c`, `-v`, `-u`…): (name, soft, hard) each
     limits: tuple[tuple[str, int, int], ...] = ()
     cpus: tuple[int, ...] = ()  # the CPUs the caller may run on (`taskset`); () : the server's
+    oom: int | None = None  # the caller's oom_score_adj (`choom`), as exec would keep
 
 
 # Every resource limit but the open-file one (`nofile`): an exec'd pod inherits them all.
@@ -52,6 +53,15 @@ LIMITS = tuple(n for n in dir(resource) if n.startswith("RLIMIT_") and n != "RLI
 
 
 MAX_CPUS = 1 << 16  # the kernel's own bound (CONFIG_NR_CPUS is at most 8192)
+
+
+def oom_score_adj() -> int | None:
+    """This process's oom_score_adj; None where there is none to be read."""
+    try:
+        with open("/proc/self/oom_score_adj", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def current_limits() -> tuple[tuple[str, int, int], ...]:
@@ -109,6 +119,11 @@ def decode_request(body: bytes) -> Request:
         and all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c < MAX_CPUS for c in cpus)
     ):
         raise ValueError("cpus: want a list of CPU numbers")
+    oom = raw.get("oom")
+    if oom is not None and not (
+        isinstance(oom, int) and not isinstance(oom, bool) and -1000 <= oom <= 1000
+    ):
+        raise ValueError("oom: want -1000 to 1000")
     return Request(
         argv,
         env,
@@ -120,6 +135,7 @@ def decode_request(body: bytes) -> Request:
         nice,
         tuple((str(name), int(soft), int(hard)) for name, soft, hard in limits),
         tuple(cpus),
+        oom,
     )
 
 
@@ -287,6 +303,7 @@ def fork_pod(
         nice=os.getpriority(os.PRIO_PROCESS, 0),
         limits=current_limits(),
         cpus=tuple(sorted(os.sched_getaffinity(0))),
+        oom=oom_score_adj(),
     )
     for attempt in range(2):  # a stale server steps aside: the second try starts a fresh one
         try:

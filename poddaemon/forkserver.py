@@ -11,9 +11,9 @@ forked 228 MB, this server included. Forking is safe because this process never 
 
 The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
 - request: a 4-byte big-endian length and a JSON object `{argv, env, cwd, umask, title,
-  nofile, nice, limits, cpus, token}` (nofile, nice, limits and cpus: the caller's open-file
-  limit, nice value, other resource limits and CPU affinity, which the pod gets, as an exec
-  would;
+  nofile, nice, limits, cpus, oom, token}` (nofile, nice, limits, cpus and oom: the caller's
+  open-file limit, nice value, other resource limits, CPU affinity and oom_score_adj, which the
+  pod gets, as an exec would;
   token: the contents of `<runtime>/forkserver.<key>.token`, written by the server at start,
   0600); the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
 - replies, one JSON line each: `{"pid": N}` once forked, then `{"exit": code}` when the pod
@@ -66,7 +66,7 @@ from collections.abc import Callable
 import setproctitle
 
 from poddaemon import collector
-from poddaemon.forkclient import Request, decode_request, token_path
+from poddaemon.forkclient import Request, decode_request, oom_score_adj, token_path
 
 READY = b"FORKSERVER-READY\n"
 RUNNING = b"FORKSERVER-RUNNING\n"  # another server holds the lock: use that one
@@ -444,6 +444,7 @@ class Server:
         _allow_limits(req)
         _allow_nice(req.nice)
         _allow_cpus(req.cpus)
+        _allow_oom(req.oom)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()  # the preloads were frozen (load()): what a request made stays collectable
@@ -472,6 +473,8 @@ class Server:
                 resource.setrlimit(getattr(resource, name), (soft, hard))
             if req.cpus:  # the caller's (`taskset -c 0 podctl spawn`), not this server's
                 os.sched_setaffinity(0, req.cpus)
+            if req.oom is not None:  # the caller's (`choom -n 500 -- podctl spawn`)
+                _set_oom(req.oom)
             if req.nice is not None:  # the caller's (`nice podctl spawn`), not this server's
                 os.setpriority(os.PRIO_PROCESS, 0, req.nice)
             os.environ.clear()
@@ -654,6 +657,27 @@ def _allow_cpus(cpus: tuple[int, ...]) -> None:
     except OSError as exc:
         raise OSError(f"the caller's CPUs ({cpus}) are not this server's: {exc}") from None
     os.sched_setaffinity(0, own)
+
+
+def _set_oom(value: int) -> None:
+    with open("/proc/self/oom_score_adj", "wb") as f:
+        f.write(b"%d" % value)
+
+
+def _allow_oom(oom: int | None) -> None:
+    """Make sure a pod can have its caller's oom_score_adj: a server started by `choom -n 1000
+    podctl spawn` had every later pod killed first when memory ran out. A lower value than
+    this server's needs CAP_SYS_RESOURCE: tried here, on this process, and put back; OSError
+    (the client then execs the pod itself) when it is not allowed."""
+    own = oom_score_adj()
+    if oom is None or own is None or oom >= own:
+        return
+    try:
+        _set_oom(oom)
+    except OSError:
+        why = f"the caller's oom_score_adj ({oom}) is below this server's ({own})"
+        raise OSError(why) from None
+    _set_oom(own)
 
 
 def _open_lock(path: str) -> int:

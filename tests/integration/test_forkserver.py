@@ -278,6 +278,32 @@ def test_a_forked_pod_runs_on_its_callers_cpus_not_the_servers(env: Env) -> None
     assert os.sched_getaffinity(pod_pid(env, "pinned2")) == one
 
 
+def _oom(pid: int | str) -> int:
+    return int(Path(f"/proc/{pid}/oom_score_adj").read_text())
+
+
+def _choom(value: int) -> Callable[[], object]:
+    return lambda: Path("/proc/self/oom_score_adj").write_text(str(value))
+
+
+def test_a_forked_pod_has_its_callers_oom_score_adj_not_the_servers(env: Env) -> None:
+    """Found by QA: `choom -n 900 -- podctl spawn` (this pod first, when memory runs out)
+    started the server at 900, and every pod it forked later, from any shell, was the OOM
+    killer's first pick until the server went idle; a pod spawned at 900 through a server
+    at 0 got 0. An exec'd pod has its caller's value."""
+    own = _oom("self")
+    if own > 800:
+        pytest.skip(f"the tests run at oom_score_adj {own}: no higher value to start at")
+    spawn(env, "lone")
+    assert _spawn_from(env, "high", _choom(900)).returncode == 0  # starts the server at 900
+    assert _oom(server_pid(env)) == 900
+    for name, value in (("mine", own), ("higher", 950)):
+        done = _spawn_from(env, name, _choom(value))
+        assert done.returncode == 0, done.stderr
+        assert _oom(pod_pid(env, name)) == value, name
+    assert _oom(server_pid(env)) == 900  # put back
+
+
 def _spawn_niced(env: Env, name: str, nice: int) -> "subprocess.CompletedProcess[str]":
     """`nice -n NICE podctl spawn` a pod with its own directory."""
     return _spawn_from(env, name, lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
