@@ -164,7 +164,7 @@ class Server:
         self.accept_failing = ""  # why accept() failed last, until it succeeds again
         self.preload: list[Callable[[], object]] = []  # done one at a time while idle
         self.loaded_kinds: set[str] = set()
-        self.mtimes: dict[str, int] = {}
+        self.stats: dict[str, tuple[int, int, int]] = {}  # path -> _signature() at import
         self.sock_ino = 0  # of the socket file we bound
         self.wake_r, self.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         # Held in reserve: out of descriptors, accept() fails and its client would wait its
@@ -208,17 +208,17 @@ class Server:
             if "." in name and name.split(".", 1)[0] not in OWN:
                 continue
             path = getattr(mod, "__file__", None)
-            if isinstance(path, str) and path not in self.mtimes:
+            if isinstance(path, str) and path not in self.stats:
                 try:
-                    self.mtimes[path] = os.stat(path).st_mtime_ns
+                    self.stats[path] = _signature(path)
                 except OSError:
                     continue
 
     def stale(self) -> bool:
         """Has any module this server loaded changed on disk? Then a fork would run old code."""
-        for path, mtime in self.mtimes.items():
+        for path, signature in self.stats.items():
             try:
-                if os.stat(path).st_mtime_ns != mtime:
+                if _signature(path) != signature:
                     return True
             except OSError:
                 return True
@@ -521,6 +521,14 @@ class Server:
                 return
             self._reply(conn, {"stale": True})
             conn.close()
+
+
+def _signature(path: str) -> tuple[int, int, int]:
+    """What tells that a module's file changed: its mtime, and its inode and size, for an
+    upgrade that keeps the files' times (`cp -a`, `rsync -a`, an installer keeping those of its
+    archive) and so rewrote every file under the old mtime."""
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_ino, st.st_size
 
 
 def _spare() -> int:

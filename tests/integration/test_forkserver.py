@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import resource
+import shutil
 import signal
 import socket
 import struct
@@ -519,6 +520,25 @@ def test_clients_queued_behind_the_one_that_finds_the_server_stale_are_sent_on(
         os.kill(old, signal.SIGCONT)
         os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert replies == [b'{"stale": true}\n'] * 3
+    wait_until(lambda: not alive(old), what="the stale server exits")
+
+
+def test_a_module_replaced_under_its_old_mtime_makes_the_server_stale(env: Env) -> None:
+    """Found by QA: staleness was judged by mtime alone, and an upgrade that keeps the files'
+    times (`cp -a`, `rsync -a`, an installer keeping its archive's) went unseen: pods were
+    forked with the old code, silently. A file replaced (a new inode) counts as changed."""
+    spawn(env, "lone")
+    spawn(env, "one")
+    old = server_pid(env)
+    import poddaemon.sdnotify  # a module every pod loads
+
+    module = Path(poddaemon.sdnotify.__file__ or "")
+    copy = module.with_name(module.name + ".qa")
+    shutil.copy2(module, copy)  # the same bytes and times, another file
+    os.replace(copy, module)
+    second = spawn(env, "two")
+    new = server_pid(env)
+    assert new != old and ppid(second) == new
     wait_until(lambda: not alive(old), what="the stale server exits")
 
 
