@@ -153,7 +153,7 @@ def test_a_session_that_cannot_be_forked_on_a_full_disk_is_reported_as_such(
     assert "could not persist" in err.value.message
     assert "No space left on device" in err.value.message, err.value.message
     assert pod.proc.wait(20) == 1
-    assert "Traceback" not in pod.text(), pod.text()
+    assert "Traceback" not in pod.final_text(), pod.text()
 
 
 def test_podctl_send_says_why_the_pod_stopped_before_the_run_ended(

@@ -535,11 +535,18 @@ def test_podctl_spawn_shows_the_head_and_tail_of_a_flooding_servers_start_up(env
         env.podctl("stop", "floody")
 
 
+# How long podctl or a spawner waits for READY in the two tests below: more than a pod takes to
+# say it is starting on a loaded machine (1 s was not, with the suite in two workers beside
+# other work), less than the mute server's start_timeout, which they must wait out.
+READY_WAIT = 4.0
+MUTE_START_TIMEOUT = 6
+
+
 def mute_server_manifest(env: Env, name: str) -> Path:
     """A pod whose one MCP server never answers `initialize`: READY waits its start_timeout
-    (2 s), then the pod starts without it."""
+    (MUTE_START_TIMEOUT), then the pod starts without it."""
     mute = [sys.executable, "-c", "import time; time.sleep(600)"]
-    extra = server_toml("mute", start_timeout=2).replace(
+    extra = server_toml("mute", start_timeout=MUTE_START_TIMEOUT).replace(
         json.dumps([sys.executable, SERVER]), json.dumps(mute)
     )
     return env.manifest(name, extra=extra)
@@ -549,16 +556,17 @@ def test_podctl_spawn_waits_as_long_as_the_pods_mcp_servers_may_take(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """podctl gives a pod 30 s to be READY, and start_timeout is 30 s by default: it killed a
-    pod whose server never answered, which would have started without it. Here 1 s and 2 s."""
+    pod whose server never answered, which would have started without it. Here 4 s and 6 s."""
     from cli.spawn import daemon_command, spawn_detached
     from protocol import PodClient
 
     monkeypatch.setenv("FAKE_API_KEY", "test-key")
     monkeypatch.setenv("PODDAEMON_FORKSERVER", "0")
     cmd = daemon_command(str(mute_server_manifest(env, "patient")), [], None, False)
-    name, socket, early = spawn_detached(cmd, timeout=1)
+    name, socket, early = spawn_detached(cmd, timeout=READY_WAIT)
     assert name == "patient"
-    assert b"MCP server 'mute' failed to start: did not start within 2 s" in early
+    said = f"MCP server 'mute' failed to start: did not start within {MUTE_START_TIMEOUT} s"
+    assert said.encode() in early
     assert b"PODDAEMON-STARTING" not in early  # podctl's own business, not a warning
     with PodClient.connect(socket, timeout=10) as c:
         assert c.status().state == "idle"
@@ -571,7 +579,7 @@ async def test_a_spawner_waits_as_long_as_its_childs_mcp_servers_may_take(
     """The same for a child of spawn_pod (it inherits its spawner's servers)."""
     from poddaemon import spawn
 
-    monkeypatch.setattr(spawn, "READY_TIMEOUT", 1.0)
+    monkeypatch.setattr(spawn, "READY_TIMEOUT", READY_WAIT)
     monkeypatch.setenv("FAKE_API_KEY", "test-key")
     manifest = str(mute_server_manifest(env, "kid"))
     started = await spawn._exec([*env.popen_args(), manifest])
