@@ -107,6 +107,7 @@ class McpConnection:
         self._alert = alert
         self._client: Any = None
         self._process: StdioProcess | None = None
+        self._refusal: str | None = None  # how an HTTP server refused the last POST, if it did
         self._holder: asyncio.Task[None] | None = None
         self._restart: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
@@ -221,7 +222,8 @@ class McpConnection:
                     from poddaemon.mcp.http import http_transport
 
                     assert self.cfg.url is not None
-                    conn = http_transport(self.cfg.url)
+                    self._refusal = None
+                    conn = http_transport(self.cfg.url, refused=self._refused)
                 # cache=None: the pod lists tools once and keeps them.
                 client = Client(conn, client_info=info, cache=None)
                 async with client:
@@ -390,7 +392,9 @@ class McpConnection:
                 return await self._timed_out(remote, client)
             if exc.code == CONNECTION_CLOSED and not await self._answers(client):
                 return self._call_lost(remote, exc.message, client)
-            return error(f"MCP server '{self.name}' refused {remote}: {exc.message} ({exc.code})")
+            refused = f"MCP server '{self.name}' refused {remote}: {exc.message} ({exc.code})"
+            # Over HTTP, with the status: "Server returned an error response" is all the SDK says.
+            return error(self._with_stderr(refused) if self.transport == "http" else refused)
         except Exception as exc:  # a transport failure, or a result that breaks the protocol
             if self.transport == "http" and _is_connection_error(exc):
                 return self._call_lost(remote, _describe(exc), client)
@@ -482,7 +486,14 @@ class McpConnection:
             self._process.kill()
         self.state = "stopped"
 
+    def _refused(self, status: str | None) -> None:
+        self._refusal = status
+
     def _with_stderr(self, reason: str) -> str:
+        """`reason`, with what the server said besides: its stderr's last lines, or the HTTP
+        status it refused the last message with (the SDK's own error names none)."""
+        if self.transport == "http":
+            return f"{reason}; the server answered {self._refusal}" if self._refusal else reason
         process = self._process
         tail = process.stderr_tail() if process is not None else ""
         return f"{reason}; stderr: {tail}" if tail else reason

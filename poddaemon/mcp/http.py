@@ -5,7 +5,7 @@ timeout. Its SSE events have their own limit.)
 
 Imported once the SDK is (it needs httpx2 and the SDK's defaults)."""
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -38,12 +38,18 @@ class _Capped(httpx2.AsyncByteStream):
 
 
 class _CappedTransport(httpx2.AsyncBaseTransport):
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, refused: Callable[[str | None], None]) -> None:
         self._inner = httpx2.AsyncHTTPTransport()
         self._limit = limit
+        self._refused = refused
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         response = await self._inner.handle_async_request(request)
+        if request.method == "POST":  # a message; a GET or DELETE may be refused (405) by design
+            status = response.status_code
+            self._refused(
+                f"HTTP {status} {httpx2.codes.get_reason_phrase(status)}" if status >= 400 else None
+            )
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             assert isinstance(response.stream, httpx2.AsyncByteStream)
             response.stream = _Capped(response.stream, self._limit)
@@ -53,12 +59,22 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         await self._inner.aclose()
 
 
+def _ignore(status: str | None) -> None:
+    pass
+
+
 @asynccontextmanager
-async def http_transport(url: str, limit: int = MAX_LINE) -> AsyncIterator[Any]:
-    """The SDK's streamable HTTP transport to `url`, its bodies capped at `limit` bytes."""
+async def http_transport(
+    url: str, limit: int = MAX_LINE, refused: Callable[[str | None], None] = _ignore
+) -> AsyncIterator[Any]:
+    """The SDK's streamable HTTP transport to `url`, its bodies capped at `limit` bytes.
+    `refused` is told the status of each POST the server refused ("HTTP 401 Unauthorized"),
+    and None for each it took: the SDK's error for one says "Server returned an error
+    response", whatever the status, so a start that failed for a missing token said only that."""
     timeout = httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
+    transport = _CappedTransport(limit, refused)
     async with (
-        httpx2.AsyncClient(timeout=timeout, transport=_CappedTransport(limit)) as client,
+        httpx2.AsyncClient(timeout=timeout, transport=transport) as client,
         streamable_http_client(url, http_client=client) as streams,
     ):
         yield streams

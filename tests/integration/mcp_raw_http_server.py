@@ -1,16 +1,20 @@
 """A hand-written streamable-HTTP MCP server (no SDK) that answers in plain JSON bodies:
 `python mcp_raw_http_server.py` prints its URL on stdout. Tools: `echo`, and `huge` whose answer
 is one JSON body of `mb` MiB (a server that could fill the pod's memory: a JSON body, unlike an
-SSE event, had no size limit)."""
+SSE event, had no size limit), and `deny` whose call is answered 403. `--refuse STATUS`: every
+message is answered with that HTTP status (a gateway that wants a token, a server that is down)."""
 
 import json
+import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 TOOLS = [
     {"name": "echo", "inputSchema": {"type": "object"}},
     {"name": "huge", "inputSchema": {"type": "object", "properties": {"mb": {"type": "integer"}}}},
+    {"name": "deny", "inputSchema": {"type": "object"}},
 ]
+REFUSE = int(sys.argv[sys.argv.index("--refuse") + 1]) if "--refuse" in sys.argv else None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -27,8 +31,18 @@ class Handler(BaseHTTPRequestHandler):
     def do_DELETE(self) -> None:
         self.do_GET()
 
+    def refuse(self, status: int) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", "6")
+        self.end_headers()
+        self.wfile.write(b"denied")
+
     def do_POST(self) -> None:
         msg = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if REFUSE is not None:
+            self.refuse(REFUSE)
+            return
         if "id" not in msg:
             self.send_response(202)
             self.send_header("Content-Length", "0")
@@ -46,6 +60,9 @@ class Handler(BaseHTTPRequestHandler):
             result = {"tools": TOOLS}
         elif method == "ping":
             result = {}
+        elif method == "tools/call" and msg["params"]["name"] == "deny":
+            self.refuse(403)
+            return
         elif method == "tools/call":
             params = msg["params"]
             mb = params.get("arguments", {}).get("mb", 0) if params["name"] == "huge" else 0

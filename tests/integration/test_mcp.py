@@ -4,6 +4,7 @@ a real pod; results, errors and timeouts come back as tool results; the server's
 with the pod however it ends."""
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -860,3 +861,45 @@ def test_a_busy_server_that_keeps_talking_is_not_taken_for_hung(env: Env) -> Non
     assert chat["is_error"] and "timed out after 3 s (MCP server 'old'" in chat["output"], chat
     assert (shout["output"], shout["is_error"]) == ("STILL HERE", False)
     assert_the_same_server_serves(pod)
+
+
+@contextlib.contextmanager
+def raw_http_server(*args: str) -> Iterator[str]:
+    """mcp_raw_http_server.py with `args`, running: its URL."""
+    proc = subprocess.Popen(
+        [sys.executable, RAW_HTTP, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_an_http_server_that_refuses_says_its_http_status(env: Env) -> None:
+    """Found by QA: the SDK turns any HTTP error status but 404 into "Server returned an error
+    response", so a required server that wanted a token failed the pod's start saying only
+    that (no 401, nothing to go on), and so did a call the server refused (403, 500)."""
+    with raw_http_server("--refuse", "401") as url, pytest.raises(StartFailed) as failed:
+        env.start("refused", extra=server_toml("gate", url=url, required=True))
+    assert "required MCP server 'gate' failed to start" in failed.value.stderr
+    assert "the server answered HTTP 401 Unauthorized" in failed.value.stderr
+
+    env.model.script(
+        {"tool_calls": [{"name": "raw__deny", "arguments": {}}]},
+        {"tool_calls": [{"name": "raw__echo", "arguments": {}}]},
+        {"text": "done"},
+    )
+    with raw_http_server() as url:
+        pod = env.start("denied", extra=server_toml("raw", url=url))
+        with pod.client(timeout=60) as c:
+            assert c.run_wait("deny").outcome == "finished"
+        deny, echo = tool_results(pod)
+        assert_the_same_server_serves(pod)
+    assert deny["is_error"] and "the server answered HTTP 403 Forbidden" in deny["output"], deny
+    assert (echo["output"], echo["is_error"]) == ("echoed", False)
+    assert "answered HTTP" not in echo["output"]
