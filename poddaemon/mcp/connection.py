@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from poddaemon.config.manifest import McpServerConfig
-from poddaemon.mcp.handshake import Handshake, HandshakeError, handshake
+from poddaemon.mcp.handshake import Handshake, HandshakeError, handshake, repeated
 from poddaemon.mcp.stdio import StdioProcess, transport
 from poddaemon.mcp.tool import (
     McpTool,
@@ -516,9 +516,12 @@ async def _call_tool(client: Any, remote: str, args: dict[str, Any], timeout: fl
 
 async def _list_tools(client: Any) -> list[Any]:
     tools: list[Any] = []
+    seen: set[str] = set()
     cursor: str | None = None
     for _ in range(MAX_PAGES):
         page = await client.list_tools(cursor=cursor)
+        if repeated(seen, [str(tool.name) for tool in page.tools]):
+            break  # a server that ignores the cursor: the same page again
         tools.extend(page.tools)
         cursor = page.next_cursor
         if not cursor:

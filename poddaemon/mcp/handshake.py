@@ -55,6 +55,7 @@ async def handshake(process: StdioProcess) -> Handshake | None:
         raise HandshakeError(f"initialize: {problem}")
     await rpc.notify("notifications/initialized")
     tools: list[dict[str, Any]] = []
+    seen: set[str] = set()
     cursor: str | None = None
     for _ in range(MAX_PAGES):
         reply = await rpc.request("tools/list", {"cursor": cursor} if cursor else {})
@@ -65,11 +66,24 @@ async def handshake(process: StdioProcess) -> Handshake | None:
         if not isinstance(listed, list):  # read as no tools, it failed nowhere anyone would see
             raise HandshakeError(f"tools/list: no list of tools in {reply!r:.200}")
         assert isinstance(page, dict)
-        tools.extend(t for t in listed if isinstance(t, dict) and t.get("name"))
+        named = [t for t in listed if isinstance(t, dict) and t.get("name")]
+        if repeated(seen, [str(t["name"]) for t in named]):
+            break
+        tools.extend(named)
         cursor = page.get("nextCursor")
         if not cursor:
             break
     return Handshake(initialize=result, tools=tools)
+
+
+def repeated(seen: set[str], names: list[str]) -> bool:
+    """Is a tools/list page one listed before (every name of it is in `seen`, which it then
+    joins)? Found by QA: a server that ignores the cursor but always sends one, as some do,
+    was listed MAX_PAGES times, and each tool of it was an alert 99 times ("listed twice")."""
+    if names and seen.issuperset(names):
+        return True
+    seen.update(names)
+    return False
 
 
 def _unadoptable(result: dict[str, Any]) -> str | None:

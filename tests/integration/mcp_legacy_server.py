@@ -148,7 +148,10 @@ for line in sys.stdin:
         sys.stdout.write(f'{{"jsonrpc": "2.0", "id": {rid}, "result": {{"tools": {listed}}}}}\n')
         sys.stdout.flush()
     elif method == "tools/list":  # `--tools-not-a-list`: a listing no client can read
-        reply(msg["id"], {"tools": "nope" if "--tools-not-a-list" in sys.argv else TOOLS})
+        listing = {"tools": "nope" if "--tools-not-a-list" in sys.argv else TOOLS}
+        if "--same-cursor" in sys.argv:  # ignores the cursor, and always says more follow
+            listing["nextCursor"] = "more"
+        reply(msg["id"], listing)
     elif method == "tools/call" and params.get("name") == "shout":
         text = str(params.get("arguments", {}).get("text", ""))
         reply(msg["id"], {"content": [{"type": "text", "text": text.upper()}], "isError": False})

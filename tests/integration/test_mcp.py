@@ -493,6 +493,26 @@ def test_a_tool_listed_twice_and_a_name_clash_say_which_they_are(env: Env) -> No
     assert "old__a_b" in advertised_tools(env.model.requests[0]["body"])  # the first one listed
 
 
+@pytest.mark.parametrize("args", [(), ("--refuse-first-initialize",)], ids=["pod", "sdk"])
+def test_a_server_that_ignores_the_list_cursor_is_listed_once(
+    env: Env, args: tuple[str, ...]
+) -> None:
+    """Found by QA: a server that always sends a nextCursor but ignores it was listed 100
+    times (MAX_PAGES), and each of its tools was a "listed twice" alert 99 times. Listed by
+    the pod's handshake, or by the SDK when the server refuses it."""
+    env.model.script(
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "once"}}]}, {"text": "ok"}
+    )
+    extra = server_toml("old", script=LEGACY, args=("--same-cursor", *args))
+    pod = env.start("cursor", extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("shout").outcome == "finished"
+    assert [a for a in alerts(pod) if a.startswith("MCP server")] == []
+    assert "old__nap" in advertised_tools(env.model.requests[0]["body"])
+    (shout,) = tool_results(pod)
+    assert (shout["output"], shout["is_error"]) == ("ONCE", False)
+
+
 def test_more_tools_than_openai_takes_is_a_startup_warning_naming_the_fix(env: Env) -> None:
     """OpenAI refuses every request offering more than 128 tools, and one MCP server wrapping a
     whole API lists more: say so at start, where the user sees it, not at each failed run."""
