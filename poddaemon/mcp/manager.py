@@ -11,12 +11,15 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from poddaemon import collector
 from poddaemon.config.manifest import Manifest
 from poddaemon.tools.base import Tool
+
+log = logging.getLogger("poddaemon.mcp")
 
 if TYPE_CHECKING:  # imported by start_mcp: a pod without servers never loads them (~3 ms)
     from poddaemon.mcp.connection import Alert, McpConnection, McpServerStatus
@@ -46,11 +49,54 @@ class McpManager:
         await asyncio.gather(*(c.aclose() for c in self._connections))
 
 
+# The SDK's own log records reach the pod's log SDK_LOG_BURST at once, then one every
+# SDK_LOG_EVERY seconds: it logs a warning with its traceback (~17 lines) for each notification
+# it cannot validate, and a server sending those by the thousand must not flood the log (found
+# by QA: 3,000 of them were 51,000 lines, 4 MB, and ~10 s of the pod's CPU).
+SDK_LOG_BURST = 20
+SDK_LOGGERS = ("mcp", "client")  # its client session logs as "client", not under "mcp"
+SDK_LOG_EVERY = 1.0
+
+
+class _SdkLog(logging.Handler):
+    """The SDK's records, rate-limited, into the pod's log (through `poddaemon.mcp`'s handlers:
+    a filter on the `mcp` logger would not see its children's records)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._allowance = float(SDK_LOG_BURST)
+        self._refilled = time.monotonic()
+        self._dropped = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        now = time.monotonic()
+        self._allowance = min(
+            SDK_LOG_BURST, self._allowance + (now - self._refilled) / SDK_LOG_EVERY
+        )
+        self._refilled = now
+        if self._allowance < 1:
+            if not self._dropped:
+                log.warning("the MCP SDK logs faster than it is logged: records dropped")
+            self._dropped += 1
+            return
+        self._allowance -= 1
+        if self._dropped:
+            log.warning("%d records of the MCP SDK were not logged (too many)", self._dropped)
+            self._dropped = 0
+        log.handle(record)
+
+
 def _import_sdk() -> None:
     with collector.paused():  # its modules live as long as the pod (see poddaemon/collector.py)
         importlib.import_module("mcp")
-    # The SDK logs every request at INFO; the pod's log keeps its warnings.
-    logging.getLogger("mcp").setLevel(logging.WARNING)
+    # The SDK logs every request at INFO; the pod's log keeps its warnings, so many a second.
+    handler = _SdkLog()
+    for name in SDK_LOGGERS:
+        sdk = logging.getLogger(name)
+        sdk.setLevel(logging.WARNING)
+        if not any(isinstance(h, _SdkLog) for h in sdk.handlers):
+            sdk.addHandler(handler)
+            sdk.propagate = False
 
 
 def preload_sdk(manifest: Manifest) -> None:

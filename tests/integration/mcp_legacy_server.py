@@ -153,6 +153,12 @@ for line in sys.stdin:
             listing["nextCursor"] = "more"
         reply(msg["id"], listing)
     elif method == "tools/call" and params.get("name") == "shout":
+        # `--bad-notes N`: first N progress notifications no client can validate.
+        if "--bad-notes" in sys.argv:
+            for k in range(int(sys.argv[sys.argv.index("--bad-notes") + 1])):
+                bad = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"n": k}}
+                sys.stdout.write(json.dumps(bad) + "\n")
+            sys.stdout.flush()
         text = str(params.get("arguments", {}).get("text", ""))
         reply(msg["id"], {"content": [{"type": "text", "text": text.upper()}], "isError": False})
     elif method == "tools/call" and params.get("name") == "hangup":

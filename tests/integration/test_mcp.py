@@ -923,3 +923,22 @@ def test_an_http_server_that_refuses_says_its_http_status(env: Env) -> None:
     assert deny["is_error"] and "the server answered HTTP 403 Forbidden" in deny["output"], deny
     assert (echo["output"], echo["is_error"]) == ("echoed", False)
     assert "answered HTTP" not in echo["output"]
+
+
+def test_a_flood_of_notifications_the_sdk_cannot_read_does_not_flood_the_log(env: Env) -> None:
+    """Found by QA: the SDK logs a warning with a ~17-line traceback for each notification it
+    cannot validate; a server sending 3,000 put 51,000 lines (4 MB) in the pod's log, past
+    the limit its stderr has. The SDK's records are rate-limited: the call still answers."""
+    env.model.script(
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "loud"}}]}, {"text": "ok"}
+    )
+    extra = server_toml("old", script=LEGACY, args=("--bad-notes", "2000"), timeout=60)
+    pod = env.start("badnotes", extra=extra)
+    with pod.client(timeout=120) as c:
+        assert c.run_wait("shout").outcome == "finished"
+    (shout,) = tool_results(pod)
+    assert (shout["output"], shout["is_error"]) == ("LOUD", False)
+    logged = "".join(pod.stderr)
+    assert logged.count("Failed to validate notification") <= 25, len(pod.stderr)
+    assert "the MCP SDK logs faster than it is logged: records dropped" in logged
+    assert len(pod.stderr) < 1000, len(pod.stderr)
