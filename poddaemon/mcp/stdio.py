@@ -277,7 +277,11 @@ async def transport(process: StdioProcess) -> AsyncIterator[tuple[Any, Any]]:
                 if not line:
                     return  # EOF: the session sees the connection close
                 process.heard = time.monotonic()  # alive, even if too busy to answer a ping
-                if not line.strip():
+                if not line.lstrip().startswith((b"{", b"[")):
+                    # Not a JSON object or batch, so no message (a banner, a debug print): the
+                    # SDK would drop it, but only after a failed parse and a task of its own
+                    # each (found by QA: a server printing 100,000 such lines in a call kept
+                    # the pod busy for ~18 s).
                     continue
                 message: SessionMessage | Exception
                 try:

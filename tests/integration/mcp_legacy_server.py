@@ -159,6 +159,12 @@ for line in sys.stdin:
                 bad = {"jsonrpc": "2.0", "method": "notifications/progress", "params": {"n": k}}
                 sys.stdout.write(json.dumps(bad) + "\n")
             sys.stdout.flush()
+        # `--stdout-junk N`: first N lines of debug output on stdout, each flushed, as a
+        # misconfigured logger writes them.
+        if "--stdout-junk" in sys.argv:
+            for k in range(int(sys.argv[sys.argv.index("--stdout-junk") + 1])):
+                sys.stdout.write(f"DEBUG shout: step {k}\n")
+                sys.stdout.flush()
         text = str(params.get("arguments", {}).get("text", ""))
         reply(msg["id"], {"content": [{"type": "text", "text": text.upper()}], "isError": False})
     elif method == "tools/call" and params.get("name") == "hangup":

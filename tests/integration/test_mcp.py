@@ -942,3 +942,19 @@ def test_a_flood_of_notifications_the_sdk_cannot_read_does_not_flood_the_log(env
     assert logged.count("Failed to validate notification") <= 25, len(pod.stderr)
     assert "the MCP SDK logs faster than it is logged: records dropped" in logged
     assert len(pod.stderr) < 1000, len(pod.stderr)
+
+
+def test_a_server_printing_debug_lines_on_stdout_does_not_keep_the_pod_busy(env: Env) -> None:
+    """Found by QA: each line on stdout that is no JSON-RPC (a logger writing to stdout) cost
+    the pod ~0.2 ms: the SDK parsed it, failed, and spawned a task to drop it. 100,000 such
+    lines in one call kept the pod busy ~18 s, past this call's timeout; skipped, ~2 s."""
+    env.model.script(
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "heard"}}]}, {"text": "ok"}
+    )
+    extra = server_toml("old", script=LEGACY, args=("--stdout-junk", "100000"), timeout=10)
+    pod = env.start("junk", extra=extra)
+    with pod.client(timeout=120) as c:
+        assert c.run_wait("shout").outcome == "finished"
+    (shout,) = tool_results(pod)
+    assert (shout["output"], shout["is_error"]) == ("HEARD", False)
+    assert_the_same_server_serves(pod)
