@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -441,12 +442,18 @@ class McpConnection:
     async def _answers(client: Any) -> bool:
         """Does the server answer a ping? An error reply is an answer (a server without `ping`,
         -32601, is alive), unless it is the SDK saying none came or the connection is gone."""
-        from mcp import MCPError
+        from mcp import MCPDeprecationWarning, MCPError
         from mcp_types import CONNECTION_CLOSED, REQUEST_TIMEOUT
 
+        # The SDK's `Client` marks ping deprecated (the 2026-07-28 revision drops it; servers of
+        # the others answer it): its warning went raw into the pod's stderr.log. Said when the
+        # coroutine is made, so the filter need not outlive an await.
         try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", MCPDeprecationWarning)
+                ping = client.send_ping()
             async with asyncio.timeout(PING_TIMEOUT):
-                await client.send_ping()
+                await ping
         except MCPError as exc:
             return exc.code not in (REQUEST_TIMEOUT, CONNECTION_CLOSED)
         except Exception:
