@@ -379,7 +379,7 @@ def test_an_http_server_that_goes_away_fails_its_calls_and_is_retried_once(
 ) -> None:
     add = {"tool_calls": [{"name": "web__add", "arguments": {"a": 1, "b": 2}}]}
     env.model.script(add, {**add, "gate": "killed"}, add, {"text": "carried on"})
-    pod = env.start("httplost", extra=server_toml("web", url=http_server.url, start_timeout=3))
+    pod = env.start("httplost", extra=server_toml("web", url=http_server.url, start_timeout=10))
     with pod.client() as c:
         run = c.run("call it while it dies")
         env.model.wait_for_requests(2)
