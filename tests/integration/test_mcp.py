@@ -928,19 +928,24 @@ def test_an_http_server_that_refuses_says_its_http_status(env: Env) -> None:
     assert "answered HTTP" not in echo["output"]
 
 
+def shout_once(env: Env, name: str, args: tuple[str, ...], timeout: float) -> PodProcess:
+    """A pod whose legacy server runs with `args` answers one `shout` call rightly."""
+    env.model.script(
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "heard"}}]}, {"text": "ok"}
+    )
+    pod = env.start(name, extra=server_toml("old", script=LEGACY, args=args, timeout=timeout))
+    with pod.client(timeout=120) as c:
+        assert c.run_wait("shout").outcome == "finished"
+    (shout,) = tool_results(pod)
+    assert (shout["output"], shout["is_error"]) == ("HEARD", False)
+    return pod
+
+
 def test_a_flood_of_notifications_the_sdk_cannot_read_does_not_flood_the_log(env: Env) -> None:
     """Found by QA: the SDK logs a warning with a ~17-line traceback for each notification it
     cannot validate; a server sending 3,000 put 51,000 lines (4 MB) in the pod's log, past
     the limit its stderr has. The SDK's records are rate-limited: the call still answers."""
-    env.model.script(
-        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "loud"}}]}, {"text": "ok"}
-    )
-    extra = server_toml("old", script=LEGACY, args=("--bad-notes", "2000"), timeout=60)
-    pod = env.start("badnotes", extra=extra)
-    with pod.client(timeout=120) as c:
-        assert c.run_wait("shout").outcome == "finished"
-    (shout,) = tool_results(pod)
-    assert (shout["output"], shout["is_error"]) == ("LOUD", False)
+    pod = shout_once(env, "badnotes", ("--bad-notes", "2000"), timeout=60)
     logged = "".join(pod.stderr)
     assert logged.count("Failed to validate notification") <= 25, len(pod.stderr)
     assert "the MCP SDK logs faster than it is logged: records dropped" in logged
@@ -951,13 +956,5 @@ def test_a_server_printing_debug_lines_on_stdout_does_not_keep_the_pod_busy(env:
     """Found by QA: each line on stdout that is no JSON-RPC (a logger writing to stdout) cost
     the pod ~0.2 ms: the SDK parsed it, failed, and spawned a task to drop it. 100,000 such
     lines in one call kept the pod busy ~18 s, past this call's timeout; skipped, ~2 s."""
-    env.model.script(
-        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "heard"}}]}, {"text": "ok"}
-    )
-    extra = server_toml("old", script=LEGACY, args=("--stdout-junk", "100000"), timeout=10)
-    pod = env.start("junk", extra=extra)
-    with pod.client(timeout=120) as c:
-        assert c.run_wait("shout").outcome == "finished"
-    (shout,) = tool_results(pod)
-    assert (shout["output"], shout["is_error"]) == ("HEARD", False)
+    pod = shout_once(env, "junk", ("--stdout-junk", "100000"), timeout=10)
     assert_the_same_server_serves(pod)
