@@ -40,6 +40,7 @@ __all__ = [
     "lock_holder",
     "make_entry",
     "process_start_time",
+    "start_time_of_stat",
 ]
 
 LOCK_TIMEOUT = 10.0  # seconds; a transaction takes milliseconds, so this means a stuck holder
@@ -122,27 +123,35 @@ def _reason(e: OSError) -> str:
 
 
 def process_start_time(pid: int) -> int | None:
-    """Start time of `pid` in clock ticks since boot, or None when no such (living) process.
-
-    The command name (field 2) may hold spaces and parentheses, so split at the last ')'.
-    Zombies count as gone: the pod has exited and only waits for its parent to reap it.
-    """
+    """Start time of `pid` in clock ticks since boot, or None when no such (living) process."""
     if pid <= 0:
         return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
+            return start_time_of_stat(f.read())
     except OSError:
         return None
+
+
+# PF_EXITING in a task's flags: do_exit has begun. Set before the process's files are closed.
+_PF_EXITING = 0x4
+
+
+def start_time_of_stat(data: bytes) -> int | None:
+    """The start time in a /proc/PID/stat line, or None for a process that is gone or going.
+
+    The command name (field 2) may hold spaces and parentheses, so split at the last ')'.
+    Zombies count as gone: the pod has exited and only waits for its parent to reap it. So does
+    a process already in its exit: a pod killed a moment ago has closed its socket, and is not
+    "starting" again while the kernel finishes tearing it down (it runs no more code of its own).
+    """
     _, sep, rest = data.rpartition(b")")
     fields = rest.split()
-    # rest starts at field 3 (state); field 22 (starttime) is therefore fields[19].
-    if not sep or len(fields) < 20:
-        return None
-    if fields[0] in (b"Z", b"X"):
+    # rest starts at field 3 (state): field 9 (flags) is fields[6], 22 (starttime) fields[19].
+    if not sep or len(fields) < 20 or fields[0] in (b"Z", b"X"):
         return None
     try:
-        return int(fields[19])
+        return None if int(fields[6]) & _PF_EXITING else int(fields[19])
     except ValueError:
         return None
 

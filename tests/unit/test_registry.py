@@ -22,6 +22,7 @@ from poddaemon.registry import (
     is_alive,
     make_entry,
     process_start_time,
+    start_time_of_stat,
 )
 from poddaemon.scope import Scope
 from tests.conftest import ROOT
@@ -364,6 +365,26 @@ def test_start_time_with_odd_command_name() -> None:
         proc.stdin.close()
         proc.wait()
     assert process_start_time(proc.pid) is None
+
+
+def test_a_process_in_its_exit_or_a_zombie_has_no_start_time() -> None:
+    """A pod killed a moment ago has closed its socket while the kernel still tears it down
+    (PF_EXITING in its flags, not yet a zombie): `podctl wait` took it for a pod starting."""
+    own = Path("/proc/self/stat").read_bytes()
+    head, _, rest = own.rpartition(b")")
+    fields = rest.split()
+    assert start_time_of_stat(own) == int(fields[19])
+
+    def with_(state: bytes, flags: int) -> bytes:
+        changed = [state, *fields[1:6], str(flags).encode(), *fields[7:]]
+        return head + b") " + b" ".join(changed) + b"\n"
+
+    running = int(fields[6])
+    assert start_time_of_stat(with_(b"R", running & ~0x4)) == int(fields[19])
+    assert start_time_of_stat(with_(b"R", running | 0x4)) is None  # PF_EXITING
+    assert start_time_of_stat(with_(b"D", running | 0x4)) is None
+    assert start_time_of_stat(with_(b"Z", running & ~0x4)) is None
+    assert start_time_of_stat(b"12 (no closing paren R 1 2") is None
 
 
 def test_start_time_of_nothing() -> None:
