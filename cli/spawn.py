@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from poddaemon import forkclient
@@ -140,36 +140,53 @@ def spawn_detached(cmd: list[str], timeout: float = READY_TIMEOUT) -> tuple[str,
     Raises SpawnFailed when the pod exits (or closes stderr) first, or after `timeout` seconds,
     plus those a `PODDAEMON-STARTING` line asks for (then its whole process group is killed).
     """
-    with _terminate_as_exit():
-        return _spawn_detached(cmd, timeout)
+    with _terminate_as_exit() as release:
+        return _spawn_detached(cmd, timeout, release)
 
 
 @contextlib.contextmanager
-def _terminate_as_exit() -> Iterator[None]:
+def _terminate_as_exit() -> Iterator[Callable[[], None]]:
     """SIGTERM or SIGHUP to a waiting podctl (`timeout 10 podctl spawn`, a cancelled CI job, a
     closed terminal) raise SystemExit(128 + signal), as Ctrl-C raises KeyboardInterrupt: the
     pod being started is stopped with it. By default podctl died on the spot and left the pod,
-    in a session of its own, starting (or stuck: a FIFO manifest without writer) for nobody."""
+    in a session of its own, starting (or stuck: a FIFO manifest without writer) for nobody.
+
+    Until the function it yields is called, a signal is held: while the pod is being started
+    podctl does not yet know its pid, and a SystemExit there left the pod running. Called, it
+    raises for a signal held."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield lambda: None
         return
+    held: list[int] = []
+    released = False
 
     def terminated(signum: int, _frame: object) -> None:
+        if not released:
+            held.append(signum)
+            return
         raise SystemExit(128 + signum)
+
+    def release() -> None:
+        nonlocal released
+        released = True
+        if held:
+            raise SystemExit(128 + held[0])
 
     sigs = (signal.SIGTERM, signal.SIGHUP)
     previous = {sig: signal.signal(sig, terminated) for sig in sigs}
     try:
-        yield
+        yield release
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _spawn_detached(cmd: list[str], timeout: float) -> tuple[str, str, bytes]:
+def _spawn_detached(
+    cmd: list[str], timeout: float, release: Callable[[], None]
+) -> tuple[str, str, bytes]:
     fd, write_end = os.pipe2(os.O_CLOEXEC)
     try:
-        proc = start([*cmd, "--stderr-log"], write_end)
+        proc = start([*cmd, "--stderr-log"], write_end)  # (SIGTERM held: see _terminate_as_exit)
     except forkclient.ServerLost as exc:
         os.close(fd)
         raise SpawnFailed(str(exc), b"") from None
@@ -179,7 +196,7 @@ def _spawn_detached(cmd: list[str], timeout: float) -> tuple[str, str, bytes]:
     finally:
         os.close(write_end)
     try:
-        return _await_ready(proc, fd, timeout)
+        return _await_ready(proc, fd, timeout, release)
     finally:
         os.close(fd)
         proc.close()
@@ -208,12 +225,15 @@ def shortened(output: bytes, pod: str | None = None) -> bytes:
     return b"".join([*lines[:EARLY_HEAD], note, *lines[-EARLY_TAIL:]])
 
 
-def _await_ready(proc: Started, fd: int, timeout: float) -> tuple[str, str, bytes]:
+def _await_ready(
+    proc: Started, fd: int, timeout: float, release: Callable[[], None]
+) -> tuple[str, str, bytes]:
     pending = bytearray()  # the incomplete last line
     output = bytearray()  # complete lines before READY
     started = time.monotonic()
     deadline = started + timeout
     try:
+        release()  # a SIGTERM from now on (or one held) stops the pod too
         with selectors.DefaultSelector() as sel:
             sel.register(fd, selectors.EVENT_READ)
             while True:
