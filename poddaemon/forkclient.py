@@ -39,17 +39,16 @@ class Request(NamedTuple):
     cwd: str
     umask: int
     title: list[str]  # the command line `ps` shows: what the pod would have been exec'd as
-    nofile: tuple[int, ...] = ()  # the caller's open-file limit (soft, hard), as exec would keep
     token: str = ""  # the server's token file's contents: proof the caller may read our runtime dir
     nice: int | None = None  # the caller's nice value, as exec would keep
-    # The caller's other resource limits (`ulimit -c`, `-v`, `-u`…): (name, soft, hard) each
+    # The caller's resource limits (`ulimit -n`, `-c`, `-v`…): (name, soft, hard) each
     limits: tuple[tuple[str, int, int], ...] = ()
     cpus: tuple[int, ...] = ()  # the CPUs the caller may run on (`taskset`); () : the server's
     oom: int | None = None  # the caller's oom_score_adj (`choom`), as exec would keep
 
 
-# Every resource limit but the open-file one (`nofile`): an exec'd pod inherits them all.
-LIMITS = tuple(n for n in dir(resource) if n.startswith("RLIMIT_") and n != "RLIMIT_NOFILE")
+# Every resource limit: an exec'd pod inherits them all.
+LIMITS = tuple(n for n in dir(resource) if n.startswith("RLIMIT_"))
 
 
 MAX_CPUS = 1 << 16  # the kernel's own bound (CONFIG_NR_CPUS is at most 8192)
@@ -85,13 +84,6 @@ def decode_request(body: bytes) -> Request:
         raise ValueError("env: want an object of strings")
     if not isinstance(cwd, str) or not isinstance(umask, int) or not isinstance(title, list):
         raise ValueError("want cwd: str, umask: int, title: [str]")
-    nofile = raw.get("nofile", [])
-    if not (isinstance(nofile, list) and len(nofile) in (0, 2)):
-        raise ValueError("nofile: want [soft, hard]")
-    # Each a limit setrlimit takes (-1: unlimited): a larger one raised OverflowError in the
-    # server's own setrlimit, past its error handling, and the whole server died.
-    if not all(_is_rlimit(n) for n in nofile):
-        raise ValueError("nofile: want [soft, hard]")
     nice = raw.get("nice")
     if nice is not None and not (isinstance(nice, int) and not isinstance(nice, bool)):
         raise ValueError("nice: want an integer")
@@ -101,6 +93,8 @@ def decode_request(body: bytes) -> Request:
     if not isinstance(token, str):
         raise ValueError("token: want a string")
     limits = raw.get("limits", [])
+    # Each a limit setrlimit takes (-1: unlimited): a larger one raised OverflowError in the
+    # server's own setrlimit, past its error handling, and the whole server died.
     if not (
         isinstance(limits, list)
         and all(
@@ -130,7 +124,6 @@ def decode_request(body: bytes) -> Request:
         cwd,
         umask,
         [str(t) for t in title],
-        tuple(nofile),
         token,
         nice,
         tuple((str(name), int(soft), int(hard)) for name, soft, hard in limits),
@@ -299,7 +292,6 @@ def fork_pod(
         cwd=os.getcwd(),
         umask=current_umask(),
         title=cmd,
-        nofile=resource.getrlimit(resource.RLIMIT_NOFILE),
         nice=os.getpriority(os.PRIO_PROCESS, 0),
         limits=current_limits(),
         cpus=tuple(sorted(os.sched_getaffinity(0))),

@@ -11,9 +11,8 @@ forked 228 MB, this server included. Forking is safe because this process never 
 
 The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
 - request: a 4-byte big-endian length and a JSON object `{argv, env, cwd, umask, title,
-  nofile, nice, limits, cpus, oom, token}` (nofile, nice, limits, cpus and oom: the caller's
-  open-file limit, nice value, other resource limits, CPU affinity and oom_score_adj, which the
-  pod gets, as an exec would;
+  nice, limits, cpus, oom, token}` (nice, limits, cpus and oom: the caller's nice value,
+  resource limits, CPU affinity and oom_score_adj, which the pod gets, as an exec would;
   token: the contents of `<runtime>/forkserver.<key>.token`, written by the server at start,
   0600); the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
 - replies, one JSON line each: `{"pid": N}` once forked, then `{"exit": code}` when the pod
@@ -467,9 +466,9 @@ class Server:
                 _set_title(" ".join(req.title))
             os.chdir(req.cwd)
             os.umask(req.umask)
-            if req.nofile:  # the caller's, not this server's (started from another shell)
-                resource.setrlimit(resource.RLIMIT_NOFILE, (req.nofile[0], req.nofile[1]))
-            for name, soft, hard in req.limits:  # `ulimit -c 0`, `-v`, `-u`…: the same
+            # The caller's limits (`ulimit -n`, `-c 0`, `-v`…), not this server's (started from
+            # another shell)
+            for name, soft, hard in req.limits:
                 resource.setrlimit(getattr(resource, name), (soft, hard))
             if req.cpus:  # the caller's (`taskset -c 0 podctl spawn`), not this server's
                 os.sched_setaffinity(0, req.cpus)
@@ -622,15 +621,15 @@ def _allow_limits(req: Request) -> None:
     """Let a pod have its caller's resource limits: raise this server's hard limits to them,
     when the server was started from a shell with lower ones. OSError (the client then execs
     the pod itself) when that is not allowed."""
-    wanted = [("open-file limit", resource.RLIMIT_NOFILE, req.nofile[1])] if req.nofile else []
-    wanted += [(name, getattr(resource, name), hard) for name, _, hard in req.limits]
-    for what, res, want in wanted:
+    for name, _, want in req.limits:
+        res = getattr(resource, name)
         soft, hard = resource.getrlimit(res)
         if hard == resource.RLIM_INFINITY or (want != resource.RLIM_INFINITY and want <= hard):
             continue
         try:
             resource.setrlimit(res, (soft, want))
         except (ValueError, OSError):
+            what = "open-file limit" if name == "RLIMIT_NOFILE" else name
             raise OSError(f"the caller's {what} ({want}) is above this server's") from None
 
 

@@ -830,7 +830,7 @@ try:
 except OSError as exc:
     print("token unreadable:", type(exc).__name__)
 req = {"argv": ["run", manifest], "env": dict(os.environ), "cwd": "/", "umask": 18,
-       "title": ["poddaemon", "run", manifest], "nofile": [1024, 1024], "token": "".join(stolen)}
+       "title": ["poddaemon", "run", manifest], "token": "".join(stolen)}
 body = json.dumps(req).encode()
 s = socket.socket(socket.AF_UNIX)
 s.connect(sock)
@@ -991,20 +991,22 @@ def test_a_request_sent_a_byte_at_a_time_is_given_up(env: Env) -> None:
 def test_an_open_file_limit_beyond_any_rlimit_is_a_bad_request_not_the_servers_end(
     env: Env,
 ) -> None:
-    """Found by QA: `nofile` [1, 2**70] (with the token) raised OverflowError in the server's
-    own setrlimit, which nothing caught: the server died, and every client waiting on it."""
+    """Found by QA: an open-file limit of [1, 2**70] (with the token) raised OverflowError in
+    the server's own setrlimit, which nothing caught: the server died, and every client waiting
+    on it."""
     spawn(env, "lone")
     spawn(env, "one")
     server = server_pid(env)
     (sock,) = (env.home / "run").glob("forkserver.*.sock")
     token = Path(forkclient.token_path(str(sock))).read_text().strip()
-    request = forkclient.Request(["--version"], {}, "/", 0o22, [], (1, 2**70), token)
+    huge = (("RLIMIT_NOFILE", 1, 2**70),)
+    request = forkclient.Request(["--version"], {}, "/", 0o22, [], token, limits=huge)
     null = os.open(os.devnull, os.O_RDWR)
     try:
         reply = _raw(str(sock), forkclient.encode_request(request), [null, null, null])
     finally:
         os.close(null)
-    assert "bad request: nofile" in str(reply.get("error")), reply
+    assert "bad request: limits" in str(reply.get("error")), reply
     assert alive(server) and ppid(spawn(env, "two")) == server
 
 
