@@ -33,6 +33,7 @@ from poddaemon.entries import (
     SystemItem,
     ToolOutput,
     ToolResultEntry,
+    TurnEnd,
     UserInput,
     from_log,
 )
@@ -372,6 +373,8 @@ def _apply(s: SessionState, e: Entry) -> None:
             s.tool_outputs.pop(item.call_id, None)
         case ToolOutput(item=item):
             s.tool_outputs[item.call_id] = e
+        case TurnEnd():
+            pass  # a marker for readers of the log (one per round): it changes no state
         case LlmUsage():
             u = e.usage()
             s.usage.add(u)
