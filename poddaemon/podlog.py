@@ -207,6 +207,9 @@ class PodLog:
         the old session as if the compaction had not started; after it, the new one is
         complete. False if it could not be written (the pod then stops)."""
         old = self.log
+        # Named as a failed append is: a unit's journal has no other trace of which file.
+        path = session_path(self.sessions_dir, start.session_id)
+        failing = f"cannot write the compacted session {path}"
         try:
             self.log = SessionLog.create_complete(
                 self.sessions_dir,
@@ -217,13 +220,13 @@ class PodLog:
             )
             _crash_point("complete")
             if old is not None:
+                # The new session is written by now: a failure here is the old file's.
+                failing = f"session log {old.path} write failed before the switch to {path}"
                 with contextlib.suppress(HeadMoved):  # then it is not ours: the new one holds all
                     old.sync_now()  # replies waiting on the old log see it durable
         except OSError as exc:
             self.log = old
-            # Named as a failed append is: a unit's journal has no other trace of which file.
-            path = session_path(self.sessions_dir, start.session_id)
-            self._failed(f"cannot write the compacted session {path}: {exc.strerror or exc}")
+            self._failed(f"{failing}: {exc.strerror or exc}")
             return False
         self._input_seq = 0  # the new session is durable: its inputs are in its first entry
         if old is not None:
