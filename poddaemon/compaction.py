@@ -17,6 +17,9 @@ from poddaemon.history import AssistantMessage, Item, SystemNote, Usage, UserMes
 SHRINK_MIN = 0.05  # a compaction that shrinks the context less is not repeated in that run
 BREAKER_FAILURES = 3  # failures in a row that turn automatic compaction off
 SUMMARY_TAG = "<compaction-summary>"
+# How the error of a run ends when the provider refused its request as too long (compaction on):
+# the log's mark that the next run must compact first, restarted or not.
+CONTEXT_FULL = "context full: "
 CHILDREN_TAG = "<live-children>"
 
 SUMMARY_PROMPT = """\

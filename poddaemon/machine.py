@@ -764,13 +764,9 @@ class Machine:
             self._charge_cut_call(turn.run_id, answered, partial)
             failure = error
             if failure is not None and failure.kind == "context_overflow" and self._compaction_on():
-                message = f"context full: {failure.message}"
+                message = f"{compaction.CONTEXT_FULL}{failure.message}"
                 failure = ProviderError(failure.kind, message, failure.status)
-                # The refused request reported no size; the last call's, under the threshold
-                # (one round's tool results took it past the window), kept every later run
-                # from compacting first: each failed "context full" for good.
-                threshold = self.cfg.compact_threshold or 0
-                self._last_input = max(self._context_size(), threshold)
+                self._refused_as_too_long()
             self._commit_all(turn.model_failed(failure, partial))
             self._advance()
 
@@ -859,6 +855,8 @@ class Machine:
             self.system_prompt = self.state.system_prompt
             # A compaction the last call made due, which a crash cut short, is made again.
             self._last_input = calls.context_size(self.cfg.provider_kind)
+            if calls.refused_as_too_long and self._compaction_on():
+                self._refused_as_too_long()  # (the run's end says so: the mark outlives us)
             stale = [i for i, o in self.state.outbox.items() if o.event_kind in FINAL_REPORTS]
             if stale:  # "this pod stopped", from an earlier life: not true now it runs again
                 self._commit(OutboxAcked(ids=stale))
@@ -1054,6 +1052,14 @@ class Machine:
 
     def _compaction_on(self) -> bool:
         return self.cfg.compact_threshold is not None
+
+    def _refused_as_too_long(self) -> None:
+        """The provider refused the context as too long: the next run compacts first. The
+        refused request reported no size; the last call's, under the threshold (one round's
+        tool results took it past the window), kept every later run from compacting first:
+        each failed "context full" for good."""
+        threshold = self.cfg.compact_threshold or 0
+        self._last_input = max(self._context_size(), threshold)
 
     def _context_size(self) -> int:
         if self._last_input is not None:
@@ -1584,16 +1590,24 @@ class Machine:
 
 
 class _LastCall:
-    """The entries passed through, noting the session's last `llm_usage` on the way."""
+    """The entries passed through, noting the session's last `llm_usage` on the way, and
+    whether a run ended refused as too long since."""
 
     def __init__(self, entries: Iterable[dict[str, Any]]) -> None:
         self._entries = entries
         self._last: dict[str, Any] | None = None
+        self.refused_as_too_long = False
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for e in self._entries:
-            if e.get("kind") == "llm_usage":
+            kind = e.get("kind")
+            if kind == "llm_usage":
                 self._last = e
+                self.refused_as_too_long = False  # a call answered since: its size says
+            elif kind == "run_end" and e.get("outcome") == "error":
+                error = e.get("error")
+                if isinstance(error, str) and error.startswith(compaction.CONTEXT_FULL):
+                    self.refused_as_too_long = True
             yield e
 
     def context_size(self, provider_kind: str) -> int | None:
