@@ -748,6 +748,7 @@ def _serve(
     from poddaemon.prompt import Instruction, PromptError
     from poddaemon.scope import Scope
     from poddaemon.server import RpcServer
+    from poddaemon.store.file import remove_leftovers
     from poddaemon.store.log import LogCorrupt
     from poddaemon.toolset import Toolset
 
@@ -758,6 +759,8 @@ def _serve(
     except OSError as exc:
         raise StartupError(os_error_line(exc), lasting=False) from None
     _check_writable(sessions_dir)
+    with contextlib.suppress(OSError):  # (a crash's temp files: a start that cannot, goes on)
+        remove_leftovers(sessions_dir, manifest.pod.name)
     bus = EventBus(first_seq=time.time_ns() // 1000)  # see EventBus: cursors of earlier lives
     services = Services(
         manifest=manifest,

@@ -26,6 +26,7 @@ fsync "succeeding" would prove nothing. The owner should stop or fork into a new
 import asyncio
 import contextlib
 import errno
+import fcntl
 import os
 import re
 import stat
@@ -154,14 +155,47 @@ def _close_and_remove(fd: int, path: Path) -> None:
         path.unlink()
 
 
-def _remove_leftovers(sessions_dir: Path, pod: str) -> None:
-    """Remove the ``.tmp`` files an earlier life of `pod` left when it crashed before their
-    rename (a compaction cut short): nothing reads them, and only one pod of a name lives at
-    a time, so no other writer is making one of them now."""
-    for tmp in sessions_dir.glob("*.jsonl.tmp"):
+def remove_leftovers(sessions_dir: StrPath, pod: str) -> None:
+    """Remove the ``.tmp`` files a crash left before their rename (a compaction cut short):
+    nothing reads them. Those of `pod` (only one pod of a name lives at a time, so no other
+    writer is making one of them now), and those whose first line is unreadable (a power cut
+    can leave one empty or torn: it names no pod, and was kept for ever) that no writer holds:
+    a writer keeps its temp file locked until it is renamed (`_open_locked`)."""
+    for tmp in Path(sessions_dir).glob("*.jsonl.tmp"):
         with contextlib.suppress(OSError):
-            if _head(_first_line(tmp)).pod == pod:
-                tmp.unlink()
+            _remove_leftover(tmp, pod)
+
+
+def _remove_leftover(tmp: Path, pod: str) -> None:
+    fd = os.open(tmp, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return  # being written now
+        owner = _head(_first_line(tmp)).pod
+        if (owner == pod or not owner) and _still_named(tmp, fd):
+            tmp.unlink()  # (under the lock: a writer that opened it before makes another)
+    finally:
+        os.close(fd)
+
+
+def _open_locked(tmp: Path) -> int:
+    """`tmp` created (emptied) for writing and locked until it is closed: `remove_leftovers`
+    removes no temp file a writer holds. One removed between its creation and the lock is
+    created again."""
+    while True:
+        fd = paths.open_private(tmp, os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if _still_named(tmp, fd):
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def _still_named(path: Path, fd: int) -> bool:
@@ -361,7 +395,7 @@ class SessionLog:
         line, entry = encode_entry(
             1, time.time() if ts is None else ts, "session_start", GENESIS, start_body
         )
-        fd = paths.open_private(tmp, os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC)
+        fd = _open_locked(tmp)
         try:
             _write_all(fd, line)
             if written is not None:
@@ -376,7 +410,7 @@ class SessionLog:
             raise
         pod = start_body.get("pod")
         if isinstance(pod, str):
-            _remove_leftovers(path.parent, pod)
+            remove_leftovers(path.parent, pod)
         return cls(path, session_id, fd, 1, entry["hash"], len(line), line)
 
     @classmethod

@@ -1,8 +1,11 @@
 """Compaction with real pods, the real SDKs and the fake model (SPEC §3, §5, §8)."""
 
+import fcntl
 import itertools
 import json
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +13,7 @@ import pytest
 from poddaemon.compaction import SUMMARY_TAG
 from poddaemon.podlog import CRASH_ENV
 from poddaemon.store.file import list_sessions, read_session
+from poddaemon.store.log import GENESIS, encode_entry, new_session_id
 from protocol.types import Event
 from tests.conftest import (
     PROVIDER_KINDS,
@@ -290,6 +294,36 @@ def test_kill_9_during_a_compaction_restores_a_valid_session(env: Env, point: st
         entries[0].get("compacted_from") and entries[0].get("active_run")
     )
     again.stop()
+
+
+def test_a_start_removes_the_temp_files_a_crash_left_but_none_being_written(env: Env) -> None:
+    """Found by QA: a compacted session's `.tmp`, left by a power cut while it was written
+    (empty, or its first line torn), names no pod: only one whose first line named this pod
+    was ever removed (and only at its next compaction), so such a file stayed for good. A
+    start now removes them, and its own pod's, but never one a writer holds locked (another
+    pod compacting now) nor a readable one of another pod (its own start removes it)."""
+    sessions = env.home / "data" / "sessions"
+    sessions.mkdir(parents=True, mode=0o700)
+
+    def tmp(pod: str | None, first: bytes = b"") -> Path:
+        path = sessions / f"{new_session_id()}.jsonl.tmp"
+        if pod is not None:
+            first, _ = encode_entry(1, 1.0, "session_start", GENESIS, {"pod": pod})
+        path.write_bytes(first)
+        return path
+
+    empty, torn, ours = tmp(None), tmp(None, b'{"seq":1,"ts":1.0,"ki'), tmp("pod")
+    others, written_now = tmp("other"), tmp(None)
+    fd = os.open(written_now, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as a writer holds its temp file until the rename
+        pod = env.start()
+        left = sorted(p.name for p in sessions.iterdir() if p.suffix == ".tmp")
+    finally:
+        os.close(fd)
+    assert left == sorted([others.name, written_now.name])
+    assert not any(p.exists() for p in (empty, torn, ours))
+    pod.stop()
 
 
 # --- guards and the method -----------------------------------------------------------------------

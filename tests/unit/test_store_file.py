@@ -2,6 +2,7 @@
 
 import asyncio
 import errno
+import fcntl
 import os
 import shutil
 import stat
@@ -27,6 +28,7 @@ from poddaemon.store.file import (
     read_page,
     read_session,
     remove_if_empty,
+    remove_leftovers,
     session_to_resume,
 )
 from poddaemon.store.log import LogCorrupt, new_session_id, verify
@@ -991,10 +993,34 @@ def test_a_new_complete_session_removes_the_tmp_files_its_pod_left_in_a_crash(
     mine, theirs = leftover("p"), leftover("q")
     garbage = sessions / f"{new_session_id()}.jsonl.tmp"
     garbage.write_bytes(b"\x00 not a line")
-    log = SessionLog.create_complete(sessions, new_session_id(), {"pod": "p"})
+    held = sessions / f"{new_session_id()}.jsonl.tmp"
+    held.write_bytes(b"")
+    fd = os.open(held, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # its writer is at work
+        log = SessionLog.create_complete(sessions, new_session_id(), {"pod": "p"})
+        log.close()
+    finally:
+        os.close(fd)
+    assert not mine.exists() and not garbage.exists()  # nobody names it, nobody writes it
+    assert theirs.exists() and held.exists()  # another pod's, and one being written
+
+
+def test_a_temp_file_being_written_is_never_removed_as_a_leftover(sessions: Path) -> None:
+    """A writer holds its temp file locked until the rename: a start cleaning up (even of the
+    same pod name) between the write and the rename leaves it, and the session comes whole."""
+    sid = new_session_id()
+    tmp = sessions / f"{sid}.jsonl.tmp"
+    seen: list[bool] = []
+
+    def cleaner_meanwhile() -> None:
+        remove_leftovers(sessions, "p")
+        seen.append(tmp.exists())
+
+    log = SessionLog.create_complete(sessions, sid, {"pod": "p"}, written=cleaner_meanwhile)
     log.close()
-    assert not mine.exists()
-    assert theirs.exists() and garbage.exists()  # another pod's, and one nobody names
+    assert seen == [True] and not tmp.exists()
+    assert read_session(sessions, sid).entries[0]["pod"] == "p"
 
 
 def test_resume_never_picks_a_copy_under_another_sessions_name(sessions: Path) -> None:
