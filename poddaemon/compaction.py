@@ -12,10 +12,11 @@ are not history at all: they stay pending and reach the first request after the 
 
 import msgspec
 
-from poddaemon.history import AssistantMessage, Item, SystemNote, Usage, UserMessage
+from poddaemon.history import AssistantMessage, Item, SystemNote, ToolResult, Usage, UserMessage
 
 SHRINK_MIN = 0.05  # a compaction that shrinks the context less is not repeated in that run
 BREAKER_FAILURES = 3  # failures in a row that turn automatic compaction off
+TRIM_SHARE = 4  # a summary request refused as too long drops at least 1/4 of its history
 SUMMARY_TAG = "<compaction-summary>"
 # How the error of a run ends when the provider refused its request as too long (compaction on):
 # the log's mark that the next run must compact first, restarted or not.
@@ -39,6 +40,11 @@ Where the work stands right now; what the last tool calls did.
 What is still to do, in order, and any question waiting for an answer.
 
 Be specific and complete; leave out pleasantries."""
+
+TRIMMED_NOTE = (
+    "[The oldest part of this conversation was left out here: it did not fit the model's "
+    "context window.]"
+)
 
 
 def context_tokens(usage: Usage, provider_kind: str) -> int:
@@ -66,6 +72,35 @@ def estimated_usage(system: str, items: list[Item], answer: Item) -> Usage:
 def summary_request_items(history: list[Item]) -> list[Item]:
     """The summary call's items: the history as it is, then the instruction to summarize."""
     return [*history, UserMessage(text=SUMMARY_PROMPT)]
+
+
+def trimmed_summary_request(items: list[Item]) -> list[Item] | None:
+    """The summary request `items` (see `summary_request_items`) without its oldest rounds,
+    for a provider that refused it as too long; None when only one round is left. With the
+    pod's own model summarizing, the request is the very context that outgrew the window:
+    sent again whole it failed every time, and the breaker turned compaction off for good.
+    Each call drops at least 1/TRIM_SHARE of the history's bytes, whole rounds (an assistant
+    message with its tool results, and the inputs just before it), so a call never loses its
+    result; the note that opens what is left tells the summarizer its start is missing (and
+    makes the request start in the user role, as Anthropic's API requires)."""
+    note = UserMessage(text=TRIMMED_NOTE)
+    history, prompt = items[:-1], items[-1]
+    if history and history[0] == note:
+        history = history[1:]
+    cuts: list[int] = []
+    for i, item in enumerate(history):
+        if isinstance(item, AssistantMessage):
+            start = i
+            while start > 0 and not isinstance(history[start - 1], AssistantMessage | ToolResult):
+                start -= 1  # the round's input, steers and notes go with it
+            if start > 0:
+                cuts.append(start)
+    if not cuts:
+        return None
+    sizes = [len(_encoder.encode(item)) for item in history]
+    goal = sum(sizes) / TRIM_SHARE
+    cut = next((c for c in cuts if sum(sizes[:c]) >= goal), cuts[-1])
+    return [note, *history[cut:], prompt]
 
 
 def summary_item(summary: str) -> UserMessage:

@@ -6,6 +6,9 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
+import msgspec
+
+from poddaemon import compaction
 from poddaemon.history import AssistantMessage
 from poddaemon.llm.types import (
     ModelClient,
@@ -41,7 +44,7 @@ async def summarize(pod: "Pod", effect: Summarize) -> list[Effect]:
             temperature=pod.m.worker.temperature,
         )
         client = pod.s.compaction_model or pod.s.model
-        response = await _answer(pod, client, request, effect.run_id)
+        response = await _fitted_answer(pod, client, request, effect.run_id)
         summary = response.message.text
         if response.stop in ("content_filter", "context_overflow"):
             # A refusal, or an answer stopped part way, in place of the summary: kept, it would
@@ -88,6 +91,24 @@ def _render_again(pod: "Pod") -> None:
 def _alert(pod: "Pod", message: str) -> None:
     """A provider's alert for subscribers; the log has it once, as the compaction's failure."""
     pod.bus.publish("alert", {"level": "warning", "source": "provider", "message": message})
+
+
+async def _fitted_answer(
+    pod: "Pod", client: ModelClient, request: ModelRequest, run_id: str | None
+) -> ModelResponse:
+    """The summary's answer; a request the provider refuses as too long is sent again without
+    its oldest rounds (see `compaction.trimmed_summary_request`) until it fits."""
+    while True:
+        try:
+            return await _answer(pod, client, request, run_id)
+        except ProviderError as exc:
+            trimmed = None
+            if exc.kind == "context_overflow":
+                trimmed = compaction.trimmed_summary_request(request.items)
+            if trimmed is None:
+                raise
+            _alert(pod, f"compaction: {exc.message}; retrying without the oldest rounds")
+            request = msgspec.structs.replace(request, items=trimmed)
 
 
 async def _answer(

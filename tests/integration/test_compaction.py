@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from poddaemon.compaction import SUMMARY_TAG
+from poddaemon.compaction import SUMMARY_TAG, TRIMMED_NOTE
 from poddaemon.podlog import CRASH_ENV
 from poddaemon.store.file import list_sessions, read_session
 from poddaemon.store.log import GENESIS, encode_entry, new_session_id
@@ -327,6 +327,45 @@ def test_a_start_removes_the_temp_files_a_crash_left_but_none_being_written(env:
 
 
 # --- guards and the method -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_a_summary_request_refused_as_too_long_is_retried_without_its_oldest_rounds(
+    env: Env, kind: str
+) -> None:
+    """Found by QA: with the pod's own model as the summarizer, the summary request carries
+    the very context that needs compacting, and a provider refused it as too long: the same
+    request three times, the breaker tripped and automatic compaction was off for good. As
+    Codex and Claude Code do, the request now drops its oldest rounds until it fits."""
+    write_data(env)
+    pod = env.start(kind=kind, extra=compaction_toml(1500, retained=1))
+    too_long = {
+        "fault": {"kind": "status", "status": 400, "message": "prompt is too long: 9999 > 999"}
+    }
+    env.model.script_when(MARKER, too_long, too_long, *[{"text": f"SUMMARY {i}"} for i in range(9)])
+    env.model.script(*tool_replies(6))
+    events, thread = subscribe(pod)
+    with pod.client(timeout=60) as c:
+        done = c.run_wait(INPUT)
+    thread.join(60)
+    assert (done.outcome, done.text) == ("finished", "all done"), done.error
+    types = [e.type for e in events]
+    assert "compaction.failed" not in types and "compaction.finished" in types, types
+    bodies = [r["body"] for r in env.model.requests]
+    summaries = [b for b in bodies if is_summary_request(kind, b)][:3]
+    assert len(summaries) == 3
+    sizes = [len(json.dumps(b)) for b in summaries]
+    assert sizes[0] > sizes[1] > sizes[2], sizes  # each without more of the oldest rounds
+    for body in summaries:
+        check_wire(kind, body)
+    first = user_texts(kind, summaries[0])
+    assert first[0] == INPUT
+    for body in summaries[1:]:  # the summarizer is told its start is missing
+        texts = user_texts(kind, body)
+        assert texts[0] == TRIMMED_NOTE and MARKER in texts[-1] and INPUT not in texts
+    # The new session keeps what compaction keeps, whatever the summary was made from.
+    after = user_texts(kind, bodies[bodies.index(summaries[2]) + 1])
+    assert after[0].startswith(SUMMARY_TAG) and after[1] == INPUT
 
 
 def test_failing_summaries_trip_the_breaker_and_a_manual_compact_resets_it(env: Env) -> None:

@@ -1,5 +1,6 @@
 """Compaction's rules, driven through the real machine (no I/O) and the pure selection."""
 
+import itertools
 from typing import Any
 
 from hypothesis import given, settings
@@ -602,3 +603,33 @@ def test_a_pause_asked_for_during_a_compaction_holds_before_the_next_model_call(
     assert "SUMMARY" in call.items[0].text  # type: ignore[union-attr]
     d.model("done")
     assert [data["outcome"] for data in events(d, "run.finished")] == ["paused", "finished"]
+
+
+def test_a_summary_request_too_long_loses_whole_oldest_rounds_until_one_is_left() -> None:
+    """What a too-long summary request is sent again with: a quarter of its history or more
+    gone each time, in whole rounds (a call never without its result, the input before a
+    round goes with it), one note in front however often it is trimmed; nothing once only
+    the last round is left."""
+    history: list[Item] = [UserMessage(text="the task")]
+    for i in range(8):
+        call = ToolCall(id=f"c{i}", name="read_file", arguments="{}")
+        history += [
+            AssistantMessage(text=f"round {i}", tool_calls=(call,)),
+            ToolResult(call_id=f"c{i}", name="read_file", output="x" * 400),
+        ]
+        if i == 4:
+            history.append(SystemNote(text="a report came"))
+    items = compaction.summary_request_items(history)
+    sizes = [compaction.estimate_tokens("", history)]
+    while (trimmed := compaction.trimmed_summary_request(items)) is not None:
+        assert trimmed[0] == UserMessage(text=compaction.TRIMMED_NOTE)
+        assert trimmed[-1] == items[-1]  # the instruction to summarize
+        kept = trimmed[1:-1]
+        assert kept == history[len(history) - len(kept) :]  # the newest part, as it was
+        assert isinstance(kept[0], AssistantMessage | SystemNote)  # a round's start
+        assert UserMessage(text=compaction.TRIMMED_NOTE) not in kept
+        sizes.append(compaction.estimate_tokens("", kept))
+        items = trimmed
+    assert [type(i) for i in items[1:-1]] == [AssistantMessage, ToolResult]  # the last round
+    assert all(b <= a * 0.75 for a, b in itertools.pairwise(sizes)), sizes
+    assert compaction.trimmed_summary_request(compaction.summary_request_items([])) is None
