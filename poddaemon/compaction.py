@@ -82,9 +82,12 @@ def trimmed_summary_request(items: list[Item]) -> list[Item] | None:
     Each call drops at least 1/TRIM_SHARE of the history's bytes, whole rounds (an assistant
     message with its tool results, and the inputs just before it), so a call never loses its
     result; the note that opens what is left tells the summarizer its start is missing (and
-    makes the request start in the user role, as Anthropic's API requires)."""
+    makes the request start in the user role, as Anthropic's API requires). An earlier
+    compaction's summary at the start is kept: it stands for everything before it, in little."""
     note = UserMessage(text=TRIMMED_NOTE)
     history, prompt = items[:-1], items[-1]
+    kept = history[:1] if history and _is_summary(history[0]) else []
+    history = history[len(kept) :]
     if history and history[0] == note:
         history = history[1:]
     cuts: list[int] = []
@@ -100,7 +103,11 @@ def trimmed_summary_request(items: list[Item]) -> list[Item] | None:
     sizes = [len(_encoder.encode(item)) for item in history]
     goal = sum(sizes) / TRIM_SHARE
     cut = next((c for c in cuts if sum(sizes[:c]) >= goal), cuts[-1])
-    return [note, *history[cut:], prompt]
+    return [*kept, note, *history[cut:], prompt]
+
+
+def _is_summary(item: Item) -> bool:
+    return isinstance(item, UserMessage) and item.text.startswith(SUMMARY_TAG)
 
 
 def summary_item(summary: str) -> UserMessage:

@@ -633,3 +633,23 @@ def test_a_summary_request_too_long_loses_whole_oldest_rounds_until_one_is_left(
     assert [type(i) for i in items[1:-1]] == [AssistantMessage, ToolResult]  # the last round
     assert all(b <= a * 0.75 for a, b in itertools.pairwise(sizes)), sizes
     assert compaction.trimmed_summary_request(compaction.summary_request_items([])) is None
+
+
+def test_a_trimmed_summary_request_keeps_an_earlier_compactions_summary() -> None:
+    """The oldest item of a compacted session is the summary of everything before it: trimming
+    it away lost the whole older conversation to save a few hundred bytes."""
+    summary = compaction.summary_item("we fixed the parser; the tests remain")
+    history: list[Item] = [summary, UserMessage(text="the task")]
+    for i in range(6):
+        call = ToolCall(id=f"c{i}", name="read_file", arguments="{}")
+        history += [
+            AssistantMessage(text=f"round {i}", tool_calls=(call,)),
+            ToolResult(call_id=f"c{i}", name="read_file", output="x" * 400),
+        ]
+    items = compaction.summary_request_items(history)
+    note = UserMessage(text=compaction.TRIMMED_NOTE)
+    while (trimmed := compaction.trimmed_summary_request(items)) is not None:
+        assert trimmed[:2] == [summary, note] and trimmed.count(note) == 1
+        assert trimmed[2:-1] == history[len(history) - len(trimmed) + 3 :]
+        items = trimmed
+    assert [type(i) for i in items[2:-1]] == [AssistantMessage, ToolResult]
