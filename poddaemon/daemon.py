@@ -759,8 +759,6 @@ def _serve(
     except OSError as exc:
         raise StartupError(os_error_line(exc), lasting=False) from None
     _check_writable(sessions_dir)
-    with contextlib.suppress(OSError):  # (a crash's temp files: a start that cannot, goes on)
-        remove_leftovers(sessions_dir, manifest.pod.name)
     bus = EventBus(first_seq=time.time_ns() // 1000)  # see EventBus: cursors of earlier lives
     services = Services(
         manifest=manifest,
@@ -867,6 +865,10 @@ def _serve(
         registry_changed = asyncio.Event()
         tree = _follow_spawner(pod, claim, manifest, ending, registry_changed)
         pod.warm_up()
+        # A crash's temp files, after READY: a directory of thousands of sessions took ~20 ms
+        # to list. (A start that cannot remove them goes on.)
+        with contextlib.suppress(OSError):
+            remove_leftovers(sessions_dir, manifest.pod.name)
 
         def changed() -> None:
             pod.children.registry_changed()

@@ -161,7 +161,9 @@ def remove_leftovers(sessions_dir: StrPath, pod: str) -> None:
     writer is making one of them now), and those whose first line is unreadable (a power cut
     can leave one empty or torn: it names no pod, and was kept for ever) that no writer holds:
     a writer keeps its temp file locked until it is renamed (`_open_locked`)."""
-    for tmp in Path(sessions_dir).glob("*.jsonl.tmp"):
+    with os.scandir(sessions_dir) as entries:  # (glob's pattern matching: 2x the time)
+        leftovers = [Path(e.path) for e in entries if e.name.endswith(".jsonl.tmp")]
+    for tmp in leftovers:
         with contextlib.suppress(OSError):
             _remove_leftover(tmp, pod)
 

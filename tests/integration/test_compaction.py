@@ -318,6 +318,7 @@ def test_a_start_removes_the_temp_files_a_crash_left_but_none_being_written(env:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # as a writer holds its temp file until the rename
         pod = env.start()
+        pod.call("status")  # answered once the start's clean-up (right after READY) is done
         left = sorted(p.name for p in sessions.iterdir() if p.suffix == ".tmp")
     finally:
         os.close(fd)
