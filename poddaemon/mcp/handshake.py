@@ -146,15 +146,21 @@ class _Lines:
                         f"{method}: the server's reply cannot be read ({exc})"
                     ) from None
                 continue  # a stray line on stdout; the SDK's transport skips them too
-            if not isinstance(msg, dict):
-                continue
-            if msg.get("id") == rid and ("result" in msg or "error" in msg):
-                return msg
-            if "method" in msg and "id" in msg:  # a request from the server (ping, roots…)
-                answer: dict[str, Any] = (
-                    {"result": {}}
-                    if msg["method"] == "ping"
-                    else {"error": {"code": -32601, "message": "not supported during start-up"}}
-                )
-                await self._send({"id": msg["id"], **answer})
-            # notifications (logging, progress) are dropped
+            # A batch (an array of messages) is its messages, in order: found by QA, a server
+            # answering in batches was skipped here, and its start waited out start_timeout.
+            reply: dict[str, Any] | None = None
+            for item in msg if isinstance(msg, list) else [msg]:
+                if not isinstance(item, dict):
+                    continue
+                if item.get("id") == rid and ("result" in item or "error" in item):
+                    reply = item  # the rest of its batch is still answered
+                elif "method" in item and "id" in item:  # a server's request (ping, roots…)
+                    answer: dict[str, Any] = (
+                        {"result": {}}
+                        if item["method"] == "ping"
+                        else {"error": {"code": -32601, "message": "not supported during start-up"}}
+                    )
+                    await self._send({"id": item["id"], **answer})
+                # notifications (logging, progress) are dropped
+            if reply is not None:
+                return reply

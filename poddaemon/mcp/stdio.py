@@ -21,6 +21,10 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
+from protocol.unreadable import UNREADABLE
+
 log = logging.getLogger("poddaemon.mcp")
 
 GUARD = str(Path(__file__).with_name("guard.py"))
@@ -218,6 +222,23 @@ def _error_reply(line: bytes, message: str) -> bytes | None:
     return b'{"jsonrpc":"2.0","id":%b,"error":%b}\n' % (rid, json.dumps(error).encode())
 
 
+def batch_items(line: bytes) -> list[bytes] | None:
+    """The messages of a JSON-RPC batch (an array of them, legal in JSON-RPC 2.0 and in MCP
+    2025-03-26), each encoded on its own: the SDK reads one message at a time, and found a
+    whole batch unreadable (found by QA: the calls it answered failed). None when the line is
+    no batch, or one that cannot be decoded: it is then read as one message, and fails as such."""
+    if not line.lstrip().startswith(b"["):
+        return None
+    try:
+        items = msgspec.json.decode(line)
+    except UNREADABLE:
+        return None
+    if not isinstance(items, list):
+        return None
+    encode = msgspec.json.Encoder().encode
+    return [encode(item) for item in items]
+
+
 def reply_id(line: bytes) -> bytes | None:
     """The id (as written) of the reply a line that cannot be decoded begins, from its first
     4 KiB, where servers put it; None if none is there, or the line is a request."""
@@ -283,16 +304,19 @@ async def transport(process: StdioProcess) -> AsyncIterator[tuple[Any, Any]]:
                     # each (found by QA: a server printing 100,000 such lines in a call kept
                     # the pod busy for ~18 s).
                     continue
-                message: SessionMessage | Exception
-                try:
-                    parsed = mcp_types.jsonrpc_message_adapter.validate_json(line, by_name=False)
-                    message = SessionMessage(parsed)
-                except ValueError as exc:  # pydantic's ValidationError is one
-                    message = _unreadable(line, exc)
-                try:
-                    await read_send.send(message)
-                except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-                    return
+                for item in batch_items(line) or [line]:
+                    message: SessionMessage | Exception
+                    try:
+                        parsed = mcp_types.jsonrpc_message_adapter.validate_json(
+                            item, by_name=False
+                        )
+                        message = SessionMessage(parsed)
+                    except ValueError as exc:  # pydantic's ValidationError is one
+                        message = _unreadable(item, exc)
+                    try:
+                        await read_send.send(message)
+                    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                        return
 
     async def session_to_server() -> None:
         try:

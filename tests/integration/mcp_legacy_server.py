@@ -101,10 +101,20 @@ if "--deep-schema" in sys.argv[1:]:
     deep_schema = int(sys.argv[sys.argv.index("--deep-schema") + 1])
 
 
+# `--batch-replies`: every reply is sent in a JSON-RPC batch (an array, legal in JSON-RPC 2.0
+# and in MCP 2025-03-26), after a log notification in the same batch.
+batch_replies = "--batch-replies" in sys.argv[1:]
+
+
 def reply(id_: object, result: object = None, error: object = None) -> None:
     msg = {"jsonrpc": "2.0", "id": id_}
     msg.update({"error": error} if error is not None else {"result": result})
-    sys.stdout.write(json.dumps(msg) + "\n")
+    if batch_replies:
+        note = {"level": "info", "data": "answering"}
+        log = {"jsonrpc": "2.0", "method": "notifications/message", "params": note}
+        sys.stdout.write(json.dumps([log, msg]) + "\n")
+    else:
+        sys.stdout.write(json.dumps(msg) + "\n")
     sys.stdout.flush()
 
 

@@ -958,3 +958,25 @@ def test_a_server_printing_debug_lines_on_stdout_does_not_keep_the_pod_busy(env:
     lines in one call kept the pod busy ~18 s, past this call's timeout; skipped, ~2 s."""
     pod = shout_once(env, "junk", ("--stdout-junk", "100000"), timeout=10)
     assert_the_same_server_serves(pod)
+
+
+
+@pytest.mark.parametrize("args", [(), ("--refuse-first-initialize",)], ids=["pod", "sdk"])
+def test_a_server_answering_in_json_rpc_batches_is_understood(
+    env: Env, args: tuple[str, ...]
+) -> None:
+    """Found by QA: a batch (an array of messages, legal in JSON-RPC 2.0 and in MCP
+    2025-03-26) was unreadable to the pod: the start waited out start_timeout (the handshake
+    skipped it) or failed (the SDK's negotiation), and a call answered in one failed. Its
+    messages are taken one by one."""
+    env.model.script(
+        {"tool_calls": [{"name": "b__shout", "arguments": {"text": "echoed"}}]},
+        {"text": "done"},
+    )
+    extra = server_toml("b", script=LEGACY, args=("--batch-replies", *args), timeout=20)
+    pod = env.start("batched", extra=extra)
+    with pod.client(timeout=60) as c:
+        assert c.run_wait("echo").outcome == "finished"
+    (echo,) = tool_results(pod)
+    assert (echo["output"], echo["is_error"]) == ("ECHOED", False), echo
+    assert_the_same_server_serves(pod)

@@ -349,6 +349,21 @@ def test_an_unreadable_reply_is_answered_with_an_error_for_its_id() -> None:
         assert _unreadable(line, error) is error
 
 
+def test_a_batch_line_is_split_into_its_messages() -> None:
+    from poddaemon.mcp.stdio import batch_items
+
+    line = b' [{"jsonrpc": "2.0", "method": "n"}, {"jsonrpc": "2.0", "id": 1, "result": {}}, 7]\n'
+    assert batch_items(line) == [
+        b'{"jsonrpc":"2.0","method":"n"}',
+        b'{"jsonrpc":"2.0","id":1,"result":{}}',
+        b"7",  # no message: the SDK is told it cannot be read, as for such a line
+    ]
+    assert batch_items(b"[]") == []
+    # No batch, or none the decoder can read: the line is read whole, as before.
+    for other in (b'{"id": 1, "result": []}', b"[" * 10_000 + b"]" * 10_000, b"[1,"):
+        assert batch_items(other) is None
+
+
 def test_the_handshake_speaks_the_revisions_the_sdk_session_adopts() -> None:
     """handshake.py cannot import the SDK (it runs before the import): its copies must agree."""
     from mcp_types import version
