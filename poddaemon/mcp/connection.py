@@ -21,7 +21,7 @@ import msgspec
 
 from poddaemon.config.manifest import McpServerConfig
 from poddaemon.mcp.handshake import Handshake, HandshakeError, handshake, repeated
-from poddaemon.mcp.stdio import StdioProcess, transport
+from poddaemon.mcp.stdio import PROTOCOL_BROKEN, StdioProcess, transport
 from poddaemon.mcp.tool import (
     McpTool,
     error,
@@ -385,6 +385,9 @@ class McpConnection:
         except TimeoutError:
             return await self._timed_out(remote, client)
         except MCPError as exc:
+            if exc.data == PROTOCOL_BROKEN:  # the pod's stand-in for a reply that breaks it
+                broke = f"MCP server '{self.name}' broke the protocol on {remote}"
+                return error(f"{broke}: {exc.message}")
             # The SDK raises these two codes itself, for a silent server and a gone one; but a
             # server may send them too (-32000 is the usual "server error"): then it answers a
             # ping, and answered well before the timeout (the SDK's own comes at about the

@@ -222,6 +222,26 @@ def _error_reply(line: bytes, message: str) -> bytes | None:
     return b'{"jsonrpc":"2.0","id":%b,"error":%b}\n' % (rid, json.dumps(error).encode())
 
 
+# `error.data` of the error the pod answers a call with in place of a reply of the server's that
+# breaks the protocol: the server did not refuse the call (connection.py says which it was).
+PROTOCOL_BROKEN = "poddaemon: the server broke the protocol"
+
+
+def outcomeless(message: Any) -> bytes | None:
+    """An error answering the call a decoded `message` answers with neither `result` nor
+    `error` (it has the call's id and no method), or None for any other message. Found by QA:
+    such a reply failed its call with the SDK's four validation errors (one per shape a
+    message may have), as if the server had refused it."""
+    if not isinstance(message, dict) or not {"method", "result", "error"}.isdisjoint(message):
+        return None
+    rid = message.get("id")
+    if isinstance(rid, bool) or not isinstance(rid, int | str):
+        return None
+    why = "its reply has neither a result nor an error"
+    error = {"code": -32603, "message": why, "data": PROTOCOL_BROKEN}
+    return msgspec.json.encode({"jsonrpc": "2.0", "id": rid, "error": error})
+
+
 def batch_items(line: bytes) -> list[bytes] | None:
     """The messages of a JSON-RPC batch (an array of them, legal in JSON-RPC 2.0 and in MCP
     2025-03-26), each encoded on its own: the SDK reads one message at a time, and found a
@@ -236,7 +256,7 @@ def batch_items(line: bytes) -> list[bytes] | None:
     if not isinstance(items, list):
         return None
     encode = msgspec.json.Encoder().encode
-    return [encode(item) for item in items]
+    return [outcomeless(item) or encode(item) for item in items]
 
 
 def reply_id(line: bytes) -> bytes | None:
@@ -256,6 +276,11 @@ def _unreadable(line: bytes, exc: ValueError) -> Any:
     import mcp_types
     from mcp.shared.message import SessionMessage
 
+    with contextlib.suppress(*UNREADABLE):
+        if (broken := outcomeless(msgspec.json.decode(line))) is not None:
+            return SessionMessage(
+                mcp_types.jsonrpc_message_adapter.validate_json(broken, by_name=False)
+            )
     detail = " ".join(str(exc).split())[:300]
     reply = _error_reply(line, f"the server's reply cannot be read ({detail})")
     if reply is None:

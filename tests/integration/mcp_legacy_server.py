@@ -43,6 +43,11 @@ TOOLS = [
         "inputSchema": {"type": "object", "properties": {"depth": {"type": "integer"}}},
     },
     {
+        "name": "blank",
+        "description": "Answer with a message of the call's id with neither result nor error.",
+        "inputSchema": {"type": "object"},
+    },
+    {
         "name": "oops",
         "description": "Answer with a JSON-RPC error of the given code, at once.",
         "inputSchema": {"type": "object", "properties": {"code": {"type": "integer"}}},
@@ -157,6 +162,9 @@ for line in sys.stdin:
         rid = json.dumps(msg["id"])
         sys.stdout.write(f'{{"jsonrpc": "2.0", "id": {rid}, "result": {{"tools": {listed}}}}}\n')
         sys.stdout.flush()
+    elif method == "tools/list" and "--blank-list" in sys.argv:  # neither result nor error
+        sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"]}) + "\n")
+        sys.stdout.flush()
     elif method == "tools/list":  # `--tools-not-a-list`: a listing no client can read
         listing = {"tools": "nope" if "--tools-not-a-list" in sys.argv else TOOLS}
         if "--same-cursor" in sys.argv:  # ignores the cursor, and always says more follow
@@ -193,6 +201,9 @@ for line in sys.stdin:
         result = f'{{"content": {content}, "structuredContent": {nested}}}'
         rid = json.dumps(msg["id"])
         sys.stdout.write(f'{{"jsonrpc": "2.0", "id": {rid}, "result": {result}}}\n')
+        sys.stdout.flush()
+    elif method == "tools/call" and params.get("name") == "blank":
+        sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"]}) + "\n")
         sys.stdout.flush()
     elif method == "tools/call" and params.get("name") == "oops":
         code = int(params.get("arguments", {}).get("code", -32000))

@@ -980,3 +980,32 @@ def test_a_server_answering_in_json_rpc_batches_is_understood(
     (echo,) = tool_results(pod)
     assert (echo["output"], echo["is_error"]) == ("ECHOED", False), echo
     assert_the_same_server_serves(pod)
+
+
+def test_a_reply_with_neither_result_nor_error_fails_its_call_only(env: Env) -> None:
+    """A message with the call's id but neither `result` nor `error` is the server breaking
+    the protocol on that call: the call fails saying so, the server stays."""
+    env.model.script(
+        {"tool_calls": [{"name": "old__blank", "arguments": {}}]},
+        {"tool_calls": [{"name": "old__shout", "arguments": {"text": "still here"}}]},
+        {"text": "done"},
+    )
+    pod = env.start("blanked", extra=server_toml("old", script=LEGACY, timeout=20))
+    with pod.client(timeout=60) as c:
+        assert c.run_wait("blank").outcome == "finished"
+    blank, shout = tool_results(pod)
+    assert blank["is_error"], blank
+    said = "MCP server 'old' broke the protocol on blank: its reply has neither a result nor an"
+    assert blank["output"].startswith(said), blank["output"]
+    assert (shout["output"], shout["is_error"]) == ("STILL HERE", False)
+    assert_the_same_server_serves(pod)
+
+
+def test_a_tool_list_with_neither_result_nor_error_fails_the_start_at_once(env: Env) -> None:
+    """It was skipped as a stray line: the start waited out start_timeout, and said the
+    server 'did not start' though it had answered."""
+    extra = server_toml("old", script=LEGACY, args=("--blank-list",), start_timeout=20)
+    pod = env.start("blanklist", extra=extra)
+    (warned,) = [a for a in alerts(pod) if "failed to start" in a]
+    assert "tools/list: the server's reply has neither a result nor an error" in warned, warned
+

@@ -349,6 +349,26 @@ def test_an_unreadable_reply_is_answered_with_an_error_for_its_id() -> None:
         assert _unreadable(line, error) is error
 
 
+def test_a_reply_with_neither_result_nor_error_is_an_error_saying_so() -> None:
+    from mcp_types import JSONRPCError
+
+    from poddaemon.mcp.stdio import PROTOCOL_BROKEN, _unreadable, batch_items
+
+    answer = _unreadable(b'{"jsonrpc": "2.0", "id": "c1"}', ValueError("4 validation errors"))
+    assert isinstance(answer.message, JSONRPCError), answer
+    assert answer.message.id == "c1"
+    error = answer.message.error
+    assert error.message == "its reply has neither a result nor an error"
+    assert error.data == PROTOCOL_BROKEN
+    assert batch_items(b'[{"jsonrpc": "2.0", "id": 2}]') == [
+        b'{"jsonrpc":"2.0","id":2,"error":{"code":-32603,"message":"its reply has neither a '
+        b'result nor an error","data":"poddaemon: the server broke the protocol"}}'
+    ]
+    # Without an id there is no call to fail: the SDK is told the line cannot be read.
+    error = ValueError("unreadable")
+    assert _unreadable(b'{"jsonrpc": "2.0", "id": null}', error) is error
+
+
 def test_a_batch_line_is_split_into_its_messages() -> None:
     from poddaemon.mcp.stdio import batch_items
 
