@@ -9,6 +9,7 @@ tool tasks and share it while it is up.
 """
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -274,22 +275,31 @@ class McpConnection:
                 f"MCP server '{self.name}' has no tool {', '.join(missing)} "
                 f"(it offers: {', '.join(sorted(names)) or 'none'})",
             )
+        # A tool listed more than once is one alert, at its second listing, saying how often:
+        # found by QA, one listed N times was N-1 alerts (and the repeats of one left out for
+        # its schema were each an alert about that schema).
+        listings = collections.Counter(remote for remote, _, _ in entries)
+        seen: set[str] = set()
         out: dict[str, McpTool] = {}
         for remote, description, schema in entries:
             if wanted is not None and remote not in wanted:
                 continue
             name = offered_name(self.name, remote)
-            if name is None:
-                why: str | None = "its name is empty, or too long for the providers (64 characters)"
+            if remote in seen:
+                if not listings[remote]:
+                    continue  # said at its second listing
+                count = listings.pop(remote)
+                why: str | None = (
+                    f"the server lists it {'twice' if count == 2 else f'{count} times'}"
+                )
+            elif name is None:
+                why = "its name is empty, or too long for the providers (64 characters)"
             elif name in out:
                 first = out[name].remote
-                why = (
-                    "the server lists it twice"
-                    if first == remote
-                    else f"made safe, its name is that of {first!r}, listed before it"
-                )
+                why = f"made safe, its name is that of {first!r}, listed before it"
             else:
                 why = schema_problem(schema)
+            seen.add(remote)
             if why is not None or name is None:
                 self._alert(
                     "warning",

@@ -392,3 +392,34 @@ def test_the_handshake_speaks_the_revisions_the_sdk_session_adopts() -> None:
 
     assert handshake.HANDSHAKE_VERSIONS == version.HANDSHAKE_PROTOCOL_VERSIONS
     assert handshake.PROTOCOL_VERSION == version.LATEST_HANDSHAKE_VERSION
+
+
+def test_a_tool_listed_many_times_is_one_alert() -> None:
+    """Found by QA: a tool listed N times was N-1 alerts, and one left out for its schema was
+    an alert about that schema at each listing."""
+    from poddaemon.config.manifest import McpServerConfig
+    from poddaemon.mcp.connection import McpConnection
+
+    said: list[str] = []
+    conn = McpConnection(
+        McpServerConfig(name="s", url="http://127.0.0.1:1/mcp"),
+        None,
+        "/",
+        lambda: None,  # the SDK: never asked for
+        lambda level, source, message: said.append(message),
+    )
+    good = {"name": "echo", "inputSchema": {"type": "object"}}
+    bad = {"name": "listy", "inputSchema": {"type": "array"}}
+    tools = conn._make_tools([good] * 5 + [bad] * 3 + [{"name": "a.b"}, {"name": "a_b"}] * 2)
+    assert set(tools) == {"s__echo", "s__a_b"}
+    assert tools["s__a_b"].remote == "a.b"
+    assert [m.split(": ", 1)[1] for m in said] == [
+        "tool 'echo' cannot be offered to the model (the server lists it 5 times)",
+        "tool 'listy' cannot be offered to the model (its inputSchema has type 'array', not "
+        "'object')",
+        "tool 'listy' cannot be offered to the model (the server lists it 3 times)",
+        "tool 'a_b' cannot be offered to the model (made safe, its name is that of 'a.b', "
+        "listed before it)",
+        "tool 'a.b' cannot be offered to the model (the server lists it twice)",
+        "tool 'a_b' cannot be offered to the model (the server lists it twice)",
+    ]
