@@ -22,7 +22,7 @@ import msgspec
 
 from poddaemon.config.manifest import McpServerConfig
 from poddaemon.mcp.handshake import Handshake, HandshakeError, handshake, repeated
-from poddaemon.mcp.stdio import PROTOCOL_BROKEN, StdioProcess, transport
+from poddaemon.mcp.stdio import DROPPED, PROTOCOL_BROKEN, StdioProcess, transport
 from poddaemon.mcp.tool import (
     McpTool,
     error,
@@ -225,7 +225,7 @@ class McpConnection:
 
                     assert self.cfg.url is not None
                     self._refusal = None
-                    conn = http_transport(self.cfg.url, refused=self._refused)
+                    conn = http_transport(self.cfg.url, refused=self._refused, name=self.name)
                 # cache=None: the pod lists tools once and keeps them.
                 client = Client(conn, client_info=info, cache=None)
                 async with client:
@@ -406,6 +406,11 @@ class McpConnection:
                 return await self._timed_out(remote, client)
             if exc.code == CONNECTION_CLOSED and not await self._answers(client):
                 return self._call_lost(remote, exc.message, client)
+            if exc.data == DROPPED:  # over HTTP, by a server that still answers: it stays
+                return error(
+                    f"MCP server '{self.name}' gave no answer to {remote}: {exc.message}; the "
+                    "call may or may not have taken effect"
+                )
             refused = f"MCP server '{self.name}' refused {remote}: {exc.message} ({exc.code})"
             # Over HTTP, with the status: "Server returned an error response" is all the SDK says.
             return error(self._with_stderr(refused) if self.transport == "http" else refused)

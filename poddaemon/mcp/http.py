@@ -1,19 +1,29 @@
 """The HTTP transport of a `url` server, with the limit the stdio one has: a JSON body over
 MAX_LINE fails its message, not the pod. (The SDK reads a JSON body whole, however long: a
 server streaming one without end took the pod's memory, ~280 MiB a second, until the call's
-timeout. Its SSE events have their own limit.)
+timeout. Its SSE events have their own limit.) A POST whose connection fails before its answer
+fails its message too, not the whole connection.
 
 Imported once the SDK is (it needs httpx2 and the SDK's defaults)."""
 
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx2
+import msgspec
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
+from mcp_types import CONNECTION_CLOSED
 
-from poddaemon.mcp.stdio import MAX_LINE
+from poddaemon.mcp.stdio import DROPPED, MAX_LINE, stand_in
+from protocol.unreadable import UNREADABLE
+
+log = logging.getLogger("poddaemon.mcp")
+
+# Requests that change nothing: one whose connection failed before its answer is sent again, once.
+IDEMPOTENT = frozenset({"ping", "tools/list"})
 
 
 class _Capped(httpx2.AsyncByteStream):
@@ -37,19 +47,81 @@ class _Capped(httpx2.AsyncByteStream):
         await self._inner.aclose()
 
 
+class _Failing(httpx2.AsyncByteStream):
+    """A body that fails with `message` when read: the SDK fails the one message it answers."""
+
+    def __init__(self, message: str) -> None:
+        self._message = message
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        raise httpx2.StreamError(self._message)
+        yield b""  # an async generator, which never gets here
+
+
 class _CappedTransport(httpx2.AsyncBaseTransport):
-    def __init__(self, limit: int, refused: Callable[[str | None], None]) -> None:
+    def __init__(self, name: str, limit: int, refused: Callable[[str | None], None]) -> None:
         self._inner = httpx2.AsyncHTTPTransport()
+        self._name = name
         self._limit = limit
         self._refused = refused
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        if request.method != "POST":  # a GET's stream, a DELETE: the SDK handles their failures
+            return self._capped(await self._inner.handle_async_request(request))
+        message = _message_of(request)
+        method = message.get("method")
+        for attempt in (1, 2):
+            try:
+                return await self._post(request)
+            except httpx2.TransportError as exc:
+                # Found by QA: raised to the SDK, it broke the whole connection, and one POST a
+                # server (a proxy, a worker recycled) closed unanswered cost its one restart.
+                # A server that is gone cannot answer the ping that follows: then it is lost.
+                why = _failure(exc)
+                if attempt == 1 and method in IDEMPOTENT:
+                    log.info("mcp[%s] %s got no answer, %s: sent again", self._name, method, why)
+                    continue
+                return _dropped(self._name, request, message, why)
+        raise AssertionError("unreachable")
+
+    async def _post(self, request: httpx2.Request) -> httpx2.Response:
+        """One POST of a message; its JSON answer read whole here, so that a connection lost
+        during it fails that message (the SDK's read would have raised past it)."""
         response = await self._inner.handle_async_request(request)
-        if request.method == "POST":  # a message; a GET or DELETE may be refused (405) by design
-            status = response.status_code
-            self._refused(
-                f"HTTP {status} {httpx2.codes.get_reason_phrase(status)}" if status >= 400 else None
-            )
+        status = response.status_code
+        self._refused(
+            f"HTTP {status} {httpx2.codes.get_reason_phrase(status)}" if status >= 400 else None
+        )
+        if status >= 300 or not response.headers.get("content-type", "").startswith(
+            "application/json"
+        ):
+            return self._capped(response)
+        try:
+            body = await self._read(response)
+        except httpx2.DecodingError as exc:  # a body its content-encoding does not decode
+            failed = f"the server's answer cannot be read ({exc})"
+            return _answer(response, request, _Failing(failed))
+        if body is None:
+            over = f"the server's answer is over the {self._limit >> 20} MiB limit"
+            over += "; it was discarded"
+            return _answer(response, request, _Failing(over))
+        return _answer(response, request, httpx2.ByteStream(body))
+
+    async def _read(self, response: httpx2.Response) -> bytes | None:
+        """The whole body, decoded (gzip and such), or None past the limit (the rest unread)."""
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > self._limit:
+                    return None
+                chunks.append(chunk)
+        finally:
+            await response.aclose()
+        return b"".join(chunks)
+
+    def _capped(self, response: httpx2.Response) -> httpx2.Response:
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             assert isinstance(response.stream, httpx2.AsyncByteStream)
             response.stream = _Capped(response.stream, self._limit)
@@ -59,20 +131,77 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         await self._inner.aclose()
 
 
+def _failure(exc: httpx2.TransportError) -> str:
+    """What became of a POST's connection, for the message it fails."""
+    detail = f"{type(exc).__name__}: {' '.join(str(exc).split()) or 'no detail'}"
+    if isinstance(exc, httpx2.ConnectError | httpx2.ConnectTimeout):
+        return f"the server cannot be reached ({detail})"
+    if isinstance(exc, httpx2.TimeoutException):
+        return f"it timed out ({detail})"
+    return f"the connection closed ({detail})"
+
+
+def _message_of(request: httpx2.Request) -> dict[str, Any]:
+    """The JSON-RPC message a POST carries ({} if it cannot be read)."""
+    try:
+        message = msgspec.json.decode(request.content)
+    except (httpx2.RequestNotRead, *UNREADABLE):
+        return {}
+    return message if isinstance(message, dict) else {}
+
+
+def _answer(
+    response: httpx2.Response, request: httpx2.Request, body: httpx2.AsyncByteStream
+) -> httpx2.Response:
+    """`response` with `body` in place of its own, which was read and decoded."""
+    headers = [
+        (k, v)
+        for k, v in response.headers.multi_items()
+        if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")
+    ]
+    return httpx2.Response(
+        response.status_code,
+        headers=headers,
+        stream=body,
+        request=request,
+        extensions=response.extensions,
+    )
+
+
+def _dropped(
+    name: str, request: httpx2.Request, message: dict[str, Any], why: str
+) -> httpx2.Response:
+    """What the SDK gets for a POST whose connection failed before its answer: for a request,
+    an error answering it (CONNECTION_CLOSED, which has the server pinged, marked DROPPED for
+    the words); for a notification or a reply of ours, nothing (202: none awaits an answer)."""
+    rid = message.get("id")
+    if "method" not in message or isinstance(rid, bool) or not isinstance(rid, int | str):
+        said = message.get("method") or "a reply to the server"
+        log.warning("mcp[%s] %s: the connection closed (%s)", name, said, why)
+        return httpx2.Response(202, request=request)
+    body = stand_in(rid, CONNECTION_CLOSED, why, DROPPED)
+    headers = {"content-type": "application/json"}
+    return httpx2.Response(200, headers=headers, content=body, request=request)
+
+
 def _ignore(status: str | None) -> None:
     pass
 
 
 @asynccontextmanager
 async def http_transport(
-    url: str, limit: int = MAX_LINE, refused: Callable[[str | None], None] = _ignore
+    url: str,
+    limit: int = MAX_LINE,
+    refused: Callable[[str | None], None] = _ignore,
+    name: str = "?",
 ) -> AsyncIterator[Any]:
     """The SDK's streamable HTTP transport to `url`, its bodies capped at `limit` bytes.
     `refused` is told the status of each POST the server refused ("HTTP 401 Unauthorized"),
     and None for each it took: the SDK's error for one says "Server returned an error
-    response", whatever the status, so a start that failed for a missing token said only that."""
+    response", whatever the status, so a start that failed for a missing token said only that.
+    `name`, the server's, names it in the log."""
     timeout = httpx2.Timeout(MCP_DEFAULT_TIMEOUT, read=MCP_DEFAULT_SSE_READ_TIMEOUT)
-    transport = _CappedTransport(limit, refused)
+    transport = _CappedTransport(name, limit, refused)
     async with (
         httpx2.AsyncClient(timeout=timeout, transport=transport) as client,
         streamable_http_client(url, http_client=client) as streams,

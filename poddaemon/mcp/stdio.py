@@ -222,9 +222,17 @@ def _error_reply(line: bytes, message: str) -> bytes | None:
     return b'{"jsonrpc":"2.0","id":%b,"error":%b}\n' % (rid, json.dumps(error).encode())
 
 
-# `error.data` of the error the pod answers a call with in place of a reply of the server's that
-# breaks the protocol: the server did not refuse the call (connection.py says which it was).
+# `error.data` of the errors the pod answers a call with in place of the server's reply: one that
+# breaks the protocol, and (over HTTP) one the connection closed before; the server did not
+# refuse the call, and connection.py says which it was.
 PROTOCOL_BROKEN = "poddaemon: the server broke the protocol"
+DROPPED = "poddaemon: the connection closed without an answer"
+
+
+def stand_in(rid: int | str, code: int, message: str, data: str) -> bytes:
+    """A JSON-RPC error answering request `rid`, made by the pod in the server's place."""
+    error = {"code": code, "message": message, "data": data}
+    return msgspec.json.encode({"jsonrpc": "2.0", "id": rid, "error": error})
 
 
 def outcomeless(message: Any) -> bytes | None:
@@ -237,9 +245,7 @@ def outcomeless(message: Any) -> bytes | None:
     rid = message.get("id")
     if isinstance(rid, bool) or not isinstance(rid, int | str):
         return None
-    why = "its reply has neither a result nor an error"
-    error = {"code": -32603, "message": why, "data": PROTOCOL_BROKEN}
-    return msgspec.json.encode({"jsonrpc": "2.0", "id": rid, "error": error})
+    return stand_in(rid, -32603, "its reply has neither a result nor an error", PROTOCOL_BROKEN)
 
 
 def batch_items(line: bytes) -> list[bytes] | None:

@@ -2,7 +2,9 @@
 `python mcp_raw_http_server.py` prints its URL on stdout. Tools: `echo`, and `huge` whose answer
 is one JSON body of `mb` MiB (a server that could fill the pod's memory: a JSON body, unlike an
 SSE event, had no size limit), and `deny` whose call is answered 403. `--refuse STATUS`: every
-message is answered with that HTTP status (a gateway that wants a token, a server that is down)."""
+message is answered with that HTTP status (a gateway that wants a token, a server that is down).
+Tool `drop`, and with `--drop-first-list` the first tools/list, is answered by closing the
+connection without a word; tool `cut` by closing it in the middle of its JSON body."""
 
 import json
 import sys
@@ -13,8 +15,11 @@ TOOLS = [
     {"name": "echo", "inputSchema": {"type": "object"}},
     {"name": "huge", "inputSchema": {"type": "object", "properties": {"mb": {"type": "integer"}}}},
     {"name": "deny", "inputSchema": {"type": "object"}},
+    {"name": "drop", "inputSchema": {"type": "object"}},
+    {"name": "cut", "inputSchema": {"type": "object"}},
 ]
 REFUSE = int(sys.argv[sys.argv.index("--refuse") + 1]) if "--refuse" in sys.argv else None
+drop_list = "--drop-first-list" in sys.argv
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -38,7 +43,11 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(b"denied")
 
+    def drop(self) -> None:
+        self.close_connection = True  # nothing written: the client sees the connection close
+
     def do_POST(self) -> None:
+        global drop_list
         msg = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if REFUSE is not None:
             self.refuse(REFUSE)
@@ -56,12 +65,27 @@ class Handler(BaseHTTPRequestHandler):
                 "capabilities": {"tools": {}},
                 "serverInfo": {"name": "raw", "version": "1"},
             }
+        elif method == "tools/list" and drop_list:
+            drop_list = False
+            self.drop()
+            return
         elif method == "tools/list":
             result = {"tools": TOOLS}
         elif method == "ping":
             result = {}
         elif method == "tools/call" and msg["params"]["name"] == "deny":
             self.refuse(403)
+            return
+        elif method == "tools/call" and msg["params"]["name"] == "drop":
+            self.drop()
+            return
+        elif method == "tools/call" and msg["params"]["name"] == "cut":
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b'{"jsonrpc": "2.0", ')
+            self.drop()
             return
         elif method == "tools/call":
             params = msg["params"]

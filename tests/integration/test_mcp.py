@@ -1009,3 +1009,43 @@ def test_a_tool_list_with_neither_result_nor_error_fails_the_start_at_once(env: 
     (warned,) = [a for a in alerts(pod) if "failed to start" in a]
     assert "tools/list: the server's reply has neither a result nor an error" in warned, warned
 
+
+
+@pytest.mark.parametrize("tool", ["drop", "cut"])
+def test_an_http_call_whose_connection_drops_unanswered_fails_alone(env: Env, tool: str) -> None:
+    """Found by QA: one POST the server closed without an answer (a proxy's idle timeout, a
+    worker recycled), or in the middle of it, broke the SDK's whole transport: the server was
+    taken for dead and its one restart spent. It costs that call; the server, still
+    answering, is kept."""
+    env.model.script(
+        {"tool_calls": [{"name": f"raw__{tool}", "arguments": {}}]},
+        {"tool_calls": [{"name": "raw__echo", "arguments": {}}]},
+        {"text": "done"},
+    )
+    with raw_http_server() as url:
+        pod = env.start("dropped", extra=server_toml("raw", url=url, timeout=20))
+        with pod.client(timeout=60) as c:
+            assert c.run_wait("drop").outcome == "finished"
+        drop, echo = tool_results(pod)
+        assert_the_same_server_serves(pod)
+    assert drop["is_error"], drop
+    said = f"MCP server 'raw' gave no answer to {tool}: the connection closed (RemoteProtocol"
+    assert drop["output"].startswith(said), drop["output"]
+    assert "may or may not have taken effect" in drop["output"]
+    assert (echo["output"], echo["is_error"]) == ("echoed", False)
+
+
+def test_an_http_tool_list_whose_connection_drops_is_asked_again(env: Env) -> None:
+    """tools/list changes nothing: one whose connection dropped unanswered is sent again,
+    once, and the server starts (it failed to start)."""
+    env.model.script(
+        {"tool_calls": [{"name": "raw__echo", "arguments": {}}]},
+        {"text": "done"},
+    )
+    with raw_http_server("--drop-first-list") as url:
+        pod = env.start("relisted", extra=server_toml("raw", url=url, timeout=20))
+        with pod.client(timeout=60) as c:
+            assert c.run_wait("echo").outcome == "finished"
+        (echo,) = tool_results(pod)
+        assert_the_same_server_serves(pod)
+    assert (echo["output"], echo["is_error"]) == ("echoed", False)
