@@ -2,11 +2,14 @@
 MAX_LINE fails its message, not the pod. (The SDK reads a JSON body whole, however long: a
 server streaming one without end took the pod's memory, ~280 MiB a second, until the call's
 timeout. Its SSE events have their own limit.) A POST whose connection fails before its answer
-fails its message too, not the whole connection.
+fails its message too, not the whole connection. A JSON-RPC batch in a body or an SSE event
+reaches the SDK as its messages, one by one, and a reply with neither result nor error as an
+error saying so, as over stdio (the SDK reads one message per body or event, and failed both).
 
 Imported once the SDK is (it needs httpx2 and the SDK's defaults)."""
 
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -17,7 +20,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
 from mcp_types import CONNECTION_CLOSED
 
-from poddaemon.mcp.stdio import DROPPED, MAX_LINE, stand_in
+from poddaemon.mcp.stdio import DROPPED, MAX_LINE, batch_items, outcomeless, stand_in
 from protocol.unreadable import UNREADABLE
 
 log = logging.getLogger("poddaemon.mcp")
@@ -42,6 +45,112 @@ class _Capped(httpx2.AsyncByteStream):
                     "it was discarded"
                 )
             yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def messages(text: bytes) -> list[bytes] | None:
+    """The messages one JSON text of the server's (a body, an SSE event's data) carries, as the
+    SDK can read them, or None to pass it on as it is: a batch's messages one by one, and in
+    place of a reply with neither result nor error, an error saying so."""
+    if text.lstrip().startswith(b"["):
+        return batch_items(text)
+    if b'"result"' in text or b'"error"' in text or b'"method"' in text:
+        return None  # any other message: not decoded twice
+    try:
+        broken = outcomeless(msgspec.json.decode(text))
+    except UNREADABLE:
+        return None
+    return None if broken is None else [broken]
+
+
+def sse_events(texts: list[bytes]) -> bytes:
+    """Messages as the SSE events of a stream."""
+    return b"".join(b"event: message\ndata: " + text + b"\n\n" for text in texts)
+
+
+_EOL = re.compile(rb"\r\n|\r|\n")
+
+
+class SseRewriter:
+    """An SSE stream, event by event, with the data of each as `messages` has it: a batch is an
+    event per message, the event's id on the last (the point a resumed stream goes on from).
+    Bytes in, bytes out; an event is held until its end (the SDK's parser holds it too), and a
+    stream with one over `limit` bytes is passed on as it is from there (the SDK fails it)."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._rest = b""  # the start of a line
+        self._event: list[bytes] = []  # the lines of the event being read
+        self._size = 0
+        self._passing = False
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._passing:
+            return chunk
+        data = self._rest + chunk
+        # A CR at the end may be the first half of a CRLF: it waits for the next chunk.
+        end = len(data) - 1 if data.endswith(b"\r") else len(data)
+        *lines, rest = _EOL.split(data[:end])
+        self._rest = rest + data[end:]
+        out: list[bytes] = []
+        for line in lines:
+            if line:
+                self._event.append(line)
+                self._size += len(line) + 1
+            else:
+                out.append(_event(self._event))
+                self._event, self._size = [], 0
+        if self._size + len(self._rest) > self._limit:
+            self._passing = True
+            out.append(self.end())
+        return b"".join(out)
+
+    def end(self) -> bytes:
+        """What is held, as it came (an event cut short is no event: the SDK drops it)."""
+        held = b"".join(line + b"\n" for line in self._event) + self._rest
+        self._event, self._size, self._rest = [], 0, b""
+        return held
+
+
+def _event(lines: list[bytes]) -> bytes:
+    """One SSE event (its lines, without the empty one that ends it), rewritten."""
+    fields = [_field(line) for line in lines]
+    data = [value for name, value in fields if name == b"data"]
+    kind = next((value for name, value in reversed(fields) if name == b"event"), b"message")
+    texts = messages(b"\n".join(data)) if data and kind == b"message" else None
+    if texts is None:
+        return b"".join(line + b"\n" for line in lines) + b"\n"
+    named = list(zip(lines, (name for name, _ in fields), strict=True))
+    ids = [line for line, name in named if name == b"id"]
+    others = [line for line, name in named if name not in (b"data", b"id", b"")]  # no comments
+    out: list[bytes] = []
+    for i, text in enumerate(texts):
+        out += [*others, b"data: " + text, *(ids if i == len(texts) - 1 else []), b""]
+    if not texts and ids:  # an empty batch: its id still counts
+        out += [*ids, b""]
+    return b"".join(line + b"\n" for line in out)
+
+
+def _field(line: bytes) -> tuple[bytes, bytes]:
+    """(name, value) of an SSE line; a comment's name is empty."""
+    name, _, value = line.partition(b":")
+    return name, value[1:] if value.startswith(b" ") else value
+
+
+class _SseMessages(httpx2.AsyncByteStream):
+    def __init__(self, inner: httpx2.AsyncByteStream, limit: int) -> None:
+        self._inner = inner
+        self._limit = limit
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        rewriter = SseRewriter(self._limit)
+        async for chunk in self._inner:
+            if out := rewriter.feed(chunk):
+                yield out
+        if out := rewriter.end():
+            yield out
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -105,7 +214,14 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
             over = f"the server's answer is over the {self._limit >> 20} MiB limit"
             over += "; it was discarded"
             return _answer(response, request, _Failing(over))
-        return _answer(response, request, httpx2.ByteStream(body))
+        texts = messages(body)
+        if texts is None:
+            return _answer(response, request, httpx2.ByteStream(body))
+        if body.lstrip().startswith(b"["):  # a batch: the SDK reads many messages from SSE only
+            sse = _answer(response, request, httpx2.ByteStream(sse_events(texts)))
+            sse.headers["content-type"] = "text/event-stream"
+            return sse
+        return _answer(response, request, httpx2.ByteStream(texts[0]))
 
     async def _read(self, response: httpx2.Response) -> bytes | None:
         """The whole body, decoded (gzip and such), or None past the limit (the rest unread)."""
@@ -122,9 +238,11 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         return b"".join(chunks)
 
     def _capped(self, response: httpx2.Response) -> httpx2.Response:
+        assert isinstance(response.stream, httpx2.AsyncByteStream)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
-            assert isinstance(response.stream, httpx2.AsyncByteStream)
             response.stream = _Capped(response.stream, self._limit)
+        elif response.headers.get("content-encoding", "identity") == "identity":
+            response.stream = _SseMessages(response.stream, self._limit)
         return response
 
     async def aclose(self) -> None:

@@ -4,7 +4,9 @@ is one JSON body of `mb` MiB (a server that could fill the pod's memory: a JSON 
 SSE event, had no size limit), and `deny` whose call is answered 403. `--refuse STATUS`: every
 message is answered with that HTTP status (a gateway that wants a token, a server that is down).
 Tool `drop`, and with `--drop-first-list` the first tools/list, is answered by closing the
-connection without a word; tool `cut` by closing it in the middle of its JSON body."""
+connection without a word; tool `cut` by closing it in the middle of its JSON body. Tool
+`blank` is answered with neither result nor error. `--batch json|sse`: every answer is a
+JSON-RPC batch (a log notification, then the reply), in a JSON body or in one SSE event."""
 
 import json
 import sys
@@ -17,9 +19,11 @@ TOOLS = [
     {"name": "deny", "inputSchema": {"type": "object"}},
     {"name": "drop", "inputSchema": {"type": "object"}},
     {"name": "cut", "inputSchema": {"type": "object"}},
+    {"name": "blank", "inputSchema": {"type": "object"}},
 ]
 REFUSE = int(sys.argv[sys.argv.index("--refuse") + 1]) if "--refuse" in sys.argv else None
 drop_list = "--drop-first-list" in sys.argv
+BATCH = sys.argv[sys.argv.index("--batch") + 1] if "--batch" in sys.argv else None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -87,6 +91,8 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b'{"jsonrpc": "2.0", ')
             self.drop()
             return
+        elif method == "tools/call" and msg["params"]["name"] == "blank":
+            result = "blank"
         elif method == "tools/call":
             params = msg["params"]
             mb = params.get("arguments", {}).get("mb", 0) if params["name"] == "huge" else 0
@@ -94,11 +100,20 @@ class Handler(BaseHTTPRequestHandler):
             result = {"content": [{"type": "text", "text": text}]}
         if result is None:
             reply: Any = {"jsonrpc": "2.0", "id": id_, "error": {"code": -32601, "message": "no"}}
+        elif result == "blank":
+            reply = {"jsonrpc": "2.0", "id": id_}
         else:
             reply = {"jsonrpc": "2.0", "id": id_, "result": result}
+        if BATCH is not None:
+            note = {"level": "info", "data": "answering"}
+            reply = [{"jsonrpc": "2.0", "method": "notifications/message", "params": note}, reply]
         body = json.dumps(reply).encode()
+        content_type = "application/json"
+        if BATCH == "sse":
+            body = b"event: message\r\ndata: " + body + b"\r\n\r\n"
+            content_type = "text/event-stream"
         self.send_response(200)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

@@ -961,25 +961,36 @@ def test_a_server_printing_debug_lines_on_stdout_does_not_keep_the_pod_busy(env:
 
 
 
-@pytest.mark.parametrize("args", [(), ("--refuse-first-initialize",)], ids=["pod", "sdk"])
-def test_a_server_answering_in_json_rpc_batches_is_understood(
-    env: Env, args: tuple[str, ...]
-) -> None:
+@contextlib.contextmanager
+def batch_server(kind: str) -> Iterator[tuple[str, str]]:
+    """A server answering every message in JSON-RPC batches, over `kind`: its
+    [[mcp.servers]] entry (named "b") and the name of its tool that echoes `text`."""
+    if kind in ("pod", "sdk"):  # stdio, its start listed by the pod's handshake or the SDK
+        args = ("--batch-replies", *(("--refuse-first-initialize",) if kind == "sdk" else ()))
+        yield server_toml("b", script=LEGACY, args=args, timeout=20), "shout"
+        return
+    with raw_http_server("--batch", kind) as url:
+        yield server_toml("b", url=url, timeout=20), "echo"
+
+
+@pytest.mark.parametrize("kind", ["pod", "sdk", "json", "sse"])
+def test_a_server_answering_in_json_rpc_batches_is_understood(env: Env, kind: str) -> None:
     """Found by QA: a batch (an array of messages, legal in JSON-RPC 2.0 and in MCP
-    2025-03-26) was unreadable to the pod: the start waited out start_timeout (the handshake
-    skipped it) or failed (the SDK's negotiation), and a call answered in one failed. Its
-    messages are taken one by one."""
-    env.model.script(
-        {"tool_calls": [{"name": "b__shout", "arguments": {"text": "echoed"}}]},
-        {"text": "done"},
-    )
-    extra = server_toml("b", script=LEGACY, args=("--batch-replies", *args), timeout=20)
-    pod = env.start("batched", extra=extra)
-    with pod.client(timeout=60) as c:
-        assert c.run_wait("echo").outcome == "finished"
-    (echo,) = tool_results(pod)
-    assert (echo["output"], echo["is_error"]) == ("ECHOED", False), echo
-    assert_the_same_server_serves(pod)
+    2025-03-26) was unreadable to the pod. Over stdio the start waited out start_timeout (the
+    handshake skipped it) or failed (the SDK's negotiation), and a call answered in one
+    failed; over HTTP, in a JSON body or an SSE event, the start failed ("Failed to parse").
+    Its messages are taken one by one."""
+    with batch_server(kind) as (extra, tool):
+        env.model.script(
+            {"tool_calls": [{"name": f"b__{tool}", "arguments": {"text": "echoed"}}]},
+            {"text": "done"},
+        )
+        pod = env.start("batched", extra=extra)
+        with pod.client(timeout=60) as c:
+            assert c.run_wait("echo").outcome == "finished"
+        (echo,) = tool_results(pod)
+        assert_the_same_server_serves(pod)
+    assert (echo["output"].lower(), echo["is_error"]) == ("echoed", False), echo
 
 
 def test_a_reply_with_neither_result_nor_error_fails_its_call_only(env: Env) -> None:
@@ -1049,3 +1060,28 @@ def test_an_http_tool_list_whose_connection_drops_is_asked_again(env: Env) -> No
         (echo,) = tool_results(pod)
         assert_the_same_server_serves(pod)
     assert (echo["output"], echo["is_error"]) == ("echoed", False)
+
+
+@pytest.mark.parametrize("args", [(), ("--batch", "json"), ("--batch", "sse")],
+                         ids=["json", "json-batch", "sse-batch"])  # fmt: skip
+def test_an_http_reply_with_neither_result_nor_error_fails_its_call_only(
+    env: Env, args: tuple[str, ...]
+) -> None:
+    """As over stdio: it failed as "refused", with the SDK's four validation errors (and
+    their traceback in the pod's log)."""
+    env.model.script(
+        {"tool_calls": [{"name": "raw__blank", "arguments": {}}]},
+        {"tool_calls": [{"name": "raw__echo", "arguments": {}}]},
+        {"text": "done"},
+    )
+    with raw_http_server(*args) as url:
+        pod = env.start("httpblank", extra=server_toml("raw", url=url, timeout=20))
+        with pod.client(timeout=60) as c:
+            assert c.run_wait("blank").outcome == "finished"
+        blank, echo = tool_results(pod)
+        assert_the_same_server_serves(pod)
+    assert blank["is_error"], blank
+    said = "MCP server 'raw' broke the protocol on blank: its reply has neither a result nor an"
+    assert blank["output"].startswith(said), blank["output"]
+    assert (echo["output"], echo["is_error"]) == ("echoed", False)
+    assert "Traceback" not in pod.text()

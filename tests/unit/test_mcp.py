@@ -423,3 +423,37 @@ def test_a_tool_listed_many_times_is_one_alert() -> None:
         "tool 'a.b' cannot be offered to the model (the server lists it twice)",
         "tool 'a_b' cannot be offered to the model (the server lists it twice)",
     ]
+
+
+def test_an_sse_batch_is_an_event_per_message_whatever_the_chunks() -> None:
+    from poddaemon.mcp.http import SseRewriter
+
+    note = b'{"jsonrpc":"2.0","method":"notifications/message","params":{}}'
+    reply = b'{"jsonrpc":"2.0","id":1,"result":{}}'
+    stream = (
+        b": a comment\r\nevent: message\r\nid: 7\r\nretry: 50\r\ndata: [" + note + b",\r\n"
+        b"data: " + reply + b"]\r\n\r\n"
+        b"data: " + reply + b"\r\n\r\n"  # no batch: as it came (with LF ends)
+        b"event: other\ndata: [1]\n\n"  # not a message: as it came
+        b"id: 8\ndata: []\n\n"  # nothing in it but its id
+        b'data: {"jsonrpc": "2.0", "id": 2}\n\n'
+        b"data: cut short"
+    )
+    split = (
+        b"event: message\nretry: 50\ndata: " + note + b"\n\n"
+        b"event: message\nretry: 50\ndata: " + reply + b"\nid: 7\n\n"
+        b"data: " + reply + b"\n\n"
+        b"event: other\ndata: [1]\n\n"
+        b"id: 8\n\n"
+        b'data: {"jsonrpc":"2.0","id":2,"error":{"code":-32603,"message":"its reply has '
+        b'neither a result nor an error","data":"poddaemon: the server broke the protocol"}}\n\n'
+        b"data: cut short"
+    )
+    for size in (1, 2, 7, len(stream)):  # a CRLF split across chunks is one line end
+        rewriter = SseRewriter(limit=1 << 20)
+        out = b"".join(rewriter.feed(stream[i : i + size]) for i in range(0, len(stream), size))
+        assert out + rewriter.end() == split, size
+    # An event over the limit: the stream is passed on as it comes from there.
+    rewriter = SseRewriter(limit=100)
+    big = b"data: [" + b"1," * 100 + b"1]\n\n"
+    assert rewriter.feed(big[:150]) + rewriter.feed(big[150:]) + rewriter.end() == big
