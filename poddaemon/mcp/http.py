@@ -85,6 +85,7 @@ class SseRewriter:
         self._event: list[bytes] = []  # the lines of the event being read
         self._size = 0
         self._passing = False
+        self.resumable = False  # an event had an id: the SDK resumes the stream from it
 
     def feed(self, chunk: bytes) -> bytes:
         if self._passing:
@@ -99,6 +100,8 @@ class SseRewriter:
             if line:
                 self._event.append(line)
                 self._size += len(line) + 1
+                name, value = _field(line)
+                self.resumable = self.resumable or (name == b"id" and bool(value))
             else:
                 out.append(_event(self._event))
                 self._event, self._size = [], 0
@@ -140,17 +143,35 @@ def _field(line: bytes) -> tuple[bytes, bytes]:
 
 
 class _SseMessages(httpx2.AsyncByteStream):
-    def __init__(self, inner: httpx2.AsyncByteStream, limit: int) -> None:
+    """An SSE body as SseRewriter has it. The stream answering request `rid` that ends, or
+    fails, before the SDK has its answer (it stops reading there) and cannot be resumed (no
+    event had an id) ends with an error answering it, as a POST whose connection fails
+    before its answer (DROPPED): the SDK's own error said the server had "refused" the call."""
+
+    def __init__(self, inner: httpx2.AsyncByteStream, limit: int, rid: int | str | None) -> None:
         self._inner = inner
         self._limit = limit
+        self._rid = rid
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         rewriter = SseRewriter(self._limit)
-        async for chunk in self._inner:
-            if out := rewriter.feed(chunk):
-                yield out
-        if out := rewriter.end():
-            yield out
+        try:
+            async for chunk in self._inner:
+                if out := rewriter.feed(chunk):
+                    yield out
+        except httpx2.TransportError as exc:
+            if self._rid is None or rewriter.resumable:
+                raise
+            why = _failure(exc)
+        else:
+            held = rewriter.end()
+            if self._rid is None or rewriter.resumable:
+                if held:
+                    yield held
+                return
+            why = "its event stream ended without it"
+        # What is held is an event cut short, which is no event.
+        yield sse_events([stand_in(self._rid, CONNECTION_CLOSED, why, DROPPED)])
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -181,7 +202,7 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         method = message.get("method")
         for attempt in (1, 2):
             try:
-                return await self._post(request)
+                return await self._post(request, message)
             except httpx2.TransportError as exc:
                 # Found by QA: raised to the SDK, it broke the whole connection, and one POST a
                 # server (a proxy, a worker recycled) closed unanswered cost its one restart.
@@ -193,7 +214,7 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
                 return _dropped(self._name, request, message, why)
         raise AssertionError("unreachable")
 
-    async def _post(self, request: httpx2.Request) -> httpx2.Response:
+    async def _post(self, request: httpx2.Request, message: dict[str, Any]) -> httpx2.Response:
         """One POST of a message; its JSON answer read whole here, so that a connection lost
         during it fails that message (the SDK's read would have raised past it)."""
         response = await self._inner.handle_async_request(request)
@@ -204,7 +225,7 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         if status >= 300 or not response.headers.get("content-type", "").startswith(
             "application/json"
         ):
-            return self._capped(response)
+            return self._capped(response, _request_id(message))
         try:
             body = await self._read(response)
         except httpx2.DecodingError as exc:  # a body its content-encoding does not decode
@@ -237,12 +258,14 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
             await response.aclose()
         return b"".join(chunks)
 
-    def _capped(self, response: httpx2.Response) -> httpx2.Response:
+    def _capped(self, response: httpx2.Response, rid: int | str | None = None) -> httpx2.Response:
+        """`response` with its body capped, or, an SSE stream (answering request `rid`, if a
+        POST's), rewritten."""
         assert isinstance(response.stream, httpx2.AsyncByteStream)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             response.stream = _Capped(response.stream, self._limit)
         elif response.headers.get("content-encoding", "identity") == "identity":
-            response.stream = _SseMessages(response.stream, self._limit)
+            response.stream = _SseMessages(response.stream, self._limit, rid)
         return response
 
     async def aclose(self) -> None:
@@ -266,6 +289,14 @@ def _message_of(request: httpx2.Request) -> dict[str, Any]:
     except (httpx2.RequestNotRead, *UNREADABLE):
         return {}
     return message if isinstance(message, dict) else {}
+
+
+def _request_id(message: dict[str, Any]) -> int | str | None:
+    """The id of a request (None for a notification, or a reply of ours)."""
+    rid = message.get("id")
+    if "method" not in message or isinstance(rid, bool) or not isinstance(rid, int | str):
+        return None
+    return rid
 
 
 def _answer(
@@ -292,8 +323,8 @@ def _dropped(
     """What the SDK gets for a POST whose connection failed before its answer: for a request,
     an error answering it (CONNECTION_CLOSED, which has the server pinged, marked DROPPED for
     the words); for a notification or a reply of ours, nothing (202: none awaits an answer)."""
-    rid = message.get("id")
-    if "method" not in message or isinstance(rid, bool) or not isinstance(rid, int | str):
+    rid = _request_id(message)
+    if rid is None:
         said = message.get("method") or "a reply to the server"
         log.warning("mcp[%s] %s: the connection closed (%s)", name, said, why)
         return httpx2.Response(202, request=request)

@@ -4,7 +4,8 @@ is one JSON body of `mb` MiB (a server that could fill the pod's memory: a JSON 
 SSE event, had no size limit), and `deny` whose call is answered 403. `--refuse STATUS`: every
 message is answered with that HTTP status (a gateway that wants a token, a server that is down).
 Tool `drop`, and with `--drop-first-list` the first tools/list, is answered by closing the
-connection without a word; tool `cut` by closing it in the middle of its JSON body. Tool
+connection without a word; tool `cut` by closing it in the middle of its JSON body; tools
+`sse_end` and `sse_cut` with an SSE stream of a notification only, ended, or cut short. Tool
 `blank` is answered with neither result nor error. `--batch json|sse`: every answer is a
 JSON-RPC batch (a log notification, then the reply), in a JSON body or in one SSE event."""
 
@@ -19,6 +20,8 @@ TOOLS = [
     {"name": "deny", "inputSchema": {"type": "object"}},
     {"name": "drop", "inputSchema": {"type": "object"}},
     {"name": "cut", "inputSchema": {"type": "object"}},
+    {"name": "sse_end", "inputSchema": {"type": "object"}},
+    {"name": "sse_cut", "inputSchema": {"type": "object"}},
     {"name": "blank", "inputSchema": {"type": "object"}},
 ]
 REFUSE = int(sys.argv[sys.argv.index("--refuse") + 1]) if "--refuse" in sys.argv else None
@@ -81,6 +84,20 @@ class Handler(BaseHTTPRequestHandler):
             self.refuse(403)
             return
         elif method == "tools/call" and msg["params"]["name"] == "drop":
+            self.drop()
+            return
+        elif method == "tools/call" and msg["params"]["name"] in ("sse_end", "sse_cut"):
+            cut = msg["params"]["name"] == "sse_cut"
+            note = {"jsonrpc": "2.0", "method": "notifications/message",
+                    "params": {"level": "info", "data": "working"}}  # fmt: skip
+            event = b"event: message\ndata: " + json.dumps(note).encode() + b"\n\n"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            if cut:  # chunked, its last chunk never sent: a stream cut short
+                self.send_header("Transfer-Encoding", "chunked")
+                event = b"%x\r\n%b\r\n" % (len(event), event)
+            self.end_headers()  # else the stream ends where the connection does
+            self.wfile.write(event)
             self.drop()
             return
         elif method == "tools/call" and msg["params"]["name"] == "cut":

@@ -1022,12 +1022,23 @@ def test_a_tool_list_with_neither_result_nor_error_fails_the_start_at_once(env: 
 
 
 
-@pytest.mark.parametrize("tool", ["drop", "cut"])
-def test_an_http_call_whose_connection_drops_unanswered_fails_alone(env: Env, tool: str) -> None:
+@pytest.mark.parametrize(
+    ("tool", "why"),
+    [
+        ("drop", "the connection closed (RemoteProtocolError"),
+        ("cut", "the connection closed (RemoteProtocolError"),
+        ("sse_end", "its event stream ended without it"),
+        ("sse_cut", "the connection closed (RemoteProtocolError"),
+    ],
+)
+def test_an_http_call_whose_connection_drops_unanswered_fails_alone(
+    env: Env, tool: str, why: str
+) -> None:
     """Found by QA: one POST the server closed without an answer (a proxy's idle timeout, a
     worker recycled), or in the middle of it, broke the SDK's whole transport: the server was
     taken for dead and its one restart spent. It costs that call; the server, still
-    answering, is kept."""
+    answering, is kept. (An SSE answer that ended without the reply cost only the call, but
+    said the server had "refused" it.)"""
     env.model.script(
         {"tool_calls": [{"name": f"raw__{tool}", "arguments": {}}]},
         {"tool_calls": [{"name": "raw__echo", "arguments": {}}]},
@@ -1040,7 +1051,7 @@ def test_an_http_call_whose_connection_drops_unanswered_fails_alone(env: Env, to
         drop, echo = tool_results(pod)
         assert_the_same_server_serves(pod)
     assert drop["is_error"], drop
-    said = f"MCP server 'raw' gave no answer to {tool}: the connection closed (RemoteProtocol"
+    said = f"MCP server 'raw' gave no answer to {tool}: {why}"
     assert drop["output"].startswith(said), drop["output"]
     assert "may or may not have taken effect" in drop["output"]
     assert (echo["output"], echo["is_error"]) == ("echoed", False)
