@@ -158,6 +158,13 @@ class _Lines:
                         raise HandshakeError(
                             f"{method}: the server's reply has neither a result nor an error"
                         )
+                    if item.get("jsonrpc") != "2.0":
+                        # Found by QA: taken here, the server was listed and offered, and the
+                        # SDK then refused each reply of it: every call failed, status "ready".
+                        raise HandshakeError(
+                            f'{method}: the server\'s reply is not JSON-RPC 2.0 (its "jsonrpc" '
+                            f"is {item.get('jsonrpc')!r:.20}, not '2.0')"
+                        )
                     reply = item  # the rest of its batch is still answered
                 elif "method" in item and "id" in item:  # a server's request (ping, roots…)
                     answer: dict[str, Any] = (

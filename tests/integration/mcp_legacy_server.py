@@ -113,6 +113,8 @@ batch_replies = "--batch-replies" in sys.argv[1:]
 
 def reply(id_: object, result: object = None, error: object = None) -> None:
     msg = {"jsonrpc": "2.0", "id": id_}
+    if "--no-jsonrpc" in sys.argv:  # replies without `"jsonrpc": "2.0"`, as some servers send
+        del msg["jsonrpc"]
     msg.update({"error": error} if error is not None else {"result": result})
     if batch_replies:
         note = {"level": "info", "data": "answering"}

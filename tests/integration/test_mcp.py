@@ -1096,3 +1096,16 @@ def test_an_http_reply_with_neither_result_nor_error_fails_its_call_only(
     assert blank["output"].startswith(said), blank["output"]
     assert (echo["output"], echo["is_error"]) == ("echoed", False)
     assert "Traceback" not in pod.text()
+
+
+def test_a_server_whose_replies_are_not_json_rpc_2_fails_the_start(env: Env) -> None:
+    """Found by QA: replies without `"jsonrpc": "2.0"` were taken by the start-up handshake,
+    the server listed and its tools offered, status "ready"; then the SDK refused each reply
+    and every call failed ("cannot be read (7 validation errors...)")."""
+    env.model.script({"text": "fine"})
+    pod = env.start("nojsonrpc", extra=server_toml("old", script=LEGACY, args=("--no-jsonrpc",)))
+    (warned,) = [a for a in alerts(pod) if "failed to start" in a]
+    assert "initialize: the server's reply is not JSON-RPC 2.0" in warned, warned
+    assert not any(t.startswith("old__") for t in advertised_tools(env.model.requests[0]["body"]))
+    (server,) = pod.call("status")["mcp"]
+    assert server["state"] == "failed"
