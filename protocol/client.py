@@ -12,6 +12,7 @@ once on one connection.
 """
 
 import _socket
+import errno
 import select
 import time
 from collections.abc import Iterator
@@ -117,13 +118,28 @@ class PodClient(ClientMethods, SyncCaller):
 
     def _roundtrip(self, method: str, params: Params | dict[str, Any] | None, rtype: type[T]) -> T:
         request_id, data = self._core.request(method, params)
+        # The connection's timeout bounds the whole answer, not each read: a socket that is not
+        # a pod's and never stops talking (an endless line, events, replies to other ids) kept
+        # every read short, and the call waiting for ever.
+        timeout = self._sock.gettimeout()
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._send(data)
             while not self._core.has_reply(request_id):
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(
+                            errno.ETIMEDOUT, f"pod {self.target!r} did not answer in time"
+                        )
+                    self._sock.settimeout(left)
                 self._receive()
         except BaseException:
             self._core.forget(request_id)
             raise
+        finally:
+            if deadline is not None and self._sock.fileno() >= 0:
+                self._sock.settimeout(timeout)
         return self._core.take(request_id, rtype)
 
     def _invoke(self, method: Method[Params, T], params: Params) -> T:

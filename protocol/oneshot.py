@@ -12,8 +12,10 @@ UnsafeSocket, TimeoutError, OSError.
 from __future__ import annotations
 
 import _socket
+import errno
 import json
 import os
+import time
 
 from protocol.errors import (
     INTERNAL_ERROR,
@@ -55,7 +57,7 @@ def call(
     sock = connect(target, timeout)
     try:
         sock.sendall(request(method, params, max_frame_bytes))
-        result = _answer(sock, os.fspath(target))
+        result = _answer(sock, os.fspath(target), timeout)
         missing = [key for key in RESULT_FIELDS.get(method, ()) if key not in result]
         if missing:
             raise RpcError(PARSE_ERROR, f"the pod's reply is malformed: no {missing[0]!r}")
@@ -84,9 +86,18 @@ def _encode(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def _answer(sock: _socket.socket, target: str) -> Any:
+def _answer(sock: _socket.socket, target: str, timeout: float | None) -> Any:
     framer = LineFramer(max_frame_bytes=MAX_REPLY_BYTES)
+    # `timeout` bounds the whole answer, not each read: a socket that is not a pod's and never
+    # stops talking (an endless line, events, replies to other ids) kept every read short and
+    # `podctl status` waiting for ever.
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(errno.ETIMEDOUT, f"pod {target!r} did not answer in time")
+            sock.settimeout(left)
         data = sock.recv(1 << 16)
         if not data:
             raise ConnectionClosed(f"pod {target!r} closed the connection")

@@ -6,6 +6,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -209,3 +210,60 @@ def test_a_pod_that_does_not_answer_times_out(sock_path: Path) -> None:
             oneshot.call(sock_path, "status", timeout=0.05)
     finally:
         listener.close()
+
+
+class Chatter:
+    """Reads the request, then writes `chunk` again and again until the client goes: a
+    socket that is not a pod's and never stops talking, with never an answer in it."""
+
+    def __init__(self, path: Path, chunk: bytes) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(1)
+        self.sock.settimeout(10)
+        self.chunk = chunk
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn, contextlib.suppress(OSError):  # until the client closes
+            conn.recv(1 << 16)
+            while True:
+                conn.sendall(self.chunk)
+
+    def close(self) -> None:
+        self.thread.join(10)
+        self.sock.close()
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        b"x" * 65536,  # one endless line
+        # events, and no answer
+        b'{"jsonrpc":"2.0","method":"event","params":{"seq":1,"ts":0,"type":"x","data":{}}}\n' * 50,
+        b'{"jsonrpc":"2.0","id":7,"result":{}}\n' * 100,  # answers to another request
+    ],
+    ids=["endless-line", "events", "other-ids"],
+)
+@pytest.mark.parametrize("client", ["oneshot", "PodClient"])
+def test_a_socket_that_never_stops_talking_times_out(
+    sock_path: Path, chunk: bytes, client: str
+) -> None:
+    """The timeout bounds the whole answer: each read returning at once used to restart it,
+    and `podctl status` of such a socket waited for ever."""
+    from protocol.client import PodClient
+
+    server = Chatter(sock_path, chunk)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            if client == "oneshot":
+                oneshot.call(sock_path, "status", timeout=0.5)
+            else:
+                with PodClient.connect(sock_path, timeout=0.5) as pod:
+                    pod.call_raw("status")
+    finally:
+        server.close()
+    assert time.monotonic() - started < 5
