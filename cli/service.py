@@ -83,8 +83,10 @@ def _own_unit(status: dict[str, Any]) -> str | None:
     that unit: stopping it must not stop its parent."""
     from cli.common import template_unit_name, unit_name
 
-    name = str(status["name"])
-    unit = unit_of_pid(int(status["pid"]))
+    name, pid = status["name"], status["pid"]
+    if not isinstance(name, str) or not isinstance(pid, int):  # not a pod's: no unit of ours
+        return None
+    unit = unit_of_pid(pid)
     return unit if unit in (unit_name(name), template_unit_name(name)) else None
 
 

@@ -43,6 +43,8 @@ RESULT_FIELDS: dict[str, tuple[str, ...]] = {
     "resume": ("run_id",),
     "cancel": ("cancelled",),
     "compact": ("session_id",),
+    # `podctl stop` looked up the unit of status["pid"]: a KeyError traceback for `{}`.
+    "status": ("name", "pid", "state"),
 }
 
 

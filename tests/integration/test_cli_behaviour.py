@@ -152,6 +152,8 @@ class SilentSocket:
 class GarbageSocket(SilentSocket):
     """Answers every connection with a line that is not JSON-RPC, then hangs up."""
 
+    answer = b"this is not json\n"
+
     def __init__(self, path: Path) -> None:
         super().__init__(path)
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -163,7 +165,13 @@ class GarbageSocket(SilentSocket):
                 conn, _ = self.sock.accept()
                 with conn:
                     conn.recv(65536)
-                    conn.sendall(b"this is not json\n")
+                    conn.sendall(self.answer)
+
+
+class EmptyResultSocket(GarbageSocket):
+    """Answers every request with an empty result: JSON-RPC, but no pod's."""
+
+    answer = b'{"jsonrpc":"2.0","id":1,"result":{}}\n'
 
 
 def test_ls_lists_unresponsive_pods_and_children_under_their_parent(env: Env) -> None:
@@ -198,6 +206,22 @@ def test_ls_lists_unresponsive_pods_and_children_under_their_parent(env: Env) ->
             server.close()
         for name in fakes:
             registry.release(name, os.getpid())
+
+
+def test_status_and_stop_of_a_socket_that_is_no_pods_say_so(env: Env) -> None:
+    """A socket under the runtime dir that answers `{}` to `status`: `podctl status` printed an
+    empty status and exit 0, and `podctl stop` ended in a KeyError traceback (its unit was
+    looked up from status["pid"])."""
+    server = EmptyResultSocket(env.home / "run" / "pods" / "impostor" / "sock")
+    try:
+        status = env.podctl("status", "impostor")
+        stop = env.podctl("stop", "impostor")
+    finally:
+        server.close()
+    assert status.returncode == 1 and status.stdout == ""
+    assert status.stderr == "podctl: the pod's reply is malformed: no 'name' (-32700)\n"
+    assert stop.returncode == 1 and stop.stderr.startswith("podctl: "), stop.stderr
+    assert "Traceback" not in stop.stderr
 
 
 def test_ls_lists_a_registered_pod_whose_socket_does_not_listen_yet_as_starting(env: Env) -> None:

@@ -114,7 +114,7 @@ def test_the_result_comes_back_as_json_data(sock_path: Path) -> None:
 def test_events_before_the_answer_are_skipped(sock_path: Path) -> None:
     event = {"jsonrpc": "2.0", "method": "event", "params": {"seq": 1, "ts": 1.0, "type": "x"}}
     with serving(sock_path, event, {"jsonrpc": "2.0", "id": 1, "result": {"n": 1}}):
-        assert oneshot.call(sock_path, "status", timeout=10) == {"n": 1}
+        assert oneshot.call(sock_path, "usage", timeout=10) == {"n": 1}
 
 
 @pytest.mark.parametrize("result", [None, [1], "text", 5])
@@ -133,6 +133,8 @@ def test_a_result_that_is_no_object_is_a_parse_error(sock_path: Path, result: ob
         ("notify", {"notification_id": "n"}, "wakes"),
         ("run", {"state": "started"}, "run_id"),
         ("compact", {"id": "s"}, "session_id"),
+        ("status", {}, "name"),
+        ("status", {"name": "p", "state": "idle"}, "pid"),
     ],
 )
 def test_a_result_without_what_spec_gives_it_is_a_parse_error(
