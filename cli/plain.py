@@ -74,6 +74,8 @@ def spawn(
         spawn_detached,
     )
 
+    if not manifest:  # (`podctl spawn "$MANIFEST"` with it unset: the pod read "." as a file)
+        fail("MANIFEST is empty: give the path of a pod's manifest", EXIT_USAGE)
     if session and resume:
         fail("--session and --resume exclude each other", EXIT_USAGE)
     if not foreground and podctl_descriptor(manifest):

@@ -671,6 +671,10 @@ def install_cmd(
     WatchdogSec=, KillMode=mixed). API keys: NAME=value lines in <config>/env. A unit that
     is running already is not restarted by --now: `podctl restart NAME` applies the new one.
     """
+    if not manifest:  # Path("").absolute() is the working directory: "Is a directory"
+        from cli.common import EXIT_USAGE, fail
+
+        fail("MANIFEST is empty: give the path of a pod's manifest", EXIT_USAGE)
     try:
         pod, running = install(manifest, now, watchdog)
     except UnitError as exc:

@@ -105,6 +105,8 @@ def load_manifest(
 
     `defaults_path` None means the user's `<config>/defaults.toml`; a missing file is no defaults.
     """
+    if not str(path):  # Path("") is ".": it said ": cannot read: Is a directory"
+        raise ManifestError("the manifest's path is empty")
     src = _Source(str(path))
     src.text = _read(Path(path), src.name, missing="manifest not found")
     data = _parse(src.text, src.name)

@@ -300,6 +300,10 @@ def test_wait_waits_for_a_pod_that_is_still_starting(env: Env) -> None:
         ["send", "bad name", "hi"],
         ["wait", "ghost", "--timeout", "-1"],
         ["dev", "fake-model", "--port", "99999"],
+        # an empty manifest path (`"$MANIFEST"` unset): the pod read "." as the manifest
+        ["spawn", ""],
+        ["spawn", "", "--foreground"],
+        ["unit", "install", ""],
     ],
     ids=" ".join,
 )

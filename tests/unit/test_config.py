@@ -703,6 +703,9 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
     (tmp_path / "d.toml").mkdir()
     with pytest.raises(ManifestError, match=r"^d\.toml: cannot read: "):
         load_manifest("d.toml")
+    # Path("") is ".": an empty path said ": cannot read: Is a directory"
+    with pytest.raises(ManifestError, match=r"^the manifest's path is empty$"):
+        load_manifest("")
     (tmp_path / "b.toml").write_bytes(b"[pod]\nname = '\xff'\n")
     with pytest.raises(ManifestError, match=r"^b\.toml: invalid TOML: not UTF-8"):
         load_manifest("b.toml")
