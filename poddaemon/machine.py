@@ -514,7 +514,11 @@ class Machine:
         def go() -> None:
             turn = self.turn
             if turn is None or turn.done:
-                self._reply(token, PauseResult(paused=False))
+                # A run paused already stays so: a second `pause` said "nothing to pause" of
+                # a pod that is paused, as of one that had finished (the answer a pause still
+                # on its way to the safe point gets is true).
+                paused = self.state.paused_run is not None and self.state.active_run is None
+                self._reply(token, PauseResult(paused=paused))
             else:  # even a final answer in flight ends the run `paused` (see _start_run)
                 turn.request_pause()
                 self._resume_requested = False  # a resume before this pause is taken back

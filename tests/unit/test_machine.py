@@ -230,6 +230,21 @@ def test_pause_stops_at_the_tool_safe_point_and_resume_continues_the_same_run() 
     assert outcomes == ["paused", "finished"]
 
 
+def test_pause_of_a_paused_pod_says_it_is_paused_and_changes_nothing() -> None:
+    d = Driver()
+    d.call("run", "work")
+    assert d.answer(d.call("pause")).result.paused
+    assert d.answer(d.call("pause")).result.paused  # on its way to the safe point
+    d.model(calls=1)
+    assert d.machine.pod_state == "paused" and d.inflight is None
+    run_id, written = d.machine.state.paused_run, len(d.lines)
+    assert d.answer(d.call("pause")).result.paused  # reached: still paused, not "nothing"
+    assert len(d.lines) == written and d.machine.pod_state == "paused" and d.inflight is None
+    assert d.answer(d.call("resume")).result.run_id == run_id
+    d.model("done")
+    assert not d.answer(d.call("pause")).result.paused  # finished: nothing to pause
+
+
 def test_a_paused_pod_holds_its_queue_until_resume() -> None:
     """`pause` with a run queued behind the active one: the pod stays paused (the queued run
     used to start at once and cancel the paused one as "superseded"); on resume the paused run
