@@ -67,8 +67,10 @@ def spawn(
     import os
 
     from cli.spawn import (
+        READY_TIMEOUT,
         SpawnFailed,
         daemon_command,
+        is_fifo,
         podctl_descriptor,
         shortened,
         spawn_detached,
@@ -91,6 +93,14 @@ def spawn(
         if split_override(text) is None:  # (the manifest loader's rule, but exit 2: usage)
             fail(f"--set {text}: expected section.key=value", EXIT_USAGE)
     cmd = daemon_command(manifest, set_ or [], session, resume)
+    if is_fifo(manifest):
+        # The pod reads a FIFO as `cat` does, waiting for a writer: said now, as a silent
+        # spawn looked hung until "did not become ready within 30 s".
+        sys.stderr.write(
+            f"podctl: {manifest} is a FIFO: the pod waits for a manifest to be written into it"
+            f"{'' if foreground else f' (for {READY_TIMEOUT:g} s)'}\n"
+        )
+        sys.stderr.flush()
     if foreground:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -76,6 +76,16 @@ def podctl_descriptor(manifest: str) -> bool:
     )
 
 
+def is_fifo(manifest: str) -> bool:
+    """Whether `manifest` is a named pipe (`mkfifo`), which the pod waits on for a writer."""
+    import stat
+
+    try:
+        return stat.S_ISFIFO(os.stat(manifest).st_mode)
+    except (OSError, ValueError):  # missing, unreadable, a NUL in it: the pod says which
+        return False
+
+
 class Started(Protocol):
     """A pod process podctl started, exec'd or forked."""
 

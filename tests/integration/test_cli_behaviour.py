@@ -534,6 +534,26 @@ def test_dev_fake_model_with_a_bad_script_exits_1(env: Env) -> None:
     assert proc.returncode == 1 and proc.stderr.startswith("podctl: ") and "txt" in proc.stderr
 
 
+def test_spawn_of_a_fifo_says_at_once_that_the_pod_waits_for_a_writer(cleanup: Env) -> None:
+    """`podctl spawn FIFO`: the pod reads it as `cat` does, so a spawn nobody writes the
+    manifest for said nothing for 30 s; now it says why it waits, and one written goes on."""
+    env = cleanup
+    text = env.manifest("piped").read_text()
+    fifo = env.home / "m.toml"
+    os.mkfifo(fifo)
+    spawn = env.podctl_popen("spawn", str(fifo))
+    assert spawn.stderr is not None
+    ready, _, _ = select.select([spawn.stderr], [], [], 20)
+    assert ready, "podctl spawn said nothing while the pod waits for the FIFO"
+    assert spawn.stderr.readline() == (
+        f"podctl: {fifo} is a FIFO: the pod waits for a manifest to be written into it (for 30 s)\n"
+    )
+    fifo.write_text(text)  # (opening it waits for the pod to open it too)
+    out, err = spawn.communicate(timeout=30)
+    assert spawn.returncode == 0 and out.startswith("piped\t"), err
+    assert env.podctl("stop", "piped").returncode == 0
+
+
 # --- item 22: stop returns once the name and scope are free -------------------------------------
 
 
