@@ -118,8 +118,10 @@ def _answer(sock: _socket.socket, target: str, timeout: float | None) -> Any:
 
 def _decode(line: bytes) -> dict[str, Any]:
     try:
-        reply = json.loads(line)
-    except ValueError as exc:
+        # UTF-8, as the wire is (SPEC 5): json.loads guesses UTF-16 or -32 from NUL bytes, so a
+        # socket's garbage said "'utf-16-be' codec can't decode", and UTF-16 JSON was taken.
+        reply = json.loads(line.decode())
+    except ValueError as exc:  # (UnicodeDecodeError included)
         raise RpcError(PARSE_ERROR, f"the pod's reply is not JSON: {exc}") from None
     if not isinstance(reply, dict):
         raise RpcError(PARSE_ERROR, "the pod's reply is not a JSON object")

@@ -170,7 +170,20 @@ def test_a_reply_with_neither_result_nor_error_is_an_internal_error(sock_path: P
     assert info.value.code == errors.INTERNAL_ERROR
 
 
-@pytest.mark.parametrize("answer", [b"not json\n", b"[1, 2]\n", b'{"id": 1, "error": "x"}\n'])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"not json\n",
+        b"[1, 2]\n",
+        b'{"id": 1, "error": "x"}\n',
+        b"\x00\xffHELLO\n",  # said "'utf-16-be' codec can't decode byte 0x65"
+        # a status, but not in UTF-8
+        '{"jsonrpc":"2.0","id":1,"result":{"name":"p","pid":1,"state":"idle"}}'.encode(
+            "utf-16-le"
+        )
+        + b"\n",
+    ],
+)
 def test_a_malformed_reply_is_a_parse_error(sock_path: Path, answer: bytes) -> None:
     server = Server(sock_path, answer)
     try:
@@ -179,6 +192,7 @@ def test_a_malformed_reply_is_a_parse_error(sock_path: Path, answer: bytes) -> N
     finally:
         server.close()
     assert info.value.code == errors.PARSE_ERROR
+    assert "utf-16" not in info.value.message
 
 
 # --- failures to connect or to answer ------------------------------------------------------------
