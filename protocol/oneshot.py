@@ -46,6 +46,21 @@ RESULT_FIELDS: dict[str, tuple[str, ...]] = {
     # `podctl stop` looked up the unit of status["pid"]: a KeyError traceback for `{}`.
     "status": ("name", "pid", "state"),
 }
+# The types of the status fields podctl reads (SPEC 5, and `mcp`, `sandbox_notes`), when given:
+# `"queue": "x"` from a socket that is not a pod's ended `podctl status` and `wait` in a traceback.
+STATUS_TYPES: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "pid": int,
+    "state": str,
+    "queue": dict,
+    "usage": dict,
+    "budget": dict,
+    "scope": list,
+    "children": list,
+    "sandbox_notes": list,
+    "mcp": list,
+    "started_at": (int, float),
+}
 
 
 def call(
@@ -63,11 +78,30 @@ def call(
         missing = [key for key in RESULT_FIELDS.get(method, ()) if key not in result]
         if missing:
             raise RpcError(PARSE_ERROR, f"the pod's reply is malformed: no {missing[0]!r}")
+        wrong = malformed_status(result) if method == "status" else None
+        if wrong:
+            raise RpcError(PARSE_ERROR, f"the pod's reply is malformed: {wrong}")
         return result
     except LOST as exc:  # the pod went mid-call: as when it closes without answering
         raise ConnectionClosed(f"pod {os.fspath(target)!r} closed the connection") from exc
     finally:
         sock.close()
+
+
+def malformed_status(status: dict[str, Any]) -> str | None:
+    """What in a status result is not of a pod's shape (STATUS_TYPES; queue counts, scope rules
+    and MCP servers too), or None."""
+    for key, kind in STATUS_TYPES.items():
+        value = status.get(key)
+        if (value is not None or key in RESULT_FIELDS["status"]) and not isinstance(value, kind):
+            return f"its {key!r} is {json.dumps(value)[:40]}"
+    counts = (status.get("queue") or {}).values()
+    if not all(isinstance(n, int) for n in counts):
+        return "a 'queue' count is no integer"
+    for key in ("scope", "mcp"):
+        if not all(isinstance(item, dict) for item in status.get(key) or ()):
+            return f"an item of {key!r} is no object"
+    return None
 
 
 def request(method: str, params: dict[str, Any] | None, max_frame_bytes: int) -> bytes:

@@ -150,7 +150,14 @@ def test_a_socket_that_is_no_pods_is_one_line_not_a_traceback(
         for command in (["status"], ["notify", "hi"], ["pause"], ["rpc", "status"], ["send", "hi"])
     ]
     + [(["attach"], b"null")]
-    + [(command, b"{}") for command in (["notify", "hi"], ["pause"], ["cancel"], ["compact"])],
+    + [(command, b"{}") for command in (["notify", "hi"], ["pause"], ["cancel"], ["compact"])]
+    # A status of no pod's shape: status_text and wait's queue count ended in tracebacks.
+    + [
+        (command, b'{"name":"x","pid":1,"state":"idle",%b}' % field)
+        for field in (b'"queue":"zz"', b'"queue":{"runs":"abc"}', b'"scope":5', b'"mcp":[1]')
+        for command in (["status"], ["wait", "--timeout", "1"])
+    ]
+    + [(["status"], b'{"name":1,"pid":"1","state":null}')],
     ids=lambda v: " ".join(v) if isinstance(v, list) else v.decode(),
 )
 def test_a_result_that_is_no_object_is_one_line_not_a_traceback(

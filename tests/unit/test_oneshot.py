@@ -147,6 +147,27 @@ def test_a_result_without_what_spec_gives_it_is_a_parse_error(
     assert info.value.code == errors.PARSE_ERROR
 
 
+@pytest.mark.parametrize(
+    ("fields", "wrong"),
+    [
+        ({"name": None}, "its 'name' is null"),
+        ({"pid": "1"}, "its 'pid' is \"1\""),
+        ({"queue": "zz"}, "its 'queue' is \"zz\""),
+        ({"queue": {"runs": 1e400}}, "a 'queue' count is no integer"),
+        ({"scope": [1]}, "an item of 'scope' is no object"),
+        ({"started_at": "now"}, "its 'started_at' is \"now\""),
+    ],
+)
+def test_a_status_of_no_pods_shape_is_a_parse_error(
+    sock_path: Path, fields: dict[str, object], wrong: str
+) -> None:
+    result = {"name": "p", "pid": 1, "state": "idle", "queue": {"runs": 0}, **fields}
+    answer = {"jsonrpc": "2.0", "id": 1, "result": result}
+    with serving(sock_path, answer), pytest.raises(RpcError) as info:
+        oneshot.call(sock_path, "status", timeout=10)
+    assert info.value.message == f"the pod's reply is malformed: {wrong}"
+
+
 def test_a_null_id_error_is_the_answer(sock_path: Path) -> None:
     err = {"code": errors.INVALID_REQUEST, "message": "frame too large; discarded"}
     answer = {"jsonrpc": "2.0", "id": None, "error": err}
