@@ -93,12 +93,13 @@ def spawn(
         if split_override(text) is None:  # (the manifest loader's rule, but exit 2: usage)
             fail(f"--set {text}: expected section.key=value", EXIT_USAGE)
     cmd = daemon_command(manifest, set_ or [], session, resume)
-    if is_fifo(manifest):
+    if is_fifo(manifest) and not podctl_descriptor(manifest):
         # The pod reads a FIFO as `cat` does, waiting for a writer: said now, as a silent
-        # spawn looked hung until "did not become ready within 30 s".
+        # spawn looked hung until "did not become ready within 30 s". (Not of `<(…)`, which
+        # its shell writes: a pipe as well.)
         sys.stderr.write(
-            f"podctl: {manifest} is a FIFO: the pod waits for a manifest to be written into it"
-            f"{'' if foreground else f' (for {READY_TIMEOUT:g} s)'}\n"
+            f"podctl: {manifest} is a FIFO: the pod reads its manifest from whatever writes"
+            f" into it{'' if foreground else f' (waiting up to {READY_TIMEOUT:g} s)'}\n"
         )
         sys.stderr.flush()
     if foreground:

@@ -546,12 +546,40 @@ def test_spawn_of_a_fifo_says_at_once_that_the_pod_waits_for_a_writer(cleanup: E
     ready, _, _ = select.select([spawn.stderr], [], [], 20)
     assert ready, "podctl spawn said nothing while the pod waits for the FIFO"
     assert spawn.stderr.readline() == (
-        f"podctl: {fifo} is a FIFO: the pod waits for a manifest to be written into it (for 30 s)\n"
+        f"podctl: {fifo} is a FIFO: the pod reads its manifest from whatever writes into it"
+        " (waiting up to 30 s)\n"
     )
     fifo.write_text(text)  # (opening it waits for the pod to open it too)
     out, err = spawn.communicate(timeout=30)
     assert spawn.returncode == 0 and out.startswith("piped\t"), err
     assert env.podctl("stop", "piped").returncode == 0
+
+
+def test_spawn_in_the_foreground_of_a_process_substitution_says_nothing_of_a_fifo(
+    cleanup: Env,
+) -> None:
+    """`podctl spawn --foreground <(envsubst < m.toml)`: `/dev/fd/63` is a pipe too, which its
+    shell writes; no word of waiting for a writer, which would only mislead."""
+    env = cleanup
+    manifest = env.manifest("subst")
+    python = sys.executable  # (the shell's $0)
+    spawn = subprocess.Popen(
+        ["bash", "-c", f'exec "$0" -m cli.main spawn --foreground <(cat {manifest})', python],
+        env=env.env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert spawn.stderr is not None
+        said = []
+        while not (line := spawn.stderr.readline()).startswith("PODDAEMON-READY"):
+            assert line, f"the pod ended before READY: {''.join(said)}"
+            said.append(line)
+        assert not any("FIFO" in line for line in said), said
+    finally:
+        spawn.terminate()
+        spawn.wait(10)
 
 
 # --- item 22: stop returns once the name and scope are free -------------------------------------
