@@ -736,46 +736,10 @@ def test_retried_summary_attempts_cut_mid_answer_count_against_the_budget(env: E
     assert pod.call("usage")["totals"]["calls"] == 1 + 4  # the run's, then every attempt once
 
 
-def test_a_context_the_provider_rejected_as_too_long_is_compacted_before_the_next_run(
-    env: Env,
-) -> None:
-    """One round's tool results took the context from under the threshold past the model's
-    window: the provider refused the request, and the run ended "context full". Its size was
-    still the last call's, under the threshold, so no later run compacted first: every one
-    failed "context full" for good, though `[compaction.provider]` (a larger window) could
-    summarize it."""
-    write_data(env)
-    extra = compaction_toml(50_000, retained=1) + (
-        "[compaction.provider]\n"
-        'kind = "anthropic"\n'
-        'model = "summarizer"\n'
-        f'base_url = "{env.model.url}"\n'
-        'api_key_env = "FAKE_API_KEY"\n'
-    )
-    pod = env.start(extra=extra)
-    too_long = "prompt is too long: 250000 tokens > 200000 maximum"
-    env.model.script(
-        *tool_replies(2)[:2], {"fault": {"kind": "status", "status": 400, "message": too_long}}
-    )
-    env.model.script_when(MARKER, {"text": "SUMMARY"})
-    with pod.client(timeout=60) as c:
-        first = c.run_wait(INPUT)
-        assert first.outcome == "error" and first.error is not None
-        assert first.error.startswith("context full: ")
-        env.model.script({"text": "on it"})
-        second = c.run_wait("Go on with the task.")
-    assert (second.outcome, second.text) == ("finished", "on it")
-    paths = [r["path"] for r in env.model.requests]
-    assert paths.count("/v1/messages") == 1  # the summary, before the second run's request
-    texts = user_texts("openai", env.model.requests[-1]["body"])
-    assert texts[0].startswith(SUMMARY_TAG) and texts[-1] == "Go on with the task."
-
-
-def test_a_context_refused_as_too_long_is_compacted_first_after_a_restart(env: Env) -> None:
-    """Found by QA: that mark lived in memory only. The pod restarted (a unit's restart, a
-    crash) after the run that ended "context full", and its first run sent the same too-long
-    history again (the last call's size, under the threshold, is all the log told): one
-    more run failed before any compaction."""
+def refused_as_too_long(env: Env) -> PodProcess:
+    """A pod with a summarizer of a larger window, whose run's tool results took the context
+    from under the threshold past the model's window: the provider refused the request, and
+    the run ended "context full"."""
     write_data(env)
     extra = compaction_toml(50_000, retained=1) + (
         "[compaction.provider]\n"
@@ -794,6 +758,34 @@ def test_a_context_refused_as_too_long_is_compacted_first_after_a_restart(env: E
         first = c.run_wait(INPUT)
     assert first.outcome == "error" and first.error is not None
     assert first.error.startswith("context full: ")
+    return pod
+
+
+def test_a_context_the_provider_rejected_as_too_long_is_compacted_before_the_next_run(
+    env: Env,
+) -> None:
+    """One round's tool results took the context from under the threshold past the model's
+    window: the provider refused the request, and the run ended "context full". Its size was
+    still the last call's, under the threshold, so no later run compacted first: every one
+    failed "context full" for good, though `[compaction.provider]` (a larger window) could
+    summarize it."""
+    pod = refused_as_too_long(env)
+    env.model.script({"text": "on it"})
+    with pod.client(timeout=60) as c:
+        second = c.run_wait("Go on with the task.")
+    assert (second.outcome, second.text) == ("finished", "on it")
+    paths = [r["path"] for r in env.model.requests]
+    assert paths.count("/v1/messages") == 1  # the summary, before the second run's request
+    texts = user_texts("openai", env.model.requests[-1]["body"])
+    assert texts[0].startswith(SUMMARY_TAG) and texts[-1] == "Go on with the task."
+
+
+def test_a_context_refused_as_too_long_is_compacted_first_after_a_restart(env: Env) -> None:
+    """Found by QA: that mark lived in memory only. The pod restarted (a unit's restart, a
+    crash) after the run that ended "context full", and its first run sent the same too-long
+    history again (the last call's size, under the threshold, is all the log told): one
+    more run failed before any compaction."""
+    pod = refused_as_too_long(env)
     pod.stop()
     again = env.restart(pod, "--resume")
     env.model.script({"text": "on it"})
