@@ -101,7 +101,22 @@ def send(
             if ended is not None and reply and not as_json:  # its reply, as it streamed
                 write_out(shown(reply))
                 wrote, ends_nl = True, reply.endswith("\n")
+            # A keyed retry of a run under way joins it midway: the text it said before this
+            # subscribe went by, so its reply is printed whole, from the log, once it ends
+            # (streamed, "five six…" read as the reply). A run seen from its start streams.
+            began = joined = False
             for event in follow(client) if ended is None else ():
+                if event.run_id == run_id and client_key is not None and not steer:
+                    if event.type == "run.started" and event.data.get("trigger") != "resume":
+                        began = True
+                    elif not began and not joined and event.type != "run.queued":
+                        joined = True
+                        if sys.stderr.isatty() and not as_json:
+                            sys.stderr.write(
+                                f"podctl: run {run_id} is under way: its reply"
+                                " follows when it ends\n"
+                            )
+                            sys.stderr.flush()
                 if event.type == "gap":
                     sys.stderr.write("podctl: some events were missed; output may be incomplete\n")
                     finished = run_end_in_log(client, run_id)  # its run.finished may be one
@@ -111,7 +126,7 @@ def send(
                     trouble = one_line(str(event.data.get("message", "")), 1000)
                 if event.run_id != run_id:
                     continue
-                if event.type == "text.delta" and not as_json:
+                if event.type == "text.delta" and not as_json and not joined:
                     delta = str(event.data.get("text", ""))
                     if delta:
                         if not ends_nl and between_messages:  # a new round's text
@@ -120,6 +135,12 @@ def send(
                         wrote, ends_nl, between_messages = True, delta.endswith("\n"), False
                 elif event.type == "run.finished":
                     finished = dict(event.data)
+                    if joined and not as_json:  # as a retry of a run that had ended
+                        run_end_in_log(client, run_id, rounds)
+                        reply = rounds_text(rounds) or str(finished.get("text") or "")
+                        if reply:
+                            write_out(shown(reply))
+                            wrote, ends_nl = True, reply.endswith("\n")
                     break
                 elif event.type == "llm.retry":  # a silent wait would look like a hung pod
                     between_messages = True

@@ -382,6 +382,50 @@ def test_keyed_send_retried_prints_every_round_as_the_first_did(env: Env) -> Non
     assert json.loads(as_json.stdout)["text"] == "the summary"  # run.finished's, as ever
 
 
+# podctl whose keyed `send` touches the file $JOINED once its `run` was answered (it has
+# subscribed by then), then goes on as ever.
+JOINED_MARK = (
+    "import os; from cli import main, runs\n"
+    "found = runs.run_end_in_log\n"
+    "def marked(*args, **kwargs):\n"
+    "    open(os.environ['JOINED'], 'a').close(); return found(*args, **kwargs)\n"
+    "runs.run_end_in_log = marked; main.main()"
+)
+
+
+def test_keyed_send_retried_while_its_run_goes_on_prints_its_whole_reply(
+    env: Env, tmp_path: Path
+) -> None:
+    """A keyed `send` retried while its run was under way (the first one Ctrl-C'd, or killed
+    by a job's timeout, mid-answer) printed only what streamed after it subscribed: "the
+    summary" without the "looking" said before, or a sentence's tail cut mid-word ("ive six
+    seven"), exit 0, as if that were the reply. It prints the whole reply, as a retry of a
+    run that has ended does."""
+    env.model.script(
+        {"text": "looking", "tool_calls": [{"name": "list_dir", "arguments": {}}]},
+        {"text": "the summary", "gate": "g"},
+    )
+    env.start("keyed")
+    first = env.podctl("send", "keyed", "summarise", "--client-key", "k", "--no-wait")
+    assert first.returncode == 0, first
+    env.model.wait_for_requests(2)  # "looking" is said and logged; the next round waits on g
+    mark = tmp_path / "joined"
+    retry = subprocess.Popen(
+        [sys.executable, "-c", JOINED_MARK, "send", "keyed", "summarise", "--client-key", "k"],
+        env={**env.env, "JOINED": str(mark)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(mark.exists, what="the retry to be answered")
+        env.model.open_gate("g")
+        out, err = retry.communicate(timeout=30)
+    finally:
+        retry.kill()
+    assert (retry.returncode, out, err) == (0, "looking\nthe summary\n", "")
+
+
 # podctl with Ctrl-C pressed while a keyed `send` reads the pod's log (after its run was
 # taken), plain or (with "typer") through the typer app.
 CTRL_C_IN_LOG = (
