@@ -39,10 +39,10 @@ $(VENV)/.installed: pyproject.toml
 compile:
 	@$(PY) -m compileall -q $(PKGS) >/dev/null
 
-# The suite waits on real processes most of the time (one core ~70% busy): `make test JOBS=2`
-# runs it in two pytest-xdist workers in about half the time (24 min serial, 13 here). Serial by
-# default: with two workers on two cores a few timing-bound tests still fail now and then.
-JOBS ?= 1
+# The suite waits on real processes most of the time (one core ~70% busy): two pytest-xdist
+# workers run it in about half the time (~26 min serial on these 2-core machines, 13-18 min with
+# two). `make test JOBS=1` runs it serially (to time a test alone, say).
+JOBS ?= 2
 test: install compile
 	$(PY) -m pytest -q -p no:cacheprovider $(if $(filter-out 1,$(JOBS)),-n $(JOBS))
 
