@@ -112,9 +112,15 @@ class SseRewriter:
 
     def end(self) -> bytes:
         """What is held, as it came (an event cut short is no event: the SDK drops it)."""
+        done = b""
+        if not self._passing and self._rest.endswith(b"\r"):
+            # The stream's last CR: a line end of its own, not half of a CRLF after all. Held
+            # as one, an event ended by it was passed on unread (its batch not split).
+            self._rest = self._rest[:-1]
+            done = self.feed(b"\n")
         held = b"".join(line + b"\n" for line in self._event) + self._rest
         self._event, self._size, self._rest = [], 0, b""
-        return held
+        return done + held
 
 
 def _event(lines: list[bytes]) -> bytes:

@@ -13,6 +13,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from poddaemon.config import ManifestError, load_manifest
 from poddaemon.mcp.env import EnvError, server_env
@@ -457,3 +459,45 @@ def test_an_sse_batch_is_an_event_per_message_whatever_the_chunks() -> None:
     rewriter = SseRewriter(limit=100)
     big = b"data: [" + b"1," * 100 + b"1]\n\n"
     assert rewriter.feed(big[:150]) + rewriter.feed(big[150:]) + rewriter.end() == big
+
+
+_MESSAGES = st.one_of(
+    st.builds(lambda i: {"jsonrpc": "2.0", "id": i, "result": {"n": i}}, st.integers(0, 99)),
+    st.just({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"p": 1}}),
+)
+_EVENTS = st.lists(
+    st.tuples(
+        st.one_of(_MESSAGES, st.lists(_MESSAGES, max_size=4)),  # one message, or a batch
+        st.sampled_from([b"", b"id: 9\n", b": ping\n", b"event: message\n", b"retry: 5\n"]),
+    ),
+    max_size=6,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_EVENTS, st.sampled_from([b"\n", b"\r\n", b"\r"]), st.lists(st.integers(1, 40)))
+def test_an_sse_stream_gives_every_message_in_order_however_it_is_cut(
+    events: list[tuple[Any, bytes]], eol: bytes, cuts: list[int]
+) -> None:
+    """Any stream of message events, any line ends, cut into chunks anywhere (a CRLF across
+    two chunks too): the same events out as when fed whole, with every message of a batch as
+    an event of its own, in order."""
+    import json
+
+    from poddaemon.mcp.http import SseRewriter
+
+    stream = b"".join(
+        (extra + b"data: " + json.dumps(body).encode() + b"\n\n").replace(b"\n", eol)
+        for body, extra in events
+    )
+    whole = SseRewriter(limit=1 << 20)
+    expected = whole.feed(stream) + whole.end()
+    rewriter, out, at = SseRewriter(limit=1 << 20), [], 0
+    for size in cuts:
+        out.append(rewriter.feed(stream[at : at + size]))
+        at += size
+    out += [rewriter.feed(stream[at:]), rewriter.end()]
+    assert b"".join(out) == expected
+    sent = [m for body, _ in events for m in (body if isinstance(body, list) else [body])]
+    got = [json.loads(line[6:]) for line in expected.split(b"\n") if line.startswith(b"data: ")]
+    assert got == sent
