@@ -761,15 +761,8 @@ def refused_as_too_long(env: Env) -> PodProcess:
     return pod
 
 
-def test_a_context_the_provider_rejected_as_too_long_is_compacted_before_the_next_run(
-    env: Env,
-) -> None:
-    """One round's tool results took the context from under the threshold past the model's
-    window: the provider refused the request, and the run ended "context full". Its size was
-    still the last call's, under the threshold, so no later run compacted first: every one
-    failed "context full" for good, though `[compaction.provider]` (a larger window) could
-    summarize it."""
-    pod = refused_as_too_long(env)
+def compacts_before_the_next_run(env: Env, pod: PodProcess) -> None:
+    """The next run of a pod refused as too long goes on from a summary, made first."""
     env.model.script({"text": "on it"})
     with pod.client(timeout=60) as c:
         second = c.run_wait("Go on with the task.")
@@ -780,6 +773,18 @@ def test_a_context_the_provider_rejected_as_too_long_is_compacted_before_the_nex
     assert texts[0].startswith(SUMMARY_TAG) and texts[-1] == "Go on with the task."
 
 
+def test_a_context_the_provider_rejected_as_too_long_is_compacted_before_the_next_run(
+    env: Env,
+) -> None:
+    """One round's tool results took the context from under the threshold past the model's
+    window: the provider refused the request, and the run ended "context full". Its size was
+    still the last call's, under the threshold, so no later run compacted first: every one
+    failed "context full" for good, though `[compaction.provider]` (a larger window) could
+    summarize it."""
+    pod = refused_as_too_long(env)
+    compacts_before_the_next_run(env, pod)
+
+
 def test_a_context_refused_as_too_long_is_compacted_first_after_a_restart(env: Env) -> None:
     """Found by QA: that mark lived in memory only. The pod restarted (a unit's restart, a
     crash) after the run that ended "context full", and its first run sent the same too-long
@@ -788,12 +793,5 @@ def test_a_context_refused_as_too_long_is_compacted_first_after_a_restart(env: E
     pod = refused_as_too_long(env)
     pod.stop()
     again = env.restart(pod, "--resume")
-    env.model.script({"text": "on it"})
-    with again.client(timeout=60) as c:
-        second = c.run_wait("Go on with the task.")
-    assert (second.outcome, second.text) == ("finished", "on it")
-    paths = [r["path"] for r in env.model.requests]
-    assert paths.count("/v1/messages") == 1  # the summary, before the second run's request
-    texts = user_texts("openai", env.model.requests[-1]["body"])
-    assert texts[0].startswith(SUMMARY_TAG) and texts[-1] == "Go on with the task."
+    compacts_before_the_next_run(env, again)
     again.stop()
