@@ -2,7 +2,7 @@
 
 import contextlib
 import sys
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -17,9 +17,6 @@ from cli.common import (
     read_message,
     rpc_errors,
 )
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 LS_TIMEOUT = 2.0  # a pod slower than this to answer `status` is listed as unresponsive
 STOP_TIMEOUT = 10.0
@@ -181,9 +178,10 @@ def status(
 # --- stop ---------------------------------------------------------------------------------------
 
 
-def _released(name: str, pid: int | None, sock: "Path", deadline: float) -> bool:
+def _released(name: str, pid: int | None, sock: str, deadline: float) -> bool:
     """Poll until the pod is gone and its registry claim (name and scope) is free; False at the
     deadline. Gone: its socket was removed, or its process ended."""
+    import os
     import time
 
     from poddaemon.registry import Registry, RegistryError, process_start_time
@@ -191,7 +189,7 @@ def _released(name: str, pid: int | None, sock: "Path", deadline: float) -> bool
 
     registry = Registry(paths.runtime_dir())
     while True:
-        gone = not sock.exists() or (pid is not None and process_start_time(pid) is None)
+        gone = not os.path.exists(sock) or (pid is not None and process_start_time(pid) is None)
         if gone:
             try:
                 entry = registry.get(name)  # None once released, or when its process is dead

@@ -1,14 +1,33 @@
-"""Where poddaemon keeps its files (SPEC §2). Shared by the daemon, podctl and client programs."""
+"""Where poddaemon keeps its files (SPEC §2). Shared by the daemon, podctl and client programs.
+
+Strings inside, `Path` at the edges: pathlib (with the urllib.parse it imports) is ~9 ms of a
+process's start-up here, and `podctl spawn`, `notify`, `send` and `status POD` never need one.
+The functions that hand out a `Path` import it when first called; the checks take either.
+"""
+
+from __future__ import annotations
 
 import errno
 import os
 import re
 import stat
 import warnings
-from pathlib import Path
+
+TYPE_CHECKING = False  # True for type checkers only: typing costs podctl ~5 ms to import
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import TypeVar
+
+    P = TypeVar("P", str, Path)
 
 APP = "poddaemon"
 POD_NAME_RE = re.compile(r"\A[a-z0-9][a-z0-9_-]{0,47}\Z")
+
+
+def _path(text: str) -> Path:
+    from pathlib import Path
+
+    return Path(text)
 
 
 def pod_name_problem(name: str) -> str | None:
@@ -45,62 +64,69 @@ def absolute_env() -> None:
             os.environ[name] = os.path.abspath(value)
 
 
-def home_dir() -> Path | None:
+def _home(sub: str) -> str | None:
     home = _env("PODDAEMON_HOME")
-    return Path(home) if home else None
+    return os.path.join(home, sub) if home else None
 
 
-def _home(sub: str) -> Path | None:
-    home = home_dir()
-    return home / sub if home else None
-
-
-def config_dir() -> Path:
-    explicit = _env("PODDAEMON_CONFIG_DIR")
+def _config_dir() -> str:
+    explicit = _env("PODDAEMON_CONFIG_DIR") or _home("config")
     if explicit:
-        return Path(explicit)
-    home = _home("config")
-    if home:
-        return home
+        return explicit
     import platformdirs
 
-    return Path(platformdirs.user_config_dir(APP))
+    return platformdirs.user_config_dir(APP)
 
 
-def data_dir() -> Path:
-    explicit = _env("PODDAEMON_DATA_DIR")
+def _data_dir() -> str:
+    explicit = _env("PODDAEMON_DATA_DIR") or _home("data")
     if explicit:
-        return Path(explicit)
-    home = _home("data")
-    if home:
-        return home
+        return explicit
     import platformdirs
 
-    return Path(platformdirs.user_data_dir(APP))
+    return platformdirs.user_data_dir(APP)
 
 
-def runtime_dir() -> Path:
-    explicit = _env("PODDAEMON_RUNTIME_DIR")
+def _runtime_dir() -> str:
+    explicit = _env("PODDAEMON_RUNTIME_DIR") or _home("run")
     if explicit:
-        return Path(explicit)
-    home = _home("run")
-    if home:
-        return home
+        return explicit
     import platformdirs
 
     # Without XDG_RUNTIME_DIR platformdirs falls back to /tmp/runtime-<uid> and warns; that is fine.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return Path(platformdirs.user_runtime_dir(APP))
+        return platformdirs.user_runtime_dir(APP)
 
 
-def log_dir() -> Path:
+def _log_dir() -> str:
     home = _home("log")
     if home:
         return home
     import platformdirs
 
-    return Path(platformdirs.user_log_dir(APP))
+    return platformdirs.user_log_dir(APP)
+
+
+def home_dir() -> Path | None:
+    home = _env("PODDAEMON_HOME")
+    return _path(home) if home else None
+
+
+def config_dir() -> Path:
+    return _path(_config_dir())
+
+
+def data_dir() -> Path:
+    return _path(_data_dir())
+
+
+def runtime_dir() -> Path:
+    return _path(_runtime_dir())
+
+
+def log_dir() -> Path:
+    return _path(_log_dir())
 
 
 # --- private directories (SPEC §2) -------------------------------------------------------------
@@ -125,17 +151,27 @@ class UnsafeDirectory(PermissionError):
 _WHY = "another user could swap what it holds"
 
 
-def _ancestors(path: Path) -> list[Path]:
+def _parents(path: str) -> list[str]:
+    """The directories above absolute, normalized `path`, nearest first."""
+    found = []
+    parent = os.path.dirname(path)
+    while parent != path:
+        found.append(parent)
+        path, parent = parent, os.path.dirname(parent)
+    return found
+
+
+def _ancestors(path: str | os.PathLike[str]) -> list[str]:
     """Every directory above `path`, as written and as resolved (a symlink's own parent
     matters as much as its target's)."""
-    seen: dict[Path, None] = {}
-    for p in (Path(os.path.abspath(path)), path.resolve()):
-        for parent in p.parents:
+    seen: dict[str, None] = {}
+    for p in (os.path.abspath(path), os.path.realpath(path)):
+        for parent in _parents(p):
             seen.setdefault(parent, None)
     return list(seen)
 
 
-def check_dir(path: Path, what: str = "directory") -> None:
+def check_dir(path: str | os.PathLike[str], what: str = "directory") -> None:
     """Raise `UnsafeDirectory` unless `path` is a directory owned by this user, not writable by
     group or others, under parents nobody else can rename it in. `what` names it in the message
     ("home directory", ...). A missing `path` raises FileNotFoundError."""
@@ -158,19 +194,24 @@ def check_dir(path: Path, what: str = "directory") -> None:
     _check_parents(path, what)
 
 
-def _links_on_the_way(path: Path) -> list[tuple[Path, os.stat_result]]:
+def _parts(path: str) -> list[str]:
+    """The names in `path`, as pathlib parts them: empty and "." ones dropped, ".." kept."""
+    return [part for part in path.split("/") if part and part != "."]
+
+
+def _links_on_the_way(path: str | os.PathLike[str]) -> list[tuple[str, os.stat_result]]:
     """Every symlink the kernel follows to reach `path`, where it lies, with its lstat: those
     of the path as written and those met on the way from one link to the next (a link of ours
     to another user's link: only the first and the last path of the chain were looked at)."""
-    todo = list(reversed(Path(os.path.join(os.getcwd(), path)).parts[1:]))
-    here = Path("/")
-    found: list[tuple[Path, os.stat_result]] = []
+    todo = list(reversed(_parts(os.path.join(os.getcwd(), path))))
+    here = "/"
+    found: list[tuple[str, os.stat_result]] = []
     while todo and len(found) <= 40:  # (ELOOP past that: stat, before us, said so)
         part = todo.pop()
         if part == "..":
-            here = here.parent
+            here = os.path.dirname(here)
             continue
-        step = here / part
+        step = os.path.join(here, part)
         try:
             lst = os.lstat(step)
         except OSError:
@@ -179,14 +220,14 @@ def _links_on_the_way(path: Path) -> list[tuple[Path, os.stat_result]]:
             here = step
             continue
         found.append((step, lst))
-        target = Path(os.readlink(step))
-        if target.is_absolute():
-            here = Path("/")
-        todo.extend(reversed(target.parts[1:] if target.is_absolute() else target.parts))
+        target = os.readlink(step)
+        if target.startswith("/"):
+            here = "/"
+        todo.extend(reversed(_parts(target)))
     return found
 
 
-def foreign_symlink(path: Path) -> tuple[Path, int] | None:
+def foreign_symlink(path: str | os.PathLike[str]) -> tuple[str, int] | None:
     """The first symlink on the way to `path` (link chains included) that another user owns,
     and its owner: they may repoint it whenever they like. None when there is none."""
     me = os.geteuid()
@@ -196,7 +237,7 @@ def foreign_symlink(path: Path) -> tuple[Path, int] | None:
     return None
 
 
-def _check_links(path: Path, what: str) -> None:
+def _check_links(path: str | os.PathLike[str], what: str) -> None:
     """Raise `UnsafeDirectory` if a symlink on the way to `path` is another user's (its owner
     may repoint it, even in /tmp) or lies where another user could swap it."""
     me = os.geteuid()
@@ -209,7 +250,9 @@ def _check_links(path: Path, what: str) -> None:
         _check_parents(path, what, below=link)
 
 
-def _check_parents(path: Path, what: str, below: Path | None = None) -> None:
+def _check_parents(
+    path: str | os.PathLike[str], what: str, below: str | os.PathLike[str] | None = None
+) -> None:
     """Raise `UnsafeDirectory` if another user could rename or swap what lies at `path`: a
     directory above `below` (default: `path`; it need not exist) is theirs, or writable by
     others without the sticky bit."""
@@ -268,7 +311,7 @@ def check_unchangeable(path: Path, what: str, why: str) -> None:
     _check_parents(path, what)
 
 
-def _check_ours(st: os.stat_result, path: Path, what: str, why: str) -> None:
+def _check_ours(st: os.stat_result, path: str | os.PathLike[str], what: str, why: str) -> None:
     me = os.geteuid()
     if st.st_uid != me:
         raise UnsafeDirectory(
@@ -281,7 +324,7 @@ def _check_ours(st: os.stat_result, path: Path, what: str, why: str) -> None:
         )
 
 
-def ensure_dir(path: Path, what: str = "directory") -> Path:
+def ensure_dir(path: P, what: str = "directory") -> P:
     """Create `path` and any missing parents with mode 0700, whatever the umask, then
     `check_dir` it. An existing directory keeps its mode (if it passes the check)."""
     try:
@@ -289,11 +332,11 @@ def ensure_dir(path: Path, what: str = "directory") -> Path:
         return path  # there already, the usual case
     except FileNotFoundError:
         pass  # (and one we may not even look at is refused, not made)
-    missing: list[Path] = []
-    p = Path(os.path.abspath(path))
+    missing: list[str] = []
+    p = os.path.abspath(path)
     while not os.path.lexists(p):
         missing.append(p)
-        p = p.parent
+        p = os.path.dirname(p)
     # Judged before anything is made: in another user's directory they could swap what we
     # make for a symlink before our chmod (any file of ours would go 0700).
     if missing:
@@ -308,7 +351,7 @@ def ensure_dir(path: Path, what: str = "directory") -> Path:
     return path
 
 
-def _chmod_dir(path: Path) -> None:
+def _chmod_dir(path: str) -> None:
     """Mode 0700 for the directory at `path`, never following a symlink found there instead
     (what we made was swapped: check_dir then refuses it)."""
     nofollow = os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -330,7 +373,7 @@ def _chmod_dir(path: Path) -> None:
         os.close(fd)
 
 
-def open_private(path: "str | os.PathLike[str]", flags: int) -> int:
+def open_private(path: str | os.PathLike[str], flags: int) -> int:
     """`os.open(path, flags | O_CREAT)`, the file mode 0600 whatever the umask (an existing file
     too): what poddaemon keeps on disk is nobody else's to read or change, and under umask 0277
     its own files came out 0400, which the next start could not reopen for writing."""
@@ -351,23 +394,23 @@ def write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
-def ensure_private_dirs() -> tuple[Path, Path]:
+def ensure_private_dirs() -> tuple[str, str]:
     """For a pod: the home (when set), data and runtime directories, created 0700 and checked.
     Returns `(data, runtime)`."""
-    home = home_dir()
+    home = _env("PODDAEMON_HOME")
     if home is not None:
         ensure_dir(home, "home directory")
-    return ensure_dir(data_dir(), "data directory"), ensure_dir(runtime_dir(), "runtime directory")
+    data = ensure_dir(_data_dir(), "data directory")
+    return data, ensure_dir(_runtime_dir(), "runtime directory")
 
 
 def check_private_dirs() -> None:
     """For a client: refuse the home, data or runtime directory if it exists and another user
     could tamper with it (one that does not exist yet holds nothing to fear)."""
-    home = home_dir()
     for path, what in (
-        (home, "home directory"),
-        (data_dir(), "data directory"),
-        (runtime_dir(), "runtime directory"),
+        (_env("PODDAEMON_HOME"), "home directory"),
+        (_data_dir(), "data directory"),
+        (_runtime_dir(), "runtime directory"),
     ):
         if path is None:
             continue
@@ -402,14 +445,25 @@ def kept_callback(name: str) -> Path:
 
 
 def socket_path(name: str) -> Path:
-    return pod_dir(name) / "sock"
+    return _path(socket_file(name))
+
+
+def socket_file(name: str) -> str:
+    """`socket_path(name)` as a string, written as pathlib writes it, without pathlib."""
+    return tidy(os.path.join(_runtime_dir(), "pods", name, "sock"))
+
+
+def tidy(path: str) -> str:
+    """`path` as `str(Path(path))` writes it: no doubled slashes, "." parts or trailing slash."""
+    head = "//" if path[:2] == "//" and path[2:3] != "/" else "/" if path[:1] == "/" else ""
+    return head + "/".join(_parts(path)) or "."
 
 
 def defaults_path() -> Path:
     return config_dir() / "defaults.toml"
 
 
-def socket_path_problem(path: Path) -> str | None:
+def socket_path_problem(path: str | os.PathLike[str]) -> str | None:
     """Why `path` cannot be a Unix socket address, or None when it can."""
     if len(os.fsencode(path)) > MAX_SOCKET_PATH:
         return (

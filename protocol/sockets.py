@@ -8,7 +8,6 @@ import _socket
 import errno
 import os
 import struct
-from pathlib import Path
 
 from protocol import paths
 from protocol.errors import PodNotRunning, UnsafeSocket
@@ -16,12 +15,12 @@ from protocol.errors import PodNotRunning, UnsafeSocket
 _UCRED_SIZE = 12  # struct ucred: pid, uid, gid as C ints
 
 
-def resolve_socket(target: str | os.PathLike[str]) -> Path:
+def resolve_socket(target: str | os.PathLike[str]) -> str:
     """A pod name maps to its socket under the runtime dir; anything with a slash is a path."""
     text = os.fspath(target)
     if "/" in text:
-        return Path(text)
-    return paths.socket_path(text)
+        return paths.tidy(text)
+    return paths.socket_file(text)
 
 
 def _check_uid(uid: int, what: str) -> None:
@@ -34,7 +33,7 @@ def _check_uid(uid: int, what: str) -> None:
         )
 
 
-def check_socket_owner(path: Path) -> None:
+def check_socket_owner(path: str) -> None:
     """Refuse a socket file another user owns (SPEC §2): it may be an impostor's.
 
     Raises FileNotFoundError when there is no socket, like connect() would.
@@ -48,7 +47,7 @@ def check_socket_owner(path: Path) -> None:
     _check_uid(st.st_uid, f"socket {path}")
 
 
-def check_peer(sock: _socket.socket, path: Path) -> None:
+def check_peer(sock: _socket.socket, path: str) -> None:
     """Refuse a connection whose listening process runs as another user (no race with a swap)."""
     raw = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, _UCRED_SIZE)
     pid, uid, _ = memoryview(raw).cast("i")
@@ -62,7 +61,7 @@ def check_peer(sock: _socket.socket, path: Path) -> None:
 GONE = (FileNotFoundError, ConnectionRefusedError, NotADirectoryError)
 
 
-def not_running_error(target: str | os.PathLike[str], path: Path, exc: OSError) -> PodNotRunning:
+def not_running_error(target: str | os.PathLike[str], path: str, exc: OSError) -> PodNotRunning:
     """What `connect` raises when nothing serves `path`, saying where it looked: a user whose
     environment points elsewhere (XDG_RUNTIME_DIR, PODDAEMON_HOME) sees it at once."""
     if isinstance(exc, ConnectionRefusedError):  # a dead pod's socket file, not yet reclaimed
@@ -107,7 +106,7 @@ def connect(target: str | os.PathLike[str], timeout: float | None) -> _socket.so
     try:
         sock.settimeout(timeout)
         check_socket_owner(path)
-        _connect(sock, str(path), timeout)
+        _connect(sock, path, timeout)
         check_peer(sock, path)
     except GONE as exc:
         sock.close()

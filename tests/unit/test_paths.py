@@ -172,7 +172,7 @@ def test_ensure_private_dirs_and_the_client_check(
         data, runtime = paths.ensure_private_dirs()
     finally:
         os.umask(old)
-    assert (data, runtime) == (home / "data", home / "run")
+    assert (data, runtime) == (str(home / "data"), str(home / "run"))
     assert mode(home) == mode(data) == mode(runtime) == 0o700
     check_private_dirs()
     os.chmod(runtime, 0o777)

@@ -90,7 +90,7 @@ def test_clean_params_drops_none_but_keeps_falsy_values() -> None:
 def test_resolve_socket_path_vs_name() -> None:
     assert str(resolve_socket("/tmp/x/pod.sock")) == "/tmp/x/pod.sock"
     assert str(resolve_socket("./pod.sock")) == "pod.sock"
-    assert "reviewer" in resolve_socket("reviewer").parts
+    assert "/reviewer/" in resolve_socket("reviewer")
 
 
 # --- replies and events -----------------------------------------------------------------------
