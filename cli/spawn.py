@@ -16,16 +16,15 @@ either way, except `PODDAEMON-STARTING\t<seconds>`: the pod may take that much l
 servers' start_timeout, SessionStart hooks), and podctl waits for it that much longer.
 """
 
+from __future__ import annotations
+
 import contextlib
 import os
 import selectors
 import signal
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
 
 from poddaemon import forkclient
 from poddaemon.readyline import parse_ready, parse_starting
@@ -86,25 +85,31 @@ def is_fifo(manifest: str) -> bool:
         return False
 
 
-class Started(Protocol):
-    """A pod process podctl started, exec'd or forked."""
+TYPE_CHECKING = False  # True for type checkers only: typing costs podctl ~5 ms to import
+if TYPE_CHECKING:
+    from typing import Protocol
 
-    pid: int
+    class Started(Protocol):
+        """A pod process podctl started, exec'd or forked."""
 
-    def poll(self) -> int | None: ...
+        pid: int
 
-    def wait(self, timeout: float) -> int | None:
-        """Its exit status; None when it is unknowable (a forked pod whose server went away).
-        Raises subprocess.TimeoutExpired."""
-        ...
+        def poll(self) -> int | None: ...
 
-    def close(self) -> None:
-        """We wait for it no more (it runs on, detached)."""
-        ...
+        def wait(self, timeout: float) -> int | None:
+            """Its exit status; None when it is unknowable (a forked pod whose server went
+            away). Raises TimeoutError."""
+            ...
+
+        def close(self) -> None:
+            """We wait for it no more (it runs on, detached)."""
+            ...
 
 
 class Execd:
     def __init__(self, cmd: list[str], stderr: int) -> None:
+        import subprocess  # (only here: ~7 ms of every forked `podctl spawn` otherwise)
+
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.DEVNULL,
@@ -118,7 +123,12 @@ class Execd:
         return self.proc.poll()
 
     def wait(self, timeout: float) -> int | None:
-        return self.proc.wait(timeout)
+        import subprocess
+
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"the pod did not exit within {timeout:g} s") from None
 
     def close(self) -> None:
         pass  # nothing held: a detached pod we never reap (it outlives podctl)
@@ -140,7 +150,7 @@ def start(cmd: list[str], stderr: int) -> Started:
 def _kill_group(proc: Started, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
-    with contextlib.suppress(subprocess.TimeoutExpired):
+    with contextlib.suppress(TimeoutError):
         proc.wait(EXIT_WAIT)
 
 
@@ -164,9 +174,6 @@ def _terminate_as_exit() -> Iterator[Callable[[], None]]:
     Until the function it yields is called, a signal is held: while the pod is being started
     podctl does not yet know its pid, and a SystemExit there left the pod running. Called, it
     raises for a signal held."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: None
-        return
     held: list[int] = []
     released = False
 
@@ -182,8 +189,13 @@ def _terminate_as_exit() -> Iterator[Callable[[], None]]:
         if held:
             raise SystemExit(128 + held[0])
 
-    sigs = (signal.SIGTERM, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, terminated) for sig in sigs}
+    previous = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, terminated)
+    except ValueError:  # not the main thread (a pod's): only that one may set handlers
+        yield lambda: None
+        return
     try:
         yield release
     finally:
@@ -280,7 +292,7 @@ def _await_ready(
     output += pending
     try:
         code = proc.wait(EXIT_WAIT)
-    except subprocess.TimeoutExpired:
+    except TimeoutError:
         _kill_group(proc, signal.SIGKILL)
         raise SpawnFailed("pod closed its stderr without becoming ready", bytes(output)) from None
     status = "" if code is None else f" with status {code}"

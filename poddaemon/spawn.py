@@ -18,7 +18,6 @@ import functools
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -819,11 +818,18 @@ def _remove_stale_spawn_files() -> None:
     spawner killed mid-spawn left: a copy of a child's whole configuration, scope included,
     that nothing else ever removes. Ours (from an earlier process with our pid: we spawned
     nothing yet) and those whose spawner is gone."""
-    for path in (paths.data_dir() / "pods").glob(".spawn-*-*.toml"):
-        pid = path.stem.rpartition("-")[2]
-        if pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
+    folder = os.path.join(paths.data_dir(), "pods")
+    try:  # (scandir and plain names: a glob compiles its pattern, ~1 ms of every start)
+        names = [e.name for e in os.scandir(folder) if e.name.startswith(".spawn-")]
+    except OSError:
+        return
+    for name in names:
+        _, dash, pid = name.removesuffix(".toml")[len(".spawn-") :].rpartition("-")
+        if not (name.endswith(".toml") and dash and pid.isdigit()):
+            continue
+        if int(pid) == os.getpid() or not _alive(int(pid)):
             with contextlib.suppress(OSError):
-                path.unlink()
+                os.unlink(os.path.join(folder, name))
 
 
 def _alive(pid: int) -> bool:
@@ -877,7 +883,7 @@ class _Started:
         assert self.forked is not None
         try:
             return await asyncio.to_thread(self.forked.wait, 5.0)
-        except subprocess.TimeoutExpired:
+        except TimeoutError:
             return None
 
     async def kill(self) -> None:

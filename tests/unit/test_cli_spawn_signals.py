@@ -1,14 +1,20 @@
 """`podctl spawn` stopped by SIGTERM while it starts the pod (`cli.spawn.spawn_detached`): the
 pod goes with it, even when the signal comes before podctl knows the pod's pid."""
 
+from __future__ import annotations
+
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import pytest
 
 import cli.spawn
-from cli.spawn import Execd, Started
+from cli.spawn import Execd
+
+if TYPE_CHECKING:
+    from cli.spawn import Started
 
 
 def test_a_sigterm_while_the_pod_is_being_started_stops_the_pod(
