@@ -150,6 +150,41 @@ def _rehearse(kind: str) -> None:
     importlib.import_module(f"{sdk}._base_client").get_platform()
 
 
+_REHEARSAL = """\
+[pod]
+name = "rehearsal"
+[provider]
+kind = "openai"
+model = "m"
+[worker]
+instruction = "Rehearse."
+[[scope.allow]]
+target = "."
+permission = "write"
+"""
+
+
+def _rehearse_start() -> None:
+    """Do once, here, the first-time work of every pod's start-up, which forked pods then
+    inherit done: load and keep a manifest (the modules it imports lazily, msgspec's type
+    information for each of its structs, the annotations it evaluates for them, the regexes
+    compiled on first use) and make the registry's lock object (filelock caches its
+    constructor's signature). Measured: ~4 ms less of every forked start. Nothing stays on
+    disk; nothing of the user's is read (no defaults.toml)."""
+    import tempfile
+
+    import filelock
+
+    from poddaemon.config.load import load_manifest
+
+    with tempfile.TemporaryDirectory(prefix="poddaemon-rehearsal-") as here:
+        manifest = os.path.join(here, "rehearsal.toml")
+        with open(manifest, "w") as f:
+            f.write(_REHEARSAL)
+        load_manifest(manifest, defaults_path=os.path.join(here, "none.toml")).to_toml()
+        filelock.FileLock(os.path.join(here, "lock"), timeout=1, mode=0o600, poll_interval=0.005)
+
+
 class Server:
     """The accept loop: single-threaded by design (a fork copies only the calling thread)."""
 
@@ -724,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
     server = Server(sock_path, lock_fd, _write_token(token_path(sock_path)))
     try:
         server.load([_importer(m) for m in BASE])
+        server.preload.append(_rehearse_start)  # (while idle: the first pod does not wait)
         server.listen()
         os.write(1, READY)
         devnull = os.open(os.devnull, os.O_RDWR)

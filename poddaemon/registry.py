@@ -249,6 +249,9 @@ def _overlap_message(other: PodEntry, path: str, mounted: bool = False) -> str:
     )
 
 
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")  # (compiled at import: a forked pod inherits it)
+
+
 def read_mounts() -> list[Mount]:
     """This mount namespace's mounts, from /proc/self/mountinfo: (mount point, device, root)."""
     try:
@@ -256,7 +259,7 @@ def read_mounts() -> list[Mount]:
             lines = f.read().splitlines()
     except OSError:
         return []
-    unescape = functools.partial(re.compile(r"\\([0-7]{3})").sub, lambda m: chr(int(m[1], 8)))
+    unescape = functools.partial(_OCTAL_ESCAPE.sub, lambda m: chr(int(m[1], 8)))
     mounts: list[Mount] = []
     for line in lines:
         fields = line.split(" ")
