@@ -1,5 +1,6 @@
 """The Landlock policy builder: scope -> rules, carved around deny rules (no syscalls here)."""
 
+import glob
 import os
 import socket
 import tempfile
@@ -19,6 +20,7 @@ from poddaemon.sandbox.policy import (
     ENTRY_WRITE,
     READ,
     WRITE,
+    host_keys,
     manager_sockets,
 )
 from poddaemon.scope import Access, Scope
@@ -309,3 +311,25 @@ def test_manager_sockets_are_the_user_managers_and_the_session_bus_sockets() -> 
             for s in made:
                 s.close()
         assert found == [str(run / "systemd" / "private"), str(run / "other" / "dbus")]
+
+
+def test_host_keys_are_what_the_glob_ssh_host_star_key_finds(tmp_path: Path) -> None:
+    names = [
+        "ssh_host_rsa_key",
+        "ssh_host_ed25519_key",
+        "ssh_host__key",  # `*` matches nothing too
+        "ssh_host_rsa_key.pub",
+        "ssh_host_key",  # too short for the prefix and the suffix both
+        "ssh_config",
+        ".ssh_host_rsa_key",
+    ]
+    for name in names:
+        (tmp_path / name).write_text("")
+    expected = sorted(glob.glob(str(tmp_path / "ssh_host_*_key")))
+    assert host_keys(str(tmp_path)) == expected
+    assert [os.path.basename(p) for p in expected] == [
+        "ssh_host__key",
+        "ssh_host_ed25519_key",
+        "ssh_host_rsa_key",
+    ]
+    assert host_keys(str(tmp_path / "missing")) == []
