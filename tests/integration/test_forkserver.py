@@ -1024,3 +1024,22 @@ def test_the_servers_files_are_0600_under_a_read_only_umask(env: Env) -> None:
     assert len(files) == 2
     modes = {f.name: oct(f.stat().st_mode & 0o777) for f in files}
     assert modes == {f.name: "0o600" for f in files}
+
+
+def test_the_start_rehearsal_reads_nothing_of_the_users_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server loads a throwaway manifest once, so that forked pods inherit that work done:
+    the user's defaults.toml (a broken one here) is not read, and no file stays behind."""
+    from poddaemon import forkserver
+
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "defaults.toml").write_text("this is not TOML [")
+    monkeypatch.setenv("PODDAEMON_CONFIG_DIR", str(config))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # TMPDIR is read again
+    forkserver._rehearse_start()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config"]
