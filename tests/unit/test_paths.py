@@ -6,9 +6,11 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from protocol import paths
 from protocol.paths import UnsafeDirectory, check_dir, check_private_dirs, ensure_dir
@@ -258,3 +260,32 @@ def test_a_symlink_swapped_in_after_mkdir_is_not_chmod_ded(
     with pytest.raises(UnsafeDirectory):
         ensure_dir(tmp / "made")
     assert mode(victim) == 0o644
+
+
+# The checks walk paths as strings (pathlib is ~9 ms of every start): they must take a path
+# apart exactly as pathlib did, or a check could look at another directory than the kernel.
+_path_text = st.lists(
+    st.sampled_from(["", ".", "..", "a", "b", "a b", "é", "x.y", "..."]), max_size=8
+).map("/".join) | st.text(alphabet="/.ab", max_size=16)
+
+
+@given(_path_text)
+def test_parts_and_tidy_take_a_path_apart_as_pathlib_does(text: str) -> None:
+    assert paths._parts(text) == [p for p in PurePosixPath(text).parts if p != "/" and p != "//"]
+    assert paths.tidy(text) == str(PurePosixPath(text))
+
+
+@given(_path_text)
+def test_parents_are_pathlibs(text: str) -> None:
+    absolute = os.path.abspath("/" + text)
+    assert paths._parents(absolute) == [str(p) for p in PurePosixPath(absolute).parents]
+
+
+def test_links_on_the_way_follow_a_chain_as_the_kernel_does(tmp: Path) -> None:
+    (tmp / "real" / "deep").mkdir(parents=True)
+    (tmp / "hop").symlink_to("real/./deep/..")  # relative, with "." and ".." in it
+    (tmp / "abs").symlink_to(tmp / "hop")  # absolute, to another link
+    target = tmp / "abs" / "deep"
+    found = [link for link, _ in paths._links_on_the_way(str(target))]
+    assert found == [str(tmp / "abs"), str(tmp / "hop")]
+    assert os.path.realpath(target) == str(tmp / "real" / "deep")
