@@ -672,8 +672,9 @@ def _sandbox(manifest: "Manifest", scope: "Scope", pwd: str, scripts: list[str])
             pwd=pwd,
             # Commands never touch this user's session logs, registry, sockets' directories
             # and keys (the config directory's env file), nor read root's secrets in /etc, nor
-            # have the service manager start what they like outside the sandbox.
-            protect=list(_own_dirs()),
+            # have the service manager start what they like outside the sandbox. (The scope's
+            # private directories are those: `_own_dirs()`, worked out once per start.)
+            protect=list(scope.private),
             hide=root_secrets() + manager_sockets(),
             commands="bash" in tools or manifest.hooks.any(),
             scripts=scripts,
