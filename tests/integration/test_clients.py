@@ -723,12 +723,29 @@ def test_restart_of_a_pod_that_cannot_answer_stops_it_by_its_pid_and_starts_it(
         env.podctl("stop", "pod")
 
 
+def _starve_of_descriptors(pid: int) -> None:
+    """Leave process `pid` no descriptor to take: its limit set to its lowest free descriptor
+    number, and set again while it still closes some (right after READY it does: a clean-up's
+    scandir, its SDK's warm-up reading files). A limit at the number of descriptors it held
+    left it one to accept with once such a file was closed. It can open none meanwhile, so its
+    set only shrinks: settled once the lowest free number has stayed put for ten looks."""
+    seen: list[int] = []
+
+    def settled() -> bool:
+        held = {int(fd) for fd in os.listdir(f"/proc/{pid}/fd")}
+        free = next(n for n in range(len(held) + 1) if n not in held)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (free, free))
+        seen.append(free)
+        return len(seen) >= 10 and len(set(seen[-10:])) == 1
+
+    wait_until(settled, 10, "the pod to stop closing descriptors")
+
+
 def test_stop_of_a_pod_out_of_file_descriptors_sends_it_sigterm(env: Env) -> None:
     """A live pod that cannot take a connection (no file descriptor left for it) is stopped
     by its registered pid, not called 'not running'; named here by a symlink to its socket."""
     pod = env.start()
-    in_use = len(os.listdir(f"/proc/{pod.proc.pid}/fd"))
-    resource.prlimit(pod.proc.pid, resource.RLIMIT_NOFILE, (in_use, in_use))
+    _starve_of_descriptors(pod.proc.pid)
     link = env.home / "pod.sock"
     link.symlink_to(pod.socket)
     stop = env.podctl("stop", str(link))
