@@ -819,15 +819,16 @@ def _remove_stale_spawn_files() -> None:
     that nothing else ever removes. Ours (from an earlier process with our pid: we spawned
     nothing yet) and those whose spawner is gone."""
     folder = os.path.join(paths.data_dir(), "pods")
-    try:  # (scandir and plain names: a glob compiles its pattern, ~1 ms of every start)
-        names = [e.name for e in os.scandir(folder) if e.name.startswith(".spawn-")]
+    prefix, suffix = ".spawn-", ".toml"  # (matched by hand: a glob compiles its pattern, ~1 ms)
+    try:
+        names = os.listdir(folder)
     except OSError:
         return
     for name in names:
-        _, dash, pid = name.removesuffix(".toml")[len(".spawn-") :].rpartition("-")
-        if not (name.endswith(".toml") and dash and pid.isdigit()):
+        if not (name.startswith(prefix) and name.endswith(suffix)):
             continue
-        if int(pid) == os.getpid() or not _alive(int(pid)):
+        _, dash, pid = name[len(prefix) : -len(suffix)].rpartition("-")
+        if dash and pid.isdigit() and (int(pid) == os.getpid() or not _alive(int(pid))):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(folder, name))
 
