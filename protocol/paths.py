@@ -11,7 +11,8 @@ import errno
 import os
 import re
 import stat
-import warnings
+
+from protocol import userdirs
 
 TYPE_CHECKING = False  # True for type checkers only: typing costs podctl ~5 ms to import
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ def pod_name_problem(name: str) -> str | None:
         f"{name!r} is not a valid pod name "
         "(lowercase letters, digits, '-' and '_', at most 48 characters)"
     )
+
+
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes including the terminating NUL
 
 
@@ -70,42 +73,19 @@ def _home(sub: str) -> str | None:
 
 
 def _config_dir() -> str:
-    explicit = _env("PODDAEMON_CONFIG_DIR") or _home("config")
-    if explicit:
-        return explicit
-    import platformdirs
-
-    return platformdirs.user_config_dir(APP)
+    return _env("PODDAEMON_CONFIG_DIR") or _home("config") or userdirs.user_config_dir(APP)
 
 
 def _data_dir() -> str:
-    explicit = _env("PODDAEMON_DATA_DIR") or _home("data")
-    if explicit:
-        return explicit
-    import platformdirs
-
-    return platformdirs.user_data_dir(APP)
+    return _env("PODDAEMON_DATA_DIR") or _home("data") or userdirs.user_data_dir(APP)
 
 
 def _runtime_dir() -> str:
-    explicit = _env("PODDAEMON_RUNTIME_DIR") or _home("run")
-    if explicit:
-        return explicit
-    import platformdirs
-
-    # Without XDG_RUNTIME_DIR platformdirs falls back to /tmp/runtime-<uid> and warns; that is fine.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return platformdirs.user_runtime_dir(APP)
+    return _env("PODDAEMON_RUNTIME_DIR") or _home("run") or userdirs.user_runtime_dir(APP)
 
 
 def _log_dir() -> str:
-    home = _home("log")
-    if home:
-        return home
-    import platformdirs
-
-    return platformdirs.user_log_dir(APP)
+    return _home("log") or userdirs.user_log_dir(APP)
 
 
 def home_dir() -> Path | None:
