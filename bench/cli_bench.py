@@ -66,9 +66,9 @@ def run(sec: Section) -> None:
         app.write_text(NOOP_APP)
         py = str(Path(PODCTL).parent / "python")
         env = home.env
-        # As most users run it: no PODDAEMON_HOME, so platformdirs finds the data and runtime
-        # directories (XDG_DATA_HOME and XDG_RUNTIME_DIR point into this home); the pod is
-        # named by its socket's path.
+        # As most users run it: no PODDAEMON_HOME, so the data and runtime directories come
+        # from XDG_DATA_HOME and XDG_RUNTIME_DIR (pointing into this home), by platformdirs'
+        # rules (protocol/userdirs.py); the pod is named by its socket's path.
         xdg = home.path / "xdg"
         xdg.mkdir(mode=0o700)
         user_env = {k: v for k, v in env.items() if k != "PODDAEMON_HOME"}
@@ -76,7 +76,7 @@ def run(sec: Section) -> None:
         cmds = {
             "noop": [py, str(app), "cli"],
             "status": [PODCTL, "status", "cli"],
-            "status, platformdirs": [PODCTL, "status", pod.socket],
+            "status, xdg": [PODCTL, "status", pod.socket],
             "notify": [PODCTL, "notify", "cli", "msg"],
             "send": [PODCTL, "send", "--no-wait", "cli", "msg"],
             "status via typer": [py, "-c", THROUGH_TYPER, "status", "cli"],
@@ -84,12 +84,12 @@ def run(sec: Section) -> None:
         times: dict[str, list[float]] = {k: [] for k in cmds}
         cpu: dict[str, list[float]] = {k: [] for k in cmds}
         for key, cmd in cmds.items():  # warm the page cache
-            wall(cmd, user_env if "platformdirs" in key else env)
+            wall(cmd, user_env if "xdg" in key else env)
         order, shuffle = list(cmds), random.Random(15).shuffle
         for _ in range(RUNS):  # interleaved, so drift hits every command alike; in a new order
             shuffle(order)  # each round, so no command always runs right after another
             for key in order:
-                took, used = measure(cmds[key], user_env if "platformdirs" in key else env)
+                took, used = measure(cmds[key], user_env if "xdg" in key else env)
                 times[key].append(took)
                 cpu[key].append(used)
         base = median(times["noop"])
@@ -104,8 +104,8 @@ def run(sec: Section) -> None:
             )
         sec.add(
             Row(
-                "podctl status <socket>, no PODDAEMON_HOME (dirs from platformdirs)",
-                median(times["status, platformdirs"]),
+                "podctl status <socket>, no PODDAEMON_HOME (dirs from XDG_*)",
+                median(times["status, xdg"]),
                 "ms",
                 base,
                 "no-op typer app",
