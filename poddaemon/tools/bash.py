@@ -56,26 +56,23 @@ async def _run(
     loop = asyncio.get_running_loop()
     r, w = os.pipe()
     try:
-        spawn = asyncio.ensure_future(runner.spawn(["/bin/bash", "-c", command], cwd, w))
-        try:
-            # Shielded: cancelled while starting, the shell may already be running (and forking).
-            cmd = await asyncio.shield(spawn)
-        except asyncio.CancelledError:
-            with contextlib.suppress(BaseException):
-                await runner.kill(await spawn)
-            raise
+        cmd = await runner.spawn(["/bin/bash", "-c", command], cwd, w)
     except BaseException:
         os.close(r)
         raise
     finally:
         os.close(w)  # the command holds the only write end now: EOF once it is all gone
     stream = asyncio.StreamReader(limit=2**16)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(r, "rb", buffering=0)
-    )
-    reader = asyncio.create_task(capture.drain(stream))
+    transport: asyncio.BaseTransport | None = None
+    reader: asyncio.Task[None] | None = None
     timed_out = False
     try:
+        # Inside: connecting takes a loop pass, and a cancellation there let the command run
+        # on until the pod ended.
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(r, "rb", buffering=0)
+        )
+        reader = asyncio.create_task(capture.drain(stream))
         try:
             async with asyncio.timeout(timeout):
                 # Not the pipe's EOF: a background job holding stdout would delay that.
@@ -89,10 +86,12 @@ async def _run(
     except BaseException:  # cancellation: kill, then let it propagate
         with contextlib.suppress(BaseException):
             await runner.kill(cmd)
-        reader.cancel()
+        if reader is not None:
+            reader.cancel()
         raise
     finally:
-        transport.close()
+        if transport is not None:
+            transport.close()
     with contextlib.suppress(BaseException):
         await reader
     if cmd.exited.done() and cmd.exited.exception() is None:

@@ -140,7 +140,7 @@ class CommandRunner:
 
     # --- commands ------------------------------------------------------------------------------
 
-    async def spawn(
+    async def _spawn(
         self,
         argv: list[str],
         cwd: str,
@@ -183,6 +183,25 @@ class CommandRunner:
         failed.cancel()
         command.pid = int(reply.result()["pid"])
         return command
+
+    async def spawn(
+        self,
+        argv: list[str],
+        cwd: str,
+        output_fd: int,
+        stdio: tuple[int, int] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Command:
+        """`_spawn`, safe to cancel: cancelled while the runner starts the command (which may be
+        forking already), it waits for it and kills it, with all it started, before the
+        cancellation goes on. `_spawn` cancelled only forgot it, and it ran on."""
+        spawning = asyncio.ensure_future(self._spawn(argv, cwd, output_fd, stdio, env))
+        try:
+            return await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            with contextlib.suppress(BaseException):
+                await self.kill(await spawning)
+            raise
 
     async def kill(self, command: Command) -> int:
         """Kill the command's group, every process it started (`setsid` ones too) and what it

@@ -417,3 +417,51 @@ async def test_hooks_get_a_runner_of_their_own_per_transcript_and_scope(tmp_path
         assert await ctx.hook_runner(str(second)) is not made and not made.alive
     finally:
         await ctx.aclose()
+
+
+def live_with(token: str) -> list[int]:
+    """Running (non-zombie) processes whose command line holds `token`."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if token.encode() in cmdline and state not in ("Z", "X"):
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("yields", [0, 1, 2, 3, 5, 8])
+async def test_a_hook_cancelled_while_it_starts_leaves_no_process(
+    ctx: ToolContext, tmp_path: Path, yields: int
+) -> None:
+    # Cancelled while the runner started it (a run cancelled as its PreToolUse hook began), a
+    # hook's command was forgotten, not killed: it ran on, its timeout unenforced.
+    from poddaemon.hooks import _run_command
+
+    runner = await ctx.command_runner()
+    token = f"{1987 + yields}.{os.getpid()}"  # a unique `sleep` argument
+    task = asyncio.create_task(
+        _run_command(runner, f"sleep {token} & sleep {token}", str(tmp_path), b"", 60.0)
+    )
+    for _ in range(yields):
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # The runner takes requests in order: once a later command ran, the hook's start request
+    # (if it was sent) has been carried out, and its shell is running unless it was killed.
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        probe = await runner.spawn(["/bin/true"], str(tmp_path), null)
+    finally:
+        os.close(null)
+    assert await probe.exited == 0
+    end = time.monotonic() + 5.0
+    while (left := live_with(token)) and time.monotonic() < end:
+        await asyncio.sleep(0.01)
+    assert left == []

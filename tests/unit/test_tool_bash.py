@@ -174,3 +174,29 @@ async def test_cancellation_at_any_point_leaves_no_process(ctx: ToolContext, yie
     while (alive := live_with_token(token)) and time.monotonic() < end:
         await asyncio.sleep(0.01)
     assert alive == []
+
+
+async def test_cancelled_while_its_output_is_being_connected_it_is_killed(
+    ctx: ToolContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loop pass between the runner's `started` and reading the command's output: a turn
+    # cancelled there left the command running until the pod itself ended.
+    token = f"{977}.{os.getpid()}"
+    loop = asyncio.get_running_loop()
+    connect = loop.connect_read_pipe
+
+    async def cancelled_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        return await connect(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "connect_read_pipe", cancelled_meanwhile)
+    task = asyncio.create_task(bash(ctx, f"sleep {token} & sleep {token}"))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    monkeypatch.undo()
+    end = time.monotonic() + 5.0
+    while (alive := live_with_token(token)) and time.monotonic() < end:
+        await asyncio.sleep(0.01)
+    assert alive == []
