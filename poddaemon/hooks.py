@@ -32,6 +32,7 @@ from poddaemon.config.manifest import HookConfig, HooksSection
 from poddaemon.history import ToolCall
 from poddaemon.interceptors import Deny, Interceptor, Refuse
 from poddaemon.llm.types import ModelRequest
+from poddaemon.pipes import read_pipe
 from poddaemon.tools.base import ToolOutcome
 from poddaemon.tools.runner_client import CommandRunner
 
@@ -401,7 +402,6 @@ async def _run_command(
 ) -> tuple[int | None, Captured, Captured]:
     """Run `sh -c command` with `stdin`; (exit code or None on timeout, stdout, stderr). The
     command and everything it started are gone when this returns."""
-    loop = asyncio.get_running_loop()
     feed = os.memfd_create("poddaemon-hook", os.MFD_CLOEXEC)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -419,7 +419,7 @@ async def _run_command(
     finally:
         for fd in (feed, out_w, err_w):
             os.close(fd)
-    readers = [asyncio.ensure_future(_read_all(loop, fd)) for fd in (out_r, err_r)]
+    readers = [asyncio.ensure_future(_read_all(fd)) for fd in (out_r, err_r)]
     code: int | None = None
     try:
         try:
@@ -434,11 +434,9 @@ async def _run_command(
     return code, stdout, stderr
 
 
-async def _read_all(loop: asyncio.AbstractEventLoop, fd: int) -> Captured:
+async def _read_all(fd: int) -> Captured:
     stream = asyncio.StreamReader(limit=2**16)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(fd, "rb", buffering=0)
-    )
+    transport = await read_pipe(fd, stream)
     data = bytearray()
     unread = 0
     try:

@@ -29,6 +29,7 @@ from msgspec.structs import replace
 from poddaemon.config.manifest import MCP_SEP
 from poddaemon.entries import SPAWNER_KEY, Entry, OutboxItem, SystemItem
 from poddaemon.machine import FINAL_REPORTS
+from poddaemon.pipes import read_pipe
 from poddaemon.readyline import parse_ready, parse_starting
 from poddaemon.scope import Access, Rule, resolve
 from poddaemon.session import KEPT_REPORT_IDS, input_size
@@ -983,10 +984,16 @@ def _forked_for_nobody(read_end: int, thread: "asyncio.Future[Forked | None]") -
         return
     forked = thread.result()
     if forked is not None:
-        log.warning("spawn cancelled while the fork server started it: killing pid %d", forked.pid)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(forked.pid, signal.SIGKILL)
-        forked.close()
+        _stop_forked(forked)
+
+
+def _stop_forked(forked: "Forked") -> None:
+    """A child forked for a spawn cancelled meanwhile: nobody will wait for it, or release
+    the scope it is about to claim."""
+    log.warning("spawn cancelled while the fork server started it: killing pid %d", forked.pid)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(forked.pid, signal.SIGKILL)
+    forked.close()
 
 
 async def _fork(cmd: list[str]) -> _Started | None:
@@ -1017,9 +1024,10 @@ async def _fork(cmd: list[str]) -> _Started | None:
     if forked is None:
         os.close(read_end)
         return None
-    loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 20)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(read_end, "rb", buffering=0)
-    )
+    try:
+        transport = await read_pipe(read_end, reader)
+    except BaseException:  # cancelled in the loop pass connecting takes
+        _stop_forked(forked)
+        raise
     return _Started(forked.pid, reader, forked=forked, transport=transport)

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from poddaemon.pipes import read_pipe
 from protocol.unreadable import UNREADABLE
 
 log = logging.getLogger("poddaemon.mcp")
@@ -73,14 +74,10 @@ class StdioProcess:
         # The pod is the only reader of this pipe (os.pipe is close-on-exec): the guard sees it
         # close when the pod ends, however it ends.
         read_fd, write_fd = os.pipe()
-        loop = asyncio.get_running_loop()
         stderr = asyncio.StreamReader()
         try:
-            stderr_transport, _ = await loop.connect_read_pipe(
-                lambda: asyncio.StreamReaderProtocol(stderr), os.fdopen(read_fd, "rb", buffering=0)
-            )
+            stderr_transport = await read_pipe(read_fd, stderr)  # (it closes read_fd on failure)
         except BaseException:
-            os.close(read_fd)
             os.close(write_fd)
             raise
         try:

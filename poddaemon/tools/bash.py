@@ -11,6 +11,7 @@ import contextlib
 import os
 from typing import Any
 
+from poddaemon.pipes import read_pipe
 from poddaemon.tools.base import ToolContext, ToolError, ToolOutcome, schema
 from poddaemon.tools.runner_client import CommandRunner, RunnerError
 
@@ -53,7 +54,6 @@ async def _run(
 ) -> tuple[int | None, bool]:
     """Run `command` through the runner: (returncode, timed out). Whatever happens here, the
     command and everything it started are killed before this returns or raises."""
-    loop = asyncio.get_running_loop()
     r, w = os.pipe()
     try:
         cmd = await runner.spawn(["/bin/bash", "-c", command], cwd, w)
@@ -69,9 +69,7 @@ async def _run(
     try:
         # Inside: connecting takes a loop pass, and a cancellation there let the command run
         # on until the pod ended.
-        transport, _ = await loop.connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(r, "rb", buffering=0)
-        )
+        transport = await read_pipe(r, stream)
         reader = asyncio.create_task(capture.drain(stream))
         try:
             async with asyncio.timeout(timeout):

@@ -2,6 +2,7 @@
 results. (The servers themselves are exercised in tests/integration/test_mcp.py.)"""
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -501,3 +502,50 @@ def test_an_sse_stream_gives_every_message_in_order_however_it_is_cut(
     sent = [m for body, _ in events for m in (body if isinstance(body, list) else [body])]
     got = [json.loads(line[6:]) for line in expected.split(b"\n") if line.startswith(b"data: ")]
     assert got == sent
+
+
+def open_pipes() -> set[str]:
+    """What this process's descriptors that are pipes point to."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor, gone)
+            if (target := os.readlink(f"/proc/self/fd/{fd}")).startswith("pipe:"):
+                found.add(f"{fd} {target}")
+    return found
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_server_start_cancelled_while_its_stderr_is_connected_stays_a_cancellation(
+    loop: str,
+) -> None:
+    """Cancelled in the loop pass that connects the guard's stderr pipe (a pod stopping as
+    its MCP servers start), the read end was closed a second time: under uvloop, EBADF, an
+    OSError that replaced the cancellation and read as "cannot start the guard" (under
+    asyncio, later, whatever had taken its number by then). Nothing is started."""
+    import asyncio
+
+    import uvloop
+
+    from poddaemon.mcp import stdio
+
+    async def main() -> None:
+        running = asyncio.get_running_loop()
+        connect = running.connect_read_pipe
+
+        async def cancelled_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            return await connect(*args, **kwargs)
+
+        running.connect_read_pipe = cancelled_meanwhile  # type: ignore[method-assign]
+        before = open_pipes()
+        spawning = asyncio.ensure_future(
+            stdio.StdioProcess.spawn("s", ["sleep", "1000"], dict(os.environ), "/")
+        )
+        with pytest.raises(asyncio.CancelledError):
+            await spawning
+        await asyncio.sleep(0.01)  # (asyncio closes a transport's pipe a pass later)
+        assert open_pipes() == before  # both ends of the guard's stderr pipe closed
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(main())

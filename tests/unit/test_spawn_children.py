@@ -2,7 +2,10 @@
 what a change of the registry costs the pod's event loop; and the tools a child's
 configuration gets from `spawn_pod`'s `tools`."""
 
+import asyncio
 import shutil
+import signal
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +15,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from poddaemon import forkclient, spawn
 from poddaemon.config.manifest import Manifest
 from poddaemon.entries import SystemItem
 from poddaemon.mcp.tool import McpTool
@@ -328,3 +332,34 @@ def test_send_to_a_child_that_does_not_answer_is_a_tool_error(
     finally:
         deaf.close()
     assert "did not answer within 0.2 s" in said, said
+
+
+async def test_a_spawn_cancelled_as_its_forked_child_is_connected_stops_the_child(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Cancelled in the loop pass that connects a forked child's stderr (after the fork
+    server's thread returned), the child ran on for nobody, about to claim its scope."""
+    child = subprocess.Popen(["sleep", "100"], start_new_session=True)  # the forked pod
+    closed: list[bool] = []
+    forked = SimpleNamespace(pid=child.pid, close=lambda: closed.append(True))
+    monkeypatch.setattr(forkclient, "fork_pod", lambda cmd, stdio, alone_ok: forked)
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    monkeypatch.delenv("PODDAEMON_FORKSERVER", raising=False)
+    loop = asyncio.get_running_loop()
+    connect = loop.connect_read_pipe
+
+    async def cancelled_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        return await connect(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "connect_read_pipe", cancelled_meanwhile)
+    try:
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.create_task(spawn._fork(["python", "-m", "poddaemon", "run", "m"]))
+        assert child.wait(5) == -signal.SIGKILL
+        assert closed == [True]
+    finally:
+        child.kill()
+        child.wait()
