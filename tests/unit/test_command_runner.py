@@ -21,6 +21,7 @@ from poddaemon.scope import Scope
 from poddaemon.testing.cleanup import alive
 from poddaemon.tools import ToolContext, ToolOutcome, execute
 from poddaemon.tools.runner_client import CommandRunner, clean_env, is_secret_name
+from tests.unit.cancelling import left_running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -419,22 +420,6 @@ async def test_hooks_get_a_runner_of_their_own_per_transcript_and_scope(tmp_path
         await ctx.aclose()
 
 
-def live_with(token: str) -> list[int]:
-    """Running (non-zombie) processes whose command line holds `token`."""
-    found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if token.encode() in cmdline and state not in ("Z", "X"):
-            found.append(int(entry))
-    return found
-
-
 @pytest.mark.parametrize("yields", [0, 1, 2, 3, 5, 8])
 async def test_a_hook_cancelled_while_it_starts_leaves_no_process(
     ctx: ToolContext, tmp_path: Path, yields: int
@@ -461,7 +446,4 @@ async def test_a_hook_cancelled_while_it_starts_leaves_no_process(
     finally:
         os.close(null)
     assert await probe.exited == 0
-    end = time.monotonic() + 5.0
-    while (left := live_with(token)) and time.monotonic() < end:
-        await asyncio.sleep(0.01)
-    assert left == []
+    assert await left_running(token) == []

@@ -21,6 +21,7 @@ from poddaemon.config import ManifestError, load_manifest
 from poddaemon.mcp.env import EnvError, server_env
 from poddaemon.mcp.tool import McpTool, input_schema, offered_name, outcome, schema_problem
 from poddaemon.tools.base import ToolContext, ToolOutcome, execute
+from tests.unit.cancelling import cancelled_while_connecting
 
 BASE = """\
 [pod]
@@ -529,22 +530,13 @@ def test_a_server_start_cancelled_while_its_stderr_is_connected_stays_a_cancella
     from poddaemon.mcp import stdio
 
     async def main() -> None:
-        running = asyncio.get_running_loop()
-        connect = running.connect_read_pipe
-
-        async def cancelled_meanwhile(*args: Any, **kwargs: Any) -> Any:
-            task = asyncio.current_task()
-            assert task is not None
-            task.cancel()
-            return await connect(*args, **kwargs)
-
-        running.connect_read_pipe = cancelled_meanwhile  # type: ignore[method-assign]
         before = open_pipes()
-        spawning = asyncio.ensure_future(
-            stdio.StdioProcess.spawn("s", ["sleep", "1000"], dict(os.environ), "/")
-        )
-        with pytest.raises(asyncio.CancelledError):
-            await spawning
+        with cancelled_while_connecting(asyncio.get_running_loop()):
+            spawning = asyncio.ensure_future(
+                stdio.StdioProcess.spawn("s", ["sleep", "1000"], dict(os.environ), "/")
+            )
+            with pytest.raises(asyncio.CancelledError):
+                await spawning
         await asyncio.sleep(0.01)  # (asyncio closes a transport's pipe a pass later)
         assert open_pipes() == before  # both ends of the guard's stderr pipe closed
 

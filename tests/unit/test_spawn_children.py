@@ -25,6 +25,7 @@ from poddaemon.session import KEPT_REPORT_IDS
 from poddaemon.spawn import Children, _Live, narrow_tools
 from poddaemon.tools.base import ToolError, ToolOutcome
 from poddaemon.toolset import Toolset
+from tests.unit.cancelling import cancelled_while_connecting
 
 
 @pytest.fixture
@@ -345,18 +346,11 @@ async def test_a_spawn_cancelled_as_its_forked_child_is_connected_stops_the_chil
     monkeypatch.setattr(forkclient, "fork_pod", lambda cmd, stdio, alone_ok: forked)
     monkeypatch.delenv("INVOCATION_ID", raising=False)
     monkeypatch.delenv("PODDAEMON_FORKSERVER", raising=False)
-    loop = asyncio.get_running_loop()
-    connect = loop.connect_read_pipe
-
-    async def cancelled_meanwhile(*args: Any, **kwargs: Any) -> Any:
-        task = asyncio.current_task()
-        assert task is not None
-        task.cancel()
-        return await connect(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "connect_read_pipe", cancelled_meanwhile)
     try:
-        with pytest.raises(asyncio.CancelledError):
+        with (
+            cancelled_while_connecting(asyncio.get_running_loop()),
+            pytest.raises(asyncio.CancelledError),
+        ):
             await asyncio.create_task(spawn._fork(["python", "-m", "poddaemon", "run", "m"]))
         assert child.wait(5) == -signal.SIGKILL
         assert closed == [True]

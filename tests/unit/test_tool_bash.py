@@ -12,6 +12,7 @@ import pytest
 
 from poddaemon.scope import Scope
 from poddaemon.tools import ToolContext, ToolOutcome, ToolOutputLimits, execute
+from tests.unit.cancelling import cancelled_while_connecting, left_running
 
 
 @pytest.fixture
@@ -143,24 +144,6 @@ async def test_cancellation_kills_the_group_and_propagates(
     assert await wait_until_gone(pgid) == []
 
 
-def live_with_token(token: str) -> list[int]:
-    """Running (non-zombie) processes whose command line contains `token`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if token.encode() in cmdline and state not in ("Z", "X"):
-            found.append(int(entry))
-    return found
-
-
 @pytest.mark.parametrize("yields", [0, 1, 2, 3, 5, 8, 13, 21])
 async def test_cancellation_at_any_point_leaves_no_process(ctx: ToolContext, yields: int) -> None:
     token = f"{987 + yields}.{os.getpid()}{yields}"  # a unique `sleep` argument
@@ -170,33 +153,17 @@ async def test_cancellation_at_any_point_leaves_no_process(ctx: ToolContext, yie
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    end = time.monotonic() + 5.0
-    while (alive := live_with_token(token)) and time.monotonic() < end:
-        await asyncio.sleep(0.01)
-    assert alive == []
+    assert await left_running(token) == []
 
 
 async def test_cancelled_while_its_output_is_being_connected_it_is_killed(
-    ctx: ToolContext, monkeypatch: pytest.MonkeyPatch
+    ctx: ToolContext,
 ) -> None:
     # The loop pass between the runner's `started` and reading the command's output: a turn
     # cancelled there left the command running until the pod itself ended.
     token = f"{977}.{os.getpid()}"
-    loop = asyncio.get_running_loop()
-    connect = loop.connect_read_pipe
-
-    async def cancelled_meanwhile(*args: Any, **kwargs: Any) -> Any:
-        task = asyncio.current_task()
-        assert task is not None
-        task.cancel()
-        return await connect(*args, **kwargs)
-
-    monkeypatch.setattr(loop, "connect_read_pipe", cancelled_meanwhile)
-    task = asyncio.create_task(bash(ctx, f"sleep {token} & sleep {token}"))
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    monkeypatch.undo()
-    end = time.monotonic() + 5.0
-    while (alive := live_with_token(token)) and time.monotonic() < end:
-        await asyncio.sleep(0.01)
-    assert alive == []
+    with cancelled_while_connecting(asyncio.get_running_loop()):
+        task = asyncio.create_task(bash(ctx, f"sleep {token} & sleep {token}"))
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert await left_running(token) == []

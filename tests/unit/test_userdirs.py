@@ -126,12 +126,10 @@ def test_home_dirs_are_platformdirs_answers(kind: str, xdg: str, home: str) -> N
     assert asked == (xdg not in ("absolute", "trailing") and home not in ("root", "absolute"))
 
 
-def test_podctl_leaves_platformdirs_unimported_in_a_plain_environment(tree: Path) -> None:
-    # As most users run it: no PODDAEMON_HOME; the data and runtime directories from XDG.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PODDAEMON_", "XDG_"))}
-    env.update(XDG_RUNTIME_DIR=str(tree / "private"), XDG_DATA_HOME=str(tree / "private"))
+def podctl_status_stderr(env: dict[str, str], socket: Path) -> str:
+    """What `podctl status SOCKET` (no pod there) says on stderr, with `-X importtime`."""
     proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "cli.main", "status", str(tree / "nosock")],
+        [sys.executable, "-X", "importtime", "-m", "cli.main", "status", str(socket)],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -139,16 +137,14 @@ def test_podctl_leaves_platformdirs_unimported_in_a_plain_environment(tree: Path
         timeout=60,
     )
     assert proc.returncode == 3, proc.stderr
-    assert f"no socket at {tree / 'nosock'}" in proc.stderr
-    assert "| platformdirs" not in proc.stderr
-    # (and with XDG_RUNTIME_DIR unset, platformdirs is asked, as ever)
-    del env["XDG_RUNTIME_DIR"]
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "cli.main", "status", str(tree / "nosock")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert "| platformdirs" in proc.stderr
+    assert f"no socket at {socket}" in proc.stderr
+    return proc.stderr
+
+
+def test_podctl_leaves_platformdirs_unimported_in_a_plain_environment(tree: Path) -> None:
+    # As most users run it: no PODDAEMON_HOME; the data and runtime directories from XDG.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PODDAEMON_", "XDG_"))}
+    env.update(XDG_RUNTIME_DIR=str(tree / "private"), XDG_DATA_HOME=str(tree / "private"))
+    assert "| platformdirs" not in podctl_status_stderr(env, tree / "nosock")
+    del env["XDG_RUNTIME_DIR"]  # (then platformdirs is asked, as ever)
+    assert "| platformdirs" in podctl_status_stderr(env, tree / "nosock")
