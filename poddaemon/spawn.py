@@ -1021,6 +1021,13 @@ async def _fork(cmd: list[str]) -> _Started | None:
     except forkclient.ServerLost as exc:
         os.close(read_end)
         raise ToolError(str(exc)) from None
+    except OSError as exc:  # short of descriptors, say, before the server had the request
+        os.close(read_end)
+        log.warning("cannot have the fork server start the child (%s): exec'ing it", exc)
+        return None
+    except BaseException:
+        os.close(read_end)
+        raise
     if forked is None:
         os.close(read_end)
         return None

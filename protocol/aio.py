@@ -72,11 +72,14 @@ class AsyncPodClient(ClientMethods, AsyncCaller):
         """Close the connection: calls still waiting, and any made later, raise
         ConnectionClosed; so does an `events()` iteration."""
         self._read_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._read_task
-        if self._closed is None:
-            self._fail(ConnectionClosed(f"the connection to pod {self.target!r} was closed"))
-        self._writer.close()
+        try:
+            # Not `await self._read_task` under suppress(CancelledError): that swallowed the
+            # caller's own cancellation landing here too, and its `async with` went on.
+            await asyncio.wait({self._read_task})
+        finally:
+            if self._closed is None:
+                self._fail(ConnectionClosed(f"the connection to pod {self.target!r} was closed"))
+            self._writer.close()
         with contextlib.suppress(OSError):
             await self._writer.wait_closed()
 

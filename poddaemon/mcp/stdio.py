@@ -163,8 +163,7 @@ class StdioProcess:
             async with asyncio.timeout(grace):
                 await self.proc.wait()
         self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        await asyncio.wait({self._reader})  # (its cancellation is not raised here; ours is)
 
     def kill(self) -> None:
         """Kill the server's whole group now (the guard does it when its stderr reader goes),

@@ -223,10 +223,15 @@ class CommandRunner:
     async def aclose(self) -> None:
         """Close the socket: the runner kills every command left and exits; reap it."""
         self._reader.cancel()
-        with contextlib.suppress(BaseException):
-            await self._reader
-        self._sock.close()
-        await self._reap()
+        try:
+            # (Not `await self._reader` under suppress(BaseException): that swallowed the
+            # caller's cancellation too, and a cancelled command went on to run.)
+            await asyncio.wait({self._reader})
+        finally:
+            self._sock.close()
+            await self._reap()
+        if not self._reader.cancelled():
+            self._reader.exception()  # retrieved: one that failed on its own is not logged again
 
     async def _reap(self) -> None:
         try:

@@ -447,3 +447,29 @@ async def test_a_hook_cancelled_while_it_starts_leaves_no_process(
         os.close(null)
     assert await probe.exited == 0
     assert await left_running(token) == []
+
+
+async def test_a_command_cancelled_while_a_stale_runner_closes_does_not_run(
+    ctx: ToolContext, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A scope change makes the next command close the old runner and start a new one. A
+    # cancellation landing in that close was swallowed with the runner's reader's: the call
+    # went on, a new runner started and ran the command it was cancelled for.
+    assert not (await bash(ctx, "true")).is_error
+    ctx._runner_stale = True
+    close = CommandRunner.aclose
+
+    async def cancelled_meanwhile(runner: CommandRunner) -> None:
+        monkeypatch.setattr(CommandRunner, "aclose", close)  # once
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await close(runner)
+
+    monkeypatch.setattr(CommandRunner, "aclose", cancelled_meanwhile)
+    marker = tmp_path / "ran"
+    call = asyncio.create_task(bash(ctx, f"sleep 0.3; touch {marker}"))
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await asyncio.sleep(0.6)  # (what a command that ran on would have taken, and more)
+    assert not marker.exists()

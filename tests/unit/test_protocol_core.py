@@ -541,3 +541,31 @@ def test_a_sync_connection_the_pod_closed_gives_its_socket_back_at_once() -> Non
     with pytest.raises(errors.ConnectionClosed, match="closed the connection"):
         client.status()  # and says so again, not "was closed" by us
     client.close()  # (still fine to call)
+
+
+def test_a_cancellation_landing_while_the_client_closes_is_not_swallowed() -> None:
+    """`close()` awaited its read task under suppress(CancelledError): a cancellation of the
+    caller landing there (a pod's `spawn_pod` call cancelled as its `run` call's connection
+    closed) was swallowed with the read task's, and the caller went on as if never cancelled."""
+    mine, theirs = socket.socketpair(socket.AF_UNIX)
+    went_on: list[bool] = []
+
+    async def go() -> None:
+        reader, writer = await asyncio.open_unix_connection(sock=mine)
+        client = AsyncPodClient(reader, writer, "pair")
+
+        async def caller() -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # lands in close()'s first await
+            await client.close()
+            went_on.append(True)
+
+        task = asyncio.create_task(caller())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert writer.is_closing()  # closed all the same
+
+    asyncio.run(go())
+    theirs.close()
+    assert went_on == []

@@ -3,6 +3,7 @@ what a change of the registry costs the pod's event loop; and the tools a child'
 configuration gets from `spawn_pod`'s `tools`."""
 
 import asyncio
+import os
 import shutil
 import signal
 import subprocess
@@ -357,3 +358,21 @@ async def test_a_spawn_cancelled_as_its_forked_child_is_connected_stops_the_chil
     finally:
         child.kill()
         child.wait()
+
+
+async def test_a_fork_server_out_of_reach_through_an_os_error_leaves_the_child_to_exec(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fork_pod raising an OSError (out of descriptors, say) failed the spawn, where the child
+    should be exec'd, and left the pipe's read end open for the pod's lifetime."""
+
+    def out_of_descriptors(cmd: list[str], stdio: tuple[int, ...], alone_ok: bool) -> None:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(forkclient, "fork_pod", out_of_descriptors)
+    monkeypatch.delenv("INVOCATION_ID", raising=False)
+    monkeypatch.delenv("PODDAEMON_FORKSERVER", raising=False)
+    before = set(os.listdir("/proc/self/fd"))
+    assert await spawn._fork(["python", "-m", "poddaemon", "run", "m"]) is None
+    await asyncio.sleep(0.05)  # (the thread's own descriptors close in its done callback)
+    assert set(os.listdir("/proc/self/fd")) <= before
