@@ -1,7 +1,8 @@
 """platformdirs' answers for an app's user directories, without importing it when they are plain.
 
-Importing platformdirs (pathlib, tempfile, shutil, bz2 and lzma come with it) costs ~25 ms here:
-a third of a `podctl notify`, and part of every pod's start. Where the environment is plain, its
+Importing platformdirs (pathlib, tempfile, shutil, bz2 and lzma come with it) costs 10-25 ms of
+a process's start on these machines: up to a third of a `podctl notify`, and part of every pod's
+start. Where the environment is plain, its
 rules are too: an absolute XDG_*_HOME, else `~/…` under an absolute HOME; for the runtime
 directory, an XDG_RUNTIME_DIR that is plainly private (ours, mode 0700, no symlink, under
 directories only root or we own and nobody else may write to). Anything else (a relative or
