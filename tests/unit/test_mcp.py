@@ -537,7 +537,6 @@ def test_a_server_start_cancelled_while_its_stderr_is_connected_stays_a_cancella
             )
             with pytest.raises(asyncio.CancelledError):
                 await spawning
-        await asyncio.sleep(0.01)  # (asyncio closes a transport's pipe a pass later)
         assert open_pipes() == before  # both ends of the guard's stderr pipe closed
 
     (uvloop.run if loop == "uvloop" else asyncio.run)(main())

@@ -374,5 +374,4 @@ async def test_a_fork_server_out_of_reach_through_an_os_error_leaves_the_child_t
     monkeypatch.delenv("PODDAEMON_FORKSERVER", raising=False)
     before = set(os.listdir("/proc/self/fd"))
     assert await spawn._fork(["python", "-m", "poddaemon", "run", "m"]) is None
-    await asyncio.sleep(0.05)  # (the thread's own descriptors close in its done callback)
     assert set(os.listdir("/proc/self/fd")) <= before
