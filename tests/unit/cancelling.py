@@ -28,20 +28,24 @@ def cancelled_while_connecting(loop: asyncio.AbstractEventLoop) -> Iterator[None
         del loop.connect_read_pipe  # (the class's own again)
 
 
-def live_with(token: str) -> list[int]:
-    """Running (non-zombie) processes whose command line holds `token`."""
-    found = []
+def running() -> Iterator[tuple[int, bytes, list[str]]]:
+    """Each running (non-zombie) process: its pid, command line and /proc stat fields after
+    the command name (state first, then ppid, pgrp, ...)."""
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 cmdline = f.read()
             with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
+                fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
-            continue
-        if token.encode() in cmdline and state not in ("Z", "X"):
-            found.append(int(entry))
-    return found
+            continue  # (gone meanwhile)
+        if fields[0] not in ("Z", "X"):
+            yield int(entry), cmdline, fields
+
+
+def live_with(token: str) -> list[int]:
+    """Running processes whose command line holds `token`."""
+    return [pid for pid, cmdline, _ in running() if token.encode() in cmdline]
 
 
 async def left_running(token: str, deadline: float = 5.0) -> list[int]:

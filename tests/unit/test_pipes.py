@@ -47,7 +47,7 @@ def test_cancelled_while_connecting_it_closes_the_descriptor_once(loop: str) -> 
         reused, other = os.pipe()  # the lowest free numbers: those just closed
         try:
             assert reused == r
-            del task  # its exception's frames held the file object around the old descriptor
+            del task  # (whatever still held the file object around the old descriptor lets go)
             gc.collect()
             os.fstat(reused)  # still open: nothing closed that number a second time
         finally:

@@ -12,7 +12,7 @@ import pytest
 
 from poddaemon.scope import Scope
 from poddaemon.tools import ToolContext, ToolOutcome, ToolOutputLimits, execute
-from tests.unit.cancelling import cancelled_while_connecting, left_running
+from tests.unit.cancelling import cancelled_while_connecting, left_running, running
 
 
 @pytest.fixture
@@ -29,19 +29,7 @@ async def bash(ctx: ToolContext, command: str, **args: Any) -> ToolOutcome:
 
 def live_members(pgid: int) -> list[int]:
     """Processes of group `pgid` that are still running (zombies awaiting a reaper don't count)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, pgrp = fields[0], int(fields[2])
-        if pgrp == pgid and state not in ("Z", "X"):
-            found.append(int(entry))
-    return found
+    return [pid for pid, _, fields in running() if int(fields[2]) == pgid]
 
 
 async def wait_until_gone(pgid: int, deadline: float = 5.0) -> list[int]:
