@@ -28,11 +28,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	@# The editable install's import finder costs ~20 ms at every start of podctl and of a pod;
-	@# poddaemon/_devfinder.py, run from a .pth line, finds the packages for free.
+	@# poddaemon/_devfinder.py, run from a .pth line, finds the packages for free. (Once: site
+	@# reads a venv's .pth files twice, and compiling the finder again cost ~1 ms per start.)
 	$(PY) -c "import glob, os, site; sp = site.getsitepackages()[0]; \
 	  [os.remove(p) for p in glob.glob(sp + '/__editable__*poddaemon*') + glob.glob(sp + '/poddaemon-repo.pth')]; \
 	  f = os.path.join(os.getcwd(), 'poddaemon', '_devfinder.py'); \
-	  open(sp + '/poddaemon-dev.pth', 'w').write(f'import sys; h = open({f!r}); exec(compile(h.read(), {f!r}, \"exec\"), {{\"__file__\": {f!r}}}); h.close()\n')"
+	  open(sp + '/poddaemon-dev.pth', 'w').write(f'import sys; any(getattr(x, \"__name__\", \"\") == \"RepoFinder\" for x in sys.meta_path) or (lambda h: (exec(compile(h.read(), {f!r}, \"exec\"), {{\"__file__\": {f!r}}}), h.close()))(open({f!r}))\n')"
 	$(PY) -m compileall -q $(VENV)/lib >/dev/null || true
 	touch $@
 
