@@ -434,8 +434,9 @@ def _get(data: Any, key: Key) -> Any:
 
 _KEY_PART = r"""[A-Za-z0-9_-]+|"[^"]*"|'[^']*'"""
 _DOTTED = rf"(?:{_KEY_PART})(?:\s*\.\s*(?:{_KEY_PART}))*"
-_HEADER = re.compile(rf"^\s*(\[\[?)\s*({_DOTTED})\s*\]\]?\s*(#.*)?$")
-_KEY = re.compile(rf"^\s*({_DOTTED})\s*=")
+# Used only to name an error's line: compiled (and cached by `re`) then, not at every start.
+_HEADER = rf"^\s*(\[\[?)\s*({_DOTTED})\s*\]\]?\s*(#.*)?$"
+_KEY = rf"^\s*({_DOTTED})\s*="
 
 
 def _split_key(dotted: str) -> list[str]:
@@ -480,7 +481,7 @@ def _key_lines(text: str) -> dict[Key, int]:
             if line.count(in_multiline) % 2:
                 in_multiline = None
             continue
-        if header := _HEADER.match(line):
+        if header := re.match(_HEADER, line):
             parts = _split_key(header[2])
             if header[1] == "[[":
                 path = (*resolve(parts[:-1]), parts[-1])
@@ -490,7 +491,7 @@ def _key_lines(text: str) -> dict[Key, int]:
                 table = resolve(parts)
             record(table, n)
             continue
-        if key := _KEY.match(line):
+        if key := re.match(_KEY, line):
             record((*table, *_split_key(key[1])), n)
             rest = line[key.end() :]
             for delim in ('"""', "'''"):
@@ -521,7 +522,7 @@ _PROJECT = r"\$(?:CLAUDE_PROJECT_DIR\b|\{CLAUDE_PROJECT_DIR\})"
 _PLAIN = r"/[^\s\"'$`\\;|&<>()]*"  # the rest of a path up to what the shell would read
 # Claude Code's way to name a project's hook script, as its docs write it or near:
 # "$CLAUDE_PROJECT_DIR"/x, "$CLAUDE_PROJECT_DIR/x", $CLAUDE_PROJECT_DIR/x, with ${...} too.
-_PROJECT_SCRIPT = re.compile(
+_PROJECT_SCRIPT = (  # (compiled at first use: hooks only)
     rf'\s*(?:"{_PROJECT}"(?P<a>{_PLAIN})|"{_PROJECT}(?P<b>/[^"$`\\]*)"|{_PROJECT}(?P<c>{_PLAIN}))'
     r"(?=\s|$)"
 )
@@ -532,7 +533,7 @@ def _project_script(command: str, pwd: str) -> str:
     `pwd` (the pod's project), so it is checked at start-up and granted like any script, and
     a child pod (another pwd) runs its spawner's file, not one under its own pwd."""
     at = script_start(command)
-    found = None if at is None else _PROJECT_SCRIPT.match(command, at)
+    found = None if at is None else re.compile(_PROJECT_SCRIPT).match(command, at)
     if found is None:
         return command
     rest = found["a"] or found["b"] or found["c"] or ""

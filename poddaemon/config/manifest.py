@@ -193,16 +193,17 @@ class SandboxConfig(Struct, kw_only=True, forbid_unknown_fields=True):
 # A command's first word when it names a file by path (`./hooks/guard.sh --strict`): no quotes,
 # expansions or operators in it, so it can be made absolute and granted as one file.
 _WORD = r"[^\s'\"\\$`;&|<>(){}*?\[\]#]"  # a character that needs no quoting in sh
-_SCRIPT_RE = re.compile(rf"\s*(~?(?:(?![~=]){_WORD})*/{_WORD}*)(?=\s|$)")
+# (These are for hooks only: compiled, and cached by `re`, at first use, not at every start.)
+_SCRIPT = rf"\s*(~?(?:(?![~=]){_WORD})*/{_WORD}*)(?=\s|$)"
 # ... or single-quoted, as `shlex.quote` writes a path with a space (the resolved manifest does)
-_QUOTED_SCRIPT_RE = re.compile(r"\s*'((?!~)[^']*/[^']*)'(?=\s|$)")
+_QUOTED_SCRIPT = r"\s*'((?!~)[^']*/[^']*)'(?=\s|$)"
 # ... or the second word, after an interpreter that runs it: `bash ./guard.sh`, `python3 g/x.py`
 # The interpreter may be named by its path and given options (`/usr/bin/python3 -u g.py`):
 # read as the script itself, or stopped at an option, it left the real script unchecked and
 # ungranted, and a Python hook outside the scope exited 2 ("can't open file"), which from a
 # Stop hook blocked every final answer until max_turns. (A relative path, `./venv/bin/python`,
 # stays the script itself, made absolute against pwd as before.)
-_INTERPRETER = re.compile(
+_INTERPRETER = (
     rf"\s*(?P<dir>(?:/{_WORD}*/|/)?)(?P<name>sh|bash|dash|zsh|python3?(?:\.\d+)?|node|perl|ruby)\s+"
     r"(?P<options>(?:--?[A-Za-z][A-Za-z-]*\s+)*)"
 )
@@ -223,7 +224,7 @@ _CODE_LONG_OPTIONS = ("--eval", "--print", "--command")
 def script_start(command: str) -> int | None:
     """Where a hook command's script word may start: 0, or after an interpreter and its
     options; None when an option makes the next word code (`sh -c`, `python3 -m`)."""
-    found = _INTERPRETER.match(command)
+    found = re.match(_INTERPRETER, command)
     if found is None:
         return 0
     code = _CODE_OPTIONS[found["name"].rstrip("0123456789.")]
@@ -237,7 +238,7 @@ def script_start(command: str) -> int | None:
 
 def _interpreter_path(command: str) -> str | None:
     """The interpreter's own word when it is a path (`/usr/bin/python3 g.py`), else None."""
-    found = _INTERPRETER.match(command)
+    found = re.match(_INTERPRETER, command)
     return found["dir"] + found["name"] if found is not None and found["dir"] else None
 
 
@@ -272,12 +273,12 @@ class HookConfig(Struct, kw_only=True, forbid_unknown_fields=True):
         if at is not None:
             direct = at == 0
             interpreter = None if direct else _interpreter_path(self.command)
-            if found := _SCRIPT_RE.match(self.command, at):
+            if found := re.compile(_SCRIPT).match(self.command, at):
                 return Script(found.start(1), found.end(1), found.group(1), direct, interpreter)
-            if found := _QUOTED_SCRIPT_RE.match(self.command, at):
+            if found := re.compile(_QUOTED_SCRIPT).match(self.command, at):
                 start, end = found.start(1) - 1, found.end(1) + 1
                 return Script(start, end, found.group(1), direct, interpreter)
-        if at != 0 and (found := _SCRIPT_RE.match(self.command)):
+        if at != 0 and (found := re.match(_SCRIPT, self.command)):
             # No script after it (`/opt/py/bin/python3 -c …`): the interpreter, named by its
             # path, is the file that runs.
             return Script(found.start(1), found.end(1), found.group(1), True)
