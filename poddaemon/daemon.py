@@ -278,7 +278,7 @@ def run_pod(args: "argparse.Namespace") -> int:
     from poddaemon.llm import CredentialsError, check_manifest_credentials
     from poddaemon.prompt import PromptError, load_instruction
     from poddaemon.scope import Access, Scope, resolve
-    from poddaemon.tools import BUILTIN
+    from poddaemon.tools import BUILTIN_NAMES
 
     try:
         manifest = load_manifest(args.manifest, args.set, paths.defaults_path())
@@ -299,7 +299,7 @@ def run_pod(args: "argparse.Namespace") -> int:
         raise StartupError(f"{manifest.source}: {exc}") from None
     except PromptError as exc:  # already names the manifest or the instruction file
         raise StartupError(str(exc)) from None
-    missing = [t for t in manifest.worker.tools if t not in BUILTIN]
+    missing = [t for t in manifest.worker.tools if t not in BUILTIN_NAMES]
     if missing:
         raise StartupError(
             f"{manifest.source}: worker.tools: {', '.join(missing)} not available in this version"
@@ -831,7 +831,7 @@ def _serve(
             raise StartupError(str(exc), lasting=exc.lasting) from None
         for tool in mcp.tools.values():
             services.tools.add(tool)
-        _check_tool_count(pod, manifest.provider.kind, len(services.tools.tools))
+        _check_tool_count(pod, manifest.provider.kind, len(services.tools))
         pod.mcp = mcp
         pod.children.adopt()  # a restored spawner takes its live children back
         ending = Ending(pod.request_shutdown, lambda: pod.pod_state == "stopping")

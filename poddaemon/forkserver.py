@@ -87,6 +87,10 @@ BASE = (
     "poddaemon.handlers",
     "poddaemon.toolset",
     "poddaemon.tools",
+    "poddaemon.tools.files",  # (a pod loads its tools after READY: a forked one finds them here)
+    "poddaemon.tools.search",
+    "poddaemon.tools.bash",
+    "poddaemon.tools.pods",
     "poddaemon.llm",
     "poddaemon.llm.threaded",
     "poddaemon.prompt",

@@ -35,6 +35,7 @@ from poddaemon.tools import (
 from poddaemon.tools import files as files_mod
 from poddaemon.tools import search as search_mod
 from poddaemon.tools.base import FileStamp, Stop, escape_controls
+from poddaemon.toolset import Toolset
 
 
 @pytest.fixture
@@ -1658,6 +1659,30 @@ def test_default_tools_and_specs_are_small() -> None:
     # The pod tools go into every request of a pod that lists them: small schemas.
     pod_tools = ["spawn_pod", "send_to_pod", "wait_pods", "list_pods", "stop_pod"]
     assert len(msgspec.json.encode(tool_specs(pod_tools))) < 2000
+
+
+def test_builtin_tools_load_when_first_used_not_at_start_up() -> None:
+    """A pod's start imports the tools package and builds its Toolset before READY; the
+    tools' own modules (~2.5 ms) load at its first use of them (the warm-up after READY)."""
+    code = """
+import sys
+from poddaemon.toolset import Toolset
+impls = ["poddaemon.tools." + m for m in ("files", "search", "bash", "pods")]
+tools = Toolset.from_names(["read_file", "grep", "read_file"])
+print(len(tools), [m for m in impls if m in sys.modules])
+print(list(tools.tools), [m for m in impls if m in sys.modules])
+print(len(tools), [s.name for s in tools.specs])
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [
+        "2 []",
+        "['read_file', 'grep'] ['poddaemon.tools.files', 'poddaemon.tools.search']",
+        "2 ['read_file', 'grep']",
+    ]
+    with pytest.raises(ValueError, match="not available in this version: nope"):
+        Toolset.from_names(["read_file", "nope"])
 
 
 # --- issue 9 item 3: absurdly nested arguments are a tool error, never a crash ---------------
