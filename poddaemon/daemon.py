@@ -800,6 +800,7 @@ def _serve(
             sdnotify.notify(f"EXTEND_TIMEOUT_USEC={int((allowance + USUAL_START) * 1e6)}")
         # Servers start while the pod restores and binds; READY waits for them.
         mcp_start = asyncio.ensure_future(start_mcp(manifest, alert))
+        checking = _preflight(manifest)  # (in a thread, while the pod is built)
         try:
             pod = Pod(services)
         except PromptError as exc:  # a variable the template names but has not: one line
@@ -816,7 +817,8 @@ def _serve(
                 ) from None
             for warning in warnings:
                 pod.alert("warning", warning)
-        await _preflight(pod, manifest)
+        for warning in await checking:
+            _provider_warning(pod, warning)
         if manifest.sandbox.mode == "best_effort" and box.status == "none":
             pod.alert("warning", "; ".join(box.notes), source="sandbox")
         if pod.hooks is not None and pod.hooks.wants("SessionStart"):
@@ -1091,13 +1093,20 @@ def _startup_allowance(manifest: "Manifest") -> float:
     return max(max(s.start_timeout + GIVE_UP for s in manifest.mcp.servers), hooks)
 
 
-async def _preflight(pod: Any, manifest: Any) -> None:
-    """Warn (never fail: the server may start later) about a base URL that cannot be right."""
+def _preflight(manifest: Any) -> "asyncio.Task[list[str]]":
+    """Warnings (never a failure: the server may start later) about a base URL that cannot be
+    right. Started now, in a thread (it may connect), for the caller to await later; as a task,
+    so that a start-up that fails cancels it with the rest."""
     from poddaemon.llm.preflight import preflight
 
     provider = manifest.provider
-    for warning in await asyncio.to_thread(preflight, provider.kind, provider.base_url):
-        _provider_warning(pod, warning)
+    loop = asyncio.get_running_loop()
+    checked = loop.run_in_executor(None, preflight, provider.kind, provider.base_url)
+
+    async def warnings() -> list[str]:
+        return await checked
+
+    return asyncio.ensure_future(warnings())
 
 
 def _check_tool_count(pod: Any, kind: str, count: int) -> None:

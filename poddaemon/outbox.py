@@ -23,7 +23,6 @@ import msgspec
 
 from poddaemon.entries import Entry, OutboxItem
 from protocol import errors
-from protocol.aio import AsyncPodClient
 from protocol.errors import RpcError
 
 if TYPE_CHECKING:
@@ -116,6 +115,8 @@ class Outbox:
         items = [item for item in items if item.event_id in outbox]  # not acked meanwhile
         if not items:
             return
+        from protocol.aio import AsyncPodClient  # a child's only: not every pod's start-up
+
         async with await AsyncPodClient.connect(self.callback) as client:
             for item in items:
                 params: dict[str, Any] = {

@@ -820,6 +820,8 @@ class Pod:
 def _mcp_vars(m: Manifest) -> list[str]:
     """The variables the manifest hands to its MCP servers (`${VAR}` in their `env`): a token
     given to a server is the server's, not every command's."""
+    if not m.mcp.servers:
+        return []
     from poddaemon.mcp.env import referenced
 
     return [var for server in m.mcp.servers for var in referenced(server.env)]

@@ -36,7 +36,6 @@ from poddaemon.session import KEPT_REPORT_IDS, input_size
 from poddaemon.store.log import new_session_id
 from poddaemon.tools.base import ToolError
 from protocol import paths
-from protocol.aio import AsyncPodClient
 from protocol.errors import RpcError
 
 if TYPE_CHECKING:
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
     from poddaemon.forkclient import Forked
     from poddaemon.pod import Pod
     from poddaemon.registry import PodEntry
+    from protocol.aio import AsyncPodClient
 
 log = logging.getLogger("poddaemon.spawn")
 
@@ -164,6 +164,14 @@ def narrow_tools(m: "Manifest", asked: Any, offered: Mapping[str, str]) -> "Mani
     }
     worker = replace(m.worker, tools=builtins, tool_output=replace(caps, per_tool=per_tool))
     return replace(m, worker=worker, mcp=replace(m.mcp, servers=servers))
+
+
+async def _connect(socket: str) -> "AsyncPodClient":
+    """A client on a child pod's socket (its module loads with the first: most pods never
+    spawn, and their start-up does not pay for it)."""
+    from protocol.aio import AsyncPodClient
+
+    return await AsyncPodClient.connect(socket)
 
 
 class _Live(msgspec.Struct):
@@ -637,7 +645,7 @@ class Children:
         limit = CALL_TIMEOUT + sum(h.timeout for h in hooks)
         try:
             async with asyncio.timeout(limit):
-                async with await AsyncPodClient.connect(socket) as client:
+                async with await _connect(socket) as client:
                     raw = await client.call_raw(method, params)
         except RpcError as exc:  # the child's own refusal (-32007 budget, -32004 stopping, …)
             raise _Refused(str(exc)) from None
@@ -669,7 +677,7 @@ class Children:
         if child is None:
             return "stopped", reported
         try:
-            async with await AsyncPodClient.connect(child.socket) as client:
+            async with await _connect(child.socket) as client:
                 async with asyncio.timeout(timeout):
                     raw = await client.call_raw("status")
             status = msgspec.json.decode(raw)
@@ -721,7 +729,7 @@ class Children:
             _exited(child)
         answered = False
         with contextlib.suppress(Exception):
-            async with await AsyncPodClient.connect(child.socket) as client:
+            async with await _connect(child.socket) as client:
                 async with asyncio.timeout(5.0):
                     # (-32004, stopping already: an answer too)
                     with contextlib.suppress(RpcError):

@@ -9,7 +9,6 @@ import copy
 import errno
 import os
 import re
-import shlex
 import stat
 import tomllib
 from collections.abc import Sequence
@@ -536,6 +535,8 @@ def _project_script(command: str, pwd: str) -> str:
     found = None if at is None else re.compile(_PROJECT_SCRIPT).match(command, at)
     if found is None:
         return command
+    import shlex  # (hooks only: not at every start)
+
     rest = found["a"] or found["b"] or found["c"] or ""
     start = found.end() - len(found.group(0).lstrip())
     return command[:start] + shlex.quote(pwd + rest) + command[found.end() :]
@@ -571,6 +572,8 @@ def _resolve_paths(m: Manifest, path: Path) -> Manifest:
         found = h.script_word()
         if found is None or found.path.startswith("/"):
             return h
+        import shlex  # (hooks only: not at every start)
+
         word = shlex.quote(under(pwd, found.path))
         command = h.command[: found.start] + word + h.command[found.end :]
         return msgspec.structs.replace(h, command=command)
