@@ -97,6 +97,7 @@ BASE = (
     "poddaemon.sandbox.pod",
     "poddaemon.spawn",
     "poddaemon.outbox",
+    "protocol.aio",  # (a pod loads it at its first child or report: a forked one finds it here)
     "poddaemon.mcp",
     "poddaemon.mcp.env",
     "poddaemon.llm.preflight",

@@ -716,6 +716,7 @@ class Pod:
         async def warm() -> None:
             with contextlib.suppress(Exception):
                 self.s.tools.specs  # noqa: B018 - loads the builtin tools' modules
+            with contextlib.suppress(Exception):
                 await self.s.model.warm()
 
         self._warming = asyncio.ensure_future(warm())  # not awaited at stop: stop stays fast
