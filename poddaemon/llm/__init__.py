@@ -231,11 +231,13 @@ async def until_cut(events: AsyncIterator[Any], whole: Callable[[], bool]) -> As
         yield event
 
 
-async def whole_body(stream: Any) -> dict[str, Any] | None:
+async def whole_body(stream: Any, api: str, holds: str) -> dict[str, Any] | None:
     """The answer, when the server sent it whole as one JSON object to a request that asked for
     a stream (some compatible servers ignore `stream: true`); None for an event stream. A JSON
     Content-Type over what is not JSON is an event stream mislabeled: the stream then reads the
-    body from where aread() kept it."""
+    body from where aread() kept it. An object without the list every answer of the `api`
+    `holds` is another API's answer (a Chat Completions server behind `kind = "anthropic"`):
+    read as an answer, it ended the run `finished` with no text."""
     response = stream.response
     if "json" not in response.headers.get("content-type", ""):
         return None
@@ -246,6 +248,15 @@ async def whole_body(stream: Any) -> dict[str, Any] | None:
     if not isinstance(body, dict):
         return None
     raise_error_body(body)
+    if not isinstance(body.get(holds), list):
+        keys = ", ".join(sorted(k[:40] for k in body)[:6]) or "none"
+        ctype = response.headers.get("content-type", "").split(";", 1)[0]
+        raise ProviderError(
+            "transient",
+            f"the answer (HTTP {response.status_code}, {ctype}) is not {api}: a JSON object"
+            f" with no `{holds}` list (its keys: {keys}); do provider.kind and"
+            " provider.base_url name this server's API?",
+        )
     return body
 
 

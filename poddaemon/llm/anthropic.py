@@ -191,7 +191,7 @@ def normalize_base_url(url: str | None) -> str | None:
 async def _events(stream: Any, answered: Callable[[], bool]) -> AsyncIterator[Any]:
     """The stream's events (see `until_cut`); a message sent whole (see `whole_body`) is read
     as the events that would have streamed it."""
-    message = await whole_body(stream)
+    message = await whole_body(stream, "a Messages API answer", "content")
     if message is None:
         async for event in until_cut(stream, answered):
             yield event

@@ -178,7 +178,7 @@ async def _chunks(stream: Any, answered: Callable[[], bool]) -> AsyncIterator[An
     """The stream's chunks (see `until_cut`). A completion sent whole (see `whole_body`) is
     read as one chunk whose choices carry their `message` as the stream's `delta` (the same
     fields: content, reasoning, refusal, tool_calls)."""
-    completion = await whole_body(stream)
+    completion = await whole_body(stream, "a Chat Completions answer", "choices")
     if completion is not None:
         choices = [
             {**choice, "delta": field(choice, "message")}

@@ -155,7 +155,7 @@ class _ToolAcc:
 async def _events(stream: Any) -> AsyncIterator[Any]:
     """The stream's events; a response sent whole (see `whole_body`) is read as the events
     that would have streamed it."""
-    response = await whole_body(stream)
+    response = await whole_body(stream, "a Responses API answer", "output")
     if response is None:
         async for event in stream:
             yield event

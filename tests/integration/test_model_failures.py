@@ -303,6 +303,34 @@ def test_an_answer_that_holds_no_event_says_what_came_instead(env: Env, kind: st
     assert "HTTP 200, text/html" in failed.error and "provider.base_url" in failed.error
 
 
+@pytest.mark.parametrize(
+    ("kind", "api", "holds", "body"),
+    [
+        # A Chat Completions server (Ollama, vLLM) that ignores `stream`, behind the other kinds.
+        ("anthropic", "Messages API", "content", "openai"),
+        ("openai_responses", "Responses API", "output", "openai"),
+        # An Anthropic message behind the chat kind.
+        ("openai", "Chat Completions", "choices", "anthropic"),
+    ],
+)
+def test_a_whole_answer_of_another_api_is_an_error_not_an_empty_answer(
+    env: Env, kind: str, api: str, holds: str, body: str
+) -> None:
+    """A JSON body sent whole was read as an answer whatever its shape: a Chat Completions
+    answer behind `kind = "anthropic"` ended the run `finished` with no text, and the model was
+    never heard. It is now an error naming the API it is not and the settings to check."""
+    answer = _whole_answer(body, "from another API", 10, 4)
+    fault = {"kind": "status", "status": 200, "body": answer, "content_type": "application/json"}
+    env.model.script(*[{"fault": fault}] * 4)
+    pod = env.start("mismatch", kind=kind)
+    with pod.client() as c:
+        failed = c.run_wait("hello")
+    assert failed.outcome == "error" and failed.text == ""
+    assert f"is not a {api} answer" in failed.error, failed.error
+    assert f"no `{holds}` list" in failed.error, failed.error
+    assert "provider.kind" in failed.error, failed.error
+
+
 @pytest.mark.parametrize("kind", PROVIDER_KINDS)
 def test_an_answer_cut_at_the_output_limit_names_the_setting(env: Env, kind: str) -> None:
     """`finish_reason: length` (max_tokens, max_output_tokens): the run ends `error` with
