@@ -233,6 +233,7 @@ class MachineConfig(msgspec.Struct, frozen=True):
     model: str
     max_turns: int
     max_pending: int = 1000
+    max_queued_runs: int = 1000
     max_input_bytes: int = 262144  # of notifications per model request (at least one)
     budget_cap: int | None = None
     config: dict[str, Any] = msgspec.field(
@@ -1206,14 +1207,22 @@ class Machine:
             else:
                 self._reply(token, RunResult(run_id=active, state="steered"), durable=True)
             return
-        run_id = self.new_id()
         busy = (
             active is not None
             or s.paused_run is not None
             or s.pending_runs
             or self._compacting is not None
         )
-        position = len(s.pending_runs) + 1 if busy else 0
+        queued = len(s.pending_runs)
+        if busy and queued >= self.cfg.max_queued_runs:
+            message = (
+                f"queue full: {queued} runs queued "
+                f"(worker.max_queued_runs = {self.cfg.max_queued_runs})"
+            )
+            self._error(token, errors.QUEUE_FULL, message)
+            return
+        run_id = self.new_id()
+        position = queued + 1 if busy else 0
         # The hook's context goes with the input: a queued run's must not reach the active run.
         self._commit(
             UserInput(

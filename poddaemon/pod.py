@@ -139,6 +139,7 @@ class Pod:
             model=m.provider.model,
             max_turns=m.worker.max_turns,
             max_pending=m.notify.max_pending,
+            max_queued_runs=m.worker.max_queued_runs,
             max_input_bytes=m.worker.max_input_bytes,
             budget_cap=m.budget.max_total_tokens,
             config=manifest_to_dict(m),

@@ -123,6 +123,10 @@ class WorkerConfig(Struct, kw_only=True, forbid_unknown_fields=True):
     # next round). Once delivered, an input stays in the context: one too large for the
     # model's window failed every later run, and every compaction's summary, for good.
     max_input_bytes: PositiveInt = 262144
+    # Runs waiting behind the active one; past it a `run` is refused (-32002), as `notify` is
+    # past `[notify] max_pending`. Each holds its input in memory until it starts: a script
+    # sending `podctl send --no-wait` in a loop grew the pod without bound.
+    max_queued_runs: PositiveInt = 1000
     tools: list[str] = field(default_factory=lambda: list(FILE_TOOLS))
     tool_output: ToolOutputConfig = field(default_factory=ToolOutputConfig)
     # Credential-like variables (*_API_KEY, *TOKEN*, *SECRET*, *PASSWORD*) commands may see.

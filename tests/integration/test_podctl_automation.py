@@ -4,6 +4,7 @@ Real pods over real sockets with the fake model; each test names the item it che
 
 import json
 import signal
+import socket
 
 from poddaemon.registry import Registry
 from tests.conftest import Env, drained, wait_until
@@ -213,3 +214,35 @@ def test_keyed_send_retried_after_a_pause_and_resume_prints_how_the_run_ended(en
     assert (retried.returncode, retried.stdout, retried.stderr) == (0, "done at last\n", "")
     as_json = env.podctl(*args, "--json")
     assert as_json.returncode == 0 and json.loads(as_json.stdout)["outcome"] == "finished"
+
+
+# --- a bounded run queue ---------------------------------------------------------------------
+
+
+def test_runs_past_worker_max_queued_runs_are_refused_with_32002_then_fit_again(env: Env) -> None:
+    """Queued runs were unbounded (SPEC bounds only notifications): a script sending
+    `podctl send --no-wait` in a loop behind a busy run grew the pod's memory by each input
+    until it started. Past `[worker] max_queued_runs` a `run` is refused as a notification is
+    past `max_pending`: -32002, nothing committed, and `podctl send` says so and exits 1."""
+    env.model.script({"text": "first", "gate": "g"})
+    pod = env.start("bounded", "--set", "worker.max_queued_runs=2")
+    assert pod.call("run", input="busy")["state"] == "started"
+    for position in (1, 2):
+        queued = env.podctl("send", "bounded", f"later {position}", "--no-wait", "--json")
+        assert queued.returncode == 0, queued.stderr
+        assert json.loads(queued.stdout)["position"] == position
+    full = env.podctl("send", "bounded", "one too many", "--no-wait")
+    assert full.returncode == 1, (full.stdout, full.stderr)
+    assert "queue full: 2 runs queued (worker.max_queued_runs = 2)" in full.stderr, full.stderr
+    with socket.socket(socket.AF_UNIX) as raw:  # on the wire, as a script's own client sees it
+        raw.connect(pod.socket)
+        raw.sendall(b'{"jsonrpc":"2.0","id":7,"method":"run","params":{"input":"more"}}\n')
+        reply = json.loads(raw.makefile("rb").readline())
+    assert (reply["id"], reply["error"]["code"]) == (7, -32002), reply
+    assert pod.call("status")["queue"]["runs"] == 2
+    inputs = [e["text"] for e in pod.call("history")["entries"] if e["kind"] == "user_input"]
+    assert inputs == ["busy", "later 1", "later 2"]
+
+    env.model.open_gate("g")
+    drained(pod)
+    assert pod.call("run", input="fits again")["state"] == "started"

@@ -558,6 +558,26 @@ def test_notify_past_max_pending_is_queue_full() -> None:
     assert full is not None and full.code == errors.QUEUE_FULL
 
 
+def test_run_past_max_queued_runs_is_queue_full_and_commits_nothing() -> None:
+    """Queued runs were unbounded: each holds its input in memory until it starts."""
+    d = Driver(cfg=MachineConfig(name="p", model="m", max_turns=2, max_queued_runs=2))
+    d.call("run", "busy")
+    queued = [d.answer(d.call("run", f"r{k}", client_key=f"k{k}")).result for k in range(2)]
+    assert [r.position for r in queued] == [1, 2]
+    inputs, events = len(d.inputs()), len(d.events)
+    full = d.answer(d.call("run", "one too many")).error
+    assert full is not None and full.code == errors.QUEUE_FULL
+    assert full.message == "queue full: 2 runs queued (worker.max_queued_runs = 2)"
+    assert (len(d.inputs()), len(d.events)) == (inputs, events)
+    # A retried key is answered as the first time, full or not; a steer joins the active run.
+    again = d.answer(d.call("run", "r1", client_key="k1")).result
+    assert (again.run_id, again.position) == (queued[1].run_id, 2)
+    assert d.answer(d.call("run", "steer", mode="steer")).result.state == "steered"
+    d.model("reading the steer")  # (it came during this call: one more round for it)
+    d.model("done")  # the active run ends, the first queued one starts: room for one more
+    assert d.answer(d.call("run", "now fits")).result.position == 2
+
+
 def test_child_reports_are_accepted_once_per_event_id() -> None:
     d = Driver()
     for _ in range(2):
