@@ -440,7 +440,10 @@ def test_send_told_gap_takes_its_outcome_from_the_log_instead_of_waiting_for_eve
         code, out, err = finish(send)
     assert "some events were missed" in err
     assert code == 0, (out[-200:], err)
-    assert out.endswith("\n") and reply.startswith(out[:-1]) and len(out) < len(reply)
+    # What it streamed before the gap, then the end of the line: most often a part of the
+    # reply, but the whole of it when every delta was read before the pod left it behind (the
+    # race this test does not pin down: asking for a strict part failed now and then in CI).
+    assert out.endswith("\n") and reply.startswith(out[:-1]), (len(out), out[-100:])
 
 
 # --- the library never waits for events that cannot come -----------------------------------------
