@@ -9,11 +9,13 @@ import typer
 
 from cli.app import JsonOpt, PodArg, app
 from cli.common import (
+    ANSWER_TIMEOUT,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     call,
     connect,
     fail,
+    one_call,
     print_json,
     say_compacted,
 )
@@ -264,8 +266,22 @@ def _say(text: str) -> None:
 
 @app.command()
 def pause(pod: PodArg) -> None:
-    """Pause the active run at its next safe point."""
-    _say("pausing" if call(pod, "pause")["paused"] else "nothing to pause")
+    """Pause the active run at its next safe point: says "pausing" until it is there, "paused"
+    once it is (or was already), "nothing to pause" for an idle pod."""
+    if not call(pod, "pause")["paused"]:
+        _say("nothing to pause")
+        return
+    # The reply's one bool is true for a pod paused already too: it said "pausing" then.
+    _say("paused" if _state(pod) == "paused" else "pausing")
+
+
+def _state(pod: str) -> str | None:
+    """The pod's state, or None if it cannot be told (nothing fails for it)."""
+    try:
+        status = one_call(pod, "status", None, ANSWER_TIMEOUT)
+    except Exception:
+        return None
+    return status.get("state") if isinstance(status, dict) else None
 
 
 @app.command()

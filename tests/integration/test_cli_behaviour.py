@@ -24,7 +24,7 @@ import pytest
 
 from poddaemon.registry import Registry, make_entry
 from poddaemon.scope import Scope
-from tests.conftest import ROOT, Env, wait_until
+from tests.conftest import ROOT, Env, drained, wait_until
 
 
 def kill_leftover_pods(home: Path) -> None:
@@ -1104,3 +1104,24 @@ def test_spawn_terminated_while_waiting_stops_the_pod_it_started(cleanup: Env) -
         for pid in starting():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_pause_says_pausing_until_the_run_stops_then_paused(env: Env) -> None:
+    """The pause reply's one bool is true for a pod paused already too: `podctl pause` of a
+    paused pod said "pausing", as if it had yet to stop. It asks the pod's state now."""
+    env.model.script(
+        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "g"},
+        {"text": "done"},
+    )
+    pod = env.start("held")
+    assert env.podctl("pause", "held").stdout == "nothing to pause\n"
+    pod.call("run", input="go")
+    env.model.wait_for_requests(1)
+    first = env.podctl("pause", "held")  # the run is in its model call: not at a safe point yet
+    assert (first.returncode, first.stdout) == (0, "pausing\n"), first.stderr
+    env.model.open_gate("g")
+    wait_until(lambda: pod.call("status")["state"] == "paused", what="the pod paused")
+    again = env.podctl("pause", "held")
+    assert (again.returncode, again.stdout) == (0, "paused\n"), again.stderr
+    pod.call("resume")
+    drained(pod)
