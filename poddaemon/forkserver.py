@@ -248,6 +248,10 @@ class Server:
                     self.stats[path] = _signature(path)
                 except OSError:
                     continue
+        watched = os.environ.get(WATCH_ENV)
+        if watched and watched not in self.stats:
+            with contextlib.suppress(OSError):
+                self.stats[watched] = _signature(watched)
 
     def stale(self) -> bool:
         """Has any module this server loaded changed on disk? Then a fork would run old code."""
@@ -556,6 +560,12 @@ class Server:
                 return
             self._reply(conn, {"stale": True})
             conn.close()
+
+
+# A test seam: a file this server watches as it watches its modules, so that a test makes its
+# own server stale without editing the checkout every other test's server runs from (which
+# made theirs stale too, and their pods were forked by a successor they did not expect).
+WATCH_ENV = "PODDAEMON_TEST_FORKSERVER_WATCH"
 
 
 def _signature(path: str) -> tuple[int, int, int]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from poddaemon import forkclient
+from poddaemon.forkserver import WATCH_ENV
 from poddaemon.testing.cleanup import alive
 from tests.conftest import Env, ppid, wait_until
 
@@ -394,19 +395,24 @@ def test_a_server_out_of_descriptors_answers_the_client_at_once(env: Env) -> Non
     assert ppid(spawn(env, "three")) == server
 
 
+def _watched(env: Env) -> Path:
+    """A file this test's server watches as it watches its modules: edited, it makes that
+    server stale, and no other (editing a module of the checkout made every server running
+    for the tests beside this one stale too, and their pods came from a successor)."""
+    watched = env.home / "watched.py"
+    watched.write_text("# a module of the server's\n")
+    env.env[WATCH_ENV] = str(watched)
+    return watched
+
+
 def test_a_stale_server_is_replaced(env: Env) -> None:
+    module = _watched(env)
     spawn(env, "lone")
     spawn(env, "one")
     old = server_pid(env)
-    import poddaemon.sdnotify  # a module every pod loads
-
-    module = Path(poddaemon.sdnotify.__file__ or "")
     stat = module.stat()
     os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # "edited"
-    try:
-        second = spawn(env, "two")
-    finally:
-        os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = spawn(env, "two")
     new = server_pid(env)
     assert new != old and ppid(second) == new
     wait_until(lambda: not alive(old), what="the stale server exits")
@@ -502,13 +508,11 @@ def test_clients_queued_behind_the_one_that_finds_the_server_stale_are_sent_on(
     """Found by QA: two `podctl spawn` at once after a `git pull`: the first was told the
     server is stale and started a fresh one, the second, queued behind it, had its connection
     reset and failed ("the fork server went away while starting the pod")."""
+    module = _watched(env)
     spawn(env, "lone")
     spawn(env, "one")
     old = server_pid(env)
     (sock,) = (env.home / "run").glob("forkserver.*.sock")
-    import poddaemon.sdnotify  # a module every pod loads
-
-    module = Path(poddaemon.sdnotify.__file__ or "")
     stat = module.stat()
     os.kill(old, signal.SIGSTOP)
     try:
@@ -518,7 +522,6 @@ def test_clients_queued_behind_the_one_that_finds_the_server_stale_are_sent_on(
         replies = _replies(clients)
     finally:
         os.kill(old, signal.SIGCONT)
-        os.utime(module, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert replies == [b'{"stale": true}\n'] * 3
     wait_until(lambda: not alive(old), what="the stale server exits")
 
@@ -527,12 +530,10 @@ def test_a_module_replaced_under_its_old_mtime_makes_the_server_stale(env: Env) 
     """Found by QA: staleness was judged by mtime alone, and an upgrade that keeps the files'
     times (`cp -a`, `rsync -a`, an installer keeping its archive's) went unseen: pods were
     forked with the old code, silently. A file replaced (a new inode) counts as changed."""
+    module = _watched(env)
     spawn(env, "lone")
     spawn(env, "one")
     old = server_pid(env)
-    import poddaemon.sdnotify  # a module every pod loads
-
-    module = Path(poddaemon.sdnotify.__file__ or "")
     copy = module.with_name(module.name + ".qa")
     shutil.copy2(module, copy)  # the same bytes and times, another file
     os.replace(copy, module)
