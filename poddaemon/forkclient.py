@@ -337,7 +337,10 @@ def fork_pod(
         if conn is None:
             return None
         token = _read_token(path)  # read once connected: the token of the server that listens
-        if token is None or _stopped(conn):  # (stopped: it would not answer before the timeout)
+        server = _peer_pid(conn)
+        # Stopped, it would not answer before the timeout; in other cgroups, what it forks
+        # would not live where an exec'd pod does.
+        if token is None or _stopped(server) or not _same_cgroups(server):
             conn.close()
             return None
         request.token = token
@@ -375,10 +378,27 @@ def _send_fds(conn: _socket.socket, data: bytes, fds: tuple[int, ...]) -> int:
     return int(conn.sendmsg([data], [rights]))
 
 
-def _stopped(conn: _socket.socket) -> bool:
-    """The server at the other end (it called listen: SO_PEERCRED names it) is stopped."""
+def _peer_pid(conn: _socket.socket) -> int:
+    """The server at the other end (it called listen: SO_PEERCRED names it)."""
     creds = conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid = struct.unpack("3i", creds)[0]
+    return int(struct.unpack("3i", creds)[0])
+
+
+def _same_cgroups(pid: int) -> bool:
+    """The server `pid` is in our cgroups. A pod it forks lives in its cgroups, where nobody
+    can move it who may not move the server, so a caller elsewhere execs: a `podctl spawn` in
+    a systemd unit or another login session made a pod that escaped that unit's limits and
+    its stop, and died with the session that happened to start the server. True when either
+    cannot be read (as before)."""
+    try:
+        with open("/proc/self/cgroup", "rb") as ours, open(f"/proc/{pid}/cgroup", "rb") as its:
+            return ours.read() == its.read()
+    except OSError:
+        return True
+
+
+def _stopped(pid: int) -> bool:
+    """The server `pid` is stopped."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rpartition(b")")[2].split()[:1]

@@ -306,6 +306,61 @@ def test_a_forked_pod_has_its_callers_oom_score_adj_not_the_servers(env: Env) ->
     assert _oom(server_pid(env)) == 900  # put back
 
 
+@contextlib.contextmanager
+def _another_cgroup() -> Iterator[Path]:
+    """A cgroup (v2) of its own beside ours, removed afterwards; skips where none can be made."""
+    if os.geteuid() != 0:
+        pytest.skip("making a cgroup needs root")
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split()[4] for line in f if " - cgroup2 " in line]
+    if not mounts:
+        pytest.skip("no cgroup2 hierarchy is mounted")
+    group = Path(mounts[0]) / f"podtest-{os.getpid()}"
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a cgroup: {exc}")
+    try:
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+        def removed() -> bool:  # (busy until its last process is reaped, not only killed)
+            try:
+                group.rmdir()
+            except OSError:
+                return False
+            return True
+
+        wait_until(removed, what=f"{group} emptied and removed")
+
+
+def test_a_caller_in_another_cgroup_gets_an_execd_pod_in_its_own(env: Env) -> None:
+    """A pod the server forks lives in the server's cgroups, and nobody may move it there who
+    may not move the server: `podctl spawn` in a systemd unit (a timer's job, a CI runner's
+    service) or another login session, with a server started elsewhere, made a pod outside
+    the caller's cgroup, out of its limits and its stop. Such a caller execs the pod now."""
+    spawn(env, "lone")
+    spawn(env, "one")  # starts the server, here
+    with _another_cgroup() as group:
+
+        def join() -> None:  # "0": the process that writes it
+            (group / "cgroup.procs").write_text("0")
+
+        done = _spawn_from(env, "there", join)
+        assert done.returncode == 0, done.stderr
+        there = pod_pid(env, "there")
+        assert ppid(there) != server_pid(env)  # exec'd
+        assert f"::/{group.name}\n" in Path(f"/proc/{there}/cgroup").read_text()
+        assert answers(env, "there")
+        assert env.podctl("stop", "there").returncode == 0
+    here = _spawn_from(env, "here", lambda: None)
+    assert here.returncode == 0, here.stderr
+    assert ppid(pod_pid(env, "here")) == server_pid(env)  # the same cgroups: forked
+
+
 def _spawn_niced(env: Env, name: str, nice: int) -> "subprocess.CompletedProcess[str]":
     """`nice -n NICE podctl spawn` a pod with its own directory."""
     return _spawn_from(env, name, lambda: os.setpriority(os.PRIO_PROCESS, 0, nice))
