@@ -157,6 +157,27 @@ def test_reclaims_reused_pid(reg: Registry, runtime: Path) -> None:
     assert list(raw["pods"]) == ["new"]
 
 
+def test_a_transaction_never_reclaims_its_own_process_entry_on_a_misread_of_proc(
+    reg: Registry, runtime: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Seen once: a pod's own registry update judged the pod's entry dead, reclaimed it with
+    its socket, and the pod stopped. Whatever /proc reads for this process, its entry as made
+    (its start time) stays, and the misread is logged; one of an earlier process that had our
+    pid (another start time) is still reclaimed."""
+    reg.register(entry("me", scope("/w/proj")))
+    import poddaemon.registry as registry
+
+    monkeypatch.setattr(registry, "process_start_time", lambda pid: None)
+    # What the pod did: name its session (a transaction, which first reclaims the dead).
+    named = reg.update("me", os.getpid(), session="s-named")
+    assert named.session == "s-named"
+    assert [e.name for e in reg.live()] == ["me"]
+    assert "this process's entry kept" in caplog.text
+    mine = reg.get("me")
+    assert mine is not None
+    assert not is_alive(msgspec.structs.replace(mine, start_time=mine.start_time - 1))
+
+
 def test_reclaims_an_entry_of_an_earlier_boot_whose_pid_and_start_match_a_live_process(
     reg: Registry, runtime: Path
 ) -> None:
