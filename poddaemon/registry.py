@@ -181,8 +181,8 @@ def is_alive(entry: PodEntry) -> bool:
     if entry.boot_id and entry.boot_id != boot_id():
         return False
     start = process_start_time(entry.pid)
-    if start == entry.start_time:
-        return start is not None
+    if start == entry.start_time:  # (a start time read is never None)
+        return True
     # The caller's own entry is alive whatever /proc read this instant: a pod whose own
     # transaction judged its entry dead reclaimed it, removed its own socket and stopped
     # (seen once in a full test run, cause unknown: what was read is logged).
