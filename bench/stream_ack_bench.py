@@ -38,7 +38,10 @@ def run(sec: Section) -> None:
     with Home() as home:
         fake = home.fake
         assert fake is not None
+        # Every ack queues a notification or a run behind the blocked one: thousands of each,
+        # past both queues' default bounds.
         extra = "[notify]\nmax_pending = 1000000\n"
+        unbound = ("--set", "worker.max_queued_runs=1000000")
         for method, params in (
             ("notify", {"message": "CI: build 481 failed", "source": "ci"}),
             ("run", {"input": "queued behind the stream"}),
@@ -50,7 +53,7 @@ def run(sec: Section) -> None:
             asked = len(fake.requests())
             block = f"block ({method})"
             fake.script({"gate": "never", "text": "x"}, when=block)
-            idle = home.start_pod(f"idle{method}", extra=extra)
+            idle = home.start_pod(f"idle{method}", *unbound, extra=extra)
             with idle.rpc() as c:
                 c.call("run", {"input": block})
             asked = len(fake.wait_requests(asked + 1))
@@ -63,7 +66,7 @@ def run(sec: Section) -> None:
                     quiet = _ack(idle.socket, line)
                     stream = f"stream a long answer ({method}, {what}, {i})"
                     fake.script(reply, when=stream)
-                    pod = home.start_pod(f"busy{method}", extra=extra)
+                    pod = home.start_pod(f"busy{method}", *unbound, extra=extra)
                     with pod.rpc() as c:
                         c.call("run", {"input": stream})
                     asked = len(fake.wait_requests(asked + 1))
