@@ -20,7 +20,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import MCP_DEFAULT_SSE_READ_TIMEOUT, MCP_DEFAULT_TIMEOUT
 from mcp_types import CONNECTION_CLOSED
 
-from poddaemon.mcp.stdio import DROPPED, MAX_LINE, batch_items, outcomeless, stand_in
+from poddaemon.mcp.stdio import DROPPED, MAX_LINE, batch_items, broken_reply, stand_in
 from protocol.unreadable import UNREADABLE
 
 log = logging.getLogger("poddaemon.mcp")
@@ -50,16 +50,22 @@ class _Capped(httpx2.AsyncByteStream):
         await self._inner.aclose()
 
 
+# A reply whose result is an object, as every good one's is: what `messages` passes on without
+# decoding (it holds the key only as a key: a string's quotes inside JSON text are escaped).
+_OBJECT_RESULT = re.compile(rb'"result"\s*:\s*\{')
+
+
 def messages(text: bytes) -> list[bytes] | None:
     """The messages one JSON text of the server's (a body, an SSE event's data) carries, as the
     SDK can read them, or None to pass it on as it is: a batch's messages one by one, and in
-    place of a reply with neither result nor error, an error saying so."""
+    place of a reply that breaks the protocol (neither result nor error, a result that is no
+    object), an error saying so."""
     if text.lstrip().startswith(b"["):
         return batch_items(text)
-    if b'"result"' in text or b'"error"' in text or b'"method"' in text:
+    if _OBJECT_RESULT.search(text) or b'"error"' in text or b'"method"' in text:
         return None  # any other message: not decoded twice
     try:
-        broken = outcomeless(msgspec.json.decode(text))
+        broken = broken_reply(msgspec.json.decode(text))
     except UNREADABLE:
         return None
     return None if broken is None else [broken]

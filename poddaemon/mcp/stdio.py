@@ -231,17 +231,34 @@ def stand_in(rid: int | str, code: int, message: str, data: str) -> bytes:
     return msgspec.json.encode({"jsonrpc": "2.0", "id": rid, "error": error})
 
 
-def outcomeless(message: Any) -> bytes | None:
-    """An error answering the call a decoded `message` answers with neither `result` nor
-    `error` (it has the call's id and no method), or None for any other message. Found by QA:
-    such a reply failed its call with the SDK's four validation errors (one per shape a
-    message may have), as if the server had refused it."""
-    if not isinstance(message, dict) or not {"method", "result", "error"}.isdisjoint(message):
+def broken_reply(message: Any) -> bytes | None:
+    """An error answering the call a decoded `message` answers when the reply breaks the
+    protocol: neither `result` nor `error` (it has the call's id and no method), or a `result`
+    that is not an object; None for any other message. Found by QA: such a reply failed its
+    call with the SDK's four validation errors (one per shape a message may have), as if the
+    server had refused it."""
+    if not isinstance(message, dict) or "method" in message or "error" in message:
         return None
     rid = message.get("id")
     if isinstance(rid, bool) or not isinstance(rid, int | str):
         return None
-    return stand_in(rid, -32603, "its reply has neither a result nor an error", PROTOCOL_BROKEN)
+    if "result" not in message:
+        why = "its reply has neither a result nor an error"
+    elif isinstance(message["result"], dict):
+        return None
+    else:
+        why = f"its result is {_json_kind(message['result'])}, not an object"
+    return stand_in(rid, -32603, why, PROTOCOL_BROKEN)
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "a string" if isinstance(value, str) else "an array"
 
 
 def batch_items(line: bytes) -> list[bytes] | None:
@@ -258,7 +275,7 @@ def batch_items(line: bytes) -> list[bytes] | None:
     if not isinstance(items, list):
         return None
     encode = msgspec.json.Encoder().encode
-    return [outcomeless(item) or encode(item) for item in items]
+    return [broken_reply(item) or encode(item) for item in items]
 
 
 def reply_id(line: bytes) -> bytes | None:
@@ -279,7 +296,7 @@ def _unreadable(line: bytes, exc: ValueError) -> Any:
     from mcp.shared.message import SessionMessage
 
     with contextlib.suppress(*UNREADABLE):
-        if (broken := outcomeless(msgspec.json.decode(line))) is not None:
+        if (broken := broken_reply(msgspec.json.decode(line))) is not None:
             return SessionMessage(
                 mcp_types.jsonrpc_message_adapter.validate_json(broken, by_name=False)
             )

@@ -44,7 +44,8 @@ TOOLS = [
     },
     {
         "name": "blank",
-        "description": "Answer with a message of the call's id with neither result nor error.",
+        "description": "Answer with a message of the call's id with neither result nor error "
+        "(or with the arguments' `result`).",
         "inputSchema": {"type": "object"},
     },
     {
@@ -205,7 +206,9 @@ for line in sys.stdin:
         sys.stdout.write(f'{{"jsonrpc": "2.0", "id": {rid}, "result": {result}}}\n')
         sys.stdout.flush()
     elif method == "tools/call" and params.get("name") == "blank":
-        sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": msg["id"]}) + "\n")
+        answer = {"jsonrpc": "2.0", "id": msg["id"]}
+        answer.update(params.get("arguments", {}))  # {"result": null}: a result not an object
+        sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
     elif method == "tools/call" and params.get("name") == "oops":
         code = int(params.get("arguments", {}).get("code", -32000))

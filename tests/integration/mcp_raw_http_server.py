@@ -6,8 +6,9 @@ message is answered with that HTTP status (a gateway that wants a token, a serve
 Tool `drop`, and with `--drop-first-list` the first tools/list, is answered by closing the
 connection without a word; tool `cut` by closing it in the middle of its JSON body; tools
 `sse_end` and `sse_cut` with an SSE stream of a notification only, ended, or cut short. Tool
-`blank` is answered with neither result nor error. `--batch json|sse`: every answer is a
-JSON-RPC batch (a log notification, then the reply), in a JSON body or in one SSE event."""
+`blank` is answered with neither result nor error (or with its arguments' `result`).
+`--batch json|sse`: every answer is a JSON-RPC batch (a log notification, then the reply), in a
+JSON body or in one SSE event."""
 
 import json
 import sys
@@ -117,8 +118,8 @@ class Handler(BaseHTTPRequestHandler):
             result = {"content": [{"type": "text", "text": text}]}
         if result is None:
             reply: Any = {"jsonrpc": "2.0", "id": id_, "error": {"code": -32601, "message": "no"}}
-        elif result == "blank":
-            reply = {"jsonrpc": "2.0", "id": id_}
+        elif result == "blank":  # its arguments' `result` if any: one that is not an object
+            reply = {"jsonrpc": "2.0", "id": id_, **msg["params"].get("arguments", {})}
         else:
             reply = {"jsonrpc": "2.0", "id": id_, "result": result}
         if BATCH is not None:

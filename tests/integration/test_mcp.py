@@ -960,7 +960,6 @@ def test_a_server_printing_debug_lines_on_stdout_does_not_keep_the_pod_busy(env:
     assert_the_same_server_serves(pod)
 
 
-
 @contextlib.contextmanager
 def batch_server(kind: str) -> Iterator[tuple[str, str]]:
     """A server answering every message in JSON-RPC batches, over `kind`: its
@@ -1019,7 +1018,6 @@ def test_a_tool_list_with_neither_result_nor_error_fails_the_start_at_once(env: 
     pod = env.start("blanklist", extra=extra)
     (warned,) = [a for a in alerts(pod) if "failed to start" in a]
     assert "tools/list: the server's reply has neither a result nor an error" in warned, warned
-
 
 
 @pytest.mark.parametrize(
@@ -1095,6 +1093,37 @@ def test_an_http_reply_with_neither_result_nor_error_fails_its_call_only(
     said = "MCP server 'raw' broke the protocol on blank: its reply has neither a result nor an"
     assert blank["output"].startswith(said), blank["output"]
     assert (echo["output"], echo["is_error"]) == ("echoed", False)
+    assert "Traceback" not in pod.text()
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_a_result_that_is_not_an_object_fails_its_call_saying_so(env: Env, transport: str) -> None:
+    """A tools/call answered `"result": null` (or a list, a string, a number): the call
+    failed with the SDK's validation errors for every shape a message may take, as if the
+    server could not be read. It is the server breaking the protocol on that call: said so,
+    with what the result was; the server stays."""
+    shapes = [None, [], "done", 5]
+    good = "s__echo" if transport == "http" else "s__shout"
+    env.model.script(
+        *({"tool_calls": [{"name": "s__blank", "arguments": {"result": r}}]} for r in shapes),
+        {"tool_calls": [{"name": good, "arguments": {"text": "still here"}}]},
+        {"text": "done"},
+    )
+    with contextlib.ExitStack() as stack:
+        if transport == "http":
+            extra = server_toml("s", url=stack.enter_context(raw_http_server()), timeout=20)
+        else:
+            extra = server_toml("s", script=LEGACY, timeout=20)
+        pod = env.start(f"nulled{transport}", extra=extra)
+        with pod.client(timeout=60) as c:
+            assert c.run_wait("null results").outcome == "finished"
+        *nulled, last = tool_results(pod)
+        assert_the_same_server_serves(pod)
+    said = "MCP server 's' broke the protocol on blank: its result is "
+    for item, what in zip(nulled, ["null", "an array", "a string", "a number"], strict=True):
+        assert item["is_error"], item
+        assert item["output"].startswith(f"{said}{what}, not an object"), item["output"]
+    assert not last["is_error"] and last["output"] in ("STILL HERE", "echoed"), last
     assert "Traceback" not in pod.text()
 
 

@@ -3,6 +3,7 @@ results. (The servers themselves are exercised in tests/integration/test_mcp.py.
 
 import collections
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -371,6 +372,33 @@ def test_a_reply_with_neither_result_nor_error_is_an_error_saying_so() -> None:
     # Without an id there is no call to fail: the SDK is told the line cannot be read.
     error = ValueError("unreadable")
     assert _unreadable(b'{"jsonrpc": "2.0", "id": null}', error) is error
+
+
+def test_a_reply_whose_result_is_not_an_object_is_an_error_saying_what_it_is() -> None:
+    from poddaemon.mcp.http import messages
+    from poddaemon.mcp.stdio import PROTOCOL_BROKEN, batch_items, broken_reply
+
+    def why(reply: bytes | None) -> str:
+        assert reply is not None
+        error = json.loads(reply)["error"]
+        assert error["data"] == PROTOCOL_BROKEN
+        return str(error["message"])
+
+    for result, what in [("null", "null"), ("[]", "an array"), ('"ok"', "a string"),
+                         ("0.5", "a number"), ("true", "a boolean")]:  # fmt: skip
+        text = b'{"jsonrpc": "2.0", "id": 4, "result": %b}' % result.encode()
+        said = f"its result is {what}, not an object"
+        assert why(broken_reply(json.loads(text))) == said
+        (over_http,) = messages(text) or [None]
+        assert why(over_http) == said
+        (in_batch,) = batch_items(b"[" + text + b"]") or [None]
+        assert why(in_batch) == said
+    # A good reply, an error, a request: passed on as they are (over HTTP, not even decoded).
+    for text in (b'{"jsonrpc": "2.0", "id": 4, "result" : {"content": []}}',
+                 b'{"jsonrpc": "2.0", "id": 4, "error": {"code": 1, "message": "no"}}',
+                 b'{"jsonrpc": "2.0", "id": 4, "method": "ping", "result": 1}'):  # fmt: skip
+        assert broken_reply(json.loads(text)) is None
+        assert messages(text) is None
 
 
 def test_a_batch_line_is_split_into_its_messages() -> None:
