@@ -14,7 +14,8 @@ The wire, on `<runtime>/forkserver.<key>.sock` (0600, same uid only):
   nice, limits, cpus, oom, token}` (nice, limits, cpus and oom: the caller's nice value,
   resource limits, CPU affinity and oom_score_adj, which the pod gets, as an exec would;
   token: the contents of `<runtime>/forkserver.<key>.token`, written by the server at start,
-  0600); the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS);
+  0600); the first chunk carries the pod's stdin, stdout and stderr (SCM_RIGHTS). The pod
+  gets the caller's I/O priority (`ionice`) too, read from the caller's pid (SO_PEERCRED);
 - replies, one JSON line each: `{"pid": N}` once forked, then `{"exit": code}` when the pod
   exits while the client is still connected; or `{"error": why}` (nothing was forked), or
   `{"stale": true}` when a module this server loaded changed on disk (an upgrade, an edit): the
@@ -64,7 +65,7 @@ from collections.abc import Callable
 
 import setproctitle
 
-from poddaemon import collector
+from poddaemon import collector, ioprio
 from poddaemon.forkclient import Request, decode_request, oom_score_adj, token_path
 
 READY = b"FORKSERVER-READY\n"
@@ -388,7 +389,8 @@ class Server:
             if _hung_up(conn):  # it gave up waiting (a server that seemed hung): it execs
                 conn.close()
                 return
-            pid = self._fork(req, fds)
+            # Its I/O priority (`ionice -c3 podctl spawn`), read here: nothing to carry.
+            pid = self._fork(req, fds, ioprio.of(_peer(conn)[0]))
         except OSError as exc:  # EAGAIN, ENOMEM…: the client execs instead
             self._reply(conn, {"error": f"cannot fork: {exc}"})
             conn.close()
@@ -477,21 +479,24 @@ class Server:
 
     # --- the fork -------------------------------------------------------------------------------
 
-    def _fork(self, req: Request, fds: list[int]) -> int:
+    def _fork(self, req: Request, fds: list[int], io: int | None) -> int:
+        """Fork the pod `req` asks for, with the caller's I/O priority `io` (None: this
+        server's)."""
         if threading.active_count() != 1:  # a preload started one: a fork could deadlock
             raise OSError(f"{threading.active_count()} threads in the fork server")
         _allow_limits(req)
         _allow_nice(req.nice)
         _allow_cpus(req.cpus)
         _allow_oom(req.oom)
+        _allow_ioprio(io)
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()  # the preloads were frozen (load()): what a request made stays collectable
         if pid == 0:
-            self._child(req, fds)  # never returns
+            self._child(req, fds, io)  # never returns
         return pid
 
-    def _child(self, req: Request, fds: list[int]) -> None:
+    def _child(self, req: Request, fds: list[int], io: int | None) -> None:
         code = 1
         try:
             os.setsid()  # its own session and group, like `podctl spawn`'s exec'd pods
@@ -516,6 +521,8 @@ class Server:
                 _set_oom(req.oom)
             if req.nice is not None:  # the caller's (`nice podctl spawn`), not this server's
                 os.setpriority(os.PRIO_PROCESS, 0, req.nice)
+            if io is not None and io != ioprio.of(0):  # the caller's (`ionice -c3 podctl spawn`)
+                ioprio.set_own(io)
             os.environ.clear()
             os.environ.update(req.env)
             time.tzset()  # the caller's TZ, for the pod's log timestamps
@@ -710,6 +717,21 @@ def _allow_cpus(cpus: tuple[int, ...]) -> None:
     except OSError as exc:
         raise OSError(f"the caller's CPUs ({cpus}) are not this server's: {exc}") from None
     os.sched_setaffinity(0, own)
+
+
+def _allow_ioprio(io: int | None) -> None:
+    """Make sure a pod can have its caller's I/O priority: a server started by `ionice -c3
+    podctl spawn` forked every later pod in the idle class, from any shell, until it went
+    idle itself. The realtime class needs CAP_SYS_NICE: tried here, on this process, and put
+    back; OSError (the client then execs the pod itself) when it is not allowed."""
+    own = ioprio.of(0)
+    if io is None or own is None or io == own:
+        return
+    try:
+        ioprio.set_own(io)
+    except OSError as exc:
+        raise OSError(f"the caller's I/O priority ({io:#x}) is not this server's: {exc}") from None
+    ioprio.set_own(own)
 
 
 def _set_oom(value: int) -> None:

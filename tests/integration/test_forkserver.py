@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from poddaemon import forkclient
+from poddaemon import forkclient, ioprio
 from poddaemon.forkserver import WATCH_ENV
 from poddaemon.testing.cleanup import alive
 from tests.conftest import Env, ppid, wait_until
@@ -384,6 +384,34 @@ def test_a_forked_pod_has_its_callers_nice_value_not_the_servers(env: Env) -> No
         assert ppid(pid) == server_pid(env)  # forked, not exec'd
         assert os.getpriority(os.PRIO_PROCESS, pid) == nice, name
     assert os.getpriority(os.PRIO_PROCESS, server_pid(env)) == server  # put back
+
+
+def _ionice(pid: int) -> str:
+    """What `ionice -p PID` says of a process's I/O priority ("idle", "best-effort: prio 7")."""
+    done = subprocess.run(["ionice", "-p", str(pid)], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+@pytest.mark.skipif(ioprio.of(0) is None, reason="ioprio_get is not known on this machine")
+@pytest.mark.skipif(shutil.which("ionice") is None, reason="no ionice to check it with")
+def test_a_forked_pod_has_its_callers_io_priority_not_the_servers(env: Env) -> None:
+    """`ionice -c3 podctl spawn` (a nightly job's pod, idle on the disk) started the server in
+    the idle class, and every pod it forked later, from any shell, had idle I/O until the
+    server went idle; a pod spawned so through a server of the normal class got the normal
+    class. An exec'd pod has its caller's I/O priority."""
+    own = ioprio.of(0)
+    idle, best_effort_7 = 3 << 13 | 7, 2 << 13 | 7  # ionice -c3; ionice -c2 -n7
+    spawn(env, "lone")
+    assert _spawn_from(env, "idle", lambda: ioprio.set_own(idle)).returncode == 0  # the server
+    assert _ionice(server_pid(env)) == "idle"
+    for name, value in (("mine", own), ("low", best_effort_7), ("idle2", idle)):
+        done = _spawn_from(env, name, lambda value=value: ioprio.set_own(value))
+        assert done.returncode == 0, done.stderr
+        pid = pod_pid(env, name)
+        assert ppid(pid) == server_pid(env)  # forked, not exec'd
+        assert ioprio.of(pid) == value, name
+    assert _ionice(pod_pid(env, "low")) == "best-effort: prio 7"
+    assert _ionice(server_pid(env)) == "idle"  # put back
 
 
 def test_a_server_out_of_descriptors_fails_that_request_and_serves_on(
