@@ -82,6 +82,8 @@ _BOM = b"\xef\xbb\xbf"
 # `"params": []`: by-position params with no values, what generic JSON-RPC clients send for a
 # call without arguments; taken as params absent.
 _NO_ARGS = re.compile(rb"\s*\[\s*\]\s*")
+# A \u escape of a high surrogate (\ud800-\udbff), which must be followed by a low one.
+_HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB]")
 # An id value in a frame's head: any JSON number (a fraction or an exponent too, as the ids of
 # whole lines) or a string, escapes included.
 _ID_VALUE = re.compile(
@@ -118,13 +120,16 @@ def _params_message(exc: msgspec.ValidationError) -> str:
     return f"invalid {field}: {head}"
 
 
-def _unreadable(exc: Exception) -> str:
-    """msgspec's reason, made true for a whole line: it says "Input data was truncated" for a
-    \\u escape that is half a surrogate pair too (the line itself is complete)."""
+def _unreadable(exc: Exception, data: bytes) -> str:
+    """msgspec's reason, made true for a whole line `data`: it says "Input data was truncated"
+    for a \\u escape that is the first half of a surrogate pair with no second (the line
+    itself is complete) as for JSON cut short."""
     reason = str(exc)
-    if reason == "Input data was truncated":
-        return "invalid JSON: truncated, or a \\u escape of a lone surrogate (\\ud800)"
-    return reason
+    if reason != "Input data was truncated":
+        return reason
+    if _HIGH_SURROGATE.search(data):
+        return "invalid JSON: a \\u escape of a lone surrogate (\\ud800), or truncated"
+    return "invalid JSON: truncated (the line ends before its JSON value does)"
 
 
 def _utf8_error(data: bytes) -> str | None:
@@ -455,7 +460,8 @@ class Connection(asyncio.Protocol):
             return
         except UNREADABLE as exc:  # not JSON at all: decoding it again would fail the same way
             head_id = id_from_head(line[:HEAD_BYTES])
-            self._send(_error(head_id, errors.PARSE_ERROR, f"parse error: {_unreadable(exc)}"))
+            reason = _unreadable(exc, line)
+            self._send(_error(head_id, errors.PARSE_ERROR, f"parse error: {reason}"))
             return
         if isinstance(msg, Request):
             bad = _utf8_error(line)
@@ -578,9 +584,8 @@ class Connection(asyncio.Protocol):
                 # A line that is not JSON is no notification either: JSON-RPC answers its parse
                 # error (id null), as for any other malformed line. Invalid UTF-8 in a
                 # notification's params was dropped without a word, and never executed.
-                reply(
-                    _error(rid, errors.PARSE_ERROR, f"parse error in params: {_unreadable(exc)}")
-                )
+                reason = _unreadable(exc, bytes(raw))
+                reply(_error(rid, errors.PARSE_ERROR, f"parse error in params: {reason}"))
                 return
         try:
             result = handler(params, self)

@@ -363,6 +363,24 @@ def test_a_lone_surrogate_is_a_parse_error_that_says_so(env: Env) -> None:
     assert error["code"] == -32700 and "lone surrogate" in error["message"], error
 
 
+def test_a_line_cut_short_is_a_parse_error_that_says_only_that(env: Env) -> None:
+    """A request missing its closing brace (a hand-written line, a client that cut it) was
+    told it was "truncated, or a \\u escape of a lone surrogate": a riddle for a line with no
+    escape at all."""
+    pod = env.start()
+    sock = raw(pod)
+    cut = (
+        b'{"jsonrpc":"2.0","id":6,"method":"status"\n',
+        b'{"jsonrpc":"2.0","id":7,"method":"notify","params":{"message":"cut\n',
+    )
+    for line in cut:
+        error = rpc(sock, line)["error"]
+        assert error["code"] == -32700, error
+        assert error["message"] == (
+            "parse error: invalid JSON: truncated (the line ends before its JSON value does)"
+        ), error
+
+
 # --- item 3: malformed params keep the connection -----------------------------------------------
 
 
