@@ -353,8 +353,8 @@ def _translate(
         key = (*key, *_parse_key("$." + cause.field))
         problem = cause.problem
     elif m := re.fullmatch(r"Object contains unknown field `(.*)`", msg):
+        problem = "unknown key" + _known_keys(key, m[1])
         key = (*key, m[1])
-        problem = "unknown key"
     elif m := re.fullmatch(r"Object missing required field `(.*)`", msg):
         key = (*key, m[1])
         problem = "required field is missing"
@@ -375,6 +375,35 @@ def _translate(
     # A missing field is missing from the manifest: that is where the user would add it.
     origin = _origin(key, src, origins) if locate else src
     return origin.error(key, problem, locate=locate)
+
+
+def _known_keys(table: Key, unknown: str) -> str:
+    """What the user may have meant by `unknown` in `table`: the key spelled most like it, or
+    the keys the table takes when they are few ("" when the table cannot be found)."""
+    import difflib
+
+    import msgspec.inspect  # (an error's path only)
+
+    def unwrapped(info: Any) -> Any:  # `X | None`: X
+        while isinstance(info, msgspec.inspect.UnionType):
+            info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
+        return info
+
+    info = unwrapped(msgspec.inspect.type_info(Manifest))
+    for part in table:
+        if isinstance(part, int) and isinstance(info, msgspec.inspect.ListType):
+            info = unwrapped(info.item_type)
+        elif isinstance(part, str) and isinstance(info, msgspec.inspect.StructType):
+            info = unwrapped(next((f.type for f in info.fields if f.encode_name == part), None))
+        else:
+            return ""
+    if not isinstance(info, msgspec.inspect.StructType):
+        return ""
+    keys = [f.encode_name for f in info.fields if f.encode_name not in LOADER_FIELDS]
+    close = difflib.get_close_matches(unknown, keys, n=1)
+    if close:
+        return f" (did you mean {close[0]!r}?)"
+    return f" (expected one of: {', '.join(keys)})" if len(keys) <= 12 else ""
 
 
 def _origin(key: Key, src: _Source, origins: dict[Key, _Source]) -> _Source:

@@ -1,6 +1,7 @@
 """Manifest loading: defaults, --set, paths, validation messages and the TOML writer."""
 
 import os
+import re
 import string
 import tomllib
 from pathlib import Path
@@ -120,6 +121,11 @@ def error_of(text: str, *overrides: str, defaults: str | None = None) -> str:
     with pytest.raises(ManifestError) as info:
         load_manifest(write(text), overrides, defaults_path=dpath)
     return str(info.value)
+
+
+def unhinted(error: str) -> str:
+    """An error without the hint an unknown key gets (see test_an_unknown_key_says_what_…)."""
+    return re.sub(r" \((did you mean '[^']*'\?|expected one of: [^)]*)\)", "", error)
 
 
 def same(a: Manifest, b: Manifest) -> bool:
@@ -334,7 +340,9 @@ def test_defaults_cannot_set_other_sections() -> None:
 
 def test_errors_in_defaults_name_the_defaults_file() -> None:
     defaults = '[worker]\nmax_turns = 3\nbogus = 1\nmax_tokens = "x"\n'
-    assert error_of(MINIMAL, defaults=defaults) == "defaults.toml:3: worker.bogus: unknown key"
+    assert unhinted(error_of(MINIMAL, defaults=defaults)) == (
+        "defaults.toml:3: worker.bogus: unknown key"
+    )
     defaults = '[worker]\nmax_tokens = "x"\n'
     assert error_of(MINIMAL, defaults=defaults) == (
         "defaults.toml:2: worker.max_tokens: expected int, got str"
@@ -433,12 +441,12 @@ def test_set_with_a_wrong_type_names_the_override() -> None:
     assert error_of(MINIMAL, "worker.max_tokens=abc") == (
         "m.toml: worker.max_tokens: expected int, got str (--set worker.max_tokens=abc)"
     )
-    assert error_of(MINIMAL, "worker.bogus=1") == (
+    assert unhinted(error_of(MINIMAL, "worker.bogus=1")) == (
         "m.toml: worker.bogus: unknown key (--set worker.bogus=1)"
     )
     # A table the override made up (nothing in the manifest has it) is named with it too.
-    assert error_of(MINIMAL, "a.b.c=1") == "m.toml: a: unknown key (--set a.b.c=1)"
-    assert error_of(MINIMAL, "worker.tool_output.x.y=1") == (
+    assert unhinted(error_of(MINIMAL, "a.b.c=1")) == "m.toml: a: unknown key (--set a.b.c=1)"
+    assert unhinted(error_of(MINIMAL, "worker.tool_output.x.y=1")) == (
         "m.toml: worker.tool_output.x: unknown key (--set worker.tool_output.x.y=1)"
     )
 
@@ -494,12 +502,40 @@ def test_home_is_expanded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
 
 def test_unknown_key_in_a_section() -> None:
     text = "[worker]\nmax_tokens = 5\nbogus = 1\n" + MINIMAL
-    assert error_of(text) == "m.toml:3: worker.bogus: unknown key"
+    assert unhinted(error_of(text)) == "m.toml:3: worker.bogus: unknown key"
+
+
+def test_an_unknown_key_says_what_was_meant_or_what_the_table_takes() -> None:
+    """A misspelt key, or one guessed from another tool (`path` for `target`), was only
+    "unknown key": the user had to find SPEC §3 to learn the table's keys."""
+    text = MINIMAL + '[[scope.allow]]\ntarget = "a"\npermision = "read"\n'
+    said = "scope.allow[1].permision: unknown key (did you mean 'permission'?)"
+    assert error_of(text).endswith(said)
+    text = MINIMAL + '[[scope.allow]]\npath = "a"\n'
+    assert error_of(text).endswith(
+        "scope.allow[1].path: unknown key (expected one of: target, permission, recursive)"
+    )
+    assert error_of(MINIMAL, "provider.modle=x") == (
+        "m.toml: provider.modle: unknown key (did you mean 'model'?) (--set provider.modle=x)"
+    )
+    assert error_of("[pod]\nname = 'p'\nfoo = 1\n" + MINIMAL.split("\n", 2)[2]) == (
+        "m.toml:3: pod.foo: unknown key (expected one of: name, pwd)"
+    )
+    # The manifest's own tables; never the fields the loader sets (`source`).
+    assert error_of("[extras]\n" + MINIMAL).endswith(
+        "extras: unknown key (expected one of: pod, provider, worker, scope, compaction, "
+        "budget, notify, spawn, sandbox, mcp, hooks)"
+    )
+    assert error_of(MINIMAL + "[compaction]\nthreshhold = 0.5\n").endswith(
+        "compaction.threshhold: unknown key (did you mean 'compact_threshold'?)"  # optional table
+    )
+    mcp = MINIMAL + '[[mcp.servers]]\nname = "s"\ncomand = ["x"]\n'
+    assert error_of(mcp).endswith("mcp.servers[0].comand: unknown key (did you mean 'command'?)")
 
 
 def test_unknown_top_level_key_and_table() -> None:
-    assert error_of("color = 1\n" + MINIMAL) == "m.toml:1: color: unknown key"
-    assert error_of(MINIMAL + "\n[extras]\nx = 1\n") == "m.toml:12: extras: unknown key"
+    assert unhinted(error_of("color = 1\n" + MINIMAL)) == "m.toml:1: color: unknown key"
+    assert unhinted(error_of(MINIMAL + "\n[extras]\nx = 1\n")) == "m.toml:12: extras: unknown key"
     # `source` is a Manifest field, but never one a file may set
     assert error_of('source = "x"\n' + MINIMAL) == "m.toml:1: source: unknown key"
     assert error_of(MINIMAL, "source=x") == "m.toml: source: unknown key (--set source=x)"
@@ -507,31 +543,33 @@ def test_unknown_top_level_key_and_table() -> None:
 
 def test_unknown_key_in_a_nested_table() -> None:
     text = MINIMAL + "[compaction]\n[compaction.provider]\nkind = 'openai'\nmodel = 'x'\nfoo = 1\n"
-    assert error_of(text) == "m.toml:15: compaction.provider.foo: unknown key"
+    assert unhinted(error_of(text)) == "m.toml:15: compaction.provider.foo: unknown key"
 
 
 def test_unknown_key_in_an_array_of_tables_entry() -> None:
     text = MINIMAL + '[[scope.allow]]\ntarget = "a"\npermision = "read"\n'
-    assert error_of(text) == "m.toml:13: scope.allow[1].permision: unknown key"
+    assert unhinted(error_of(text)) == "m.toml:13: scope.allow[1].permision: unknown key"
 
 
 def test_dotted_keys_are_found_too() -> None:
     text = "worker.tool_output.max_bytes = 3\n" + MINIMAL
-    assert error_of(text) == "m.toml:1: worker.tool_output.max_bytes: unknown key"
+    assert unhinted(error_of(text)) == "m.toml:1: worker.tool_output.max_bytes: unknown key"
     # after [[scope.allow]] the same line belongs to the array's item
-    assert error_of(MINIMAL + "worker.x = 3\n") == "m.toml:11: scope.allow[0].worker: unknown key"
+    assert unhinted(error_of(MINIMAL + "worker.x = 3\n")) == (
+        "m.toml:11: scope.allow[0].worker: unknown key"
+    )
 
 
 def test_quoted_keys_with_escapes_are_found_on_their_own_line() -> None:
     text = '[worker]\nmax_tokens = 5\n"caf\\u00e9" = 1\n' + MINIMAL
-    assert error_of(text) == "m.toml:3: worker.café: unknown key"
+    assert unhinted(error_of(text)) == "m.toml:3: worker.café: unknown key"
     text = '[worker]\nmax_tokens = 5\n[worker.tool_output."a\\tb"]\nx = 1\n' + MINIMAL
-    assert error_of(text) == "m.toml:3: worker.tool_output.a\tb: unknown key"
+    assert unhinted(error_of(text)) == "m.toml:3: worker.tool_output.a\tb: unknown key"
 
 
 def test_keys_inside_multiline_strings_are_not_mistaken_for_keys() -> None:
     text = '[worker]\ninstruction = """\nbogus = 1\n"""\nbogus = 2\n' + MINIMAL
-    assert error_of(text) == "m.toml:5: worker.bogus: unknown key"
+    assert unhinted(error_of(text)) == "m.toml:5: worker.bogus: unknown key"
 
 
 def test_wrong_types() -> None:
