@@ -189,6 +189,26 @@ class _SseMessages(httpx2.AsyncByteStream):
         await self._inner.aclose()
 
 
+class _Decoded(httpx2.AsyncByteStream):
+    """A response's body decoded from its content-encoding. Found by QA: an SSE stream a
+    server (or a proxy in front of it) sent gzip-compressed was passed on unread: without a
+    size limit, and with its batches and broken replies left for the SDK, which could not read
+    them. A body that does not decode fails as a connection cut short would."""
+
+    def __init__(self, response: httpx2.Response) -> None:
+        self._response = response
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._response.aiter_bytes():
+                yield chunk
+        except httpx2.DecodingError as exc:
+            raise httpx2.ReadError(f"the server's event stream cannot be decoded ({exc})") from exc
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
 class _Failing(httpx2.AsyncByteStream):
     """A body that fails with `message` when read: the SDK fails the one message it answers."""
 
@@ -209,7 +229,7 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         if request.method != "POST":  # a GET's stream, a DELETE: the SDK handles their failures
-            return self._capped(await self._inner.handle_async_request(request))
+            return self._capped(await self._inner.handle_async_request(request), request)
         message = _message_of(request)
         method = message.get("method")
         for attempt in (1, 2):
@@ -237,7 +257,7 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
         if status >= 300 or not response.headers.get("content-type", "").startswith(
             "application/json"
         ):
-            return self._capped(response, _request_id(message))
+            return self._capped(response, request, _request_id(message))
         try:
             body = await self._read(response)
         except httpx2.DecodingError as exc:  # a body its content-encoding does not decode
@@ -270,7 +290,9 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
             await response.aclose()
         return b"".join(chunks)
 
-    def _capped(self, response: httpx2.Response, rid: int | str | None = None) -> httpx2.Response:
+    def _capped(
+        self, response: httpx2.Response, request: httpx2.Request, rid: int | str | None = None
+    ) -> httpx2.Response:
         """`response` with its body capped, or, an SSE stream (answering request `rid`, if a
         POST's), rewritten."""
         assert isinstance(response.stream, httpx2.AsyncByteStream)
@@ -278,6 +300,9 @@ class _CappedTransport(httpx2.AsyncBaseTransport):
             response.stream = _Capped(response.stream, self._limit)
         elif response.headers.get("content-encoding", "identity") == "identity":
             response.stream = _SseMessages(response.stream, self._limit, rid)
+        else:  # compressed (gzip…): decoded here, so that its events can be read
+            decoded = _SseMessages(_Decoded(response), self._limit, rid)
+            return _answer(response, request, decoded)
         return response
 
     async def aclose(self) -> None:

@@ -8,8 +8,10 @@ connection without a word; tool `cut` by closing it in the middle of its JSON bo
 `sse_end` and `sse_cut` with an SSE stream of a notification only, ended, or cut short. Tool
 `blank` is answered with neither result nor error (or with its arguments' `result`).
 `--batch json|sse`: every answer is a JSON-RPC batch (a log notification, then the reply), in a
-JSON body or in one SSE event."""
+JSON body or in one SSE event. `--gzip`: every answer's body is gzip-compressed
+(`Content-Encoding: gzip`), as a server behind a compressing proxy sends it."""
 
+import gzip
 import json
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,6 +30,7 @@ TOOLS = [
 REFUSE = int(sys.argv[sys.argv.index("--refuse") + 1]) if "--refuse" in sys.argv else None
 drop_list = "--drop-first-list" in sys.argv
 BATCH = sys.argv[sys.argv.index("--batch") + 1] if "--batch" in sys.argv else None
+GZIP = "--gzip" in sys.argv
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -132,6 +135,9 @@ class Handler(BaseHTTPRequestHandler):
             content_type = "text/event-stream"
         self.send_response(200)
         self.send_header("Content-Type", content_type)
+        if GZIP:
+            body = gzip.compress(body)
+            self.send_header("Content-Encoding", "gzip")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)

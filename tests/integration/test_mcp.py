@@ -1071,8 +1071,10 @@ def test_an_http_tool_list_whose_connection_drops_is_asked_again(env: Env) -> No
     assert (echo["output"], echo["is_error"]) == ("echoed", False)
 
 
-@pytest.mark.parametrize("args", [(), ("--batch", "json"), ("--batch", "sse")],
-                         ids=["json", "json-batch", "sse-batch"])  # fmt: skip
+@pytest.mark.parametrize("args", [(), ("--batch", "json"), ("--batch", "sse"),
+                                  ("--batch", "json", "--gzip"), ("--batch", "sse", "--gzip")],
+                         ids=["json", "json-batch", "sse-batch", "gzip-json-batch",
+                              "gzip-sse-batch"])  # fmt: skip
 def test_an_http_reply_with_neither_result_nor_error_fails_its_call_only(
     env: Env, args: tuple[str, ...]
 ) -> None:

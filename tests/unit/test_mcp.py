@@ -568,3 +568,34 @@ def test_a_server_start_cancelled_while_its_stderr_is_connected_stays_a_cancella
         assert open_pipes() == before  # both ends of the guard's stderr pipe closed
 
     (uvloop.run if loop == "uvloop" else asyncio.run)(main())
+
+
+async def test_a_compressed_event_stream_is_read_decoded_or_fails_saying_why() -> None:
+    """An SSE body sent gzip-compressed is rewritten as any other (a batch split into its
+    messages); one that does not decode fails as a connection cut short, saying why."""
+    import gzip
+
+    import httpx2
+
+    from poddaemon.mcp.http import _CappedTransport
+
+    note = b'{"jsonrpc":"2.0","method":"notifications/message","params":{}}'
+    reply = b'{"jsonrpc":"2.0","id":1,"result":{}}'
+    event = b"event: message\ndata: [" + note + b"," + reply + b"]\n\n"
+    transport = _CappedTransport("s", 1 << 20, lambda refused: None)
+    request = httpx2.Request("GET", "http://127.0.0.1:1/mcp")
+    for body, said in ((gzip.compress(event), None), (b"not gzip", "cannot be decoded")):
+        response = httpx2.Response(
+            200,
+            headers={"content-type": "text/event-stream", "content-encoding": "gzip"},
+            stream=httpx2.ByteStream(body),
+            request=request,
+        )
+        capped = transport._capped(response, request)
+        assert "content-encoding" not in capped.headers
+        if said is None:
+            text = b"".join([chunk async for chunk in capped.aiter_bytes()])
+            assert text == b"".join(b"event: message\ndata: %b\n\n" % m for m in (note, reply))
+        else:
+            with pytest.raises(httpx2.ReadError, match=said):
+                await capped.aread()
