@@ -54,5 +54,5 @@ def test_errors_name_the_field(tmp_path: Path) -> None:
         "m.toml:12: sandbox.network: expected bool, got str"
     )
     assert error_of(tmp_path, MINIMAL + "[sandbox]\nnet = false\n") == (
-        "m.toml:12: sandbox.net: unknown key"
+        "m.toml:12: sandbox.net: unknown key (did you mean 'network'?)"
     )
