@@ -379,7 +379,7 @@ def _translate(
 
 def _known_keys(table: Key, unknown: str) -> str:
     """What the user may have meant by `unknown` in `table`: the key spelled most like it, or
-    the keys the table takes when they are few ("" when the table cannot be found)."""
+    else the keys the table takes ("" when the table cannot be found: a map's keys)."""
     import difflib
 
     import msgspec.inspect  # (an error's path only)
@@ -403,7 +403,7 @@ def _known_keys(table: Key, unknown: str) -> str:
     close = difflib.get_close_matches(unknown, keys, n=1)
     if close:
         return f" (did you mean {close[0]!r}?)"
-    return f" (expected one of: {', '.join(keys)})" if len(keys) <= 12 else ""
+    return f" (expected one of: {', '.join(keys)})"
 
 
 def _origin(key: Key, src: _Source, origins: dict[Key, _Source]) -> _Source:

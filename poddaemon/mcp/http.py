@@ -190,10 +190,10 @@ class _SseMessages(httpx2.AsyncByteStream):
 
 
 class _Decoded(httpx2.AsyncByteStream):
-    """A response's body decoded from its content-encoding. Found by QA: an SSE stream a
-    server (or a proxy in front of it) sent gzip-compressed was passed on unread: without a
-    size limit, and with its batches and broken replies left for the SDK, which could not read
-    them. A body that does not decode fails as a connection cut short would."""
+    """A response's body decoded from its content-encoding: an SSE stream a server (or a
+    proxy in front of it) sent gzip-compressed was passed on unread, its batches and broken
+    replies left to the SDK, which cannot read them. A body that does not decode fails as a
+    connection cut short would."""
 
     def __init__(self, response: httpx2.Response) -> None:
         self._response = response
