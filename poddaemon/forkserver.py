@@ -357,7 +357,8 @@ class Server:
         # Before reading a byte: a pod's command is refused whatever it sends, and one that
         # trickled its request byte by byte held this one-request-at-a-time server (every
         # spawn of the user) for as long as it liked.
-        if _from_a_pods_command(_peer(conn)[0]):
+        caller = _peer(conn)[0]
+        if _from_a_pods_command(caller):
             self._reply(conn, {"error": "refused: the request comes from a command a pod started"})
             conn.close()
             return
@@ -390,7 +391,7 @@ class Server:
                 conn.close()
                 return
             # Its I/O priority (`ionice -c3 podctl spawn`), read here: nothing to carry.
-            pid = self._fork(req, fds, ioprio.of(_peer(conn)[0]))
+            pid = self._fork(req, fds, ioprio.of(caller))
         except OSError as exc:  # EAGAIN, ENOMEM…: the client execs instead
             self._reply(conn, {"error": f"cannot fork: {exc}"})
             conn.close()
