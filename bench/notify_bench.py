@@ -1,19 +1,25 @@
 """8. Acknowledged `run` and `notify`: latency and throughput, 1 and 8 clients.
 
-What was tried against the 8-client floor row, so it is not tried blind again (2026-12-02,
-this 2-core VM; the pods alternated with each other and the floor in the same runs):
+What was measured against the 8-client floor row, so it is not redone blind (2026-12-02,
+this 2-core VM):
 
-- A notify path straight from the decoded request to the log entry, the event and the group
-  commit, skipping the handler table, the machine's effects and the reply's `Pending` (a
-  throwaway prototype, used only while a run was active and nothing else applied): a third
-  fewer interpreter steps per ack (1,543 to 1,045 opcodes, counted in-process), up to +25%
-  acks/s with the home on tmpfs, and **no gain on disk**: 0.53×, 0.59×, 0.53× against 0.64×,
-  0.62×, 0.57× for the pod as it is. Both commit ~8 acks per fsync (the floor 5.6-5.9).
-- The other way, 10 µs of busy work added per notify: 0.72× to 0.47×.
-- No gathering (acks.GATHER_PASSES = 0): 0.42-0.45× against 0.53-0.57×; 1 or 2 passes: no better.
+- Where the time goes (the loop thread's schedstat): on disk the pod's loop is on a CPU 85-100
+  µs per ack (the bare server's 30-40), hardly ever waiting for one (1-2 µs per ack), and
+  blocked in ~1,000 fsyncs/s of ~300 µs for the rest: busy all along, so acks/s is about
+  1 / (CPU per ack + fsync time / acks per fsync). Its user time per ack is higher on disk
+  (55-66 µs) than with the home on tmpfs (41-45).
+- Compare the same pod, never two: two identical pods started one after the other gave 0.59x
+  and 0.46x in the same alternated runs (an earlier A/B between pods here was wrong for that).
+- A notify path straight from the decoded request to the log entry, its event and the group
+  commit (a throwaway prototype skipping the handler table, the machine's effects and the
+  reply's `Pending`; taken only while a run was active with nothing else to apply), toggled
+  by a signal in one pod between alternated loads: a third fewer interpreter steps per ack
+  (1,543 to 1,045 opcodes, counted in-process), CPU per ack 75 to 62 and 81 to 67 µs, the row
+  0.65x to 0.77x and 0.64x to 0.69x. Short of 0.8x even so, for a second path beside the
+  machine that every rule of `notify` would have to be kept in twice: not kept.
+- No gathering (acks.GATHER_PASSES = 0, toggled in one pod the same way): 0.62x to 0.53x, with
+  more CPU per ack (68 to 76 µs): 3-4 acks per fsync instead of 8-9.
 - The fsync itself: 2.3 KB per batch (the pod's eight entries) costs ~15% more than 0.8 KB.
-
-So on disk the row is not set by the pod's CPU per ack alone; what else sets it is not found.
 """
 
 import os
