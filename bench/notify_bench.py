@@ -8,8 +8,10 @@ this 2-core VM):
   blocked in ~1,000 fsyncs/s of ~300 µs for the rest: busy all along, so acks/s is about
   1 / (CPU per ack + fsync time / acks per fsync). Its user time per ack is higher on disk
   (55-66 µs) than with the home on tmpfs (41-45).
-- Compare the same pod, never two: two identical pods started one after the other gave 0.59x
-  and 0.46x in the same alternated runs (an earlier A/B between pods here was wrong for that).
+- Pods compared with each other must each have their own gated reply: the fake model answers
+  an unscripted request at once, so a second pod sharing the first one's gate was idle and
+  every notify woke it into a turn (the first version of this record compared such pods and
+  read "no gain" from it). Toggling one pod between loads avoids the question.
 - A notify path straight from the decoded request to the log entry, its event and the group
   commit (a throwaway prototype skipping the handler table, the machine's effects and the
   reply's `Pending`; taken only while a run was active with nothing else to apply), toggled
@@ -191,6 +193,9 @@ def run(sec: Section) -> None:
             pending = c.call("status")["queue"]["notifications"]
         # Against a fresh pod measured in alternation with it, not the first rows of this
         # section: the disk's speed drifts minutes apart (2x between them, once).
+        # Busy the same way, with a gated reply of its own (an unscripted request is answered at
+        # once: it would run a turn for every notification instead).
+        fake.script({"gate": "never", "text": "x"})
         fresh = home.start_pod("fresh", extra="[notify]\nmax_pending = 1000000\n")
         with fresh.rpc() as c:
             c.call("run", {"input": "block"})
