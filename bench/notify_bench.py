@@ -20,7 +20,7 @@ this 2-core VM):
   0.65x to 0.77x and 0.64x to 0.69x. Short of 0.8x even so, for a second path beside the
   machine that every rule of `notify` would have to be kept in twice: not kept.
 - No gathering (acks.GATHER_PASSES = 0, toggled in one pod the same way): 0.62x to 0.53x, with
-  more CPU per ack (68 to 76 µs): 3-4 acks per fsync instead of 8-9.
+  more CPU per ack (68 to 76 µs).
 - The fsync itself: 2.3 KB per batch (the pod's eight entries) costs ~15% more than 0.8 KB.
 """
 
