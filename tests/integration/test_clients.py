@@ -534,9 +534,7 @@ def test_a_running_pods_log_is_rotated_once_it_grows_past_the_bound(env: Env) ->
     assert (logs / "long.log.1").stat().st_size > 16 << 20
     assert env.podctl("stop", "long").returncode == 0
     # `stop` returns once the name is free; the pod's last line comes just after.
-    wait_until(
-        lambda: "shut down" in (logs / "long.log").read_text(), what="its last line"
-    )
+    wait_until(lambda: "shut down" in (logs / "long.log").read_text(), what="its last line")
     assert "old line" not in (logs / "long.log").read_text()
     assert oct((logs / "long.log").stat().st_mode & 0o777) == "0o600"
 
@@ -561,9 +559,7 @@ def test_a_running_pods_log_is_rotated_after_a_rotation_failed_once(env: Env) ->
     assert (logs / "again.log.1").stat().st_size > 16 << 20
     assert env.podctl("stop", "again").returncode == 0
     # `stop` returns once the name is free; the pod's last line comes just after.
-    wait_until(
-        lambda: "shut down" in (logs / "again.log").read_text(), what="its last line"
-    )
+    wait_until(lambda: "shut down" in (logs / "again.log").read_text(), what="its last line")
     assert "old line" not in (logs / "again.log").read_text()
 
 
