@@ -335,6 +335,14 @@ def run_pod(args: "argparse.Namespace") -> int:
                 f"{manifest.source}: scope.allow[{i}]: {rule.target} {shared}: pods of other "
                 "users (not in this user's registry) may write there too, unchecked"
             )
+        if rule.access is Access.WRITE and rule.target == "/" and rule.recursive:
+            # The registry gives it all: a mistake (a relative target with one `..` too many)
+            # or not, the user should hear it before another pod is refused for it.
+            _warn(
+                f"{manifest.source}: scope.allow[{i}]: write access to / (the whole "
+                "filesystem): while it runs, any other pod's write scope overlaps it and is "
+                "refused (its own children's excepted)"
+            )
         if rule.access is Access.WRITE and "bash" in manifest.worker.tools:
             for own in scope.private:
                 if rule.covers(own):  # the file tools refuse it; the kernel cannot fully

@@ -429,3 +429,17 @@ def test_a_stuck_registry_lock_does_not_hold_a_stop(env: Env) -> None:
         assert pod.proc.wait(5) == 0
         assert "could not release the registry entry (left stale)" in pod.final_text()
     assert env.start("locked").call("status")["name"] == "locked"  # the stale entry reclaimed
+
+
+def test_a_write_scope_of_the_whole_filesystem_is_named_at_start(env: Env) -> None:
+    """A write rule for / (a relative target with one `..` too many, say) took every other
+    pod's write scope without a word: the next pod's refusal was the first anyone heard of it."""
+    pod = env.start("everything", write=["/"])
+    warning = next(line for line in pod.stderr if "whole filesystem" in line)
+    assert "scope.allow[0]: write access to / (the whole filesystem)" in warning, warning
+    proc = env.popen(str(env.manifest("next", write=[str(env.work)])))
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode != 0 and "everything" in err, err
+    assert pod.stop() == 0
+    narrow = env.start("narrow", write=[str(env.home / "narrow")])
+    assert not any("whole filesystem" in line for line in narrow.stderr)
