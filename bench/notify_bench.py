@@ -24,7 +24,7 @@ this 2-core VM):
 - The fsync itself: 2.3 KB per batch (the pod's eight entries) costs ~15% more than 0.8 KB.
 
 Again on a faster 2-core VM (2026-12-02, `python -c pass` 10.7 ms, fsync ~150 µs), where the
-row read 0.71x, 0.79x and (in a whole `make bench`) 0.82x:
+row read 0.71x and 0.79x alone, 0.82x and 0.65x in two whole `make bench` runs:
 
 - The CPUs are not the limit: during the load they are busy ~52% of the time (the bare server's
   ~41%), everything but the server costing 9-17 µs per ack. The server's loop is: per batch
