@@ -27,12 +27,17 @@ Again on a faster 2-core VM (2026-12-02, `python -c pass` 10.7 ms, fsync ~150 µ
 row read 0.71x and 0.79x alone, 0.82x and 0.65x in two whole `make bench` runs:
 
 - The CPUs are not the limit: during the load they are busy ~52% of the time (the bare server's
-  ~41%), everything but the server costing 9-17 µs per ack. The server's loop is: per batch
-  of eight, CPU for each ack, then the fsync (f). So the row is (8F + f) / (8P + f), with P
-  and F each server's CPU per ack: P measured 43-54 µs, F 25-30, f ~160 µs, hence 0.65-0.8x.
-  0.8x needs P <= 1.25 F + f/32, about 37 µs here: 6 to 17 µs (15-30%) less than today, and
-  more on a slower CPU (the first VM's P was 85-100 µs).
-- Where P goes (perf, the pod during the load): kernel 54% (wakeups, context switches, the
+  ~41%), everything but the server costing 9-17 µs per ack. Each server's loop is the limit:
+  take the requests that came, fsync, answer, again.
+- One such cycle (the loop thread's schedstat over 2 s of load; acks per fsync counted with
+  perf): the pod gathers ~7.9 acks per fsync and is on a CPU 330-490 µs, blocked 120-170 µs
+  (its fsync of ~2.3 KB, and ~30 µs waiting for the clients' next requests). The bare server,
+  which does not gather, commits ~4.7 per fsync (its clients split into two groups), on a
+  CPU ~118 µs and blocked ~90 µs. So the pod pays 1.7x fewer fsyncs per ack and loses on CPU:
+  42-62 µs per ack against 25. 0.8x needs a cycle of at most 7.9 / (0.8 x the bare server's
+  rate): about 39 µs of CPU per ack here, where the bench's row reads 52-56 (a quarter
+  less), and further off on a slower CPU (the first VM's was 85-100 µs).
+- Where the pod's CPU goes (perf, during the load): kernel 54% (wakeups, context switches, the
   virtual disk's doorbell: the bare server's sys time per ack is the same), the interpreter
   37% (its eval loop half of it), msgspec 2.6%, uvloop 2%, sha256 1%. All of it in the loop
   thread; the cyclic collector under 0.1 µs per ack. fdatasync costs what fsync does here.
