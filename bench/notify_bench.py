@@ -29,14 +29,15 @@ row read 0.71x and 0.79x alone, 0.82x and 0.65x in two whole `make bench` runs:
 - The CPUs are not the limit: during the load they are busy ~52% of the time (the bare server's
   ~41%), everything but the server costing 9-17 µs per ack. Each server's loop is the limit:
   take the requests that came, fsync, answer, again.
-- One such cycle (the loop thread's schedstat over 2 s of load; acks per fsync counted with
-  perf): the pod gathers ~7.9 acks per fsync and is on a CPU 330-490 µs, blocked 120-170 µs
-  (its fsync of ~2.3 KB, and ~30 µs waiting for the clients' next requests). The bare server,
-  which does not gather, commits ~4.7 per fsync (its clients split into two groups), on a
-  CPU ~118 µs and blocked ~90 µs. So the pod pays 1.7x fewer fsyncs per ack and loses on CPU:
-  42-62 µs per ack against 25. 0.8x needs a cycle of at most 7.9 / (0.8 x the bare server's
-  rate): about 39 µs of CPU per ack here, where the bench's row reads 52-56 (a quarter
-  less), and further off on a slower CPU (the first VM's was 85-100 µs).
+- Per ack (the loop thread's schedstat over 2 s of load; fsyncs counted with perf on that
+  syscall alone): the pod gathers 7.7-7.9 acks per fsync and spends 42-62 µs on a CPU and
+  15-22 µs blocked (its share of an fsync, and waiting for the clients' next requests). The
+  bare server, which does not gather, commits only 4.2-4.4 per fsync (its clients split into
+  two groups), yet its fsyncs at that rate are short: ~25 µs on a CPU and 18-20 µs blocked
+  per ack. So the pod needs fewer fsyncs per ack and loses on CPU alone. 0.8x needs a time
+  per ack of at most 1.25x the bare server's (~48 µs): about 42 µs on a CPU, where the
+  pod's typical 46-50 needs a tenth less and its bad runs a third; further off on a slower
+  CPU (the first VM's was 85-100 µs).
 - Where the pod's CPU goes (perf, during the load): kernel 54% (wakeups, context switches, the
   virtual disk's doorbell: the bare server's sys time per ack is the same), the interpreter
   37% (its eval loop half of it), msgspec 2.6%, uvloop 2%, sha256 1%. All of it in the loop
