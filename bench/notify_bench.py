@@ -35,9 +35,9 @@ row read 0.71x and 0.79x alone, 0.82x and 0.65x in two whole `make bench` runs:
   bare server, which does not gather, commits only 4.2-4.4 per fsync (its clients split into
   two groups), yet its fsyncs at that rate are short: ~25 µs on a CPU and 18-20 µs blocked
   per ack. So the pod needs fewer fsyncs per ack and loses on CPU alone. 0.8x needs a time
-  per ack of at most 1.25x the bare server's (~48 µs): about 42 µs on a CPU, where the
-  pod's typical 46-50 needs a tenth less and its bad runs a third; further off on a slower
-  CPU (the first VM's was 85-100 µs).
+  per ack of at most 1.25x the bare server's (1.25 x ~48 = ~60 µs): about 42 µs on a CPU,
+  where the pod's typical 46-50 needs a tenth less and its bad runs a third; further off on
+  a slower CPU (the first VM's was 85-100 µs).
 - GATHER_PASSES, five pods side by side (0, 1, 2, 4, 8), 5 alternated rounds: 0.61x, 0.76x,
   0.77x, 0.75x, 0.72x, CPU per ack 63, 50, 51, 54, 54 µs. One fsync costs its caller ~70 µs
   of CPU here (write + fsync in a loop, sys time, whatever the size or a preallocation): the
