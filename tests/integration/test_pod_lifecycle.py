@@ -439,7 +439,7 @@ def test_a_write_scope_of_the_whole_filesystem_is_named_at_start(env: Env) -> No
     assert "scope.allow[0]: write access to / (the whole filesystem)" in warning, warning
     proc = env.popen(str(env.manifest("next", write=[str(env.work)])))
     _, err = proc.communicate(timeout=20)
-    assert proc.returncode != 0 and "everything" in err, err
+    assert proc.returncode != 0 and "scope conflict: pod 'everything'" in err, err
     assert pod.stop() == 0
     narrow = env.start("narrow", write=[str(env.home / "narrow")])
     assert not any("whole filesystem" in line for line in narrow.stderr)
