@@ -51,6 +51,25 @@ row read 0.71x and 0.79x alone, 0.82x and 0.65x in two whole `make bench` runs:
   of the pod's ~24 µs of user time over the bare server is ~57 Python calls and ~1,500
   opcodes per ack, which in the loop run cache-cold between the system calls (the prototype
   above removed a third of those opcodes).
+
+Native code on the hot path, tried on a third 2-core VM (AMD EPYC, fsync ~150 µs; 2026-12-02),
+where this section alone read 0.73x: the same typed modules compiled by mypyc (mypy 2.4), a
+compiled pod and an interpreted one measured in alternation against the bare server (medians
+of 7-11 rounds of 1 s):
+
+- acks, events, handlers, pod, podlog, server (with an async generator made a class and pod's
+  Services Struct moved out, which mypyc cannot compile): 0.73x for both, user time per ack
+  16-28 µs against 20-30.
+- those plus machine, store.file and store.log: 0.76x and 0.80x where the interpreted pod read
+  0.67x and 0.69x; with protocol.framing too (in a scratch copy): 0.87x against 0.72x, user
+  time 10-26 µs. Single rounds still ranged 0.63-1.04x.
+- Not kept. mypyc turns the annotations of a compiled module's classes into runtime classes,
+  `str | None` and `Any` into `type`, so the msgspec Structs defined there decode wrongly
+  without an error: `podctl sessions` listed every session's pod as "?" (two tests caught
+  it). Keeping it means moving every Struct out of those modules first (the machine's effects,
+  the store's records), plus the OSError subclasses mypyc cannot compile; a C toolchain at
+  install and 1.5-2 minutes more of `make install`; for a row that then straddles 0.8x instead
+  of passing it.
 """
 
 import os
