@@ -62,7 +62,9 @@ of 7-11 rounds of 1 s):
   16-28 µs against 20-30.
 - those plus machine, store.file and store.log: 0.76x and 0.80x where the interpreted pod read
   0.67x and 0.69x; with protocol.framing too (in a scratch copy): 0.87x against 0.72x, user
-  time 10-26 µs. Single rounds still ranged 0.63-1.04x.
+  time 10-26 µs; with session and spawn as well (12 modules, 11 rounds): 0.77x against 0.73x,
+  user time 15-29 µs. Single rounds ranged 0.61-1.10x: the compiled pod's user time per ack
+  moves as much from one round to the next as it differs from the interpreted pod's.
 - Not kept. mypyc turns the annotations of a compiled module's classes into runtime classes,
   `str | None` and `Any` into `type`, so the msgspec Structs defined there decode wrongly
   without an error: `podctl sessions` listed every session's pod as "?" (two tests caught
