@@ -52,26 +52,27 @@ row read 0.71x and 0.79x alone, 0.82x and 0.65x in two whole `make bench` runs:
   opcodes per ack, which in the loop run cache-cold between the system calls (the prototype
   above removed a third of those opcodes).
 
-Native code on the hot path, tried on a third 2-core VM (AMD EPYC, fsync ~150 µs; 2026-12-02),
-where this section alone read 0.73x: the same typed modules compiled by mypyc (mypy 2.4), a
-compiled pod and an interpreted one measured in alternation against the bare server (medians
-of 7-11 rounds of 1 s):
+On a third 2-core VM (AMD EPYC, fsync ~150 µs; 2026-12-02), where this section alone read
+0.73x:
 
-- acks, events, handlers, pod, podlog, server (with an async generator made a class and pod's
-  Services Struct moved out, which mypyc cannot compile): 0.73x for both, user time per ack
-  16-28 µs against 20-30.
-- those plus machine, store.file and store.log: 0.76x and 0.80x where the interpreted pod read
-  0.67x and 0.69x; with protocol.framing too (in a scratch copy): 0.87x against 0.72x, user
-  time 10-26 µs; with session and spawn as well (12 modules, 11 rounds): 0.77x against 0.73x,
-  user time 15-29 µs. Single rounds ranged 0.61-1.10x: the compiled pod's user time per ack
-  moves as much from one round to the next as it differs from the interpreted pod's.
-- Not kept. mypyc turns the annotations of a compiled module's classes into runtime classes,
-  `str | None` and `Any` into `type`, so the msgspec Structs defined there decode wrongly
-  without an error: `podctl sessions` listed every session's pod as "?" (two tests caught
-  it). Keeping it means moving every Struct out of those modules first (the machine's effects,
-  the store's records), plus the OSError subclasses mypyc cannot compile; a C toolchain at
-  install and 1.5-2 minutes more of `make install`; for a row that then straddles 0.8x instead
-  of passing it.
+- Native code on the hot path: the same typed modules compiled by mypyc (mypy 2.4), a compiled
+  pod and an interpreted one measured in alternation against the bare server (medians of 7-11
+  rounds of 1 s).
+  - acks, events, handlers, pod, podlog, server (with an async generator made a class and
+    pod's Services Struct moved out, which mypyc cannot compile): 0.73x for both, user time
+    per ack 16-28 µs against 20-30.
+  - those plus machine, store.file and store.log: 0.76x and 0.80x where the interpreted pod
+    read 0.67x and 0.69x; with protocol.framing too (in a scratch copy): 0.87x against 0.72x,
+    user time 10-26 µs; with session and spawn as well (12 modules, 11 rounds): 0.77x against
+    0.73x, user time 15-29 µs. Single rounds ranged 0.61-1.10x: the compiled pod's user time
+    per ack moves as much from one round to the next as it differs from the interpreted pod's.
+  - Not kept. mypyc turns the annotations of a compiled module's classes into runtime classes,
+    `str | None` and `Any` into `type`, so the msgspec Structs defined there decode wrongly
+    without an error: `podctl sessions` listed every session's pod as "?" (two tests caught
+    it). Keeping it means moving every Struct out of those modules first (the machine's
+    effects, the store's records), plus the OSError subclasses mypyc cannot compile; a C
+    toolchain at install and 1.5-2 minutes more of `make install`; for a row that then
+    straddles 0.8x instead of passing it.
 - System calls per ack (strace -c over 2 s of the load, which slows both to ~7.7 acks per
   fsync): the pod 2.8 (read 1.0, write 1.1, epoll 0.26, fsync, lseek and stat 0.13 each), the
   bare server 3.4 (it writes each line to the file on its own: write 2.0). The gap is not in
