@@ -77,6 +77,32 @@ On a third 2-core VM (AMD EPYC, fsync ~150 µs; 2026-12-02), where this section 
   fsync): the pod 2.8 (read 1.0, write 1.1, epoll 0.26, fsync, lseek and stat 0.13 each), the
   bare server 3.4 (it writes each line to the file on its own: write 2.0). The gap is not in
   the kernel calls.
+
+On a fourth 2-core VM (AMD EPYC under Firecracker, ext4, fsync ~150-200 µs; 2026-12-02/03),
+where this section alone read 0.69-0.74x (CPU per ack: the pod user 26-30 + sys 26-33 µs,
+the bare server user 2-4 + sys 26-31):
+
+- Fewer, larger steps for the interpreter: each connection's bytes queued and handled in one
+  callback per loop pass, the replies corked until the commit has settled them all (toggled
+  in one pod, 7 alternated rounds): 0.78x as it is (user 23.1 µs per ack), 0.72x with the
+  reads batched (26.0), 0.72x with the writes corked too (23.7). No gain: not kept.
+- What one durable append of 2.3 KB costs here, alone in a loop: append + fsync 181-204 µs
+  (78-101 µs of CPU); fdatasync and pwritev2(RWF_DSYNC) the same; O_DIRECT|O_DSYNC 157-198;
+  fallocate'd space (unwritten extents) no better; overwriting a zero-filled file in place +
+  fdatasync 120-160 µs (51-75 µs of CPU), a third less: the size does not change, so ext4
+  commits no journal transaction for the append.
+- That saving taken by a prototype write-ahead log: each batch's bytes also written into a
+  zero-filled 256 MB side file and fdatasync'd there instead of the session log (toggled by
+  an environment variable, 9 alternated rounds): 0.67x to 0.75x, user time per ack 30.5 to
+  27.6 µs, +0.02 to +0.22 per round. Not built: making it real is a new on-disk design
+  (preallocated, recycled WAL segments; the session log synced only at checkpoints; restore
+  replaying the WAL past the log's durable end; and SPEC §8's torn-tail rule cannot accept a
+  zero-filled tail in the log itself) for a gain that still straddles 0.8x.
+- A sampled profile (py-spy, 500 Hz over 10 s of load, the loop thread's busy samples):
+  the fsync 28.5%, uvloop's own loop (reads, callbacks) 20%, the replies' writes 10.4%, the
+  requests' handling from decoded line to staged log entry 21%, the batch's write to the log
+  7%. No Python function holds more than 4.3% on its own (encode_record): there is no one
+  place left to cut.
 """
 
 import os
