@@ -1,4 +1,22 @@
-"""4. Agent overhead: ms per model call through a real pod against the plain SDK."""
+"""4. Agent overhead: ms per model call through a real pod against the plain SDK.
+
+Where a warm text turn's time goes (2026-12-03, a 2-core VM where `python -c pass` took 13-16
+ms and this row read 1.47-1.60x against 1.37-1.43x on the VMs before): timestamps taken inside
+the pod (a scratch probe, not kept) over 300 turns with 3 ms between them, medians of three
+runs (one with a 5 ms GIL switch interval) whose whole turns read 3.0, 3.8 and 4.4 ms:
+
+- the request read to handled (decoded, its two entries staged, the run started): 0.22-0.38 ms;
+  then 0.15-0.25 ms until the model thread starts the call;
+- the input's fsync (1.0-1.8 ms here) runs beside the model call, which takes 1.9-2.8 ms to
+  its first event, as long as the SDK's whole post() in the baseline: it is not on the path;
+- first event to the response 0.14-0.39 ms, the response to the reply written 0.17-0.31 ms
+  (the turn's end is fsync'd after the reply, not before it).
+
+So the pod's own share is ~0.7-1.3 ms of a turn whose length moves by a third from one run to
+the next. The GIL switch interval at 5 ms instead of 50 us (three alternated `bench agent` runs
+each): pod minus SDK per text turn 1.45-1.51 ms against 1.52-1.74, per tool-round model call
+0.52-0.64 ms against 0.31-0.45: no gain worth the acks it would slow.
+"""
 
 import json
 import subprocess
