@@ -13,7 +13,7 @@ runs (one with a 5 ms GIL switch interval) whose whole turns read 3.0, 3.8 and 4
   (the turn's end is fsync'd after the reply, not before it).
 
 So the pod's own share is ~0.7-1.3 ms of a turn whose length moves by a third from one run to
-the next. The GIL switch interval at 5 ms instead of 50 us (three alternated `bench agent` runs
+the next. The GIL switch interval at 5 ms instead of 50 µs (three alternated `bench agent` runs
 each): pod minus SDK per text turn 1.45-1.51 ms against 1.52-1.74, per tool-round model call
 0.52-0.64 ms against 0.31-0.45: no gain worth the acks it would slow.
 """

@@ -98,11 +98,11 @@ the bare server user 2-4 + sys 26-31):
   (preallocated, recycled WAL segments; the session log synced only at checkpoints; restore
   replaying the WAL past the log's durable end; and SPEC §8's torn-tail rule cannot accept a
   zero-filled tail in the log itself) for a gain that still straddles 0.8x.
-- A sampled profile (py-spy, 500 Hz over 10 s of load, the loop thread's busy samples):
-  the fsync 28.5%, uvloop's own loop (reads, callbacks) 20%, the replies' writes 10.4%, the
+- A sampled profile (py-spy, 500 Hz over 10 s of load, the pod's non-idle samples): the
+  fsync 28.5%, uvloop's own loop (reads, callbacks) 20%, the replies' writes 10.4%, the
   requests' handling from decoded line to staged log entry 21%, the batch's write to the log
-  7%. No Python function holds more than 4.3% on its own (encode_record): there is no one
-  place left to cut.
+  7%. Outside those system calls no function holds more than 4.3% on its own
+  (encode_record): there is no one place left to cut.
 """
 
 import os
