@@ -323,19 +323,14 @@ async def test_runner_starts_small_and_fast() -> None:
     assert elapsed < 10, elapsed
 
 
-async def test_a_policy_without_the_sandbox_module_fails_start_with_the_reason() -> None:
-    """The hook for issue 13: a policy is applied by `poddaemon.sandbox.apply_policy` in the
-    runner before any command; if it cannot be, the runner does not start."""
-    try:
-        import poddaemon.sandbox  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
-    except ImportError:
-        pass
-    else:
-        pytest.skip("poddaemon.sandbox exists; its own tests cover apply_policy")
+async def test_a_policy_the_runner_cannot_apply_fails_its_start_with_the_reason() -> None:
+    """The runner applies its policy (`poddaemon.sandbox.apply_policy`) before any command: a
+    policy it cannot apply stops it at start, with the reason, rather than running unconfined."""
     from poddaemon.tools.runner_client import RunnerError
 
-    with pytest.raises(RunnerError, match="sandbox"):
-        await CommandRunner.start(clean_env(os.environ), policy=b"{}")
+    for policy, reason in ((b"{}", "missing required field `rules`"), (b"not json", "JSON")):
+        with pytest.raises(RunnerError, match=reason):
+            await CommandRunner.start(clean_env(os.environ), policy=policy)
 
 
 async def test_killing_one_command_spares_a_concurrent_ones_escapees(
