@@ -20,7 +20,7 @@ from poddaemon.config import ManifestError, load_manifest
 from poddaemon.scope import Scope
 from poddaemon.testing.cleanup import alive
 from poddaemon.tools import ToolContext, ToolOutcome, execute
-from poddaemon.tools.runner_client import CommandRunner, clean_env, is_secret_name
+from poddaemon.tools.runner_client import CommandRunner, RunnerError, clean_env, is_secret_name
 from tests.unit.cancelling import left_running
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -326,8 +326,6 @@ async def test_runner_starts_small_and_fast() -> None:
 async def test_a_policy_the_runner_cannot_apply_fails_its_start_with_the_reason() -> None:
     """The runner applies its policy (`poddaemon.sandbox.apply_policy`) before any command: a
     policy it cannot apply stops it at start, with the reason, rather than running unconfined."""
-    from poddaemon.tools.runner_client import RunnerError
-
     for policy, reason in ((b"{}", "missing required field `rules`"), (b"not json", "JSON")):
         with pytest.raises(RunnerError, match=reason):
             await CommandRunner.start(clean_env(os.environ), policy=policy)
