@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from poddaemon.config.manifest import Manifest
     from poddaemon.sandbox.pod import PodSandbox
-    from poddaemon.scope import Scope
+    from poddaemon.scope import Rule, Scope
 
 log = logging.getLogger("poddaemon")
 
@@ -447,7 +447,7 @@ class Claim:
             self.entry.start_time,
         )
 
-    def take_back(self, session: str | None, children: Mapping[str, list[str]]) -> bool:
+    def take_back(self, session: str | None, children: Mapping[str, list["Rule"]]) -> bool:
         """Register this pod again when its entry went from pods.json (the file removed, emptied
         or rewritten: what one does with a corrupt registry) and nobody has taken its name or
         an overlapping scope since. True when the entry is ours again."""
@@ -457,8 +457,8 @@ class Claim:
 
         # Its live children's areas stay theirs (delegated), registered again yet or not, and
         # so do those of descendants found registered (adopted).
-        delegated = sorted({t for targets in children.values() for t in targets})
-        entry = msgspec.structs.replace(self.entry, session=session, delegated=delegated)
+        areas = [rule for rules in children.values() for rule in rules]
+        entry = msgspec.structs.replace(self.entry, session=session).delegating(areas)
         try:
             self.entry = self.registry.register(entry, kin=list(children), returning=True)
         except RegistryError as exc:
@@ -755,7 +755,7 @@ def _serve(
     from poddaemon.llm.threaded import ThreadedModel
     from poddaemon.pod import Pod, Services
     from poddaemon.prompt import Instruction, PromptError
-    from poddaemon.scope import Scope
+    from poddaemon.scope import Rule, Scope
     from poddaemon.server import RpcServer
     from poddaemon.store.file import remove_leftovers
     from poddaemon.store.log import LogCorrupt
@@ -891,9 +891,9 @@ def _serve(
             bus.publish("alert", {"level": "error", "source": source, "message": reason})
             ending.fail(reason)
 
-        def children() -> dict[str, list[str]]:  # live ones, and the areas they write
+        def children() -> dict[str, list[Rule]]:  # live ones, and the areas they write
             return {
-                name: [r["target"] for r in c.scope if r.get("permission") == "write"]
+                name: list(Scope.from_dicts(c.scope).writable_rules())
                 for name, c in pod.machine.state.children.items()
                 if c.live
             }
@@ -1037,7 +1037,7 @@ async def watch_claim(
     lost: Callable[..., None],
     changed: Callable[[], None] | None = None,
     session: Callable[[], str | None] | None = None,
-    children: Callable[[], Mapping[str, list[str]]] = dict,
+    children: Callable[[], Mapping[str, list["Rule"]]] = dict,
 ) -> None:
     """Stop the pod if its registry entry is taken over (another process under its name, or
     its entry gone and its name or scope claimed meanwhile): it could no longer promise that

@@ -16,13 +16,13 @@ import os
 import re
 import stat
 import time
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from poddaemon.scope import Mount, Rule, Scope, on_devices, write_overlap
+from poddaemon.scope import Access, Mount, Rule, Scope, on_devices, write_overlap
 from protocol import paths
 from protocol.unreadable import UNREADABLE
 
@@ -63,14 +63,36 @@ class PodEntry(msgspec.Struct, kw_only=True):
     session: str | None = None
     started_at: float
     delegated: list[str] = []  # write targets handed to live children
+    # Those of them handed non-recursively (the target and its direct entries only). Listed in
+    # `delegated` too: a reader that knows no better takes the whole tree, the safe side.
+    delegated_flat: list[str] = []
 
     def scope_obj(self) -> Scope:
         """The scope as granted, without delegation."""
         return Scope.from_dicts(self.scope)
 
+    def delegated_areas(self) -> list[Rule]:
+        """The write areas handed to live children, as the children's rules."""
+        flat = set(self.delegated_flat)
+        return [
+            Rule(target=t, access=Access.WRITE, recursive=t not in flat) for t in self.delegated
+        ]
+
     def effective_scope(self) -> Scope:
         """The scope minus write areas delegated to live children."""
-        return self.scope_obj().with_delegated(self.delegated)
+        return self.scope_obj().with_delegated(self.delegated_areas())
+
+    def delegating(self, areas: Iterable[Rule]) -> "PodEntry":
+        """This entry with `areas` as what it has delegated. A target handed both ways counts
+        as handed whole."""
+        whole: dict[str, bool] = {}
+        for area in areas:
+            whole[area.target] = whole.get(area.target, False) or area.recursive
+        return msgspec.structs.replace(
+            self,
+            delegated=list(whole),
+            delegated_flat=[t for t, w in whole.items() if not w],
+        )
 
 
 class _File(msgspec.Struct):
@@ -478,9 +500,9 @@ class Registry:
         parent = pods.get(entry.parent) if entry.parent else None
         if parent is not None and parent.delegated:
             mine = {r.target for r in _write_claims(entry)}
-            kept = [t for t in parent.delegated if t not in mine]
-            if kept != parent.delegated:
-                pods[parent.name] = msgspec.structs.replace(parent, delegated=kept)
+            kept = [a for a in parent.delegated_areas() if a.target not in mine]
+            if len(kept) != len(parent.delegated):
+                pods[parent.name] = parent.delegating(kept)
 
     def _remove_stale_files(self, entry: PodEntry) -> None:
         # Best effort: nobody live holds this name (claim before bind), so these are leftovers,
@@ -598,12 +620,10 @@ class Registry:
                 )
         parent = pods.get(entry.parent) if entry.parent else None
         delegated = self._check_claims(pods, entry, parent, kin)
-        stored = msgspec.structs.replace(entry, delegated=list(entry.delegated))
+        stored = entry.delegating(entry.delegated_areas())  # a copy
         pods[entry.name] = stored
         if parent is not None and delegated:
-            pods[parent.name] = msgspec.structs.replace(
-                parent, delegated=[*parent.delegated, *delegated]
-            )
+            pods[parent.name] = parent.delegating([*parent.delegated_areas(), *delegated])
         return stored
 
     def _check_claims(
@@ -612,8 +632,8 @@ class Registry:
         entry: PodEntry,
         parent: PodEntry | None,
         kin: Collection[str] = (),
-    ) -> list[str]:
-        """Raise on any write overlap; return the targets delegated from `parent`."""
+    ) -> list[Rule]:
+        """Raise on any write overlap; return the write rules delegated from `parent`."""
         scope = entry.effective_scope()
         # A restarted spawner takes its live descendants back: their areas stay delegated.
         family = {entry.name, *kin}
@@ -622,16 +642,17 @@ class Registry:
             found = {o.name for o in pods.values() if o.parent in family} - family
             family |= found
             grew = bool(found)
-        adopted: list[str] = []
+        adopted: list[Rule] = []
         for other in pods.values():
             if other.parent not in family or other.name == entry.name:
                 continue
             theirs = other.effective_scope().writable_rules()
             if all(_delegable(r, scope, other.effective_scope()) for r in theirs):
-                adopted.extend(r.target for r in theirs)
+                adopted.extend(theirs)
         if adopted:
             scope = scope.with_delegated(adopted)
-            entry.delegated = [*entry.delegated, *(t for t in adopted if t not in entry.delegated)]
+            held = entry.delegating([*entry.delegated_areas(), *adopted])
+            entry.delegated, entry.delegated_flat = held.delegated, held.delegated_flat
         # Siblings and strangers first, so a clash with a sibling names the sibling. Then the
         # same by what the paths are: a bind mount reaches the same files by another path.
         others = [o for o in pods.values() if o.name not in (entry.name, entry.parent)]
@@ -662,7 +683,7 @@ class Registry:
         path = write_overlap(rest, parent_scope)
         if path is not None:
             raise RegistryConflict(_overlap_message(parent, path))
-        return [r.target for r in delegable]
+        return delegable
 
     def release(self, name: str, pid: int) -> bool:
         """Remove `name` if `pid` holds it. True when an entry was removed."""

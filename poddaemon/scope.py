@@ -206,13 +206,17 @@ class Scope(msgspec.Struct, frozen=True):
     def _private(self, path: str) -> bool:
         return any(_below(top, path) is not None for top in self.private)
 
-    def with_delegated(self, targets: Iterable[str]) -> "Scope":
-        """This scope minus write access below `targets` (areas handed to live children)."""
+    def with_delegated(self, areas: Iterable["str | Rule"]) -> "Scope":
+        """This scope minus write access in `areas` (handed to live children): a child's write
+        rule, or a target (the whole tree below it). A non-recursive rule takes the target and
+        its direct entries only: deeper paths stay this scope's."""
         extra: list[Rule] = []
-        for target in targets:
+        for area in areas:
+            target = area if isinstance(area, str) else area.target
             if not os.path.isabs(target):
                 raise ValueError(f"delegated target must be absolute: {target!r}")
-            rule = Rule(target=os.path.normpath(target), access=Access.WRITE, recursive=True)
+            recursive = isinstance(area, str) or area.recursive
+            rule = Rule(target=os.path.normpath(target), access=Access.WRITE, recursive=recursive)
             if rule not in self.deny and rule not in extra:
                 extra.append(rule)
         if not extra:

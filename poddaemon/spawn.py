@@ -31,7 +31,7 @@ from poddaemon.entries import SPAWNER_KEY, Entry, OutboxItem, SystemItem
 from poddaemon.machine import FINAL_REPORTS
 from poddaemon.pipes import read_pipe
 from poddaemon.readyline import parse_ready, parse_starting
-from poddaemon.scope import Access, Rule, resolve
+from poddaemon.scope import Access, Rule, Scope, resolve
 from poddaemon.session import KEPT_REPORT_IDS, input_size
 from poddaemon.store.log import new_session_id
 from poddaemon.tools.base import ToolError
@@ -805,14 +805,12 @@ class Children:
             log.warning("cannot refresh the delegated scope: %s", exc)
             return
         watched = [
-            r["target"]
+            rule
             for name in self.live
             if (record := pod.state.children.get(name)) is not None
-            for r in record.scope
-            if r.get("permission") == "write" and not r.get("deny")
+            for rule in Scope.from_dicts(record.scope).writable_rules()
         ]
-        delegated = list(dict.fromkeys([*entry.delegated, *watched]))
-        scope = pod.s.scope.with_delegated(delegated)
+        scope = pod.s.scope.with_delegated([*entry.delegated_areas(), *watched])
         if scope != pod.scope:
             pod.scope = scope
             pod.tool_ctx.scope_changed()  # commands too (when the sandbox confines them)

@@ -9,7 +9,9 @@ is now. A target made or replaced after start is recorded at the next check (its
 object stays recorded while it is anywhere). Rules that go (a child's delegated area handed
 back) take their identities with them.
 Each recorded target is held open (`O_PATH`), as a Landlock rule holds its inode: deleted, its
-inode number cannot be reused by an unrelated file while it is recorded.
+inode number cannot be reused by an unrelated file while it is recorded. A non-recursive rule
+caps its target and the target's direct entries only, as the scope does: what lies deeper in a
+recorded directory keeps its own access.
 """
 
 import contextlib
@@ -20,18 +22,20 @@ from collections.abc import Iterable
 from poddaemon.scope import Access, Rule, ScopeDenied
 
 Identity = tuple[int, int]
+Target = tuple[str, bool]  # a deny rule's target, and whether it is recursive
 
 
 class DeniedObjects:
     def __init__(self) -> None:
         # target -> what was found there, oldest first: (fd, identity, cap) per object
-        self._by_target: dict[str, list[tuple[int, Identity, Access]]] = {}
-        self._caps: dict[Identity, Access] = {}
+        self._by_target: dict[Target, list[tuple[int, Identity, Access]]] = {}
+        self._caps: dict[Identity, Access] = {}  # of recursive rules: the object and all below
+        self._near: dict[Identity, Access] = {}  # of the others: the object and its entries
         # note() runs from the event loop (scope changes) and from tools' worker threads
         self._lock = threading.Lock()
 
     def __bool__(self) -> bool:
-        return bool(self._caps)
+        return bool(self._caps or self._near)
 
     def note(self, denies: Iterable[Rule]) -> None:
         """The live deny rules: record what each target is now (one made or replaced since
@@ -43,12 +47,13 @@ class DeniedObjects:
 
     def _note(self, denies: Iterable[Rule]) -> None:
         old = self._by_target
-        kept: dict[str, list[tuple[int, Identity, Access]]] = {}
+        kept: dict[Target, list[tuple[int, Identity, Access]]] = {}
         for rule in denies:
-            records = kept.get(rule.target)
+            key = (rule.target, rule.recursive)
+            records = kept.get(key)
             if records is None:
                 records = []
-                for fd, identity, cap in old.pop(rule.target, []):
+                for fd, identity, cap in old.pop(key, []):
                     if os.fstat(fd).st_nlink == 0:
                         os.close(fd)
                     else:
@@ -59,13 +64,13 @@ class DeniedObjects:
                         fd = os.open(rule.target, os.O_PATH | os.O_CLOEXEC)
                         st = os.fstat(fd)
                         records.append((fd, (st.st_dev, st.st_ino), rule.deny_cap))
-            kept[rule.target] = [(fd, i, min(cap, rule.deny_cap)) for fd, i, cap in records]
+            kept[key] = [(fd, i, min(cap, rule.deny_cap)) for fd, i, cap in records]
         self._close()  # the rules that went
         self._by_target = kept
-        self._caps = {}
-        for records in kept.values():
+        for (_, recursive), records in kept.items():
+            caps = self._caps if recursive else self._near
             for _, identity, cap in records:
-                self._caps[identity] = min(cap, self._caps.get(identity, Access.WRITE))
+                caps[identity] = min(cap, caps.get(identity, Access.WRITE))
 
     def close(self) -> None:
         with self._lock:
@@ -77,23 +82,27 @@ class DeniedObjects:
                 os.close(fd)
         self._by_target = {}
         self._caps = {}
+        self._near = {}
 
     def check(self, fd: int, name: str, path: str, want: Access) -> None:
         """ScopeDenied if the object behind `fd` (or its entry `name`), or a directory above
         it, is a denied entry that may not give `want`. `path`: where `fd` is now."""
-        caps = self._caps
-        stats = []
+        found = []  # (what is there, how many levels above the object judged)
         if name:
             with contextlib.suppress(OSError):  # not made yet: its directory decides
-                stats.append(os.stat(name, dir_fd=fd, follow_symlinks=False))
-        stats.append(os.fstat(fd))
-        for st in stats:
-            self._refuse_if_capped(caps.get((st.st_dev, st.st_ino)), path, name, want)
+                found.append((os.stat(name, dir_fd=fd, follow_symlinks=False), 0))
+        depth = 1 if name else 0
+        found.append((os.fstat(fd), depth))
         parent = path
         while parent != "/":
             parent = os.path.dirname(parent)
-            st = os.lstat(parent)
-            self._refuse_if_capped(caps.get((st.st_dev, st.st_ino)), path, name, want)
+            depth += 1
+            found.append((os.lstat(parent), depth))
+        for st, above in found:
+            identity = (st.st_dev, st.st_ino)
+            self._refuse_if_capped(self._caps.get(identity), path, name, want)
+            if above <= 1:
+                self._refuse_if_capped(self._near.get(identity), path, name, want)
 
     @staticmethod
     def _refuse_if_capped(cap: Access | None, path: str, name: str, want: Access) -> None:

@@ -190,6 +190,35 @@ def test_children_get_disjoint_delegated_scopes(tree: Env) -> None:
     assert all(c["pid"] > 0 and c["socket"] for c in st["children"])
 
 
+def test_a_non_recursive_child_leaves_the_parent_what_lies_deeper(tree: Env) -> None:
+    # SPEC §3: `recursive = false` is the target and its direct children only; the spawner
+    # loses write there (§9), not in the whole tree below. It lost all of it once.
+    env = tree
+    area = env.work / "d"
+    (area / "e").mkdir(parents=True)
+    env.model.script_model("m-flat", {"text": "flat ready"})
+    spawn = spawn_call("flat", "wait", [])
+    spawn["arguments"]["scope"] = [{"target": str(area), "permission": "write", "recursive": False}]
+    env.model.script(
+        {
+            "tool_calls": [
+                spawn,
+                tool("write_file", path=str(area / "e" / "deep.txt"), content="parent"),
+                tool("write_file", path=str(area / "top.txt"), content="parent"),
+            ]
+        },
+        {"text": "parent done"},
+    )
+    parent = start_parent(env)
+    result = run_and_wait(parent, "go")
+    assert result["outcome"] == "finished", result
+    writes = [r for r in tool_results(parent) if r["name"] == "write_file"]
+    assert not writes[0]["is_error"], writes  # two levels down: still the parent's
+    assert (area / "e" / "deep.txt").read_text() == "parent"
+    assert writes[1]["is_error"] and "outside scope" in writes[1]["output"], writes
+    assert not (area / "top.txt").exists()
+
+
 # --- reports ---------------------------------------------------------------------------------
 
 

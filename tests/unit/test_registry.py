@@ -24,7 +24,7 @@ from poddaemon.registry import (
     process_start_time,
     start_time_of_stat,
 )
-from poddaemon.scope import Scope
+from poddaemon.scope import Access, Rule, Scope
 from tests.conftest import ROOT
 
 # A child that lives until its stdin closes: we decide when it dies, without sleeping.
@@ -438,6 +438,52 @@ def test_child_inside_parent_is_delegation(reg: Registry) -> None:
     assert reg.release("kid", os.getpid())
     parent = reg.get("parent")
     assert parent is not None and parent.delegated == ["/w/sib"]
+
+
+def test_a_non_recursive_child_takes_only_its_level_from_the_parent(reg: Registry) -> None:
+    reg.register(entry("parent", scope("/w")))
+    flat = Scope.from_config([("/w/d", "write", False)], cwd="/")
+    reg.register(entry("kid", flat, parent="parent"))
+    parent = reg.get("parent")
+    assert parent is not None
+    assert parent.delegated == ["/w/d"] and parent.delegated_flat == ["/w/d"]
+    mine = parent.effective_scope()
+    # The child's: /w/d and its direct entries. Deeper, the files stay the parent's.
+    assert [mine.access(p).name for p in ("/w/d", "/w/d/f", "/w/d/e/f")] == [
+        "READ",
+        "READ",
+        "WRITE",
+    ]
+    # A sibling may take a tree below the child's level: neither holds it.
+    reg.register(entry("deep", scope("/w/d/e/g"), parent="parent"))
+    parent = reg.get("parent")
+    assert parent is not None and parent.delegated == ["/w/d", "/w/d/e/g"]
+    assert parent.delegated_flat == ["/w/d"]
+    assert parent.effective_scope().access("/w/d/e/g/x").name == "READ"
+    assert reg.release("kid", os.getpid())
+    parent = reg.get("parent")
+    assert parent is not None
+    assert parent.delegated == ["/w/d/e/g"] and parent.delegated_flat == []
+
+
+def test_a_target_delegated_both_ways_is_delegated_whole() -> None:
+    parent = entry("parent", scope("/w"))
+    flat = Rule(target="/w/d", access=Access.WRITE, recursive=False)
+    whole = Rule(target="/w/d", access=Access.WRITE)
+    both = parent.delegating([flat, whole, flat])
+    assert both.delegated == ["/w/d"] and both.delegated_flat == []
+    assert both.effective_scope().access("/w/d/e/f").name == "READ"
+
+
+def test_an_entry_of_an_earlier_version_delegates_whole_trees(runtime: Path) -> None:
+    # pods.json written before `delegated_flat` existed: every area read as a whole tree.
+    old = msgspec.json.encode(entry("parent", scope("/w")))
+    old = old.replace(b'"delegated":[]', b'"delegated":["/w/d"]').replace(
+        b',"delegated_flat":[]', b""
+    )
+    decoded = msgspec.json.decode(old, type=PodEntry)
+    assert decoded.delegated_flat == []
+    assert decoded.effective_scope().access("/w/d/e/f").name == "READ"
 
 
 def test_child_reaching_outside_parent_conflicts_with_parent(reg: Registry) -> None:

@@ -180,6 +180,23 @@ def test_with_delegated_takes_write_only_there(
         assert delegated.access(p) == scope.access(p)
 
 
+@given(scopes(), st.lists(st.tuples(parts_st, st.booleans()), max_size=3), parts_st)
+def test_a_delegated_rule_takes_write_only_where_it_reaches(
+    scope: Scope, areas: list[tuple[Parts, bool]], path: Parts
+) -> None:
+    rules = [Rule(target=to_path(t), access=Access.WRITE, recursive=r) for t, r in areas]
+    delegated = scope.with_delegated(rules)
+    p = to_path(path)
+    # The reference: a non-recursive area is its target and the target's direct entries.
+    reached = any(
+        path[: len(t)] == t and (recursive or len(path) - len(t) <= 1) for t, recursive in areas
+    )
+    if reached:
+        assert delegated.access(p) == min(scope.access(p), Access.READ)
+    else:
+        assert delegated.access(p) == scope.access(p)
+
+
 def test_write_overlap_examples() -> None:
     def w(target: str, recursive: bool = True) -> Rule:
         return Rule(target=target, access=Access.WRITE, recursive=recursive)

@@ -1072,6 +1072,24 @@ async def test_a_denied_entry_moved_or_linked_to_an_allowed_name_stays_denied(ro
     assert (await read(ctx, "public/key")).output == "     1\tpassword=1"
 
 
+async def test_a_non_recursive_deny_caps_its_level_only_even_moved(root: Path) -> None:
+    # SPEC §3: `recursive = false` is the target and its direct children. The record of the
+    # target's identity once capped everything below it, whatever the rule said.
+    (root / "d/e").mkdir(parents=True)
+    (root / "d/top.txt").write_text("top\n")
+    scope = Scope.from_config([(str(root), "write", True)], [(str(root / "d"), "write", False)])
+    ctx = ToolContext(scope=scope, pwd=str(root))
+    for where in ("d", "moved"):
+        out = await call(ctx, "write_file", path=f"{where}/e/{where}.txt", content=where)
+        assert not out.is_error, out.output
+        assert (root / where / "e" / f"{where}.txt").read_text() == where
+        out = await call(ctx, "write_file", path=f"{where}/top.txt", content="no")
+        assert out.is_error and (root / where / "top.txt").read_text() == "top\n", out.output
+        if where == "d":
+            (root / "d").rename(root / "moved")  # as a command may: its entries stay capped
+    assert "a denied entry moved or linked there" in out.output
+
+
 async def test_a_deny_target_made_or_replaced_after_start_stays_denied_when_moved(
     root: Path,
 ) -> None:
