@@ -388,7 +388,7 @@ def _claim_and_serve(
     if problem:
         raise StartupError(problem)
     registry = Registry(runtime, sessions_dir=paths.sessions_dir())
-    session_id = _session_to_restore(args, name)
+    session_id = _session_to_restore(args, name, registry)
     try:
         parent, spawner_entry = _spawner(args, registry)
     except RegistryError as exc:  # a corrupt pods.json, read for the spawner: as register says
@@ -691,7 +691,7 @@ def _sandbox(manifest: "Manifest", scope: "Scope", pwd: str, scripts: list[str])
         raise StartupError(f"{manifest.source}: {exc}") from None
 
 
-def _session_to_restore(args: "argparse.Namespace", name: str) -> str | None:
+def _session_to_restore(args: "argparse.Namespace", name: str, registry: Any) -> str | None:
     if args.session:
         from poddaemon.store.file import session_path
 
@@ -728,6 +728,16 @@ def _session_to_restore(args: "argparse.Namespace", name: str) -> str | None:
                 "line is damaged (`podctl sessions verify` names it): repair it, or start with "
                 "--session ID"
             )
+        held = _last_held_session(registry, name)
+        if held in unreadable:
+            # Its own, by what it held when it died: starting without it would leave what it
+            # acknowledged there unprocessed (SPEC §8: an error, not a skip).
+            raise StartupError(
+                f"--resume: session {held}, which pod {name!r} held when it stopped (its entry "
+                "in pods.json says so), has a damaged first line (`podctl sessions verify` "
+                "names it): what it acknowledged is there; repair it, or move it out of "
+                f"{paths.sessions_dir()} to start without it"
+            )
         if unreadable:
             which = f"continuing {found}, but" if found else "no session of this pod, and"
             _warn(
@@ -738,6 +748,20 @@ def _session_to_restore(args: "argparse.Namespace", name: str) -> str | None:
             )
         return found  # None: no session yet, so start one (a unit always passes --resume)
     return None
+
+
+def _last_held_session(registry: Any, name: str) -> str | None:
+    """The session the last process of `name` held, when its entry is still in pods.json and
+    that process is gone (a crash: no later transaction reclaimed the entry yet)."""
+    from poddaemon.registry import RegistryError, is_alive
+
+    try:
+        entry = registry.entry(name)
+    except RegistryError:  # a corrupt registry: register says so next
+        return None
+    if entry is None or is_alive(entry):
+        return None
+    return str(entry.session) if entry.session is not None else None
 
 
 def _serve(

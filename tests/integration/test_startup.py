@@ -366,6 +366,29 @@ def test_resume_names_the_newer_sessions_that_name_no_pod(env: Env) -> None:
     assert again.stop() == 0
 
 
+def test_resume_refuses_to_start_afresh_past_the_damaged_session_the_pod_held(env: Env) -> None:
+    """Killed with a run acknowledged, then its only session's first line damaged: --resume
+    started a new, empty session (exit 0, a warning) and the run was never processed. The
+    entry the dead pod left in pods.json names that session: the start is refused, naming it."""
+    env.model.script({"text": "held", "gate": "g"})
+    first = env.start("dmgheld")
+    first.call("run", input="held at the model")
+    queued = first.call("run", input="acknowledged, then a crash")
+    assert queued["state"] == "queued"
+    sid = first.call("status")["session_id"]
+    first.kill9()
+    path = env.home / "data" / "sessions" / f"{sid}.jsonl"
+    damaged = b"[" + path.read_bytes()[1:]
+    path.write_bytes(damaged)
+    with pytest.raises(StartFailed) as failed:
+        env.restart(first, "--resume")
+    assert failed.value.code == EXIT_REFUSED  # starting it again changes nothing
+    said = f"--resume: session {sid}, which pod 'dmgheld' held when it stopped"
+    assert said in failed.value.stderr
+    assert path.read_bytes() == damaged  # nothing written into it, no new session either
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
 def test_resume_refuses_to_continue_a_session_a_damaged_one_continues(env: Env) -> None:
     """The compacted session's first line damaged, --resume took the session it was compacted
     from as the pod's newest again and wrote on in it: what the compacted one acknowledged
