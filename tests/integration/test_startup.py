@@ -380,13 +380,14 @@ def test_resume_refuses_to_start_afresh_past_the_damaged_session_the_pod_held(en
     path = env.home / "data" / "sessions" / f"{sid}.jsonl"
     damaged = b"[" + path.read_bytes()[1:]
     path.write_bytes(damaged)
+    files = sorted(path.parent.iterdir())
     with pytest.raises(StartFailed) as failed:
         env.restart(first, "--resume")
     assert failed.value.code == EXIT_REFUSED  # starting it again changes nothing
     said = f"--resume: session {sid}, which pod 'dmgheld' held when it stopped"
     assert said in failed.value.stderr
     assert path.read_bytes() == damaged  # nothing written into it, no new session either
-    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert sorted(path.parent.iterdir()) == files
 
 
 def test_resume_refuses_to_continue_a_session_a_damaged_one_continues(env: Env) -> None:
