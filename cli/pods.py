@@ -202,18 +202,53 @@ def _released(name: str, pid: int | None, sock: str, deadline: float) -> bool:
         time.sleep(POLL)
 
 
+def _children_of(name: str) -> list[str]:
+    """The children a pod says it has; [] when it cannot be asked (the registry still tells)."""
+    from protocol.client import PodClient
+    from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
+
+    try:
+        with PodClient.connect(name, timeout=STOP_TIMEOUT) as client:
+            return [c.name for c in client.status().children]
+    except (PodNotRunning, ConnectionClosed, RpcError, OSError):  # OSError: a timeout too
+        return []
+
+
+def _descendants(name: str, children: list[str], seen: set[str]) -> list[tuple[int, str]]:
+    """The pods below `name` with their depth, walked breadth first: those each pod names its
+    children and those the registry names its children (a child the pod lost track of is still
+    its descendant). Adds them to `seen`, so parents that name each other end the walk."""
+    by_parent: dict[str, set[str]] = {}
+    for entry in _registry_entries().values():
+        if entry.parent:
+            by_parent.setdefault(entry.parent, set()).add(entry.name)
+    found: list[tuple[int, str]] = []
+    level, depth = [(name, set(children))], 0
+    while level:
+        depth += 1
+        below: list[tuple[str, set[str]]] = []
+        for parent, named in level:
+            for child in sorted(named | by_parent.get(parent, set())):
+                if child not in seen:
+                    seen.add(child)
+                    found.append((depth, child))
+                    below.append((child, set(_children_of(child))))
+        level = below
+    return found
+
+
 def _stop_descendants(name: str, children: list[str], seen: set[str] | None = None) -> list[str]:
-    """`stop --tree`: the pod's children, each with its own subtree, deepest first. The
-    registry too: a child the pod lost track of is still its descendant. Returns those that
-    did not stop (each has said why). `seen`: the pods of this tree walked already; parents
-    that name each other in a cycle recursed until RecursionError (a traceback)."""
+    """`stop --tree`: the pod's descendants, deepest first (SPEC §9): the whole tree is walked
+    before any pod is asked to stop, so no pod stops while a deeper one of another branch
+    runs. Each is stopped with `tree` still set, which also stops a child it spawned after the
+    walk (the walked ones are in `seen`, and gone). Returns those that did not stop (each has
+    said why)."""
     seen = set() if seen is None else seen
     seen.add(name)
-    known = {e.name for e in _registry_entries().values() if e.parent == name}
+    found = _descendants(name, children, seen)
     left: list[str] = []
-    for child in sorted(known | set(children)):
-        if child not in seen:
-            left += _stop(child, tree=True, top=False, seen=seen)
+    for _, child in sorted(found, key=lambda found: -found[0]):  # stable: by name within a depth
+        left += _stop(child, tree=True, top=False, seen=seen)
     return left
 
 

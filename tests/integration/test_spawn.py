@@ -970,6 +970,29 @@ def test_stop_tree_stops_a_descendant_that_cannot_answer_and_names_one_that_stay
         stubborn.wait()
 
 
+def test_stop_tree_stops_every_branch_deepest_first(tree: Env) -> None:
+    """SPEC §9: "deepest first" across branches. `root` has a leaf `a` and a branch `b` with
+    its own child `b1`: `stop --tree` stopped each child's subtree in turn (a, b1, b), so `a`
+    stopped while `b1`, deeper, still ran. The whole tree is walked first now."""
+    env = tree
+    tree_of = {"root": None, "a": "root", "b": "root", "b1": "b"}
+    procs = {n: subprocess.Popen(["sleep", "60"], start_new_session=True) for n in tree_of}
+    try:
+        registry = Registry(env.home / "run")
+        none = Scope(allow=(), deny=())
+        for name, parent in tree_of.items():
+            entry = make_entry(name, "/nowhere/sock", none, parent=parent, pid=procs[name].pid)
+            registry.register(entry)
+        out = env.podctl("stop", "--tree", "root")
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        assert out.stdout.splitlines() == ["stopped b1", "stopped a", "stopped b", "stopped root"]
+        assert registry.live() == []
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
 def test_stop_tree_of_pods_whose_parents_form_a_cycle_stops_both(tree: Env) -> None:
     """Two registered processes naming each other parent (a registry not written by a real
     spawn, or names reused after their pods went): `stop --tree` recursed from one to the
