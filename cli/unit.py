@@ -428,10 +428,27 @@ def _xdg_pins(manager_env: dict[str, str], environment: dict[str, str]) -> dict[
     }
 
 
-def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple[str, bool]:
-    """Write and load the unit; with `now`, enable and start it. Returns the pod's name and
+def installed_from(unit: Path) -> str | None:
+    """The manifest an installed unit runs, as its first line names it; None when there is no
+    such unit or it was not written by `unit install`."""
+    try:
+        with unit.open(encoding="utf-8", errors="replace") as f:
+            first = f.readline().rstrip("\n")
+    except OSError:
+        return None
+    head = f"{MARKER} from "
+    if not first.startswith(head) or not first.endswith("."):
+        return None
+    return first[len(head) : -1]
+
+
+def install(
+    manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC
+) -> tuple[str, bool, str | None]:
+    """Write and load the unit; with `now`, enable and start it. Returns the pod's name,
     whether its unit was running already (then nothing was started: the pod keeps the unit
-    and manifest it started with until its next start)."""
+    and manifest it started with until its next start), and the other manifest the unit it
+    replaced ran, if it ran another (two manifests that name the same pod)."""
     from poddaemon.config.load import ManifestError, load_manifest
     from protocol import paths
 
@@ -471,6 +488,8 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
     text = render_unit(pod, path, executable, config, environment, watchdog_sec)
     target = unit_path(pod, manager_env)
     target.parent.mkdir(parents=True, exist_ok=True)
+    before = installed_from(target)
+    replaced = before if before is not None and before != str(path) else None
     tmp = target.with_name(f".{target.name}.tmp")
     tmp.write_text(text)
     os.replace(tmp, target)
@@ -484,7 +503,7 @@ def install(manifest: str, now: bool, watchdog_sec: int = WATCHDOG_SEC) -> tuple
             then=f"It stays installed and enabled: fix that, then `systemctl --user restart "
             f"{unit_name(pod)}`, or `podctl unit remove` it.",
         )
-    return pod, running
+    return pod, running, replaced
 
 
 def start_unit(unit: str, *how: str, then: str) -> None:
@@ -676,9 +695,13 @@ def install_cmd(
 
         fail("MANIFEST is empty: give the path of a pod's manifest", EXIT_USAGE)
     try:
-        pod, running = install(manifest, now, watchdog)
+        pod, running, replaced = install(manifest, now, watchdog)
     except UnitError as exc:
         _fail(str(exc))
+    if replaced is not None:  # two manifests name this pod: the last one installed wins
+        sys.stderr.write(
+            f"podctl: warning: replaced the unit of pod '{pod}', which ran {replaced}\n"
+        )
     if running:  # systemd starts nothing for a running unit: say so, not "started"
         sys.stdout.write(
             f"{unit_path(pod)} (enabled; it was already running and keeps its old unit and "

@@ -408,6 +408,25 @@ def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socke
     assert sd.prop("edited", "ActiveState") == "active"
 
 
+def test_install_of_another_manifest_naming_the_same_pod_says_it_replaced_the_unit(
+    sd: Sd,
+) -> None:
+    """Two manifests that name the same pod share one unit: installing the second replaced
+    the first one's unit without a word. Reinstalling the same manifest says nothing more."""
+    sd.write_env(FAKE_API_KEY="test-key")
+    first = sd.env.manifest("twin")
+    second = first.with_name("twin-copy.toml")
+    second.write_text(first.read_text())
+    assert sd.podctl("unit", "install", str(first)).returncode == 0
+    again = sd.podctl("unit", "install", str(first))
+    assert again.returncode == 0 and "replaced" not in again.stderr, again.stderr
+    out = sd.podctl("unit", "install", str(second))
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == f"podctl: warning: replaced the unit of pod 'twin', which ran {first}\n"
+    unit = (units_dir(sd) / "poddaemon-twin.service").read_text()
+    assert f" run {second} --resume" in unit
+
+
 def test_install_now_of_a_running_unit_says_it_was_not_restarted(sd: Sd) -> None:
     """`enable --now` starts nothing for a unit that runs: the pod keeps its old unit (here its
     watchdog) and manifest. install --now said "(enabled and started)" all the same."""
