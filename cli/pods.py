@@ -202,53 +202,64 @@ def _released(name: str, pid: int | None, sock: str, deadline: float) -> bool:
         time.sleep(POLL)
 
 
-def _children_of(name: str) -> list[str]:
-    """The children a pod says it has; [] when it cannot be asked (the registry still tells)."""
+def _children_of(name: str) -> list[str] | None:
+    """The children a pod says it has: [] when it is not there to ask (the registry still
+    tells), None when it did not answer in time."""
     from protocol.client import PodClient
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     try:
         with PodClient.connect(name, timeout=STOP_TIMEOUT) as client:
             return [c.name for c in client.status().children]
-    except (PodNotRunning, ConnectionClosed, RpcError, OSError):  # OSError: a timeout too
+    except TimeoutError:
+        return None
+    except (PodNotRunning, ConnectionClosed, RpcError, OSError):
         return []
 
 
-def _descendants(name: str, children: list[str], seen: set[str]) -> list[tuple[int, str]]:
-    """The pods below `name` with their depth, walked breadth first: those each pod names its
-    children and those the registry names its children (a child the pod lost track of is still
-    its descendant). Adds them to `seen`, so parents that name each other end the walk."""
+def _descendants(
+    name: str, children: list[str], seen: set[str]
+) -> tuple[list[tuple[int, str]], set[str]]:
+    """The pods below `name` with their depth, walked breadth first, and those of them that
+    did not answer. A pod's children are those it names and those the registry names (a child
+    the pod lost track of is still its descendant). Adds them to `seen`, so parents that name
+    each other end the walk."""
     by_parent: dict[str, set[str]] = {}
     for entry in _registry_entries().values():
         if entry.parent:
             by_parent.setdefault(entry.parent, set()).add(entry.name)
     found: list[tuple[int, str]] = []
+    unanswered: set[str] = set()
     level, depth = [(name, set(children))], 0
     while level:
         depth += 1
         below: list[tuple[str, set[str]]] = []
         for parent, named in level:
             for child in sorted(named | by_parent.get(parent, set())):
-                if child not in seen:
-                    seen.add(child)
-                    found.append((depth, child))
-                    below.append((child, set(_children_of(child))))
+                if child in seen:
+                    continue
+                seen.add(child)
+                found.append((depth, child))
+                its = _children_of(child)
+                if its is None:
+                    unanswered.add(child)
+                below.append((child, set(its or ())))
         level = below
-    return found
+    return found, unanswered
 
 
 def _stop_descendants(name: str, children: list[str], seen: set[str] | None = None) -> list[str]:
     """`stop --tree`: the pod's descendants, deepest first (SPEC §9): the whole tree is walked
     before any pod is asked to stop, so no pod stops while a deeper one of another branch
     runs. Each is stopped with `tree` still set, which also stops a child it spawned after the
-    walk (the walked ones are in `seen`, and gone). Returns those that did not stop (each has
-    said why)."""
+    walk (the walked ones are in `seen`, and gone); one that did not answer the walk is not
+    asked again, to wait as long again. Returns those that did not stop (each said why)."""
     seen = set() if seen is None else seen
     seen.add(name)
-    found = _descendants(name, children, seen)
+    found, unanswered = _descendants(name, children, seen)
     left: list[str] = []
     for _, child in sorted(found, key=lambda found: -found[0]):  # stable: by name within a depth
-        left += _stop(child, tree=True, top=False, seen=seen)
+        left += _stop(child, tree=True, top=False, unanswered=child in unanswered, seen=seen)
     return left
 
 
