@@ -180,16 +180,21 @@ def status(
 
 def _released(name: str, pid: int | None, sock: str, deadline: float) -> bool:
     """Poll until the pod is gone and its registry claim (name and scope) is free; False at the
-    deadline. Gone: its socket was removed, or its process ended."""
+    deadline. Gone: its process ended (so its last log line, "shut down", is written), or,
+    its pid unknown, its socket was removed."""
     import os
     import time
 
     from poddaemon.registry import Registry, RegistryError, process_start_time
     from protocol import paths
 
+    started = process_start_time(pid) if pid is not None else None  # (a pid reused is not it)
     registry = Registry(paths.runtime_dir())
     while True:
-        gone = not os.path.exists(sock) or (pid is not None and process_start_time(pid) is None)
+        if pid is None:
+            gone = not os.path.exists(sock)
+        else:
+            gone = started is None or process_start_time(pid) != started
         if gone:
             try:
                 entry = registry.get(name)  # None once released, or when its process is dead

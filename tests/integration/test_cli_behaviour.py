@@ -644,9 +644,14 @@ def test_stop_then_spawn_succeeds_every_time(cleanup: Env) -> None:
         assert queued.returncode == 0, queued.stderr
         if attempt % 2:
             env.model.wait_for_requests(before + 1)
+        pid = registry.get("again").pid  # type: ignore[union-attr]
         stopped = env.podctl("stop", "again")
         assert (stopped.returncode, stopped.stdout) == (0, "stopped again\n"), stopped.stderr
         assert registry.get("again") is None, f"attempt {attempt}: still registered after stop"
+        # Stopped means ended: its last line is written (`stop && logs` missed it).
+        assert not alive(pid), f"attempt {attempt}: pid {pid} still running after stop"
+        last = env.podctl("logs", "again").stdout.splitlines()[-1]
+        assert last.endswith("shut down"), last
     assert env.podctl("spawn", str(manifest)).returncode == 0
     assert env.podctl("stop", "again").returncode == 0
 
