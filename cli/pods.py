@@ -383,7 +383,7 @@ def stop(
     pod: PodArg,
     tree: Annotated[bool, typer.Option("--tree", help="Stop its descendants first.")] = False,
 ) -> None:
-    """Shut a pod down; wait until its name is free.
+    """Shut a pod down; wait until it has exited and its name is free.
 
     Returns once the pod is gone and its name and scope are free in the registry, so a
     `podctl spawn` of the same manifest right after it succeeds. A unit-managed pod: its unit
