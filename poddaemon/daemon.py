@@ -1168,9 +1168,8 @@ def _shared_with_others(path: str) -> str | None:
 
 def _warn(message: str) -> None:
     """A start-up warning on stderr, where `podctl spawn` shows it to the user."""
-    line = f"poddaemon: warning: {message}"
-    _said_before_ready.keep(line)
-    _say(line)
+    _said_before_ready.keep_warning(message)
+    _say(f"poddaemon: warning: {message}")
 
 
 def _say(line: str) -> None:
@@ -1204,6 +1203,13 @@ class _SaidBeforeReady(logging.Handler):
     def keep(self, line: str) -> None:
         if self.lines is not None:
             self.lines.append(line)
+
+    def keep_warning(self, message: str) -> None:
+        """A warning said on stderr as a plain line: kept as a log record of its time, stamped
+        like the lines around it in stderr.log (`podctl logs --since` dropped it unstamped)."""
+        if self.lines is not None:
+            record = logging.LogRecord("poddaemon", logging.WARNING, "", 0, message, None, None)
+            self.keep(self.format(record))
 
     def emit(self, record: logging.LogRecord) -> None:
         self.keep(self.format(record))

@@ -5,6 +5,7 @@ Each test drives real `poddaemon` / `podctl` processes against the fake model.
 
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -101,6 +102,24 @@ def test_a_pod_whose_starter_went_before_ready_runs_on(env: Env, warned: bool) -
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_a_start_up_warning_is_stamped_in_the_pods_log_and_shown_since(env: Env) -> None:
+    """A warning said before READY is said again at the top of stderr.log: it was the plain
+    stderr line, with no time nor pid, so `podctl logs --since` left it out (SPEC §6: the
+    pod's lines, with timestamps)."""
+    missing = str(env.home / "not-there")
+    path = env.manifest("warned", read=[missing])
+    spawned = env.podctl("spawn", str(path))
+    try:
+        assert spawned.returncode == 0, spawned.stderr
+        assert f"poddaemon: warning: {path}: " in spawned.stderr  # the terminal's, as it was
+        shown = env.podctl("logs", "warned", "--since", "5m")
+        assert shown.returncode == 0, shown.stderr
+        (line,) = [line for line in shown.stdout.splitlines() if f"{missing} does not" in line]
+        assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} poddaemon\[\d+\] WARNING ", line)
+    finally:
+        env.podctl("stop", "warned")
 
 
 def answers(sock: Path) -> bool:
