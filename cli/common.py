@@ -258,7 +258,7 @@ def not_utf8(exc: UnicodeEncodeError, what: str = "an argument") -> NoReturn:
 # Said when a pod that was sent input does not answer: stopped or wedged, it still reads its
 # socket once it runs again, so "failed" would invite a retry that delivers the input twice.
 INPUTS = ("run", "notify")  # the methods that hand a pod input (its acknowledgement counts)
-UNANSWERED_INPUT = "; it may still take what was sent once it runs again"
+UNANSWERED_INPUT = "; it may have taken what was sent, or take it once it runs again"
 
 
 @contextlib.contextmanager
