@@ -17,7 +17,7 @@ import re
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -152,17 +152,23 @@ class StdioProcess:
         return text if len(text) <= limit else "…" + text[-limit:]
 
     async def stop(self, grace: float = STOP_GRACE) -> None:
-        """EOF on stdin, `grace` seconds to exit, then the guard kills the group."""
+        """EOF on stdin, `grace` seconds to exit, then the guard kills the group.
+
+        Often awaited in a task being cancelled (a holder's cleanup): there, on Python 3.11,
+        an `asyncio.timeout` that expires raises CancelledError, not TimeoutError, and the
+        kill after it never ran (a server that ignored EOF outlived its failed start until the
+        pod stopped). So the waits are bounded by `asyncio.wait`, and the kill comes whatever
+        happens to them."""
         if self.proc.stdin is not None and not self.proc.stdin.is_closing():
             self.proc.stdin.close()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace):
-                await self.gone.wait()
-        self.kill()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace):
-                await self.proc.wait()
-        self._reader.cancel()
+        try:
+            await _within(self.gone.wait(), grace)
+        finally:
+            self.kill()
+            try:
+                await _within(self.proc.wait(), grace)
+            finally:
+                self._reader.cancel()
         await asyncio.wait({self._reader})  # (its cancellation is not raised here; ours is)
 
     def kill(self) -> None:
@@ -180,6 +186,15 @@ class StdioProcess:
         # the guard's group and session, so their id, the guard's pid, is not free for reuse.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+async def _within(waiting: Coroutine[Any, Any, Any], seconds: float) -> None:
+    """Await `waiting` for at most `seconds` without cancelling the caller (see `stop`)."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        await asyncio.wait({task}, timeout=seconds)
+    finally:
+        task.cancel()
 
 
 _ID = re.compile(rb'"id"\s*:\s*(-?\d{1,18}|"(?:[^"\\]|\\.){0,200}")')

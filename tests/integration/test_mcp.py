@@ -174,6 +174,33 @@ def test_a_server_that_fails_to_start_is_an_alert_and_its_tools_are_absent(env: 
     assert "t__add" in tools and not [t for t in tools if t.startswith("broken__")]
 
 
+def _pids_of(marker: str) -> list[int]:
+    """Live processes whose command line holds `marker`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes() and alive(int(pid)):
+                found.append(int(pid))
+    return found
+
+
+def test_a_server_that_never_starts_is_stopped_not_left_running_with_the_pod(env: Env) -> None:
+    """A server that never answers `initialize` and ignores EOF (it does not read stdin): the
+    pod gave up on it at `start_timeout` and said so, but the server and its guard ran on until
+    the pod stopped. Its holder's cleanup, running in a cancelled task, waited with
+    asyncio.timeout, which on Python 3.11 raises CancelledError there instead of TimeoutError:
+    the kill after it never ran."""
+    marker = f"never-starts-{os.getpid()}"
+    hang = f"import time; time.sleep(600)  # {marker}"
+    pod = env.start(
+        "stuckmcp", extra=server_toml("hang", script="-c", args=(hang,), start_timeout=1)
+    )
+    assert any("MCP server 'hang' failed to start" in m for m in alerts(pod)), alerts(pod)
+    # GIVE_UP (5 s) past start_timeout is the bound the pod gives a server it gave up on.
+    wait_until(lambda: not _pids_of(marker), 15, "the server that never started to be stopped")
+    assert pod.call("status")["state"] == "idle"  # the pod runs on without it
+
+
 def test_a_server_whose_tool_list_is_not_a_list_fails_to_start_and_says_so(env: Env) -> None:
     """Found by QA: `{"tools": "nope"}` was read as no tools, with no alert and status
     saying `ready (0 tools)`."""
