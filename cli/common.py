@@ -448,12 +448,13 @@ def failed_unit(name: str) -> str:
 
 
 class UnitRestart:
-    """Input for a unit pod that systemd is restarting (its unit `activating`: a crash's
-    RestartSec=, then start-up until READY) waits for the pod to listen again, within the
-    time podctl gives a pod to acknowledge input. Between a crash and its restart `send` and
-    `notify` said "not running" (exit 3) for the seconds it lasts, to a timer unit or a CI hook
-    too, where `wait` and `stop` saw the same pod being restarted. A pod that is not
-    listening was sent nothing, so sending again delivers the input once."""
+    """Input for a pod that does not listen yet but will: one still starting (its SessionStart
+    hooks or MCP servers at work: it holds its registry entry), or a unit pod that systemd is
+    restarting (its unit `activating`: a crash's RestartSec=, then start-up until READY). It
+    waits for the pod to listen, within the time podctl gives a pod to acknowledge input.
+    Before, `send` and `notify` said "not running" (exit 3) for the seconds it lasts, to a
+    timer unit or a CI hook too, where `wait` and `stop` saw the same pod starting. A pod
+    that is not listening was sent nothing, so sending again delivers the input once."""
 
     def __init__(self, target: str, timeout: float | None) -> None:
         import time
@@ -462,10 +463,11 @@ class UnitRestart:
         self.deadline = time.monotonic() + (ANSWER_TIMEOUT if timeout is None else timeout)
         self.unit: str | None = None  # once seen restarting
         self.grace = 0.0  # until when another answer is taken for a moment of that restart
+        self.said = False  # that it waits for a starting pod
 
     def waited(self) -> bool:
-        """True after a short wait while systemd restarts the pod's unit; False when it does
-        not (no unit, stopped, failed, given up on) or the time is up."""
+        """True after a short wait while the pod starts or systemd restarts its unit; False
+        when neither (no such pod, its unit stopped, failed, given up on) or the time is up."""
         import time
 
         now = time.monotonic()
@@ -473,9 +475,16 @@ class UnitRestart:
             return False
         unit = restarting_unit(self.target)
         if unit is None:
+            if starting(self.target):
+                if not self.said:
+                    self.said = True
+                    sys.stderr.write(
+                        f"podctl: pod '{self.target}' is starting; waiting until it listens\n"
+                    )
+                    sys.stderr.flush()
             # Seen restarting a moment ago: its unit `active` before the pod listens to us,
             # or a systemctl that failed under load, is no proof that it will not.
-            if self.unit is None or now >= self.grace:
+            elif self.unit is None or now >= self.grace:
                 return False
         else:
             if self.unit is None:

@@ -255,18 +255,47 @@ def registered_not_listening(env: Env, name: str) -> Iterator[None]:
 
 
 def test_a_pod_still_starting_is_said_to_be_starting_not_not_running(env: Env) -> None:
-    """`podctl status|send|notify` of a pod that `ls` lists as starting said "is not running:
-    no socket at …", which `ls` contradicted. Still exit 3 (it cannot take the request yet),
-    with what is going on and how to wait for it; a pod without an entry is not running."""
+    """`podctl status` of a pod that `ls` lists as starting said "is not running: no socket at
+    …", which `ls` contradicted. Still exit 3 (it cannot answer yet), with what is going on
+    and how to wait for it; a pod without an entry is not running."""
     with registered_not_listening(env, "slow"):
-        told = [env.podctl(*args) for args in (("status", "slow"), ("notify", "slow", "hi"))]
-    for done in told:
-        assert done.returncode == 3, done.stderr
-        assert done.stderr == (
-            "podctl: pod 'slow' is starting: its socket does not listen yet (podctl wait slow)\n"
-        )
+        told = env.podctl("status", "slow")
+    assert told.returncode == 3, told.stderr
+    assert told.stderr == (
+        "podctl: pod 'slow' is starting: its socket does not listen yet (podctl wait slow)\n"
+    )
     gone = env.podctl("status", "slow")
     assert gone.returncode == 3 and "'slow' is not running" in gone.stderr, gone.stderr
+
+
+def test_notify_and_send_to_a_pod_still_starting_wait_until_it_listens(env: Env) -> None:
+    """A pod whose optional MCP server is slow to start listens only after it: `notify` and
+    `send` in the meantime (a CI hook, a cron job) exited 3 at once and the event was lost to
+    a script that does not retry, though the pod was running and took input seconds later.
+    They wait for it now, as they wait for a unit pod that systemd restarts."""
+    hang = "import time; time.sleep(600)"
+    extra = f"""
+[[mcp.servers]]
+name = "slow"
+command = {json.dumps([sys.executable, "-c", hang])}
+start_timeout = 3
+"""
+    proc = env.popen(str(env.manifest("slowmcp", extra=extra)))
+    try:
+        pid_file = env.home / "run" / "pods" / "slowmcp" / "pid"
+        wait_until(pid_file.exists, 20, "the pod's claim")
+        assert env.podctl("status", "slowmcp").returncode == 3  # not listening yet
+        notified = env.podctl("notify", "slowmcp", "build 7 failed")
+        assert notified.returncode == 0, notified.stderr
+        assert notified.stderr.startswith(
+            "podctl: pod 'slowmcp' is starting; waiting until it listens\n"
+        ), notified.stderr
+        history = env.podctl("history", "slowmcp", "--json")
+        items = [e for e in json.loads(history.stdout)["entries"] if e["kind"] == "system_item"]
+        assert [e["text"] for e in items] == ["build 7 failed"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def test_wait_waits_for_a_pod_that_is_still_starting(env: Env) -> None:
