@@ -154,6 +154,7 @@ class McpConnection:
         started: asyncio.Future[list[Any]] = loop.create_future()
         self._lost = asyncio.Event()
         self._usable = asyncio.Event()
+        before = self._process  # an earlier connection's, until this one's has started
         self._holder = holder = asyncio.create_task(self._hold(started), name=f"mcp:{self.name}")
         try:
             async with asyncio.timeout(self.cfg.start_timeout):
@@ -163,9 +164,10 @@ class McpConnection:
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 async with asyncio.timeout(GIVE_UP):
                     await holder
-            raise StartFailed(
-                self._with_stderr(f"did not start within {self.cfg.start_timeout:g} s")
-            ) from None
+            why = f"did not start within {self.cfg.start_timeout:g} s"
+            if self._process is not None and self._process is not before:
+                why += self._process.stray_lines()
+            raise StartFailed(self._with_stderr(why)) from None
         except asyncio.CancelledError:
             holder.cancel()
             raise

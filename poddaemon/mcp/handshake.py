@@ -111,6 +111,7 @@ class _Lines:
     """Newline-delimited JSON-RPC on the server's pipes, one request at a time."""
 
     def __init__(self, process: StdioProcess) -> None:
+        self._process = process
         proc = process.proc
         assert proc.stdin is not None and proc.stdout is not None
         self._stdin = proc.stdin
@@ -145,6 +146,8 @@ class _Lines:
                     raise HandshakeError(
                         f"{method}: the server's reply cannot be read ({exc})"
                     ) from None
+                if len(self._process.stray) < 100:  # (said if the start fails)
+                    self._process.stray.append(line[:200])
                 continue  # a stray line on stdout; the SDK's transport skips them too
             # A batch (an array of messages) is its messages, in order: found by QA, a server
             # answering in batches was skipped here, and its start waited out start_timeout.

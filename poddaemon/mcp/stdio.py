@@ -63,6 +63,7 @@ class StdioProcess:
         # Set when stderr reaches EOF: the guard has exited, so has the server's whole group.
         self.gone = asyncio.Event()
         self.heard = 0.0  # when the server last sent a line on stdout (monotonic)
+        self.stray: list[bytes] = []  # lines on stdout during start-up that were not JSON
         self._stderr_transport = stderr_transport
         self._reader = asyncio.ensure_future(self._read_stderr(stderr))
 
@@ -146,6 +147,15 @@ class StdioProcess:
         self._dropped = 0
         self._flooding = False
         self._reported = time.monotonic()
+
+    def stray_lines(self) -> str:
+        """What a server that did not start printed on stdout that was not JSON (it answered
+        `initialize` with it, or its replies are not newline-delimited): "" if nothing."""
+        if not self.stray:
+            return ""
+        first = self.stray[0].decode("utf-8", "replace").strip()
+        first = first if len(first) <= 80 else first[:80] + "…"
+        return f"; its stdout held {len(self.stray)} line(s) not JSON (the first: {first!r})"
 
     def stderr_tail(self, lines: int = 3, limit: int = 400) -> str:
         text = " | ".join(list(self.tail)[-lines:])

@@ -201,6 +201,18 @@ def test_a_server_that_never_starts_is_stopped_not_left_running_with_the_pod(env
     assert pod.call("status")["state"] == "idle"  # the pod runs on without it
 
 
+def test_a_server_that_answers_initialize_with_lines_not_json_says_so(env: Env) -> None:
+    """A server whose replies are not JSON lines (a logger on stdout, another framing) fails
+    its start by the timeout; the alert said only "did not start within …" and the guard's
+    last words, not what the server had printed instead."""
+    chatty = "import sys\nfor _ in sys.stdin: print('Listening on port 8080', flush=True)"
+    extra = server_toml("chatty", script="-c", args=(chatty,), start_timeout=1)
+    pod = env.start("chattymcp", extra=extra)
+    (said,) = [m for m in alerts(pod) if "MCP server 'chatty'" in m]
+    assert "did not start within 1 s; its stdout held 1 line(s) not JSON" in said, said
+    assert "(the first: 'Listening on port 8080')" in said, said
+
+
 def test_a_server_whose_tool_list_is_not_a_list_fails_to_start_and_says_so(env: Env) -> None:
     """Found by QA: `{"tools": "nope"}` was read as no tools, with no alert and status
     saying `ready (0 tools)`."""
