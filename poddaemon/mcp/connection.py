@@ -42,6 +42,7 @@ Alert = Callable[[str, str, str], None]  # (level, source, message), as the pod'
 MAX_PAGES = 100  # tools/list pages followed; a paginator that never ends cannot hang start-up
 CALL_MARGIN = 5.0  # seconds past `timeout` after which a call is abandoned even if the SDK hangs
 PING_TIMEOUT = 2.0  # after a call timed out: a server that cannot answer a ping in this is hung
+SAID_ONE_BY_ONE = 10  # tools that cannot be offered, one alert each; the rest in one more
 GIVE_UP = 5.0  # seconds past `start_timeout` a server that did not start gets to be stopped
 
 FileId = tuple[int, int, int]  # (device, inode, ctime): a rewrite or a rename over it changes it
@@ -283,6 +284,7 @@ class McpConnection:
         listings = collections.Counter(remote for remote, _, _ in entries)
         seen: set[str] = set()
         out: dict[str, McpTool] = {}
+        refused: list[tuple[str, str | None]] = []
         for remote, description, schema in entries:
             if wanted is not None and remote not in wanted:
                 continue
@@ -303,12 +305,7 @@ class McpConnection:
                 why = schema_problem(schema)
             seen.add(remote)
             if why is not None or name is None:
-                self._alert(
-                    "warning",
-                    "mcp",
-                    f"MCP server '{self.name}': tool {remote!r} cannot be offered to the model "
-                    f"({why})",
-                )
+                refused.append((remote, why))
                 continue
             out[name] = McpTool(
                 name=name,
@@ -317,7 +314,28 @@ class McpConnection:
                 parameters=input_schema(schema),
                 call=self.call,
             )
+        self._say_refused(refused)
         return out
+
+    def _say_refused(self, refused: list[tuple[str, str | None]]) -> None:
+        """An alert per tool that cannot be offered, up to SAID_ONE_BY_ONE; then one for the
+        rest (found by QA: a server listing 3,000 over-long names was 3,000 log lines, and as
+        many on `podctl spawn`'s terminal)."""
+        for remote, why in refused[:SAID_ONE_BY_ONE]:
+            self._alert(
+                "warning",
+                "mcp",
+                f"MCP server '{self.name}': tool {remote!r} cannot be offered to the model ({why})",
+            )
+        rest = [remote for remote, _ in refused[SAID_ONE_BY_ONE:]]
+        if rest:
+            named = ", ".join(repr(r[:40]) for r in rest[:3])
+            self._alert(
+                "warning",
+                "mcp",
+                f"MCP server '{self.name}': {len(rest)} more of its tools cannot be offered to "
+                f"the model either ({named}, …)",
+            )
 
     # --- death and restart --------------------------------------------------------------------
 

@@ -457,6 +457,33 @@ def test_a_tool_listed_many_times_is_one_alert() -> None:
     ]
 
 
+def test_thousands_of_tools_that_cannot_be_offered_are_not_an_alert_each() -> None:
+    """Found by QA: a server listing 3,000 over-long names was 3,000 warnings in the log and
+    on `podctl spawn`'s terminal. Ten are said one by one, the rest in one more."""
+    from poddaemon.config.manifest import McpServerConfig
+    from poddaemon.mcp.connection import SAID_ONE_BY_ONE, McpConnection
+
+    said: list[str] = []
+    conn = McpConnection(
+        McpServerConfig(name="s", url="http://127.0.0.1:1/mcp"),
+        None,
+        "/",
+        lambda: None,
+        lambda level, source, message: said.append(message),
+    )
+    long_names = [
+        {"name": f"t{i}" + "x" * 80, "inputSchema": {"type": "object"}} for i in range(3000)
+    ]
+    tools = conn._make_tools([{"name": "ok", "inputSchema": {"type": "object"}}, *long_names])
+    assert set(tools) == {"s__ok"}
+    assert len(said) == SAID_ONE_BY_ONE + 1
+    assert all("too long for the providers" in m for m in said[:SAID_ONE_BY_ONE])
+    assert said[-1].startswith(
+        f"MCP server 's': {3000 - SAID_ONE_BY_ONE} more of its tools cannot be offered to the "
+        "model either ('t10xxxx"
+    ), said[-1]
+
+
 def test_an_sse_batch_is_an_event_per_message_whatever_the_chunks() -> None:
     from poddaemon.mcp.http import SseRewriter
 
