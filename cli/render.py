@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from typing import IO, Any, TypeVar
 
 SUMMARY_WIDTH = 120
+REASON_WIDTH = 400  # why a model call failed: its advice comes last ("does base_url point at …")
 ARGS_WIDTH = 200
 SCOPE_WIDTH = 40
 
@@ -65,7 +66,7 @@ def retry_line(data: Mapping[str, Any]) -> str:
         parts.append(f"in {delay:.1f}s")
     line = " ".join(parts)
     if data.get("error"):
-        line += f": {one_line(str(data['error']))}"
+        line += f": {one_line(str(data['error']), REASON_WIDTH)}"
     return line
 
 

@@ -358,7 +358,7 @@ def test_entry_summaries() -> None:
     ("entry", "shown"),
     [
         ({"kind": "assistant", "item": "a string"}, '2 assistant {"item": "a string"}'),
-        ({"kind": "assistant", "item": {"tool_calls": ["x"]}}, "2 assistant {\"item\": "),
+        ({"kind": "assistant", "item": {"tool_calls": ["x"]}}, '2 assistant {"item": '),
         ({"kind": "tool_result", "item": [1, 2]}, '2 tool_result {"item": [1, 2]}'),
     ],
 )
@@ -491,3 +491,19 @@ def test_json_output_escapes_every_control_character() -> None:
     text = json_text(json.dumps({"t": "a\x7fb\x9bc\x1b"}, ensure_ascii=False))
     assert text == '{"t": "a\\u007fb\\u009bc\\u001b"}'
     assert json.loads(text) == {"t": "a\x7fb\x9bc\x1b"}
+
+
+def test_a_retrys_reason_is_shown_with_its_advice_at_the_end() -> None:
+    """Found by QA: the reason was cut at 120 characters, before the advice that ends it
+    ("does provider.base_url point at the API?"); it was whole only in `attach --json`."""
+    from cli.render import retry_line
+
+    reason = (
+        "stream ended without a finish_reason: the answer (HTTP 200, text/html) held no event; "
+        "does provider.base_url point at the API?"
+    )
+    assert (
+        retry_line({"attempt": 1, "delay": 0.1, "error": reason}) == f"retry #1 in 0.1s: {reason}"
+    )
+    long = "x" * 1000
+    assert len(retry_line({"error": long})) < 420  # still one line of bounded length
