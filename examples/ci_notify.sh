@@ -17,7 +17,7 @@ set -eu
 
 if [ "$#" -ne 2 ]; then
     echo "usage: $0 POD MESSAGE   (MESSAGE '-' reads it from stdin)" >&2
-    exit 64
+    exit 2  # a usage error, as podctl's
 fi
 
 exec "${PODCTL:-podctl}" notify "$1" "$2" --source ci

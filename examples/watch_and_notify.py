@@ -15,6 +15,8 @@ missing file counts as an empty directory, so everything present is reported as 
 `--since EPOCH` instead treats files modified after EPOCH as modified and nothing as removed.
 Without either, the first scan is the baseline. With `--once`, it scans once, notifies if
 anything changed, and exits 0, printing "ID<TAB>N change(s)" (the notification id) or "no changes".
+Exit codes as podctl's: 2 for a usage error, 3 when the pod is not running, 1 when the notify
+failed otherwise.
 """
 
 import argparse
@@ -156,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
             snap = cycle(args, root, snap)
     except KeyboardInterrupt:
         pass
-    except (OSError, PodNotRunning, RpcError, ConnectionClosed) as exc:
+    except PodNotRunning as exc:  # as podctl says it: exit 3
+        print(f"notify failed: {exc}", file=sys.stderr)
+        return 3
+    except (OSError, RpcError, ConnectionClosed) as exc:
         print(f"notify failed: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -986,3 +986,29 @@ def test_ci_notify_script(env: Env) -> None:
     with pod.client() as c:
         (item,) = system_items(c)
     assert (item["id"], item["source"]) == (run.stdout.split()[0], "ci")
+
+
+def test_the_examples_exit_as_podctl_does(env: Env) -> None:
+    """Found by QA: the watcher exited 1 for a pod that is not running and the CI hook 64 for a
+    usage error, where podctl exits 3 and 2: a script around both had two meanings to test."""
+    watched = env.home / "watched"
+    watched.mkdir()
+    (watched / "a.txt").write_text("a")
+    watcher = [sys.executable, str(EXAMPLES / "watch_and_notify.py"), str(watched), "ghost"]
+    ghost = subprocess.run(
+        [*watcher, "--once", "--since", "0"],
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert ghost.returncode == 3, ghost
+    assert ghost.stderr.startswith("notify failed: pod 'ghost' is not running"), ghost.stderr
+    usage = subprocess.run(
+        ["sh", str(EXAMPLES / "ci_notify.sh"), "only-a-pod"],
+        env=env.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: "), usage
