@@ -7,6 +7,7 @@ one-call client of podctl (`protocol.oneshot`) uses this without the rest of the
 import _socket
 import errno
 import os
+import stat
 import struct
 
 from protocol import paths
@@ -65,6 +66,15 @@ def not_running_error(target: str | os.PathLike[str], path: str, exc: OSError) -
     """What `connect` raises when nothing serves `path`, saying where it looked: a user whose
     environment points elsewhere (XDG_RUNTIME_DIR, PODDAEMON_HOME) sees it at once."""
     if isinstance(exc, ConnectionRefusedError):  # a dead pod's socket file, not yet reclaimed
+        try:
+            socket_file = stat.S_ISSOCK(os.stat(path).st_mode)
+        except OSError:
+            socket_file = True  # gone meanwhile: as it was
+        if not socket_file:  # `podctl send pod.toml hi`: a manifest given for the pod
+            hint = " (a manifest? `podctl spawn` it, then name the pod)"
+            return PodNotRunning(
+                os.fspath(target), f"{path} is not a socket{hint if path.endswith('.toml') else ''}"
+            )
         return PodNotRunning(os.fspath(target), f"nothing listens on {path}")
     return PodNotRunning(os.fspath(target), f"no socket at {path}")
 

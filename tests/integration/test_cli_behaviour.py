@@ -208,6 +208,18 @@ def test_ls_lists_unresponsive_pods_and_children_under_their_parent(env: Env) ->
             registry.release(name, os.getpid())
 
 
+def test_a_manifest_given_for_the_pod_is_said_to_be_no_socket(env: Env) -> None:
+    """Found by QA: `podctl send reviewer.toml hi` said "nothing listens on reviewer.toml", as
+    for a dead pod's socket; the file is a manifest, not a pod."""
+    manifest = env.manifest("asked")
+    sent = env.podctl("send", str(manifest), "hi")
+    assert sent.returncode == 3, sent.stderr
+    assert sent.stderr == (
+        f"podctl: pod '{manifest}' is not running: {manifest} is not a socket "
+        "(a manifest? `podctl spawn` it, then name the pod)\n"
+    )
+
+
 def test_status_and_stop_of_a_socket_that_is_no_pods_say_so(env: Env) -> None:
     """A socket under the runtime dir that answers `{}` to `status`: `podctl status` printed an
     empty status and exit 0, and `podctl stop` ended in a KeyError traceback (its unit was
