@@ -917,7 +917,7 @@ def _serve(
 
         def children() -> dict[str, list[Rule]]:  # live ones, and the areas they write
             return {
-                name: list(Scope.from_dicts(c.scope).writable_rules())
+                name: list(c.write_areas())
                 for name, c in pod.machine.state.children.items()
                 if c.live
             }

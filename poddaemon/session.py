@@ -38,6 +38,7 @@ from poddaemon.entries import (
     from_log,
 )
 from poddaemon.history import Item, SystemNote, ToolCall, Usage, UserMessage, item_to_builtins
+from poddaemon.scope import Rule, Scope
 
 # How many notifications one model request shows in full; the rest follow in later rounds.
 MAX_NOTIFICATIONS_PER_REQUEST = 100
@@ -109,6 +110,10 @@ class ChildRecord(msgspec.Struct):
     last_kind: str = ""  # the kind of its last report
     outcome: str | None = None  # of its last reported run
     text: str | None = None
+
+    def write_areas(self) -> tuple[Rule, ...]:
+        """The areas it was given write access to: delegated to it while it lives."""
+        return Scope.from_dicts(self.scope).writable_rules()
 
     def charged(self) -> int:
         """What the spawner's budget counts for it: the grant is reserved while it lives."""

@@ -31,7 +31,7 @@ from poddaemon.entries import SPAWNER_KEY, Entry, OutboxItem, SystemItem
 from poddaemon.machine import FINAL_REPORTS
 from poddaemon.pipes import read_pipe
 from poddaemon.readyline import parse_ready, parse_starting
-from poddaemon.scope import Access, Rule, Scope, resolve
+from poddaemon.scope import Access, Rule, resolve
 from poddaemon.session import KEPT_REPORT_IDS, input_size
 from poddaemon.store.log import new_session_id
 from poddaemon.tools.base import ToolError
@@ -704,14 +704,10 @@ class Children:
     def _delegated(self, path: str) -> bool:
         """`path` lies in a write area a live child holds (not merely outside our scope)."""
         return any(
-            r.get("permission") == "write"
-            and not r.get("deny")
-            and Rule(
-                target=r["target"], access=Access.WRITE, recursive=r.get("recursive", True)
-            ).covers(path)
+            rule.covers(path)
             for record in self.pod.state.children.values()
             if record.live
-            for r in record.scope
+            for rule in record.write_areas()
         )
 
     async def _stop_told(self, child: _Live) -> None:
@@ -808,7 +804,7 @@ class Children:
             rule
             for name in self.live
             if (record := pod.state.children.get(name)) is not None
-            for rule in Scope.from_dicts(record.scope).writable_rules()
+            for rule in record.write_areas()
         ]
         scope = pod.s.scope.with_delegated([*entry.delegated_areas(), *watched])
         if scope != pod.scope:
