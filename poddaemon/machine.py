@@ -119,6 +119,12 @@ CANCEL_NOTE = (
     "short, and what it had not done yet was not done."
 )
 
+# What the model reads in a pod started from a copy of a session whose work is another's.
+COPY_NOTE = (
+    "This conversation continues from a copy of another session. What was still under way "
+    "there ({ended} run(s) in progress, {dropped} queued input(s)) was not taken up here."
+)
+
 STOP_HOOK_SOURCE = "hook:Stop"  # the source of the reason a blocking Stop hook gave
 
 # The reports a child made as it stopped (`final_report`; `errored` in older logs): stale
@@ -850,14 +856,20 @@ class Machine:
 
     # --- sessions -------------------------------------------------------------------------------
 
-    def restore(self, entries: Iterable[dict[str, Any]]) -> list[Effect]:
+    def restore(self, entries: Iterable[dict[str, Any]], copy: bool = False) -> list[Effect]:
         """Continue a session from its log (its entries, read once as they come): close what a
-        crash left open, then go on."""
+        crash left open, then go on. `copy`: the session is not this pod's to go on with (the
+        caller forks it: another pod's, or one another session continues already), so only
+        its conversation is taken (see `_only_the_conversation`)."""
 
         def go() -> None:
             calls = _LastCall(entries)
             self.state = fold(calls)
             self.system_prompt = self.state.system_prompt
+            if copy:
+                self._only_the_conversation()
+                self._emit(Sync())
+                return
             # A compaction the last call made due, which a crash cut short, is made again.
             self._last_input = calls.context_size(self.cfg.provider_kind)
             if calls.refused_as_too_long and self._compaction_on():
@@ -892,6 +904,38 @@ class Machine:
             self._emit(Sync())
 
         return self._handle(go)
+
+    def _only_the_conversation(self) -> None:
+        """A copy of a session keeps its conversation, not its work: that was acknowledged to
+        the other pod's clients (or taken up by the session that continues it) and is done
+        there. Its run in progress or paused ends here (its open calls closed), its queued
+        runs are not started, its undelivered inputs not delivered, its children and reports
+        stay the other pod's; a note tells the model, waking nothing. Taken up, as a
+        restart's are, the copy re-ran another pod's task under a false "the pod restarted"
+        note, and told its model that pod's live children had ended (found by QA)."""
+        s = self.state
+        why = "not taken up: this session continues a copy of it"
+        dropped = len(s.pending_runs) + len(s.pending_inputs)
+        ended = [r for r in (s.active_run, s.paused_run) if r is not None]
+        for run_id in dict.fromkeys(ended):
+            if run_id == s.active_run:
+                self._commit_all(interrupted_results(s.open_calls, run_id, s.tool_outputs))
+            self._commit(
+                RunEnd(run_id=run_id, outcome="error", text="", error=why, usage=s.run_usage)
+            )
+        for run_id in list(s.pending_runs):
+            self._commit(RunEnd(run_id=run_id, outcome="error", text="", error=why))
+        # Undelivered inputs: never shown, so nothing in the history refers to them.
+        for pid in list(s.pending_inputs):
+            s.take_pending(pid)
+        s.children.clear()
+        s.outbox.clear()
+        s.spawner_runs.clear()
+        s.owed_runs.clear()
+        s.interrupted_in_row = 0
+        if ended or dropped:
+            text = COPY_NOTE.format(ended=len(ended), dropped=dropped)
+            self._commit(SystemItem(id=self.new_id(), text=text, source="poddaemon", context=True))
 
     def take_rendered_prompt(self) -> bool:
         """After `restore`: continue with the prompt this start rendered (the instruction was

@@ -782,7 +782,10 @@ class Pod:
             why = f"belongs to pod {owner!r}"  # (not "is pod 'a''s")
         elif later := continued_by(self.s.sessions_dir, session_id, self.name):
             why = f"was continued already by session {later[0]}"
-        effects, warnings = self.plog.restore(session_id, self.machine.restore)
+        copy = why is not None  # (not for the prompt below: the session is still ours)
+        effects, warnings = self.plog.restore(
+            session_id, lambda entries: self.machine.restore(entries, copy)
+        )
         # An edited instruction applies at the next start, as the rest of the manifest does.
         if self.machine.take_rendered_prompt() and why is None:
             why = "has another system prompt than this start rendered"

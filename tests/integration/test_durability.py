@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from poddaemon.machine import HELD_RESTART_NOTE, MAX_TAKEN_UP_IN_ROW
+from poddaemon.machine import HELD_RESTART_NOTE, MAX_TAKEN_UP_IN_ROW, RESTART_NOTE
 from poddaemon.podlog import POWER_CUT_ENV
 from poddaemon.store.file import SessionLog, read_session
 from poddaemon.store.log import GENESIS, encode_entry, new_session_id
@@ -978,6 +978,45 @@ def test_a_pod_restoring_another_pods_crashed_session_writes_nothing_into_it(env
     check_pairing(entries)
     check_runs_end_once(entries)
     verify_ok(env, b.call("status")["session_id"])
+
+
+def test_a_pod_started_from_another_pods_session_takes_its_conversation_not_its_work(
+    env: Env,
+) -> None:
+    """`b --session <a's session>` where a was cut off mid-run with a run queued (found by QA):
+    b took the run up by itself, under a note saying "the pod restarted while your previous run
+    was in progress" (false: b never ran it), and started a's queued run, spending tokens on
+    a's work with nobody asking. A copy keeps the conversation; what was under way ends there
+    and a note (waking nothing) tells the model so at b's next request."""
+    env.model.script({"text": "never delivered", "gate": "hold"})
+    a = env.start("a")
+    with a.client() as c:
+        c.run("a's task, cut short")
+        env.model.wait_for_requests(1)
+        assert c.run("a's queued task").state == "queued"
+        c.notify("a's unread notification")
+        sid = c.status().session_id
+    a.kill9()
+    env.model.open_gate("hold")
+    before = len(env.model.requests)
+    b = env.start("b", "--session", sid, write=[str(env.home / "b")])
+    assert settled(b)
+    assert len(env.model.requests) == before  # nothing ran by itself
+    entries = all_history(b)
+    fork = sessions_dir(env) / f"{b.call('status')['session_id']}.jsonl"
+    start = json.loads(fork.read_text().splitlines()[0])  # what the restore made of a's state
+    assert start["forked_from"] == sid and start.get("active_run") is None
+    assert start.get("pending_runs", []) == [] and start.get("paused_run") is None
+    (note,) = start.get("pending_inputs", [])  # a's undelivered notification is not among them
+    assert note["context"] and "was not taken up here" in note["text"], note
+    assert RESTART_NOTE not in json.dumps(entries)
+    check_pairing(entries)
+    with b.client() as c:
+        assert c.run_wait("b's own task").outcome == "finished"
+    asked = requests_since(env, before)
+    assert "b's own task" in asked and "a's task, cut short" in asked  # the conversation
+    assert "was not taken up here" in asked  # the note, with b's own input
+    assert "a's queued task" not in asked and "a's unread notification" not in asked
 
 
 def test_fork_keeps_client_keys(env: Env) -> None:
