@@ -616,7 +616,8 @@ class Registry:
             if holder is not None:
                 raise RegistryConflict(
                     f"session {entry.session} is held by live pod {holder.name!r}"
-                    f" (pid {holder.pid})"
+                    f" (pid {holder.pid}); stop it first (podctl stop {holder.name}), or start"
+                    " from another session"
                 )
         parent = pods.get(entry.parent) if entry.parent else None
         delegated = self._check_claims(pods, entry, parent, kin)

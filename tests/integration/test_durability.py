@@ -1164,6 +1164,9 @@ def test_a_session_held_by_a_live_pod_cannot_be_opened(env: Env) -> None:
         env.start("thief", "--session", sid, write=[str(other)])
     assert failed.value.code != 0
     assert "'holder'" in failed.value.stderr and sid in failed.value.stderr
+    assert "stop it first (podctl stop holder), or start from another session" in (
+        failed.value.stderr
+    )  # the way on
     assert holder.call("status")["session_id"] == sid
     assert holder.call("run", input="still mine", wait=True)["outcome"] == "finished"
     verify_ok(env, sid)
