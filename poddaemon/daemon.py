@@ -840,7 +840,13 @@ def _serve(
         if session_id is not None:
             try:
                 warnings = await pod.restore(session_id)
-            except (LogCorrupt, FileNotFoundError, ValueError) as exc:
+            except LogCorrupt as exc:  # the way on, too: the file is the user's to mend
+                raise StartupError(
+                    f"cannot restore session {session_id}: {exc}; nothing was written to it: "
+                    "repair that line, or move the file out of the sessions directory to start "
+                    "from the session before it (or afresh), its unprocessed input left undone"
+                ) from None
+            except (FileNotFoundError, ValueError) as exc:
                 raise StartupError(f"cannot restore session {session_id}: {exc}") from None
             except OSError as exc:
                 raise StartupError(

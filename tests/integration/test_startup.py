@@ -385,6 +385,28 @@ def test_resume_names_the_newer_sessions_that_name_no_pod(env: Env) -> None:
     assert again.stop() == 0
 
 
+def test_a_damaged_session_is_refused_with_the_ways_on(env: Env) -> None:
+    """An edited entry (hash mismatch): the refusal named the file and the line, and nothing
+    a user could do about it (found by QA). It says the file is untouched and the ways on;
+    the second of them, taken, starts the pod."""
+    pod = env.start("edited")
+    assert pod.call("run", input="remember the milk", wait=True)["outcome"] == "finished"
+    sid = pod.call("status")["session_id"]
+    assert pod.stop() == 0
+    path = env.home / "data" / "sessions" / f"{sid}.jsonl"
+    path.write_bytes(path.read_bytes().replace(b"remember the milk", b"remember the MILK"))
+    with pytest.raises(StartFailed) as failed:
+        env.restart(pod, "--resume")
+    assert failed.value.code == EXIT_REFUSED
+    said = failed.value.stderr
+    assert f"cannot restore session {sid}: {path}: line 2: hash mismatch" in said, said
+    assert "nothing was written to it: repair that line, or move the file out of the " in said
+    aside = env.home / f"{sid}.jsonl.aside"
+    path.rename(aside)
+    again = env.restart(pod, "--resume")  # from the session before it: here none, so afresh
+    assert again.call("status")["session_id"] != sid
+
+
 def test_resume_refuses_to_start_afresh_past_the_damaged_session_the_pod_held(env: Env) -> None:
     """Killed with a run acknowledged, then its only session's first line damaged: --resume
     started a new, empty session (exit 0, a warning) and the run was never processed. The
