@@ -216,6 +216,8 @@ def verify_line(line: bytes, lineno: int, prev: str) -> dict[str, Any]:
     except UNREADABLE as exc:
         # A complete line was written whole (one write, then acknowledged): if it does not
         # parse, the disk or someone damaged it. That is corruption even on the last line.
+        if not line.strip():  # (msgspec calls it "truncated": an editor's extra newline)
+            raise LogCorrupt(lineno, "an empty line, where an entry belongs") from None
         raise LogCorrupt(lineno, f"not valid JSON ({exc})") from None
     problem = _check_entry(obj, lineno, prev)
     if problem is not None:

@@ -1049,3 +1049,14 @@ def test_damaged_continuations_are_the_unreadable_logs_that_still_link_to_the_se
         compacted,
         forked,
     ]
+
+
+def test_an_empty_line_is_said_to_be_one(sessions: Path) -> None:
+    """An editor's extra newline read as "not valid JSON (Input data was truncated)" (found by
+    QA), which sent the user looking for a torn write."""
+    sid = new_session_id()
+    with SessionLog.create(sessions, sid, START) as log:
+        log.append("user_input", {"text": "one"})
+    log.path.write_bytes(log.path.read_bytes() + b"\n")
+    with pytest.raises(LogCorrupt, match="line 3: an empty line, where an entry belongs"):
+        SessionLog.open(sessions, sid, list)
