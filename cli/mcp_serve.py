@@ -61,9 +61,13 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
         message into the pod's active run instead of queueing it. A client_key makes a retry
         idempotent (same key and message: the original result). Cancelling this call stops
         the wait, not the run: the pod has the message and works on."""
-        async with _client(pod, None if wait else timeout, sends=True) as c:
-            if wait:
+        if wait:
+            # The run may take hours: its wait is not bounded, but a pod that is stopped or
+            # stuck must not hang the call before it has the message (found by QA): it is
+            # asked for its status first, within `timeout`, on the same connection.
+            async with _client(pod, None, sends=True, answers_within=timeout) as c:
                 return _plain(await c.run_wait(message, mode=mode, client_key=client_key))
+        async with _client(pod, timeout, sends=True) as c:
             return _plain(await c.run(message, mode=mode, client_key=client_key))
 
     @server.tool()
@@ -98,11 +102,13 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
 
 @contextlib.asynccontextmanager
 async def _client(
-    pod: str, timeout: float | None, sends: bool = False
+    pod: str, timeout: float | None, sends: bool = False, answers_within: float | None = None
 ) -> AsyncIterator["AsyncPodClient"]:
     """A connection to `pod`, for a block that must end within `timeout` seconds (None: no
     limit); every failure becomes a tool error the MCP client's model reads. `sends`: the block
-    gives the pod a message, which a stuck pod may still take when it resumes."""
+    gives the pod a message, which a stuck pod may still take when it resumes. `answers_within`:
+    before the block, the pod must answer `status` within that many seconds (the block itself
+    is not bounded)."""
     import asyncio
 
     from mcp.server.mcpserver.exceptions import ToolError
@@ -124,6 +130,15 @@ async def _client(
             except OSError as exc:
                 raise ToolError(f"cannot reach pod {pod!r}: {exc.strerror or exc}") from None
             try:
+                if answers_within is not None:
+                    try:
+                        async with asyncio.timeout(answers_within):
+                            await client.status()
+                    except TimeoutError:
+                        raise ToolError(
+                            f"pod {pod!r} did not answer within {answers_within:g} s: it is "
+                            f"stopped or stuck (podctl logs {pod}); nothing was sent"
+                        ) from None
                 yield client
             finally:
                 await client.close()

@@ -142,10 +142,19 @@ async def test_a_stopped_pod_is_a_tool_error_after_the_timeout_not_a_hang(env: E
                 text = result.content[0].text
                 assert "pod 'frozen' did not answer within 1 s: it is stopped or stuck" in text
                 assert ("may still reach it when it resumes" in text) == ("message" in args)
+            # A waited send is not bounded once the pod has the message (a run takes hours),
+            # but it hung on a stopped pod that never got it (found by QA).
+            result = await client.call_tool("send_to_pod", {"pod": "frozen", "message": "hi"})
+            assert result.is_error
+            assert result.content[0].text.endswith(
+                "pod 'frozen' did not answer within 1 s: it is stopped or stuck "
+                "(podctl logs frozen); nothing was sent"
+            )
             listed = result_data(await client.call_tool("list_pods", {}))
             assert listed == [{"name": "frozen", "state": "unresponsive"}]
     finally:
         os.kill(pod.proc.pid, signal.SIGCONT)
+    assert "hi" not in [e.get("text") for e in pod.call("history")["entries"]]
 
 
 async def test_list_pods_lists_live_pods_not_the_sockets_killed_ones_left(env: Env) -> None:
