@@ -102,14 +102,15 @@ def names_a_pod(target: str) -> bool:
 STARTING = "its socket does not listen yet"
 
 
-def not_running(exc: PodNotRunning) -> NoReturn:
+def not_running(exc: PodNotRunning, stopped: str = "") -> NoReturn:
     """`pod 'x' is not running: no socket at …`: where podctl looked is half the answer. One
     that holds its registry entry and does not listen yet is starting, as `podctl ls` says
-    (still exit 3: it cannot take the request yet)."""
+    (still exit 3: it cannot take the request yet). `stopped`: what to do instead, said after
+    (`history`: the sessions on disk)."""
     if starting(exc.target):
         target = exc.target
         fail(f"pod '{target}' is starting: {STARTING} (podctl wait {target})", EXIT_NOT_RUNNING)
-    fail(str(exc) + failed_unit(exc.target), EXIT_NOT_RUNNING)
+    fail(str(exc) + failed_unit(exc.target) + stopped, EXIT_NOT_RUNNING)
 
 
 def starting(target: str) -> bool:
@@ -262,15 +263,18 @@ UNANSWERED_INPUT = "; it may have taken what was sent, or take it once it runs a
 
 
 @contextlib.contextmanager
-def rpc_errors(target: str, timeout: float | None = None, unanswered: str = "") -> Iterator[None]:
+def rpc_errors(
+    target: str, timeout: float | None = None, unanswered: str = "", stopped: str = ""
+) -> Iterator[None]:
     """Map the client's exceptions to podctl's one-line messages and exit codes (`unanswered`:
-    added to the message of a pod that did not answer in time)."""
+    added to the message of a pod that did not answer in time; `stopped`: to that of a pod
+    that is not running)."""
     from protocol.errors import ConnectionClosed, FrameTooLarge, PodNotRunning, RpcError
 
     try:
         yield
     except PodNotRunning as exc:
-        not_running(exc)
+        not_running(exc, stopped)
     except FrameTooLarge as exc:
         # Refused before a byte was sent: the caller's input is larger than any request a pod
         # reads (a message of 8 MiB or a little less, or one its JSON escapes make so). A usage
@@ -332,13 +336,13 @@ def one_call(target: str, method: str, params: dict[str, Any] | None, timeout: f
 
 @contextlib.contextmanager
 def connect(
-    target: str, timeout: float | None = ANSWER_TIMEOUT, unanswered: str = ""
+    target: str, timeout: float | None = ANSWER_TIMEOUT, unanswered: str = "", stopped: str = ""
 ) -> Iterator[PodClient]:
     """A PodClient for `target`, with podctl's error handling around everything in the block.
     `timeout` bounds each call's answer (and each read: follow events with `next_event`)."""
     from protocol import paths
 
-    with rpc_errors(target, timeout, unanswered):
+    with rpc_errors(target, timeout, unanswered, stopped):
         paths.check_private_dirs()  # another user must not be able to swap what we talk to
         with _connected(target, timeout, inputs=bool(unanswered)) as client:
             yield client

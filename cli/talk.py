@@ -107,6 +107,16 @@ def notify(
     plain.notify(pod, message, source, client_key)
 
 
+def _sessions_on_disk(pod: str) -> str:
+    """For a pod that ran here once (its configuration is kept) and is not running: where its
+    history is still to be read."""
+    from protocol import paths
+
+    if "/" in pod or not paths.kept_config(pod).exists():
+        return ""
+    return f"; its sessions are on disk: podctl sessions list {pod}, podctl sessions show ID"
+
+
 @app.command()
 def attach(
     pod: PodArg,
@@ -209,7 +219,7 @@ def history(
     start = since or 0
     links: list[str] = []
     later = 0
-    with connect(pod) as client:
+    with connect(pod, stopped=_sessions_on_disk(pod)) as client:
         skipped = 0
         extra = {"session_id": session} if session else {}
         first = client.history(since=start, limit=1, **extra)

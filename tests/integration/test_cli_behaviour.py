@@ -1171,3 +1171,21 @@ def test_pause_says_pausing_until_the_run_stops_then_paused(env: Env) -> None:
     assert (again.returncode, again.stdout) == (0, "paused\n"), again.stderr
     pod.call("resume")
     drained(pod)
+
+
+def test_history_of_a_stopped_pod_points_at_its_sessions_on_disk(env: Env) -> None:
+    """`podctl history` of a stopped pod said "not running" alone (found by QA), where its
+    sessions are all on disk and `podctl sessions` reads them."""
+    pod = env.start("gone")
+    assert pod.call("run", input="remember this", wait=True)["outcome"] == "finished"
+    sid = pod.call("status")["session_id"]
+    assert pod.stop() == 0
+    asked = env.podctl("history", "gone")
+    assert asked.returncode == 3, asked.stderr
+    assert asked.stderr.endswith(
+        "; its sessions are on disk: podctl sessions list gone, podctl sessions show ID\n"
+    ), asked.stderr
+    listed = env.podctl("sessions", "list", "gone")
+    assert listed.returncode == 0 and sid in listed.stdout, listed
+    shown = env.podctl("sessions", "show", sid)
+    assert shown.returncode == 0 and "remember this" in shown.stdout, shown
