@@ -868,6 +868,7 @@ class Machine:
             self.system_prompt = self.state.system_prompt
             if copy:
                 self._only_the_conversation()
+                self._announced = self.pod_state
                 self._emit(Sync())
                 return
             # A compaction the last call made due, which a crash cut short, is made again.
