@@ -670,6 +670,38 @@ def test_restore_closes_open_calls_ends_the_run_and_notes_the_restart() -> None:
     assert d.answers[queued].result.state == "queued"
 
 
+def test_a_copy_of_a_session_takes_its_conversation_and_starts_nothing() -> None:
+    """Restored as a copy (another pod's session, or one a later session continues): the run
+    in progress ends with its open calls closed, the queued run and the notification are not
+    taken up, no restart note claims the pod restarted, and the note that says so wakes
+    nothing; the next run's first request carries the conversation and that note."""
+    d = Driver()
+    d.call("run", "their work")
+    d.model(calls=2)
+    d.tool()
+    d.call("run", "their queued work")
+    d.call("notify", "their news")
+    d.sync()
+    again = Driver()
+    again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
+    effects = again.feed(again.machine.restore(d.entries, copy=True))
+    assert not [e for e in effects if isinstance(e, CallModel)]
+    again.tick(NOTIFY_MAX_DELAY)
+    assert again.inflight is None and again.machine.pod_state == "idle"
+    s = again.machine.state
+    assert (s.active_run, s.pending_runs, s.paused_run) == (None, {}, None)
+    (note,) = s.pending_inputs.values()
+    assert note.context and "was not taken up here" in note.text
+    ends = [e for e in again.entries if e["kind"] == "run_end"]
+    assert [e["error"] for e in ends] == ["not taken up: this session continues a copy of it"] * 2
+    again.call("run", "my own work")
+    assert isinstance(again.inflight, CallModel)
+    texts = [getattr(i, "text", "") for i in again.inflight.items]
+    assert "their work" in texts and "my own work" in texts
+    assert not [t for t in texts if "their queued work" in t or "their news" in t]
+    assert not [t for t in texts if "restarted" in t]
+
+
 def _crash_and_restore(d: Driver) -> Driver:
     again = Driver()
     again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
