@@ -205,6 +205,7 @@ class Children:
         # stopped before its first input has no log to report `shutdown` from: it was
         # reported `errored`, "died without a final report", after the model was told.
         self._stopping: set[str] = set()
+        self._unfunded: set[str] = set()  # restarted children we stop: no budget left for them
 
     # --- start-up: re-adopt --------------------------------------------------------------------
 
@@ -218,7 +219,10 @@ class Children:
             for e in pod.s.registry.live()
             if e.parent == pod.name and self._within_our_scope(e)
         }
-        for name, entry in mine.items():
+        for name, entry in list(mine.items()):
+            if self._refuse_unfunded(entry):
+                del mine[name]
+                continue
             record = pod.state.children.get(name)
             if record is None or not record.live:
                 grant = _kept_grant(name) if record is None else None
@@ -285,13 +289,50 @@ class Children:
         entry = pod.s.registry.get(name)
         if name in self.live or entry is None or entry.parent != pod.name:
             return
-        if not self._within_our_scope(entry):
+        if not self._within_our_scope(entry) or self._refuse_unfunded(entry):
             return
         grant = _kept_grant(name) if name not in pod.state.children else None
         pod.feed(pod.machine.child_started(name, entry.socket, grant, entry.scope, True))
         self._watch(_Live(name, entry.pid, entry.socket))
         self._taken_back.add(name)
         self._refresh_scope()
+
+    def _refuse_unfunded(self, entry: "PodEntry") -> bool:
+        """A child that ended (its grant handed back to us) and was started again (`podctl
+        restart`) runs on its old grant: taken back, its grant is charged again, and if we
+        granted that budget out again since, the tree could spend past our cap (found by QA:
+        1,600 tokens under a cap of 1,000). Such a child is stopped, with an alert; True."""
+        name = entry.name
+        if name in self._unfunded:
+            return True  # being stopped already
+        machine = self.pod.machine
+        cap = machine.cfg.budget_cap
+        record = self.pod.state.children.get(name)
+        if cap is None or record is None or record.live or record.grant is None:
+            return False
+        others = machine.budget_charged() - record.charged()
+        back = msgspec.structs.replace(record, live=True)  # as ChildStarted(resumed) makes it
+        if record.reported is not None:
+            back.spent = record.reported
+        if others + back.charged() <= cap:
+            return False
+        self._unfunded.add(name)
+        self.pod.alert(
+            "warning",
+            f"child pod {name!r} was started again, but the {record.grant} tokens granted to it "
+            f"were given out since it ended ({max(0, cap - others)} of budget.max_total_tokens "
+            f"= {cap} left): it is stopped; spawn it anew with a budget that fits",
+            "spawn",
+        )
+
+        async def stop() -> None:
+            try:
+                await self._stop_child(_Live(name, entry.pid, entry.socket), watch=True)
+            finally:
+                self._unfunded.discard(name)
+
+        self.pod.spawn_background(stop())
+        return True
 
     def _within_our_scope(self, entry: "PodEntry") -> bool:
         """A registered pod naming us parent is ours to take back only if its scope lies in

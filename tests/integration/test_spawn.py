@@ -1227,6 +1227,42 @@ def test_a_child_restarted_after_a_crash_counts_what_it_spent_not_its_whole_gran
     assert st["left"] == cap - st["tree_spent"], st
 
 
+def test_a_child_restarted_after_its_grant_was_spent_elsewhere_is_stopped(tree: Env) -> None:
+    """`podctl restart` of a child that ended: its grant had gone back to the spawner, which
+    spent it since; the child came back with its whole grant, charged again, and the tree
+    spent 1,600 tokens under a cap of 1,000 (found by QA). The spawner stops such a child."""
+    env = tree
+    call = {"input": 80, "output": 20}  # 100 tokens each
+    cap, grant = 1000, 600
+    (env.work / "kid").mkdir()
+    env.model.script_model("m-kid", {"text": "kid done", "usage": {"input": 40, "output": 10}})
+    env.model.script(  # one run: spawn, wait, stop it (its grant comes back), spend it
+        {
+            "tool_calls": [
+                spawn_call("kid", "a task", [str(env.work / "kid")], budget_tokens=grant)
+            ],
+            "usage": call,
+        },
+        {"tool_calls": [tool("wait_pods", pods=["kid"], timeout_s=30)], "usage": call},
+        {"tool_calls": [tool("stop_pod", pod="kid")], "usage": call},
+        {"text": "thinking hard", "usage": {"input": 300, "output": 100}},
+    )
+    parent = start_parent(env, extra=f"[budget]\nmax_total_tokens = {cap}\n")
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    drained(parent)
+    before = parent.call("status")["budget"]
+    assert before["left"] < grant, before  # the kid's grant was given back, and spent
+    assert env.podctl("restart", "kid").returncode == 0
+    wait_until(lambda: Registry(env.home / "run").get("kid") is None, 20, "the kid stopped")
+    drained(parent)
+    assert parent.call("status")["children"] == []
+    after = parent.call("status")["budget"]
+    # The kid counts what it spent, not its grant again (the reports that come woke the
+    # parent: its own spending may grow meanwhile, by the one call a run may overspend).
+    assert after["tree_spent"] - after["spent"] == before["tree_spent"] - before["spent"] == 50
+    assert "child pod 'kid' was started again, but the 600 tokens granted to it" in parent.text()
+
+
 def test_tree_budget_stays_under_the_cap(tree: Env) -> None:
     env = tree
     cap = 3000
