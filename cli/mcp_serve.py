@@ -188,7 +188,6 @@ async def _summary(name: str) -> dict[str, Any]:
         return {"name": name, "state": "unresponsive"}
     finally:
         await client.close()
-    usage = status.usage
     return {
         "name": status.name,
         "state": status.state,
@@ -196,7 +195,7 @@ async def _summary(name: str) -> dict[str, Any]:
         "parent": status.parent,
         "pwd": status.pwd,
         "queue": _plain(status.queue),
-        "tokens": usage.input + usage.output,
+        "tokens": status.budget.spent,  # as the budget counts them (see cli.render.tokens)
         "session_id": status.session_id,
     }
 

@@ -266,7 +266,13 @@ def scope_cell(scope: Iterable[Mapping[str, Any]], home: str | None = None) -> s
 
 
 def tokens(status: Mapping[str, Any]) -> int:
-    usage = status.get("usage") or {}
+    """The tokens the pod's calls cost, as its budget counts them (`budget.spent`): the
+    providers count cached input apart (Anthropic) or within input (OpenAI), so input +
+    output alone made one call 110 tokens on one pod and 1,610 on another (found by QA)."""
+    budget = status.get("budget") or {}
+    if isinstance(budget.get("spent"), int):
+        return int(budget["spent"])
+    usage = status.get("usage") or {}  # a pod of an older version
     return int(usage.get("input", 0)) + int(usage.get("output", 0))
 
 

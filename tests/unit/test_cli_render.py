@@ -507,3 +507,13 @@ def test_a_retrys_reason_is_shown_with_its_advice_at_the_end() -> None:
     )
     long = "x" * 1000
     assert len(retry_line({"error": long})) < 420  # still one line of bounded length
+
+
+def test_tokens_are_what_the_budget_counts_whatever_the_provider() -> None:
+    """Found by QA: `ls` showed input + output, so the same call read 110 tokens on an
+    Anthropic pod (cache counted apart) and 1,610 on an OpenAI one (cache within input)."""
+    from cli.render import tokens
+
+    usage = {"input": 100, "output": 10, "cache_read": 1000, "cache_write": 500}
+    assert tokens({"usage": usage, "budget": {"spent": 1610}}) == 1610
+    assert tokens({"usage": usage}) == 110  # a pod too old to say what its budget counts
