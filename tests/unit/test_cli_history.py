@@ -92,7 +92,7 @@ def test_podctl_history_shows_the_newest_of_the_session_it_measured(
     """The first call says where the newest 50 begin (seq 200); a compaction right after it
     left the pod in a session with two entries, and past their end podctl showed none."""
     client = Compacting(250, cap=100)
-    monkeypatch.setattr(talk, "connect", lambda pod: contextlib.nullcontext(client))
+    monkeypatch.setattr(talk, "connect", lambda pod, **_: contextlib.nullcontext(client))
     talk.history("pod", all_=False, since=None, limit=None, as_json=True, session=None)
     shown = json.loads(capsys.readouterr().out)
     assert [e["seq"] for e in shown["entries"]] == list(range(201, 251))
