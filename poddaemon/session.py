@@ -111,6 +111,13 @@ class ChildRecord(msgspec.Struct):
     outcome: str | None = None  # of its last reported run
     text: str | None = None
 
+    def come_back(self, socket: str, scope: list[dict[str, Any]]) -> None:
+        """It runs again (re-adopted after a restart of either side): live, charged its grant
+        again, at what it last said it spent rather than the grant charged when it died."""
+        self.socket, self.scope, self.live, self.last_kind = socket, list(scope), True, ""
+        if self.reported is not None:
+            self.spent = self.reported
+
     def write_areas(self) -> tuple[Rule, ...]:
         """The areas it was given write access to: delegated to it while it lives."""
         return Scope.from_dicts(self.scope).writable_rules()
@@ -443,9 +450,7 @@ def _apply(s: SessionState, e: Entry) -> None:
         case ChildStarted():
             old = s.children.get(e.name)
             if old is not None and e.resumed:
-                old.socket, old.scope, old.live, old.last_kind = e.socket, list(e.scope), True, ""
-                if old.reported is not None:  # not its grant, charged when it died: it is back
-                    old.spent = old.reported
+                old.come_back(e.socket, e.scope)
             else:
                 # A name reused after its child ended: that child's spending stays counted.
                 spent = old.spent if old is not None and old.live else 0

@@ -311,9 +311,8 @@ class Children:
         if cap is None or record is None or record.live or record.grant is None:
             return False
         others = machine.budget_charged() - record.charged()
-        back = msgspec.structs.replace(record, live=True)  # as ChildStarted(resumed) makes it
-        if record.reported is not None:
-            back.spent = record.reported
+        back = msgspec.structs.replace(record)
+        back.come_back(entry.socket, entry.scope)  # as taking it back would make it
         if others + back.charged() <= cap:
             return False
         self._unfunded.add(name)
