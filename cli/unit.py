@@ -281,24 +281,6 @@ def config_dir_problem(config: Path) -> str | None:
     return None
 
 
-def files_problem(m: "Manifest") -> str | None:
-    """Why the unit must not start the pod of manifest `m` for the files it names, or None.
-    At every start, unattended, as you, the pod reads its instruction file and runs its hook
-    scripts and stdio MCP servers named by path (a server outside any sandbox): another user
-    who could change or swap one of them would write your pod's prompt or run code as you,
-    as with the manifest itself. Files of yours or root's that only you and root may change."""
-    from protocol import paths
-
-    for what, file in m.named_files():
-        try:
-            paths.check_unchangeable(Path(file), f"{m.source}: {what}", "as they could change it")
-        except FileNotFoundError:
-            continue  # the pod's own start says so, in its words
-        except paths.UnsafeDirectory as exc:
-            return str(exc)
-    return None
-
-
 def key_problem(var: str, env_file: Path, manager_env: dict[str, str]) -> str | None:
     """None when the pod's API key variable reaches the unit; else how to make it so."""
     from_file = read_env_file(env_file)
@@ -449,7 +431,7 @@ def install(
     whether its unit was running already (then nothing was started: the pod keeps the unit
     and manifest it started with until its next start), and the other manifest the unit it
     replaced ran, if it ran another (two manifests that name the same pod)."""
-    from poddaemon.config.load import ManifestError, load_manifest
+    from poddaemon.config.load import ManifestError, files_problem, load_manifest
     from protocol import paths
 
     path = Path(manifest).absolute()

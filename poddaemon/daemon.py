@@ -284,7 +284,7 @@ def run_pod(args: "argparse.Namespace") -> int:
         manifest = load_manifest(args.manifest, args.set, paths.defaults_path())
     except ManifestError as exc:
         raise StartupError(str(exc)) from None
-    _refuse_foreign_links(manifest)
+    _refuse_foreign_files(manifest)
     from poddaemon.mcp import preload_sdk
 
     preload_sdk(manifest)  # the SDK import overlaps the rest of start-up
@@ -600,19 +600,24 @@ def _refuse_orphan_start(args: "argparse.Namespace", manifest: "Manifest", paren
     )
 
 
-def _refuse_foreign_links(manifest: "Manifest") -> None:
-    """Refuse a pwd, instruction file, hook script or MCP server named through another user's
-    symlink. The pod checks where such a path leads at start-up, then goes on using it as
-    written: hooks ran `<pwd>/hooks/guard.sh` wherever the link's owner had pointed it since
-    (a guard bypassed under the sandbox, their script run as you without it)."""
-    for field, path in [("pod.pwd", manifest.pod.pwd), *manifest.named_files()]:
-        found = paths.foreign_symlink(Path(path))
-        if found is not None:
-            link, uid = found
-            raise StartupError(
-                f"{manifest.source}: {field}: {path} is reached through the symlink {link}, "
-                f"owned by uid {uid}, who could repoint it while the pod runs: refusing it"
-            )
+def _refuse_foreign_files(manifest: "Manifest") -> None:
+    """Refuse a pwd named through another user's symlink, and an instruction file, hook script
+    or MCP server another user owns or could change or swap (`files_problem`). The pod checks
+    where such a path leads at start-up, then goes on using it as written: hooks ran
+    `<pwd>/hooks/guard.sh` wherever the link's owner had pointed it since, and another user's
+    own script ran as you (an MCP server outside any sandbox)."""
+    found = paths.foreign_symlink(Path(manifest.pod.pwd))
+    if found is not None:
+        link, uid = found
+        raise StartupError(
+            f"{manifest.source}: pod.pwd: {manifest.pod.pwd} is reached through the symlink "
+            f"{link}, owned by uid {uid}, who could repoint it while the pod runs: refusing it"
+        )
+    from poddaemon.config.load import files_problem
+
+    problem = files_problem(manifest)
+    if problem is not None:
+        raise StartupError(problem)
 
 
 def _warn_rewritable(manifest: "Manifest", scope: "Scope") -> None:

@@ -36,6 +36,7 @@ from .manifest import (
 __all__ = [
     "MAX_FILE_BYTES",
     "ManifestError",
+    "files_problem",
     "load_manifest",
     "manifest_to_dict",
     "manifest_to_toml",
@@ -189,6 +190,24 @@ def _check_ours(defaults: Path) -> None:
         paths.check_file(defaults, "defaults file", "another user could change what your pods run")
     except paths.UnsafeDirectory as exc:
         raise ManifestError(str(exc)) from None
+
+
+def files_problem(m: Manifest) -> str | None:
+    """Why the pod of manifest `m` must not start for the files it names, or None. At every
+    start, as you (a unit's or a crash restart's unattended), the pod reads its instruction file
+    and runs its hook scripts and stdio MCP servers named by path (a server outside any sandbox):
+    another user who could change or swap one of them would write your pod's prompt or run code
+    as you, as with defaults.toml. Files of yours or root's that only you and root may change."""
+    for what, file in m.named_files():
+        try:
+            if not stat.S_ISREG(os.stat(file).st_mode):
+                continue  # missing, a device: the pod's own start says so, in its words
+            paths.check_unchangeable(Path(file), f"{m.source}: {what}", "as they could change it")
+        except paths.UnsafeDirectory as exc:  # (before OSError: it is a PermissionError)
+            return str(exc)
+        except OSError:
+            continue
+    return None
 
 
 # A manifest, defaults.toml or instruction file past this is a wrong path (a log, a device),

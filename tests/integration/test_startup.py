@@ -712,6 +712,47 @@ def test_a_pwd_or_hook_script_through_another_users_symlink_is_refused(env: Env)
     script = f'[[hooks.PreToolUse]]\nmatcher = "write_file"\ncommand = "{link}/hooks/guard.sh"\n'
     with pytest.raises(StartFailed) as refused:
         env.start("linked", extra=script)
-    assert f"hooks.PreToolUse[0].command: {link}/hooks/guard.sh is reached" in refused.value.stderr
+    assert f"hooks.PreToolUse[0].command {link}/hooks/guard.sh is reached" in refused.value.stderr
     os.lchown(link, 0, 0)  # ours: fine
     assert env.start("linked", pwd=str(link), extra=hook).stop() == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+@pytest.mark.parametrize(
+    "field",
+    ["hooks.SessionStart[0].command", "mcp.servers[0].command", "worker.instruction_file"],
+)
+def test_a_file_another_user_owns_or_could_change_is_refused_at_every_start(
+    env: Env, field: str
+) -> None:
+    """Only `unit install` refused a hook script, stdio MCP server or instruction file another
+    user owns or could change; `podctl spawn` (and `podctl restart`) ran another user's hook
+    as you, and their MCP server as you outside any sandbox (found by QA)."""
+    script = env.home / "theirs.sh"
+    script.write_text("#!/bin/sh\ntouch \"$0.ran\"\n")
+    extra = {
+        "hooks.SessionStart[0].command": f'[[hooks.SessionStart]]\ncommand = "{script}"\n',
+        "mcp.servers[0].command": f'[[mcp.servers]]\nname = "m"\ncommand = ["{script}"]\n',
+    }.get(field, "")
+    manifest = env.manifest("theirs", extra=extra)
+    if field == "worker.instruction_file":
+        text = manifest.read_text().replace(
+            'instruction = "You are a test pod."', f'instruction_file = "{script}"'
+        )
+        manifest.write_text(text)
+
+    def refused() -> str:
+        with pytest.raises(StartFailed) as failed:
+            PodProcess(env.popen(str(manifest)), "theirs").wait_ready()
+        return failed.value.stderr
+
+    script.chmod(0o755)
+    os.chown(script, 65534, 65534)
+    assert f"{field} {script} is owned by uid 65534: refusing it" in refused()
+    os.chown(script, 0, 0)
+    script.chmod(0o757)  # ours, but anyone may rewrite it
+    said = refused()
+    assert f"{field} {script} is writable by group or others" in said
+    assert f"chmod go-w {script}" in said
+    assert not (env.home / "theirs.sh.ran").exists()  # refused before anything ran
+    assert registry_entries(env) == {}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cli import service, unit
-from poddaemon.config.load import load_manifest
+from poddaemon.config.load import files_problem, load_manifest
 from poddaemon.readyline import EXIT_REFUSED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -268,7 +268,7 @@ def test_install_refuses_hooks_mcp_servers_and_instructions_others_may_change(
         manifest = mine / "m.toml"
         manifest.write_text(head + body.format(mine))
         manifest.chmod(0o644)
-        assert unit.files_problem(load_manifest(manifest)) is None  # ours: fine
+        assert files_problem(load_manifest(manifest)) is None  # ours: fine
         manifest.write_text(head + body.format(shared))
         with pytest.raises(
             unit.UnitError, match=re.escape(what) + f" {shared}/.* is inside {shared}"
