@@ -281,9 +281,13 @@ def _restart(pod: str) -> None:
         from cli.unit import UnitError, manager_environment, start_unit
 
         try:  # cron, su, ssh without a session: say so (systemctl said only "Failed to connect")
-            manager_environment()
+            manager_env = manager_environment()
         except UnitError as exc:
             fail(f"cannot restart {unit}: {exc}")
+        problem = _unit_cannot_start(unit, manager_env)
+        if problem is not None:  # found before the stop, as below: a typo kept the pod down
+            left = " (it is left running)" if status is not None else ""
+            fail(f"cannot restart pod '{name}'{left}: {problem}")
         _forget_earlier_starts(unit)
         try:
             start_unit(unit, "restart", then=f"Fix that, then `podctl restart {name}`.")
@@ -397,6 +401,25 @@ def _too_many_children(name: str, spawner_socket: str) -> str | None:
         f"its spawner '{spawner}' has {len(others)} live children ({', '.join(others)}), "
         f"its spawn.max_children = {limit}; stop one first"
     )
+
+
+def _unit_cannot_start(unit: str, manager_env: dict[str, str]) -> str | None:
+    """Why the manifest that `unit install` wrote `unit` for could not start a pod now (edited
+    into one that no longer loads, or that another user could change), or None; None for a
+    unit it did not write (the shipped template's), whose manifest podctl does not know. The
+    unit stops the pod before it starts it again, and a start refused is not retried."""
+    from cli.unit import installed_from, manifest_problem, unit_dir
+    from poddaemon.config.load import ManifestError, files_problem, load_manifest
+    from protocol import paths
+
+    manifest = installed_from(unit_dir(manager_env) / unit)
+    if manifest is None:
+        return None
+    try:
+        loaded = load_manifest(manifest, (), paths.defaults_path())
+    except ManifestError as exc:
+        return str(exc)
+    return manifest_problem(Path(manifest)) or files_problem(loaded)
 
 
 def _cannot_start(config: Path) -> str | None:

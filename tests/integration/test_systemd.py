@@ -380,7 +380,9 @@ def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socke
 ) -> None:
     """The manifest was edited into one the pod refuses: `podctl restart` said only systemd's
     "see systemctl status" (the cause was in `podctl logs`), and a restart that worked printed
-    "restarted NAME (unit …)" where any other restart prints `spawn`'s NAME<TAB>SOCKET."""
+    "restarted NAME (unit …)" where any other restart prints `spawn`'s NAME<TAB>SOCKET.
+    A manifest that no longer loads is refused before the unit stops the pod (QA: a typo took
+    a healthy unattended pod down for good, as a refused start is not retried)."""
     path = sd.install("edited")
     good = path.read_text()
     restarted = sd.podctl("restart", "edited")
@@ -388,11 +390,21 @@ def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socke
     name, sock = restarted.stdout.rstrip("\n").split("\t")
     assert name == "edited" and sock.endswith("/pods/edited/sock")
     assert stat.S_ISSOCK(os.stat(sock).st_mode)
+    pid = sd.main_pid("edited")
     path.write_text(good + "bogus = 1\n")
+    kept = sd.podctl("restart", "edited")
+    assert kept.returncode == 1
+    assert "cannot restart pod 'edited' (it is left running): " in kept.stderr, kept.stderr
+    assert "bogus: unknown key" in kept.stderr, kept.stderr
+    assert sd.prop("edited", "ActiveState") == "active" and sd.main_pid("edited") == pid
+    # One only the pod's start finds (its pwd gone): the unit fails, and everything says why.
+    gone = sd.env.work / "gone"
+    path.write_text(good.replace(f'pwd = "{sd.env.work}"', f'pwd = "{gone}"'))
+    assert f'pwd = "{gone}"' in path.read_text()
     refused = sd.podctl("restart", "edited")
     assert refused.returncode == 1
     assert "poddaemon-edited.service did not start: " in refused.stderr
-    assert "bogus: unknown key" in refused.stderr, refused.stderr
+    assert f"pod.pwd: {gone} does not exist" in refused.stderr, refused.stderr
     assert "Fix that, then `podctl restart edited`." in refused.stderr
     assert "systemctl --user status" not in refused.stderr
     # What talks to it meanwhile says why too: "not running" alone sent the user to systemctl.
@@ -401,7 +413,10 @@ def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socke
         said = sd.podctl(*args)
         assert said.returncode == 3, (args, said.stderr)
         assert "its unit poddaemon-edited.service failed: refused: " in said.stderr, said.stderr
-        assert "bogus: unknown key" in said.stderr, said.stderr
+        assert f"pod.pwd: {gone} does not exist" in said.stderr, said.stderr
+    path.write_text(good + "bogus = 1\n")  # stopped: said without "left running"
+    refused = sd.podctl("restart", "edited")
+    assert "cannot restart pod 'edited': " in refused.stderr, refused.stderr
     path.write_text(good)
     again = sd.podctl("restart", "edited")
     assert again.returncode == 0, again.stderr
