@@ -89,6 +89,9 @@ class SessionStart(Entry, tag="session_start"):
     # Runs in a row a crash or a stop cut off (SessionState.interrupted_in_row): a fork (an
     # instruction rendering `now` forks at every start) must not start the count again.
     interrupted_in_row: int = 0
+    # Where a run a restart cut off began, its note waiting (SessionState.take_up_from): kept by
+    # a fork, whose history is the same.
+    take_up_from: int | None = None
 
 
 class UserInput(Entry, tag="user_input"):

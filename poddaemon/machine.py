@@ -980,6 +980,7 @@ class Machine:
             run_positions=snap["run_positions"],
             tree=old.tree_snapshot(),
             interrupted_in_row=old.interrupted_in_row,
+            take_up_from=old.take_up_from,
             seq=1,
             ts=self.clock(),
         )

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from poddaemon.entries import (
+    RESTART_NOTE_ID,
     SPAWNER_KEY,
     Assistant,
     ChildEnded,
@@ -178,6 +179,11 @@ class SessionState(msgspec.Struct):
     # Runs in a row a crash or a stop cut off (a run that ends otherwise resets it): the pod
     # takes cut-off work up by itself only so many times (see machine.MAX_TAKEN_UP_IN_ROW).
     interrupted_in_row: int = 0
+    # Where the run a restart cut off began, while the note that has the next run take it up
+    # waits: that run's items are the next run's own, and compaction keeps the cut-off run's
+    # input verbatim (SPEC §3). It went into the summary: a crash during the compaction at a
+    # run's start left the run taking it up with "continue where you left off" and no task.
+    take_up_from: int | None = None
 
     def add_pending(self, p: PendingInput) -> None:
         if p.id in self.pending_inputs:
@@ -328,6 +334,8 @@ def _apply(s: SessionState, e: Entry) -> None:
     match e:  # (the kinds are disjoint: the one a notify commits comes first)
         case SystemItem():
             s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts, e.context))
+            if e.id.startswith(RESTART_NOTE_ID) and not e.context:  # (held: a new task's)
+                s.take_up_from = s.run_from  # the cut-off run's, just ended
             if e.client_key:
                 s.add_notify_key(e.client_key, (input_digest(e.text), e.id, e.wakes))
             if e.event_id is not None:
@@ -355,7 +363,8 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.rounds = 0
                 s.run_usage = Usage()
                 s.run_calls = 0
-                s.run_from = len(s.history)
+                s.run_from = len(s.history) if s.take_up_from is None else s.take_up_from
+            s.take_up_from = None
             s.paused_run = None
             s.active_run = run_id
             if e.continues is not None:
@@ -513,6 +522,7 @@ def _session_start(s: SessionState, e: SessionStart) -> None:
     s.pause_requested = e.pause_requested
     s.rounds = e.rounds
     s.run_from = e.run_from or 0
+    s.take_up_from = e.take_up_from  # a fork's (a compaction's history is another: None)
     if e.run_usage is not None:
         s.run_usage = Usage(**msgspec.structs.asdict(e.run_usage))
         s.run_calls = e.run_calls

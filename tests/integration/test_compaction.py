@@ -296,6 +296,38 @@ def test_kill_9_during_a_compaction_restores_a_valid_session(env: Env, point: st
     again.stop()
 
 
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_the_run_a_crash_cut_off_while_it_compacted_keeps_its_input_after_the_restart(
+    env: Env, kind: str
+) -> None:
+    """Found by QA: killed during the summary call, the pod restarted, and the run its restart
+    note started compacted first from that note on: the acknowledged input went into the
+    summary, and the model was told to "continue where you left off" with no task in sight.
+    SPEC §3: the compacted history keeps the current run's input verbatim."""
+    write_data(env)
+    pod = env.start(kind=kind, extra=compaction_toml(1500, retained=1))
+    env.model.script(*tool_replies(4))
+    env.model.script_when(MARKER, {"text": "SUMMARY", "gate": "summary"})
+    with pod.client() as c:
+        c.run(INPUT)
+    wait_until(lambda: any(is_summary_request(kind, r["body"]) for r in env.model.requests))
+    pod.kill9()  # the summary has not returned
+
+    env.model.reset()
+    env.model.script_when(MARKER, {"text": "SUMMARY AFTER THE RESTART"})
+    env.model.script({"text": "taken up"})
+    again = env.restart(pod, "--resume")
+    wait_until(lambda: len(env.model.requests) >= 2, what="the summary, then the run's request")
+    summary, request = (r["body"] for r in env.model.requests[:2])
+    assert is_summary_request(kind, summary) and not is_summary_request(kind, request)
+    check_wire(kind, request)
+    texts = user_texts(kind, request)
+    assert "SUMMARY AFTER THE RESTART" in texts[0]
+    assert INPUT in texts, texts
+    assert "The pod restarted while your previous run was in progress" in texts[-1]
+    again.stop()
+
+
 def test_a_start_removes_the_temp_files_a_crash_left_but_none_being_written(env: Env) -> None:
     """Found by QA: a compacted session's `.tmp`, left by a power cut while it was written
     (empty, or its first line torn), names no pod: only one whose first line named this pod

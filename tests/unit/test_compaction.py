@@ -9,7 +9,15 @@ from hypothesis import strategies as st
 from poddaemon import compaction
 from poddaemon.history import AssistantMessage, Item, SystemNote, ToolCall, ToolResult, UserMessage
 from poddaemon.llm.types import ProviderError
-from poddaemon.machine import CallModel, MachineConfig, Summarize, SwitchSession
+from poddaemon.machine import (
+    MAX_TAKEN_UP_IN_ROW,
+    NOTIFY_MAX_DELAY,
+    RESTART_NOTE,
+    CallModel,
+    MachineConfig,
+    Summarize,
+    SwitchSession,
+)
 from poddaemon.session import fold
 from protocol import errors
 from tests.unit.machine_driver import Driver
@@ -95,6 +103,53 @@ def test_a_compaction_a_crash_cut_short_is_made_again_after_the_restore() -> Non
     again.call("run", "go on")
     assert isinstance(again.inflight, Summarize)
     assert events(again, "compaction.started") == [{"reason": "auto", "input_tokens": 150}]
+
+
+def test_the_run_that_takes_up_one_cut_off_during_its_compaction_keeps_its_input() -> None:
+    """Found by QA: killed while the summary at a round was made, the pod restarted, and the
+    run its restart note started compacted first, from the note on: the cut-off run's input
+    went into the summary, and the model read "continue where you left off" with no task.
+    The run that takes the work up owns the cut-off run's items: its input stays verbatim,
+    also in a fork (an instruction rendering `now` forks at every start)."""
+    d = driver(threshold=100)
+    d.call("run", "the task, verbatim")
+    tool_round(d, usage=50)
+    tool_round(d, usage=150)
+    assert isinstance(d.inflight, Summarize)
+    again = Driver(cfg=d.cfg, now=d.now + 100, n=d.n + 1000)  # kill -9 mid-summary
+    again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
+    again.feed(again.machine.restore(iter(d.entries)))
+    cut_off_from = again.machine.state.run_from
+    assert again.machine.state.take_up_from == cut_off_from
+    forked = Driver(cfg=d.cfg, now=d.now + 100, n=d.n + 1000)
+    forked.lines, forked.entries, forked.prev = list(d.lines), list(d.entries), d.prev
+    forked.feed(forked.machine.restore(iter(d.entries)))
+    assert fold([forked.machine.fork()]).take_up_from == cut_off_from
+    again.tick(NOTIFY_MAX_DELAY)  # the note starts the run that takes the work up
+    assert again.machine.state.run_from == cut_off_from
+    assert again.machine.state.take_up_from is None
+    assert isinstance(again.inflight, Summarize)
+    again.summarize("SUMMARY OF WORK")
+    call = again.inflight
+    assert isinstance(call, CallModel)
+    assert call.items[1] == UserMessage(text="the task, verbatim")
+    assert RESTART_NOTE in call.items[-1].text  # type: ignore[union-attr]
+
+
+def test_a_held_restart_note_leaves_the_next_runs_items_its_own() -> None:
+    """Past MAX_TAKEN_UP_IN_ROW the note waits for a new task: the run that input starts does
+    not take the cut-off run's items for its own."""
+    d = driver(threshold=None)
+    d.call("run", "work")
+    for _ in range(MAX_TAKEN_UP_IN_ROW + 1):
+        again = Driver(cfg=d.cfg, now=d.now + 100, n=d.n + 1000)
+        again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
+        again.feed(again.machine.restore(d.entries))
+        again.tick(NOTIFY_MAX_DELAY)
+        d = again
+    assert d.inflight is None and d.machine.state.take_up_from is None
+    d.call("run", "a new task")
+    assert d.machine.state.run_from == len(d.machine.state.history) - 2  # its input, the note
 
 
 def test_notifications_acked_before_a_compaction_reach_the_first_request_after_it() -> None:
