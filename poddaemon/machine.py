@@ -119,6 +119,14 @@ CANCEL_NOTE = (
     "short, and what it had not done yet was not done."
 )
 
+# The same after a run that ended in an error with a reply kept (cut off mid-stream, say: the
+# provider dropped the connection), which the model took for a finished answer (found by QA).
+ERROR_NOTE = (
+    "The run before this one ended with an error before it finished ({error}): its last reply "
+    "may be cut short, and what it had not done yet was not done."
+)
+ERROR_NOTE_WIDTH = 300  # characters of the error the note quotes
+
 # What the model reads in a pod started from a copy of a session whose work is another's.
 COPY_NOTE = (
     "This conversation continues from a copy of another session. What was still under way "
@@ -1525,6 +1533,10 @@ class Machine:
         elif started and outcome == "cancelled":  # told at the next request; wakes nothing
             note = SystemItem(id=self.new_id(), text=CANCEL_NOTE, source="poddaemon", context=True)
             self._commit(note)
+        elif started and outcome == "error" and end.text:  # (no reply kept: nothing to mistake)
+            said = (error or "")[:ERROR_NOTE_WIDTH]
+            text = ERROR_NOTE.format(error=said)
+            self._commit(SystemItem(id=self.new_id(), text=text, source="poddaemon", context=True))
         self._emit(Sync())
 
     def _stop(self) -> None:

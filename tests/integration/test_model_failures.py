@@ -186,6 +186,25 @@ def test_calls_cut_short_count_against_the_budget(env: Env, how: str) -> None:
     _charged_then_refused(env, pod, calls=1)
 
 
+@pytest.mark.parametrize("kind", PROVIDER_KINDS)
+def test_a_reply_the_provider_cut_off_is_said_to_be_cut_at_the_next_request(
+    env: Env, kind: str
+) -> None:
+    """Found by QA: the text streamed before the provider dropped the connection stays the
+    model's reply, and the next request showed it as a finished answer; as after a cancel,
+    the model is now told that run ended before it finished, and why."""
+    env.model.script(
+        {"text": "The first half of the answer, then", "fault": {"kind": "cut", "after_chunks": 2}}
+    )
+    pod = env.start("cut", kind=kind)
+    with pod.client() as c:
+        assert c.run_wait("answer me").outcome == "error"
+        assert c.run_wait("go on").outcome == "finished"
+    body = json.dumps(env.model.requests[-1]["body"])
+    assert "The run before this one ended with an error before it finished" in body
+    assert "its last reply may be cut short" in body
+
+
 def _charged_then_refused(env: Env, pod: PodProcess, calls: int) -> None:
     """Each of `calls` model calls was charged (~100 tokens of input each: the budget is then
     spent) and counted once; the next run is refused (-32007) and reaches no model."""

@@ -6,6 +6,7 @@ from poddaemon.history import AssistantMessage, SystemNote, Usage, UserMessage
 from poddaemon.llm.types import ModelResponse, ProviderError
 from poddaemon.machine import (
     CANCEL_NOTE,
+    ERROR_NOTE,
     MAX_TAKEN_UP_IN_ROW,
     NOTIFY_MAX_DELAY,
     NOTIFY_QUIET,
@@ -434,6 +435,28 @@ def test_a_cancelled_run_is_told_to_the_model_at_its_next_request() -> None:
     assert isinstance(told, SystemNote) and CANCEL_NOTE in told.text
     d.model("done")
     assert d.kinds().count("system_item") == 1
+
+
+def test_a_run_that_ended_in_an_error_with_a_reply_kept_is_told_at_the_next_request() -> None:
+    """Found by QA: a stream the provider cut mid-answer kept the text as the model's reply,
+    and the next request gave no sign it was cut: the model took it for a finished answer,
+    where a cancel at the same point is told (CANCEL_NOTE)."""
+    d = Driver()
+    d.call("run", "write the report")
+    d.model_fails(ProviderError("interrupted", "stream interrupted: peer closed"), "The rep")
+    note = d.entries[-1]
+    text = ERROR_NOTE.format(error="stream interrupted: peer closed")
+    assert (note["kind"], note["text"], note["context"]) == ("system_item", text, True)
+    assert d.machine.pod_state == "idle" and d.inflight is None  # the note wakes nothing
+    d.call("run", "go on")
+    assert isinstance(d.inflight, CallModel)
+    *_, cut, asked, told = d.inflight.items
+    assert cut == AssistantMessage(text="The rep") and asked == UserMessage(text="go on")
+    assert isinstance(told, SystemNote) and text in told.text
+    # An error with no reply kept (a key refused, say: every run fails alike) leaves no note
+    # to pile up for the run that works at last.
+    d.model_fails(ProviderError("fatal", "HTTP 401: bad key"))
+    assert d.kinds()[-1] == "run_end"
 
 
 @pytest.mark.parametrize("how", ["queued", "shutdown"])
