@@ -276,9 +276,7 @@ class ToolContext(msgspec.Struct):
         os.close(fd)
         return None
 
-    def check_opened(
-        self, fd: int, want: Access, name: str = "", where: str | None = None
-    ) -> None:
+    def check_opened(self, fd: int, want: Access, name: str = "", where: str | None = None) -> None:
         """ScopeDenied unless the object behind `fd` (or its entry `name`, for a directory fd)
         is, where it is now, within scope. `where`: the kernel's name for `fd`, if read already."""
         where = opened_path(fd) if where is None else where
@@ -288,6 +286,21 @@ class ToolContext(msgspec.Struct):
             raise ScopeDenied(actual, want, has)
         if self._note_denies():  # a target made or replaced since: recorded too
             self.denied.check(fd, name, where, want)
+
+    def denied_caps(self) -> Callable[[str], Access | None]:
+        """What the deny rules cap at a resolved path by identity, for a walk over many
+        (DeniedObjects.walker), the deny targets recorded as they are now."""
+        self._note_denies()
+        return self.denied.walker()
+
+    def refuse_if_denied(
+        self, resolved: str, want: Access, caps: Callable[[str], Access | None]
+    ) -> None:
+        """ScopeDenied if `caps` (denied_caps) gives the object at `resolved` less than `want`:
+        a denied entry moved or linked there, named as the base of a walk."""
+        cap = caps(resolved)
+        if cap is not None and cap < want:
+            raise ScopeDenied(f"{resolved} (a denied entry moved or linked there)", want, cap)
 
     def display(self, resolved: str) -> str:
         """A path as the model should see it: relative to pwd when inside it, its control

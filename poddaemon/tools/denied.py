@@ -17,7 +17,7 @@ recorded directory keeps its own access.
 import contextlib
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from poddaemon.scope import Access, Rule, ScopeDenied
 
@@ -104,8 +104,51 @@ class DeniedObjects:
             if above <= 1:
                 self._refuse_if_capped(self._near.get(identity), path, name, want)
 
+    def walker(self) -> Callable[[str], Access | None]:
+        """For a walk over many paths (glob): the cap the rules give the object at a resolved
+        path by identity (None: none), as `check` judges an opened one, each directory above
+        it looked at once per walk, not once per path. A denied directory moved into the tree
+        gave glob every name in it, where list_dir and read_file refused it (found by QA)."""
+        with self._lock:
+            caps, near = dict(self._caps), dict(self._near)
+        if not caps and not near:
+            return lambda path: None
+        seen: dict[str, tuple[Access | None, Access | None]] = {}  # dir -> (below it, entries)
+
+        def identity(path: str) -> Identity | None:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return None  # gone: whatever is opened there later is judged then
+            return st.st_dev, st.st_ino
+
+        def directory(path: str) -> tuple[Access | None, Access | None]:
+            """The cap of everything below `path` (recursive rules on it and above), and the
+            cap of its direct entries (a rule that is not recursive on it, too)."""
+            if path not in seen:
+                parent = os.path.dirname(path)
+                below = directory(parent)[0] if parent != path else None
+                i = identity(path)
+                below = _least(below, caps.get(i)) if i is not None else below
+                seen[path] = below, _least(below, near.get(i)) if i is not None else below
+            return seen[path]
+
+        def cap(path: str) -> Access | None:
+            i = identity(path)
+            own = None if i is None else _least(caps.get(i), near.get(i))
+            return _least(own, directory(os.path.dirname(path))[1])
+
+        return cap
+
     @staticmethod
     def _refuse_if_capped(cap: Access | None, path: str, name: str, want: Access) -> None:
         if cap is not None and cap < want:
             shown = os.path.join(path, name) if name else path
             raise ScopeDenied(f"{shown} (a denied entry moved or linked there)", want, cap)
+
+
+def _least(a: Access | None, b: Access | None) -> Access | None:
+    """The tighter of two caps (None: no cap)."""
+    if a is None:
+        return b
+    return a if b is None else min(a, b)

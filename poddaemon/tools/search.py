@@ -107,14 +107,20 @@ def _glob(ctx: ToolContext, given: str, pattern: str, stop: Stop) -> tuple[list[
     base = ctx.check(given, Access.READ)
     if not os.path.isdir(base):
         raise ToolError(f"not a directory: {ctx.display(base)}")
+    caps = ctx.denied_caps()
+    ctx.refuse_if_denied(base, Access.READ, caps)
     try:
-        return _glob_in(ctx, base, parts, stop)
+        return _glob_in(ctx, base, parts, stop, caps)
     except RecursionError:
         raise ToolError(_too_deep(ctx, base)) from None
 
 
 def _glob_in(
-    ctx: ToolContext, base: str, parts: tuple[str, ...], stop: Stop
+    ctx: ToolContext,
+    base: str,
+    parts: tuple[str, ...],
+    stop: Stop,
+    caps: Callable[[str], Access | None],
 ) -> tuple[list[str], int]:
     """`_glob`'s answer for the resolved `base`, holding the matches it shows only: every one
     was kept (its path twice, ~600 bytes) to be sorted at the end, and the 60 s a glob may
@@ -123,7 +129,7 @@ def _glob_in(
 
     def matches() -> Iterator[tuple[int, str]]:
         nonlocal total
-        for found in _matches(ctx, base, parts, stop):
+        for found in _matches(ctx, base, parts, stop, caps):
             total += 1
             yield found
 
@@ -132,15 +138,23 @@ def _glob_in(
 
 
 def _matches(
-    ctx: ToolContext, base: str, parts: tuple[str, ...], stop: Stop
+    ctx: ToolContext,
+    base: str,
+    parts: tuple[str, ...],
+    stop: Stop,
+    caps: Callable[[str], Access | None],
 ) -> Iterator[tuple[int, str]]:
-    """(mtime_ns, display name) of every match."""
+    """(mtime_ns, display name) of every match. `caps`: the deny rules' by identity."""
     wanted_vcs = {part for part in parts if part in VCS_DIRS}
 
     real = _resolver(base)
 
     def readable(path: str) -> bool:
-        return ctx.scope.access(real(path)) >= Access.READ
+        resolved = real(path)
+        if ctx.scope.access(resolved) < Access.READ:
+            return False
+        cap = caps(resolved)
+        return cap is None or cap >= Access.READ
 
     for p in glob_paths(base, parts, readable, stop, real):
         # (not pathlib's parts: it interns every name, growing the interpreter's table of them)
@@ -411,6 +425,8 @@ def _grep_path(
 ) -> tuple[list[str], int, bool, int]:
     """`_grep` under the model's path `given`, resolved and checked here."""
     base = ctx.check(given, Access.READ)
+    # (each file is judged as it is opened; a directory named is refused, not "no matches")
+    ctx.refuse_if_denied(base, Access.READ, ctx.denied_caps())
     try:
         return _grep(ctx, base, search, name_glob, unread, unreadable, stop)
     except RecursionError:

@@ -1061,6 +1061,13 @@ async def test_a_denied_entry_moved_or_linked_to_an_allowed_name_stays_denied(ro
     out = await call(ctx, "write_file", path="public/new.txt", content="x")
     assert out.is_error and not (root / "public/new.txt").exists()
     assert (await call(ctx, "grep", pattern="password|TOKEN")).output == "no matches"
+    # Nor their names (found by QA: glob listed them), and a walk named there is refused.
+    for pattern in ("**/*", "*"):
+        listed = (await call(ctx, "glob", pattern=pattern)).output.splitlines()
+        assert "git/" in listed and not {"public/", "public/key", "env.txt"} & set(listed)
+    for tool, args in (("glob", {"pattern": "*"}), ("grep", {"pattern": "password"})):
+        out = await call(ctx, tool, path="public", **args)
+        assert out.is_error and "a denied entry moved or linked there" in out.output, out.output
     # A deny on write still lets it be read, never changed, under its new name.
     assert (await read(ctx, "git/config")).output == "     1\t[core]"
     out = await call(ctx, "edit_file", path="git/config", old="[core]", new="[x]")
@@ -1088,6 +1095,8 @@ async def test_a_non_recursive_deny_caps_its_level_only_even_moved(root: Path) -
         if where == "d":
             (root / "d").rename(root / "moved")  # as a command may: its entries stay capped
     assert "a denied entry moved or linked there" in out.output
+    listed = (await call(ctx, "glob", pattern="**/*.txt")).output.splitlines()
+    assert "moved/e/moved.txt" in listed and "moved/top.txt" in listed  # a write cap: readable
 
 
 async def test_a_deny_target_made_or_replaced_after_start_stays_denied_when_moved(
