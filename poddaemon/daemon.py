@@ -869,7 +869,9 @@ def _serve(
                 await pod.reserve_session()
             context = await pod.hooks.session_start("resume" if session_id else "startup")
             if context:
-                pod.feed(pod.machine.add_context(context, "hook:SessionStart"))
+                # (this start's output stands for the state now: an earlier start's, unread,
+                # is stale)
+                pod.feed(pod.machine.add_context(context, "hook:SessionStart", replaces=True))
         try:
             mcp = await mcp_start
         except McpStartupError as exc:

@@ -125,6 +125,9 @@ class SystemItem(Entry, tag="system_item"):
     context: bool = False  # a hook's context: read at the next request, wakes no one
     outcome: str | None = None  # a child's run.finished: the run's outcome
     tree_spent: int | None = None  # tokens the child's tree had spent when it reported
+    # Drops what its source said before that no request has read yet (a SessionStart hook's
+    # output at an earlier start: a pod restarted while idle stacked one per start).
+    replaces: bool = False
 
 
 # --- spawn trees: the child's outbox and the spawner's children (see poddaemon/spawn.py) ------

@@ -628,10 +628,13 @@ class Machine:
         self._timer_at = None
         return self._handle(lambda: None)
 
-    def add_context(self, text: str, source: str) -> list[Effect]:
+    def add_context(self, text: str, source: str, replaces: bool = False) -> list[Effect]:
         """Context a hook added (SessionStart, UserPromptSubmit): committed like a notification,
-        so the model reads it at its next request, but it wakes no run by itself."""
-        item = SystemItem(id=self.new_id(), text=text, source=source, context=True)
+        so the model reads it at its next request, but it wakes no run by itself. `replaces`:
+        what `source` added before and no request has read yet is dropped (SystemItem)."""
+        item = SystemItem(
+            id=self.new_id(), text=text, source=source, context=True, replaces=replaces
+        )
         return self._handle(lambda: self._commit(item))
 
     def hook_ran(

@@ -352,7 +352,7 @@ class Pod:
             log.exception("SessionStart hook failed")
             return
         if context and not self.machine.stopped:
-            self.feed(self.machine.add_context(context, "hook:SessionStart"))
+            self.feed(self.machine.add_context(context, "hook:SessionStart", replaces=True))
 
     def _session_moved(self, session_id: str) -> None:
         """Name the new session in the registry (unless it is named already: the first one is,

@@ -333,6 +333,10 @@ def render_notifications(notes: list[PendingInput], more: int) -> str:
 def _apply(s: SessionState, e: Entry) -> None:
     match e:  # (the kinds are disjoint: the one a notify commits comes first)
         case SystemItem():
+            if e.replaces:
+                stale = [p.id for p in s.pending_inputs.values() if p.source == e.source]
+                for pid in stale:
+                    s.take_pending(pid)
             s.add_pending(PendingInput(e.id, "notification", e.text, e.source, e.ts, e.context))
             if e.id.startswith(RESTART_NOTE_ID) and not e.context:  # (held: a new task's)
                 s.take_up_from = s.run_from  # the cut-off run's, just ended

@@ -463,6 +463,28 @@ def test_session_start_context_is_no_queued_notification_and_podctl_wait_returns
     assert "remember the milk" in str(env.model.requests[-1]["body"])
 
 
+def test_session_start_context_of_an_earlier_start_no_request_read_is_replaced(env: Env) -> None:
+    """Found by QA: a unit pod restarted while idle (a crash, the watchdog, a login) stacked
+    one SessionStart output per start, and its next request read them all, stale snapshots
+    (`git status`, say) beside the current one. Only the newest start's waits."""
+    count = env.work / "starts"
+    hook = f'n=$(($(cat {count} 2>/dev/null || echo 0) + 1)); echo $n > {count}; echo start no. $n'
+    extra = hooks_toml("SessionStart", hook)
+    pod = env.start("restarts", extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("first").outcome == "finished"
+    assert "start no. 1" in str(env.model.requests[-1]["body"])
+    for n in (2, 3):
+        pod.stop()
+        pod = env.restart(pod, "--resume")
+        wait_until(lambda n=n: f"start no. {n}" in str(pod.call("history", since=0)))
+    with pod.client() as c:
+        assert c.run_wait("after two restarts").outcome == "finished"
+    body = str(env.model.requests[-1]["body"])
+    assert "start no. 3" in body and "start no. 2" not in body
+    assert "start no. 2" in str(pod.call("history", since=0))  # in the log, never read
+
+
 def test_session_start_at_first_start_gets_the_session_its_first_input_starts(env: Env) -> None:
     seen = env.work / "session-start.json"
     env.model.script({"text": "ok"})
