@@ -474,10 +474,14 @@ def test_session_start_context_of_an_earlier_start_no_request_read_is_replaced(e
     with pod.client() as c:
         assert c.run_wait("first").outcome == "finished"
     assert "start no. 1" in str(env.model.requests[-1]["body"])
+
+    def logged(pod: PodProcess, text: str) -> Callable[[], bool]:
+        return lambda: text in str(pod.call("history", since=0))
+
     for n in (2, 3):
         pod.stop()
         pod = env.restart(pod, "--resume")
-        wait_until(lambda n=n: f"start no. {n}" in str(pod.call("history", since=0)))
+        wait_until(logged(pod, f"start no. {n}"), what=f"start no. {n}")
     with pod.client() as c:
         assert c.run_wait("after two restarts").outcome == "finished"
     body = str(env.model.requests[-1]["body"])
