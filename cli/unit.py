@@ -7,6 +7,7 @@ active only once the pod's socket listens; `WatchdogSec=`: a pod whose event loo
 is killed and restarted. API keys come from `EnvironmentFile=-<config>/env`.
 """
 
+import contextlib
 import os
 import re
 import shutil
@@ -477,14 +478,22 @@ def install(
     os.replace(tmp, target)
     systemctl("daemon-reload")
     if now:
-        # Type=notify: this returns once the pod has sent READY=1 (or failed to).
-        start_unit(
-            unit_name(pod),
-            "enable",
-            "--now",
-            then=f"It stays installed and enabled: fix that, then `systemctl --user restart "
-            f"{unit_name(pod)}`, or `podctl unit remove` it.",
-        )
+        # Type=notify: this returns once the pod has sent READY=1 (or failed to). A start that
+        # failed is not left enabled: at each login it raced the pod holding the scope it was
+        # refused, and won some (found by QA).
+        unit = unit_name(pod)
+        try:
+            start_unit(
+                unit,
+                "enable",
+                "--now",
+                then=f"It stays installed, not enabled: fix that, then `podctl unit install "
+                f"{manifest} --now` again, or `podctl unit remove {pod}`.",
+            )
+        except UnitError:
+            with contextlib.suppress(UnitError):
+                systemctl("disable", unit)
+            raise
     return pod, running, replaced
 
 
