@@ -176,8 +176,9 @@ class SessionState(msgspec.Struct):
     pending_notifications: int = 0
     pending_steers: int = 0
     pending_context: int = 0  # of the pending notifications, hook context (wakes no run)
-    # Runs in a row a crash or a stop cut off (a run that ends otherwise resets it): the pod
-    # takes cut-off work up by itself only so many times (see machine.MAX_TAKEN_UP_IN_ROW).
+    # Runs in a row a crash or a stop cut off (a run that ends otherwise, or one started for
+    # new input, resets it): the pod takes cut-off work up by itself only so many times (see
+    # machine.MAX_TAKEN_UP_IN_ROW).
     interrupted_in_row: int = 0
     # Where the run a restart cut off began, while the note that has the next run take it up
     # waits: that run's items are the next run's own, and compaction keeps the cut-off run's
@@ -369,6 +370,8 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.run_calls = 0
                 s.run_from = len(s.history) if s.take_up_from is None else s.take_up_from
             s.take_up_from = None
+            if e.trigger == "input":  # new work was asked for: a loop, if any, starts again
+                s.interrupted_in_row = 0
             s.paused_run = None
             s.active_run = run_id
             if e.continues is not None:

@@ -761,6 +761,22 @@ def test_a_pod_that_crashes_in_every_run_stops_taking_the_work_up_by_itself() ->
     assert isinstance(d.inflight, CallModel)
 
 
+def test_new_input_after_a_held_note_starts_the_count_of_runs_cut_off_again() -> None:
+    """Found by QA: past MAX_TAKEN_UP_IN_ROW the note waits for the next input; the user sent
+    new work, stopped the pod once on purpose, and that run was not taken up ("5 runs in a
+    row were cut off"): the count went on from the loop before the new input."""
+    d = Driver()
+    d.call("run", "work")
+    for _ in range(MAX_TAKEN_UP_IN_ROW + 1):
+        d = _crash_and_restore(d)
+    assert d.inflight is None  # held
+    d.call("run", "new work")
+    assert d.machine.state.interrupted_in_row == 0
+    d = _crash_and_restore(d)  # one stop (or crash) of the new work: taken up
+    assert isinstance(d.inflight, CallModel)
+    assert RESTART_NOTE in d.inflight.items[-1].text  # type: ignore[union-attr]
+
+
 def test_a_crash_in_post_tool_use_hooks_keeps_what_the_tool_did() -> None:
     """A call whose tool returned (its output written) when a crash cut its PostToolUse hooks
     short is restored with that output, not as interrupted; the next call of the batch, never
