@@ -14,9 +14,12 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Annotated, Any
+from typing import IO, TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from poddaemon.config.manifest import Manifest
 
 from cli.app import PodArg, app, seconds
 from cli.common import (
@@ -422,6 +425,25 @@ def _unit_cannot_start(unit: str, manager_env: dict[str, str]) -> str | None:
     return manifest_problem(Path(manifest)) or files_problem(loaded)
 
 
+def _set_for_units_only(manifest: "Manifest") -> str:
+    """Where the key a pod restarted from this shell lacks is set for its units (the child of
+    a unit pod, say), and how to bring it here; "" when it is not set there either."""
+    from cli.unit import read_env_file
+    from protocol import paths
+
+    env_file = paths.config_dir() / "env"
+    names = [manifest.provider.api_key_var]
+    if manifest.compaction is not None and manifest.compaction.provider is not None:
+        names.append(manifest.compaction.provider.api_key_var)
+    found = read_env_file(env_file)
+    if not any(found.get(name) and not os.environ.get(name) for name in names):
+        return ""
+    return (
+        f"; it is set in {env_file}, which only units read: `set -a; . {env_file}; set +a`, "
+        "then restart it again"
+    )
+
+
 def _cannot_start(config: Path) -> str | None:
     """Why the kept configuration could not start a pod from this shell (its provider's API key
     variable unset here, a configuration that no longer loads, a corrupt pods.json), or None.
@@ -438,7 +460,8 @@ def _cannot_start(config: Path) -> str | None:
     except ManifestError as exc:
         return str(exc)
     except CredentialsError as exc:
-        return f"{config}: {exc} in this shell (a restarted pod gets this environment)"
+        said = f"{config}: {exc} in this shell (a restarted pod gets this environment)"
+        return said + _set_for_units_only(manifest)
     except RegistryError as exc:
         return str(exc)
     return None

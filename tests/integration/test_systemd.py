@@ -899,6 +899,17 @@ def test_restart_of_a_plain_pod_resumes_from_its_kept_config(env: Env) -> None:
     with PodClient.connect("plain", timeout=30) as c:
         now = c.status()
     assert now.session_id == st.session_id and now.pid != st.pid
+    # The key only where units read it (QA: a unit pod's child, restarted from a shell).
+    env_file = env.home / "config" / "env"
+    env_file.parent.mkdir(parents=True, exist_ok=True)
+    env_file.write_text(f"FAKE_API_KEY={env.env.pop('FAKE_API_KEY')}\n")
+    env_file.chmod(0o600)
+    refused = env.podctl("restart", "plain")
+    assert refused.returncode == 1
+    assert "FAKE_API_KEY is not set in this shell" in refused.stderr, refused.stderr
+    assert f"it is set in {env_file}, which only units read: `set -a; . {env_file};" in (
+        refused.stderr
+    )
     assert env.podctl("stop", "plain").returncode == 0
     assert env.podctl("restart", "nosuchpod").returncode == 3
 
