@@ -456,6 +456,10 @@ class Connection(asyncio.Protocol):
         try:
             msg = _envelope_decoder.decode(line)
         except msgspec.ValidationError as exc:
+            bad = _utf8_error(line)  # (no JSON: malformed first, whatever shape it has)
+            if bad is not None:
+                self._send(_error(None, errors.PARSE_ERROR, f"parse error: {bad}"))
+                return
             self._send(_error(_guess_id(line), errors.INVALID_REQUEST, f"invalid request: {exc}"))
             return
         except UNREADABLE as exc:  # not JSON at all: decoding it again would fail the same way

@@ -494,6 +494,18 @@ def test_an_id_that_is_not_utf8_is_a_parse_error(env: Env) -> None:
     sock.close()
 
 
+def test_a_line_of_the_wrong_shape_that_is_not_utf8_is_a_parse_error(env: Env) -> None:
+    """Found by QA: a JSON string holding invalid UTF-8 got -32600 ("Expected object | array,
+    got str"), where the same bytes in a request's params got -32700: malformed first."""
+    pod = env.start()
+    sock = raw(pod)
+    reply = rpc(sock, b'"\xc3\x28"\n')
+    assert reply["id"] is None and reply["error"]["code"] == -32700, reply
+    assert "UTF-8" in reply["error"]["message"]
+    assert rpc(sock, b'"fine"\n')["error"]["code"] == -32600  # the wrong shape, well formed
+    sock.close()
+
+
 def test_an_unreadable_batch_item_is_its_own_error_and_the_others_are_answered(
     env: Env,
 ) -> None:
