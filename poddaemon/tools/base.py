@@ -484,10 +484,19 @@ def _json_type(value: Any) -> str:
 def _os_error_text(e: OSError) -> str:
     text = e.strerror or str(e)
     if e.filename is not None:
-        text += f": {os.fsdecode(e.filename)}"
+        text += f": {_path_shown(os.fsdecode(e.filename))}"
     if e.filename2 is not None:
-        text += f" -> {os.fsdecode(e.filename2)}"
+        text += f" -> {_path_shown(os.fsdecode(e.filename2))}"
     return text
+
+
+PATH_SHOWN = 200  # characters of a path an error quotes at each end (ENAMETOOLONG's: 6 KB)
+
+
+def _path_shown(path: str) -> str:
+    if len(path) <= 2 * PATH_SHOWN:
+        return path
+    return f"{path[:PATH_SHOWN]}…{path[-PATH_SHOWN:]} ({len(path)} characters)"
 
 
 def _error(text: str) -> ToolOutcome:

@@ -147,6 +147,17 @@ async def test_read_file_refuses_binary_directory_and_missing(ctx: ToolContext, 
     assert out.output == f"No such file or directory: {root / 'nope.txt'}"
 
 
+async def test_an_overlong_path_is_quoted_by_its_ends(ctx: ToolContext, root: Path) -> None:
+    """Found by QA: a 6,000-character path came back whole in "File name too long: …"."""
+    path = "a/" * 3000 + "x.txt"
+    for tool, args in (("read_file", {}), ("write_file", {"content": "x"})):
+        out = await call(ctx, tool, path=path, **args)
+        assert out.is_error and len(out.output) < 600, out.output
+        assert out.output.startswith(f"File name too long: {root}/a/a/"), out.output
+        said = out.output.rsplit(" (", 1)  # the path as written, its length last
+        assert "…" in said[0] and int(said[1].removesuffix(" characters)")) > 6000, out.output
+
+
 async def test_read_file_empty_and_non_utf8(ctx: ToolContext, root: Path) -> None:
     (root / "e.txt").write_text("")
     out = await read(ctx, "e.txt")
