@@ -148,6 +148,8 @@ def start(cmd: list[str], stderr: int) -> Started:
 
 
 def _kill_group(proc: Started, sig: signal.Signals) -> None:
+    if proc.pid <= 0:  # (Unseen: killpg(0) would be podctl's own group)
+        return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, sig)
     with contextlib.suppress(TimeoutError):
@@ -206,22 +208,69 @@ def _terminate_as_exit() -> Iterator[Callable[[], None]]:
 def _spawn_detached(
     cmd: list[str], timeout: float, release: Callable[[], None]
 ) -> tuple[str, str, bytes]:
+    cmd = [*cmd, "--stderr-log"]
+    fd, write_end = os.pipe2(os.O_CLOEXEC)
+    first = b""
+    try:
+        proc = start(cmd, write_end)  # (SIGTERM held: see _terminate_as_exit)
+    except forkclient.ServerLost:
+        os.close(write_end)
+        proc, fd, first = _after_server_lost(cmd, fd, timeout)
+    except BaseException:
+        os.close(write_end)
+        os.close(fd)
+        raise
+    else:
+        os.close(write_end)
+    try:
+        return _await_ready(proc, fd, timeout, release, first)
+    finally:
+        os.close(fd)
+        proc.close()
+
+
+class Unseen:
+    """A pod the fork server forked and went away before it told us its pid: what it writes
+    comes on our pipe, and its exit status is unknowable. Nothing can be sent to it."""
+
+    pid = 0
+
+    def poll(self) -> int | None:
+        return None
+
+    def wait(self, timeout: float) -> int | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def _after_server_lost(cmd: list[str], fd: int, timeout: float) -> tuple[Started, int, bytes]:
+    """The fork server went away once it had the request: whether it forked the pod is told
+    by the pipe of the pod's stderr, whose write end it was sent. Output on it comes from that
+    pod, which starts on (its pid unknown); the end of it with nothing read means no process
+    holds it any more, so none was forked (or the one forked ended at once): the pod is
+    exec'd. `(pod, read end, what was read)`. Reported as a failure, the pod a server forked
+    just before it died started anyway, and a retry was refused as "already running"."""
+    if not select.select([fd], [], [], timeout)[0]:
+        os.close(fd)
+        raise SpawnFailed(
+            f"the fork server went away while starting the pod, and nothing came from it within "
+            f"{timeout:.0f} s; see `podctl ls`",
+            b"",
+        )
+    first = os.read(fd, 65536)
+    if first:
+        return Unseen(), fd, first
+    os.close(fd)
     fd, write_end = os.pipe2(os.O_CLOEXEC)
     try:
-        proc = start([*cmd, "--stderr-log"], write_end)  # (SIGTERM held: see _terminate_as_exit)
-    except forkclient.ServerLost as exc:
-        os.close(fd)
-        raise SpawnFailed(str(exc), b"") from None
+        return Execd(cmd, write_end), fd, b""
     except BaseException:
         os.close(fd)
         raise
     finally:
         os.close(write_end)
-    try:
-        return _await_ready(proc, fd, timeout, release)
-    finally:
-        os.close(fd)
-        proc.close()
 
 
 EARLY_HEAD, EARLY_TAIL = 30, 10  # lines shown of what a pod wrote before READY
@@ -248,8 +297,9 @@ def shortened(output: bytes, pod: str | None = None) -> bytes:
 
 
 def _await_ready(
-    proc: Started, fd: int, timeout: float, release: Callable[[], None]
+    proc: Started, fd: int, timeout: float, release: Callable[[], None], first: bytes = b""
 ) -> tuple[str, str, bytes]:
+    """`first`: what was read from `fd` already."""
     pending = bytearray()  # the incomplete last line
     output = bytearray()  # complete lines before READY
     started = time.monotonic()
@@ -259,16 +309,19 @@ def _await_ready(
         poller = select.poll()  # (not selectors: ~1.5 ms of podctl's start-up to import)
         poller.register(fd, select.POLLIN)
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                _kill_group(proc, signal.SIGKILL)
-                raise SpawnFailed(
-                    f"pod did not become ready within {deadline - started:.0f} s (killed it)",
-                    bytes(output + pending),
-                )
-            if not poller.poll(remaining * 1000):
-                continue
-            chunk = os.read(fd, 65536)
+            if first:
+                chunk, first = first, b""
+            else:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    _kill_group(proc, signal.SIGKILL)
+                    raise SpawnFailed(
+                        f"pod did not become ready within {deadline - started:.0f} s (killed it)",
+                        bytes(output + pending),
+                    )
+                if not poller.poll(remaining * 1000):
+                    continue
+                chunk = os.read(fd, 65536)
             if not chunk:
                 break
             pending += chunk

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import select
 import signal
 import sys
 import time
@@ -1061,8 +1062,21 @@ async def _fork(cmd: list[str]) -> _Started | None:
         thread.add_done_callback(functools.partial(_forked_for_nobody, read_end))
         raise
     except forkclient.ServerLost as exc:
-        os.close(read_end)
-        raise ToolError(str(exc)) from None
+        # It had the request. The child's stderr pipe tells whether it forked one: nothing on
+        # it before its end means no process holds it (our write end is closed by now), so
+        # none runs, and the child is exec'd (see cli.spawn._after_server_lost). (The done
+        # callback closing it was added before the shield's: it ran before we woke up.)
+        try:
+            readable: list[int]
+            readable, _, _ = await asyncio.to_thread(
+                select.select, [read_end], [], [], READY_TIMEOUT
+            )
+            nothing = bool(readable) and not os.read(read_end, 1)
+        finally:
+            os.close(read_end)
+        if nothing:
+            return None
+        raise ToolError(f"{exc} (a child it forked may be starting: list_pods)") from None
     except OSError as exc:  # short of descriptors, say, before the server had the request
         os.close(read_end)
         log.warning("cannot have the fork server start the child (%s): exec'ing it", exc)
