@@ -331,7 +331,9 @@ def pod_table(statuses: Sequence[Mapping[str, Any]], home: str | None = None) ->
     listed = {st.get("name") for st in statuses}  # live pods: a parent not among them is gone
     for depth, st in tree_order(statuses):
         parent = st.get("parent")
-        unresponsive = st.get("state") == "unresponsive"
+        # What only a status answer says (not one still starting its MCP servers and hooks):
+        # its SANDBOX read "none" there, for a pod that would be confined.
+        unresponsive = st.get("state") == "unresponsive" or "queue" not in st
         cells = (
             TREE_INDENT * depth + str(st.get("name", "?")),
             _cell(st.get("pid")),

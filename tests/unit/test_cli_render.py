@@ -231,6 +231,10 @@ def test_pod_table_indents_children_and_shows_unresponsive_pods() -> None:
     assert lines[2].startswith("  stuck ")
     assert lines[2].split() == ["stuck", "77", "unresponsive", "-", "-", "boss", "-", "-", "-"]
     assert lines[3].split() == ["lost", "-", "unresponsive", "-", "-", "-", "-", "-", "-"]
+    # One still starting (found by QA: shown unconfined, queue 0/0, 0 tokens spent).
+    starting = {"name": "new", "pid": 5, "state": "starting", "parent": None, "scope": []}
+    (line,) = pod_table([starting]).splitlines()[1:]
+    assert line.split() == ["new", "5", "starting", "-", "-", "-", "-", "-", "-"]
 
 
 def test_pod_table_says_a_parent_that_is_not_running_is_gone() -> None:
