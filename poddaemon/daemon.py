@@ -413,8 +413,9 @@ def _claim_and_serve(
             paths.write_private(pod_dir / "pid", f"{os.getpid()}\n")
             replace_leftover(pod_dir / "tmpdir", name, box.tmpdir)
             _keep_config(manifest, args.callback if args.adopt else None)
-        except OSError as exc:
-            raise StartupError(os_error_line(exc), lasting=False) from None
+        except OSError as exc:  # (a full disk: said as the registry's failure is)
+            said = f"cannot start pod {name!r}: {os_error_line(exc)}"
+            raise StartupError(said, lasting=False) from None
         return _serve(args, manifest, scope, claim, instruction, session_id, box)
     finally:
         claim.release()  # once only: on the normal path _serve gave it up already

@@ -130,7 +130,8 @@ def test_a_pod_that_cannot_keep_its_config_says_which_file_and_leaves_no_debris(
         with pytest.raises(StartFailed) as failed:
             env.restart(pod, "--resume")
         assert failed.value.code == 1
-        assert f"{kept / 'full.toml'}: No space left on device" in failed.value.stderr
+        said = f"cannot start pod 'full': {kept / 'full.toml'}: No space left on device"
+        assert said in failed.value.stderr, failed.value.stderr
     assert sorted(p.name for p in kept.iterdir()) == ["full.toml"]
     filler.unlink()
     assert env.restart(pod, "--resume").stop() == 0
