@@ -412,7 +412,7 @@ def _unit_cannot_start(unit: str, manager_env: dict[str, str]) -> str | None:
     unit it did not write (the shipped template's), whose manifest podctl does not know. The
     unit stops the pod before it starts it again, and a start refused is not retried."""
     from cli.unit import installed_from, manifest_problem, unit_dir
-    from poddaemon.config.load import ManifestError, files_problem, load_manifest
+    from poddaemon.config.load import ManifestError, load_manifest
     from protocol import paths
 
     manifest = installed_from(unit_dir(manager_env) / unit)
@@ -422,7 +422,27 @@ def _unit_cannot_start(unit: str, manager_env: dict[str, str]) -> str | None:
         loaded = load_manifest(manifest, (), paths.defaults_path())
     except ManifestError as exc:
         return str(exc)
-    return manifest_problem(Path(manifest)) or files_problem(loaded)
+    return manifest_problem(Path(manifest)) or _files_problem(loaded)
+
+
+def _files_problem(manifest: "Manifest") -> str | None:
+    """What the pod's start would refuse of the files it needs, as it says it: its pwd gone,
+    its instruction file unreadable, one another user could change. (Found by QA: a restart
+    stopped the pod, which then refused to start, and stayed down.)"""
+    from poddaemon.config.load import files_problem, pwd_problem
+    from poddaemon.prompt import PromptError, load_instruction
+    from poddaemon.scope import resolve
+
+    problem = pwd_problem(manifest, resolve(manifest.pod.pwd, "/")) or files_problem(manifest)
+    if problem is not None:
+        return problem
+    worker = manifest.worker
+    try:
+        origin = manifest.instruction_source or manifest.source  # (as the pod names it)
+        load_instruction(worker.instruction, worker.instruction_file, origin)
+    except PromptError as exc:
+        return str(exc)
+    return None
 
 
 def _set_for_units_only(manifest: "Manifest") -> str:
@@ -464,7 +484,7 @@ def _cannot_start(config: Path) -> str | None:
         return said + _set_for_units_only(manifest)
     except RegistryError as exc:
         return str(exc)
-    return None
+    return _files_problem(manifest)
 
 
 # --- wait -----------------------------------------------------------------------------------

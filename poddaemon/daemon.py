@@ -274,7 +274,7 @@ def run_pod(args: "argparse.Namespace") -> int:
     # only "permission denied").
     paths.check_private_dirs()
 
-    from poddaemon.config.load import ManifestError, load_manifest
+    from poddaemon.config.load import ManifestError, load_manifest, pwd_problem
     from poddaemon.llm import CredentialsError, check_manifest_credentials
     from poddaemon.prompt import PromptError, load_instruction
     from poddaemon.scope import Access, Scope, resolve
@@ -305,10 +305,9 @@ def run_pod(args: "argparse.Namespace") -> int:
             f"{manifest.source}: worker.tools: {', '.join(missing)} not available in this version"
         )
     pwd = resolve(manifest.pod.pwd, "/")
-    if not os.path.exists(pwd):
-        raise StartupError(f"{manifest.source}: pod.pwd: {pwd} does not exist")
-    if not os.path.isdir(pwd):
-        raise StartupError(f"{manifest.source}: pod.pwd: {pwd} is not a directory")
+    problem = pwd_problem(manifest, pwd)
+    if problem is not None:
+        raise StartupError(problem)
     scope = Scope.from_config(manifest.scope.allow, manifest.scope.deny, cwd=manifest.pod.pwd)
     scope = msgspec.structs.replace(scope, private=_own_dirs())
     if scope.access(pwd) < Access.READ:

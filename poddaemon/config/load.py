@@ -40,6 +40,7 @@ __all__ = [
     "load_manifest",
     "manifest_to_dict",
     "manifest_to_toml",
+    "pwd_problem",
     "read_bounded",
 ]
 
@@ -207,6 +208,15 @@ def files_problem(m: Manifest) -> str | None:
             return str(exc)
         except OSError:
             continue
+    return None
+
+
+def pwd_problem(m: Manifest, pwd: str) -> str | None:
+    """Why `pwd` (the manifest's pod.pwd, resolved) cannot be the pod's working directory."""
+    if not os.path.exists(pwd):
+        return f"{m.source}: pod.pwd: {pwd} does not exist"
+    if not os.path.isdir(pwd):
+        return f"{m.source}: pod.pwd: {pwd} is not a directory"
     return None
 
 

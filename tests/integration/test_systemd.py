@@ -400,14 +400,17 @@ def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socke
     assert "cannot restart pod 'edited' (it is left running): " in kept.stderr, kept.stderr
     assert "bogus: unknown key" in kept.stderr, kept.stderr
     assert sd.prop("edited", "ActiveState") == "active" and sd.main_pid("edited") == pid
-    # One only the pod's start finds (its pwd gone): the unit fails, and everything says why.
-    gone = sd.env.work / "gone"
-    path.write_text(good.replace(f'pwd = "{sd.env.work}"', f'pwd = "{gone}"'))
-    assert f'pwd = "{gone}"' in path.read_text()
+    # One only the pod's start finds (its scope no longer holds its pwd): the unit fails, and
+    # everything says why.
+    elsewhere = sd.env.work.with_name("elsewhere")
+    elsewhere.mkdir()
+    path.write_text(good.replace(f'target = "{sd.env.work}"', f'target = "{elsewhere}"'))
+    assert f'target = "{elsewhere}"' in path.read_text()
     refused = sd.podctl("restart", "edited")
     assert refused.returncode == 1
     assert "poddaemon-edited.service did not start: " in refused.stderr
-    assert f"pod.pwd: {gone} does not exist" in refused.stderr, refused.stderr
+    gone = f"pod.pwd: {sd.env.work} is not readable under the pod's scope"
+    assert gone in refused.stderr, refused.stderr
     assert "Fix that, then `podctl restart edited`." in refused.stderr
     assert "systemctl --user status" not in refused.stderr
     # What talks to it meanwhile says why too: "not running" alone sent the user to systemctl.
@@ -416,7 +419,7 @@ def test_a_restart_the_pod_refuses_says_why_and_a_good_one_prints_name_and_socke
         said = sd.podctl(*args)
         assert said.returncode == 3, (args, said.stderr)
         assert "its unit poddaemon-edited.service failed: refused: " in said.stderr, said.stderr
-        assert f"pod.pwd: {gone} does not exist" in said.stderr, said.stderr
+        assert gone in said.stderr, said.stderr
     path.write_text(good + "bogus = 1\n")  # stopped: said without "left running"
     refused = sd.podctl("restart", "edited")
     assert "cannot restart pod 'edited': " in refused.stderr, refused.stderr
@@ -910,6 +913,17 @@ def test_restart_of_a_plain_pod_resumes_from_its_kept_config(env: Env) -> None:
     assert f"it is set in {env_file}, which only units read: `set -a; . {env_file};" in (
         refused.stderr
     )
+    env.env["FAKE_API_KEY"] = "test-key"
+    # Its pwd gone: refused before the stop (QA: stopped, then refused to start, left down).
+    moved = env.work.with_name("moved")
+    env.work.rename(moved)
+    refused = env.podctl("restart", "plain")
+    assert refused.returncode == 1
+    assert "cannot restart pod 'plain' (it is left running): " in refused.stderr
+    assert f"pod.pwd: {env.work} does not exist" in refused.stderr, refused.stderr
+    with PodClient.connect("plain", timeout=30) as c:
+        assert c.status().pid == now.pid
+    moved.rename(env.work)
     assert env.podctl("stop", "plain").returncode == 0
     assert env.podctl("restart", "nosuchpod").returncode == 3
 
