@@ -66,6 +66,7 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
             # stuck must not hang the call before it has the message (found by QA): it is
             # asked for its status first, within `timeout`, on the same connection.
             async with _client(pod, None, sends=True, answers_within=timeout) as c:
+                await _not_paused(c, pod)
                 return _plain(await c.run_wait(message, mode=mode, client_key=client_key))
         async with _client(pod, timeout, sends=True) as c:
             return _plain(await c.run(message, mode=mode, client_key=client_key))
@@ -154,6 +155,18 @@ async def _client(
         raise ToolError(f"pod {pod!r}: {exc.message} ({exc.code})") from None
     except ConnectionClosed as exc:
         raise ToolError(f"{exc} before answering: it stopped, or crashed") from None
+
+
+async def _not_paused(client: "AsyncPodClient", pod: str) -> None:
+    """A tool error for a paused pod, before a waited run is sent: it would wait until someone
+    resumes the pod, and the MCP client's model with it, not knowing why (found by QA)."""
+    from mcp.server.mcpserver.exceptions import ToolError
+
+    if (await client.status()).state == "paused":
+        raise ToolError(
+            f"pod {pod!r} is paused: a run sent now waits until `podctl resume {pod}`; nothing "
+            "was sent (send it with wait=false to queue it)"
+        )
 
 
 async def _list_pods() -> list[dict[str, Any]]:

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from poddaemon import __version__
-from tests.conftest import ROOT, Env, wait_until
+from tests.conftest import ROOT, Env, collect_run, wait_until
 
 TOOLS = {"list_pods", "send_to_pod", "notify_pod", "pod_status", "pod_history"}
 
@@ -191,6 +191,37 @@ async def test_a_pod_that_dies_during_send_to_pod_is_a_tool_error(env: Env) -> N
         )
         gone = await client.call_tool("pod_status", {"pod": "doomed"})
         assert gone.is_error and "pod 'doomed' is not running" in gone.content[0].text
+
+
+async def test_a_waited_send_to_a_paused_pod_is_refused_saying_so(env: Env) -> None:
+    """Found by QA: the call hung until someone resumed the pod, its MCP client's model with
+    it, not knowing why (`podctl send` says so). Nothing is sent; wait=false still queues."""
+    from mcp import Client
+
+    call = {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "p"}
+    env.model.script(call, {"text": "resumed"})
+    pod = env.start("napper")
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run("work")
+        env.model.wait_for_requests(1)
+        assert c.pause().paused
+        env.model.open_gate("p")
+        assert collect_run(c, run.run_id)[-1].data["outcome"] == "paused"
+    async with Client(serve(env)) as client:
+        refused = await asyncio.wait_for(
+            client.call_tool("send_to_pod", {"pod": "napper", "message": "more work"}), 30
+        )
+        assert refused.is_error
+        assert refused.content[0].text.endswith(
+            "pod 'napper' is paused: a run sent now waits until `podctl resume napper`; nothing "
+            "was sent (send it with wait=false to queue it)"
+        )
+        queued = await client.call_tool(
+            "send_to_pod", {"pod": "napper", "message": "later", "wait": False}
+        )
+        assert not queued.is_error and result_data(queued)["state"] == "queued"
+    assert pod.call("status")["queue"]["runs"] == 1  # the queued one, not the refused one
 
 
 async def test_a_home_others_can_write_in_is_refused_as_podctl_refuses_it(env: Env) -> None:
