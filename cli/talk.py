@@ -339,8 +339,8 @@ def _not_cancelled(pod: str, run_id: str) -> str:
 @app.command()
 def compact(pod: PodArg, as_json: JsonOpt = False) -> None:
     """Compact the pod's context now (idle pods only): summarize the history and continue in a
-    new session linked by `compacted_from`. Prints the new session's id. Waits for the summary
-    however long the model takes."""
+    new session linked by `compacted_from`. Prints "compacted: session ID" (--json: {"session_id":
+    ID}, for scripts). Waits for the summary however long the model takes."""
     session_id = call(pod, "compact", timeout=None)["session_id"]  # a model call: no limit
     if as_json:
         say_compacted(pod, lambda: print_json({"session_id": session_id}), session_id)
