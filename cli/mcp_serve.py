@@ -9,8 +9,8 @@ The `mcp` SDK is imported here only, when the command runs; `podctl`'s start-up 
 """
 
 import contextlib
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectSendStream
@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from mcp.shared.message import SessionMessage
 
     from protocol.aio import AsyncPodClient
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 STATUS_TIMEOUT = 2.0  # a pod that does not answer `status` in time is listed as unresponsive
 CALL_TIMEOUT = 30.0  # default: a pod that does not answer another call in time is reported stuck
@@ -43,11 +45,13 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
     )
 
     @server.tool()
+    @_dedented
     async def list_pods() -> list[dict[str, Any]]:
         """The live pods of this user: name, state, model, parent, queue and token usage."""
         return await _list_pods()
 
     @server.tool()
+    @_dedented
     async def send_to_pod(
         pod: str,
         message: str,
@@ -72,6 +76,7 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
             return _plain(await c.run(message, mode=mode, client_key=client_key))
 
     @server.tool()
+    @_dedented
     async def notify_pod(
         pod: str, message: str, source: str = "mcp", client_key: str | None = None
     ) -> dict[str, Any]:
@@ -81,12 +86,14 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
             return _plain(await c.notify(message, source=source, client_key=client_key))
 
     @server.tool()
+    @_dedented
     async def pod_status(pod: str) -> dict[str, Any]:
         """One pod's status: state, active run, queue, scope, usage, budget, children."""
         async with _client(pod, timeout) as c:
             return _plain(await c.status())
 
     @server.tool()
+    @_dedented
     async def pod_history(
         pod: str, since: int = 0, limit: int = 50, session_id: str | None = None
     ) -> dict[str, Any]:
@@ -155,6 +162,15 @@ async def _client(
         raise ToolError(f"pod {pod!r}: {exc.message} ({exc.code})") from None
     except ConnectionClosed as exc:
         raise ToolError(f"{exc} before answering: it stopped, or crashed") from None
+
+
+def _dedented(fn: "F") -> "F":
+    """`fn` with its docstring dedented, which the SDK takes as the tool's description as it is
+    (Python 3.11 keeps a docstring's indentation: the client's model read it, found by QA)."""
+    import inspect
+
+    fn.__doc__ = inspect.cleandoc(fn.__doc__ or "")
+    return fn
 
 
 async def _not_paused(client: "AsyncPodClient", pod: str) -> None:

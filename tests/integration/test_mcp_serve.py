@@ -48,6 +48,9 @@ async def test_an_mcp_client_drives_pods_through_mcp_serve(env: Env) -> None:
         assert {t.name for t in listed.tools} == TOOLS
         send = next(t for t in listed.tools if t.name == "send_to_pod")
         assert {"pod", "message", "wait"} <= set(send.input_schema["properties"])
+        # Descriptions as written, not with the docstrings' indentation (found by QA).
+        assert send.description is not None and "\n        " not in send.description
+        assert "\n(finished, limit_reached" in send.description, send.description
 
         pods = result_data(await client.call_tool("list_pods", {}))
         assert [(p["name"], p["state"]) for p in pods] == [("worker", "idle")]
