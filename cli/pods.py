@@ -351,8 +351,8 @@ def live_entry(target: str) -> Any:
     import os
 
     entries = _registry_entries()
-    if target in entries:
-        return entries[target]
+    if target in entries or "/" not in target:  # a name: no path (from a removed cwd, none)
+        return entries.get(target)
     path = os.path.realpath(target)  # (a symlink to the socket names it too)
     return next((e for e in entries.values() if os.path.realpath(e.socket) == path), None)
 

@@ -311,10 +311,14 @@ def fork_pod(
         return None
     if len(os.fsencode(path)) > 100:  # sun_path is 108 bytes; leave room
         return None
+    try:
+        cwd = os.getcwd()
+    except FileNotFoundError:  # removed since: an exec'd pod starts there as the shell is
+        return None
     request = Request(
         argv=cmd[cmd.index("poddaemon") + 1 :],
         env=dict(os.environ),
-        cwd=os.getcwd(),
+        cwd=cwd,
         umask=current_umask(),
         title=cmd,
         nice=os.getpriority(os.PRIO_PROCESS, 0),

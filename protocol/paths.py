@@ -183,7 +183,10 @@ def _links_on_the_way(path: str | os.PathLike[str]) -> list[tuple[str, os.stat_r
     """Every symlink the kernel follows to reach `path`, where it lies, with its lstat: those
     of the path as written and those met on the way from one link to the next (a link of ours
     to another user's link: only the first and the last path of the chain were looked at)."""
-    todo = list(reversed(_parts(os.path.join(os.getcwd(), path))))
+    whole = os.fspath(path)
+    if not os.path.isabs(whole):  # (getcwd() of a directory removed since raises)
+        whole = os.path.join(os.getcwd(), whole)
+    todo = list(reversed(_parts(whole)))
     here = "/"
     found: list[tuple[str, os.stat_result]] = []
     while todo and len(found) <= 40:  # (ELOOP past that: stat, before us, said so)

@@ -567,7 +567,8 @@ def _absolute(path: str) -> str:
     Symlinks stay as written (they are scope's business), except before a `..`: `link/..` is
     the parent of where `link` points, which `abspath` would get wrong.
     """
-    parts = os.path.join(os.getcwd(), path).split(os.sep)
+    # (not getcwd() for an absolute path: from a directory removed since, it raises)
+    parts = (path if os.path.isabs(path) else os.path.join(os.getcwd(), path)).split(os.sep)
     if ".." not in parts:
         return os.path.normpath(os.sep.join(parts))
     last = len(parts) - parts[::-1].index("..")  # just past the last `..`

@@ -670,6 +670,35 @@ def test_spawn_in_the_foreground_of_a_process_substitution_says_nothing_of_a_fif
 # --- item 22: stop returns once the name and scope are free -------------------------------------
 
 
+def test_podctl_works_from_a_directory_removed_since(cleanup: Env) -> None:
+    """Found by QA: from a shell whose directory was removed, `spawn` of an absolute manifest
+    failed with a bare "No such file or directory" (so did `restart`), and `stop` of a pod
+    not running exited 1 for it instead of 3."""
+    env = cleanup
+    manifest = env.manifest("homeless")
+    gone = env.home / "gone"
+
+    def podctl(*args: str) -> "subprocess.CompletedProcess[str]":
+        gone.mkdir()
+        script = f'cd "{gone}" && rmdir "{gone}" && exec "$0" -m cli.main "$@"'
+        return subprocess.run(
+            ["sh", "-c", script, sys.executable, *args],
+            env=env.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    spawned = podctl("spawn", str(manifest))
+    assert spawned.returncode == 0, spawned.stderr
+    restarted = podctl("restart", "homeless")
+    assert restarted.returncode == 0, restarted.stderr
+    assert podctl("stop", "homeless").returncode == 0
+    missing = podctl("stop", "homeless")
+    assert missing.returncode == 3, missing.stderr
+    assert "pod 'homeless' is not running" in missing.stderr
+
+
 def test_stop_then_spawn_succeeds_every_time(cleanup: Env) -> None:
     env = cleanup
     manifest = env.manifest("again")
