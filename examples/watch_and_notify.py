@@ -87,22 +87,39 @@ def message(root: Path, changes: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+class StateError(Exception):
+    """The --state file cannot be read or written: said in one line, never as a notify failure."""
+
+
 def load_state(path: Path | None) -> Snapshot | None:
     if path is None:
         return None
+    if not path.parent.is_dir():
+        raise StateError(f"--state {path}: no directory {path.parent} to keep it in")
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    return {str(k): [int(v[0]), int(v[1])] for k, v in data.items()}
+    except (OSError, ValueError) as exc:
+        raise StateError(f"--state {path}: cannot read it: {exc}") from None
+    try:
+        return {str(k): [int(v[0]), int(v[1])] for k, v in data.items()}
+    except (AttributeError, TypeError, ValueError, IndexError):
+        raise StateError(f"--state {path}: not a state file this script wrote") from None
 
 
 def save_state(path: Path | None, snap: Snapshot) -> None:
     if path is None:
         return
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(snap, sort_keys=True))
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(snap, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise StateError(
+            f"notified, but --state {path} could not be saved ({exc}): a run from that state "
+            "notifies these changes again"
+        ) from None
 
 
 def notify(pod: str, source: str, text: str) -> str:
@@ -123,7 +140,12 @@ def cycle(args: argparse.Namespace, root: Path, old: Snapshot) -> Snapshot:
             print(f"notify failed, will retry: {exc}", file=sys.stderr, flush=True)
             return old  # report the same changes (and any new ones) next time
         print(f"{nid}\t{len(changes)} change(s)", flush=True)
-        save_state(args.state, new)  # only once the pod acknowledged: nothing is lost on failure
+        try:
+            save_state(args.state, new)  # only once the pod acknowledged: nothing is lost
+        except StateError as exc:
+            if args.once:
+                raise
+            print(exc, file=sys.stderr, flush=True)  # watching on: this run knows they went
     elif args.once:
         print("no changes", flush=True)
     return new
@@ -143,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     if not root.is_dir():
         ap.error(f"not a directory: {args.dir}")
 
-    baseline = load_state(args.state)
+    try:
+        baseline = load_state(args.state)
+    except StateError as exc:
+        ap.error(str(exc))
     if args.since is not None:
         baseline = since_baseline(scan(root), args.since)
     if baseline is None:
@@ -158,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
             snap = cycle(args, root, snap)
     except KeyboardInterrupt:
         pass
+    except StateError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     except PodNotRunning as exc:  # as podctl says it: exit 3
         print(f"notify failed: {exc}", file=sys.stderr)
         return 3

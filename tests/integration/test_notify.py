@@ -884,6 +884,33 @@ def test_watch_and_notify_once(env: Env) -> None:
     assert "~ b.txt" in json.dumps(bodies(env)[-1])
 
 
+def test_watch_and_notify_says_what_is_wrong_with_its_state_file(env: Env) -> None:
+    """Found by QA: a --state in a missing directory was saved after the notify went, and
+    "notify failed" was said of a notification the pod had (a retry sent it twice); a state
+    file that was not the script's was a traceback."""
+    pod = env.start("stately")
+    watched = env.home / "watched"
+    watched.mkdir()
+
+    def once(state: Path) -> subprocess.CompletedProcess[str]:
+        script = str(EXAMPLES / "watch_and_notify.py")
+        cmd = [sys.executable, script, str(watched), "stately", "--once", "--state", str(state)]
+        return subprocess.run(cmd, env=env.env, capture_output=True, text=True, timeout=30)
+
+    nowhere = env.home / "nodir" / "w.json"
+    refused = once(nowhere)
+    assert refused.returncode == 2 and f"no directory {nowhere.parent}" in refused.stderr
+    for junk in ("garbage", "[]", '{"a": 1}'):
+        state = env.home / "junk.json"
+        state.write_text(junk)
+        refused = once(state)
+        assert refused.returncode == 2, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert "cannot read it" in refused.stderr or "not a state file" in refused.stderr
+    with pod.client() as c:
+        assert system_items(c) == []  # nothing was sent for any of them
+
+
 def test_watch_and_notify_reports_a_file_whose_name_is_not_utf8(env: Env) -> None:
     """A file named in Latin-1 (an unpacked archive, a Samba share) in the watched directory
     made every `--once` run end in a UnicodeEncodeError traceback, its state never saved, and
