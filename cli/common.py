@@ -110,7 +110,28 @@ def not_running(exc: PodNotRunning, stopped: str = "") -> NoReturn:
     if starting(exc.target):
         target = exc.target
         fail(f"pod '{target}' is starting: {STARTING} (podctl wait {target})", EXIT_NOT_RUNNING)
-    fail(str(exc) + failed_unit(exc.target) + stopped, EXIT_NOT_RUNNING)
+    why = failed_unit(exc.target)
+    fail(str(exc) + (why or stopped or _way_on(exc.target)), EXIT_NOT_RUNNING)
+
+
+def _way_on(target: str) -> str:
+    """For a pod name that does not run: `podctl restart` when it ran here (its configuration
+    is kept), or the name meant when one that ran here is close to it (a typo); else ""."""
+    import difflib
+
+    from protocol import paths
+
+    if "/" in target:
+        return ""
+    kept = paths.data_dir() / "pods"
+    if (kept / f"{target}.toml").is_file():
+        return f" (it ran here: `podctl restart {target}` starts it again)"
+    try:
+        names = [p.stem for p in kept.glob("*.toml") if not p.name.startswith(".")]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(target, sorted(names), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def starting(target: str) -> bool:

@@ -670,6 +670,24 @@ def test_spawn_in_the_foreground_of_a_process_substitution_says_nothing_of_a_fif
 # --- item 22: stop returns once the name and scope are free -------------------------------------
 
 
+def test_a_pod_that_does_not_run_is_said_with_the_way_on(cleanup: Env) -> None:
+    """Found by QA: "not running" alone, for a pod that ran here (`podctl restart` starts it
+    again) and for a name mistyped (which one was meant)."""
+    env = cleanup
+    assert env.podctl("spawn", str(env.manifest("reviewer"))).returncode == 0
+    assert env.podctl("stop", "reviewer").returncode == 0
+    stopped = env.podctl("send", "reviewer", "hi")
+    assert stopped.returncode == 3
+    assert stopped.stderr.endswith(
+        " (it ran here: `podctl restart reviewer` starts it again)\n"
+    ), stopped.stderr
+    typo = env.podctl("status", "reveiwer")
+    assert typo.returncode == 3
+    assert typo.stderr.endswith(" (did you mean 'reviewer'?)\n"), typo.stderr
+    unknown = env.podctl("status", "zzz")
+    assert unknown.stderr.endswith("/pods/zzz/sock\n"), unknown.stderr  # nothing close: as ever
+
+
 def test_podctl_works_from_a_directory_removed_since(cleanup: Env) -> None:
     """Found by QA: from a shell whose directory was removed, `spawn` of an absolute manifest
     failed with a bare "No such file or directory" (so did `restart`), and `stop` of a pod
