@@ -47,6 +47,7 @@ def dev_fake_model(
     It answers with the scripted replies in order, then `ok: <last user text>`. Prints the
     base_url each provider kind needs; runs until SIGTERM or Ctrl-C.
     """
+    import errno
     import signal
     import threading
 
@@ -76,7 +77,8 @@ def dev_fake_model(
     try:
         model.start()
     except OSError as exc:
-        fail(f"cannot listen on {host}:{port}: {exc}")
+        taken = "; --port 0 picks a free one" if port and exc.errno == errno.EADDRINUSE else ""
+        fail(f"cannot listen on {host}:{port}: {exc}{taken}")
     try:
         then = "then it answers" if replies else "it answers"
         sys.stdout.write(

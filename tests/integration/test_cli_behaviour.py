@@ -619,6 +619,18 @@ def test_dev_fake_model_with_a_bad_script_exits_1(env: Env) -> None:
     assert proc.returncode == 1 and proc.stderr.startswith("podctl: ") and "txt" in proc.stderr
 
 
+def test_dev_fake_model_on_a_taken_port_says_how_to_get_a_free_one(env: Env) -> None:
+    """Found by QA: "Address already in use" alone; the option that avoids it went unsaid."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = env.podctl("dev", "fake-model", "--port", str(port))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"podctl: cannot listen on 127.0.0.1:{port}: ")
+    assert proc.stderr.endswith("; --port 0 picks a free one\n"), proc.stderr
+
+
 def test_spawn_of_a_fifo_says_at_once_that_the_pod_waits_for_a_writer(cleanup: Env) -> None:
     """`podctl spawn FIFO`: the pod reads it as `cat` does, so a spawn nobody writes the
     manifest for said nothing for 30 s; now it says why it waits, and one written goes on."""
