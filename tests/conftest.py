@@ -323,6 +323,24 @@ def events_until(client: PodClient, stop: Any) -> list[Event]:
     raise AssertionError("event stream ended")
 
 
+# A first reply to script before `paused_at_a_safe_point`: a tool call held until the pause is in.
+PAUSABLE = {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "pausable"}
+
+
+def paused_at_a_safe_point(env: Env, pod: PodProcess, text: str = "work") -> str:
+    """Start a run of `text` on `pod`, whose first model call the fake answers with PAUSABLE,
+    pause it while that call waits, and let it reach its safe point: the run ends `paused`.
+    Its run id."""
+    with pod.client() as c:
+        c.subscribe()
+        run = c.run(text)
+        env.model.wait_for_requests(1)
+        assert c.pause().paused
+        env.model.open_gate("pausable")
+        assert collect_run(c, run.run_id)[-1].data["outcome"] == "paused"
+    return run.run_id
+
+
 def collect_run(client: PodClient, run_id: str | None = None) -> list[Event]:
     """Events from a subscribed connection up to and including the run's `run.finished`."""
     out: list[Event] = []

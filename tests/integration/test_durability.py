@@ -23,7 +23,15 @@ from poddaemon.store.file import SessionLog, read_session
 from poddaemon.store.log import GENESIS, encode_entry, new_session_id
 from poddaemon.turn import INTERRUPTED, INTERRUPTED_COMMAND
 from protocol.errors import ConnectionClosed
-from tests.conftest import Env, PodProcess, StartFailed, collect_run, wait_until
+from tests.conftest import (
+    PAUSABLE,
+    Env,
+    PodProcess,
+    StartFailed,
+    collect_run,
+    paused_at_a_safe_point,
+    wait_until,
+)
 
 REPS = range(3)
 
@@ -1051,19 +1059,10 @@ def test_fork_keeps_usage_calls(env: Env) -> None:
 
 @pytest.mark.parametrize("stop", ["shutdown", "kill9"])
 def test_paused_run_is_restored_paused_and_resumes(env: Env, stop: str) -> None:
-    env.model.script(
-        {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "p"},
-        {"text": "resumed after the restart"},
-    )
+    env.model.script(PAUSABLE, {"text": "resumed after the restart"})
     pod = env.start("napper")
-    with pod.client() as c:
-        c.subscribe()
-        run = c.run("work, then nap")
-        env.model.wait_for_requests(1)
-        assert c.pause().paused
-        env.model.open_gate("p")
-        assert collect_run(c, run.run_id)[-1].data["outcome"] == "paused"
-        sid = c.status().session_id
+    run_id = paused_at_a_safe_point(env, pod, "work, then nap")
+    sid = pod.call("status")["session_id"]
     if stop == "kill9":
         pod.kill9()
     else:
@@ -1071,10 +1070,10 @@ def test_paused_run_is_restored_paused_and_resumes(env: Env, stop: str) -> None:
     again = env.restart(pod, "--resume")
     with again.client() as c:
         status = c.status()
-        assert (status.state, status.run_id, status.session_id) == ("paused", run.run_id, sid)
+        assert (status.state, status.run_id, status.session_id) == ("paused", run_id, sid)
         c.subscribe()
-        assert c.resume().run_id == run.run_id
-        events = collect_run(c, run.run_id)
+        assert c.resume().run_id == run_id
+        events = collect_run(c, run_id)
     assert [e.type for e in events].count("run.finished") == 1
     assert events[-1].data == {**events[-1].data, "outcome": "finished"}
     assert events[-1].data["text"] == "resumed after the restart"

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from poddaemon import __version__
-from tests.conftest import ROOT, Env, collect_run, wait_until
+from tests.conftest import PAUSABLE, ROOT, Env, paused_at_a_safe_point, wait_until
 
 TOOLS = {"list_pods", "send_to_pod", "notify_pod", "pod_status", "pod_history"}
 
@@ -201,16 +201,9 @@ async def test_a_waited_send_to_a_paused_pod_is_refused_saying_so(env: Env) -> N
     it, not knowing why (`podctl send` says so). Nothing is sent; wait=false still queues."""
     from mcp import Client
 
-    call = {"tool_calls": [{"name": "list_dir", "arguments": {}}], "gate": "p"}
-    env.model.script(call, {"text": "resumed"})
+    env.model.script(PAUSABLE, {"text": "resumed"})
     pod = env.start("napper")
-    with pod.client() as c:
-        c.subscribe()
-        run = c.run("work")
-        env.model.wait_for_requests(1)
-        assert c.pause().paused
-        env.model.open_gate("p")
-        assert collect_run(c, run.run_id)[-1].data["outcome"] == "paused"
+    paused_at_a_safe_point(env, pod)
     async with Client(serve(env)) as client:
         refused = await asyncio.wait_for(
             client.call_tool("send_to_pod", {"pod": "napper", "message": "more work"}), 30
