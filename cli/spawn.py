@@ -315,8 +315,9 @@ def _await_ready(
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     _kill_group(proc, signal.SIGKILL)
+                    done = "killed it" if proc.pid > 0 else "its pid unknown: see `podctl ls`"
                     raise SpawnFailed(
-                        f"pod did not become ready within {deadline - started:.0f} s (killed it)",
+                        f"pod did not become ready within {deadline - started:.0f} s ({done})",
                         bytes(output + pending),
                     )
                 if not poller.poll(remaining * 1000):
