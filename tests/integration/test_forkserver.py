@@ -805,14 +805,19 @@ def test_a_server_that_vanishes_having_forked_the_pod_is_no_error(
             )
         )
 
-    with _stand_in_server(socket.socket.close, fork=fork_then_die):
-        done = env.podctl("spawn", str(env.manifest("two", write=[str(env.work / "two")])))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("two\t")
-    (pod,) = started
-    assert pod_pid(env, "two") == pod.pid and answers(env, "two")
-    assert env.podctl("stop", "two").returncode == 0
-    assert pod.wait(10) == 0
+    try:
+        with _stand_in_server(socket.socket.close, fork=fork_then_die):
+            done = env.podctl("spawn", str(env.manifest("two", write=[str(env.work / "two")])))
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("two\t")
+        (pod,) = started
+        assert pod_pid(env, "two") == pod.pid and answers(env, "two")
+        assert env.podctl("stop", "two").returncode == 0
+        assert pod.wait(10) == 0
+    finally:  # ours, in a session of its own: no cleanup of the home's pods would find it
+        for proc in started:
+            proc.kill()
+            proc.wait(10)
 
 
 def test_a_stopped_server_is_passed_over_at_once(env: Env) -> None:
