@@ -225,7 +225,7 @@ def _check_links(path: str | os.PathLike[str], what: str) -> None:
     may repoint it, even in /tmp) or lies where another user could swap it."""
     me = os.geteuid()
     for link, lst in _links_on_the_way(path):
-        if lst.st_uid not in (0, me):
+        if lst.st_uid not in (0, me) and not _root_unmapped_here(lst.st_uid):
             raise UnsafeDirectory(
                 f"{what} {path} is reached through the symlink {link}, owned by uid "
                 f"{lst.st_uid}, who could repoint it: refusing it"
@@ -283,7 +283,8 @@ def check_unchangeable(path: Path, what: str, why: str) -> None:
     """Raise `UnsafeDirectory` unless nobody but you and root could change file `path` or swap
     it: a file run or read as you that you need not own (a hook script in /usr/local/bin)."""
     st = os.stat(path)
-    if st.st_uid not in (0, os.geteuid()):
+    # (root's, read inside a command runner's user namespace: a pod spawned by a command)
+    if st.st_uid not in (0, os.geteuid()) and not _root_unmapped_here(st.st_uid):
         raise UnsafeDirectory(f"{what} {path} is owned by uid {st.st_uid}: refusing it, {why}")
     if st.st_mode & 0o022:
         raise UnsafeDirectory(

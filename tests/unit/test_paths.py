@@ -289,3 +289,20 @@ def test_links_on_the_way_follow_a_chain_as_the_kernel_does(tmp: Path) -> None:
     found = [link for link, _ in paths._links_on_the_way(str(target))]
     assert found == [str(tmp / "abs"), str(tmp / "hop")]
     assert os.path.realpath(target) == str(tmp / "real" / "deep")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+def test_a_file_of_root_read_as_the_overflow_uid_in_a_runner_is_root_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every start now checks its hook scripts as unit install did: in a command runner's user
+    namespace (a pod spawned by a command) root's /usr/local/bin/guard.sh reads as 65534, and
+    was refused as another user's, where the symlink and parent checks took it for root's."""
+    script = tmp_path / "guard.sh"
+    script.write_text("exit 0\n")
+    script.chmod(0o755)
+    os.chown(script, 65534, 65534)
+    with pytest.raises(paths.UnsafeDirectory, match="owned by uid 65534"):
+        paths.check_unchangeable(script, "hook", "as they could change it")
+    monkeypatch.setattr(paths, "_root_unmapped_here", lambda uid: uid == 65534)
+    paths.check_unchangeable(script, "hook", "as they could change it")  # accepted
