@@ -6,7 +6,8 @@ directory. Readers never see a torn file, so `live()` and `get()` read without t
 
 Delegation: a pod whose `parent` is a live entry may claim write areas inside its parent's
 writable scope. Those areas are recorded in the parent's `delegated` list (the parent loses
-write there) in the same transaction, and handed back when the child's entry goes.
+write there) in the same transaction, and handed back when the child's entry goes and no live
+pod writes inside them any more (a grandchild outlives its parent under `detach`).
 """
 
 import contextlib
@@ -290,6 +291,22 @@ def _write_claims(entry: PodEntry) -> tuple[Rule, ...]:
     return entry.scope_obj().writable_rules()
 
 
+def _written_below(pods: dict[str, PodEntry], holder: PodEntry, area: Rule) -> bool:
+    """Whether a live pod other than `holder` writes inside the `area` it delegated. Its
+    ancestors' claims cover the area from above: they do not count."""
+    ancestors: set[str] = set()
+    name = holder.parent
+    while name is not None and name in pods and name not in ancestors:
+        ancestors.add(name)
+        name = pods[name].parent
+    return any(
+        area.covers(rule.target)
+        for pod in pods.values()
+        if pod.name != holder.name and pod.name not in ancestors
+        for rule in _write_claims(pod)
+    )
+
+
 def _overlap_message(other: PodEntry, path: str, mounted: bool = False) -> str:
     if mounted:
         return (
@@ -495,14 +512,23 @@ class Registry:
                     remove_if_empty(self.sessions_dir, entry.session)
 
     def _drop(self, pods: dict[str, PodEntry], entry: PodEntry) -> None:
-        """Remove `entry` and hand its delegated areas back to its parent."""
+        """Remove `entry` and hand the areas it wrote back to whoever had delegated them, except
+        where a live pod still writes inside: the children of a spawner that died keep theirs,
+        and its own spawner stays without write there until they go too (they are not its
+        children: nobody else hands those areas back)."""
         del pods[entry.name]
-        parent = pods.get(entry.parent) if entry.parent else None
-        if parent is not None and parent.delegated:
-            mine = {r.target for r in _write_claims(entry)}
-            kept = [a for a in parent.delegated_areas() if a.target not in mine]
-            if len(kept) != len(parent.delegated):
-                pods[parent.name] = parent.delegating(kept)
+        freed = _write_claims(entry)
+        for holder in list(pods.values()):
+            if not holder.delegated:
+                continue
+            areas = holder.delegated_areas()
+            kept = [
+                a
+                for a in areas
+                if not any(a.intersection(f) for f in freed) or _written_below(pods, holder, a)
+            ]
+            if len(kept) != len(areas):
+                pods[holder.name] = holder.delegating(kept)
 
     def _remove_stale_files(self, entry: PodEntry) -> None:
         # Best effort: nobody live holds this name (claim before bind), so these are leftovers,

@@ -434,10 +434,43 @@ def test_child_inside_parent_is_delegation(reg: Registry) -> None:
     reg.register(entry("grandkid", scope("/w/kid/g"), parent="kid"))
     kid = reg.get("kid")
     assert kid is not None and kid.delegated == ["/w/kid/g"]
-    # The area returns when the child's entry goes.
+    # The area returns when the child's entry goes, and no grandchild writes there any more.
     assert reg.release("kid", os.getpid())
     parent = reg.get("parent")
+    assert parent is not None and parent.delegated == ["/w/kid", "/w/sib"]
+    assert reg.release("grandkid", os.getpid())
+    parent = reg.get("parent")
     assert parent is not None and parent.delegated == ["/w/sib"]
+
+
+def test_a_grandchild_keeps_its_area_from_its_grandparent_when_its_parent_goes(
+    reg: Registry,
+) -> None:
+    # A detached tree whose middle pod died: its child still writes /w/a/g, so the root must
+    # not get write on /w/a back until that grandchild goes too.
+    reg.register(entry("root", scope("/w")))
+    reg.register(entry("mid", scope("/w/a"), parent="root"))
+    reg.register(entry("leaf", scope("/w/a/g"), parent="mid"))
+    reg.register(entry("sib", scope("/w/s"), parent="root"))
+    assert reg.release("mid", os.getpid())
+    root = reg.get("root")
+    assert root is not None and root.delegated == ["/w/a", "/w/s"]
+    assert root.effective_scope().access("/w/a/g/f") is Access.READ
+    assert reg.release("leaf", os.getpid())
+    root = reg.get("root")
+    assert root is not None and root.delegated == ["/w/s"]
+    assert root.effective_scope().access("/w/a/g/f") is Access.WRITE
+
+
+def test_a_pod_whose_spawner_writes_the_same_area_still_hands_it_back(reg: Registry) -> None:
+    # Ancestors' claims cover a delegated area from above: they never keep it delegated.
+    reg.register(entry("root", scope("/w/a")))
+    reg.register(entry("mid", scope("/w/a"), parent="root"))
+    reg.register(entry("leaf", scope("/w/a/g"), parent="mid"))
+    assert reg.release("leaf", os.getpid())
+    mid, root = reg.get("mid"), reg.get("root")
+    assert mid is not None and mid.delegated == []
+    assert root is not None and root.delegated == ["/w/a"]
 
 
 def test_a_non_recursive_child_takes_only_its_level_from_the_parent(reg: Registry) -> None:
