@@ -37,7 +37,7 @@ from poddaemon.session import KEPT_REPORT_IDS, input_size
 from poddaemon.store.log import new_session_id
 from poddaemon.tools.base import ToolError
 from protocol import paths
-from protocol.errors import RpcError
+from protocol.errors import PodNotRunning, RpcError
 
 if TYPE_CHECKING:
     from poddaemon.config.manifest import Manifest
@@ -51,6 +51,7 @@ log = logging.getLogger("poddaemon.spawn")
 READY_TIMEOUT = 30.0
 STOP_TIMEOUT = 20.0
 UNANSWERED_GRACE = 2.0  # SIGTERM to SIGKILL, for a child that did not answer `shutdown`
+STARTING_POLL = 0.05  # how often a call to a child that does not listen yet tries again
 STATUS_TIMEOUT = 2.0  # a child slower than this to answer status is `unresponsive`
 # A child's answer to `run` (an acknowledgement, not the run), beyond what its
 # UserPromptSubmit hooks may take: a stopped or wedged child held the spawner's tool call,
@@ -173,6 +174,21 @@ async def _connect(socket: str) -> "AsyncPodClient":
     from protocol.aio import AsyncPodClient
 
     return await AsyncPodClient.connect(socket)
+
+
+async def _reach(child: "_Live") -> "AsyncPodClient":
+    """A client on `child`'s socket. A child restarted from a shell is taken back as it
+    registers, before it listens (its SessionStart hooks and MCP servers first, as `podctl
+    send` waits for): until it does, while it lives, wait for it. The caller bounds the wait."""
+    while True:
+        try:
+            return await _connect(child.socket)
+        except PodNotRunning:
+            if child.gone.is_set():
+                raise
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(STARTING_POLL):
+                await child.gone.wait()
 
 
 class _Live(msgspec.Struct):
@@ -393,9 +409,7 @@ class Children:
     async def send(self, pod_name: str, message: str, mode: str) -> dict[str, Any]:
         child = self._child(pod_name)
         key = f"{SPAWNER_KEY}{new_session_id()}"
-        result = await self._call(
-            child.socket, "run", {"input": message, "mode": mode, "client_key": key}
-        )
+        result = await self._call(child, "run", {"input": message, "mode": mode, "client_key": key})
         run_id = result.get("run_id")
         if run_id and result.get("state") != "steered":
             self._expect(pod_name, str(run_id))
@@ -668,7 +682,7 @@ class Children:
         self._refresh_scope()
         try:
             result = await self._call(
-                socket, "run", {"input": task, "client_key": f"{SPAWNER_KEY}task"}
+                child, "run", {"input": task, "client_key": f"{SPAWNER_KEY}task"}
             )
         except BaseException as exc:
             await self._stop_told(child)
@@ -680,13 +694,13 @@ class Children:
         self._expect(name, str(result["run_id"]))
         return {"name": name, "socket": socket}
 
-    async def _call(self, socket: str, method: str, params: dict[str, Any]) -> Any:
+    async def _call(self, child: _Live, method: str, params: dict[str, Any]) -> Any:
         # The child decides a `run` after its hooks (ours: it has our configuration).
         hooks = self.pod.m.hooks.UserPromptSubmit
         limit = CALL_TIMEOUT + sum(h.timeout for h in hooks)
         try:
             async with asyncio.timeout(limit):
-                async with await _connect(socket) as client:
+                async with await _reach(child) as client:
                     raw = await client.call_raw(method, params)
         except RpcError as exc:  # the child's own refusal (-32007 budget, -32004 stopping, …)
             raise _Refused(str(exc)) from None
@@ -700,7 +714,7 @@ class Children:
         """A child taken back after our restart (the runs we gave it died with our memory),
         in `state`: running, or holding a report it could not deliver while we were down (it
         retries with backoff, so it may come a few seconds after we are back)."""
-        if state == "running":
+        if state in ("running", "starting"):  # starting: it may resume a run cut short
             return True
         accepted = self.pod.state.report_ids
         return any(o.event_id not in accepted for o in reports_left(self.pod, name))
@@ -723,6 +737,8 @@ class Children:
                     raw = await client.call_raw("status")
             status = msgspec.json.decode(raw)
             return str(status["state"]), max(reported, int(status["budget"]["tree_spent"]))
+        except PodNotRunning:  # taken back as it registered: its hooks and servers at work
+            return ("stopped" if child.gone.is_set() else "starting"), reported
         except Exception:
             return "unresponsive", reported
 

@@ -505,6 +505,54 @@ def test_child_restarted_while_its_spawner_lives_is_taken_back_at_once(tree: Env
     wait_until(lambda: [r for r in reports(parent) if r["event_kind"] == "errored"], 10, "errored")
 
 
+def test_a_child_restarted_from_a_shell_is_waited_for_while_it_starts(tree: Env) -> None:
+    """`podctl restart CHILD` while its spawner lives: the spawner takes it back as it
+    registers, before it listens (its SessionStart hooks first). send_to_pod then said "cannot
+    reach the child pod: ... no socket" and its status said `unresponsive`, where `podctl send`
+    waits for a pod that is starting."""
+    env = tree
+    kid = env.work / "kid"
+    kid.mkdir()
+    # In its area: the hook runs in its sandbox.
+    hold, gate, started = kid / "hold", kid / "gate", kid / "starting"
+    hook = env.home / "hold.sh"
+    hook.write_text(
+        "#!/bin/sh\n"
+        f'case "$PWD" in */kid) if [ -e {hold} ]; then touch {started}; '
+        f"while [ ! -e {gate} ]; do sleep 0.02; done; fi;; esac\n"
+        "echo '{}'\n"
+    )
+    hook.chmod(0o755)
+    env.model.script_model("m-kid")
+    env.model.script({"tool_calls": [spawn_call("kid", "work", [str(kid)])]}, {"text": "spawned"})
+    parent = start_parent(env, extra=f'[[hooks.SessionStart]]\ncommand = "{hook}"\n')
+    assert run_and_wait(parent, "go")["outcome"] == "finished"
+    wait_until(lambda: _finished_reports(parent, "kid"), 20, "the report")
+    hold.touch()
+    restart = env.podctl_popen("restart", "kid")
+    try:
+        wait_until(started.exists, 20, "the restarted child's SessionStart hook")
+        wait_until(
+            lambda: [c["name"] for c in parent.call("status")["children"]] == ["kid"],
+            10,
+            "the spawner to take the restarted child back",
+        )
+        assert [c["state"] for c in parent.call("status")["children"]] == ["starting"]
+        env.model.script(
+            {"tool_calls": [tool("send_to_pod", pod="kid", message="AGAIN")]}, {"text": "sent"}
+        )
+        with parent.client(timeout=60) as c:
+            run = _run_into_tool(c, "use the child", "send_to_pod")
+            gate.touch()  # the send is under way: now the child may listen
+            assert collect_run(c, run.run_id)[-1].data["outcome"] == "finished"
+    finally:
+        gate.touch()
+        assert restart.wait(30) == 0, restart.stderr.read() if restart.stderr else ""
+    sent = [r for r in tool_results(parent) if r["name"] == "send_to_pod"]
+    assert not sent[0]["is_error"], sent
+    wait_until(lambda: any("AGAIN" in b for b in model_saw(env, "m-kid")), 20, "the message")
+
+
 def _parent_of_a_busy_kid(env: Env, kid: str) -> PodProcess:
     """A parent (on_parent_exit = stop) whose child `kid`, on work/<kid>, works on its task:
     its model call waits on a gate that never opens."""
@@ -1961,8 +2009,9 @@ def test_a_task_over_the_childs_input_limit_is_refused_before_a_child_starts(tre
     assert run_and_wait(parent, "go")["outcome"] == "finished"
     (result,) = [r for r in tool_results(parent) if r["name"] == "spawn_pod"]
     assert result["is_error"], result
-    assert "the task is 3,000 bytes, over the child's worker.max_input_bytes (2,000)" in (
-        result["output"]
+    assert (
+        "the task is 3,000 bytes, over the child's worker.max_input_bytes (2,000)"
+        in (result["output"])
     )
     kinds = {e["kind"] for e in parent.call("history", limit=10000)["entries"]}
     assert "child_started" not in kinds
