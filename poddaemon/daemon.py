@@ -1198,12 +1198,20 @@ def _say(line: str) -> None:
 
 
 class _SaidBeforeReady(logging.Handler):
-    """Warnings said before READY, while stderr is still `podctl spawn`'s: said again at the
-    top of stderr.log, so `podctl logs` shows why an MCP server is missing a day later."""
+    """What the pod logged before READY, while stderr is still `podctl spawn`'s: said again at
+    the top of stderr.log, so `podctl logs` shows why an MCP server is missing a day later, and
+    what it said while starting (spawn shows the head and tail of it, and points to the log:
+    once, only warnings were kept, and a server's start-up lines were nowhere). A start that
+    logs more than KEEP_BYTES (servers flooding their stderr) keeps only its warnings from
+    there on: the lines are held in memory until READY."""
+
+    KEEP_BYTES = 1024 * 1024
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__()  # every record the root logger lets through, as stderr showed it
         self.lines: list[str] | None = None  # None: not keeping (no --stderr-log, or moved)
+        self.room = self.KEEP_BYTES
+        self.dropped = 0  # lines below WARNING not kept, once `room` was spent
 
     def start(self) -> None:
         self.lines = []
@@ -1213,26 +1221,38 @@ class _SaidBeforeReady(logging.Handler):
             self.setFormatter(shown.formatter)
         root.addHandler(self)
 
-    def keep(self, line: str) -> None:
-        if self.lines is not None:
-            self.lines.append(line)
+    def keep(self, line: str, level: int = logging.WARNING) -> None:
+        if self.lines is None:
+            return
+        if level < logging.WARNING and (self.dropped or len(line) >= self.room):
+            self.dropped += 1  # (and all the lines after it: the log has no gaps but one)
+            return
+        self.room -= len(line)
+        self.lines.append(line)
 
     def keep_warning(self, message: str) -> None:
         """A warning said on stderr as a plain line: kept as a log record of its time, stamped
         like the lines around it in stderr.log (`podctl logs --since` dropped it unstamped)."""
         if self.lines is not None:
-            record = logging.LogRecord("poddaemon", logging.WARNING, "", 0, message, None, None)
-            self.keep(self.format(record))
+            self.keep(self.format(self._record(message)))
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.keep(self.format(record))
+        self.keep(self.format(record), record.levelno)
 
     def replay(self) -> None:
         logging.getLogger().removeHandler(self)
         lines, self.lines = self.lines or [], None
+        if self.dropped:
+            kept = self.KEEP_BYTES // 1024
+            note = f"{self.dropped} lines logged while starting are not kept here (over {kept} KiB)"
+            lines.append(self.format(self._record(note)))
         if lines:
             sys.stderr.write("".join(f"{line}\n" for line in lines))
             sys.stderr.flush()
+
+    @staticmethod
+    def _record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("poddaemon", logging.WARNING, "", 0, message, None, None)
 
 
 _said_before_ready = _SaidBeforeReady()

@@ -598,6 +598,26 @@ def test_podctl_spawn_shows_the_head_and_tail_of_a_flooding_servers_start_up(env
         env.podctl("stop", "floody")
 
 
+def test_what_a_server_said_while_the_pod_started_is_in_the_pods_log(env: Env) -> None:
+    """Found by QA: spawn showed the head and tail of a server's start-up stderr and said
+    "`podctl logs` has them all", but only warnings said before READY reached the log: none
+    of the server's lines, what one needs when it misbehaved at start."""
+    said = 'for i in $(seq 60); do echo "early line $i" >&2; done; exec "$0" "$1"'
+    extra = server_toml("talky").replace(
+        json.dumps([sys.executable, SERVER]), json.dumps(["sh", "-c", said, sys.executable, SERVER])
+    )
+    spawned = env.podctl("spawn", str(env.manifest("talky", extra=extra)))
+    try:
+        assert spawned.returncode == 0, spawned.stderr[-2000:]
+        assert "more lines (`podctl logs talky` has them all)" in spawned.stderr, spawned.stderr
+        logs = env.podctl("logs", "talky").stdout
+        early = [line for line in logs.splitlines() if "INFO mcp[talky] early line" in line]
+        assert [line.rsplit(" ", 1)[1] for line in early] == [str(i) for i in range(1, 61)], logs
+        assert logs.index("early line 60") < logs.index("ready on")  # said before READY
+    finally:
+        env.podctl("stop", "talky")
+
+
 # How long podctl or a spawner waits for READY in the two tests below: more than a pod takes to
 # say it is starting on a loaded machine (1 s was not, with the suite in two workers beside
 # other work), less than the mute server's start_timeout, which they must wait out.
