@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from mcp.server.mcpserver import MCPServer
     from mcp.shared.message import SessionMessage
 
+    from cli.common import UnitRestart
     from protocol.aio import AsyncPodClient
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -116,25 +117,39 @@ async def _client(
     limit); every failure becomes a tool error the MCP client's model reads. `sends`: the block
     gives the pod a message, which a stuck pod may still take when it resumes. `answers_within`:
     before the block, the pod must answer `status` within that many seconds (the block itself
-    is not bounded)."""
+    is not bounded). A block that `sends` to a pod still starting waits until it listens,
+    within that time, as `podctl send` and `notify` do; the others say it is starting."""
     import asyncio
 
     from mcp.server.mcpserver.exceptions import ToolError
 
+    from cli.common import STARTING, UnitRestart, starting
     from protocol import paths
-    from protocol.aio import AsyncPodClient
     from protocol.errors import ConnectionClosed, PodNotRunning, RpcError
 
     # A name, never a path: the client's model must not point us at any socket of this user's.
     if not paths.POD_NAME_RE.match(pod):
         raise ToolError(f"{pod!r} is not a pod name (list_pods names the pods)")
+    within = timeout if timeout is not None else answers_within or CALL_TIMEOUT
+    restart = UnitRestart(pod, within) if sends else None  # None too once the pod listens
+
+    def is_starting() -> ToolError:
+        """As `podctl`'s "not running" of a pod `ls` lists as starting (cli.common)."""
+        if restart is None:
+            return ToolError(f"pod {pod!r} is starting: {STARTING} (podctl wait {pod})")
+        return ToolError(
+            f"pod {pod!r} is still starting after {within:g} s: {STARTING} (podctl wait {pod}); "
+            "nothing was sent"
+        )
+
     try:
         async with asyncio.timeout(timeout):
             try:
                 paths.check_private_dirs()  # as podctl: nobody else may swap what we talk to
-                client = await AsyncPodClient.connect(pod)
+                client = await _listening(pod, restart)
+                restart = None
             except PodNotRunning as exc:
-                raise ToolError(str(exc)) from None
+                raise (is_starting() if starting(pod) else ToolError(str(exc))) from None
             except OSError as exc:
                 raise ToolError(f"cannot reach pod {pod!r}: {exc.strerror or exc}") from None
             try:
@@ -153,6 +168,8 @@ async def _client(
     except TimeoutError:
         if timeout is None:  # not ours: an OSError of that kind from the socket
             raise
+        if restart is not None and restart.said and starting(pod):  # it never listened
+            raise is_starting() from None
         late = "; the message may still reach it when it resumes" if sends else ""
         raise ToolError(
             f"pod {pod!r} did not answer within {timeout:g} s: it is stopped or stuck "
@@ -162,6 +179,25 @@ async def _client(
         raise ToolError(f"pod {pod!r}: {exc.message} ({exc.code})") from None
     except ConnectionClosed as exc:
         raise ToolError(f"{exc} before answering: it stopped, or crashed") from None
+
+
+async def _listening(pod: str, restart: "UnitRestart | None") -> "AsyncPodClient":
+    """A connection to `pod`; with `restart`, once it listens: one still starting (its
+    SessionStart hooks or MCP servers at work), or whose unit systemd restarts, is waited for
+    as podctl waits for it, within `restart`'s time. A send said "not running" at once, where
+    list_pods said "starting" and `podctl notify` waited and got through (found by QA)."""
+    import asyncio
+
+    from protocol.aio import AsyncPodClient
+    from protocol.errors import PodNotRunning
+
+    while True:
+        try:
+            return await AsyncPodClient.connect(pod)
+        except PodNotRunning:
+            # (in a thread: it polls, and asks systemctl about the pod's units)
+            if restart is None or not await asyncio.to_thread(restart.waited):
+                raise
 
 
 def _dedented(fn: "F") -> "F":

@@ -11,7 +11,14 @@ import threading
 from typing import Any
 
 from poddaemon import __version__
-from tests.conftest import PAUSABLE, ROOT, Env, paused_at_a_safe_point, wait_until
+from tests.conftest import (
+    PAUSABLE,
+    ROOT,
+    Env,
+    PodProcess,
+    paused_at_a_safe_point,
+    wait_until,
+)
 
 TOOLS = {"list_pods", "send_to_pod", "notify_pod", "pod_status", "pod_history"}
 
@@ -158,6 +165,43 @@ async def test_a_stopped_pod_is_a_tool_error_after_the_timeout_not_a_hang(env: E
     finally:
         os.kill(pod.proc.pid, signal.SIGCONT)
     assert "hi" not in [e.get("text") for e in pod.call("history")["entries"]]
+
+
+async def test_a_send_to_a_pod_still_starting_waits_until_it_listens(env: Env) -> None:
+    """Found by QA: list_pods said "starting", and notify_pod and send_to_pod said "not
+    running" at once, where `podctl notify` waited and got through. They wait for it now, as
+    podctl does, within --timeout; other tools say it is starting, as podctl does."""
+    from mcp import Client
+
+    hang = json.dumps([sys.executable, "-c", "import time; time.sleep(600)"])
+    extra = f'[[mcp.servers]]\nname = "slow"\ncommand = {hang}\nstart_timeout = 8\n'
+    pod = PodProcess(env.popen(str(env.manifest("slowmcp", extra=extra))), "slowmcp")
+    env.pods.append(pod)
+    pid_file = env.home / "run" / "pods" / "slowmcp" / "pid"
+    await asyncio.to_thread(wait_until, pid_file.exists, 20, "the pod's claim")
+    async with asyncio.timeout(60):
+        async with Client(serve(env, "--timeout", "1")) as client:
+            listed = result_data(await client.call_tool("list_pods", {}))
+            assert listed == [{"name": "slowmcp", "state": "starting"}]
+            status = await client.call_tool("pod_status", {"pod": "slowmcp"})
+            assert status.is_error and status.content[0].text.endswith(
+                "pod 'slowmcp' is starting: its socket does not listen yet (podctl wait slowmcp)"
+            )
+            early = await client.call_tool("notify_pod", {"pod": "slowmcp", "message": "early"})
+            assert early.is_error and early.content[0].text.endswith(
+                "pod 'slowmcp' is still starting after 1 s: its socket does not listen yet "
+                "(podctl wait slowmcp); nothing was sent"
+            )
+        async with Client(serve(env, "--timeout", "30")) as client:
+            note = await client.call_tool("notify_pod", {"pod": "slowmcp", "message": "build 7"})
+            assert not note.is_error, note.content[0].text
+            sent = await client.call_tool(
+                "send_to_pod", {"pod": "slowmcp", "message": "a task", "wait": False}
+            )
+            assert not sent.is_error, sent.content[0].text
+    await asyncio.to_thread(pod.wait_ready)  # (READY is long said: this reads its socket)
+    texts = [e.get("text") for e in pod.call("history")["entries"]]
+    assert "build 7" in texts and "a task" in texts and "early" not in texts
 
 
 async def test_list_pods_lists_live_pods_not_the_sockets_killed_ones_left(env: Env) -> None:
