@@ -24,6 +24,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 STATUS_TIMEOUT = 2.0  # a pod that does not answer `status` in time is listed as unresponsive
 CALL_TIMEOUT = 30.0  # default: a pod that does not answer another call in time is reported stuck
+# The entries one pod_history reply holds, in bytes of JSON: an MCP client hands a tool result
+# to its model whole (Claude Code refuses one over 25,000 tokens by default).
+HISTORY_BYTES = 64 * 1024
 
 INSTRUCTIONS = """\
 Pods are long-lived LLM agents run by poddaemon, each confined to its own files (scope) and
@@ -98,13 +101,15 @@ def build_server(timeout: float = CALL_TIMEOUT) -> "MCPServer":
     async def pod_history(
         pod: str, since: int = 0, limit: int = 50, session_id: str | None = None
     ) -> dict[str, Any]:
-        """A pod's session log entries after sequence number `since` (at most `limit`); `next`
-        is the `since` for the following page. A compaction continues the log in a new
-        session: `previous` names the one before, which `session_id` reads (pass the
-        `session_id` of the first page to keep paging one session)."""
+        """A pod's session log entries after sequence number `since` (at most `limit`, and
+        about 64 KiB of them: `cut` says when there are more); `next` is the `since` for the
+        following page. A compaction continues the log in a new session: `previous` names
+        the one before, which `session_id` reads (pass the `session_id` of the first page to
+        keep paging one session)."""
         extra = {"session_id": session_id} if session_id else {}
         async with _client(pod, timeout) as c:
-            return _plain(await c.history(since=since, limit=max(1, min(limit, 1000)), **extra))
+            page = await c.history(since=since, limit=max(1, min(limit, 1000)), **extra)
+        return _within(_plain(page), HISTORY_BYTES)
 
     return server
 
@@ -263,6 +268,27 @@ async def _summary(name: str) -> dict[str, Any]:
         "tokens": status.budget.spent,  # as the budget counts them (see cli.render.tokens)
         "session_id": status.session_id,
     }
+
+
+def _within(page: dict[str, Any], budget: int) -> dict[str, Any]:
+    """A history `page` cut to the entries that fit in `budget` bytes of JSON (one at least,
+    so paging goes on), `next` set after the last one kept and `cut` saying so. A page was
+    as big as the pod sends (16 MiB: 1000 notifications of 200 KB made an 18 MB reply)."""
+    import msgspec
+
+    entries = page["entries"]
+    used = 0
+    for kept, entry in enumerate(entries):
+        used += len(msgspec.json.encode(entry)) + 1
+        if used > budget and kept:
+            page["entries"] = entries[:kept]
+            page["next"] = entries[kept - 1]["seq"]
+            page["cut"] = (
+                f"the entries after seq {page['next']} did not fit in one reply "
+                f"({budget // 1024} KiB): call again with since={page['next']}"
+            )
+            break
+    return page
 
 
 def _plain(value: Any) -> dict[str, Any]:

@@ -303,6 +303,40 @@ async def test_pod_history_pages_the_session_a_compaction_continued(env: Env) ->
         assert other.is_error and "no session nope" in other.content[0].text
 
 
+async def test_pod_history_replies_are_cut_to_a_size_and_page_on(env: Env) -> None:
+    """Found by QA: `pod_history limit=1000` of 45 notifications of 200 KB was one 18 MB MCP
+    message. A reply holds about 64 KiB of entries; `cut` says so, `next` pages on, and
+    paging reads every entry once. One entry bigger than that comes alone: paging goes on."""
+    from mcp import Client
+
+    pod = env.start("talker")
+    notes = [f"{i} " + "x" * 30_000 for i in range(8)] + ["big " + "y" * 100_000, "last"]
+    with pod.client() as c:
+        for note in notes:
+            c.notify(note)
+    read: list[str] = []
+    pages: list[tuple[int, int]] = []  # each reply's size and entries
+    since = 0
+    async with Client(serve(env)) as client:
+        for _ in range(20):
+            result = await client.call_tool(
+                "pod_history", {"pod": "talker", "since": since, "limit": 1000}
+            )
+            page = result_data(result)
+            pages.append((len(result.content[0].text), len(page["entries"])))
+            read += [e["text"] for e in page["entries"] if e["kind"] == "system_item"]
+            assert page["entries"][-1]["seq"] == page["next"]
+            if "cut" not in page:
+                break
+            assert page["cut"].endswith(f"call again with since={page['next']}")
+            since = page["next"]
+    assert read == notes
+    assert page["next"] == page["last_seq"]
+    # (a reply's text is the entries' JSON, indented)
+    assert all(size < 100_000 or entries == 1 for size, entries in pages), pages
+    assert len(pages) >= 5, pages
+
+
 def test_a_line_the_sdk_cannot_read_is_answered_and_the_server_stays(env: Env) -> None:
     """Found by QA: the SDK's stdio transport dropped a line it could not read without a word,
     so a client whose request had one bad field (`"params": []`, `"jsonrpc": "1.0"`), or was
