@@ -115,8 +115,10 @@ def not_running(exc: PodNotRunning, stopped: str = "") -> NoReturn:
 
 
 def _way_on(target: str) -> str:
-    """For a pod name that does not run: `podctl restart` when it ran here (its configuration
-    is kept), or the name meant when one that ran here is close to it (a typo); else ""."""
+    """For a pod name that does not run: `podctl restart` when its configuration is kept, or
+    the name meant when one kept is close to it (a typo); else "". Kept is not "it ran": a
+    start that failed (an MCP server's `${VAR}` unset) keeps it too, and `podctl restart`
+    starts it once that is fixed."""
     import difflib
 
     from protocol import paths
@@ -125,7 +127,7 @@ def _way_on(target: str) -> str:
         return ""
     kept = paths.data_dir() / "pods"
     if (kept / f"{target}.toml").is_file():
-        return f" (it ran here: `podctl restart {target}` starts it again)"
+        return f" (its configuration is kept: `podctl restart {target}` starts it)"
     try:
         names = [p.stem for p in kept.glob("*.toml") if not p.name.startswith(".")]
     except OSError:

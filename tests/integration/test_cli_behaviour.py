@@ -691,13 +691,37 @@ def test_a_pod_that_does_not_run_is_said_with_the_way_on(cleanup: Env) -> None:
     stopped = env.podctl("send", "reviewer", "hi")
     assert stopped.returncode == 3
     assert stopped.stderr.endswith(
-        " (it ran here: `podctl restart reviewer` starts it again)\n"
+        " (its configuration is kept: `podctl restart reviewer` starts it)\n"
     ), stopped.stderr
     typo = env.podctl("status", "reveiwer")
     assert typo.returncode == 3
     assert typo.stderr.endswith(" (did you mean 'reviewer'?)\n"), typo.stderr
     unknown = env.podctl("status", "zzz")
     assert unknown.stderr.endswith("/pods/zzz/sock\n"), unknown.stderr  # nothing close: as ever
+
+
+def test_a_pod_whose_start_failed_is_not_said_to_have_run(cleanup: Env) -> None:
+    """Found by QA: a spawn that failed at start-up (an MCP server's `${VAR}` unset) keeps
+    the pod's configuration, and `podctl status` said "it ran here", of a pod that never ran.
+    `podctl restart` starts that configuration: it fails the same way until the variable is
+    set, then the pod runs."""
+    env = cleanup
+    hello = json.dumps([sys.executable, "-c", "pass"])
+    extra = f'[[mcp.servers]]\nname = "s"\ncommand = {hello}\nenv = {{ T = "${{PODCTL_T}}" }}\n'
+    failed = env.podctl("spawn", str(env.manifest("never", extra=extra)))
+    assert failed.returncode != 0 and "${PODCTL_T} is not set" in failed.stderr, failed.stderr
+    status = env.podctl("status", "never")
+    assert status.returncode == 3
+    assert "ran here" not in status.stderr, status.stderr
+    assert status.stderr.endswith(
+        " (its configuration is kept: `podctl restart never` starts it)\n"
+    ), status.stderr
+    again = env.podctl("restart", "never")
+    assert again.returncode != 0 and "${PODCTL_T} is not set" in again.stderr, again.stderr
+    env.env["PODCTL_T"] = "set"
+    fixed = env.podctl("restart", "never")
+    assert fixed.returncode == 0, fixed.stderr
+    assert env.podctl("stop", "never").returncode == 0
 
 
 def test_podctl_works_from_a_directory_removed_since(cleanup: Env) -> None:
