@@ -115,7 +115,7 @@ class McpConnection:
         self._restart: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._files: dict[str, FileId] = {}  # program_files at the first start
-        self._lost = asyncio.Event()  # the current connection is unusable (set by a call)
+        self._lost = asyncio.Event()  # the connection is unusable (a call or its start said so)
         self._usable = asyncio.Event()  # the current connection has its SDK session
         self._settled = asyncio.Event()  # not (re)starting
 
@@ -161,6 +161,9 @@ class McpConnection:
             async with asyncio.timeout(self.cfg.start_timeout):
                 return await asyncio.shield(started)
         except TimeoutError:
+            # Killed at once: the grace a closing server gets to see EOF and exit (2 s) came on
+            # top of start_timeout, before READY (found by QA).
+            self._lost.set()
             holder.cancel()
             with contextlib.suppress(asyncio.CancelledError, TimeoutError):
                 async with asyncio.timeout(GIVE_UP):

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -895,6 +896,29 @@ async def test_a_call_waiting_for_the_sdk_session_ends_when_the_server_dies_firs
         assert conn.state == "dead"
     finally:
         await conn.aclose()
+
+
+async def test_a_server_that_misses_its_start_timeout_is_killed_at_once() -> None:
+    """Found by QA: a server that did not start within start_timeout was given the 2 s a
+    closing server gets to exit after EOF (this one does not read stdin): READY came 2 s
+    after the timeout the warning named."""
+    from poddaemon.config.manifest import McpServerConfig
+    from poddaemon.mcp.connection import McpConnection, StartFailed
+    from poddaemon.mcp.env import server_env
+    from poddaemon.mcp.stdio import STOP_GRACE
+
+    sdk: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    late = [sys.executable, "-c", "import time; time.sleep(30)"]
+    cfg = McpServerConfig(name="late", command=late, start_timeout=1)
+    conn = McpConnection(cfg, server_env({}, os.environ), "/", lambda: sdk, lambda *a: None)
+    began = time.monotonic()
+    try:
+        with pytest.raises(StartFailed, match="did not start within 1 s"):
+            await conn.start()
+        took = time.monotonic() - began
+    finally:
+        await conn.aclose()
+    assert took < 1 + STOP_GRACE / 2, took  # it was at least 1 + STOP_GRACE
 
 
 def test_an_http_answer_over_the_size_limit_fails_its_call_and_the_server_stays(
