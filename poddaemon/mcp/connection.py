@@ -344,8 +344,7 @@ class McpConnection:
 
     def _died(self, reason: str) -> None:
         self._client = None
-        if self.restarts == 0:
-            self.restarts = 1
+        if self._restart is None:  # `restarts` counts restarts made, not refused or failed
             self.state, self.error = "restarting", reason
             self._settled.clear()
             self._alert(
@@ -377,6 +376,7 @@ class McpConnection:
             )
         else:
             self.state, self.error = "ready", None
+            self.restarts += 1
             log.info("MCP server '%s' restarted", self.name)
         finally:
             self._settled.set()
@@ -473,7 +473,12 @@ class McpConnection:
         # as it works) is busy, not hung: the ping waits behind its work.
         if not await self._answers(client) and not self._heard_since(asked):
             return self._call_lost(remote, f"{late}, and a ping got no answer", client)
-        return error(f"{late} (MCP server '{self.name}', [[mcp.servers]] timeout)")
+        # Said as for a lost connection: a model told only "timed out" may call again a tool
+        # that did its work (found by QA).
+        return error(
+            f"{late} (MCP server '{self.name}', [[mcp.servers]] timeout); the call may or may "
+            "not have taken effect"
+        )
 
     def _heard_since(self, when: float) -> bool:
         process = self._process

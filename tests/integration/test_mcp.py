@@ -109,6 +109,8 @@ def test_stdio_tools_answer_fail_and_time_out_as_tool_results(env: Env, kind: st
     assert (add["name"], add["output"], add["is_error"]) == ("t__add", "42", False)
     assert fail["is_error"] and "boom from the server" in fail["output"]
     assert slow["is_error"] and "timed out after 1 s" in slow["output"]
+    # Not known to have failed: a model told only "timed out" may call it again.
+    assert "the call may or may not have taken effect" in slow["output"]
     assert bad["is_error"] and "valid integer" in bad["output"]  # the server's own validation
     # The model saw them as tool results, in its next request.
     assert "boom from the server" in str(env.model.requests[1]["body"])
@@ -253,6 +255,8 @@ def test_a_server_that_dies_is_restarted_once_then_its_calls_fail(env: Env) -> N
     messages = alerts(pod)
     assert any("restarting it" in m for m in messages)
     assert any("died again" in m for m in messages)
+    (server,) = pod.call("status")["mcp"]
+    assert (server["state"], server["restarts"]) == ("dead", 1)
 
 
 def test_a_server_script_the_pod_rewrote_is_not_restarted_outside_the_sandbox(env: Env) -> None:
@@ -281,6 +285,10 @@ def test_a_server_script_the_pod_rewrote_is_not_restarted_outside_the_sandbox(en
     assert add["is_error"] and "MCP server 't' is not available" in add["output"]
     assert not pwned.exists()
     assert any(f"{script} changed since the pod started the server" in m for m in alerts(pod))
+    # Found by QA: status said "restarted 1x: … not restarted" (the refused attempt counted).
+    status = " ".join(env.podctl("status", "rewriter").stdout.split())
+    assert "t dead (8 tools): " in status and "not restarted" in status, status
+    assert "restarted 1x" not in status, status
 
 
 def test_start_up_and_status_say_when_the_pod_may_rewrite_its_manifest_or_server(
