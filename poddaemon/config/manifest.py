@@ -207,8 +207,9 @@ _QUOTED_SCRIPT = r"\s*'((?!~)[^']*/[^']*)'(?=\s|$)"
 # ungranted, and a Python hook outside the scope exited 2 ("can't open file"), which from a
 # Stop hook blocked every final answer until max_turns. (A relative path, `./venv/bin/python`,
 # stays the script itself, made absolute against pwd as before.)
+_INTERPRETERS = r"sh|bash|dash|zsh|python3?(?:\.\d+)?|node|perl|ruby"
 _INTERPRETER = (
-    rf"\s*(?P<dir>(?:/{_WORD}*/|/)?)(?P<name>sh|bash|dash|zsh|python3?(?:\.\d+)?|node|perl|ruby)\s+"
+    rf"\s*(?P<dir>(?:/{_WORD}*/|/)?)(?P<name>{_INTERPRETERS})\s+"
     r"(?P<options>(?:--?[A-Za-z][A-Za-z-]*\s+)*)"
 )
 # The options after which the next word is code or a module, not a script (`sh -c ./g.sh`)
@@ -231,13 +232,33 @@ def script_start(command: str) -> int | None:
     found = re.match(_INTERPRETER, command)
     if found is None:
         return 0
-    code = _CODE_OPTIONS[found["name"].rstrip("0123456789.")]
-    for option in found["options"].split():
-        if option in _CODE_LONG_OPTIONS or (
-            not option.startswith("--") and any(c in code for c in option[1:])
-        ):
-            return None
+    if any(_code_option(found["name"], option) for option in found["options"].split()):
+        return None
     return found.end()
+
+
+def _code_option(interpreter: str, option: str) -> bool:
+    """Does `option` make the next word code or a module (`sh -c`, `python3 -Bm`, `--eval`)?"""
+    code = _CODE_OPTIONS[interpreter.rstrip("0123456789.")]
+    if option.startswith("--"):
+        return option in _CODE_LONG_OPTIONS
+    return any(c in code for c in option[1:])
+
+
+def argv_script(command: list[str]) -> str | None:
+    """The script an interpreter runs in an argument vector (a stdio MCP server's
+    `["python3", "-u", "/srv/mcp.py"]`: its first word after the options), as `script_start`
+    finds a hook's; None when `command[0]` is no interpreter or an option makes the next word
+    code (`python3 -m srv`)."""
+    interpreter = os.path.basename(command[0])
+    if not re.fullmatch(_INTERPRETERS, interpreter):
+        return None
+    for word in command[1:]:
+        if not word.startswith("-"):
+            return word
+        if _code_option(interpreter, word):
+            return None
+    return None
 
 
 def _interpreter_path(command: str) -> str | None:
@@ -462,9 +483,9 @@ class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
 
     def named_files(self) -> list[tuple[str, str]]:
         """(field, path) of the files the pod reads or runs by path at every start: its
-        instruction file, its hook scripts, its stdio MCP servers named by path (these run
-        outside any sandbox). Whoever may change one, or swap it, writes its prompt or runs
-        code as its user."""
+        instruction file, its hook scripts, its stdio MCP servers named by path or run by an
+        interpreter (`python3 /srv/mcp.py`; these run outside any sandbox). Whoever may change
+        one, or swap it, writes its prompt or runs code as its user."""
         named: list[tuple[str, str]] = []
         if self.worker.instruction_file is not None:
             named.append(("worker.instruction_file", self.worker.instruction_file))
@@ -473,8 +494,15 @@ class Manifest(Struct, kw_only=True, forbid_unknown_fields=True):
                 if (script := hook.script()) is not None:
                     named.append((f"hooks.{event}[{i}].command", script))
         for i, server in enumerate(self.mcp.servers):
-            if server.command is not None and "/" in server.command[0]:
-                path = os.path.join(server.cwd or self.pod.pwd, server.command[0])
+            if server.command is None:
+                continue
+            # Found by QA: only command[0] was checked, and `python3 /tmp/x/ww.py` ran a
+            # world-writable script as you, where a hook `python3 /tmp/x/ww.py` was refused.
+            words = [server.command[0]] if "/" in server.command[0] else []
+            if (script := argv_script(server.command)) is not None:
+                words.append(script)
+            for word in words:
+                path = os.path.join(server.cwd or self.pod.pwd, word)
                 named.append((f"mcp.servers[{i}].command", path))
         return named
 

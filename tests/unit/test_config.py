@@ -1,5 +1,6 @@
 """Manifest loading: defaults, --set, paths, validation messages and the TOML writer."""
 
+import json
 import os
 import re
 import string
@@ -939,6 +940,49 @@ def test_a_hook_script_is_the_first_word_when_it_is_a_plain_path(
     if command.startswith("/usr/bin/python3 "):  # granted and checked with its script
         found = HookConfig(command=command).script_word()
         assert found is not None and found.interpreter == "/usr/bin/python3"
+
+
+@pytest.mark.parametrize(
+    ("command", "script"),
+    [
+        (["python3", "/srv/mcp.py", "ok"], "/srv/mcp.py"),
+        (["/usr/bin/python3.11", "-u", "-B", "mcp.py"], "mcp.py"),  # relative to its cwd
+        (["node", "--", "build/index.js"], "build/index.js"),
+        (["bash", "-e", "./srv.sh"], "./srv.sh"),
+        (["python3", "-m", "srvmod"], None),  # a module
+        (["python3", "-Bc", "import srv"], None),
+        (["sh", "-c", "exec python3 real.py"], None),  # code
+        (["node", "--eval", "require('x')"], None),
+        (["/srv/mcp.py", "ok"], None),  # no interpreter: the program itself
+        (["python3"], None),
+    ],
+)
+def test_the_script_an_mcp_servers_interpreter_runs(command: list[str], script: str | None) -> None:
+    from poddaemon.config.manifest import argv_script
+
+    assert argv_script(command) == script
+
+
+def test_an_mcp_server_script_others_may_change_is_refused_behind_an_interpreter(
+    tmp_path: Path,
+) -> None:
+    """Found by QA: `command = ["/x/ww.py"]` was refused for a world-writable ww.py, but
+    `["python3", "/x/ww.py"]` ran it as you, outside any sandbox (a hook `python3 /x/ww.py`
+    was refused)."""
+    from poddaemon.config.load import files_problem
+
+    script = tmp_path / "ww.py"
+    script.write_text("print()\n")
+    script.chmod(0o757)
+    for command in ([str(script)], ["python3", "-u", str(script)], ["python3", "ww.py"]):
+        server = f'[[mcp.servers]]\nname = "s"\ncommand = {json.dumps(command)}\n'
+        m = load_manifest(
+            write(MINIMAL.replace("[pod]\n", f'[pod]\npwd = "{tmp_path}"\n') + server)
+        )
+        problem = files_problem(m)
+        assert problem is not None and f"{script} is writable by group or others" in problem
+    script.chmod(0o755)
+    assert files_problem(m) is None
 
 
 def test_hook_scripts_are_made_absolute_against_pwd(tmp_path: Path) -> None:
