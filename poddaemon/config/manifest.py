@@ -261,6 +261,32 @@ def argv_script(command: list[str]) -> str | None:
     return None
 
 
+# Package runners: what they run comes first from the project in their working directory (its
+# node_modules, package.json or pyproject.toml, .npmrc or uv.toml).
+_RUNNERS = frozenset(("npx", "pnpx", "bunx", "uvx", "npm", "pnpm", "yarn", "bun", "uv"))
+
+
+def loads_from_cwd(command: list[str]) -> bool:
+    """Does `command` run code from its working directory that it names by no file? `python3 -m`
+    or `-c` (Python puts the cwd first on sys.path: a module there, or one named as one of the
+    standard library's, is what it imports; not with -P or -I), `sh -c`, `node -e` and the
+    like (their code's relative names are the cwd's), and package runners (`npx`, `uvx`)."""
+    program = os.path.basename(command[0])
+    if program in _RUNNERS:
+        return True
+    if not re.fullmatch(_INTERPRETERS, program):
+        return False
+    python = program.startswith("python")
+    for word in command[1:]:
+        if not word.startswith("-"):
+            return False  # its script, a file (checked as such)
+        if python and not word.startswith("--") and ("P" in word or "I" in word):
+            return False  # the cwd is not on sys.path
+        if _code_option(program, word):
+            return True
+    return False
+
+
 def _interpreter_path(command: str) -> str | None:
     """The interpreter's own word when it is a path (`/usr/bin/python3 g.py`), else None."""
     found = re.match(_INTERPRETER, command)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from poddaemon.config.manifest import McpServerConfig
+from poddaemon.config.manifest import McpServerConfig, loads_from_cwd
 from poddaemon.mcp.handshake import Handshake, HandshakeError, handshake, repeated
 from poddaemon.mcp.stdio import DROPPED, PROTOCOL_BROKEN, StdioProcess, transport
 from poddaemon.mcp.tool import (
@@ -71,7 +71,23 @@ def rewritable_files(
     from poddaemon.sandbox.policy import may_replace
 
     files = program_files(server.command or [], server.cwd or pwd)
-    return [path for path in files if may_replace(path, scope, commands)]
+    found = [path for path in files if may_replace(path, scope, commands)]
+    if (cwd := code_dir(server, pwd, scope)) is not None:
+        found.append(f"{cwd} (its working directory, which its command loads code from)")
+    return found
+
+
+def code_dir(server: McpServerConfig, pwd: str, scope: "Scope") -> str | None:
+    """`server`'s working directory when its command loads code from there (`python3 -m`,
+    `sh -c`, `npx`: `loads_from_cwd`) and the pod may write there: found by QA, the model
+    put a `json.py` beside a `python3 -m` server living outside the scope, crashed it, and its
+    restart ran that file unconfined. What it loads cannot be checked as a script can."""
+    from poddaemon.scope import Access
+
+    if server.command is None or not loads_from_cwd(server.command):
+        return None
+    cwd = server.cwd or pwd
+    return cwd if scope.access(os.path.realpath(cwd)) >= Access.WRITE else None
 
 
 class StartFailed(Exception):
@@ -97,6 +113,7 @@ class McpConnection:
         cwd: str,
         sdk: Callable[[], "asyncio.Future[None]"],
         alert: Alert,
+        code_dir: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.name = cfg.name
@@ -115,6 +132,7 @@ class McpConnection:
         self._restart: asyncio.Task[None] | None = None
         self._closing = asyncio.Event()
         self._files: dict[str, FileId] = {}  # program_files at the first start
+        self._code_dir = code_dir  # a directory in the write scope it loads code from
         self._lost = asyncio.Event()  # the connection is unusable (a call or its start said so)
         self._usable = asyncio.Event()  # the current connection has its SDK session
         self._settled = asyncio.Event()  # not (re)starting
@@ -382,12 +400,20 @@ class McpConnection:
             self._settled.set()
 
     def _unchanged(self) -> None:
-        """StartFailed when a file the server's command names is another than at its start.
-        The server runs outside the sandbox: a script of it lying where the pod may write,
-        rewritten by the model's (sandboxed) commands, ran with this user's full rights once
-        the model had the server die (a crash, a hang)."""
+        """StartFailed when a file the server's command names is another than at its start,
+        or it loads code from a directory the pod may write (`code_dir`). The server runs
+        outside the sandbox: a script of it lying where the pod may write, rewritten by the
+        model's (sandboxed) commands, ran with this user's full rights once the model had the
+        server die (a crash, a hang)."""
         if self.cfg.command is None:
             return
+        if self._code_dir is not None:
+            raise StartFailed(
+                f"its command loads code from its working directory {self._code_dir}, which "
+                "lies in the pod's write scope (the pod's commands may have put code there, "
+                "and the server runs outside the sandbox): not restarted; restart the pod to "
+                "start it again"
+            )
         now = program_files(self.cfg.command, self._cwd)
         for path, was in self._files.items():
             if now.get(path) != was:

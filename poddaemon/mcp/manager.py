@@ -123,8 +123,9 @@ async def start_mcp(
     servers = manifest.mcp.servers
     if not servers:
         return McpManager([])
-    from poddaemon.mcp.connection import McpConnection, StartFailed
+    from poddaemon.mcp.connection import McpConnection, StartFailed, code_dir
     from poddaemon.mcp.env import EnvError, server_env
+    from poddaemon.scope import Scope
 
     environ = os.environ if environ is None else environ
     envs: dict[str, dict[str, str]] = {}
@@ -145,8 +146,13 @@ async def start_mcp(
             loaded.append(asyncio.ensure_future(asyncio.to_thread(_import_sdk)))
         return loaded[0]
 
+    # The manifest's write scope, children's areas included: their commands may write there.
+    pwd = manifest.pod.pwd
+    scope = Scope.from_config(manifest.scope.allow, manifest.scope.deny, cwd=pwd)
     connections = [
-        McpConnection(cfg, envs.get(cfg.name), cfg.cwd or manifest.pod.pwd, sdk, alert)
+        McpConnection(
+            cfg, envs.get(cfg.name), cfg.cwd or pwd, sdk, alert, code_dir(cfg, pwd, scope)
+        )
         for cfg in servers
     ]
     results = await asyncio.gather(*(c.start() for c in connections), return_exceptions=True)

@@ -291,6 +291,43 @@ def test_a_server_script_the_pod_rewrote_is_not_restarted_outside_the_sandbox(en
     assert "restarted 1x" not in status, status
 
 
+def test_a_server_loading_code_from_a_writable_cwd_is_warned_of_and_not_restarted(
+    env: Env,
+) -> None:
+    """Found by QA: `python3 -m` puts the server's cwd (the pod's pwd) first on sys.path. The
+    server lives outside the scope, so nothing was said at start; the model's bash put a
+    module of that name in its pwd and crashed the server, whose restart imported it and ran
+    it with the user's full rights. Now start-up and status warn, and it is not restarted."""
+    outside = env.home / "outside"
+    outside.mkdir()
+    pwned = outside / "pwned"
+    payload = f'open("{pwned}", "w").write("escaped")'
+    plant = f"echo '{payload}' > mcp_test_server.py"  # imported in place of the server's
+    env.model.script(
+        {"tool_calls": [{"name": "bash", "arguments": {"command": plant}}]},
+        {"tool_calls": [{"name": "t__crash", "arguments": {}}]},
+        {"tool_calls": [{"name": "t__add", "arguments": {"a": 1, "b": 2}}]},
+        {"text": "done"},
+    )
+    module = server_toml(
+        script="-m", args=("mcp_test_server",), env={"PYTHONPATH": str(Path(SERVER).parent)}
+    )
+    pod = env.start("planter", tools=["bash"], pwd=str(env.work), extra=module)
+    said = f"{env.work} (its working directory, which its command loads code from) lies in"
+    assert f"mcp.servers[0].command: {said}" in pod.text()
+    status = " ".join(env.podctl("status", "planter").stdout.split())
+    assert f"MCP server 't': {said} the pod's write scope" in status, status
+    with pod.client() as c:
+        assert c.run_wait("plant and crash").outcome == "finished"
+    planted, crash, add = tool_results(pod)
+    assert not planted["is_error"] and (env.work / "mcp_test_server.py").exists()
+    assert crash["is_error"]
+    assert add["is_error"] and "MCP server 't' is not available" in add["output"]
+    assert not pwned.exists()
+    why = f"its command loads code from its working directory {env.work}, which lies in"
+    assert any(why in m and "not restarted" in m for m in alerts(pod)), alerts(pod)
+
+
 def test_start_up_and_status_say_when_the_pod_may_rewrite_its_manifest_or_server(
     env: Env,
 ) -> None:

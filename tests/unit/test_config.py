@@ -963,6 +963,32 @@ def test_the_script_an_mcp_servers_interpreter_runs(command: list[str], script: 
     assert argv_script(command) == script
 
 
+@pytest.mark.parametrize(
+    ("command", "loads"),
+    [
+        (["python3", "-m", "srvmod", "ok"], True),  # the cwd first on sys.path
+        (["/usr/bin/python3.11", "-u", "-Bc", "import srv"], True),
+        (["python3", "-P", "-m", "srvmod"], False),  # not with -P or -I
+        (["python3", "-Im", "srvmod"], False),
+        (["sh", "-c", "exec python3 real.py ok"], True),
+        (["bash", "-ec", "./run"], True),
+        (["node", "--eval", "require('./x')"], True),
+        (["npx", "-y", "@modelcontextprotocol/server-github"], True),
+        (["uvx", "mcp-server-fetch"], True),
+        (["python3", "-u", "real.py", "ok"], False),  # a script: checked as a file
+        (["node", "build/index.js"], False),
+        (["/opt/srv/mcp", "-c", "x"], False),  # no interpreter we know
+        (["python3"], False),
+    ],
+)
+def test_which_mcp_server_commands_load_code_from_their_cwd(
+    command: list[str], loads: bool
+) -> None:
+    from poddaemon.config.manifest import loads_from_cwd
+
+    assert loads_from_cwd(command) is loads
+
+
 def test_an_mcp_server_script_others_may_change_is_refused_behind_an_interpreter(
     tmp_path: Path,
 ) -> None:
