@@ -881,6 +881,7 @@ def _serve(
         _check_tool_count(pod, manifest.provider.kind, len(services.tools))
         pod.mcp = mcp
         pod.children.adopt()  # a restored spawner takes its live children back
+        pod.start_work()  # (restored work waited for the SessionStart context and MCP tools)
         ending = Ending(pod.request_shutdown, lambda: pod.pod_state == "stopping")
         handlers = pod.handlers()
         handlers["shutdown"] = ending.wrap_shutdown(handlers["shutdown"])

@@ -296,6 +296,7 @@ class Machine:
         self.stopping = False
         self.stop_reason = "requested"  # the `shutdown` event's reason (see `shutdown`)
         self.stopped = False
+        self.held = False  # start-up not done: no run starts (see `hold`)
         self.in_flight: Literal["model", "tool", "compact", "stop"] | None = None
         # The model call in flight only waits to retry (nothing streamed): a pause may end it.
         self._model_retrying = False
@@ -917,6 +918,19 @@ class Machine:
 
         return self._handle(go)
 
+    def hold(self) -> None:
+        """Start no run until `release`: a restored pod's work waits for its start-up (the
+        SessionStart hooks' context, its MCP tools), as a new pod's input waits for READY."""
+        self.held = True
+
+    def release(self) -> list[Effect]:
+        """Start-up is done: the work held since `hold` starts."""
+
+        def go() -> None:
+            self.held = False
+
+        return self._handle(go)
+
     def _only_the_conversation(self) -> None:
         """A copy of a session keeps its conversation, not its work: that was acknowledged to
         the other pod's clients (or taken up by the session that continues it) and is done
@@ -1396,6 +1410,8 @@ class Machine:
             return False  # a manual compaction: the next run starts in the new session
         if self.stopping:
             self._stop()
+            return False
+        if self.held:
             return False
         s = self.state
         if self._resume_requested and s.paused_run is not None:

@@ -773,7 +773,8 @@ class Pod:
         `--resume` looks, and not where the other pod's `--resume` would run what this one
         acknowledges; so is a session another one continues already (one compacted or forked
         since: no chain end, `--resume` never picks it). The fork is made before anything is
-        written: what the restore closes (an interrupted run) goes to it, not to the old one."""
+        written: what the restore closes (an interrupted run) goes to it, not to the old one.
+        The work it takes up (queued runs, the interrupted run's note) waits for `start_work`."""
         from poddaemon.store.file import continued_by, session_pod
 
         owner = session_pod(self.s.sessions_dir, session_id)
@@ -783,6 +784,7 @@ class Pod:
         elif later := continued_by(self.s.sessions_dir, session_id, self.name):
             why = f"was continued already by session {later[0]}"
         copy = why is not None  # (not for the prompt below: the session is still ours)
+        self.machine.hold()
         effects, warnings = self.plog.restore(
             session_id, lambda entries: self.machine.restore(entries, copy)
         )
@@ -794,6 +796,11 @@ class Pod:
         self.feed(effects, in_log=why is not None)
         await self._synced()
         return warnings
+
+    def start_work(self) -> None:
+        """Start-up is done: what `restore` took up starts. Started by the restore, the model
+        was called before the SessionStart hooks ("resume") had added their context."""
+        self.feed(self.machine.release())
 
     async def _close(self) -> None:
         if self._timer is not None:

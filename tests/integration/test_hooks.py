@@ -14,7 +14,7 @@ import pytest
 from poddaemon.sandbox import available
 from protocol.errors import RpcError
 from tests.conftest import Env, PodProcess, collect_run, drained, wait_until
-from tests.integration.test_durability import check_restored, intrude
+from tests.integration.test_durability import check_restored, intrude, settled
 
 PY = sys.executable
 
@@ -705,6 +705,42 @@ def test_a_kill_during_a_stop_hook_loses_nothing_and_the_run_ends_once(env: Env)
     ends = [e for e in entries_ if e["kind"] == "run_end"]
     assert [e["run_id"] for e in ends] == [first, queued.run_id]
     assert ends[1]["outcome"] == "finished"
+    wait_until(lambda: hook_gone(env), what="the killed pod's Stop hook to be gone")
+
+
+# A resume's context comes late (1 s): a model call that did not wait for it went out without it.
+SESSION_START_SOURCE = """
+import json, sys, time
+source = json.load(sys.stdin)["source"]
+if source == "resume":
+    time.sleep(1)
+print(f"SS-CONTEXT-{source}")
+"""
+
+
+def test_restored_work_waits_for_the_session_start_hooks(env: Env) -> None:
+    """Found by QA: a restart took the interrupted run up (its model call) before the
+    SessionStart ("resume") hooks had run: the request lacked their context, committed after
+    the run had ended. Claude Code runs them before the model acts; so does a restored pod."""
+    marker = env.work / "stop-hook-started"
+    slow = script(env, "slow_stop.py", SLOW_STOP.format(marker=str(marker)))
+    stop = hooks_toml("Stop", slow, timeout=3600)
+    start = hooks_toml("SessionStart", script(env, "ss.py", SESSION_START_SOURCE))
+    env.model.script({"text": "first answer"}, {"text": "after restart"})
+    pod = env.start("ssresume", extra=stop + start)
+    with pod.client() as c:
+        first = c.run("the work").run_id
+    wait_until(marker.exists, what="the Stop hook to run")
+    pod.kill9()
+    before = len(env.model.requests)
+    again = env.restart(pod, "--resume")
+    wait_until(lambda: settled(again), what="the restored pod to take its work up")
+    (request,) = env.model.requests[before:]
+    assert "SS-CONTEXT-resume" in str(request["body"])
+    log = entries(again)
+    context = [e["seq"] for e in log if e.get("source") == "hook:SessionStart"]
+    started = [e["seq"] for e in log if e["kind"] == "run_start" and e["run_id"] != first]
+    assert len(context) == 2 and len(started) == 1 and context[1] < started[0], log
     wait_until(lambda: hook_gone(env), what="the killed pod's Stop hook to be gone")
 
 
