@@ -901,7 +901,7 @@ class Machine:
                     RunEnd(
                         run_id=run_id,
                         outcome="paused" if paused else "error",
-                        text="",
+                        text=_run_text(s),  # its reply, as a run's end says (a keyed retry's)
                         error=None if paused else "interrupted: the pod stopped during this run",
                         interrupted=True,
                         usage=self.state.run_usage,
@@ -1718,6 +1718,14 @@ def _within(text: str, limit: int) -> str:
         return text
     kept = raw[:limit].decode("utf-8", "ignore")  # (a character cut in two is dropped)
     return f"{kept}\n[... {len(raw) - limit:,} more bytes cut (worker.max_input_bytes)]"
+
+
+def _run_text(s: SessionState) -> str:
+    """The active run's text as its turn kept it: its last message that had text."""
+    for item in reversed(s.history[s.run_from :]):
+        if isinstance(item, AssistantMessage) and item.text:
+            return item.text
+    return ""
 
 
 def _final_answer(item: Item | None) -> bool:

@@ -18,6 +18,7 @@ from poddaemon.machine import (
     OpenSession,
     Publish,
     Reply,
+    RunStopHooks,
     RunTool,
     SetTimer,
     Stopped,
@@ -691,6 +692,26 @@ def test_restore_closes_open_calls_ends_the_run_and_notes_the_restart() -> None:
     assert [getattr(i, "text", "") for i in again.inflight.items][-2:-1] == ["next"]
     assert "restarted" in again.inflight.items[-1].text  # type: ignore[union-attr]
     assert d.answers[queued].result.state == "queued"
+
+
+def test_a_run_a_crash_cut_short_keeps_its_answer_for_a_keyed_retry() -> None:
+    """Found by QA: killed while the Stop hooks judged its final answer, the run was restored
+    with `text: ""`, and a `run` retry of its key returned that, the answer in the log
+    unread (podctl, which reads the history, printed it). What it had said stays its reply."""
+    cfg = MachineConfig(name="p", model="m", max_turns=4, stop_hooks=True)
+    d = Driver(cfg=cfg)
+    d.call("run", "keyed", client_key="KK")
+    d.model(text="THE FINAL ANSWER")
+    assert isinstance(d.inflight, RunStopHooks)
+    d.sync()
+    again = Driver(cfg=cfg)
+    again.lines, again.entries, again.prev = list(d.lines), list(d.entries), d.prev
+    again.feed(again.machine.restore(d.entries))
+    (end,) = [e for e in again.entries if e["kind"] == "run_end"]
+    assert (end["outcome"], end["text"]) == ("error", "THE FINAL ANSWER")
+    retry = again.answer(again.call("run", "keyed", client_key="KK", wait=True)).result
+    assert (retry.outcome, retry.text) == ("error", "THE FINAL ANSWER")
+    assert "interrupted" in (retry.error or "")
 
 
 def test_a_copy_of_a_session_takes_its_conversation_and_starts_nothing() -> None:
