@@ -285,20 +285,25 @@ class Hooks(Interceptor):
                 outcome.output += f"\n[PostToolUse hook] {said}"
         return outcome
 
-    async def stop(self, run_id: str, stop_hook_active: bool) -> str | None:
+    async def stop(
+        self, run_id: str, stop_hook_active: bool, last_round: bool = False
+    ) -> str | None:
         """The Stop hooks on a final answer, before the run ends: the reason the first one
-        that blocked gave (the run goes on), or None (it ends `finished`)."""
+        that blocked gave (the run goes on), or None (it ends `finished`). `last_round`:
+        max_turns is spent, so a block ends the run `limit_reached` instead."""
         fields = {"stop_hook_active": stop_hook_active, "run_id": run_id, "outcome": "finished"}
         self._checking.add(run_id)
         runs = await self.run("Stop", fields)  # (cancelled: the mark stays for on_run_end)
-        self._checking.discard(run_id)
-        if any(run.decision == "stop" for run in runs):
-            return None
-        for run in runs:
-            if run.decision == "block":
-                self._kept_going.add(run_id)
-                return run.reason
-        return None
+        block = None
+        if not any(run.decision == "stop" for run in runs):
+            block = next((run.reason for run in runs if run.decision == "block"), None)
+        # A block at max_turns ends the run `limit_reached`: these hooks were that end's, and
+        # the mark keeps `on_run_end` from running each of them a second time.
+        if block is None or not last_round:
+            self._checking.discard(run_id)
+        if block is not None:
+            self._kept_going.add(run_id)
+        return block
 
     async def on_run_end(self, run_id: str, outcome: str) -> None:
         """After the fact, for runs that did not finish (cancelled, error, limit_reached): they

@@ -190,6 +190,7 @@ class RunStopHooks(msgspec.Struct, frozen=True):
 
     run_id: str
     stop_hook_active: bool  # the run goes on already because a Stop hook blocked its end
+    last_round: bool = False  # max_turns is spent: a block ends the run `limit_reached`
 
 
 class Interrupt(msgspec.Struct, frozen=True):
@@ -1480,7 +1481,8 @@ class Machine:
             return
         if isinstance(next_step, CheckStop):
             self.in_flight = "stop"
-            self._emit(RunStopHooks(turn.run_id, next_step.stop_hook_active))
+            active, last = next_step.stop_hook_active, next_step.last_round
+            self._emit(RunStopHooks(turn.run_id, active, last))
             return
         assert isinstance(next_step, _CallStep)
         if self._compaction_due(turn.run_id):

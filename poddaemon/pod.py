@@ -620,7 +620,7 @@ class Pod:
         assert self.hooks is not None
         block: str | None = None
         try:
-            block = await self.hooks.stop(effect.run_id, effect.stop_hook_active)
+            block = await self.hooks.stop(effect.run_id, effect.stop_hook_active, effect.last_round)
         except asyncio.CancelledError:  # an `Interrupt` (cancel, shutdown): the hooks are killed
             if self.machine.in_flight != "stop":
                 raise

@@ -80,6 +80,7 @@ class CheckStop(msgspec.Struct, frozen=True):
     """Run the Stop hooks on the final answer and feed their verdict to `stop_checked`."""
 
     stop_hook_active: bool  # the run already goes on because a Stop hook blocked its end
+    last_round: bool = False  # max_turns is spent: a block ends the run `limit_reached`
 
 
 class Finished(msgspec.Struct, frozen=True):
@@ -135,7 +136,7 @@ class Turn(msgspec.Struct):
             if self._pause:
                 return self._finish("paused", None)
             self._state = _State.AWAIT_STOP_CHECK
-            return CheckStop(self._stop_hook_active)
+            return CheckStop(self._stop_hook_active, self.rounds >= self.max_turns)
         if self._state is _State.NEED_TOOLS:
             raise RuntimeError("tool results must be fed back before asking for a step")
         if self._state in (_State.AWAIT_TOOL, _State.AWAIT_MODEL, _State.AWAIT_STOP_CHECK):

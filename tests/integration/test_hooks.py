@@ -641,21 +641,34 @@ sys.exit(2)
 
 
 def test_a_run_a_stop_hook_kept_going_to_its_limit_says_so_after_the_fact(env: Env) -> None:
-    """Blocked at every answer, the run reaches max_turns: the Stop hooks it runs after the
-    fact are told stop_hook_active true, as on every call since the first block."""
+    """Blocked at its first answer, the run reaches max_turns in a tool round: the Stop hooks
+    it runs after the fact are told stop_hook_active true, as on every call since the first
+    block."""
     seen = env.work / "stops.log"
     body = ALWAYS_BLOCK.format(seen=str(seen))
-    env.model.script({"text": "one"}, {"text": "two"})
+    env.model.script({"text": "one"}, {"tool_calls": [{"name": "list_dir", "arguments": {}}]})
     hook = script(env, "block.py", body)
-    pod = env.start("stubborn", "--set", "worker.max_turns=2", extra=hooks_toml("Stop", hook))
+    extra = hooks_toml("Stop", hook)
+    pod = env.start("stubborn", "--set", "worker.max_turns=2", tools=["list_dir"], extra=extra)
     with pod.client() as c:
         assert c.run_wait("finish it").outcome == "limit_reached"
     assert pod.stop() == 0  # the after-the-fact hook has run by then
-    assert seen.read_text().splitlines() == [
-        "finished false",
-        "finished true",
-        "limit_reached true",
-    ]
+    assert seen.read_text().splitlines() == ["finished false", "limit_reached true"]
+
+
+def test_a_stop_hook_blocking_the_answer_of_the_last_round_runs_once_for_it(env: Env) -> None:
+    """Found by QA: blocked at its answer on the round max_turns allows last, the run ends
+    `limit_reached`, and its end ran every Stop hook again after the fact: twice for one
+    end. The hooks that judged that answer were its end's."""
+    seen = env.work / "stops.log"
+    env.model.script({"text": "one"}, {"text": "two"})
+    hook = script(env, "block.py", ALWAYS_BLOCK.format(seen=str(seen)))
+    pod = env.start("stubborn", "--set", "worker.max_turns=2", extra=hooks_toml("Stop", hook))
+    with pod.client() as c:
+        result = c.run_wait("finish it")
+    assert (result.outcome, result.text) == ("limit_reached", "two")
+    assert pod.stop() == 0  # a hook run after the fact has run by then
+    assert seen.read_text().splitlines() == ["finished false", "finished true"]
 
 
 SLOW_STOP = """
