@@ -1447,6 +1447,12 @@ class Machine:
 
     def _start_run(self, run_id: str, trigger: str) -> None:
         self._burst_start = None
+        run = self.state.pending_runs.get(run_id) if trigger == "input" else None
+        if run is not None:
+            # What waited before this input came (a SessionStart hook's context, the note that
+            # the run before was cut short) is read before it, as in Claude Code. Delivered at
+            # the first request, it followed the input and its prompt's own context.
+            self._deliver_pending(until=run.ts)
         self._commit(RunStart(run_id=run_id, trigger=trigger, continues=self._taken_up()))
         turn = Turn(run_id, self.cfg.max_turns, self.state.rounds, stop_hooks=self.cfg.stop_hooks)
         self.turn = turn
@@ -1496,8 +1502,8 @@ class Machine:
         self._model_retrying = False
         self._emit(CallModel(turn.run_id, self.system_prompt, list(self.state.history)))
 
-    def _deliver_pending(self) -> None:
-        ids, _ = self.state.deliverable(self.cfg.max_input_bytes)
+    def _deliver_pending(self, until: float | None = None) -> None:
+        ids, _ = self.state.deliverable(self.cfg.max_input_bytes, until)
         if not ids:
             self._notes_overflow = False
             return

@@ -185,6 +185,8 @@ class SessionState(msgspec.Struct):
     # input verbatim (SPEC §3). It went into the summary: a crash during the compaction at a
     # run's start left the run taking it up with "continue where you left off" and no task.
     take_up_from: int | None = None
+    # History items delivered while no run was active: the next run's own, ahead of its input.
+    idle_delivered: int = 0
 
     def add_pending(self, p: PendingInput) -> None:
         if p.id in self.pending_inputs:
@@ -281,17 +283,22 @@ class SessionState(msgspec.Struct):
         _apply(self, entry)
         self.last_seq = entry.seq
 
-    def deliverable(self, max_bytes: int | None = None) -> tuple[list[str], list[Item]]:
+    def deliverable(
+        self, max_bytes: int | None = None, until: float | None = None
+    ) -> tuple[list[str], list[Item]]:
         """Ids and rendered items of what the next model request should carry (pure): the
         oldest steers and notifications, at most MAX_NOTIFICATIONS_PER_REQUEST notifications
         and `max_bytes` of their texts (and sources) in all, always the first; the rest wait,
-        in order (each kind's: none jumps ahead of one of its kind held back)."""
+        in order (each kind's: none jumps ahead of one of its kind held back). `until`: only
+        those committed before then (their `ts`)."""
         ids: list[str] = []
         notes: list[PendingInput] = []
         items: list[Item] = []
         taken = 0  # bytes of the texts and sources taken
         held: set[str] = set()  # the kinds one of which was held back
         for p in self.pending_inputs.values():
+            if until is not None and p.ts >= until:
+                break  # (in the order they came; at the same instant: after)
             if p.kind in held or (
                 p.kind != "steer" and len(notes) >= MAX_NOTIFICATIONS_PER_REQUEST
             ):
@@ -368,8 +375,10 @@ def _apply(s: SessionState, e: Entry) -> None:
                 s.rounds = 0
                 s.run_usage = Usage()
                 s.run_calls = 0
-                s.run_from = len(s.history) if s.take_up_from is None else s.take_up_from
+                start = len(s.history) - s.idle_delivered
+                s.run_from = start if s.take_up_from is None else s.take_up_from
             s.take_up_from = None
+            s.idle_delivered = 0
             if e.trigger == "input":  # new work was asked for: a loop, if any, starts again
                 s.interrupted_in_row = 0
             s.paused_run = None
@@ -384,6 +393,7 @@ def _apply(s: SessionState, e: Entry) -> None:
                     hook = PendingInput("", "notification", run.context, CONTEXT_SOURCE, run.ts)
                     s.history.append(SystemNote(text=render_notifications([hook], 0)))
         case InputsDelivered():
+            before = len(s.history)
             delivered = [p for p in map(s.take_pending, e.ids) if p is not None]
             for p in delivered:
                 if p.kind == "steer":
@@ -391,6 +401,8 @@ def _apply(s: SessionState, e: Entry) -> None:
             notes = [p for p in delivered if p.kind == "notification"]
             if notes:
                 s.history.append(SystemNote(text=render_notifications(notes, e.more)))
+            if s.active_run is None:  # (the next run's start: see Machine._start_run)
+                s.idle_delivered += len(s.history) - before
         case Assistant(item=item):
             s.history.append(item)
             s.open_calls = list(item.tool_calls)

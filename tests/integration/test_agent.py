@@ -74,8 +74,8 @@ def test_a_cancel_mid_stream_keeps_the_text_streamed_so_far(env: Env, kind: str)
     assistant = [e["item"]["text"] for e in entries if e["kind"] == "assistant"]
     assert assistant == [streamed, "picking up"]
     body = str(env.model.requests[1]["body"])
-    # The cut text, then the new input with the note that the run before was cancelled.
-    assert body.index(streamed.strip()) < body.index("go on") < body.index(CANCEL_NOTE)
+    # The cut text, the note that the run before was cancelled, then the new input.
+    assert body.index(streamed.strip()) < body.index(CANCEL_NOTE) < body.index("go on")
 
 
 @pytest.mark.parametrize("kind", PROVIDER_KINDS)

@@ -131,6 +131,26 @@ print("CONTEXT: the build is green")
     assert texts == ["how is the build?"]  # the refused prompt was never committed
 
 
+def test_session_start_context_comes_before_the_first_prompt_and_its_context(env: Env) -> None:
+    """Found by QA: the first request read the prompt, its UserPromptSubmit context, then the
+    SessionStart context committed before them all. Claude Code shows SessionStart's first."""
+    extra = hooks_toml("SessionStart", "echo SS-CONTEXT") + hooks_toml(
+        "UserPromptSubmit", "echo UPS-CONTEXT"
+    )
+    env.model.script({"text": "ok"})
+    pod = env.start("ordered", extra=extra)
+    wait_until(lambda: "SS-CONTEXT" in str(pod.call("history", since=0)), what="the context")
+    with pod.client() as c:
+        assert c.run_wait("please run echo").outcome == "finished"
+    (request,) = env.model.requests
+    texts = [str(m["content"]) for m in request["body"]["messages"]]
+
+    def first(said: str) -> int:
+        return next(i for i, text in enumerate(texts) if said in text)
+
+    assert first("SS-CONTEXT") < first("please run echo") < first("UPS-CONTEXT"), texts
+
+
 def test_a_hook_flooding_its_output_is_cut_and_the_note_counts_all_of_it(env: Env) -> None:
     """3 MB of context: 10,000 characters reach the model, and the note counts the 2,990,000
     cut (it counted only up to the 1 MiB the reader keeps)."""

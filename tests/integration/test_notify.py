@@ -353,9 +353,10 @@ def test_paused_pod_holds_a_new_run_and_gives_it_the_notifications(env: Env) -> 
     assert events[-1].data["text"] == "fresh start"
     drained(pod)
     assert len(env.model.requests) == 2
-    body = bodies(env)[1]
-    assert newest_block(body)[0] == ("ops", "heads up")  # then the note of the cancel
-    assert "new work" in user_texts(body)
+    texts = user_texts(bodies(env)[1])
+    new = texts.index("new work")
+    # In the order they came: the notification before the input, the cancel's note after it.
+    assert "heads up" in texts[new - 1] and "was cancelled" in texts[new + 1], texts
 
 
 def ack_seq(c: PodClient, notification_id: str) -> int:

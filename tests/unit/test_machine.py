@@ -428,9 +428,10 @@ def test_a_cancelled_run_is_told_to_the_model_at_its_next_request() -> None:
     note = d.entries[-1]
     assert (note["text"], note["source"], note["context"]) == (CANCEL_NOTE, "poddaemon", True)
     assert d.machine.pod_state == "idle" and d.inflight is None  # the note wakes nothing
+    d.now += 1
     d.call("run", "now the summary")
     assert isinstance(d.inflight, CallModel)
-    *_, cut, asked, told = d.inflight.items
+    *_, cut, told, asked = d.inflight.items  # (told first: it came before the input)
     assert cut == AssistantMessage(text="The report: first")
     assert asked == UserMessage(text="now the summary")
     assert isinstance(told, SystemNote) and CANCEL_NOTE in told.text
@@ -449,9 +450,10 @@ def test_a_run_that_ended_in_an_error_with_a_reply_kept_is_told_at_the_next_requ
     text = ERROR_NOTE.format(error="stream interrupted: peer closed")
     assert (note["kind"], note["text"], note["context"]) == ("system_item", text, True)
     assert d.machine.pod_state == "idle" and d.inflight is None  # the note wakes nothing
+    d.now += 1
     d.call("run", "go on")
     assert isinstance(d.inflight, CallModel)
-    *_, cut, asked, told = d.inflight.items
+    *_, cut, told, asked = d.inflight.items
     assert cut == AssistantMessage(text="The rep") and asked == UserMessage(text="go on")
     assert isinstance(told, SystemNote) and text in told.text
     # An error with no reply kept (a key refused, say: every run fails alike) leaves no note
@@ -714,6 +716,20 @@ def test_a_run_a_crash_cut_short_keeps_its_answer_for_a_keyed_retry() -> None:
     assert "interrupted" in (retry.error or "")
 
 
+def test_context_waiting_for_an_input_is_read_before_it_and_is_its_run_s() -> None:
+    """A hook's context committed before an input is delivered ahead of it (as Claude Code
+    orders SessionStart's), and belongs to that run: compaction keeps it with the input."""
+    d = Driver()
+    d.feed(d.machine.add_context("SS", "hook:SessionStart"))
+    d.now += 1
+    d.call("run", "the prompt", context="UPS")
+    assert isinstance(d.inflight, CallModel)
+    texts = [getattr(i, "text", "") for i in d.inflight.items]
+    assert "SS" in texts[0] and texts[1] == "the prompt" and "UPS" in texts[2], texts
+    assert d.machine.state.run_from == 0
+    assert d.kinds()[-2:] == ["inputs_delivered", "run_start"]
+
+
 def test_a_copy_of_a_session_takes_its_conversation_and_starts_nothing() -> None:
     """Restored as a copy (another pod's session, or one a later session continues): the run
     in progress ends with its open calls closed, the queued run and the notification are not
@@ -772,10 +788,10 @@ def test_a_pod_that_crashes_in_every_run_stops_taking_the_work_up_by_itself() ->
     d.call("run", "look again")  # the user's next input carries the note to the model
     assert isinstance(d.inflight, CallModel)
     texts = [getattr(i, "text", "") for i in d.inflight.items]
-    assert texts[-2] == "look again" and RESTART_NOTE not in texts[-1]
+    assert texts[-1] == "look again" and RESTART_NOTE not in texts[-2]  # (the note came first)
     # Why the work waited, not "continue where you left off": that work may stop the pod.
-    assert f"{MAX_TAKEN_UP_IN_ROW + 1} runs in a row were cut off" in texts[-1]
-    assert "before doing any of it again" in texts[-1]
+    assert f"{MAX_TAKEN_UP_IN_ROW + 1} runs in a row were cut off" in texts[-2]
+    assert "before doing any of it again" in texts[-2]
     d.model()  # a run that ends as runs do: the count starts again
     d.call("run", "more")
     d = _crash_and_restore(d)
