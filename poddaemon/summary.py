@@ -4,6 +4,7 @@ streamed to subscribers (it is not the run's answer). Returns the machine's effe
 
 import contextlib
 import logging
+import re
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -111,18 +112,36 @@ async def _fitted_answer(
             request = msgspec.structs.replace(request, items=trimmed)
 
 
+# A setting an error names ("(provider.first_byte_timeout)"), but not "compaction.provider.x".
+_SETTING = re.compile(r"(?<![\w.])provider\.(?=\w)")
+
+
+def own_settings(message: str) -> str:
+    """`message` of the [compaction.provider]'s call, the settings it names made its own:
+    a timeout named `provider.first_byte_timeout` sent the user to the pod's own provider."""
+    return _SETTING.sub("compaction.provider.", message)
+
+
 async def _answer(
     pod: "Pod", client: ModelClient, request: ModelRequest, run_id: str | None
 ) -> ModelResponse:
-    async with contextlib.aclosing(client.stream(request)) as events:  # type: ignore[type-var]
-        async for event in events:
-            if isinstance(event, RetryScheduled):
-                data = {"attempt": event.attempt, "delay": event.delay, "error": event.error}
-                pod.bus.publish("llm.retry", data, run_id)
-                if event.answered:
-                    pod.feed(pod.machine.attempt_cut())
-            elif isinstance(event, ModelResponse):
-                return event
+    own = client is pod.s.compaction_model  # (None: the pod's own provider, rightly named)
+    try:
+        async with contextlib.aclosing(client.stream(request)) as events:  # type: ignore[type-var]
+            async for event in events:
+                if isinstance(event, RetryScheduled):
+                    error = own_settings(event.error) if own else event.error
+                    data = {"attempt": event.attempt, "delay": event.delay, "error": error}
+                    pod.bus.publish("llm.retry", data, run_id)
+                    if event.answered:
+                        pod.feed(pod.machine.attempt_cut())
+                elif isinstance(event, ModelResponse):
+                    return event
+    except ProviderError as exc:
+        if own:
+            exc.message = own_settings(exc.message)
+            exc.args = (exc.message,)
+        raise
     raise ProviderError("interrupted", "the model stream ended without a response")
 
 

@@ -21,6 +21,7 @@ from tests.conftest import (
     PodProcess,
     StartFailed,
     collect_run,
+    events_until,
     wait_until,
 )
 
@@ -556,6 +557,36 @@ def test_the_compaction_provider_makes_the_summary_and_its_usage_counts(env: Env
     (mine,) = [c for c in calls if c["model"] == "summarizer"]
     assert (mine["input"], mine["output"]) == (777, 55)
     assert result.usage.input >= 777  # the run's usage includes its compaction
+
+
+def test_a_compaction_provider_timeout_names_the_compaction_provider_setting(env: Env) -> None:
+    """Found by QA: the summary call timed out at `[compaction.provider]` first_byte_timeout,
+    and the error and its alert named `provider.first_byte_timeout`, the pod's own."""
+    extra = (
+        "[compaction.provider]\n"
+        'kind = "openai"\n'
+        'model = "summarizer"\n'
+        f'base_url = "{env.model.url}/v1"\n'
+        'api_key_env = "FAKE_API_KEY"\n'
+        "first_byte_timeout = 0.5\n"
+        "max_retries = 0\n"
+    )
+    pod = env.start(extra=extra)
+    with pod.client() as c:
+        assert c.run_wait("some history").outcome == "finished"
+    env.model.script_when(MARKER, {"fault": {"kind": "hang", "seconds": 5}})
+    with pod.client() as watcher:
+        watcher.subscribe()
+        failed = env.podctl("compact", "pod")
+        alerts = [
+            e.data["message"]
+            for e in events_until(watcher, lambda e: e.type == "compaction.failed")
+            if e.type == "alert"
+        ]
+    assert failed.returncode == 1
+    setting = "(compaction.provider.first_byte_timeout)"
+    assert setting in failed.stderr, failed.stderr
+    assert alerts and all(setting in a for a in alerts), alerts
 
 
 def test_a_missing_compaction_provider_key_fails_start_up_naming_it(env: Env) -> None:
