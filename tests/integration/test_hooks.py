@@ -488,7 +488,7 @@ def test_session_start_context_of_an_earlier_start_no_request_read_is_replaced(e
     one SessionStart output per start, and its next request read them all, stale snapshots
     (`git status`, say) beside the current one. Only the newest start's waits."""
     count = env.work / "starts"
-    hook = f'n=$(($(cat {count} 2>/dev/null || echo 0) + 1)); echo $n > {count}; echo start no. $n'
+    hook = f"n=$(($(cat {count} 2>/dev/null || echo 0) + 1)); echo $n > {count}; echo start no. $n"
     extra = hooks_toml("SessionStart", hook)
     pod = env.start("restarts", extra=extra)
     with pod.client() as c:
