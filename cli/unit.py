@@ -514,8 +514,13 @@ def start_unit(unit: str, *how: str, then: str) -> None:
                 f"StartLimitIntervalSec=) and systemd gave up on it: run `systemctl --user "
                 f"reset-failed {unit}`, then start it again"
             ) from None
+        # Its own errors; not its warnings (a server script in the write scope), which are
+        # no reason it ended: one killed after one of those was said to have "not started:
+        # warning: ..." (found by a test once start-up warned of more).
         errors = [
-            line.removeprefix("poddaemon: ") for line in said if line.startswith("poddaemon: ")
+            line.removeprefix("poddaemon: ")
+            for line in said
+            if line.startswith("poddaemon: ") and not line.startswith("poddaemon: warning: ")
         ]
         if not errors:  # a journal we may not read: the pod's status line (STATUS=) says it
             errors = _why_not_started(unit)
