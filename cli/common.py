@@ -159,6 +159,30 @@ def starting(target: str) -> bool:
         return False
 
 
+def restarting(target: str) -> bool:
+    """`podctl restart` holds the pod's restart lock: it is stopping the pod to start it again
+    (a moment when no pod of that name runs, or the old one refuses input while it stops)."""
+    import fcntl
+
+    from protocol import paths
+
+    if "/" in target:
+        return False
+    try:
+        fd = os.open(paths.pod_dir(target) / "restart.lock", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (released as it is closed)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
 def connection_lost(target: str, when: str = "") -> NoReturn:
     """The pod closed our connection. When its socket no longer answers it went away (killed,
     crashed, stopped): exit 3 like any pod that is not running. Otherwise it dropped just this
@@ -292,7 +316,13 @@ def rpc_errors(
     """Map the client's exceptions to podctl's one-line messages and exit codes (`unanswered`:
     added to the message of a pod that did not answer in time; `stopped`: to that of a pod
     that is not running)."""
-    from protocol.errors import ConnectionClosed, FrameTooLarge, PodNotRunning, RpcError
+    from protocol.errors import (
+        SHUTTING_DOWN,
+        ConnectionClosed,
+        FrameTooLarge,
+        PodNotRunning,
+        RpcError,
+    )
 
     try:
         yield
@@ -304,6 +334,13 @@ def rpc_errors(
         # error, as the same message on stdin over 8 MiB is (2), not a pod's error (1).
         fail(f"{exc.message}; {TOO_LARGE_ADVICE}", EXIT_USAGE)
     except RpcError as exc:
+        if exc.code == SHUTTING_DOWN and unanswered:
+            # It took nothing: to a script, as a pod that is not running (SPEC §6: exit 3).
+            fail(
+                f"pod '{target}' is shutting down and takes no input; nothing was sent "
+                f"({exc.code})",
+                EXIT_NOT_RUNNING,
+            )
         fail(f"{exc.message} ({exc.code})")
     except ConnectionClosed:
         connection_lost(target)
@@ -383,8 +420,9 @@ def _connected(target: str, timeout: float | None, inputs: bool) -> PodClient:
 
 def through_restart(target: str, timeout: float | None, attempt: Callable[[], T]) -> T:
     """`attempt()`, tried again while the pod does not listen because systemd is restarting
-    its unit (UnitRestart): what a pod that is not listening was sent, it never got."""
-    from protocol.errors import PodNotRunning
+    its unit or it starts (UnitRestart): what a pod that is not listening was sent, it never
+    got; nor did one that refused it while `podctl restart` stopped it."""
+    from protocol.errors import SHUTTING_DOWN, PodNotRunning, RpcError
 
     restart = UnitRestart(target, timeout)
     while True:
@@ -392,6 +430,9 @@ def through_restart(target: str, timeout: float | None, attempt: Callable[[], T]
             return attempt()
         except PodNotRunning:
             if not restart.waited():
+                raise
+        except RpcError as exc:
+            if exc.code != SHUTTING_DOWN or not restarting(target) or not restart.waited():
                 raise
 
 
@@ -502,7 +543,7 @@ class UnitRestart:
             return False
         unit = restarting_unit(self.target)
         if unit is None:
-            if starting(self.target):
+            if starting(self.target) or restarting(self.target):
                 if not self.said:
                     self.said = True
                     sys.stderr.write(

@@ -30,6 +30,7 @@ from cli.common import (
     check_stdout,
     fail,
     print_json,
+    restarting,
     restarting_unit,
     say_started,
 )
@@ -542,7 +543,9 @@ def wait(
                 status = None
             except (PodNotRunning, ConnectionClosed):
                 status = None
-                starting = is_starting(pod)  # registered, not listening: SessionStart hooks, MCP
+                # Registered, not listening (SessionStart hooks, MCP servers), or between the
+                # stop and the start of a `podctl restart`.
+                starting = is_starting(pod) or restarting(pod)
                 if starting:
                     if told != STARTING:
                         told = STARTING

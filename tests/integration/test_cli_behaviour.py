@@ -24,7 +24,7 @@ import pytest
 
 from poddaemon.registry import Registry, make_entry, process_start_time
 from poddaemon.scope import Scope
-from tests.conftest import ROOT, Env, drained, wait_until
+from tests.conftest import ROOT, Env, PodProcess, drained, wait_until
 
 
 def kill_leftover_pods(home: Path) -> None:
@@ -320,6 +320,83 @@ def test_wait_waits_for_a_pod_that_is_still_starting(env: Env) -> None:
     assert "is starting" in waited.stderr and "still starting after 1 s" in waited.stderr
     gone = env.podctl("wait", "slow", "--timeout", "1")  # its entry gone: not running
     assert gone.returncode == 3, gone.stderr
+
+
+@contextlib.contextmanager
+def restart_lock_held(env: Env, name: str) -> Iterator[None]:
+    """As `podctl restart NAME` holds it from the stop to the start."""
+    import filelock
+
+    pod_dir = env.home / "run" / "pods" / name
+    pod_dir.mkdir(parents=True, exist_ok=True)
+    lock = filelock.FileLock(pod_dir / "restart.lock")
+    with lock:
+        yield
+
+
+def test_wait_waits_through_a_podctl_restart(env: Env) -> None:
+    """`podctl wait` between the stop and the start of a `podctl restart` (no pod of that name
+    registered) exited 3 and told to run `podctl wait`: a script's `podctl wait p || alert`
+    alerted at every restart (found by QA)."""
+    pod = env.start("rs")
+    assert env.podctl("stop", "rs").returncode == 0
+    with restart_lock_held(env, "rs"):
+        waiting = env.podctl_popen("wait", "rs", "--timeout", "60")
+        try:
+            assert waiting.stderr is not None
+            assert "is starting" in waiting.stderr.readline()  # (the old code: not running)
+            env.restart(pod)
+        except BaseException:
+            waiting.kill()
+            raise
+    assert waiting.wait(60) == 0, waiting.stderr.read()
+
+
+def _stopping(env: Env, name: str) -> tuple[PodProcess, "subprocess.Popen[str]", Path]:
+    """Pod `name` held stopping: a Notification hook waits for a gate file (returned) and
+    `podctl stop` (returned) waits for the hook."""
+    gate = env.work / "gate"
+    hook = env.home / "hold.sh"
+    hook.write_text(f"#!/bin/sh\nwhile [ ! -e {gate} ]; do sleep 0.02; done\n")
+    hook.chmod(0o755)
+    pod = env.start(name, extra=f'[[hooks.Notification]]\ncommand = "{hook}"\n')
+    assert env.podctl("notify", name, "hold the stop").returncode == 0
+    stop = env.podctl_popen("stop", name)
+    wait_until(lambda: pod.call("status")["state"] == "stopping", 20, "the pod to be stopping")
+    return pod, stop, gate
+
+
+def test_input_to_a_pod_shutting_down_is_not_running_not_an_error(env: Env) -> None:
+    """`notify` and `send` to a pod that is stopping got -32004 with exit 1, which a script
+    reads as "it may have taken it"; it took nothing: exit 3, as for a pod not running."""
+    _, stop, gate = _stopping(env, "sd")
+    try:
+        for args in (["notify", "sd", "late"], ["send", "sd", "late"]):
+            told = env.podctl(*args)
+            assert told.returncode == 3, told.stderr
+            assert "is shutting down and takes no input; nothing was sent" in told.stderr
+    finally:
+        gate.touch()
+        assert stop.wait(60) == 0
+
+
+def test_input_to_a_pod_podctl_restart_is_stopping_goes_to_the_pod_it_starts(env: Env) -> None:
+    """The same during a `podctl restart`: the input waits for the pod it starts, as it waits
+    for a unit that systemd restarts."""
+    pod, stop, gate = _stopping(env, "sd")
+    with restart_lock_held(env, "sd"):
+        notify = env.podctl_popen("notify", "sd", "build 9 failed")
+        try:
+            gate.touch()
+            assert stop.wait(60) == 0
+            again = env.restart(pod)
+        except BaseException:
+            notify.kill()
+            raise
+    _, err = notify.communicate(timeout=60)
+    assert notify.returncode == 0, err
+    items = again.call("history", limit=1000)["entries"]
+    assert [e["text"] for e in items if e["kind"] == "system_item"][-1] == "build 9 failed"
 
 
 # --- item 18: exit codes ------------------------------------------------------------------------
