@@ -259,6 +259,16 @@ TOO_LARGE_ADVICE = (
 )
 
 
+def check_client_key(key: str | None) -> None:
+    """An empty `--client-key` (`"$BUILD_ID"` unset in a cron line) would make no retry
+    idempotent: a usage error, before anything is sent (the pod refuses it too)."""
+    if key is not None and not key:
+        fail(
+            "--client-key: empty (an unset variable?); give a key, or leave the option out",
+            EXIT_USAGE,
+        )
+
+
 def read_message(message: str, what: str = "message") -> str:
     """MESSAGE as given, or stdin for `-` (without its trailing newlines). Empty, or not UTF-8
     (the wire is UTF-8 JSON, and the pod gets nothing altered): a usage error (`what` is what

@@ -18,6 +18,7 @@ from cli.common import (
     EXIT_ERROR,
     EXIT_USAGE,
     call,
+    check_client_key,
     fail,
     names_a_pod,
     print_json,
@@ -43,6 +44,7 @@ def status(pod: str, as_json: bool = False) -> None:
 def notify(
     pod: str, message: str, source: str | None = None, client_key: str | None = None
 ) -> None:
+    check_client_key(client_key)
     text = read_message(message)
     params: dict[str, str] = {"message": text}
     if source is not None:

@@ -14,6 +14,7 @@ from cli.common import (
     EXIT_INTERRUPTED,
     EXIT_LIMIT,
     UNANSWERED_INPUT,
+    check_client_key,
     check_stdout,
     connect,
     connection_lost,
@@ -52,6 +53,7 @@ def send(
     from cli.render import one_line, printable, retry_line
     from protocol.errors import ConnectionClosed
 
+    check_client_key(client_key)
     text = read_message(message)
     mode: Literal["queue", "steer"] = "steer" if steer else "queue"
     if no_wait:

@@ -61,17 +61,21 @@ class NoParams(Params):
     pass
 
 
+# Empty, a key ("$BUILD_ID" unset in a cron line) made no retry idempotent, without a word.
+ClientKey = Annotated[str, msgspec.Meta(min_length=1)]
+
+
 class RunParams(Params):
     input: str
     mode: Literal["queue", "steer"] = "queue"
-    client_key: str | None = None
+    client_key: ClientKey | None = None
     wait: bool = False
 
 
 class NotifyParams(Params):
     message: str
     source: str = DEFAULT_SOURCE
-    client_key: str | None = None
+    client_key: ClientKey | None = None
 
 
 class CancelParams(Params):

@@ -408,6 +408,9 @@ def test_input_to_a_pod_podctl_restart_is_stopping_goes_to_the_pod_it_starts(env
         ["send", "ghost", ""],
         ["send", "ghost", "  \n"],
         ["notify", "ghost", ""],
+        # an empty --client-key ("$BUILD_ID" unset): no retry would be idempotent
+        ["notify", "ghost", "hi", "--client-key", ""],
+        ["send", "ghost", "hi", "--client-key="],
         ["send", "--no-such-option", "ghost", "hi"],
         ["history", "ghost", "--limit", "0"],
         ["history", "ghost", "--since", "-1"],

@@ -549,6 +549,22 @@ def test_client_key_makes_notify_idempotent(env: Env) -> None:
     assert seen.count(("cd", "deploy 42 done")) == 1
 
 
+def test_an_empty_client_key_is_refused_not_ignored(env: Env) -> None:
+    """An empty key made no retry idempotent (two notifications, two runs) and said nothing:
+    a cron line's `--client-key "$BUILD_ID"` with the variable unset ran its job twice."""
+    pod = env.start("emptykey")
+    with pod.client() as c:
+        for method, params in (
+            ("notify", {"message": "m", "client_key": ""}),
+            ("run", {"input": "i", "client_key": ""}),
+        ):
+            with pytest.raises(RpcError) as err:
+                c.call_raw(method, params)
+            assert err.value.code == -32602 and "client_key" in err.value.message
+        assert c.status().queue.notifications == 0
+        assert system_items(c) == []
+
+
 def test_client_key_retry_is_not_acknowledged_before_the_original_is_durable(env: Env) -> None:
     # The original and its retry, pipelined: the original's ack goes out the moment its fsync
     # completes, so a retry acknowledged before it was acknowledged before the entry was durable
