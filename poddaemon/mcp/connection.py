@@ -363,6 +363,18 @@ class McpConnection:
     def _died(self, reason: str) -> None:
         self._client = None
         if self._restart is None:  # `restarts` counts restarts made, not refused or failed
+            try:
+                self._unchanged()  # before "restarting it": a refused restart read as one made
+            except StartFailed as exc:
+                self.state, self.error = "dead", str(exc)
+                self._settled.set()
+                self._alert(
+                    "error",
+                    "mcp",
+                    f"MCP server '{self.name}' died ({reason}) and could not be restarted "
+                    f"({exc}); its tools fail from now on",
+                )
+                return
             self.state, self.error = "restarting", reason
             self._settled.clear()
             self._alert(

@@ -284,6 +284,7 @@ def test_a_server_script_the_pod_rewrote_is_not_restarted_outside_the_sandbox(en
     assert add["is_error"] and "MCP server 't' is not available" in add["output"]
     assert not pwned.exists()
     assert any(f"{script} changed since the pod started the server" in m for m in alerts(pod))
+    assert not any("restarting it" in m for m in alerts(pod)), alerts(pod)  # (it was said)
     # Found by QA: status said "restarted 1x: … not restarted" (the refused attempt counted).
     status = " ".join(env.podctl("status", "rewriter").stdout.split())
     assert "t dead (8 tools): " in status and "not restarted" in status, status
@@ -325,6 +326,7 @@ def test_a_server_loading_code_from_a_writable_cwd_is_warned_of_and_not_restarte
     assert not pwned.exists()
     why = f"its command loads code from its working directory {env.work}, which lies in"
     assert any(why in m and "not restarted" in m for m in alerts(pod)), alerts(pod)
+    assert not any("restarting it" in m for m in alerts(pod)), alerts(pod)
 
 
 def test_start_up_and_status_say_when_the_pod_may_rewrite_its_manifest_or_server(
