@@ -245,20 +245,30 @@ def _code_option(interpreter: str, option: str) -> bool:
     return any(c in code for c in option[1:])
 
 
+def _interpreter_options(command: list[str]) -> tuple[str, list[str], str | None] | None:
+    """An interpreter's argument vector read as `script_start` reads a hook's: (the
+    interpreter, its options up to the first that makes the next word code, the word after
+    them: its script unless such an option came last); None when `command[0]` is none."""
+    interpreter = os.path.basename(command[0])
+    if not re.fullmatch(_INTERPRETERS, interpreter):
+        return None
+    options: list[str] = []
+    for word in command[1:]:
+        if not word.startswith("-"):
+            return interpreter, options, word
+        options.append(word)
+        if _code_option(interpreter, word):
+            break
+    return interpreter, options, None
+
+
 def argv_script(command: list[str]) -> str | None:
     """The script an interpreter runs in an argument vector (a stdio MCP server's
     `["python3", "-u", "/srv/mcp.py"]`: its first word after the options), as `script_start`
     finds a hook's; None when `command[0]` is no interpreter or an option makes the next word
     code (`python3 -m srv`)."""
-    interpreter = os.path.basename(command[0])
-    if not re.fullmatch(_INTERPRETERS, interpreter):
-        return None
-    for word in command[1:]:
-        if not word.startswith("-"):
-            return word
-        if _code_option(interpreter, word):
-            return None
-    return None
+    read = _interpreter_options(command)
+    return None if read is None else read[2]
 
 
 # Package runners: what they run comes first from the project in their working directory (its
@@ -271,20 +281,17 @@ def loads_from_cwd(command: list[str]) -> bool:
     or `-c` (Python puts the cwd first on sys.path: a module there, or one named as one of the
     standard library's, is what it imports; not with -P or -I), `sh -c`, `node -e` and the
     like (their code's relative names are the cwd's), and package runners (`npx`, `uvx`)."""
-    program = os.path.basename(command[0])
-    if program in _RUNNERS:
+    if os.path.basename(command[0]) in _RUNNERS:
         return True
-    if not re.fullmatch(_INTERPRETERS, program):
+    read = _interpreter_options(command)
+    if read is None or not read[1]:
         return False
-    python = program.startswith("python")
-    for word in command[1:]:
-        if not word.startswith("-"):
-            return False  # its script, a file (checked as such)
-        if python and not word.startswith("--") and ("P" in word or "I" in word):
-            return False  # the cwd is not on sys.path
-        if _code_option(program, word):
-            return True
-    return False
+    interpreter, options, _ = read
+    if interpreter.startswith("python") and any(
+        not o.startswith("--") and ("P" in o or "I" in o) for o in options
+    ):
+        return False  # the cwd is not on sys.path
+    return _code_option(interpreter, options[-1])
 
 
 def _interpreter_path(command: str) -> str | None:
